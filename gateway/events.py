@@ -1,0 +1,116 @@
+"""In-process structs between the gateway's front ends (REST, gRPC) and its pipeline.
+
+Data flow: a front end validates the client's request into a `ChatRequest`; `Pipeline.run(request)`
+chains the stages and yields `TextDelta`, `AudioDelta` and finally one `Finished`; a failure is raised
+as `PipelineError`, which carries both the HTTP status and the gRPC code the front ends answer with.
+Only IPC-free, typed dataclasses here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+
+Modality = Literal["text", "audio"]
+
+
+@dataclass(frozen=True, slots=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class AudioPart:
+    waveform: np.ndarray  # (samples,) float32 mono at `sample_rate`
+    sample_rate: int
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePart:
+    image: object  # PIL.Image.Image, RGB
+
+
+ContentPart = TextPart | AudioPart | ImagePart
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: Literal["system", "user", "assistant"]
+    content: tuple[ContentPart, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOverrides:
+    """What the client set; None = the stage's model default (what `transformers` generate uses)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    repetition_penalty: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    request_id: str
+    model: str
+    messages: tuple[ChatMessage, ...]
+    modalities: tuple[Modality, ...] = ("text", "audio")
+    voice: str | None = None
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    stage_params: dict[str, SamplingOverrides] = field(default_factory=dict)  # "thinker" | "talker"
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class AudioDelta:
+    pcm: np.ndarray  # (samples,) float32 in [-1, 1]
+    sample_rate: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Event = TextDelta | AudioDelta | Finished
+
+
+class PipelineError(Exception):
+    """A request failed. `http_status` / `grpc_code` say how the front ends answer; `kind` is the
+    OpenAI error `type` (invalid_request_error, not_found_error, service_unavailable, ...)."""
+
+    def __init__(self, message: str, *, http_status: int, grpc_code: int, kind: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.http_status = http_status
+        self.grpc_code = grpc_code
+        self.kind = kind
+        self.param = param
+
+
+class Pipeline(Protocol):
+    """What the front ends need from the stage chain."""
+
+    served_models: tuple[str, ...]
+    voices: tuple[str, ...]
+    default_voice: str
+    sample_rate: int
+
+    def run(self, request: ChatRequest) -> AsyncIterator[Event]:
+        """Yield the request's events in order; raise PipelineError on failure."""
+        ...
+
+    async def health(self) -> dict[str, bool]:
+        """Stage name -> serving."""
+        ...

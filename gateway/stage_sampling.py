@@ -1,0 +1,47 @@
+"""Client sampling settings -> the SamplingParams each stage receives.
+
+Rules (see README "Sampling"): top-level `temperature/top_p/seed/max_tokens` apply to the thinker;
+`stage_params[stage]` overrides per stage; a top-level `temperature: 0` makes EVERY stage greedy (a
+stage's own explicit temperature still wins). Unset fields stay unset, so each stage falls back to the
+defaults `transformers` generate uses for that model.
+"""
+
+from __future__ import annotations
+
+from gateway.events import ChatRequest, SamplingOverrides
+from omnimesh.v1 import stage_pb2
+
+
+def _to_proto(s: SamplingOverrides) -> stage_pb2.SamplingParams:
+    msg = stage_pb2.SamplingParams()
+    if s.temperature is not None:
+        msg.temperature = s.temperature
+    if s.top_p is not None:
+        msg.top_p = s.top_p
+    if s.top_k is not None:
+        msg.top_k = s.top_k
+    if s.seed is not None:
+        msg.seed = s.seed
+    if s.max_tokens is not None:
+        msg.max_tokens = s.max_tokens
+    if s.repetition_penalty is not None:
+        msg.repetition_penalty = s.repetition_penalty
+    return msg
+
+
+def _merge(base: SamplingOverrides, top: SamplingOverrides | None) -> SamplingOverrides:
+    if top is None:
+        return base
+    return SamplingOverrides(
+        **{name: getattr(top, name) if getattr(top, name) is not None else getattr(base, name) for name in base.__slots__}
+    )
+
+
+def thinker_sampling(req: ChatRequest) -> stage_pb2.SamplingParams:
+    return _to_proto(_merge(req.sampling, req.stage_params.get("thinker")))
+
+
+def talker_sampling(req: ChatRequest) -> stage_pb2.SamplingParams:
+    # the talker inherits greediness and the seed (so a seeded request is reproducible end to end)
+    inherited = SamplingOverrides(temperature=0.0 if req.sampling.temperature == 0 else None, seed=req.sampling.seed)
+    return _to_proto(_merge(inherited, req.stage_params.get("talker")))

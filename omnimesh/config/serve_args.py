@@ -1,0 +1,138 @@
+"""ServeArgs: every `omnimesh serve` flag, its help text and its checks, in one frozen dataclass.
+
+Role: the CLI help is generated from these fields' metadata (`add_arguments`), so the docs and the
+parser cannot drift. `__post_init__` validates values and names the fix; `stage_configs()` resolves the
+per-stage layout from the global flags plus `--stage-overrides`; `check_devices()` compares pp x tp with
+the devices this host has, before anything loads; `unsupported()` lists valid settings that this
+version cannot run yet, so the CLI can say so plainly instead of misbehaving.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from omnimesh.config.stage_config import STAGES, StageConfig, parse_stage_overrides, resolve_stage
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _f(default: Any, help: str, *flags: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, "flags": flags, **extra})
+
+
+@dataclass(frozen=True, slots=True)
+class ServeArgs:
+    model: str | None = _f(None, "model folder (Hugging Face layout); omitted = the built-in tiny Qwen3-Omni", positional=True)
+    host: str = _f("0.0.0.0", "address the gateway listens on", "--host")
+    port: int = _f(8000, "gateway REST port (OpenAI-compatible API, /metrics, /health)", "--port")
+    grpc_port: int = _f(8001, "gateway gRPC port (omnimesh.v1.Omni)", "--grpc-port")
+    stage_base_port: int = _f(50051, "first port of the stage services (encoder, thinker, talker, vocoder); 0 = any free port", "--stage-base-port")
+    served_model_name: str | None = _f(None, "model name clients use; default: the folder name", "--served-model-name")
+    tensor_parallel_size: int = _f(1, "tensor-parallel ranks per model stage", "-tp", "--tensor-parallel-size")
+    pipeline_parallel_size: int = _f(1, "pipeline-parallel ranks per model stage", "-pp", "--pipeline-parallel-size")
+    gpu_memory_utilization: float = _f(0.9, "fraction of each device a stage may take (weights + KV cache)", "--gpu-memory-utilization")
+    max_model_len: int | None = _f(None, "longest prompt + output in tokens; default: the model's limit", "--max-model-len")
+    max_num_seqs: int = _f(256, "most requests a stage runs at once", "--max-num-seqs")
+    max_num_batched_tokens: int | None = _f(None, "most tokens in one engine step (long prompts are chunked)", "--max-num-batched-tokens")
+    enforce_eager: bool = _f(False, "never capture CUDA graphs", "--enforce-eager", action="store_true")
+    trust_remote_code: bool = _f(False, "allow model code from the model folder", "--trust-remote-code", action="store_true")
+    dtype: str = _f("auto", f"weight / activation dtype: {', '.join(DTYPES)} (auto: bfloat16 on CUDA, float32 on CPU)", "--dtype")
+    async_chunk: bool = _f(True, "stream chunks to the next stage as soon as they exist", "--async-chunk", action=argparse.BooleanOptionalAction)
+    distributed_executor_backend: str = _f("mp", "how a stage starts its ranks: mp (local processes) or ray", "--distributed-executor-backend")
+    ray_address: str | None = _f(None, "Ray cluster address (with --distributed-executor-backend ray)", "--ray-address")
+    num_nodes: int = _f(1, "hosts one stage spans", "--num-nodes")
+    node_rank: int = _f(0, "this host's rank among --num-nodes", "--node-rank")
+    master_addr: str = _f("127.0.0.1", "rendezvous address of node 0", "--master-addr")
+    master_port: int | None = _f(None, "rendezvous port; default: a free port per stage", "--master-port")
+    stage_overrides: str | None = _f(None, "JSON keyed by stage name or id, e.g. '{\"thinker\": {\"tp\": 2}}'", "--stage-overrides")
+    allowed_media_domains: str | None = _f(None, "comma-separated domains http(s) media may be fetched from (default: none)", "--allowed-media-domains")
+    device: str = _f("auto", "auto, cpu or cuda", "--device")
+
+    def __post_init__(self) -> None:
+        for name in ("port", "grpc_port"):
+            if not 0 < getattr(self, name) < 65536:
+                raise ValueError(f"--{name.replace('_', '-')} must be a port number 1-65535, got {getattr(self, name)}")
+        if not 0 <= self.stage_base_port < 65536 - len(STAGES):
+            raise ValueError(f"--stage-base-port must leave room for {len(STAGES)} ports below 65536, got {self.stage_base_port}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"--distributed-executor-backend must be mp or ray, got {self.distributed_executor_backend!r}")
+        if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(f"--node-rank must be in [0, --num-nodes) = [0, {self.num_nodes}), got {self.node_rank}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port must be a port number, got {self.master_port}")
+        self.stage_configs()  # validates -tp/-pp, utilization, --stage-overrides
+
+    def stage_configs(self) -> dict[str, StageConfig]:
+        model_stage = StageConfig(
+            pp=self.pipeline_parallel_size,
+            tp=self.tensor_parallel_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+        overrides = parse_stage_overrides(self.stage_overrides)
+        return {stage: resolve_stage(model_stage, overrides.get(stage, {}), stage) for stage in STAGES}
+
+    def check_devices(self, available: int, kind: str) -> None:
+        """pp x tp of every stage must fit the devices of this host (before anything loads)."""
+        total = available * self.num_nodes
+        for stage, cfg in self.stage_configs().items():
+            if cfg.world_size > total:
+                raise ValueError(
+                    f"stage {stage}: pp x tp = {cfg.pp} x {cfg.tp} = {cfg.world_size} ranks, but only {total} "
+                    f"{kind} are available ({available} per host x {self.num_nodes} host(s)); lower -tp/-pp or "
+                    f"set the stage's pp/tp in --stage-overrides"
+                )
+            for d in cfg.device_list():
+                if int(d) >= available:
+                    raise ValueError(f"stage {stage}: device {d} does not exist; this host has {available} {kind} (0-{available - 1})")
+
+    def unsupported(self) -> list[str]:
+        """Valid settings this version cannot run yet (each says what would be needed)."""
+        out = []
+        for stage, cfg in self.stage_configs().items():
+            if cfg.world_size > 1:
+                out.append(f"stage {stage}: pp x tp = {cfg.pp} x {cfg.tp} > 1 (pipeline/tensor parallel execution is not implemented yet)")
+            if cfg.num_replicas > 1:
+                out.append(f"stage {stage}: num_replicas = {cfg.num_replicas} (replicas are not implemented yet)")
+        if self.distributed_executor_backend == "ray":
+            out.append("--distributed-executor-backend ray is not implemented yet (use mp)")
+        if self.num_nodes > 1:
+            out.append(f"--num-nodes {self.num_nodes}: multi-node stages are not implemented yet")
+        return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(ServeArgs):
+        meta = f.metadata
+        default = None if f.default is MISSING else f.default
+        if meta.get("positional"):
+            parser.add_argument(f.name, nargs="?", default=default, help=meta["help"])
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": f"{meta['help']} (default: {default})"}
+        if "action" in meta:
+            kwargs["action"] = meta["action"]
+        else:
+            kwargs["type"] = _type_of(f.type)
+        parser.add_argument(*meta["flags"], **kwargs)
+
+
+def _type_of(annotation: Any) -> Any:
+    text = str(annotation)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str
+
+
+def from_namespace(ns: argparse.Namespace) -> ServeArgs:
+    return ServeArgs(**{f.name: getattr(ns, f.name) for f in fields(ServeArgs)})

@@ -1,0 +1,118 @@
+"""Per-stage settings: parallel layout, memory, scheduling — and `--stage-overrides` parsing.
+
+Role: the frozen dataclasses that say how one stage runs, each validated in `__post_init__` with a
+message that names the numbers and the fix. `StageConfig.resolve(defaults, overrides)` merges the
+global flags with the JSON given to `--stage-overrides` (keyed by stage name or id).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+STAGES: tuple[str, ...] = ("encoder", "thinker", "talker", "vocoder")
+STAGE_IDS: dict[str, str] = {str(i): name for i, name in enumerate(STAGES)}
+
+
+@dataclass(frozen=True, slots=True)
+class StageConfig:
+    """How one stage runs. Field docs double as `--stage-overrides` documentation."""
+
+    pp: int = field(default=1, metadata={"help": "pipeline-parallel ranks (contiguous layer ranges)"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel ranks (sharded weight matrices)"})
+    devices: str | None = field(default=None, metadata={"help": "comma-separated device ids, e.g. '0,1'"})
+    num_replicas: int = field(default=1, metadata={"help": "independent copies of the stage"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of each device the stage may take"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests the stage runs at once"})
+    max_model_len: int | None = field(default=None, metadata={"help": "longest prompt + output, in tokens"})
+    pp_layer_partition: tuple[int, ...] | None = field(
+        default=None, metadata={"help": "layers per pipeline rank, e.g. [3, 5]; must sum to the layer count"}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "tp", "num_replicas", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}; 0.9 is the usual value"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.devices is not None and self.device_list() and len(self.device_list()) != self.pp * self.tp:
+            raise ValueError(
+                f"devices {self.devices!r} names {len(self.device_list())} devices but pp x tp = "
+                f"{self.pp} x {self.tp} = {self.pp * self.tp}; give exactly pp x tp devices"
+            )
+        if self.pp_layer_partition is not None:
+            if len(self.pp_layer_partition) != self.pp or any(n < 1 for n in self.pp_layer_partition):
+                raise ValueError(
+                    f"pp_layer_partition {list(self.pp_layer_partition)} must list {self.pp} positive layer counts (one per pipeline rank)"
+                )
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp
+
+    def device_list(self) -> list[str]:
+        if not self.devices:
+            return []
+        items = [d.strip() for d in str(self.devices).split(",") if d.strip()]
+        for d in items:
+            if not d.isdigit():
+                raise ValueError(f"devices {self.devices!r}: {d!r} is not a device index")
+        if len(set(items)) != len(items):
+            raise ValueError(f"devices {self.devices!r} repeats a device")
+        return items
+
+
+_KEYS = {f.name: f for f in fields(StageConfig)}
+_ALIASES = {"pipeline_parallel_size": "pp", "tensor_parallel_size": "tp", "replicas": "num_replicas"}
+
+
+def parse_stage_overrides(text: str | None) -> dict[str, dict[str, Any]]:
+    """Parse `--stage-overrides` JSON into {stage name: {field: value}}; every error says what to fix."""
+    if not text:
+        return {}
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--stage-overrides is not valid JSON ({exc.msg} at char {exc.pos}): {text!r}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"--stage-overrides must be a JSON object keyed by stage, got {type(raw).__name__}")
+    out: dict[str, dict[str, Any]] = {}
+    for key, settings in raw.items():
+        stage = STAGE_IDS.get(str(key), str(key))
+        if stage not in STAGES:
+            raise ValueError(
+                f"--stage-overrides: unknown stage {key!r}; stages are {', '.join(STAGES)} (or ids 0-{len(STAGES) - 1})"
+            )
+        if stage in out:
+            raise ValueError(f"--stage-overrides names stage {stage!r} twice")
+        if not isinstance(settings, dict):
+            raise ValueError(f"--stage-overrides[{key!r}] must be an object, got {settings!r}")
+        clean: dict[str, Any] = {}
+        for name, value in settings.items():
+            name = _ALIASES.get(name, name)
+            if name not in _KEYS:
+                raise ValueError(
+                    f"--stage-overrides[{key!r}]: unknown key {name!r}; known keys: {', '.join(sorted(_KEYS))}"
+                )
+            if name == "pp_layer_partition" and value is not None:
+                if isinstance(value, str):
+                    value = [int(v) for v in value.split(",")]
+                value = tuple(value)
+            if name == "devices" and value is not None:
+                value = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
+            clean[name] = value
+        out[stage] = clean
+    return out
+
+
+def resolve_stage(defaults: StageConfig, overrides: dict[str, Any], stage: str) -> StageConfig:
+    try:
+        return replace(defaults, **overrides)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"stage {stage}: {exc}") from exc

@@ -1,0 +1,52 @@
+"""The per-request unit of work inside a stage, and the errors a request can end with.
+
+Role: the contract between a stage's model code and the family-agnostic `EngineLoop`. A stage turns an
+`Open` message into a `StageTask`; the loop feeds it the request's input chunks in order and steps it
+whenever it is ready. All model compute happens in `step`, on the loop's compute thread; `feed`,
+`ready` and `close` run on the asyncio thread between steps, so a task never sees two calls at once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import grpc
+
+from omnimesh.transport.frames import StageChunk
+
+
+class StageRequestError(Exception):
+    """A request-level failure with the gRPC status it should travel with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class StageTask(ABC):
+    """One request inside one stage."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.finished = False
+        self.finish_reason = "stop"
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    @abstractmethod
+    def feed(self, chunk: StageChunk) -> None:
+        """Called with each input chunk, in sequence order, between steps. Cheap: store, don't compute.
+        Raise ValueError for input this stage cannot use (travels as INVALID_ARGUMENT)."""
+
+    @abstractmethod
+    def ready(self) -> bool:
+        """Called before each engine pass: can `step` make progress now?"""
+
+    @abstractmethod
+    def step(self) -> list[StageChunk]:
+        """Called on the compute thread: do one unit of work (a prefill, a decode step, a window) and
+        return the output chunks it produced (the engine numbers them). Set `finished` when done."""
+
+    def close(self) -> None:
+        """Called once when the request ends for any reason (done, error, cancel): free what it holds."""

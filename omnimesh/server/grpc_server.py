@@ -1,0 +1,73 @@
+"""A grpc.aio server with what every omnimesh server carries: health, reflection, message limits,
+graceful shutdown on SIGTERM / SIGINT.
+
+Used by every stage service and by the gateway's gRPC front. `serve_forever` binds, marks the given
+services SERVING, waits for a signal, then marks them NOT_SERVING and stops with a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class BindError(RuntimeError):
+    """The port could not be bound (in use, or not allowed)."""
+
+
+def make_server(service_names: Iterable[str]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    return server, health_servicer
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:
+        raise BindError(f"cannot listen on {host}:{port}: {exc} (is the port in use? pick another with --port)") from exc
+    if bound == 0:
+        raise BindError(f"cannot listen on {host}:{port} (is the port in use? pick another with --port)")
+    return bound
+
+
+async def serve_forever(
+    server: grpc.aio.Server,
+    health_servicer: health.aio.HealthServicer,
+    service_names: Iterable[str],
+    *,
+    grace_s: float = 5.0,
+    on_stop: Callable[[], object] | None = None,
+) -> None:
+    await server.start()
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down (grace %.1fs)", grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    if on_stop is not None:
+        result = on_stop()
+        if asyncio.iscoroutine(result):
+            await result

@@ -1,0 +1,41 @@
+"""Runs one stage as a gRPC service: load the handler (the model part), then serve `Stage` until a signal.
+
+Data flow: `run_stage(factory, host, port)` -> factory() loads weights (progress on the log) ->
+EngineLoop + StageServicer on a grpc.aio server (uvloop) with health and reflection -> prints
+`omnimesh stage <name> listening on host:port` (the launcher waits for that line or for health).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from omnimesh.engine.loop import EngineLoop
+from omnimesh.server.grpc_server import bind, make_server, serve_forever
+from omnimesh.server.stage_servicer import StageHandler, StageServicer
+from omnimesh.v1 import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
+
+
+async def _serve(handler: StageHandler, host: str, port: int) -> None:
+    engine = EngineLoop(handler.name)
+    engine.start()
+    server, health_servicer = make_server([STAGE_SERVICE])
+    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine), server)
+    bound = bind(server, host, port)
+    print(f"omnimesh stage {handler.name} listening on {host}:{bound}", flush=True)
+    await serve_forever(server, health_servicer, [STAGE_SERVICE], on_stop=engine.stop)
+
+
+def run_stage(factory: Callable[[], StageHandler], host: str, port: int) -> None:
+    import uvloop
+
+    t0 = time.monotonic()
+    handler = factory()
+    log.info("stage %s loaded in %.1fs", handler.name, time.monotonic() - t0)
+    uvloop.run(_serve(handler, host, port))

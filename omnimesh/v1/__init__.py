@@ -1,0 +1,1 @@
+"""Generated protobuf / gRPC code for package `omnimesh.v1` (see `omnimesh/protogen.py`). Do not edit."""

@@ -1,0 +1,83 @@
+from omnimesh.v1 import stage_pb2 as _stage_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ContentPart(_message.Message):
+    __slots__ = ("text", "audio_wav", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_WAV_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    audio_wav: bytes
+    image: bytes
+    def __init__(self, text: _Optional[str] = ..., audio_wav: _Optional[bytes] = ..., image: _Optional[bytes] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("model", "messages", "modalities", "voice", "sampling", "stage_params", "request_id")
+    class StageParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _stage_pb2.SamplingParams
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MODALITIES_FIELD_NUMBER: _ClassVar[int]
+    VOICE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STAGE_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    modalities: _containers.RepeatedScalarFieldContainer[str]
+    voice: str
+    sampling: _stage_pb2.SamplingParams
+    stage_params: _containers.MessageMap[str, _stage_pb2.SamplingParams]
+    request_id: str
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., modalities: _Optional[_Iterable[str]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class AudioChunk(_message.Message):
+    __slots__ = ("pcm16", "sample_rate", "seq")
+    PCM16_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    pcm16: bytes
+    sample_rate: int
+    seq: int
+    def __init__(self, pcm16: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text_delta", "audio", "done", "error")
+    TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    text_delta: str
+    audio: AudioChunk
+    done: _stage_pb2.Done
+    error: _stage_pb2.Error
+    def __init__(self, text_delta: _Optional[str] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., done: _Optional[_Union[_stage_pb2.Done, _Mapping]] = ..., error: _Optional[_Union[_stage_pb2.Error, _Mapping]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, models: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,210 @@
+"""The generic stage machinery (EngineLoop + StageServicer + StageClient) through a real gRPC server on
+127.0.0.1, with a small arithmetic stage: each input chunk `x` comes back as `2 * x`; option `steps`
+makes a request take that many engine steps (one output chunk each)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from omnimesh.engine.loop import EngineLoop
+from omnimesh.engine.task import StageTask
+from omnimesh.server.grpc_server import make_server
+from omnimesh.server.stage_server import STAGE_SERVICE
+from omnimesh.server.stage_servicer import StageServicer
+from omnimesh.transport.frames import StageChunk
+from omnimesh.transport.stage_client import StageCallError, StageClient
+from omnimesh.v1 import stage_pb2, stage_pb2_grpc
+
+
+class DoubleTask(StageTask):
+    def __init__(self, rid: str, steps: int, fail: bool, log: list):
+        super().__init__(rid)
+        self.pending: list[torch.Tensor] = []
+        self.steps_left = steps
+        self.fail = fail
+        self.saw_final = False
+        self.log = log
+
+    def feed(self, chunk: StageChunk) -> None:
+        if "x" not in chunk.tensors:
+            raise ValueError("chunk has no tensor 'x'")
+        self.pending.append(chunk.tensors["x"])
+        self.saw_final = chunk.final
+
+    def ready(self) -> bool:
+        return bool(self.pending) or (self.saw_final and self.steps_left > 0)
+
+    def step(self) -> list[StageChunk]:
+        self.log.append(self.request_id)
+        if self.fail:
+            raise RuntimeError("boom")
+        time.sleep(0.002)
+        if self.pending:
+            out = [StageChunk(tensors={"y": 2 * x}) for x in self.pending]
+            self.pending.clear()
+        else:
+            self.steps_left -= 1
+            out = [StageChunk(text=f"s{self.steps_left}")]
+        if self.saw_final and not self.pending and self.steps_left == 0:
+            self.finished = True
+        return out
+
+
+class DoubleHandler:
+    name = "double"
+
+    def __init__(self):
+        self.log: list[str] = []
+
+    def info(self) -> stage_pb2.StageInfo:
+        return stage_pb2.StageInfo(stage="double")
+
+    def open(self, msg: stage_pb2.Open) -> StageTask:
+        steps = int(msg.options.get("steps", "0"))
+        if steps < 0:
+            raise ValueError("steps must be >= 0")
+        return DoubleTask(msg.request_id, steps, msg.options.get("fail") == "1", self.log)
+
+
+@pytest.fixture
+async def stage():
+    handler = DoubleHandler()
+    engine = EngineLoop("double")
+    engine.start()
+    server, health = make_server([STAGE_SERVICE])
+    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    client = StageClient("double", f"127.0.0.1:{port}")
+    yield client, engine, handler, port
+    await client.close()
+    await server.stop(0)
+    await engine.stop()
+
+
+async def collect(stream):
+    return [c async for c in stream]
+
+
+async def test_chunks_roundtrip_in_order(stage):
+    client, engine, _, _ = stage
+    s = await client.open("r1")
+    for i in range(3):
+        await s.send(StageChunk(tensors={"x": torch.full((2,), float(i))}, final=i == 2))
+    out = await collect(s)
+    ys = [c.tensors["y"] for c in out if "y" in c.tensors]
+    assert [y.tolist() for y in ys] == [[0.0, 0.0], [2.0, 2.0], [4.0, 4.0]]
+    assert [c.seq for c in out] == list(range(len(out)))
+    assert out[-1].final and s.done.finish_reason == "stop"
+    assert engine.num_requests == 0
+
+
+async def test_missing_input_chunk_is_data_loss(stage):
+    client, engine, _, _ = stage
+    s = await client.open("r-gap", options={"steps": "1000"})
+    await s.send(StageChunk(tensors={"x": torch.ones(1)}))
+    s._send_seq = 2  # skip seq 1: a lost chunk
+    await s.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+    with pytest.raises(StageCallError) as err:
+        await collect(s)
+    assert err.value.code == grpc.StatusCode.DATA_LOSS and "chunk 1 is missing" in err.value.message
+    await asyncio.sleep(0.05)
+    assert engine.num_requests == 0
+
+
+async def test_bad_input_and_failing_step_fail_only_their_request(stage):
+    client, _, _, _ = stage
+    bad = await client.open("bad")
+    await bad.send(StageChunk(tensors={"z": torch.ones(1)}, final=True))
+    boom = await client.open("boom", options={"fail": "1"})
+    await boom.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+    good = await client.open("good")
+    await good.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+    with pytest.raises(StageCallError) as e1:
+        await collect(bad)
+    assert e1.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no tensor 'x'" in e1.value.message
+    with pytest.raises(StageCallError) as e2:
+        await collect(boom)
+    assert e2.value.code == grpc.StatusCode.INTERNAL and "boom" in e2.value.message
+    out = await collect(good)
+    assert out[0].tensors["y"].tolist() == [2.0]
+
+
+async def test_requests_interleave(stage):
+    client, _, handler, _ = stage
+    slow = await client.open("slow", options={"steps": "50"})
+    await slow.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+    fast = await client.open("fast", options={"steps": "2"})
+    await fast.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+    fast_out, slow_out = await asyncio.gather(collect(fast), collect(slow))
+    assert len(slow_out) == 51 and len(fast_out) == 3
+    # the fast request finished while the slow one still had most of its steps to go
+    last_fast = max(i for i, r in enumerate(handler.log) if r == "fast")
+    assert handler.log[last_fast + 1 :].count("slow") > 30
+
+
+async def test_whole_input_waits_for_final_chunk(stage):
+    client, _, handler, _ = stage
+    s = await client.open("whole", whole_input=True)
+    await s.send(StageChunk(tensors={"x": torch.ones(1)}))
+    await asyncio.sleep(0.1)
+    assert "whole" not in handler.log  # nothing ran before the final chunk
+    await s.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+    out = await collect(s)
+    assert len([c for c in out if "y" in c.tensors]) == 2
+
+
+async def test_cancel_frees_the_request(stage):
+    client, engine, _, _ = stage
+    s = await client.open("c", options={"steps": "100000"})
+    await s.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+    await asyncio.sleep(0.05)
+    assert engine.num_requests == 1
+    await s.cancel()
+    for _ in range(100):
+        if engine.num_requests == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.num_requests == 0
+
+
+async def test_first_message_must_be_open(stage):
+    _, _, _, port = stage
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = stage_pb2_grpc.StageStub(ch).Process()
+        await call.write(stage_pb2.StageRequest(chunk=stage_pb2.Chunk(seq=0, final=True)))
+        msg = await call.read()
+        assert msg.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "open" in msg.error.message
+
+
+async def test_health_and_reflection(stage):
+    client, _, _, port = stage
+    assert await client.serving()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo()
+        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        reply = await call.read()
+        names = {s.name for s in reply.list_services_response.service}
+        assert STAGE_SERVICE in names and "grpc.health.v1.Health" in names
+        await call.done_writing()
+
+
+async def test_unreachable_stage_is_unavailable():
+    client = StageClient("ghost", "127.0.0.1:1")
+    with pytest.raises(StageCallError) as err:
+        s = await client.open("x")
+        await s.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+        await collect(s)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert not await client.serving(timeout_s=0.5)
+    await client.close()
