@@ -110,8 +110,21 @@ class ServeArgs:
         return out
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+GATEWAY_FIELDS = frozenset(
+    {"host", "port", "grpc_port", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len", "trust_remote_code"}
+)
+STAGE_EXCLUDED = frozenset(
+    {"model", "host", "port", "grpc_port", "stage_base_port", "served_model_name", "async_chunk", "allowed_media_domains", "stage_overrides"}
+)
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, *, only: frozenset[str] | None = None, exclude: frozenset[str] = frozenset()
+) -> None:
+    """Add ServeArgs fields as flags (all, `only` some, or all but `exclude`); help comes from the fields."""
     for f in fields(ServeArgs):
+        if (only is not None and f.name not in only) or f.name in exclude:
+            continue
         meta = f.metadata
         default = None if f.default is MISSING else f.default
         if meta.get("positional"):
@@ -135,4 +148,5 @@ def _type_of(annotation: Any) -> Any:
 
 
 def from_namespace(ns: argparse.Namespace) -> ServeArgs:
-    return ServeArgs(**{f.name: getattr(ns, f.name) for f in fields(ServeArgs)})
+    """Fields a sub-command has no flag for keep their defaults."""
+    return ServeArgs(**{f.name: getattr(ns, f.name) for f in fields(ServeArgs) if hasattr(ns, f.name)})

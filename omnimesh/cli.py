@@ -1,0 +1,176 @@
+"""The `omnimesh` command.
+
+    omnimesh serve [MODEL] [--port 8000] [-tp N] [-pp N] [--stage-overrides JSON] ...   whole mesh, one host
+    omnimesh stage encoder|thinker|talker|vocoder --model DIR --port P                   one stage service
+    omnimesh gateway --model DIR --stages thinker=HOST:PORT,...                          the front door alone
+    omnimesh make-tiny --family qwen3-omni --out DIR                                     the built-in tiny model
+
+Every value is checked before anything starts; a wrong one exits with status 2 and a message that
+names the fix, and a valid setting this version cannot run yet says so and exits with status 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from omnimesh.config.serve_args import GATEWAY_FIELDS, STAGE_EXCLUDED, ServeArgs, add_arguments, from_namespace
+from omnimesh.config.stage_config import STAGES
+
+EXIT_USAGE = 2
+EXIT_UNSUPPORTED = 3
+
+
+def _fail(msg: str, code: int = EXIT_USAGE) -> int:
+    print(f"omnimesh: error: {msg}", file=sys.stderr)
+    return code
+
+
+def _devices(device: str) -> tuple[int, str]:
+    """How many devices this host gives a stage: CUDA GPUs, or CPU cores (ranks) on CPU."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.device_count(), "CUDA devices"
+    if device == "cuda":
+        raise ValueError("--device cuda, but no CUDA device is visible (check CUDA_VISIBLE_DEVICES / drivers)")
+    return os.cpu_count() or 1, "CPU cores"
+
+
+def _check(args: ServeArgs) -> int | None:
+    """Device and not-yet-supported checks shared by serve and stage."""
+    try:
+        available, kind = _devices(args.device)
+        args.check_devices(available, kind)
+    except ValueError as exc:
+        return _fail(str(exc))
+    unsupported = args.unsupported()
+    if unsupported:
+        return _fail("not supported yet in this version:\n  " + "\n  ".join(unsupported), EXIT_UNSUPPORTED)
+    return None
+
+
+def _model_dir(model: str | None) -> Path:
+    if model is None:
+        from omnimesh.tiny_cache import tiny_model_dir
+
+        print("omnimesh: no MODEL given; using the built-in tiny Qwen3-Omni (random weights)", file=sys.stderr)
+        return tiny_model_dir()
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {model!r} is not a model folder (no config.json); give a local Hugging Face folder — "
+            "this build never downloads from a hub"
+        )
+    return path
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    try:
+        args = from_namespace(ns)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if (rc := _check(args)) is not None:
+        return rc
+    try:
+        model_dir = _model_dir(args.model)
+    except ValueError as exc:
+        return _fail(str(exc))
+    from omnimesh.launcher import MeshLauncher
+
+    return MeshLauncher(args, model_dir).run()
+
+
+def cmd_stage(ns: argparse.Namespace) -> int:
+    try:
+        args = from_namespace(ns)
+        model_dir = _model_dir(args.model)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if (rc := _check(args)) is not None:
+        return rc
+    from omnimesh.server.stage_server import run_stage
+    from omnimesh.stage_registry import handler_factory
+
+    port = ns.stage_port if ns.stage_port is not None else 50051 + STAGES.index(ns.stage_name)
+    run_stage(handler_factory(ns.stage_name, model_dir, args), ns.stage_host, port)
+    return 0
+
+
+def cmd_gateway(ns: argparse.Namespace) -> int:
+    try:
+        args = from_namespace(ns)
+        model_dir = _model_dir(args.model)
+        stages = parse_stage_addresses(ns.stages)
+    except ValueError as exc:
+        return _fail(str(exc))
+    from gateway.server import run_gateway
+
+    return run_gateway(args, model_dir, stages)
+
+
+def parse_stage_addresses(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, addr = item.partition("=")
+        if not sep or name not in STAGES or ":" not in addr:
+            raise ValueError(f"--stages: {item!r} must look like NAME=HOST:PORT with NAME one of {', '.join(STAGES)}")
+        out[name] = addr
+    if "thinker" not in out:
+        raise ValueError("--stages must name at least the thinker, e.g. thinker=127.0.0.1:50052")
+    return out
+
+
+def cmd_make_tiny(ns: argparse.Namespace) -> int:
+    if ns.family != "qwen3-omni":
+        return _fail(f"--family {ns.family!r}: the built-in tiny models are: qwen3-omni")
+    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+
+    out = build_tiny_qwen3_omni(Path(ns.out), seed=ns.seed)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnimesh", description="Serve omni multimodal models as a mesh of gRPC stages.")
+    parser.add_argument("--log-level", default=os.environ.get("OMNIMESH_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start every stage and the gateway on this host")
+    add_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    stage = sub.add_parser("stage", help="start one stage service")
+    stage.add_argument("stage_name", choices=STAGES)
+    add_arguments(stage, exclude=STAGE_EXCLUDED)
+    stage.add_argument("--model", default=None, help="model folder (default: the built-in tiny model)")
+    stage.add_argument("--host", dest="stage_host", default="127.0.0.1", help="address the stage listens on")
+    stage.add_argument("--port", dest="stage_port", type=int, default=None, help="port (default: 50051 + stage index; 0 = any free port)")
+    stage.set_defaults(func=cmd_stage)
+
+    gw = sub.add_parser("gateway", help="start the gateway against running stages")
+    add_arguments(gw, only=GATEWAY_FIELDS)
+    gw.add_argument("--model", default=None, help="model folder: tokenizer and processor (default: the built-in tiny model)")
+    gw.add_argument("--stages", required=True, help="NAME=HOST:PORT,... for encoder, thinker, talker, vocoder")
+    gw.set_defaults(func=cmd_gateway)
+
+    tiny = sub.add_parser("make-tiny", help="write the built-in tiny random-weight model folder")
+    tiny.add_argument("--family", default="qwen3-omni")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""MeshLauncher: `omnimesh serve` — every stage and the gateway as child processes of one command.
+
+Data flow: pick ports -> start the four stage processes (`omnimesh stage NAME ...`) -> wait until each
+answers gRPC health (bounded; a stage that exits during start-up is reported by name with its exit
+code) -> start the gateway process pointed at them -> wait for its /health -> print where it listens
+-> watch the children: a stage that dies is reported by name (the gateway answers 503 for requests
+that need it, and its /health says which stage is down); the gateway dying ends the mesh.
+Ctrl-C / SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period). Children get
+PR_SET_PDEATHSIG, so they die with the launcher even if it is killed outright.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omnimesh.config.serve_args import ServeArgs
+from omnimesh.config.stage_config import STAGES
+
+START_TIMEOUT_S = 600.0
+STOP_GRACE_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    address: str
+
+
+class MeshLauncher:
+    def __init__(self, args: ServeArgs, model_dir: Path):
+        self.args = args
+        self.model_dir = model_dir
+        self.children: list[Child] = []
+        self._stopping = False
+
+    def _spawn(self, name: str, argv: list[str], address: str) -> Child:
+        cmd = [sys.executable, "-m", "omnimesh.cli", *argv]
+        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        child = Child(name, proc, address)
+        self.children.append(child)
+        return child
+
+    def _stage_argv(self, stage: str, port: int) -> list[str]:
+        a = self.args
+        argv = ["stage", stage, "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", a.dtype, "--device", a.device, "--max-num-seqs", str(a.max_num_seqs),
+                "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+        if a.max_model_len is not None:
+            argv += ["--max-model-len", str(a.max_model_len)]
+        return argv
+
+    def _gateway_argv(self, stage_addrs: dict[str, str]) -> list[str]:
+        a = self.args
+        argv = ["gateway", "--model", str(self.model_dir), "--host", a.host, "--port", str(a.port),
+                "--grpc-port", str(a.grpc_port), "--stages", ",".join(f"{k}={v}" for k, v in stage_addrs.items()),
+                "--async-chunk" if a.async_chunk else "--no-async-chunk"]
+        for flag, value in (("--served-model-name", a.served_model_name), ("--max-model-len", a.max_model_len),
+                            ("--allowed-media-domains", a.allowed_media_domains)):
+            if value is not None:
+                argv += [flag, str(value)]
+        return argv
+
+    def _wait_ready(self, child: Child, probe, what: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            code = child.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"{child.name} exited with code {code} during start-up (see its log above)")
+            if probe():
+                return
+            time.sleep(0.25)
+        raise RuntimeError(f"{child.name} did not become ready within {START_TIMEOUT_S:.0f}s ({what})")
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            return self._run()
+        except RuntimeError as exc:
+            print(f"omnimesh: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            self.stop()
+
+    def _run(self) -> int:
+        base = self.args.stage_base_port
+        addrs: dict[str, str] = {}
+        stage_children = []
+        for i, stage in enumerate(STAGES):
+            port = base + i if base else free_port()
+            addrs[stage] = f"127.0.0.1:{port}"
+            stage_children.append(self._spawn(stage, self._stage_argv(stage, port), addrs[stage]))
+        for child in stage_children:
+            self._wait_ready(child, lambda c=child: _grpc_serving(c.address), "gRPC health")
+        gw = self._spawn("gateway", self._gateway_argv(addrs), f"{self.args.host}:{self.args.port}")
+        health_url = f"http://{_client_host(self.args.host)}:{self.args.port}/health"
+        self._wait_ready(gw, lambda: _http_ok(health_url), f"GET {health_url}")
+        print(
+            f"omnimesh serving {self.model_dir} — REST http://{self.args.host}:{self.args.port}/v1 , "
+            f"gRPC {self.args.host}:{self.args.grpc_port} , stages "
+            + ", ".join(f"{k}@{v}" for k, v in addrs.items()),
+            flush=True,
+        )
+        return self._watch()
+
+    def _watch(self) -> int:
+        reported: set[str] = set()
+        while not self._stopping:
+            for child in self.children:
+                code = child.proc.poll()
+                if code is None or child.name in reported:
+                    continue
+                reported.add(child.name)
+                if child.name == "gateway":
+                    print(f"omnimesh: the gateway exited with code {code}; stopping the mesh", file=sys.stderr, flush=True)
+                    return 1
+                print(
+                    f"omnimesh: stage {child.name} (pid {child.proc.pid}) exited with code {code}; "
+                    f"requests that need it fail with 503 until it is restarted",
+                    file=sys.stderr, flush=True,
+                )
+            time.sleep(0.5)
+        return 0
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stopping = True
+        raise KeyboardInterrupt
+
+    def stop(self) -> None:
+        self._stopping = True
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _grpc_serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False

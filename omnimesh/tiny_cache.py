@@ -1,0 +1,41 @@
+"""Where `omnimesh serve` (with no MODEL) keeps the built-in tiny model, built once per version.
+
+The folder is built into a temporary sibling and renamed into place, so a crash mid-build never leaves
+a half-written model that a later start would trust.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_VERSION = "v1"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("OMNIMESH_CACHE", Path.home() / ".cache" / "omnimesh"))
+
+
+def tiny_model_dir(family: str = "qwen3-omni") -> Path:
+    """Return the cached tiny model folder, building it first if needed."""
+    if family != "qwen3-omni":
+        raise ValueError(f"no built-in tiny model for family {family!r}; known: qwen3-omni")
+    target = cache_root() / f"tiny-{family}-{TINY_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build_tiny_qwen3_omni(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; use its folder
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,99 @@
+"""Flag validation: wrong values fail before anything starts, with messages that name the fix."""
+
+import subprocess
+import sys
+
+import pytest
+
+from omnimesh.config.serve_args import ServeArgs
+from omnimesh.config.stage_config import StageConfig, parse_stage_overrides
+
+
+def test_defaults_are_valid_and_single_rank() -> None:
+    args = ServeArgs()
+    cfgs = args.stage_configs()
+    assert set(cfgs) == {"encoder", "thinker", "talker", "vocoder"}
+    assert all(c.world_size == 1 for c in cfgs.values())
+    assert args.unsupported() == []
+
+
+@pytest.mark.parametrize("util", [0.0, -0.1, 1.01, 5])
+def test_utilization_outside_0_1_is_rejected(util: float) -> None:
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        ServeArgs(gpu_memory_utilization=util)
+
+
+def test_stage_overrides_by_name_and_id() -> None:
+    args = ServeArgs(stage_overrides='{"thinker": {"tp": 2, "devices": "0,1"}, "0": {"num_replicas": 2}}')
+    cfgs = args.stage_configs()
+    assert cfgs["thinker"].tp == 2 and cfgs["thinker"].device_list() == ["0", "1"]
+    assert cfgs["encoder"].num_replicas == 2
+    assert cfgs["talker"].tp == 1
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"speaker": {"tp": 2}}', "unknown stage 'speaker'"),
+        ('{"thinker": {"tpp": 2}}', "unknown key 'tpp'"),
+        ('{"thinker": 3}', "must be an object"),
+        ('{"thinker": {"tp": 0}}', "tp must be a whole number >= 1"),
+        ('{"thinker": {"tp": 2, "devices": "0"}}', "names 1 devices but pp x tp"),
+        ('{"thinker": {"pp": 2, "pp_layer_partition": [1, 2, 1]}}', "must list 2 positive layer counts"),
+    ],
+)
+def test_bad_stage_overrides(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServeArgs(stage_overrides=text)
+
+
+def test_devices_check_names_the_numbers() -> None:
+    args = ServeArgs(tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"pp x tp = 2 x 2 = 4 ranks, but only 2 CPU cores"):
+        args.check_devices(2, "CPU cores")
+    args.check_devices(4, "CUDA devices")  # fits
+    with pytest.raises(ValueError, match="device 7 does not exist"):
+        ServeArgs(stage_overrides='{"encoder": {"devices": "7"}}').check_devices(4, "CUDA devices")
+
+
+def test_valid_but_unsupported_settings_are_listed() -> None:
+    args = ServeArgs(stage_overrides='{"thinker": {"pp": 2}}', distributed_executor_backend="ray")
+    text = "\n".join(args.unsupported())
+    assert "stage thinker: pp x tp = 2 x 1" in text and "ray is not implemented" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dtype": "fp8"}, "--dtype must be one of"),
+        ({"port": 0}, "--port must be a port number"),
+        ({"distributed_executor_backend": "slurm"}, "must be mp or ray"),
+        ({"num_nodes": 2, "node_rank": 2}, r"--node-rank must be in \[0, --num-nodes\)"),
+    ],
+)
+def test_other_flag_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServeArgs(**kwargs)
+
+
+def test_stage_config_devices_must_be_indices() -> None:
+    with pytest.raises(ValueError, match="not a device index"):
+        StageConfig(devices="0,gpu1", tp=2).device_list()
+    assert parse_stage_overrides(None) == {}
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omnimesh.cli", *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_exits_before_starting_anything() -> None:
+    bad = _cli("serve", "--stage-overrides", '{"thinker": {"tp": 2}', "--port", "8123")
+    assert bad.returncode == 2 and "not valid JSON" in bad.stderr
+    too_many = _cli("serve", "-tp", "64", "--device", "cpu")
+    assert too_many.returncode == 2 and "pp x tp = 1 x 64 = 64 ranks" in too_many.stderr
+    later = _cli("serve", "--distributed-executor-backend", "ray", "--device", "cpu")
+    assert later.returncode == 3 and "not supported yet" in later.stderr
+    no_model = _cli("stage", "thinker", "--model", "/nonexistent/model")
+    assert no_model.returncode == 2 and "no config.json" in no_model.stderr
