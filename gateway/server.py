@@ -1,0 +1,68 @@
+"""`omnimesh gateway`: the REST (FastAPI/uvicorn) and gRPC (omnimesh.v1.Omni) fronts on one event loop.
+
+Data flow: load the tokenizer + processor from the model folder -> StageClients for the given stage
+addresses -> StagePipeline.connect() (reads voices / sample rate from the stages, bounded wait) ->
+serve REST on --host:--port and gRPC on --host:--grpc-port until SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import uvicorn
+
+from gateway.grpc_api import add_omni_services
+from gateway.pipeline import StagePipeline
+from gateway.prompt import PromptBuilder
+from gateway.rest import create_app
+from omnimesh.config.serve_args import ServeArgs
+from omnimesh.server.grpc_server import bind
+from omnimesh.transport.stage_client import StageClient
+
+log = logging.getLogger(__name__)
+
+
+def build_pipeline(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> StagePipeline:
+    name = args.served_model_name or model_dir.name
+    builder = PromptBuilder(model_dir, max_model_len=args.max_model_len)
+    clients = {stage: StageClient(stage, addr) for stage, addr in stage_addrs.items()}
+    return StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk)
+
+
+async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> None:
+    pipeline = build_pipeline(args, model_dir, stage_addrs)
+    await pipeline.connect()
+    domains = frozenset(d.strip() for d in (args.allowed_media_domains or "").split(",") if d.strip())
+    app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", loop="none", lifespan="off")
+    rest = uvicorn.Server(config)
+    rest.install_signal_handlers = lambda: None  # we own the signals
+    grpc_server, health = add_omni_services(pipeline)
+    bind(grpc_server, args.host, args.grpc_port)
+    await grpc_server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    rest_task = asyncio.create_task(rest.serve())
+    print(f"omnimesh gateway listening: REST http://{args.host}:{args.port}/v1 , gRPC {args.host}:{args.grpc_port}", flush=True)
+    done, _ = await asyncio.wait([rest_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if rest_task in done and rest_task.exception() is not None:
+        raise rest_task.exception()
+    rest.should_exit = True
+    await asyncio.gather(rest_task, return_exceptions=True)
+    await grpc_server.stop(5.0)
+
+
+def run_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> int:
+    import uvloop
+
+    try:
+        uvloop.run(serve_gateway(args, model_dir, stage_addrs))
+    except RuntimeError as exc:
+        print(f"omnimesh gateway: error: {exc}", flush=True)
+        return 1
+    return 0

@@ -1,0 +1,59 @@
+"""deploy/ is checked by parsing (no Docker engine here): every stage the gateway is pointed at exists,
+listens on the port the gateway uses, and every command line parses with the real `omnimesh` parser."""
+
+from pathlib import Path
+
+import yaml
+
+from omnimesh.cli import build_parser, parse_stage_addresses
+from omnimesh.config.stage_config import STAGES
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def _gateway_stages(args: list[str]) -> dict[str, str]:
+    return parse_stage_addresses(args[args.index("--stages") + 1])
+
+
+def test_compose_wires_every_stage() -> None:
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert set(STAGES) | {"gateway"} <= set(services)
+    parser = build_parser()
+    for name in STAGES:
+        cmd = services[name]["command"]
+        ns = parser.parse_args(cmd)
+        assert ns.stage_name == name
+        assert services[name]["environment"]["STAGE_PORT"] == str(ns.stage_port)
+    gw = services["gateway"]["command"]
+    parser.parse_args(gw)
+    for stage, addr in _gateway_stages(gw).items():
+        host, port = addr.split(":")
+        assert host in services, f"gateway points at unknown service {host}"
+        assert parser.parse_args(services[host]["command"]).stage_port == int(port)
+        assert services["gateway"]["depends_on"][host]["condition"] == "service_healthy"
+
+
+def test_k8s_services_match_deployments() -> None:
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "omnimesh.yaml").read_text()) if d]
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    assert set(deployments) == set(services) == {f"omnimesh-{s}" for s in (*STAGES, "gateway")}
+    parser = build_parser()
+    gw_args = deployments["omnimesh-gateway"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    parser.parse_args(gw_args)
+    for stage, addr in _gateway_stages(gw_args).items():
+        svc_name, port = addr.split(":")
+        svc = services[svc_name]
+        assert int(port) in [p["port"] for p in svc["spec"]["ports"]]
+        dep = deployments[svc_name]
+        assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        ns = parser.parse_args(container["args"])
+        assert ns.stage_name == stage and ns.stage_port == int(port)
+        assert container["readinessProbe"]["grpc"]["port"] == int(port)
+
+
+def test_dockerfile_pins_torch_before_the_project() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert text.index("torch==2.13.0") < text.index("pip install --no-cache-dir .")
