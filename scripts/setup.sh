@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip 2>&1 | grep -v -i warning || true
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0" 2>&1 | grep -v -i warning || true
-python -m pip install -q -e ".[test]" 2>&1 | grep -v -i warning || true
+python -m pip install -q --upgrade pip
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[test]"
 python -c "import torch, transformers, grpc, fastapi; print(f'omnimesh env ready: torch {torch.__version__}, transformers {transformers.__version__}')"
