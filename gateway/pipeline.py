@@ -17,12 +17,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import grpc
 import torch
 
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, PipelineError, TextDelta
+from gateway.prompt import PromptInputs
 from gateway.stage_sampling import talker_sampling, thinker_sampling
 from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageCallError, StageClient, StageStream
@@ -44,22 +44,11 @@ def stage_error(exc: StageCallError) -> PipelineError:
     return PipelineError(exc.message, http_status=status, grpc_code=exc.code.value[0], kind=kind)
 
 
-@dataclass(frozen=True, slots=True)
-class PromptTensors:
-    """What the prompt processor produced for one request (see gateway/prompt.py)."""
-
-    input_ids: torch.Tensor  # (L,) int64
-    input_features: torch.Tensor | None  # (n_mel, T) float32
-    feature_attention_mask: torch.Tensor | None  # (T,) int64
-    pixel_values: torch.Tensor | None  # (n_patches, C * t * p * p) float32
-    image_grid_thw: torch.Tensor | None  # (n_images, 3) int64
-
-
 class StagePipeline:
     def __init__(
         self,
         stages: dict[str, StageClient],
-        prepare: Callable[[ChatRequest], PromptTensors],
+        prepare: Callable[[ChatRequest], PromptInputs],
         *,
         served_models: tuple[str, ...],
         async_chunk: bool = True,
@@ -167,7 +156,7 @@ class StagePipeline:
             for stream in streams:
                 await stream.cancel()
 
-    async def _encode(self, rid: str, prompt: PromptTensors, deadline: float, streams: list[StageStream]) -> dict[str, torch.Tensor]:
+    async def _encode(self, rid: str, prompt: PromptInputs, deadline: float, streams: list[StageStream]) -> dict[str, torch.Tensor]:
         """Run the encoder when the prompt has audio or images; return what the thinker needs."""
         tensors: dict[str, torch.Tensor] = {}
         if prompt.input_features is not None:

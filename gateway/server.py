@@ -14,7 +14,9 @@ from pathlib import Path
 
 import uvicorn
 
-from gateway.grpc_api import add_omni_services
+import contextlib
+
+from gateway.grpc_api import create_grpc_server
 from gateway.pipeline import StagePipeline
 from gateway.prompt import PromptBuilder
 from gateway.rest import create_app
@@ -39,8 +41,8 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", loop="none", lifespan="off")
     rest = uvicorn.Server(config)
-    rest.install_signal_handlers = lambda: None  # we own the signals
-    grpc_server, health = add_omni_services(pipeline)
+    rest.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # we own the signals
+    grpc_server, _health = await create_grpc_server(pipeline, served_model_names=pipeline.served_models)
     bind(grpc_server, args.host, args.grpc_port)
     await grpc_server.start()
     stop = asyncio.Event()

@@ -1,0 +1,204 @@
+"""The gRPC front end: `omnimesh.v1.Omni` (Generate, ListModels) over the same `Pipeline` as REST.
+
+Data flow of `Generate`: `GenerateRequest` -> `OmniServicer.build` (the REST front end's checks: model,
+voice, modalities, sampling ranges, media decoded by `MediaLoader`) -> `ChatRequest` -> `pipeline.run` ->
+a server stream of `text_delta`, `audio` (mono PCM16 chunks numbered by `seq` from 0) and one `done`.
+Any failure, before or during generation, is one `error` message (code = the `grpc.StatusCode` value,
+INVALID_ARGUMENT for a bad request) that ends the stream; the RPC itself then ends OK, as the proto says
+errors travel inside the stream.
+
+`add_omni_services(server, servicer)` registers the servicer with `grpc.health.v1` and reflection;
+`create_grpc_server` does all of it on a server built with `grpc_server_options(limits)`, so requests as
+large as the REST body limit are accepted (gRPC's default is 4 MiB). Inside a running event loop:
+
+    server, health = await create_grpc_server(pipeline)
+    server.add_insecure_port("0.0.0.0:8001"); await server.start(); ...; await server.stop(grace)
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from gateway.audio_encoding import pcm16_bytes
+from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, ContentPart, Finished, ImagePart,
+                            Pipeline, PipelineError, SamplingOverrides, TextDelta, TextPart)
+from gateway.media import InputLimits, MediaLoader, invalid_request
+from gateway.openai_schema import (STAGE_NAMES, check_sampling, normalize_modalities, resolve_model,
+                                   resolve_voice)
+from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
+
+log = logging.getLogger(__name__)
+OMNI_SERVICE_NAME = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name  # "omnimesh.v1.Omni"
+_ROLES = ("system", "user", "assistant")
+
+
+def grpc_server_options(limits: InputLimits) -> list[tuple[str, int]]:
+    """Server options so a request may be as large as the REST body limit (gRPC's default is 4 MiB)."""
+    return [("grpc.max_receive_message_length", limits.max_request_bytes),
+            ("grpc.max_send_message_length", limits.max_request_bytes)]
+
+
+def _overrides(p: stage_pb2.SamplingParams, param: str) -> SamplingOverrides:
+    if len(p.stop_token_ids):
+        raise invalid_request(f"{param}.stop_token_ids: not supported in the client API", f"{param}.stop_token_ids")
+
+    def opt(name: str) -> float | int | None:
+        return getattr(p, name) if p.HasField(name) else None
+
+    s = SamplingOverrides(temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),  # type: ignore[arg-type]
+                          seed=opt("seed"), max_tokens=opt("max_tokens"),  # type: ignore[arg-type]
+                          repetition_penalty=opt("repetition_penalty"))
+    check_sampling(s, param)
+    return s
+
+
+def _error(err: PipelineError) -> omni_pb2.GenerateResponse:
+    return omni_pb2.GenerateResponse(error=stage_pb2.Error(code=err.grpc_code, message=err.message))
+
+
+class OmniServicer(omni_pb2_grpc.OmniServicer):
+    """Thin: validate, run the pipeline, translate events to stream messages."""
+
+    def __init__(self, pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
+                 limits: InputLimits | None = None) -> None:
+        self.pipeline = pipeline
+        self.served_model_names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
+        if not self.served_model_names:
+            raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
+        self.loader = MediaLoader(limits or InputLimits())  # the proto carries media bytes, never URLs
+
+    async def build(self, req: omni_pb2.GenerateRequest) -> ChatRequest:
+        """`GenerateRequest` -> `ChatRequest`; any problem is a `PipelineError` (INVALID_ARGUMENT / NOT_FOUND)."""
+        model = resolve_model(req.model or None, self.served_model_names)
+        modalities = normalize_modalities(list(req.modalities) or None, default=("text", "audio"))
+        voice = None
+        if "audio" in modalities or req.voice:
+            voice = resolve_voice(req.voice or None, self.pipeline.voices, self.pipeline.default_voice, "voice")
+        sampling = _overrides(req.sampling, "sampling") if req.HasField("sampling") else SamplingOverrides()
+        stages: dict[str, SamplingOverrides] = {}
+        for name, p in req.stage_params.items():
+            if name not in STAGE_NAMES:
+                raise invalid_request(f"stage_params: unknown stage '{name}'; known: {', '.join(STAGE_NAMES)}",
+                                      "stage_params")
+            stages[name] = _overrides(p, f"stage_params.{name}")
+        if not req.messages:
+            raise invalid_request("messages: at least one message is required", "messages")
+        messages: list[ChatMessage] = []
+        audio_seconds, n_items = 0.0, 0
+        for i, m in enumerate(req.messages):
+            if m.role not in _ROLES:
+                raise invalid_request(f"messages[{i}].role: '{m.role}' is not one of {', '.join(_ROLES)}",
+                                      f"messages[{i}].role")
+            parts: list[ContentPart] = []
+            for j, p in enumerate(m.content):
+                where = f"messages[{i}].content[{j}]"
+                kind = p.WhichOneof("part")
+                if kind is None:
+                    raise invalid_request(f"{where}: empty content part (set text, audio_wav or image)", where)
+                if kind == "text":
+                    parts.append(TextPart(text=p.text))
+                    continue
+                if m.role != "user":
+                    raise invalid_request(f"{where}: only user messages may carry audio or images "
+                                          f"(this is a '{m.role}' message)", where)
+                if kind == "audio_wav":
+                    a: AudioPart = await self.loader.audio_from_wav(p.audio_wav, f"{where}.audio_wav")
+                    audio_seconds += a.waveform.size / a.sample_rate
+                    parts.append(a)
+                else:
+                    img: ImagePart = await self.loader.image_from_bytes(p.image, f"{where}.image")
+                    parts.append(img)
+                n_items += 1
+            messages.append(ChatMessage(role=m.role, content=tuple(parts)))  # type: ignore[arg-type]
+        self.loader.check_totals(audio_seconds, n_items)
+        pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
+        return ChatRequest(request_id=req.request_id or f"omni-{uuid.uuid4().hex}", model=pipeline_model,
+                           messages=tuple(messages), modalities=modalities,
+                           voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages)
+
+    async def Generate(self, request: omni_pb2.GenerateRequest,  # noqa: N802 (gRPC method name)
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[omni_pb2.GenerateResponse]:
+        try:
+            chat = await self.build(request)
+        except PipelineError as e:
+            yield _error(e)
+            return
+        events = None
+        seq = 0
+        try:
+            events = aiter(self.pipeline.run(chat))
+            async for ev in events:
+                if isinstance(ev, TextDelta):
+                    if ev.text:
+                        yield omni_pb2.GenerateResponse(text_delta=ev.text)
+                elif isinstance(ev, AudioDelta):
+                    if "audio" in chat.modalities and ev.pcm.size:
+                        chunk = omni_pb2.AudioChunk(pcm16=pcm16_bytes(ev.pcm), sample_rate=ev.sample_rate, seq=seq)
+                        seq += 1
+                        yield omni_pb2.GenerateResponse(audio=chunk)
+                elif isinstance(ev, Finished):
+                    usage = stage_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)
+                    yield omni_pb2.GenerateResponse(done=stage_pb2.Done(finish_reason=ev.finish_reason, usage=usage))
+                    return
+            yield _error(PipelineError("internal error: the pipeline ended without a Finished event",
+                                       http_status=500, grpc_code=grpc.StatusCode.INTERNAL.value[0],
+                                       kind="server_error"))
+        except PipelineError as e:
+            yield _error(e)
+        except Exception as e:
+            log.exception("Generate failed")
+            yield _error(PipelineError(f"internal error: {type(e).__name__}: {e}", http_status=500,
+                                       grpc_code=grpc.StatusCode.INTERNAL.value[0], kind="server_error"))
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()  # tells the pipeline to cancel the request in the stages
+                except Exception:
+                    log.debug("closing the pipeline's event iterator failed", exc_info=True)
+
+    async def ListModels(self, request: omni_pb2.ListModelsRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> omni_pb2.ListModelsResponse:
+        return omni_pb2.ListModelsResponse(models=list(self.served_model_names))
+
+
+async def add_omni_services(server: grpc.aio.Server, servicer: OmniServicer) -> health_aio.HealthServicer:
+    """Register Omni + `grpc.health.v1` (overall "" and "omnimesh.v1.Omni" SERVING) + reflection."""
+    omni_pb2_grpc.add_OmniServicer_to_server(servicer, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for name in ("", OMNI_SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (OMNI_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server)
+    return health
+
+
+async def create_grpc_server(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
+                             limits: InputLimits | None = None) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+    """A `grpc.aio` server (not yet bound or started) serving Omni + health + reflection."""
+    limits = limits or InputLimits()
+    server = grpc.aio.server(options=grpc_server_options(limits))
+    servicer = OmniServicer(pipeline, served_model_names=served_model_names, limits=limits)
+    return server, await add_omni_services(server, servicer)
+
+
+async def refresh_health(health: health_aio.HealthServicer, pipeline: Pipeline) -> bool:
+    """Mirror `pipeline.health()` into gRPC health (SERVING only when every stage serves); returns it."""
+    try:
+        ok = all((await pipeline.health()).values())
+    except Exception:
+        log.warning("pipeline health check failed", exc_info=True)
+        ok = False
+    status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", OMNI_SERVICE_NAME):
+        await health.set(name, status)
+    return ok

@@ -1,0 +1,369 @@
+"""The OpenAI `POST /v1/chat/completions` wire format: request validation and response shapes.
+
+Data flow: raw JSON -> `parse_chat_request` (strict pydantic: wrong types are errors, never coerced; every
+failure a 400 `PipelineError` whose `param` is the dotted path, e.g. `messages[0].content[1].input_audio`)
+-> `ChatCompletionRequest` -> the REST front end turns it into a `ChatRequest`. Responses are built from
+the pydantic models below and serialised with `dump`.
+
+Defaults chosen to match OpenAI: `modalities` defaults to ["text"] (no audio unless asked for); when
+"audio" is asked for without an `audio` object the pipeline's default voice and "wav" are used. Unknown
+top-level fields are accepted and ignored (clients send many), except ones whose silent omission would
+change the answer: `n` > 1, `logprobs`, `top_logprobs`, a non-empty `stop`, non-empty `tools`.
+Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate, whatever `audio.format`
+says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `message.audio.data`.
+Extensions: `top_k`, `repetition_penalty` (as in vLLM), `stage_params` (per stage sampling), and
+`audio_url` content parts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gateway.audio_encoding import OUTPUT_AUDIO_FORMATS
+from gateway.events import PipelineError, SamplingOverrides
+from gateway.media import invalid_request
+
+STAGE_NAMES: tuple[str, ...] = ("thinker", "talker")
+CONTENT_PART_TYPES: tuple[str, ...] = ("text", "image_url", "input_audio", "audio_url")
+
+
+class _Strict(BaseModel):
+    """Strict types (a "1" is not an int), unknown keys ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# -------------------------------------------------------------------------------------------- request
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None  # accepted, unused
+
+
+class InputAudio(_Strict):
+    data: str  # base64 file bytes
+    format: str  # checked by the media loader so the error names the supported formats
+
+
+class AudioURL(_Strict):
+    url: str
+
+
+class ContentPart(_Strict):
+    """One part of a message; exactly the field named by `type` must be present."""
+
+    type: str
+    text: str | None = None
+    image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
+    audio_url: AudioURL | None = None
+
+    @model_validator(mode="after")
+    def _matches_type(self) -> ContentPart:
+        if self.type not in CONTENT_PART_TYPES:
+            raise ValueError(f"content part type '{self.type}' is not supported; supported: "
+                             f"{', '.join(CONTENT_PART_TYPES)}")
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a '{self.type}' content part needs a '{self.type}' field")
+        return self
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]  # developer = system (newer OpenAI name)
+    content: list[ContentPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _string_is_one_text_part(cls, v: Any) -> Any:
+        return [{"type": "text", "text": v}] if isinstance(v, str) else v
+
+
+class AudioOutput(_Strict):
+    voice: str | None = None
+    format: str = "wav"
+
+    @field_validator("format")
+    @classmethod
+    def _supported_format(cls, v: str) -> str:
+        if v not in OUTPUT_AUDIO_FORMATS:
+            raise ValueError(f"output audio format '{v}' is not supported; supported: "
+                             f"{', '.join(OUTPUT_AUDIO_FORMATS)}")
+        return v
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class StageSampling(_Strict):
+    """Per-stage overrides; unknown keys are errors (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    repetition_penalty: float | None = None
+
+    def overrides(self) -> SamplingOverrides:
+        return SamplingOverrides(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                 seed=self.seed, max_tokens=self.max_tokens,
+                                 repetition_penalty=self.repetition_penalty)
+
+
+class StageParams(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    thinker: StageSampling | None = None
+    talker: StageSampling | None = None
+
+
+class ChatCompletionRequest(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None  # None = the first served model name (as vLLM does)
+    messages: list[Message] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
+    audio: AudioOutput | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # wins over max_tokens (OpenAI deprecated the latter)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stage_params: StageParams | None = None
+    # Accepted only at the values that mean "nothing special":
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    stop: str | list[str] | None = None
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.n is not None and self.n != 1:
+            raise ValueError(f"n={self.n} is not supported; only n=1 (one choice per request)")
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs / top_logprobs are not supported")
+        if self.stop:
+            raise ValueError("stop sequences are not supported")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        return self
+
+    def sampling(self) -> SamplingOverrides:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return SamplingOverrides(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                 seed=self.seed, max_tokens=max_tokens,
+                                 repetition_penalty=self.repetition_penalty)
+
+    def stage_overrides(self) -> dict[str, SamplingOverrides]:
+        if self.stage_params is None:
+            return {}
+        return {name: s.overrides() for name in STAGE_NAMES
+                if (s := getattr(self.stage_params, name)) is not None}
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _message(err: dict[str, Any]) -> str:
+    msg = str(err["msg"])
+    if err["type"] == "value_error":
+        msg = msg.removeprefix("Value error, ")
+    elif err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    return msg
+
+
+def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
+    """Raw body -> validated request; malformed JSON and every schema violation -> 400."""
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise invalid_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise invalid_request(f"request body must be a JSON object, got {type(obj).__name__}")
+    try:
+        return ChatCompletionRequest.model_validate(obj)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        first = _path(tuple(errors[0]["loc"])) or None
+        text = "; ".join(f"{_path(tuple(x['loc'])) or 'body'}: {_message(x)}" for x in errors[:5])
+        if len(errors) > 5:
+            text += f"; ... ({len(errors) - 5} more)"
+        raise invalid_request(text, first) from None
+
+
+# ------------------------------------------------------------------------- checks shared with gRPC
+def check_sampling(s: SamplingOverrides, param: str) -> None:
+    """Ranges for sampling values (REST and gRPC alike); None means the stage default."""
+    problems: list[tuple[str, str]] = []
+    if s.temperature is not None and not 0.0 <= s.temperature <= 2.0:
+        problems.append(("temperature", f"must be in [0, 2] (0 = greedy), got {s.temperature}"))
+    if s.top_p is not None and not 0.0 < s.top_p <= 1.0:
+        problems.append(("top_p", f"must be in (0, 1], got {s.top_p}"))
+    if s.top_k is not None and s.top_k < 1:
+        problems.append(("top_k", f"must be >= 1, got {s.top_k}"))
+    if s.max_tokens is not None and s.max_tokens < 1:
+        problems.append(("max_tokens", f"must be >= 1, got {s.max_tokens}"))
+    if s.repetition_penalty is not None and not s.repetition_penalty > 0.0:
+        problems.append(("repetition_penalty", f"must be > 0, got {s.repetition_penalty}"))
+    if s.seed is not None and not -(2**63) <= s.seed < 2**63:
+        problems.append(("seed", f"must fit in a signed 64-bit integer, got {s.seed}"))
+    if problems:
+        name, why = problems[0]
+        full = f"{param}.{name}" if param else name
+        raise invalid_request(f"{full}: {why}", full)
+
+
+def resolve_model(requested: str | None, served_names: tuple[str, ...]) -> str:
+    """The served name the client asked for (None = the first); an unknown name is a 404."""
+    if requested is None or requested == "":
+        return served_names[0]
+    if requested not in served_names:
+        raise PipelineError(f"The model '{requested}' does not exist; served models: {', '.join(served_names)}",
+                            http_status=404, grpc_code=5, kind="not_found_error", param="model")
+    return requested
+
+
+def resolve_voice(requested: str | None, voices: tuple[str, ...], default: str, param: str) -> str:
+    """The pipeline's spelling of the voice (matched case-insensitively); unknown -> 400."""
+    if not voices:
+        raise invalid_request("audio output is not available on this server (it has no voices: no talker / "
+                              "vocoder stage); ask for modalities [\"text\"]", param)
+    if requested is None or requested == "":
+        return default
+    for v in voices:
+        if v.lower() == requested.lower():
+            return v
+    raise invalid_request(f"{param}: unknown voice '{requested}'; available: {', '.join(voices)}", param)
+
+
+def normalize_modalities(requested: list[str] | None, default: tuple[str, ...]) -> tuple[Literal["text", "audio"], ...]:
+    """Text is always produced (it is the audio's transcript), so any list with "audio" means both."""
+    wanted = default if requested is None else tuple(requested)
+    for m in wanted:
+        if m not in ("text", "audio"):
+            raise invalid_request(f"modalities: '{m}' is not supported; use [\"text\"] or [\"text\", \"audio\"]",
+                                  "modalities")
+    return ("text", "audio") if "audio" in wanted else ("text",)
+
+
+# ------------------------------------------------------------------------------------------ responses
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class MessageAudio(_Out):
+    id: str
+    data: str  # base64 of the whole file in the requested format
+    expires_at: int  # = created: audio is not stored, ids cannot be referenced in later turns
+    transcript: str
+
+
+class ResponseMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+    audio: MessageAudio | None = None
+
+
+class Choice(_Out):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class DeltaAudio(_Out):
+    id: str
+    data: str | None = None  # base64 mono little-endian int16 at the pipeline's sample rate
+    transcript: str | None = None
+
+
+class Delta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    audio: DeltaAudio | None = None
+
+
+class ChunkChoice(_Out):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "omnimesh"
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Out):
+    error: ErrorInfo
+
+
+_STATUS_CODES: dict[int, str] = {400: "invalid_request", 404: "model_not_found", 405: "method_not_allowed",
+                                 413: "payload_too_large", 500: "internal_error", 503: "service_unavailable",
+                                 504: "timeout"}
+
+
+def error_response(err: PipelineError) -> ErrorResponse:
+    code = "not_found" if err.http_status == 404 and err.param != "model" else _STATUS_CODES.get(err.http_status)
+    return ErrorResponse(error=ErrorInfo(message=err.message, type=err.kind, param=err.param, code=code))
+
+
+def dump(obj: BaseModel, *, drop_none: bool = False) -> dict[str, Any]:
+    """The JSON-ready dict; `drop_none` leaves unset fields out (stream deltas carry only what changed)."""
+    data = obj.model_dump(mode="json", exclude_none=drop_none)
+    if drop_none and isinstance(obj, ChatCompletionChunk):
+        for c in data["choices"]:
+            c.setdefault("finish_reason", None)  # OpenAI always sends it, null until the end
+    return data

@@ -1,0 +1,407 @@
+"""The OpenAI-compatible REST front end: `create_app(pipeline, ...)` -> a FastAPI app.
+
+Data flow of `POST /v1/chat/completions`: body bytes (size-capped) -> `parse_chat_request` -> media
+decoded by `MediaLoader` -> `ChatRequest` -> `pipeline.run` -> events -> one `chat.completion` JSON, or an
+SSE stream of `chat.completion.chunk`s ending in `data: [DONE]`. The first event is awaited before the
+response starts, so errors the pipeline finds up front (prompt too long, stage down) keep their HTTP
+status even for `stream: true`; an error after that is sent as `data: {"error": {...}}` then
+`data: [DONE]`, never as a silently truncated stream. Every error body is OpenAI's
+`{"error": {"message", "type", "param", "code"}}`; schema violations (malformed JSON, missing or wrongly
+typed fields) are 400, as OpenAI answers, not FastAPI's 422.
+
+Also: `GET /v1/models`, `GET /health` (200 / 503 naming the stages down), `GET /metrics` (Prometheus
+text, `omnimesh:` prefix, a per-app registry). Run: `uvicorn.Server(uvicorn.Config(create_app(p), ...))`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from gateway.audio_encoding import OutputAudioFormat, encode_audio, pcm16_bytes
+from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, ContentPart, Event, Finished,
+                            ImagePart, Pipeline, PipelineError, TextDelta, TextPart)
+from gateway.media import InputLimits, MediaLoader, invalid_request, too_large
+from gateway.openai_schema import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice,
+                                   Delta, DeltaAudio, Message, MessageAudio, ModelCard, ModelList, ResponseMessage, Usage,
+                                   check_sampling, dump, error_response, normalize_modalities, parse_chat_request,
+                                   resolve_model, resolve_voice)
+
+log = logging.getLogger(__name__)
+HEALTH_TIMEOUT_S = 5.0
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class RestMetrics:
+    """Prometheus series of one app (own registry, so several apps can live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("omnimesh:requests", "Finished requests by endpoint and HTTP status "
+                                "(a stream that fails midway counts under the error's status)",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("omnimesh:e2e_request_latency_seconds", "Request start to last byte",
+                                 ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("omnimesh:time_to_first_token_seconds", "Request start to first text delta",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttfa = Histogram("omnimesh:time_to_first_audio_seconds", "Request start to first audio chunk",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("omnimesh:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("omnimesh:generation_tokens", "Text tokens generated", registry=r)
+        self.running = Gauge("omnimesh:requests_running", "Chat requests in flight", registry=r)
+
+
+@dataclass(slots=True)
+class _Call:
+    """One chat completion in flight: what the response needs besides the events."""
+
+    request: ChatRequest
+    model: str  # the name the client used, echoed back
+    stream: bool
+    include_usage: bool
+    audio_format: OutputAudioFormat | None  # None = text only
+    created: int
+    started: float  # perf_counter at arrival
+    first_text: bool = False
+    first_audio: bool = False
+
+
+def _error(err: PipelineError) -> JSONResponse:
+    return JSONResponse(dump(error_response(err)), status_code=err.http_status)
+
+
+def _internal(e: BaseException) -> PipelineError:
+    return PipelineError(f"internal error: {type(e).__name__}: {e}", http_status=500, grpc_code=13,
+                         kind="server_error")
+
+
+def _sse(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(f"request body is {int(declared)} bytes; the limit is {limit}")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise too_large(f"request body is larger than the limit of {limit} bytes")
+    return bytes(buf)
+
+
+class RestGateway:
+    """The route handlers of one app; `create_app` wires them."""
+
+    def __init__(self, pipeline: Pipeline, served_model_names: tuple[str, ...], loader: MediaLoader) -> None:
+        self.pipeline = pipeline
+        self.served_model_names = served_model_names
+        self.loader = loader
+        self.metrics = RestMetrics()
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------------------ request building
+    async def build(self, body: ChatCompletionRequest) -> _Call:
+        """Validated body -> `_Call` (media decoded, model / voice / sampling checked)."""
+        model = resolve_model(body.model, self.served_model_names)
+        sampling = body.sampling()
+        check_sampling(sampling, "")
+        stages = body.stage_overrides()
+        for name, s in stages.items():
+            check_sampling(s, f"stage_params.{name}")
+        modalities = normalize_modalities(body.modalities, default=("text",))
+        voice = None
+        if "audio" in modalities or (body.audio is not None and body.audio.voice):
+            voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline.voices,
+                                  self.pipeline.default_voice, "audio.voice")
+        messages = [await self._message(i, m) for i, m in enumerate(body.messages)]
+        audio = [p for m in messages for p in m.content if isinstance(p, AudioPart)]
+        n_items = sum(isinstance(p, (AudioPart, ImagePart)) for m in messages for p in m.content)
+        self.loader.check_totals(sum(a.waveform.size / a.sample_rate for a in audio), n_items)
+        # an alias from --served-model-name runs the pipeline's own model
+        pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
+        request = ChatRequest(
+            request_id=f"chatcmpl-{uuid.uuid4().hex}", model=pipeline_model, messages=tuple(messages),
+            modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
+            stage_params=stages)
+        audio_format = (body.audio.format if body.audio else "wav") if "audio" in modalities else None
+        return _Call(request=request, model=model, stream=body.stream,
+                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                     audio_format=audio_format, created=int(time.time()), started=time.perf_counter())
+
+    async def _message(self, i: int, m: Message) -> ChatMessage:
+        parts: list[ContentPart] = []
+        for j, p in enumerate(m.content):
+            where = f"messages[{i}].content[{j}]"
+            if p.type == "text":
+                parts.append(TextPart(text=p.text or ""))
+                continue
+            if m.role != "user":
+                raise invalid_request(f"{where}: only user messages may carry audio or images "
+                                      f"(this is a '{m.role}' message)", where)
+            if p.image_url is not None:
+                parts.append(await self.loader.image_from_url(p.image_url.url, f"{where}.image_url.url"))
+            elif p.input_audio is not None:
+                parts.append(await self.loader.audio_from_base64(p.input_audio.data, p.input_audio.format,
+                                                                 f"{where}.input_audio"))
+            elif p.audio_url is not None:
+                parts.append(await self.loader.audio_from_url(p.audio_url.url, f"{where}.audio_url.url"))
+        role = "system" if m.role == "developer" else m.role
+        return ChatMessage(role=role, content=tuple(parts))
+
+    # ---------------------------------------------------------------------------------------- routes
+    async def chat_completions(self, request: Request) -> Response:
+        m = self.metrics
+        started = time.perf_counter()
+        m.running.inc()
+        streaming = False
+        try:
+            body = parse_chat_request(await _read_body(request, self.loader.limits.max_request_bytes))
+            call = await self.build(body)
+            call.started = started
+            events = aiter(self.pipeline.run(call.request))
+            try:
+                first = await anext(events)
+            except StopAsyncIteration:
+                raise _internal(RuntimeError("the pipeline ended without a Finished event")) from None
+            except BaseException:
+                await _close(events)
+                raise
+            if call.stream:
+                streaming = True  # the stream's own `finally` settles the metrics
+                stream = _Stream(self, call, events)
+                return _SSEResponse(stream, self._stream(call, first, stream))
+            return await self._complete(call, first, events)
+        except PipelineError as e:
+            self._finish("chat", e.http_status, started)
+            return _error(e)
+        except Exception as e:  # a bug, not the client's fault: say so, keep serving
+            log.exception("chat completion failed")
+            self._finish("chat", 500, started)
+            return _error(_internal(e))
+        finally:
+            if not streaming:
+                m.running.dec()
+
+    def _finish(self, endpoint: str, status: int, started: float) -> None:
+        self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        self.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - started)
+
+    def _observe(self, call: _Call, ev: Event) -> None:
+        if isinstance(ev, TextDelta) and not call.first_text:
+            call.first_text = True
+            self.metrics.ttft.observe(time.perf_counter() - call.started)
+        elif isinstance(ev, AudioDelta) and not call.first_audio:
+            call.first_audio = True
+            self.metrics.ttfa.observe(time.perf_counter() - call.started)
+        elif isinstance(ev, Finished):
+            self.metrics.prompt_tokens.inc(ev.prompt_tokens)
+            self.metrics.generation_tokens.inc(ev.completion_tokens)
+
+    async def _complete(self, call: _Call, first: Event, events: AsyncIterator[Event]) -> Response:
+        text: list[str] = []
+        audio: list[np.ndarray] = []
+        rate = self.pipeline.sample_rate
+        finished: Finished | None = None
+        try:
+            async for ev in _chain(first, events):
+                self._observe(call, ev)
+                if isinstance(ev, TextDelta):
+                    text.append(ev.text)
+                elif isinstance(ev, AudioDelta):
+                    audio.append(np.asarray(ev.pcm, dtype=np.float32).reshape(-1))
+                    rate = ev.sample_rate
+                elif isinstance(ev, Finished):
+                    finished = ev
+                    break
+        finally:
+            await _close(events)
+        if finished is None:
+            raise _internal(RuntimeError("the pipeline ended without a Finished event"))
+        transcript = "".join(text)
+        message = ResponseMessage(content=transcript)
+        if call.audio_format is not None:
+            wave = np.concatenate(audio) if audio else np.zeros(0, np.float32)
+            data = await asyncio.to_thread(encode_audio, wave, rate, call.audio_format)
+            message.audio = MessageAudio(id=f"audio_{uuid.uuid4().hex}", data=base64.b64encode(data).decode(),
+                                         expires_at=call.created, transcript=transcript)
+        body = ChatCompletion(id=call.request.request_id, created=call.created, model=call.model,
+                              choices=[Choice(message=message, finish_reason=finished.finish_reason)],
+                              usage=_usage(finished))
+        self._finish("chat", 200, call.started)
+        return JSONResponse(dump(body))
+
+    async def _stream(self, call: _Call, first: Event, stream: _Stream) -> AsyncIterator[bytes]:
+        rid, audio_id = call.request.request_id, f"audio_{uuid.uuid4().hex}"
+        status, events = 499, stream.events  # 499 (client closed) unless the stream gets to its end
+
+        def chunk(delta: Delta, finish: str | None = None) -> bytes:
+            c = ChatCompletionChunk(id=rid, created=call.created, model=call.model,
+                                    choices=[ChunkChoice(delta=delta, finish_reason=finish)])
+            return _sse(dump(c, drop_none=True))
+
+        try:
+            yield chunk(Delta(role="assistant", content=""))
+            finished = False
+            async for ev in _chain(first, events):
+                self._observe(call, ev)
+                if isinstance(ev, TextDelta):
+                    if ev.text:
+                        yield chunk(Delta(content=ev.text))
+                elif isinstance(ev, AudioDelta):
+                    if call.audio_format is not None and np.size(ev.pcm):
+                        data = base64.b64encode(pcm16_bytes(ev.pcm)).decode()
+                        yield chunk(Delta(audio=DeltaAudio(id=audio_id, data=data)))
+                elif isinstance(ev, Finished):
+                    finished = True
+                    yield chunk(Delta(), ev.finish_reason)
+                    if call.include_usage:
+                        yield _sse(dump(ChatCompletionChunk(id=rid, created=call.created, model=call.model,
+                                                            choices=[], usage=_usage(ev))))
+                    break
+            if not finished:
+                raise _internal(RuntimeError("the pipeline ended without a Finished event"))
+            yield _DONE
+            status = 200
+        except PipelineError as e:
+            status = e.http_status
+            yield _sse(dump(error_response(e)))
+            yield _DONE
+        except Exception as e:
+            log.exception("chat completion stream failed")
+            status = 500
+            yield _sse(dump(error_response(_internal(e))))
+            yield _DONE
+        finally:
+            stream.settle(status)  # bookkeeping first: the await below may be cancelled
+            await stream.close_events()
+
+    async def models(self, request: Request) -> Response:
+        self._finish("models", 200, time.perf_counter())
+        cards = [ModelCard(id=n, created=self.created) for n in self.served_model_names]
+        return JSONResponse(dump(ModelList(data=cards)))
+
+    async def health(self, request: Request) -> Response:
+        try:
+            stages = await asyncio.wait_for(self.pipeline.health(), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return JSONResponse({"status": "unavailable", "stages": {}, "down": [],
+                                 "message": f"the health check took longer than {HEALTH_TIMEOUT_S:g} s"}, 503)
+        except Exception as e:
+            return JSONResponse({"status": "unavailable", "stages": {}, "down": [],
+                                 "message": f"the health check failed: {type(e).__name__}: {e}"}, 503)
+        down = [name for name, ok in stages.items() if not ok]
+        if down:
+            return JSONResponse({"status": "unavailable", "stages": stages, "down": down,
+                                 "message": f"stage(s) not serving: {', '.join(down)}"}, 503)
+        return JSONResponse({"status": "ok", "stages": stages, "down": []})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Stream:
+    """Bookkeeping of one streamed response, settled exactly once however the stream ends."""
+
+    def __init__(self, gw: RestGateway, call: _Call, events: AsyncIterator[Event]) -> None:
+        self.gw, self.call, self.events = gw, call, events
+        self.settled = self.events_closed = False
+
+    def settle(self, status: int) -> None:
+        if not self.settled:
+            self.settled = True
+            self.gw.metrics.running.dec()
+            self.gw._finish("chat", status, self.call.started)
+
+    async def close_events(self) -> None:
+        if not self.events_closed:
+            self.events_closed = True
+            await _close(self.events)
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its generator and the pipeline's events, even when the
+    client disconnects before the first byte (Starlette then never starts or finishes the generator)."""
+
+    def __init__(self, stream: _Stream, body: AsyncIterator[bytes]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Request-Id": stream.call.request.request_id})
+        self._stream_state = stream
+        self._body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._body.aclose()  # type: ignore[attr-defined]
+            except Exception:
+                log.debug("closing the SSE generator failed", exc_info=True)
+            self._stream_state.settle(499)
+            await self._stream_state.close_events()
+
+
+def _usage(f: Finished) -> Usage:
+    return Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
+                 total_tokens=f.prompt_tokens + f.completion_tokens)
+
+
+async def _chain(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    yield first
+    async for ev in rest:
+        yield ev
+
+
+async def _close(events: AsyncIterator[Event]) -> None:
+    """Tell the pipeline we stopped reading (it cancels the request in the stages)."""
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # the request already failed or finished; closing must not mask that
+            log.debug("closing the pipeline's event iterator failed", exc_info=True)
+
+
+def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
+               allowed_media_domains: frozenset[str] = frozenset(), limits: InputLimits | None = None,
+               media_transport: object | None = None) -> FastAPI:
+    """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
+    ask for; `allowed_media_domains` the hosts http(s) media may come from (empty = none);
+    `media_transport` an `httpx.AsyncBaseTransport` for tests."""
+    names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
+    if not names:
+        raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
+    loader = MediaLoader(limits or InputLimits(), allowed_media_domains, transport=media_transport)  # type: ignore[arg-type]
+    gw = RestGateway(pipeline, names, loader)
+    app = FastAPI(title="omnimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gw
+    app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", gw.models, methods=["GET"])
+    app.add_api_route("/health", gw.health, methods=["GET"])
+    app.add_api_route("/metrics", gw.metrics_text, methods=["GET"])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error(PipelineError(message, http_status=exc.status_code, grpc_code=12, kind=kind))
+
+    return app

@@ -1,0 +1,84 @@
+"""Request validation against OpenAI's chat completions format, and the shared checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.events import PipelineError, SamplingOverrides
+from gateway.openai_schema import (ChatCompletionChunk, ChunkChoice, Delta, check_sampling, dump, error_response,
+                                   normalize_modalities, parse_chat_request, resolve_model, resolve_voice)
+
+
+def parse(obj: object) -> object:
+    return parse_chat_request(json.dumps(obj).encode())
+
+
+def test_minimal_request_and_defaults() -> None:
+    body = parse({"model": "m", "messages": [{"role": "user", "content": "hi"}], "foo": {"bar": 1}})
+    assert body.messages[0].content[0].type == "text" and body.messages[0].content[0].text == "hi"  # type: ignore[attr-defined]
+    assert body.stream is False and body.modalities is None and body.stage_overrides() == {}  # type: ignore[attr-defined]
+    assert body.sampling() == SamplingOverrides()  # type: ignore[attr-defined]
+
+
+def test_max_completion_tokens_wins_and_ints_are_floats() -> None:
+    body = parse({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 9,
+                  "temperature": 1, "stage_params": {"thinker": {"top_p": 1}, "talker": {"seed": 4}}})
+    assert body.sampling() == SamplingOverrides(temperature=1.0, max_tokens=9)  # type: ignore[attr-defined]
+    assert body.stage_overrides() == {"thinker": SamplingOverrides(top_p=1.0),  # type: ignore[attr-defined]
+                                      "talker": SamplingOverrides(seed=4)}
+
+
+@pytest.mark.parametrize(("obj", "param", "needle"), [
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "valid list"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text", "string"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "Field required"),
+    ({"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed", "integer"),
+    ({"messages": [{"role": "user", "content": "x"}], "stage_params": {"talker": {"temperature": "0"}}},
+     "stage_params.talker.temperature", "number"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, None, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, None, "stop sequences"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, None, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": []}, "modalities", "at least 1"),
+])
+def test_schema_errors_name_the_field(obj: dict, param: str | None, needle: str) -> None:
+    with pytest.raises(PipelineError) as e:
+        parse(obj)
+    assert e.value.http_status == 400 and e.value.grpc_code == 3 and e.value.kind == "invalid_request_error"
+    assert e.value.param == param and needle in e.value.message
+
+
+def test_check_sampling_ranges() -> None:
+    check_sampling(SamplingOverrides(temperature=0.0, top_p=1.0, top_k=1, max_tokens=1, repetition_penalty=1.0), "")
+    for s, field in [(SamplingOverrides(temperature=-0.1), "temperature"), (SamplingOverrides(top_p=1.5), "top_p"),
+                     (SamplingOverrides(max_tokens=0), "max_tokens"),
+                     (SamplingOverrides(repetition_penalty=0.0), "repetition_penalty"),
+                     (SamplingOverrides(seed=2**63), "seed")]:
+        with pytest.raises(PipelineError) as e:
+            check_sampling(s, "stage_params.talker")
+        assert e.value.param == f"stage_params.talker.{field}"
+
+
+def test_model_voice_and_modalities_resolution() -> None:
+    assert resolve_model(None, ("a", "b")) == "a" and resolve_model("b", ("a", "b")) == "b"
+    with pytest.raises(PipelineError) as e:
+        resolve_model("c", ("a", "b"))
+    assert e.value.http_status == 404 and e.value.grpc_code == 5
+    assert error_response(e.value).error.code == "model_not_found"
+    assert resolve_voice("ETHAN", ("Ethan", "Chelsie"), "Ethan", "audio.voice") == "Ethan"
+    assert resolve_voice(None, ("Ethan", "Chelsie"), "Chelsie", "audio.voice") == "Chelsie"
+    with pytest.raises(PipelineError, match="available: Ethan, Chelsie"):
+        resolve_voice("alloy", ("Ethan", "Chelsie"), "Ethan", "audio.voice")
+    with pytest.raises(PipelineError, match="audio output is not available"):
+        resolve_voice(None, (), "", "audio.voice")
+    assert normalize_modalities(None, ("text",)) == ("text",)
+    assert normalize_modalities(["audio"], ("text",)) == ("text", "audio")
+    assert normalize_modalities(None, ("text", "audio")) == ("text", "audio")
+
+
+def test_stream_chunk_dump_drops_unset_fields_but_keeps_finish_reason() -> None:
+    chunk = ChatCompletionChunk(id="c", created=1, model="m", choices=[ChunkChoice(delta=Delta(content="hi"))])
+    assert dump(chunk, drop_none=True) == {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                           "choices": [{"index": 0, "delta": {"content": "hi"},
+                                                        "finish_reason": None}]}

@@ -1,0 +1,103 @@
+"""Prompt preparation on the built-in tiny Qwen3-Omni folder: chat template, placeholder expansion,
+media features, and the 400s (no user message, prompt longer than max_model_len)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from gateway.events import AudioPart, ChatMessage, ChatRequest, ImagePart, PipelineError, SamplingOverrides, TextPart
+from gateway.media import resample
+
+tiny = pytest.importorskip("omnimesh.models.qwen3_omni.tiny",
+                           reason="the tiny Qwen3-Omni builder (omnimesh/models/qwen3_omni/tiny.py) is not there yet")
+from omnimesh.models.qwen3_omni.tiny_config import SPECIAL_TOKENS  # noqa: E402
+
+from gateway.prompt import PromptBuilder  # noqa: E402
+
+AUDIO_PAD, IMAGE_PAD = SPECIAL_TOKENS["<|audio_pad|>"], SPECIAL_TOKENS["<|image_pad|>"]
+
+
+@pytest.fixture(scope="module")
+def builder(tmp_path_factory: pytest.TempPathFactory) -> PromptBuilder:
+    folder = tiny.build_tiny_qwen3_omni(Path(tmp_path_factory.mktemp("tiny")) / "qwen3-omni")
+    return PromptBuilder(folder, max_model_len=512)
+
+
+def request(*messages: ChatMessage, max_tokens: int | None = None) -> ChatRequest:
+    return ChatRequest(request_id="r", model="m", messages=messages, sampling=SamplingOverrides(max_tokens=max_tokens))
+
+
+def user(*parts: object) -> ChatMessage:
+    return ChatMessage(role="user", content=tuple(parts))  # type: ignore[arg-type]
+
+
+def sine(seconds: float, rate: int) -> np.ndarray:
+    return (0.3 * np.sin(2 * np.pi * 440 * np.arange(int(seconds * rate)) / rate)).astype(np.float32)
+
+
+def test_text_prompt_is_the_templated_token_ids(builder: PromptBuilder) -> None:
+    req = request(ChatMessage("system", (TextPart("be brief"),)), user(TextPart("hello there")))
+    out = builder(req)
+    text, _ = builder.render(req)
+    assert text.startswith("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello there<|im_end|>")
+    assert text.endswith("<|im_start|>assistant\n")
+    expected = builder.processor.tokenizer(text)["input_ids"]
+    assert out.input_ids.dtype == torch.int64 and out.input_ids.ndim == 1 and out.input_ids.tolist() == list(expected)
+    assert out.prompt_tokens == len(expected)
+    assert out.input_features is None and out.feature_attention_mask is None
+    assert out.pixel_values is None and out.image_grid_thw is None
+
+
+def test_audio_and_image_placeholders_match_the_features(builder: PromptBuilder) -> None:
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    out = builder.build(request(user(TextPart("what?"), AudioPart(sine(1.0, 16_000), 16_000),
+                                     ImagePart(Image.new("RGB", (64, 64), (1, 2, 3))),
+                                     AudioPart(sine(0.5, 16_000), 16_000))))
+    assert out.input_features is not None and out.feature_attention_mask is not None
+    assert out.input_features.shape == (2, 128, 100) and out.input_features.dtype == torch.float32
+    assert out.feature_attention_mask.sum(-1).tolist() == [100, 50]  # 10 ms hop, zero-padded to the longest
+    n_audio = int(_get_feat_extract_output_lengths(out.feature_attention_mask.sum(-1), 50).sum())
+    assert int((out.input_ids == AUDIO_PAD).sum()) == n_audio
+    assert out.image_grid_thw is not None and out.image_grid_thw.tolist() == [[1, 4, 4]]
+    assert out.pixel_values is not None and out.pixel_values.shape == (16, 3 * 2 * 16 * 16)
+    assert int((out.input_ids == IMAGE_PAD).sum()) == 16 // 4  # merge 2x2
+    assert out.prompt_tokens == out.input_ids.shape[0]
+
+
+def test_audio_at_another_rate_is_resampled_first(builder: PromptBuilder) -> None:
+    at_8k = builder.build(request(user(AudioPart(sine(0.5, 8000), 8000))))
+    at_16k = builder.build(request(user(AudioPart(resample(sine(0.5, 8000), 8000, 16_000), 16_000))))
+    np.testing.assert_array_equal(at_8k.input_ids, at_16k.input_ids)
+    np.testing.assert_allclose(at_8k.input_features, at_16k.input_features, atol=1e-6)  # type: ignore[arg-type]
+
+
+def test_no_user_message_is_400(builder: PromptBuilder) -> None:
+    with pytest.raises(PipelineError, match="at least one user message") as e:
+        builder.build(request(ChatMessage("system", (TextPart("x"),))))
+    assert e.value.http_status == 400 and e.value.param == "messages"
+
+
+def test_template_rejection_is_400(builder: PromptBuilder) -> None:
+    with pytest.raises(PipelineError, match="chat template rejected") as e:
+        builder.build(request(user(TextPart("a")), ChatMessage("system", (TextPart("late system"),))))
+    assert e.value.http_status == 400
+
+
+def test_prompt_longer_than_max_model_len_is_400_with_both_numbers(builder: PromptBuilder) -> None:
+    req = request(user(TextPart("hello " * 20)))
+    n = builder.build(req).prompt_tokens
+    small = PromptBuilder(builder.processor, max_model_len=n)
+    with pytest.raises(PipelineError, match=f"the prompt is {n} tokens.*max_model_len\\) is {n} tokens") as e:
+        small.build(req)
+    assert e.value.http_status == 400
+    roomy = PromptBuilder(builder.processor, max_model_len=n + 5)
+    assert roomy.build(request(user(TextPart("hello " * 20)), max_tokens=5)).prompt_tokens == n
+    with pytest.raises(PipelineError, match=f"lower max_tokens to at most 5") as e:
+        roomy.build(request(user(TextPart("hello " * 20)), max_tokens=6))
+    assert e.value.param == "max_tokens"

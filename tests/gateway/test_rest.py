@@ -1,0 +1,370 @@
+"""The REST front end through a real uvicorn server on 127.0.0.1: shapes, streaming, the openai client,
+every error path. The pipeline is the scripted double from `gateway_harness`."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+import wave
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from gateway_harness import SAMPLE_RATE, RestServer, ScriptedPipeline, stage_down, tone
+from PIL import Image
+
+from gateway.events import AudioPart, Finished, ImagePart, SamplingOverrides, TextDelta, TextPart
+
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+def wav_file(seconds: float, rate: int = 16_000, channels: int = 1) -> bytes:
+    pcm = (tone(seconds, 440.0, rate) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.repeat(pcm, channels).tobytes())
+    return buf.getvalue()
+
+
+def png_data_uri(w: int = 32, h: int = 24) -> str:
+    buf = io.BytesIO()
+    Image.new("RGBA", (w, h), (10, 200, 30, 128)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def post(server: RestServer, body: dict | bytes, **kw: object) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(f"{server.base_url}/v1/chat/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=10, **kw)  # type: ignore[arg-type]
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=10, **kw)  # type: ignore[arg-type]
+
+
+def sse_events(server: RestServer, body: dict) -> tuple[httpx.Response, list[str]]:
+    """The `data:` payloads of a streamed response, in order."""
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=10) as r:
+        lines = [line for line in r.iter_lines()]
+    return r, [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+def assert_error_shape(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+# ------------------------------------------------------------------------------------ non-streaming
+def test_text_only_completion_shape(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r = post(rest_server, {"model": "tiny-omni", "messages": USER_HI})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["model"] == "tiny-omni" and isinstance(body["created"], int)
+    choice = body["choices"][0]
+    assert choice["index"] == 0 and choice["finish_reason"] == "stop"
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"] == "Hello world"
+    assert choice["message"]["audio"] is None
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    req = pipeline.requests[-1]
+    assert req.modalities == ("text",) and req.voice is None  # OpenAI's default: text only
+    assert req.request_id == body["id"]
+    assert req.messages[0].content == (TextPart("hi"),)
+
+
+def test_audio_completion_is_a_wav_of_the_streamed_samples(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r = post(rest_server, {"model": "tiny-omni", "messages": USER_HI, "modalities": ["text", "audio"],
+                           "audio": {"voice": "chelsie", "format": "wav"}})
+    assert r.status_code == 200, r.text
+    audio = r.json()["choices"][0]["message"]["audio"]
+    assert audio["id"].startswith("audio_") and audio["transcript"] == "Hello world"
+    assert isinstance(audio["expires_at"], int)
+    with wave.open(io.BytesIO(base64.b64decode(audio["data"]))) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE)
+        samples = np.frombuffer(w.readframes(w.getnframes()), "<i2") / 32767.0
+    np.testing.assert_allclose(samples, tone(0.2), atol=1.0 / 32767)
+    assert pipeline.requests[-1].voice == "Chelsie"  # matched case-insensitively, pipeline's spelling
+
+
+def test_pcm16_format_is_raw_samples(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r = post(rest_server, {"messages": USER_HI, "modalities": ["text", "audio"], "audio": {"format": "pcm16"}})
+    assert r.status_code == 200, r.text
+    raw = base64.b64decode(r.json()["choices"][0]["message"]["audio"]["data"])
+    assert len(raw) == int(0.2 * SAMPLE_RATE) * 2 and raw[:4] != b"RIFF"
+    assert pipeline.requests[-1].voice == "Ethan"  # default voice; model defaulted to the first name
+
+
+def test_alias_name_runs_the_pipeline_model(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r = post(rest_server, {"model": "omni-alias", "messages": USER_HI})
+    assert r.status_code == 200 and r.json()["model"] == "omni-alias"
+    assert pipeline.requests[-1].model == "tiny-omni"
+
+
+def test_sampling_stage_params_and_media_reach_the_pipeline(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    body = {
+        "model": "tiny-omni", "temperature": 0, "top_p": 0.9, "seed": 3, "max_tokens": 10,
+        "max_completion_tokens": 50, "frequency_penalty": 0, "user": "u1", "n": 1, "stop": None,
+        "stage_params": {"talker": {"max_tokens": 200, "temperature": 0, "top_k": 10, "repetition_penalty": 1.05}},
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": png_data_uri()}},
+                {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav_file(0.5, 44_100, 2)).decode(),
+                                                        "format": "wav"}}]}]}
+    r = post(rest_server, body)
+    assert r.status_code == 200, r.text
+    req = pipeline.requests[-1]
+    assert req.sampling == SamplingOverrides(temperature=0.0, top_p=0.9, seed=3, max_tokens=50)
+    assert req.stage_params == {"talker": SamplingOverrides(temperature=0.0, top_k=10, max_tokens=200,
+                                                            repetition_penalty=1.05)}
+    system, user = req.messages
+    assert system.role == "system" and system.content == (TextPart("be brief"),)
+    text, image, audio = user.content
+    assert text == TextPart("what is this?")
+    assert isinstance(image, ImagePart) and image.image.mode == "RGB" and image.image.size == (32, 24)
+    assert isinstance(audio, AudioPart) and audio.sample_rate == 16_000 and audio.waveform.shape == (8000,)
+
+
+# ---------------------------------------------------------------------------------------- streaming
+def test_sse_stream_chunks_usage_and_done(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r, events = sse_events(rest_server, {"messages": USER_HI, "stream": True, "modalities": ["text", "audio"],
+                                         "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "Hello world"
+    audio = [c["choices"][0]["delta"]["audio"] for c in chunks if c["choices"] and "audio" in c["choices"][0]["delta"]]
+    assert len(audio) == 2 and len({a["id"] for a in audio}) == 1
+    pcm = np.concatenate([np.frombuffer(base64.b64decode(a["data"]), "<i2") for a in audio]) / 32767.0
+    np.testing.assert_allclose(pcm, tone(0.2), atol=1.0 / 32767)
+    final, usage = chunks[-2], chunks[-1]
+    assert final["choices"][0]["finish_reason"] == "stop" and final["choices"][0]["delta"] == {}
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 9
+    assert pipeline.closed == [pipeline.requests[-1].request_id]
+
+
+def test_error_after_stream_started_is_an_sse_error_then_done(rest_server: RestServer,
+                                                              pipeline: ScriptedPipeline) -> None:
+    pipeline.script = lambda req: [TextDelta("Hel"), stage_down("vocoder")]
+    r, events = sse_events(rest_server, {"messages": USER_HI, "stream": True})
+    assert r.status_code == 200
+    assert json.loads(events[1])["choices"][0]["delta"]["content"] == "Hel"
+    err = json.loads(events[-2])
+    assert set(err) == {"error"} and "vocoder" in err["error"]["message"]
+    assert err["error"]["type"] == "service_unavailable" and err["error"]["code"] == "service_unavailable"
+    assert events[-1] == "[DONE]" and len(events) == 4
+
+
+def test_stream_without_finished_reports_an_internal_error(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    pipeline.script = lambda req: [TextDelta("a")]
+    _, events = sse_events(rest_server, {"messages": USER_HI, "stream": True})
+    assert json.loads(events[-2])["error"]["code"] == "internal_error" and events[-1] == "[DONE]"
+    r = post(rest_server, {"messages": USER_HI})
+    assert "without a Finished" in assert_error_shape(r, 500)["message"]
+
+
+def test_bug_in_pipeline_is_a_500_not_a_crash(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    pipeline.script = lambda req: [TextDelta("a"), RuntimeError("boom")]
+    assert "boom" in assert_error_shape(post(rest_server, {"messages": USER_HI}), 500)["message"]
+    _, events = sse_events(rest_server, {"messages": USER_HI, "stream": True})
+    assert "boom" in json.loads(events[-2])["error"]["message"]
+
+
+def test_error_before_first_event_keeps_its_status_even_when_streaming(rest_server: RestServer,
+                                                                       pipeline: ScriptedPipeline) -> None:
+    pipeline.script = lambda req: [stage_down("thinker")]
+    for stream in (False, True):
+        err = assert_error_shape(post(rest_server, {"messages": USER_HI, "stream": stream}), 503)
+        assert "thinker" in err["message"] and err["type"] == "service_unavailable"
+
+
+def test_client_disconnect_closes_the_pipeline_request(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    pipeline.script = lambda req: [TextDelta("x")] * 200 + [Finished("stop", 1, 200)]
+    pipeline.event_delay_s = 0.02
+    with httpx.stream("POST", f"{rest_server.base_url}/v1/chat/completions",
+                      json={"messages": USER_HI, "stream": True}, timeout=10) as r:
+        for line in r.iter_lines():
+            if '"content":"x"' in line:
+                break
+    deadline = time.monotonic() + 5
+    while not pipeline.closed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pipeline.closed == [pipeline.requests[-1].request_id]
+
+
+# ----------------------------------------------------------------------------- the official client
+def _client(server: RestServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=10)
+
+
+def test_openai_client_non_streaming_audio(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    resp = _client(rest_server).chat.completions.create(
+        model="tiny-omni", messages=USER_HI, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"})
+    msg = resp.choices[0].message
+    assert msg.content == "Hello world" and msg.audio is not None and msg.audio.transcript == "Hello world"
+    with wave.open(io.BytesIO(base64.b64decode(msg.audio.data))) as w:
+        assert w.getframerate() == SAMPLE_RATE and w.getnframes() == int(0.2 * SAMPLE_RATE)
+    assert resp.usage is not None and resp.usage.total_tokens == 9
+
+
+def test_openai_client_streaming_audio(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    stream = _client(rest_server).chat.completions.create(
+        model="tiny-omni", messages=USER_HI, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"},
+        stream=True, stream_options={"include_usage": True},
+        extra_body={"stage_params": {"thinker": {"temperature": 0.5}}})
+    text, pcm, finish, usage = "", b"", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            audio = getattr(c.delta, "audio", None) or (c.delta.model_extra or {}).get("audio")
+            data = audio.get("data") if isinstance(audio, dict) else getattr(audio, "data", None)
+            if data:
+                pcm += base64.b64decode(data)
+            finish = c.finish_reason or finish
+    assert text == "Hello world" and finish == "stop" and usage is not None and usage.completion_tokens == 2
+    assert len(pcm) == int(0.2 * SAMPLE_RATE) * 2
+    assert pipeline.requests[-1].stage_params == {"thinker": SamplingOverrides(temperature=0.5)}
+
+
+def test_openai_client_sees_mid_stream_error(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    pipeline.script = lambda req: [TextDelta("Hel"), stage_down("talker")]
+    stream = _client(rest_server).chat.completions.create(model="tiny-omni", messages=USER_HI, stream=True)
+    seen = ""
+    with pytest.raises(openai.APIError, match="talker"):
+        for chunk in stream:
+            seen += chunk.choices[0].delta.content or "" if chunk.choices else ""
+    assert seen == "Hel"
+
+
+def test_openai_client_error_status(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        _client(rest_server).chat.completions.create(model="nope", messages=USER_HI)
+    with pytest.raises(openai.BadRequestError, match="voice"):
+        _client(rest_server).chat.completions.create(model="tiny-omni", messages=USER_HI, modalities=["text", "audio"],
+                                                     audio={"voice": "alloy", "format": "wav"})
+
+
+# ------------------------------------------------------------------------------------- error paths
+BIG_AUDIO = base64.b64encode(wav_file(6.0)).decode()  # over TEST_LIMITS.max_audio_seconds (5 s)
+
+
+def _user(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "needle"), [
+    (b'{"messages": [', 400, None, "not valid JSON"),
+    (b'[1, 2]', 400, None, "JSON object"),
+    ({"model": "tiny-omni"}, 400, "messages", "Field required"),
+    ({"messages": []}, 400, "messages", "at least 1"),
+    ({"messages": "hi"}, 400, "messages", "list"),
+    ({"messages": USER_HI, "temperature": "hot"}, 400, "temperature", "number"),
+    ({"messages": USER_HI, "max_tokens": "10"}, 400, "max_tokens", "integer"),
+    ({"messages": USER_HI, "stream": "yes"}, 400, "stream", "boolean"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "'user'"),
+    ({"messages": USER_HI, "temperature": 3}, 400, "temperature", "[0, 2]"),
+    ({"messages": USER_HI, "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ({"messages": USER_HI, "n": 2}, 400, None, "n=2"),
+    ({"messages": USER_HI, "modalities": ["image"]}, 400, "modalities[0]", "'text' or 'audio'"),
+    ({"messages": USER_HI, "model": "gpt-4o"}, 404, "model", "gpt-4o"),
+    ({"messages": USER_HI, "modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, 400, "audio.voice", "Chelsie"),
+    ({"messages": USER_HI, "modalities": ["text", "audio"], "audio": {"format": "mp3"}}, 400, "audio.format", "wav, pcm16"),
+    ({"messages": USER_HI, "stage_params": {"vocoder": {}}}, 400, "stage_params.vocoder", "unknown field"),
+    ({"messages": USER_HI, "stage_params": {"talker": {"top_kk": 3}}}, 400, "stage_params.talker.top_kk", "unknown"),
+    ({"messages": USER_HI, "stage_params": {"talker": {"top_k": 0}}}, 400, "stage_params.talker.top_k", ">= 1"),
+    ({"messages": _user({"type": "video_url", "video_url": {"url": "x"}})}, 400, "messages[0].content[0]", "supported"),
+    ({"messages": _user({"type": "image_url"})}, 400, "messages[0].content[0]", "needs a 'image_url'"),
+    ({"messages": _user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}})}, 400,
+     "messages[0].content[0].input_audio.format", "supported: wav"),
+    ({"messages": _user({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}})}, 400,
+     "messages[0].content[0].input_audio", "base64"),
+    ({"messages": _user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})}, 400,
+     "messages[0].content[0].input_audio", "not a WAV"),
+    ({"messages": _user({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}})}, 400,
+     "messages[0].content[0].image_url.url", "scheme 'file:'"),
+    ({"messages": _user({"type": "image_url", "image_url": {"url": "http://example.com/a.png"}})}, 400,
+     "messages[0].content[0].image_url.url", "disabled"),
+    ({"messages": _user({"type": "image_url", "image_url": {"url": "data:text/plain;base64,AAAA"}})}, 400,
+     "messages[0].content[0].image_url.url", "image/*"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": png_data_uri()}}]}]},
+     400, "messages[0].content[0]", "only user messages"),
+    ({"messages": _user({"type": "input_audio", "input_audio": {"data": BIG_AUDIO, "format": "wav"}})}, 413,
+     "messages[0].content[0].input_audio", "limit is 5 s"),
+    ({"messages": _user({"type": "image_url", "image_url": {"url": png_data_uri(300, 300)}})}, 413,
+     "messages[0].content[0].image_url.url", "90000 pixels"),
+    ({"messages": _user(*[{"type": "image_url", "image_url": {"url": png_data_uri()}}] * 5)}, 400, "messages",
+     "limit is 4"),
+    ({"messages": USER_HI, "padding": "x" * 1_100_000}, 413, None, "limit is 1000000"),
+])
+def test_error_status_and_shape(rest_server: RestServer, pipeline: ScriptedPipeline, body: dict | bytes, status: int,
+                                param: str | None, needle: str) -> None:
+    err = assert_error_shape(post(rest_server, body), status)
+    assert err["param"] == param
+    assert needle in err["message"]
+    assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert pipeline.requests == []  # refused before the pipeline saw it
+
+
+def test_oversize_chunked_body_is_cut_off_at_the_limit(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    def body():  # no content-length: the limit must hold while reading
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(20):
+            yield b"x" * 100_000
+        yield b'"}]}'
+
+    r = httpx.post(f"{rest_server.base_url}/v1/chat/completions", content=body(), timeout=10)
+    assert "larger than the limit of 1000000 bytes" in assert_error_shape(r, 413)["message"]
+    assert pipeline.requests == []
+
+
+def test_unknown_route_and_method_use_the_error_shape(rest_server: RestServer) -> None:
+    assert_error_shape(httpx.get(f"{rest_server.base_url}/v1/nothing", timeout=10), 404)
+    assert_error_shape(httpx.get(f"{rest_server.base_url}/v1/chat/completions", timeout=10), 405)
+
+
+# ------------------------------------------------------------------------------ models, health, metrics
+def test_models_list(rest_server: RestServer) -> None:
+    body = httpx.get(f"{rest_server.base_url}/v1/models", timeout=10).json()
+    assert body["object"] == "list"
+    assert [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [
+        ("tiny-omni", "model", "omnimesh"), ("omni-alias", "model", "omnimesh")]
+    assert [m.id for m in _client(rest_server).models.list()] == ["tiny-omni", "omni-alias"]
+
+
+def test_health_names_the_stage_that_is_down(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r = httpx.get(f"{rest_server.base_url}/health", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    pipeline.stages["vocoder"] = False
+    r = httpx.get(f"{rest_server.base_url}/health", timeout=10)
+    assert r.status_code == 503
+    assert r.json()["down"] == ["vocoder"] and "vocoder" in r.json()["message"]
+
+
+def test_metrics_count_requests_by_status(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    def count(text: str, status: str) -> float:
+        key = f'omnimesh:requests_total{{endpoint="chat",status="{status}"}} '
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+    before = httpx.get(f"{rest_server.base_url}/metrics", timeout=10).text
+    post(rest_server, {"messages": USER_HI})
+    post(rest_server, {"messages": USER_HI, "model": "nope"})
+    r = httpx.get(f"{rest_server.base_url}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert count(r.text, "200") == count(before, "200") + 1
+    assert count(r.text, "404") == count(before, "404") + 1
+    assert 'omnimesh:e2e_request_latency_seconds_bucket{endpoint="chat",le="+Inf"}' in r.text
+    assert "omnimesh:time_to_first_token_seconds_count" in r.text
+    assert "omnimesh:requests_running 0.0" in r.text  # every request, streamed or not, settled its gauge
