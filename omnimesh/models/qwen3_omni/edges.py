@@ -1,0 +1,68 @@
+"""What crosses each Qwen3-Omni stage edge, as named tensors (the frames of a StageChunk).
+
+    encoder -> thinker   audio_embeds (n_a, H), audio_feature_lengths (n_audio,), image_embeds (n_i, H),
+                         deepstack_embeds (k, n_i, H), image_grid_thw (n_images, 3)
+    thinker -> talker    first chunk: the TalkerPrompt (prompt_ids, prompt_embeds, multimodal_hidden,
+                         tts_embeds [, image_grid_thw, audio_feature_lengths]); every chunk: token_embeds
+                         (n, H) of the generated tokens the talker speaks; final=True when the text ended
+    talker -> vocoder    codes (num_code_groups, n) int64
+    vocoder -> client    pcm (samples,) float32 at 24 kHz
+
+A tensor missing from an edge is a ValueError naming it (travels as INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omnimesh.models.qwen3_omni.thinker import TalkerPrompt
+
+PROMPT_KEYS = ("prompt_ids", "prompt_embeds", "multimodal_hidden", "tts_embeds")
+
+
+def require(tensors: dict[str, torch.Tensor], name: str, edge: str) -> torch.Tensor:
+    if name not in tensors:
+        raise ValueError(f"{edge}: tensor {name!r} is missing; got {sorted(tensors)}")
+    return tensors[name]
+
+
+def talker_prompt_to_tensors(prompt: TalkerPrompt) -> dict[str, torch.Tensor]:
+    out = {
+        "prompt_ids": prompt.input_ids,
+        "prompt_embeds": prompt.prompt_embeds,
+        "multimodal_hidden": prompt.multimodal_hidden,
+        "tts_embeds": prompt.tts_embeds,
+    }
+    if prompt.image_grid_thw is not None:
+        out["image_grid_thw"] = prompt.image_grid_thw
+    if prompt.audio_feature_lengths is not None:
+        out["audio_feature_lengths"] = prompt.audio_feature_lengths
+    return out
+
+
+def talker_prompt_from_tensors(tensors: dict[str, torch.Tensor]) -> TalkerPrompt:
+    edge = "thinker -> talker"
+    return TalkerPrompt(
+        input_ids=require(tensors, "prompt_ids", edge).long(),
+        prompt_embeds=require(tensors, "prompt_embeds", edge),
+        multimodal_hidden=require(tensors, "multimodal_hidden", edge),
+        tts_embeds=require(tensors, "tts_embeds", edge),
+        image_grid_thw=tensors.get("image_grid_thw"),
+        audio_feature_lengths=tensors.get("audio_feature_lengths"),
+    )
+
+
+def encoder_outputs_to_tensors(
+    audio_embeds: torch.Tensor | None,
+    audio_feature_lengths: torch.Tensor | None,
+    image_embeds: torch.Tensor | None,
+    deepstack: list[torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if audio_embeds is not None:
+        out["audio_embeds"] = audio_embeds
+        out["audio_feature_lengths"] = audio_feature_lengths
+    if image_embeds is not None:
+        out["image_embeds"] = image_embeds
+        out["deepstack_embeds"] = torch.stack(deepstack) if deepstack else image_embeds.new_zeros(0, *image_embeds.shape)
+    return out

@@ -1,0 +1,183 @@
+"""Per-request token sampling that reproduces transformers' `generate` logits processing exactly.
+
+Role: the thinker, the talker and the code predictor each pick tokens through a `Sampler`, one per request
+(it owns the request's seeded `torch.Generator`). The order of operations is the order in which
+`GenerationMixin._get_logits_processor` stacks its processors for the options used here:
+
+    logits (V,) -> repetition penalty (over `history`) -> suppress tokens (-inf)
+                -> [sampling only] temperature -> top-k -> top-p -> softmax -> multinomial(generator)
+                -> [greedy]       argmax
+
+`temperature == 0` means greedy (`do_sample=False`): transformers then skips temperature / top-k / top-p
+but still applies the repetition penalty and suppressed tokens, and so does this file.
+
+What `history` holds is the caller's choice and mirrors `generate`: the thinker is called with `input_ids`,
+so it penalises prompt + generated tokens; the talker is called with `inputs_embeds` only, so it penalises
+its generated codec tokens only; the code predictor has no penalty.
+
+The `*_sampling_params` functions give the defaults `Qwen3OmniMoeForConditionalGeneration.generate` uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks tokens. `temperature == 0` is greedy; `top_k == 0` / `top_p == 1` are off."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 1024
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    suppress_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable it")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}; use 0 to disable it")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}; 1.0 disables it")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Picks tokens for ONE request: logits processing as transformers does it, then argmax or a seeded draw.
+
+    Pass `generator` to share one random stream between samplers of the same request (the talker and its
+    code predictor draw from one stream in `generate`, interleaved in a fixed order).
+    """
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None = None) -> None:
+        self.params = params
+        if generator is None:
+            generator = torch.Generator()
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed)
+        self.generator = generator
+        self._suppress: torch.Tensor | None = (
+            torch.tensor(params.suppress_tokens, dtype=torch.long) if params.suppress_tokens else None
+        )
+
+    def process(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
+        """The processed scores (V,) the token is picked from (penalty, suppression, and warpers if sampling)."""
+        p = self.params
+        scores = logits.to(torch.float32)  # (V,)
+        if p.repetition_penalty != 1.0 and history is not None and history.numel() > 0:
+            scores = apply_repetition_penalty(scores, history, p.repetition_penalty)
+        if self._suppress is not None:
+            vocab = torch.arange(scores.shape[-1], device=scores.device)  # (V,)
+            scores = torch.where(torch.isin(vocab, self._suppress.to(scores.device)), -float("inf"), scores)
+        if p.greedy:
+            return scores
+        if p.temperature != 1.0:
+            scores = scores / p.temperature
+        if p.top_k > 0:
+            scores = apply_top_k(scores, p.top_k)
+        if p.top_p < 1.0:
+            scores = apply_top_p(scores, p.top_p)
+        return scores
+
+    def sample(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> int:
+        """One token id from `logits` (V,), given the tokens `history` (n,) the penalty looks at."""
+        scores = self.process(logits, history)  # (V,)
+        if self.params.greedy:
+            return int(torch.argmax(scores, dim=-1).item())
+        probs = torch.softmax(scores.view(1, -1), dim=-1)  # (1, V)
+        return int(torch.multinomial(probs, num_samples=1, generator=self.generator).item())
+
+    def is_stop(self, token_id: int) -> bool:
+        return token_id in self.params.stop_token_ids
+
+
+def apply_repetition_penalty(scores: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
+    """`RepetitionPenaltyLogitsProcessor`: each id seen once or more is divided (>0) / multiplied (<0) once."""
+    ids = history.to(scores.device).long().view(-1)  # (n,)
+    ids = torch.unique(ids[ids < scores.shape[-1]])  # (u,) ids past the head cannot be generated: ignored
+    picked = scores.gather(0, ids)  # (u,)
+    picked = torch.where(picked < 0, picked * penalty, picked / penalty)  # (u,)
+    return scores.scatter(0, ids, picked)  # (V,)
+
+
+def apply_top_k(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """`TopKLogitsWarper`: keep every score >= the k-th largest (ties at the boundary survive)."""
+    k = min(top_k, scores.shape[-1])
+    kth = torch.topk(scores, k)[0][..., -1, None]  # (1,)
+    return scores.masked_fill(scores < kth, -float("inf"))
+
+
+def apply_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`TopPLogitsWarper`: drop the low tail whose cumulative probability is <= 1 - top_p (keeps >= 1)."""
+    sorted_scores, sorted_idx = torch.sort(scores, descending=False)  # (V,)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # (V,)
+    remove_sorted = cumulative <= (1 - top_p)  # (V,)
+    remove_sorted[-1:] = False
+    remove = remove_sorted.scatter(0, sorted_idx, remove_sorted)  # (V,)
+    return scores.masked_fill(remove, -float("inf"))
+
+
+def thinker_sampling_params(
+    config: Qwen3OmniMoeConfig, generation_config: GenerationConfig | None = None, max_tokens: int = 1024,
+    seed: int | None = None,
+) -> SamplingParams:
+    """What `generate` uses for the thinker: its generation config over transformers' global defaults.
+
+    EOS is `config.im_end_token_id` (pass it as `thinker_eos_token_id` to `generate`: its own default is the
+    real model's 151645). `thinker_max_new_tokens` defaults to 1024 in `generate`.
+    """
+    defaults = GenerationConfig._get_default_generation_params()
+    gc = generation_config if generation_config is not None else GenerationConfig()
+
+    def pick(name: str) -> Any:
+        value = getattr(gc, name, None)
+        return defaults[name] if value is None else value
+
+    do_sample = bool(pick("do_sample"))
+    return SamplingParams(
+        temperature=float(pick("temperature")) if do_sample else 0.0,
+        top_p=float(pick("top_p")), top_k=int(pick("top_k") or 0), seed=seed, max_tokens=max_tokens,
+        repetition_penalty=float(pick("repetition_penalty")),
+        stop_token_ids=(int(config.im_end_token_id),),
+        suppress_tokens=tuple(gc.suppress_tokens or ()),
+    )
+
+
+def talker_sampling_params(
+    config: Qwen3OmniMoeConfig, do_sample: bool = True, max_tokens: int = 4096, seed: int | None = None,
+    temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0, repetition_penalty: float = 1.05,
+) -> SamplingParams:
+    """`generate`'s talker defaults: sampled, top-k 50, T 0.9, penalty 1.05, the top 1024 ids suppressed."""
+    tk: Any = config.talker_config
+    vocab = tk.text_config.vocab_size
+    eos = int(tk.codec_eos_token_id)
+    return SamplingParams(
+        temperature=temperature if do_sample else 0.0, top_p=top_p, top_k=top_k, seed=seed,
+        max_tokens=max_tokens, repetition_penalty=repetition_penalty, stop_token_ids=(eos,),
+        suppress_tokens=tuple(i for i in range(vocab - 1024, vocab) if i != eos),
+    )
+
+
+def code_predictor_sampling_params(talker: SamplingParams) -> SamplingParams:
+    """The code predictor follows the talker's do_sample; when sampling: top-k 50, top-p 0.8, T 1.0."""
+    if talker.greedy:
+        return replace(SamplingParams(temperature=0.0), seed=talker.seed)
+    return SamplingParams(temperature=1.0, top_k=50, top_p=0.8, seed=talker.seed)

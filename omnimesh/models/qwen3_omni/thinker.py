@@ -1,0 +1,217 @@
+"""The thinker stage of Qwen3-Omni, step-wise and request-safe: prefill once, then one token per decode.
+
+Role: runs the thinker LLM for ONE request with an explicit `ThinkerState` (its own KV cache and rope
+delta; the module's `rope_deltas` attribute is never touched), and produces what the talker stage needs.
+
+Data flow (the caller samples with `sampling.Sampler`, history = `state.history()`):
+    prefill(input_ids (L,), audio_embeds, image_embeds, deepstack, image_grid_thw, audio_feature_lengths)
+        embed -> masked_scatter media at the placeholder ids -> M-RoPE positions (mrope.py) -> layers
+        -> (logits (V,) for generated token 0, ThinkerState, TalkerPrompt)
+    decode(state, token_id) -> (logits (V,) for the next token, token_embed (H,) of `token_id`)
+
+Text for the talker: the talker consumes the thinker's layer-0 embedding of every generated token except
+the last one (EOS or the max-tokens token, which `generate` never feeds back). `decode(state, tok)` returns
+exactly that embedding for `tok`, so the first generated token's embedding (the talker's
+`first_text_embed`) is the `token_embed` of the FIRST decode call, and every later decode's `token_embed`
+is pushed to the talker. When the sampled token is final, do not decode it: call `talker.finish_text`.
+If generated token 0 is already final there is no text to speak (`generate` itself crashes there with a
+size mismatch): skip the talker and return empty audio.
+
+Numbers: decode logits equal `generate`'s bit for bit. The prefill applies `lm_head` to the last position
+only; `generate` applies it to all L positions, and that larger GEMM rounds differently (~1e-7 on the
+logits). Paying L x vocab for bit-equality is not worth it on the real model (152K vocab).
+Video placeholders are rejected for now (no `encode_video` yet).
+
+`TalkerPrompt` is the stage boundary: a small dataclass of named tensors, serialised as tensor frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+from omnimesh.models.qwen3_omni.decoder import run_decoder
+from omnimesh.models.qwen3_omni.mrope import MropeSpec, decode_positions, prompt_positions
+
+
+@dataclass
+class TalkerPrompt:
+    """What the talker needs from the prompt (thinker -> talker, once per request)."""
+
+    input_ids: torch.Tensor  # (L,) int64 prompt ids
+    prompt_embeds: torch.Tensor  # (L, H) thinker layer-0 embeddings after the media merge
+    multimodal_hidden: torch.Tensor  # (n_mm, H) thinker hidden at `accept_hidden_layer`, media positions only
+    tts_embeds: torch.Tensor  # (3, H) thinker embeddings of tts_bos, tts_eos, tts_pad (in that order)
+    image_grid_thw: torch.Tensor | None = None  # (n_images, 3) int64
+    audio_feature_lengths: torch.Tensor | None = None  # (n_audios,) int64 valid mel frames per audio
+
+
+@dataclass
+class ThinkerState:
+    """One request's thinker state; owned by the caller, never shared."""
+
+    cache: DynamicCache
+    rope_delta: int  # M-RoPE position of cache slot i is i + rope_delta
+    token_ids: list[int] = field(default_factory=list)  # prompt + every token fed so far
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.token_ids)
+
+    def history(self) -> torch.Tensor:
+        """Ids the thinker's repetition penalty looks at (prompt + generated, as `generate` with input_ids)."""
+        return torch.tensor(self.token_ids, dtype=torch.long)  # (n,)
+
+
+class Qwen3OmniThinker:
+    """Step-wise thinker over already-loaded transformers sub-modules.
+
+    Either `Qwen3OmniThinker(thinker, config)` with a whole `Qwen3OmniMoeThinkerForConditionalGeneration`,
+    or `Qwen3OmniThinker(text_model, lm_head, config)` with only its `Qwen3OmniMoeThinkerTextModel` and
+    `lm_head` (what a thinker stage process loads; the towers live in the encoder stage).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        lm_head_or_config: nn.Module | Qwen3OmniMoeConfig,
+        config: Qwen3OmniMoeConfig | None = None,
+    ) -> None:
+        if isinstance(lm_head_or_config, nn.Module):
+            if config is None:
+                raise ValueError("Qwen3OmniThinker(text_model, lm_head, config): config is missing")
+            self.text_model: Any = module
+            self.lm_head: Any = lm_head_or_config
+        else:
+            if config is not None:
+                raise ValueError("pass Qwen3OmniThinker(thinker, config) or (text_model, lm_head, config)")
+            whole: Any = module
+            self.text_model, self.lm_head = whole.model.language_model, whole.lm_head
+            config = lm_head_or_config
+        self.config = config
+        tc: Any = config.thinker_config
+        tk: Any = config.talker_config
+        self.audio_token_id = int(tc.audio_token_id)
+        self.image_token_id = int(tc.image_token_id)
+        self.video_token_id = int(tc.video_token_id)
+        self.audio_n_window = int(tc.audio_config.n_window)
+        self.deepstack_layers = len(tc.vision_config.deepstack_visual_indexes)
+        self.accept_hidden_layer = int(tk.accept_hidden_layer)
+        self.tts_ids = (int(config.tts_bos_token_id), int(config.tts_eos_token_id), int(config.tts_pad_token_id))
+        self.mrope = MropeSpec.for_thinker(config)
+        n_layers = len(self.text_model.layers)
+        if not 0 <= self.accept_hidden_layer <= n_layers:
+            raise ValueError(
+                f"talker_config.accept_hidden_layer={self.accept_hidden_layer} is outside 0..{n_layers} "
+                f"(the thinker has {n_layers} layers)"
+            )
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.text_model.embed_tokens(ids)  # (..., H)
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        audio_embeds: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        deepstack: list[torch.Tensor] | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        audio_feature_lengths: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ThinkerState, TalkerPrompt]:
+        """Run the prompt; returns (logits (V,) of generated token 0, state, talker prompt)."""
+        ids = input_ids.view(-1).long()  # (L,)
+        self._check_media(ids, audio_embeds, image_embeds, deepstack, image_grid_thw, audio_feature_lengths)
+        embeds = self._embed(ids).unsqueeze(0)  # (1, L, H)
+        if audio_embeds is not None:
+            audio_mask = (ids == self.audio_token_id).view(1, -1, 1).expand_as(embeds)  # (1, L, H)
+            embeds = embeds.masked_scatter(audio_mask, audio_embeds.to(embeds.dtype))
+        visual_mask = None
+        if image_embeds is not None:
+            image_mask = (ids == self.image_token_id).view(1, -1, 1).expand_as(embeds)  # (1, L, H)
+            embeds = embeds.masked_scatter(image_mask, image_embeds.to(embeds.dtype))
+            visual_mask = (ids == self.image_token_id).view(1, -1)  # (1, L)
+        positions, rope_delta = prompt_positions(ids, self.mrope, image_grid_thw, audio_feature_lengths)
+        cache = DynamicCache(config=self.text_model.config)
+        out = run_decoder(
+            self.text_model, embeds, positions, cache, visual_pos_mask=visual_mask,
+            deepstack=deepstack if image_embeds is not None else None, capture_layer=self.accept_hidden_layer,
+        )
+        logits = self.lm_head(out.last_hidden[:, -1])[0]  # (V,)
+        mm_mask = (ids == self.audio_token_id) | (ids == self.image_token_id) | (ids == self.video_token_id)  # (L,)
+        # `captured` is always set: the layer index was checked in __init__
+        captured = out.captured if out.captured is not None else out.last_hidden
+        prompt = TalkerPrompt(
+            input_ids=ids.clone(),
+            prompt_embeds=embeds[0].clone(),  # (L, H)
+            multimodal_hidden=captured[0][mm_mask].clone(),  # (n_mm, H)
+            tts_embeds=self._embed(torch.tensor(self.tts_ids, dtype=torch.long)),  # (3, H)
+            image_grid_thw=None if image_grid_thw is None else image_grid_thw.clone(),
+            audio_feature_lengths=None if audio_feature_lengths is None else audio_feature_lengths.view(-1).clone(),
+        )
+        state = ThinkerState(cache=cache, rope_delta=rope_delta, token_ids=ids.tolist())
+        return logits, state, prompt
+
+    @torch.no_grad()
+    def decode(self, state: ThinkerState, token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed one sampled token; returns (logits (V,) of the next token, token_embed (H,) of `token_id`)."""
+        embed = self._embed(torch.tensor([[token_id]], dtype=torch.long))  # (1, 1, H)
+        positions = decode_positions(state.seq_len, state.rope_delta)  # (4, 1, 1)
+        out = run_decoder(self.text_model, embed, positions, state.cache)
+        state.token_ids.append(int(token_id))
+        return self.lm_head(out.last_hidden[:, -1])[0], embed[0, 0]  # (V,), (H,)
+
+    def _check_media(
+        self,
+        ids: torch.Tensor,
+        audio_embeds: torch.Tensor | None,
+        image_embeds: torch.Tensor | None,
+        deepstack: list[torch.Tensor] | None,
+        image_grid_thw: torch.Tensor | None,
+        audio_feature_lengths: torch.Tensor | None,
+    ) -> None:
+        n_audio = int((ids == self.audio_token_id).sum())
+        n_image = int((ids == self.image_token_id).sum())
+        if int((ids == self.video_token_id).sum()):
+            raise ValueError("video placeholders in the prompt: video input is not supported yet")
+        got_audio = 0 if audio_embeds is None else audio_embeds.shape[0]
+        if n_audio != got_audio:
+            raise ValueError(f"prompt has {n_audio} audio placeholder ids but {got_audio} audio embeddings were given")
+        if audio_embeds is not None:
+            if audio_feature_lengths is None:
+                raise ValueError("audio_embeds given without audio_feature_lengths (valid mel frames per audio)")
+            expected = int(_get_feat_extract_output_lengths(audio_feature_lengths.view(-1), self.audio_n_window).sum())
+            if expected != n_audio:
+                raise ValueError(
+                    f"audio_feature_lengths {audio_feature_lengths.tolist()} give {expected} audio tokens, "
+                    f"the prompt has {n_audio} audio placeholders"
+                )
+        got_image = 0 if image_embeds is None else image_embeds.shape[0]
+        if n_image != got_image:
+            raise ValueError(f"prompt has {n_image} image placeholder ids but {got_image} image embeddings were given")
+        if image_embeds is not None:
+            if image_grid_thw is None:
+                raise ValueError("image_embeds given without image_grid_thw (n_images, 3)")
+            merge = self.mrope.spatial_merge_size**2
+            if int(image_grid_thw.prod(-1).sum()) // merge != n_image:
+                raise ValueError(
+                    f"image_grid_thw {image_grid_thw.tolist()} gives {int(image_grid_thw.prod(-1).sum()) // merge} "
+                    f"image tokens, the prompt has {n_image} image placeholders"
+                )
+            n_deep = self.deepstack_layers
+            if len(deepstack or []) != n_deep:
+                raise ValueError(f"expected {n_deep} deepstack feature tensors (one per deepstack layer), got "
+                                 f"{len(deepstack or [])}; pass what Qwen3OmniEncoder.encode_image returns")
+            for i, feat in enumerate(deepstack or []):
+                if feat.shape != image_embeds.shape:
+                    raise ValueError(
+                        f"deepstack[{i}] has shape {tuple(feat.shape)}, expected {tuple(image_embeds.shape)}"
+                    )
+        elif deepstack:
+            raise ValueError("deepstack features given without image_embeds")

@@ -1,0 +1,132 @@
+"""Test helpers for the Qwen3-Omni adapter: a seeded tiny model and hand-built prompts.
+
+Role: builds the tiny random `Qwen3OmniMoeForConditionalGeneration` deterministically (transformers leaves the
+talker's routed-expert tensors uninitialised, so they are filled here under a seeded generator) and the
+token-id prompts / random media the parity tests feed it. Imported by tests, never by the package.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import Qwen3OmniMoeForConditionalGeneration
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeCode2Wav,
+    _get_feat_extract_output_lengths,
+)
+
+from omnimesh.models.qwen3_omni.tiny_config import ROLE_TOKENS, SPECIAL_TOKENS, tiny_qwen3_omni_config
+
+IM_START = SPECIAL_TOKENS["<|im_start|>"]
+IM_END = SPECIAL_TOKENS["<|im_end|>"]
+AUDIO_START = SPECIAL_TOKENS["<|audio_start|>"]
+AUDIO_END = SPECIAL_TOKENS["<|audio_end|>"]
+AUDIO_PAD = SPECIAL_TOKENS["<|audio_pad|>"]
+VISION_START = SPECIAL_TOKENS["<|vision_start|>"]
+VISION_END = SPECIAL_TOKENS["<|vision_end|>"]
+IMAGE_PAD = SPECIAL_TOKENS["<|image_pad|>"]
+USER = ROLE_TOKENS["user"]
+ASSISTANT = ROLE_TOKENS["assistant"]
+SYSTEM = ROLE_TOKENS["system"]
+NEWLINE = 10  # any ordinary id < 400 stands in for "\n"
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with `n` intra-op threads. Tiny models are fastest on one thread, and on a shared 2-core box
+    OpenMP's spinning threads make every small op ~20x slower; test modules wrap themselves in this."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_tiny_model(seed: int = 0) -> Qwen3OmniMoeForConditionalGeneration:
+    """The tiny random model, byte-identical for one seed (routed experts filled with N(0, 0.02))."""
+    torch.manual_seed(seed)
+    model = Qwen3OmniMoeForConditionalGeneration(tiny_qwen3_omni_config()).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith("talker.") and ("experts.gate_up_proj" in name or "experts.down_proj" in name):
+                param.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+@dataclass
+class Media:
+    """Random media inputs in the processor's layout, plus the placeholder counts they need."""
+
+    input_features: torch.Tensor | None = None  # (1, n_mel, T)
+    feature_attention_mask: torch.Tensor | None = None  # (1, T)
+    n_audio_tokens: int = 0
+    pixel_values: torch.Tensor | None = None  # (n_patches, C * tp * p * p)
+    image_grid_thw: torch.Tensor | None = None  # (1, 3)
+    n_image_tokens: int = 0
+
+
+def audio_output_length(n_frames: int, n_window: int) -> int:
+    """The audio tower's output length for `n_frames` mel frames (the model's own formula)."""
+    return int(_get_feat_extract_output_lengths(torch.tensor(n_frames), n_window))
+
+
+def make_media(model: Qwen3OmniMoeForConditionalGeneration, audio: bool, image: bool, seed: int = 1) -> Media:
+    gen = torch.Generator().manual_seed(seed)
+    media = Media()
+    if audio:
+        cfg: Any = model.config.thinker_config.audio_config  # type: ignore[union-attr]
+        n_frames, n_valid = 320, 300  # padded to 320 frames, 300 real
+        media.input_features = torch.randn(1, cfg.num_mel_bins, n_frames, generator=gen)
+        mask = torch.zeros(1, n_frames, dtype=torch.long)
+        mask[:, :n_valid] = 1
+        media.feature_attention_mask = mask
+        media.n_audio_tokens = audio_output_length(n_valid, cfg.n_window)
+    if image:
+        vcfg: Any = model.config.thinker_config.vision_config  # type: ignore[union-attr]
+        grid = torch.tensor([[1, 4, 4]])
+        n_patches = int(grid.prod())
+        patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
+        media.pixel_values = torch.randn(n_patches, patch_dim, generator=gen)
+        media.image_grid_thw = grid
+        media.n_image_tokens = n_patches // vcfg.spatial_merge_size**2
+    return media
+
+
+def chat_prompt(media: Media, text: tuple[int, ...] = (20, 21, 22, 23)) -> torch.Tensor:
+    """`<im_start>system ... <im_end>\\n<im_start>user [media] text <im_end>\\n<im_start>assistant\\n` as ids."""
+    ids: list[int] = [IM_START, SYSTEM, NEWLINE, 30, 31, IM_END, NEWLINE, IM_START, USER, NEWLINE]
+    if media.n_audio_tokens:
+        ids += [AUDIO_START] + [AUDIO_PAD] * media.n_audio_tokens + [AUDIO_END]
+    if media.n_image_tokens:
+        ids += [VISION_START] + [IMAGE_PAD] * media.n_image_tokens + [VISION_END]
+    ids += list(text) + [IM_END, NEWLINE, IM_START, ASSISTANT, NEWLINE]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def audible_code2wav(seed: int = 0, gain: float = 0.6) -> Qwen3OmniMoeCode2Wav:
+    """A tiny code2wav whose output has a realistic amplitude (~0.03 mean, ~0.35 peak).
+
+    The default init gives a waveform of ~1e-6 amplitude, which makes any absolute tolerance vacuous; here
+    every conv is re-drawn with std gain / sqrt(fan_in) so that absolute errors mean something.
+    """
+    torch.manual_seed(seed)
+    config: Any = tiny_qwen3_omni_config().code2wav_config
+    code2wav = Qwen3OmniMoeCode2Wav(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mod in list(code2wav.upsample.modules()) + list(code2wav.decoder.modules()):
+            if isinstance(mod, torch.nn.Conv1d):
+                fan_in = mod.weight.shape[1] * mod.weight.shape[2]
+            elif isinstance(mod, torch.nn.ConvTranspose1d):
+                fan_in = mod.weight.shape[0] * mod.weight.shape[2] // mod.stride[0]
+            else:
+                continue
+            mod.weight.normal_(0.0, gain / math.sqrt(fan_in), generator=gen)
+    return code2wav

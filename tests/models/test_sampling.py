@@ -1,0 +1,131 @@
+"""`Sampler` follows transformers' logits processors: penalty, suppression, temperature, top-k, top-p, seeds.
+
+Run: python -m pytest tests/models/test_sampling.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from omnimesh.models.qwen3_omni.sampling import (
+    Sampler,
+    SamplingParams,
+    code_predictor_sampling_params,
+    talker_sampling_params,
+    thinker_sampling_params,
+)
+from omnimesh.models.qwen3_omni.tiny_config import CODEC_IDS, CODEC_VOCAB, tiny_qwen3_omni_config
+
+
+def logits(seed: int = 0, vocab: int = 64) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3  # (V,) both signs
+
+
+def test_greedy_is_argmax_after_penalty() -> None:
+    raw = logits()
+    top = int(raw.argmax())
+    sampler = Sampler(SamplingParams(temperature=0.0, repetition_penalty=1e6))
+    assert sampler.sample(raw, torch.tensor([], dtype=torch.long)) == top
+    picked = sampler.sample(raw, torch.tensor([top]))  # the penalty pushes the favourite out
+    assert picked != top
+    assert picked == int(RepetitionPenaltyLogitsProcessor(1e6)(torch.tensor([[top]]), raw.view(1, -1)).argmax())
+    # greedy ignores the warpers, like transformers with do_sample=False
+    assert Sampler(SamplingParams(temperature=0.0, top_k=1, top_p=0.01)).sample(raw) == top
+
+
+@pytest.mark.parametrize("penalty", [1.05, 1.3, 0.8])
+def test_repetition_penalty_matches_transformers(penalty: float) -> None:
+    raw = logits(1)
+    pos = torch.nonzero(raw > 0).flatten()[:3].tolist()
+    neg = torch.nonzero(raw < 0).flatten()[:3].tolist()
+    history = torch.tensor([pos[0], neg[0], pos[0], pos[1], neg[1], neg[1], pos[2], neg[2]])  # repeats count once
+    expected = RepetitionPenaltyLogitsProcessor(penalty)(history.view(1, -1), raw.view(1, -1).clone())[0]
+    ours = Sampler(SamplingParams(temperature=0.0, repetition_penalty=penalty)).process(raw, history)
+    assert torch.equal(ours, expected)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[history] = False
+    assert torch.equal(ours[untouched], raw[untouched])
+
+
+def test_full_chain_matches_transformers_processors() -> None:
+    raw = logits(2)
+    history = torch.tensor([1, 2, 5])
+    suppress = (0, 5, 9)
+    params = SamplingParams(temperature=0.7, top_k=10, top_p=0.8, repetition_penalty=1.2, suppress_tokens=suppress)
+    ids = history.view(1, -1)
+    expected = raw.view(1, -1).clone()
+    for proc in (
+        RepetitionPenaltyLogitsProcessor(1.2), SuppressTokensLogitsProcessor(list(suppress)),
+        TemperatureLogitsWarper(0.7), TopKLogitsWarper(10), TopPLogitsWarper(0.8),
+    ):
+        expected = proc(ids, expected)
+    assert torch.equal(Sampler(params).process(raw, history), expected[0])
+
+
+def test_suppressed_tokens_never_sampled() -> None:
+    raw = torch.zeros(32)
+    raw[:4] = 10.0  # the favourites are suppressed
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0, suppress_tokens=(0, 1, 2, 3)))
+    draws = {sampler.sample(raw) for _ in range(300)}
+    assert draws.isdisjoint({0, 1, 2, 3}) and len(draws) > 10
+    assert Sampler(SamplingParams(temperature=0.0, suppress_tokens=(0, 1, 2, 3))).sample(raw) >= 4
+
+
+def test_top_k_and_top_p_restrict_support() -> None:
+    raw = logits(3)
+    order = torch.argsort(raw, descending=True)
+    top_k = {Sampler(SamplingParams(top_k=5, seed=s)).sample(raw) for s in range(200)}
+    assert top_k <= set(order[:5].tolist()) and len(top_k) >= 3
+    probs = torch.softmax(raw, -1)[order]
+    nucleus = int((torch.cumsum(probs, 0) < 0.5).sum()) + 1  # smallest prefix reaching 0.5
+    top_p = {Sampler(SamplingParams(top_p=0.5, seed=s)).sample(raw) for s in range(200)}
+    assert top_p <= set(order[:nucleus].tolist())
+    assert nucleus < 64
+
+
+def test_same_seed_same_samples() -> None:
+    raw = logits(4)
+    params = SamplingParams(temperature=1.3, seed=7)
+    s1, s2, s3 = Sampler(params), Sampler(params), Sampler(SamplingParams(temperature=1.3, seed=8))
+    seq1 = [s1.sample(raw) for _ in range(50)]
+    seq2 = [s2.sample(raw) for _ in range(50)]
+    seq3 = [s3.sample(raw) for _ in range(50)]
+    assert seq1 == seq2 and seq1 != seq3
+    # the draw is torch.multinomial on the same generator stream as transformers' sampling step
+    torch.manual_seed(7)
+    assert seq1[0] == int(torch.multinomial(torch.softmax(raw / 1.3, -1).view(1, -1), 1))
+
+
+def test_generate_defaults() -> None:
+    config = tiny_qwen3_omni_config()
+    talker = talker_sampling_params(config)
+    eos = CODEC_IDS["codec_eos_token_id"]
+    assert (talker.temperature, talker.top_k, talker.top_p, talker.repetition_penalty) == (0.9, 50, 1.0, 1.05)
+    assert talker.max_tokens == 4096 and talker.stop_token_ids == (eos,)
+    assert set(talker.suppress_tokens) == set(range(CODEC_VOCAB - 1024, CODEC_VOCAB)) - {eos}
+    assert talker_sampling_params(config, do_sample=False).greedy
+    assert code_predictor_sampling_params(talker_sampling_params(config, do_sample=False)).greedy
+    cp = code_predictor_sampling_params(talker)
+    assert (cp.temperature, cp.top_k, cp.top_p) == (1.0, 50, 0.8)
+    thinker = thinker_sampling_params(config)
+    assert thinker.greedy and thinker.stop_token_ids == (config.im_end_token_id,)
+    sampled = thinker_sampling_params(config, GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95))
+    assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.6, 0.95, 50)  # top_k: global default
+
+
+def test_invalid_params() -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
