@@ -1,0 +1,46 @@
+"""The talker stage service (services/llm, role talker): loads the talker + code predictor and opens a
+TalkerTask per request; sampling defaults are the ones `generate` uses for the talker.
+
+Run: `omnimesh stage talker --model DIR --port 50053`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omnimesh.config.serve_args import ServeArgs
+from omnimesh.models.qwen3_omni.sampling import talker_sampling_params
+from omnimesh.models.qwen3_omni.stage_loading import load_talker
+from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker
+from omnimesh.stage_registry import resolve_dtype
+from omnimesh.v1 import stage_pb2
+from services.llm.sampling import merge_sampling
+from services.llm.talker_task import TalkerTask
+
+
+DEFAULT_SPEAKER = "ethan"
+
+
+class TalkerHandler:
+    name = "talker"
+
+    def __init__(self, talker: Qwen3OmniTalker, model_name: str):
+        self.talker = talker
+        self.defaults = talker_sampling_params(talker.config)
+        self.model_name = model_name
+        # the default voice first: `generate` speaks as "Ethan" unless told otherwise
+        self.speakers = sorted(talker.speakers, key=lambda name: (name != DEFAULT_SPEAKER, name))
+
+    def info(self) -> stage_pb2.StageInfo:
+        return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
+                                   pipeline_parallel_size=1, tensor_parallel_size=1, device="cpu",
+                                   speakers=self.speakers)
+
+    def open(self, msg: stage_pb2.Open) -> TalkerTask:
+        params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
+        speaker = msg.options.get("speaker") or self.speakers[0]
+        return TalkerTask(msg.request_id, self.talker, speaker, params)
+
+
+def build_handler(model_dir: Path, args: ServeArgs) -> TalkerHandler:
+    return TalkerHandler(load_talker(model_dir, resolve_dtype(args)), model_dir.name)

@@ -1,0 +1,56 @@
+"""The thinker stage service (services/llm, role thinker): loads the language model + lm_head and the
+tokenizer, and opens a ThinkerTask per request with the model's own sampling defaults under the
+caller's overrides.
+
+Run: `omnimesh stage thinker --model DIR --port 50052`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, GenerationConfig
+
+from omnimesh.config.serve_args import ServeArgs
+from omnimesh.models.qwen3_omni.sampling import thinker_sampling_params
+from omnimesh.models.qwen3_omni.stage_loading import load_thinker
+from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
+from omnimesh.stage_registry import resolve_dtype
+from omnimesh.v1 import stage_pb2
+from services.llm.sampling import merge_sampling
+from services.llm.thinker_task import ThinkerTask
+
+
+class ThinkerHandler:
+    name = "thinker"
+
+    def __init__(self, thinker: Qwen3OmniThinker, tokenizer: object, generation_config: GenerationConfig | None,
+                 model_name: str, max_model_len: int):
+        self.thinker = thinker
+        self.tokenizer = tokenizer
+        self.defaults = thinker_sampling_params(thinker.config, generation_config)
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+
+    def info(self) -> stage_pb2.StageInfo:
+        return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
+                                   pipeline_parallel_size=1, tensor_parallel_size=1, device="cpu")
+
+    def open(self, msg: stage_pb2.Open) -> ThinkerTask:
+        params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
+        return ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
+                           talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len)
+
+
+def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
+    thinker = load_thinker(model_dir, resolve_dtype(args))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+    except OSError:
+        gen = None
+    limit = int(thinker.config.thinker_config.text_config.max_position_embeddings)
+    max_len = args.max_model_len or limit
+    if max_len > limit:
+        raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings {limit}")
+    return ThinkerHandler(thinker, tokenizer, gen, model_dir.name, max_len)

@@ -1,0 +1,54 @@
+"""VocoderTask: one request in the vocoder stage — codec code groups in, 24 kHz audio chunks out.
+
+Data flow: `codes` (Q, n) chunks are queued; an engine step runs when at least `window` codes wait (or
+the input ended), decodes them through a `Code2WavStreamer` (left context + look-ahead handled there, so
+the concatenated stream equals one-piece decoding) and emits `pcm` (samples,) float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omnimesh.engine.task import StageTask
+from omnimesh.models.qwen3_omni.code2wav import Code2WavStreamer
+from omnimesh.models.qwen3_omni.edges import require
+from omnimesh.transport.frames import StageChunk
+
+EDGE = "talker -> vocoder"
+
+
+class VocoderTask(StageTask):
+    def __init__(self, request_id: str, code2wav: torch.nn.Module, window: int):
+        super().__init__(request_id)
+        self.streamer = Code2WavStreamer(code2wav, window=1)  # windowing is done here, per engine step
+        self.window = window
+        self.codebook = int(code2wav.config.codebook_size)
+        self.pending: list[torch.Tensor] = []
+        self.n_pending = 0
+        self.ended = False
+
+    def feed(self, chunk: StageChunk) -> None:
+        if "codes" in chunk.tensors:
+            codes = require(chunk.tensors, "codes", EDGE).long()
+            if codes.dim() != 2 or codes.shape[0] != self.streamer.num_quantizers:
+                raise ValueError(f"{EDGE}: codes must be ({self.streamer.num_quantizers}, n), got {tuple(codes.shape)}")
+            if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.codebook):
+                raise ValueError(f"{EDGE}: codes must be in [0, {self.codebook}), got [{int(codes.min())}, {int(codes.max())}]")
+            self.pending.append(codes)
+            self.n_pending += codes.shape[1]
+        self.ended = chunk.final
+
+    def ready(self) -> bool:
+        return self.n_pending >= self.window or self.ended
+
+    def step(self) -> list[StageChunk]:
+        pcm = torch.zeros(0)
+        if self.pending:
+            codes = torch.cat(self.pending, dim=1)  # (Q, n)
+            self.pending, self.n_pending = [], 0
+            self.completion_tokens += codes.shape[1]
+            pcm = self.streamer.feed(codes)
+        if self.ended and not self.pending:
+            pcm = torch.cat([pcm, self.streamer.flush()])
+            self.finished = True
+        return [StageChunk(tensors={"pcm": pcm.to(torch.float32)})] if pcm.numel() or self.finished else []
