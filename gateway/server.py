@@ -27,9 +27,17 @@ from omnimesh.transport.stage_client import StageClient
 log = logging.getLogger(__name__)
 
 
+def model_max_len(model_dir: Path) -> int:
+    """The model's own context limit (its text config's max_position_embeddings)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return int(config.get_text_config().max_position_embeddings)
+
+
 def build_pipeline(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> StagePipeline:
     name = args.served_model_name or model_dir.name
-    builder = PromptBuilder(model_dir, max_model_len=args.max_model_len)
+    builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir))
     clients = {stage: StageClient(stage, addr) for stage, addr in stage_addrs.items()}
     return StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk)
 

@@ -7,7 +7,6 @@ token-id prompts / random media the parity tests feed it. Imported by tests, nev
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     _get_feat_extract_output_lengths,
 )
 
+from omnimesh.models.qwen3_omni import tiny
 from omnimesh.models.qwen3_omni.tiny_config import ROLE_TOKENS, SPECIAL_TOKENS, tiny_qwen3_omni_config
 
 IM_START = SPECIAL_TOKENS["<|im_start|>"]
@@ -49,15 +49,8 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 def build_tiny_model(seed: int = 0) -> Qwen3OmniMoeForConditionalGeneration:
-    """The tiny random model, byte-identical for one seed (routed experts filled with N(0, 0.02))."""
-    torch.manual_seed(seed)
-    model = Qwen3OmniMoeForConditionalGeneration(tiny_qwen3_omni_config()).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.startswith("talker.") and ("experts.gate_up_proj" in name or "experts.down_proj" in name):
-                param.normal_(0.0, 0.02, generator=gen)
-    return model
+    """The tiny random model exactly as `omnimesh make-tiny` builds it (experts filled, vocoder audible)."""
+    return tiny.build_tiny_model(seed)
 
 
 @dataclass
@@ -110,23 +103,7 @@ def chat_prompt(media: Media, text: tuple[int, ...] = (20, 21, 22, 23)) -> torch
     return torch.tensor(ids, dtype=torch.long)
 
 
-def audible_code2wav(seed: int = 0, gain: float = 0.6) -> Qwen3OmniMoeCode2Wav:
-    """A tiny code2wav whose output has a realistic amplitude (~0.03 mean, ~0.35 peak).
-
-    The default init gives a waveform of ~1e-6 amplitude, which makes any absolute tolerance vacuous; here
-    every conv is re-drawn with std gain / sqrt(fan_in) so that absolute errors mean something.
-    """
-    torch.manual_seed(seed)
-    config: Any = tiny_qwen3_omni_config().code2wav_config
-    code2wav = Qwen3OmniMoeCode2Wav(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for mod in list(code2wav.upsample.modules()) + list(code2wav.decoder.modules()):
-            if isinstance(mod, torch.nn.Conv1d):
-                fan_in = mod.weight.shape[1] * mod.weight.shape[2]
-            elif isinstance(mod, torch.nn.ConvTranspose1d):
-                fan_in = mod.weight.shape[0] * mod.weight.shape[2] // mod.stride[0]
-            else:
-                continue
-            mod.weight.normal_(0.0, gain / math.sqrt(fan_in), generator=gen)
-    return code2wav
+def audible_code2wav(seed: int = 0) -> Qwen3OmniMoeCode2Wav:
+    """The tiny model's code2wav: its convs are re-drawn at build time so the waveform has a realistic
+    amplitude (~0.3 peak) and absolute tolerances mean something."""
+    return tiny.build_tiny_model(seed).code2wav
