@@ -7,7 +7,6 @@ EngineLoop + StageServicer on a grpc.aio server (uvloop) with health and reflect
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable

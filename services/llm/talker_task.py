@@ -9,7 +9,6 @@ code predictor) when its text entry is known (`can_step`); a finished code group
 
 from __future__ import annotations
 
-import torch
 
 from omnimesh.engine.task import StageTask
 from omnimesh.models.qwen3_omni.edges import talker_prompt_from_tensors

@@ -98,6 +98,6 @@ def test_prompt_longer_than_max_model_len_is_400_with_both_numbers(builder: Prom
     assert e.value.http_status == 400
     roomy = PromptBuilder(builder.processor, max_model_len=n + 5)
     assert roomy.build(request(user(TextPart("hello " * 20)), max_tokens=5)).prompt_tokens == n
-    with pytest.raises(PipelineError, match=f"lower max_tokens to at most 5") as e:
+    with pytest.raises(PipelineError, match="lower max_tokens to at most 5") as e:
         roomy.build(request(user(TextPart("hello " * 20)), max_tokens=6))
     assert e.value.param == "max_tokens"

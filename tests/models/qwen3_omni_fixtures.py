@@ -20,7 +20,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omnimesh.models.qwen3_omni import tiny
-from omnimesh.models.qwen3_omni.tiny_config import ROLE_TOKENS, SPECIAL_TOKENS, tiny_qwen3_omni_config
+from omnimesh.models.qwen3_omni.tiny_config import ROLE_TOKENS, SPECIAL_TOKENS
 
 IM_START = SPECIAL_TOKENS["<|im_start|>"]
 IM_END = SPECIAL_TOKENS["<|im_end|>"]

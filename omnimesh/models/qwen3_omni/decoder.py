@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 

@@ -1,0 +1,123 @@
+"""Start and stop real omnimesh processes on 127.0.0.1 for end-to-end tests (bounded waits throughout)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    """A child process whose output is collected in the background (so pipes never fill up)."""
+
+    argv: list[str]
+    proc: subprocess.Popen = field(init=False)
+    lines: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omnimesh.cli", *self.argv], cwd=REPO, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines[-80:])
+
+    def wait_for_line(self, pattern: str, timeout_s: float = START_TIMEOUT_S) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        regex = re.compile(pattern)
+        seen = 0
+        while time.monotonic() < deadline:
+            while seen < len(self.lines):
+                m = regex.search(self.lines[seen])
+                seen += 1
+                if m:
+                    return m
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.argv[0]} exited with {self.proc.returncode}:\n{self.output()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"no line matching {pattern!r} within {timeout_s}s:\n{self.output()}")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+@dataclass
+class Mesh:
+    proc: Proc
+    rest: str  # http://127.0.0.1:PORT
+    grpc: str  # 127.0.0.1:PORT
+    stages: dict[str, str]  # name -> host:port
+
+
+def start_mesh(model_dir: Path, *extra: str) -> Mesh:
+    port, grpc_port = free_port(), free_port()
+    proc = Proc(["serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port),
+                 "--stage-base-port", "0", *extra])
+    try:
+        m = proc.wait_for_line(r"omnimesh serving .* stages (.*)$")
+    except Exception:
+        proc.stop()
+        raise
+    stages = dict(item.split("@") for item in m.group(1).split(", "))
+    return Mesh(proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", stages)
+
+
+def start_gateway(model_dir: Path, stages: dict[str, str], *extra: str) -> tuple[Proc, str]:
+    port = free_port()
+    spec = ",".join(f"{k}={v}" for k, v in stages.items())
+    proc = Proc(["gateway", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                 "--grpc-port", str(free_port()), "--stages", spec, *extra])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"gateway exited with {proc.proc.returncode}:\n{proc.output()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code in (200, 503):
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.stop()
+    raise TimeoutError(f"gateway did not come up:\n{proc.output()}")
+
+
+def start_stage(model_dir: Path, stage: str) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc(["stage", stage, "--model", str(model_dir), "--port", str(port)])
+    proc.wait_for_line(rf"omnimesh stage {stage} listening")
+    return proc, f"127.0.0.1:{port}"

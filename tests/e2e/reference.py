@@ -1,0 +1,111 @@
+"""The `transformers` reference for end-to-end parity: `Qwen3OmniMoeForConditionalGeneration.generate`
+on the same folder, same chat template and processor, greedy thinker and talker, same speaker."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import wave
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from gateway.events import ChatMessage, ChatRequest, TextPart
+from gateway.media import decode_image, wav_to_audio_part
+from gateway.prompt import PromptBuilder
+
+
+def sine_wav(seconds: float = 1.0, rate: int = 16000, freq: float = 440.0) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (0.3 * np.sin(2 * math.pi * freq * t) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+def png_bytes(size: int = 64, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def openai_content(text: str, wav: bytes | None, png: bytes | None) -> list[dict]:
+    parts: list[dict] = []
+    if wav is not None:
+        parts.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}})
+    if png is not None:
+        parts.append({"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}})
+    parts.append({"type": "text", "text": text})
+    return parts
+
+
+def chat_request(text: str, wav: bytes | None, png: bytes | None, *, max_tokens: int, talker_max: int,
+                 voice: str = "ethan", modalities: tuple[str, ...] = ("text", "audio")) -> ChatRequest:
+    """The same request as `openai_content` builds, in the gateway's in-process form."""
+    from gateway.events import SamplingOverrides
+
+    parts: list = []
+    if wav is not None:
+        parts.append(wav_to_audio_part(wav, max_seconds=600, param="audio"))
+    if png is not None:
+        parts.append(decode_image(png, max_pixels=4096 * 4096, param="image"))
+    parts.append(TextPart(text))
+    return ChatRequest(
+        request_id="ref", model="tiny", messages=(ChatMessage("user", tuple(parts)),), modalities=modalities,
+        voice=voice, sampling=SamplingOverrides(temperature=0.0, max_tokens=max_tokens),
+        stage_params={"talker": SamplingOverrides(temperature=0.0, max_tokens=talker_max)},
+    )
+
+
+@dataclass
+class Reference:
+    text: str
+    token_ids: list[int]
+    audio: np.ndarray  # (samples,) float32
+
+
+class ReferenceModel:
+    def __init__(self, model_dir: Path):
+        from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+        self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).eval()
+        # transformers bug (MODELS.md): with audio AND an image the talker needs the thinker's audio config
+        self.model.talker.config.audio_config = self.model.thinker.config.audio_config
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.prompts = PromptBuilder(model_dir, max_model_len=4096)
+
+    @torch.no_grad()
+    def generate(self, req: ChatRequest, *, max_tokens: int, talker_max: int, speaker: str = "Ethan",
+                 audio: bool = True) -> Reference:
+        p = self.prompts(req)
+        kwargs: dict = {}
+        if p.input_features is not None:
+            kwargs["input_features"] = p.input_features
+            kwargs["feature_attention_mask"] = p.feature_attention_mask
+        if p.pixel_values is not None:
+            kwargs["pixel_values"] = p.pixel_values
+            kwargs["image_grid_thw"] = p.image_grid_thw
+        ids = p.input_ids.view(1, -1)
+        out = self.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), speaker=speaker, return_audio=audio,
+            thinker_max_new_tokens=max_tokens, thinker_eos_token_id=self.model.config.im_end_token_id,
+            thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=talker_max, **kwargs,
+        )
+        if audio:
+            seq, wav = out
+            wav_np = wav.reshape(-1).float().numpy()
+        else:
+            seq = out if isinstance(out, torch.Tensor) else out.sequences
+            wav_np = np.zeros(0, dtype=np.float32)
+        gen = seq[0, ids.shape[1]:].tolist()
+        return Reference(self.tokenizer.decode(gen, skip_special_tokens=True), gen, wav_np)
