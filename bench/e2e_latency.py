@@ -1,0 +1,117 @@
+"""End-to-end latency: omnimesh (whole mesh, REST) vs `transformers` generate, same tiny model, same run.
+
+    python bench/e2e_latency.py [--model DIR] [--max-tokens 32] [--talker-max-tokens 100] [--concurrency 8]
+
+Both sides do the same work: greedy thinker (`--max-tokens`) and talker (`--talker-max-tokens`), speaker
+Ethan, text + audio out. transformers runs one request at a time (its `generate` takes one conversation
+with audio output); omnimesh gets 1 request, then `--concurrency` requests at once. Prints latencies,
+time to first audio chunk (streamed) and the ratios. Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.mesh_process import MeshProcess  # noqa: E402
+from gateway.events import ChatMessage, ChatRequest, TextPart  # noqa: E402
+from gateway.prompt import PromptBuilder  # noqa: E402
+
+PROMPTS = [f"Tell me a short story about the number {i}." for i in range(64)]
+
+
+def transformers_latencies(model_dir: Path, n: int, max_tokens: int, talker_max: int) -> list[float]:
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).eval()
+    prompts = PromptBuilder(model_dir, max_model_len=4096)
+    out = []
+    for i in range(n + 1):  # the first run warms up and is not counted
+        req = ChatRequest("b", "m", (ChatMessage("user", (TextPart(PROMPTS[i % len(PROMPTS)]),)),))
+        ids = prompts(req).input_ids.view(1, -1)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, speaker="Ethan", thinker_max_new_tokens=max_tokens,
+                           thinker_eos_token_id=model.config.im_end_token_id, thinker_do_sample=False,
+                           talker_do_sample=False, talker_max_new_tokens=talker_max)
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def mesh_request(url: str, i: int, max_tokens: int, talker_max: int) -> tuple[float, float]:
+    """One streamed request; returns (end-to-end latency, time to first audio chunk)."""
+    body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "modalities": ["text", "audio"],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stage_params": {"talker": {"max_tokens": talker_max}}}
+    t0 = time.perf_counter()
+    first_audio = float("nan")
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and first_audio != first_audio:
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("delta", {}).get("audio"):
+                    first_audio = time.perf_counter() - t0
+    return time.perf_counter() - t0, first_audio
+
+
+def p(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny model)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--talker-max-tokens", type=int, default=100)
+    ap.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = args.model
+    if model_dir is None:
+        from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+
+        model_dir = build_tiny_qwen3_omni(Path(tmp.name) / "tiny-qwen3-omni")
+    c = args.concurrency
+    hf = transformers_latencies(model_dir, c, args.max_tokens, args.talker_max_tokens)
+    with MeshProcess(model_dir) as mesh:
+        mesh_request(mesh.url, 0, args.max_tokens, args.talker_max_tokens)  # warm-up
+        one = [mesh_request(mesh.url, i, args.max_tokens, args.talker_max_tokens) for i in range(1, 4)]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(c) as pool:
+            many = list(pool.map(lambda i: mesh_request(mesh.url, i, args.max_tokens, args.talker_max_tokens), range(c)))
+        wall_many = time.perf_counter() - t0
+    hf_one = statistics.median(hf)
+    mesh_one = statistics.median(x[0] for x in one)
+    lat_many = [x[0] for x in many]
+    print(f"model: {model_dir.name}; thinker {args.max_tokens} tokens, talker {args.talker_max_tokens} tokens, greedy, text+audio")
+    print(f"{'':34}{'transformers':>14}{'omnimesh':>12}{'ratio':>9}")
+    print(f"{'1 request, latency (s)':34}{hf_one:14.3f}{mesh_one:12.3f}{hf_one / mesh_one:8.2f}x")
+    print(f"{'1 request, first audio (s)':34}{hf_one:14.3f}{statistics.median(x[1] for x in one):12.3f}"
+          f"{hf_one / statistics.median(x[1] for x in one):8.2f}x")
+    hf_wall = sum(hf[:c])
+    print(f"{f'{c} requests, wall (s)':34}{hf_wall:14.3f}{wall_many:12.3f}{hf_wall / wall_many:8.2f}x")
+    print(f"{f'{c} requests, p50 latency (s)':34}{p(hf[:c], 0.5) * 1:14.3f}{p(lat_many, 0.5):12.3f}")
+    print(f"{f'{c} requests, p95 latency (s)':34}{'':14}{p(lat_many, 0.95):12.3f}")
+    print(f"{f'{c} requests, requests/s':34}{c / hf_wall:14.2f}{c / wall_many:12.2f}{hf_wall / wall_many:8.2f}x")
+    print("(transformers serves one request at a time: its 'wall' for N requests is the sum of N runs; "
+          "its first audio arrives with the whole answer)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
