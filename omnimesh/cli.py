@@ -15,11 +15,13 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from omnimesh.config.serve_args import GATEWAY_FIELDS, STAGE_EXCLUDED, ServeArgs, add_arguments, from_namespace
 from omnimesh.config.stage_config import STAGES
 
+TINY_MODEL_NAME = "tiny-qwen3-omni"
 EXIT_USAGE = 2
 EXIT_UNSUPPORTED = 3
 
@@ -79,6 +81,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         model_dir = _model_dir(args.model)
     except ValueError as exc:
         return _fail(str(exc))
+    if args.model is None and args.served_model_name is None:
+        args = replace(args, served_model_name=TINY_MODEL_NAME)
     from omnimesh.launcher import MeshLauncher
 
     return MeshLauncher(args, model_dir).run()
