@@ -13,7 +13,7 @@ from omnimesh.models.qwen3_omni.sampling import SamplingParams
 from omnimesh.v1 import stage_pb2
 
 
-def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | None, *, max_tokens_cap: int | None = None) -> SamplingParams:
+def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | None) -> SamplingParams:
     if msg is None:
         return defaults
     changes: dict[str, object] = {}
@@ -22,9 +22,4 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
             changes[name] = getattr(msg, name)
     if msg.stop_token_ids:
         changes["stop_token_ids"] = tuple(dict.fromkeys((*defaults.stop_token_ids, *msg.stop_token_ids)))
-    params = replace(defaults, **changes)
-    if max_tokens_cap is not None and params.max_tokens > max_tokens_cap:
-        if "max_tokens" in changes:
-            raise ValueError(f"max_tokens {params.max_tokens} exceeds what this stage allows ({max_tokens_cap})")
-        params = replace(params, max_tokens=max_tokens_cap)
-    return params
+    return replace(defaults, **changes)
