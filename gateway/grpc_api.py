@@ -7,8 +7,7 @@ Any failure, before or during generation, is one `error` message (code = the `gr
 INVALID_ARGUMENT for a bad request) that ends the stream; the RPC itself then ends OK, as the proto says
 errors travel inside the stream.
 
-`add_omni_services(server, servicer)` registers the servicer with `grpc.health.v1` and reflection;
-`create_grpc_server` does all of it on a server built with `grpc_server_options(limits)`, so requests as
+`create_grpc_server` registers the servicer with `grpc.health.v1` and reflection on a server built with `grpc_server_options(limits)`, so requests as
 large as the REST body limit are accepted (gRPC's default is 4 MiB). Inside a running event loop:
 
     server, health = await create_grpc_server(pipeline)
@@ -22,16 +21,27 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from gateway.audio_encoding import pcm16_bytes
-from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, ContentPart, Finished, ImagePart,
-                            Pipeline, PipelineError, SamplingOverrides, TextDelta, TextPart)
+from gateway.events import (
+    AudioDelta,
+    AudioPart,
+    ChatMessage,
+    ChatRequest,
+    ContentPart,
+    Finished,
+    ImagePart,
+    Pipeline,
+    PipelineError,
+    SamplingOverrides,
+    TextDelta,
+    TextPart,
+)
 from gateway.media import InputLimits, MediaLoader, invalid_request
-from gateway.openai_schema import (STAGE_NAMES, check_sampling, normalize_modalities, resolve_model,
-                                   resolve_voice)
+from gateway.openai_schema import STAGE_NAMES, check_sampling, normalize_modalities, resolve_model, resolve_voice
+from omnimesh.server.grpc_server import make_server
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
 
 log = logging.getLogger(__name__)
@@ -169,26 +179,16 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         return omni_pb2.ListModelsResponse(models=list(self.served_model_names))
 
 
-async def add_omni_services(server: grpc.aio.Server, servicer: OmniServicer) -> health_aio.HealthServicer:
-    """Register Omni + `grpc.health.v1` (overall "" and "omnimesh.v1.Omni" SERVING) + reflection."""
-    omni_pb2_grpc.add_OmniServicer_to_server(servicer, server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    for name in ("", OMNI_SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (OMNI_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server)
-    return health
-
-
 async def create_grpc_server(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                              limits: InputLimits | None = None) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
-    """A `grpc.aio` server (not yet bound or started) serving Omni + health + reflection."""
+    """A `grpc.aio` server (not yet bound or started) serving Omni + health ("" and Omni SERVING) + reflection."""
     limits = limits or InputLimits()
-    server = grpc.aio.server(options=grpc_server_options(limits))
-    servicer = OmniServicer(pipeline, served_model_names=served_model_names, limits=limits)
-    return server, await add_omni_services(server, servicer)
+    server, health = make_server([OMNI_SERVICE_NAME], options=grpc_server_options(limits))
+    omni_pb2_grpc.add_OmniServicer_to_server(
+        OmniServicer(pipeline, served_model_names=served_model_names, limits=limits), server)
+    for name in ("", OMNI_SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, health
 
 
 async def refresh_health(health: health_aio.HealthServicer, pipeline: Pipeline) -> bool:

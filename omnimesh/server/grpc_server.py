@@ -29,8 +29,11 @@ class BindError(RuntimeError):
     """The port could not be bound (in use, or not allowed)."""
 
 
-def make_server(service_names: Iterable[str]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+def make_server(
+    service_names: Iterable[str], options: list[tuple[str, int]] | None = None
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """A grpc.aio server with `grpc.health.v1` and reflection (listing `service_names`) registered."""
+    server = grpc.aio.server(options=options if options is not None else GRPC_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
