@@ -1,0 +1,277 @@
+"""A stage dying under load, and a stage that cannot start, on a mesh of this module's own (never the shared
+`mesh`, so killing processes cannot break other tests).
+
+Killing the talker mid-request: the requests that need it fail promptly with 503 (an SSE `error` event then
+`[DONE]` for a stream that already started), nothing hangs, the gateway keeps serving what does not need
+the talker, `/health` names the stage that is down, the launcher reports it, and SIGTERM still stops the
+whole mesh cleanly. A checkpoint missing a talker weight makes `omnimesh serve` fail at start-up, naming the
+stage and the key. Every wait is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from mesh_harness import Mesh, Proc, free_port, start_mesh
+
+MODEL = "tiny-qwen3-omni"
+ALLOWED_DOMAIN = "media.example.com"
+TIMEOUT_S = 60.0
+FAIL_WITHIN_S = 10.0  # a request that needs a dead stage must be answered within this
+STOP_WITHIN_S = 30.0
+START_FAIL_WITHIN_S = 180.0
+
+
+# ------------------------------------------------------------------------------------------ process helpers
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _children(launcher_pid: int) -> dict[str, int]:
+    """The launcher's child processes by role: 'stage talker' -> pid, 'gateway' -> pid."""
+    out: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or _ppid(int(entry.name)) != launcher_pid:
+            continue
+        argv = _cmdline(int(entry.name))
+        if "omnimesh.cli" not in argv:
+            continue
+        i = argv.index("omnimesh.cli")
+        if argv[i + 1:i + 2] == ["stage"]:
+            out[f"stage {argv[i + 2]}"] = int(entry.name)
+        elif argv[i + 1:i + 2] == ["gateway"]:
+            out["gateway"] = int(entry.name)
+    return out
+
+
+def _stage_pid(mesh: Mesh, stage: str) -> int:
+    pid = _children(mesh.proc.proc.pid)[f"stage {stage}"]
+    argv = _cmdline(pid)
+    port = mesh.stages[stage].rsplit(":", 1)[1]
+    assert argv[argv.index("--port") + 1] == port, (argv, mesh.stages)
+    return pid
+
+
+# ------------------------------------------------------------------------------------------- request helpers
+def _body(prompt: str, voice: str, *, talker_max: int, stream: bool = False, modalities=("text", "audio"),
+          **over) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "modalities": list(modalities),
+            "max_tokens": 12, "temperature": 0, "stream": stream,
+            "stage_params": {"talker": {"max_tokens": talker_max}}}
+    if "audio" in modalities:
+        body["audio"] = {"voice": voice, "format": "wav"}
+    body.update(over)
+    return body
+
+
+def _openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, f"want {status}, got {r.status_code}: {r.text}"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def own_mesh(tiny_model_dir: Path):
+    m = start_mesh(tiny_model_dir, "--allowed-media-domains", ALLOWED_DOMAIN)
+    try:
+        yield m
+    finally:
+        m.proc.stop()
+
+
+# --------------------------------------------------------------------------------------------------- tests
+def test_image_from_a_domain_not_allowed_is_400(own_mesh):
+    """With allowed media domains configured, a URL on another host is refused (without fetching it)."""
+    url = "http://evil.example.org/cat.png"
+    body = _body("What is this?", "ethan", talker_max=10, modalities=("text",),
+                 messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                        {"type": "text", "text": "What is this?"}]}])
+    r = httpx.post(f"{own_mesh.rest}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+    err = _openai_error(r, 400)
+    assert "evil.example.org" in err["message"] and ALLOWED_DOMAIN in err["message"], err["message"]
+    assert "not in this server's allowed media domains" in err["message"]
+
+
+def test_talker_killed_mid_request(own_mesh):
+    mesh = own_mesh
+    url = f"{mesh.rest}/v1/chat/completions"
+    stage_pids = {name: pid for name, pid in _children(mesh.proc.proc.pid).items()}
+    assert set(stage_pids) == {"stage encoder", "stage thinker", "stage talker", "stage vocoder", "gateway"}, stage_pids
+    talker_pid = _stage_pid(mesh, "talker")
+
+    # greedy, these run ~860 and ~580 talker steps before the codec's end token (seconds of work here)
+    stream_body = _body("Who are you?", "aiden", talker_max=2000, stream=True)
+    plain_body = _body("Read me a poem.", "ethan", talker_max=2000)
+    first_audio = threading.Event()
+    plain_started = threading.Event()
+    stream_result: dict = {"events": []}
+    plain_result: dict = {}
+
+    def streaming() -> None:
+        try:
+            with httpx.stream("POST", url, json=stream_body, timeout=TIMEOUT_S) as r:
+                stream_result["status"] = r.status_code
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    payload = line[6:]
+                    stream_result["events"].append(payload)
+                    if payload != "[DONE]":
+                        event = json.loads(payload)
+                        if event.get("choices") and event["choices"][0]["delta"].get("audio"):
+                            first_audio.set()
+            stream_result["ended"] = time.monotonic()
+        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            stream_result["exception"] = e
+        finally:
+            first_audio.set()
+
+    def plain() -> None:
+        try:
+            plain_started.set()
+            r = httpx.post(url, json=plain_body, timeout=TIMEOUT_S)
+            plain_result["response"] = r
+            plain_result["ended"] = time.monotonic()
+        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            plain_result["exception"] = e
+
+    threads = [threading.Thread(target=plain, daemon=True), threading.Thread(target=streaming, daemon=True)]
+    for t in threads:
+        t.start()
+    assert plain_started.wait(TIMEOUT_S)
+    assert first_audio.wait(TIMEOUT_S), "the stream delivered no audio"
+    assert "exception" not in stream_result, stream_result
+    assert "ended" not in stream_result and "response" not in plain_result, \
+        "both requests must still be running when the talker is killed (make them longer)"
+    os.kill(talker_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads), "a request hung after the talker died"
+
+    # the non-streaming request: 503 in OpenAI's shape, naming the talker, promptly
+    assert "exception" not in plain_result, plain_result
+    err = _openai_error(plain_result["response"], 503)
+    assert "talker" in err["message"], err
+    assert err["type"] == "service_unavailable"
+    assert plain_result["ended"] - killed < FAIL_WITHIN_S
+
+    # the stream: audio, then an SSE error event naming the talker, then [DONE]; not a hang, not a cut
+    assert "exception" not in stream_result, stream_result
+    events = stream_result["events"]
+    assert stream_result["status"] == 200
+    assert events[-1] == "[DONE]", events[-3:]
+    last = json.loads(events[-2])
+    assert set(last) == {"error"}, last
+    assert "talker" in last["error"]["message"] and last["error"]["type"] == "service_unavailable", last
+    chunks = [json.loads(e) for e in events[:-2]]
+    assert any(c["choices"][0]["delta"].get("audio") for c in chunks if c.get("choices"))
+    assert not any(c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")), \
+        "a failed stream must not claim to have finished"
+    assert stream_result["ended"] - killed < FAIL_WITHIN_S
+
+    # the launcher names the dead stage
+    mesh.proc.wait_for_line(rf"stage talker \(pid {talker_pid}\) exited", timeout_s=FAIL_WITHIN_S)
+
+    # the gateway stays up: /health says which stage is down
+    t0 = time.monotonic()
+    health = httpx.get(f"{mesh.rest}/health", timeout=TIMEOUT_S)
+    assert health.status_code == 503, health.text
+    assert health.json()["down"] == ["talker"], health.json()
+    assert "talker" in health.json()["message"]
+    assert time.monotonic() - t0 < FAIL_WITHIN_S
+
+    # text only does not need the talker
+    r = httpx.post(url, json=_body("Hello there", "ethan", talker_max=10, modalities=("text",)), timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] and r.json()["choices"][0]["message"].get("audio") is None
+
+    # text + audio does: 503 promptly, streaming or not
+    for stream in (False, True):
+        t0 = time.monotonic()
+        with httpx.stream("POST", url, json=_body("Hello there", "ethan", talker_max=10, stream=stream),
+                          timeout=TIMEOUT_S) as r:
+            r.read()
+        err = _openai_error(r, 503)
+        assert "talker" in err["message"], err
+        assert time.monotonic() - t0 < FAIL_WITHIN_S
+
+    # the other processes are untouched
+    assert mesh.proc.proc.poll() is None, mesh.proc.output()
+    for name, pid in stage_pids.items():
+        assert _alive(pid) == (name != "stage talker"), name
+
+    # SIGTERM to the launcher alone: it stops every child and exits 0 within the bound
+    os.kill(mesh.proc.proc.pid, signal.SIGTERM)
+    try:
+        code = mesh.proc.proc.wait(timeout=STOP_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"omnimesh serve did not exit within {STOP_WITHIN_S}s of SIGTERM:\n{mesh.proc.output()}")
+    assert code == 0, mesh.proc.output()
+    deadline = time.monotonic() + 5.0
+    while any(_alive(pid) for pid in stage_pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {name: pid for name, pid in stage_pids.items() if _alive(pid)}
+    assert not left, f"children left running after the launcher exited: {left}"
+
+
+def test_missing_weight_fails_start_up(tiny_model_dir: Path, tmp_path: Path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    broken = tmp_path / MODEL
+    shutil.copytree(tiny_model_dir, broken)
+    removed = "talker.model.layers.0.self_attn.q_proj.weight"
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
+        metadata = f.metadata()
+        names = list(f.keys())
+        assert removed in names
+        tensors = {k: f.get_tensor(k) for k in names if k != removed}
+    (broken / "model.safetensors").unlink()
+    save_file(tensors, str(broken / "model.safetensors"), metadata=metadata)
+
+    proc = Proc(["serve", str(broken), "--host", "127.0.0.1", "--port", str(free_port()),
+                 "--grpc-port", str(free_port()), "--stage-base-port", "0"])
+    try:
+        code = proc.proc.wait(timeout=START_FAIL_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        proc.stop()
+        pytest.fail(f"omnimesh serve neither started nor failed within {START_FAIL_WITHIN_S}s:\n{proc.output()}")
+    finally:
+        proc.stop()
+    time.sleep(0.2)  # let the output pump drain
+    out = "\n".join(proc.lines)
+    assert code != 0, out
+    assert not any("omnimesh serving" in line for line in proc.lines), out
+    assert re.search(r"talker exited with code [1-9]\d* during start-up", out), out
+    assert removed in out, f"the error must name the missing key {removed}:\n{out}"
