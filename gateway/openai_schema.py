@@ -18,6 +18,7 @@ Extensions: `top_k`, `repetition_penalty` (as in vLLM), `stage_params` (per stag
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -176,7 +177,7 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _message(err: dict[str, Any]) -> str:
+def _message(err: Any) -> str:  # a pydantic ErrorDetails
     msg = str(err["msg"])
     if err["type"] == "value_error":
         msg = msg.removeprefix("Value error, ")
@@ -249,7 +250,7 @@ def resolve_voice(requested: str | None, voices: tuple[str, ...], default: str, 
     raise invalid_request(f"{param}: unknown voice '{requested}'; available: {', '.join(voices)}", param)
 
 
-def normalize_modalities(requested: list[str] | None, default: tuple[str, ...]) -> tuple[Literal["text", "audio"], ...]:
+def normalize_modalities(requested: Sequence[str] | None, default: tuple[str, ...]) -> tuple[Literal["text", "audio"], ...]:
     """Text is always produced (it is the audio's transcript), so any list with "audio" means both."""
     wanted = default if requested is None else tuple(requested)
     for m in wanted:

@@ -130,7 +130,7 @@ class StagePipeline:
                 vocoder = await self._client("vocoder").open(rid, None, {}, deadline, whole_input=whole)
                 streams.append(vocoder)
             relays.append(asyncio.create_task(self._relay(thinker, talker, events, text=True)))
-            if want_audio:
+            if talker is not None and vocoder is not None:
                 relays.append(asyncio.create_task(self._relay(talker, vocoder, events, text=False)))
                 relays.append(asyncio.create_task(self._relay(vocoder, None, events, text=False, audio=True)))
             pending = len(relays)
@@ -159,10 +159,10 @@ class StagePipeline:
     async def _encode(self, rid: str, prompt: PromptInputs, deadline: float, streams: list[StageStream]) -> dict[str, torch.Tensor]:
         """Run the encoder when the prompt has audio or images; return what the thinker needs."""
         tensors: dict[str, torch.Tensor] = {}
-        if prompt.input_features is not None:
+        if prompt.input_features is not None and prompt.feature_attention_mask is not None:
             tensors["input_features"] = prompt.input_features
             tensors["feature_attention_mask"] = prompt.feature_attention_mask
-        if prompt.pixel_values is not None:
+        if prompt.pixel_values is not None and prompt.image_grid_thw is not None:
             tensors["pixel_values"] = prompt.pixel_values
             tensors["image_grid_thw"] = prompt.image_grid_thw
         if not tensors:

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -32,13 +33,43 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway.audio_encoding import OutputAudioFormat, encode_audio, pcm16_bytes
-from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, ContentPart, Event, Finished,
-                            ImagePart, Pipeline, PipelineError, TextDelta, TextPart)
+from gateway.events import (
+    AudioDelta,
+    AudioPart,
+    ChatMessage,
+    ChatRequest,
+    ContentPart,
+    Event,
+    Finished,
+    ImagePart,
+    Pipeline,
+    PipelineError,
+    TextDelta,
+    TextPart,
+)
 from gateway.media import InputLimits, MediaLoader, invalid_request, too_large
-from gateway.openai_schema import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice,
-                                   Delta, DeltaAudio, Message, MessageAudio, ModelCard, ModelList, ResponseMessage, Usage,
-                                   check_sampling, dump, error_response, normalize_modalities, parse_chat_request,
-                                   resolve_model, resolve_voice)
+from gateway.openai_schema import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    DeltaAudio,
+    Message,
+    MessageAudio,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    Usage,
+    check_sampling,
+    dump,
+    error_response,
+    normalize_modalities,
+    parse_chat_request,
+    resolve_model,
+    resolve_voice,
+)
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
@@ -142,7 +173,9 @@ class RestGateway:
             request_id=f"chatcmpl-{uuid.uuid4().hex}", model=pipeline_model, messages=tuple(messages),
             modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
             stage_params=stages)
-        audio_format = (body.audio.format if body.audio else "wav") if "audio" in modalities else None
+        audio_format: Literal["wav", "pcm16"] | None = None
+        if "audio" in modalities:
+            audio_format = "pcm16" if body.audio is not None and body.audio.format == "pcm16" else "wav"
         return _Call(request=request, model=model, stream=body.stream,
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter())

@@ -8,13 +8,12 @@ serve REST on --host:--port and gRPC on --host:--grpc-port until SIGTERM / SIGIN
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from pathlib import Path
 
 import uvicorn
-
-import contextlib
 
 from gateway.grpc_api import create_grpc_server
 from gateway.pipeline import StagePipeline
@@ -49,7 +48,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", loop="none", lifespan="off")
     rest = uvicorn.Server(config)
-    rest.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # we own the signals
+    rest.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # we own the signals
     grpc_server, _health = await create_grpc_server(pipeline, served_model_names=pipeline.served_models)
     bind(grpc_server, args.host, args.grpc_port)
     await grpc_server.start()
@@ -60,8 +59,8 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     rest_task = asyncio.create_task(rest.serve())
     print(f"omnimesh gateway listening: REST http://{args.host}:{args.port}/v1 , gRPC {args.host}:{args.grpc_port}", flush=True)
     done, _ = await asyncio.wait([rest_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if rest_task in done and rest_task.exception() is not None:
-        raise rest_task.exception()
+    if rest_task in done and (failure := rest_task.exception()) is not None:
+        raise failure
     rest.should_exit = True
     await asyncio.gather(rest_task, return_exceptions=True)
     await grpc_server.stop(5.0)

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.server.stage_servicer import StageHandler
 
@@ -22,9 +24,7 @@ SERVICES: dict[str, str] = {
 }
 
 
-def resolve_dtype(args: ServeArgs) -> "torch.dtype":  # noqa: F821
-    import torch
-
+def resolve_dtype(args: ServeArgs) -> torch.dtype:
     if args.dtype == "auto":
         return torch.bfloat16 if args.device == "cuda" else torch.float32
     return getattr(torch, args.dtype)

@@ -40,6 +40,8 @@ class EncoderTask(StageTask):
 
     def step(self) -> list[StageChunk]:
         t = self.inputs
+        if t is None:
+            raise RuntimeError("step before the media arrived")  # ready() prevents this
         audio = lengths = image = deep = None
         if "input_features" in t:
             mask = t["feature_attention_mask"]

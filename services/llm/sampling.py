@@ -8,6 +8,7 @@ ValueError, which travels back as INVALID_ARGUMENT.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from omnimesh.models.qwen3_omni.sampling import SamplingParams
 from omnimesh.v1 import stage_pb2
@@ -16,7 +17,7 @@ from omnimesh.v1 import stage_pb2
 def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | None) -> SamplingParams:
     if msg is None:
         return defaults
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty"):
         if msg.HasField(name):
             changes[name] = getattr(msg, name)

@@ -49,7 +49,7 @@ def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
         gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
     except OSError:
         gen = None
-    limit = int(thinker.config.thinker_config.text_config.max_position_embeddings)
+    limit = int(thinker.config.get_text_config().max_position_embeddings)
     max_len = args.max_model_len or limit
     if max_len > limit:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings {limit}")

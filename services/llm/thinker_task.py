@@ -48,7 +48,7 @@ class ThinkerTask(StageTask):
             raise ValueError(f"{EDGE}: input_ids is empty")
         if ids.numel() >= self.max_model_len:
             raise ValueError(f"prompt has {ids.numel()} tokens; the thinker's max_model_len is {self.max_model_len}")
-        vocab = self.thinker.config.thinker_config.text_config.vocab_size
+        vocab = self.thinker.config.get_text_config().vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"{EDGE}: input_ids must be in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
         self.inputs = chunk.tensors
@@ -59,12 +59,14 @@ class ThinkerTask(StageTask):
     def step(self) -> list[StageChunk]:
         if self.state is None:
             return self._prefill()
-        return [self._advance()]
+        return [self._advance(self.state)]
 
     def _prefill(self) -> list[StageChunk]:
         t = self.inputs
+        if t is None:
+            raise RuntimeError("prefill before the prompt arrived")  # ready() prevents this
         deep = t.get("deepstack_embeds")
-        logits, self.state, prompt = self.thinker.prefill(
+        logits, state, prompt = self.thinker.prefill(
             t["input_ids"].view(-1).long(),
             audio_embeds=t.get("audio_embeds"),
             image_embeds=t.get("image_embeds"),
@@ -72,20 +74,23 @@ class ThinkerTask(StageTask):
             image_grid_thw=t.get("image_grid_thw"),
             audio_feature_lengths=t.get("audio_feature_lengths"),
         )
-        self.prompt_tokens = self.state.seq_len
+        self.state = state
+        self.prompt_tokens = state.seq_len
         # a prompt this long leaves only so much room in the model's context
-        room = self.max_model_len - self.state.seq_len
+        room = self.max_model_len - state.seq_len
         if room < self.sampler.params.max_tokens:
             self.sampler = Sampler(replace(self.sampler.params, max_tokens=room), self.sampler.generator)
-        self.pending = self.sampler.sample(logits, self.state.history())
+        self.pending = self.sampler.sample(logits, state.history())
         self.completion_tokens = 1
         if self.talker_inputs:
             self.first_chunk_extra = talker_prompt_to_tensors(prompt)
-        return [self._advance()]
+        return [self._advance(state)]
 
-    def _advance(self) -> StageChunk:
+    def _advance(self, state: ThinkerState) -> StageChunk:
         """Emit the pending token; feed it back and sample the next unless it ends the request."""
         token = self.pending
+        if token is None:
+            raise RuntimeError("no sampled token to advance")
         tensors: dict[str, torch.Tensor] = {"token_ids": torch.tensor([token], dtype=torch.long)}
         tensors.update(self.first_chunk_extra)
         self.first_chunk_extra = {}
@@ -97,9 +102,9 @@ class ThinkerTask(StageTask):
             self.finish_reason = "stop" if stop else "length"
             return StageChunk(tensors=tensors, text=text)
         text = self.detok.push(token)
-        logits, embed = self.thinker.decode(self.state, token)
+        logits, embed = self.thinker.decode(state, token)
         if self.talker_inputs:
             tensors["token_embeds"] = embed.view(1, -1)  # (1, H)
-        self.pending = self.sampler.sample(logits, self.state.history())
+        self.pending = self.sampler.sample(logits, state.history())
         self.completion_tokens += 1
         return StageChunk(tensors=tensors, text=text)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.models.qwen3_omni.stage_loading import load_code2wav
 from omnimesh.stage_registry import resolve_dtype
@@ -22,7 +24,7 @@ DEFAULT_WINDOW = 25
 class VocoderHandler:
     name = "vocoder"
 
-    def __init__(self, code2wav: object, model_name: str):
+    def __init__(self, code2wav: Qwen3OmniMoeCode2Wav, model_name: str):
         self.code2wav = code2wav
         self.model_name = model_name
 

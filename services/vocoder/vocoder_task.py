@@ -10,6 +10,7 @@ a request's audio is bit-identical run to run (decoding other cuts agrees only t
 from __future__ import annotations
 
 import torch
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from omnimesh.engine.task import StageTask
 from omnimesh.models.qwen3_omni.code2wav import Code2WavStreamer
@@ -20,11 +21,11 @@ EDGE = "talker -> vocoder"
 
 
 class VocoderTask(StageTask):
-    def __init__(self, request_id: str, code2wav: torch.nn.Module, window: int):
+    def __init__(self, request_id: str, code2wav: Qwen3OmniMoeCode2Wav, window: int):
         super().__init__(request_id)
         self.streamer = Code2WavStreamer(code2wav, window=1)  # windowing is done here, per engine step
         self.window = window
-        self.codebook = int(code2wav.config.codebook_size)
+        self.codebook = int(code2wav.config.codebook_size)  # type: ignore[union-attr]
         self.pending: list[torch.Tensor] = []
         self.n_pending = 0
         self.ended = False

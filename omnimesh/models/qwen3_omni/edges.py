@@ -60,6 +60,8 @@ def encoder_outputs_to_tensors(
 ) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     if audio_embeds is not None:
+        if audio_feature_lengths is None:
+            raise ValueError("audio_embeds need audio_feature_lengths (valid mel frames per audio)")
         out["audio_embeds"] = audio_embeds
         out["audio_feature_lengths"] = audio_feature_lengths
     if image_embeds is not None:

@@ -69,12 +69,13 @@ def load_thinker(model_dir: Path, dtype: torch.dtype = torch.float32) -> Qwen3Om
     text_model = _timed("thinker language model", model_dir, lambda: build_submodule(
         model_dir, config_path="thinker_config.text_config", factory=Qwen3OmniMoeThinkerTextModel,
         prefix="thinker.model.", stacked=HF_PER_EXPERT_MOE, dtype=dtype))
-    text_cfg = config.thinker_config.text_config
+    text_cfg = config.get_text_config()
     lm_head = build_submodule(
         model_dir, config_path="thinker_config.text_config",
         factory=lambda c: nn.Linear(c.hidden_size, c.vocab_size, bias=False), prefix="thinker.lm_head.", dtype=dtype)
-    if lm_head.weight.shape != (text_cfg.vocab_size, text_cfg.hidden_size):
-        raise ValueError(f"thinker.lm_head has shape {tuple(lm_head.weight.shape)}")
+    shape = tuple(lm_head.get_parameter("weight").shape)
+    if shape != (text_cfg.vocab_size, text_cfg.hidden_size):
+        raise ValueError(f"thinker.lm_head has shape {shape}, expected ({text_cfg.vocab_size}, {text_cfg.hidden_size})")
     return Qwen3OmniThinker(text_model, lm_head, config)
 
 

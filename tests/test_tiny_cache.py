@@ -1,0 +1,22 @@
+"""`omnimesh serve` with no MODEL builds the tiny model once into the cache folder and reuses it."""
+
+from pathlib import Path
+
+import pytest
+
+from omnimesh import tiny_cache
+
+
+def test_tiny_model_is_built_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNIMESH_CACHE", str(tmp_path))
+    first = tiny_cache.tiny_model_dir()
+    assert first.parent == tmp_path and (first / "config.json").is_file() and (first / "model.safetensors").is_file()
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert tiny_cache.tiny_model_dir() == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp, "a cached model must not be rebuilt"
+    assert [p.name for p in tmp_path.iterdir()] == [first.name], "no temporary build folder may be left behind"
+
+
+def test_unknown_family_is_refused() -> None:
+    with pytest.raises(ValueError, match="no built-in tiny model for family 'llama'"):
+        tiny_cache.tiny_model_dir("llama")
