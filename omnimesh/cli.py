@@ -169,10 +169,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _KnownConfigNoise(logging.Filter):
+    """transformers 5.23 warns that Qwen3-Omni's own M-RoPE keys are unrecognised on every config load
+    (the real checkpoints carry them too, and the model reads them); keep the log for real problems."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("Unrecognized keys in `rope_parameters`" in msg and "mrope_section" in msg)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("transformers.modeling_rope_utils").addFilter(_KnownConfigNoise())
     return ns.func(ns)
 
 
