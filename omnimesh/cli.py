@@ -42,13 +42,16 @@ def _devices(device: str) -> tuple[int, str]:
     return os.cpu_count() or 1, "CPU cores"
 
 
-def _check(args: ServeArgs) -> int | None:
-    """Device and not-yet-supported checks shared by serve and stage."""
+def _check_devices(args: ServeArgs) -> int | None:
     try:
         available, kind = _devices(args.device)
         args.check_devices(available, kind)
     except ValueError as exc:
         return _fail(str(exc))
+    return None
+
+
+def _check_supported(args: ServeArgs) -> int | None:
     unsupported = args.unsupported()
     if unsupported:
         return _fail("not supported yet in this version:\n  " + "\n  ".join(unsupported), EXIT_UNSUPPORTED)
@@ -70,17 +73,36 @@ def _model_dir(model: str | None) -> Path:
     return path
 
 
+def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> int | None:
+    """pp x tp against the model's heads, vocab and layers (errors exit 2; advice goes to stderr)."""
+    from omnimesh.models.qwen3_omni.parallel_plan import check_layout
+    from omnimesh.models.qwen3_omni.stage_loading import load_config
+
+    layouts = args.stage_configs()
+    if only is not None:
+        layouts = {only: layouts[only]}
+    try:
+        advice = check_layout(load_config(model_dir), layouts)
+    except ValueError as exc:
+        return _fail(str(exc))
+    for line in advice:
+        print(f"omnimesh: advice: {line}", file=sys.stderr)
+    return None
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     try:
         args = from_namespace(ns)
     except ValueError as exc:
         return _fail(str(exc))
-    if (rc := _check(args)) is not None:
+    if (rc := _check_devices(args)) is not None:
         return rc
     try:
         model_dir = _model_dir(args.model)
     except ValueError as exc:
         return _fail(str(exc))
+    if (rc := _check_layout(args, model_dir)) is not None or (rc := _check_supported(args)) is not None:
+        return rc
     if args.model is None and args.served_model_name is None:
         args = replace(args, served_model_name=TINY_MODEL_NAME)
     from omnimesh.launcher import MeshLauncher
@@ -94,7 +116,9 @@ def cmd_stage(ns: argparse.Namespace) -> int:
         model_dir = _model_dir(args.model)
     except ValueError as exc:
         return _fail(str(exc))
-    if (rc := _check(args)) is not None:
+    if (rc := _check_devices(args)) is not None or (rc := _check_layout(args, model_dir, only=ns.stage_name)) is not None:
+        return rc
+    if (rc := _check_supported(args)) is not None:
         return rc
     from omnimesh.server.stage_server import run_stage
     from omnimesh.stage_registry import handler_factory

@@ -97,3 +97,14 @@ def test_cli_exits_before_starting_anything() -> None:
     assert later.returncode == 3 and "not supported yet" in later.stderr
     no_model = _cli("stage", "thinker", "--model", "/nonexistent/model")
     assert no_model.returncode == 2 and "no config.json" in no_model.stderr
+
+
+def test_cli_checks_the_layout_against_the_model(tmp_path) -> None:
+    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+
+    model = build_tiny_qwen3_omni(tmp_path / "tiny")
+    heads = _cli("stage", "thinker", "--model", str(model), "-tp", "3", "--device", "cpu")
+    # 3 ranks exceed this 2-core host before the heads are even looked at
+    assert heads.returncode == 2 and "3 ranks" in heads.stderr
+    layers = _cli("serve", str(model), "--stage-overrides", '{"talker": {"pp": 2, "pp_layer_partition": [1, 2]}}', "--device", "cpu")
+    assert layers.returncode == 2 and "sums to 3, but the talker LM has 2 layers" in layers.stderr
