@@ -41,12 +41,12 @@ _STOP = "__omnimesh_stop__"
 
 
 class RankFailure(RuntimeError):
-    """A rank of the stage died or a command failed on some rank."""
+    """A rank of the stage died, or a command failed on some rank."""
 
 
 class RankProgram(Protocol):
-    """What one rank runs. Built once per rank by the factory; `execute` is called with the same command
-    on every rank, in the same order, and returns the result on the rank that owns it (None elsewhere)."""
+    """What one rank runs. Built once per rank by the factory; `run` is called with the same command on
+    every rank, in the same order, and returns the result on the rank that owns it (None elsewhere)."""
 
     def execute(self, command: Any) -> Any: ...
 
@@ -80,7 +80,8 @@ def _result_owner(ps: ParallelState) -> int:
     return (ps.pp_size - 1) * ps.tp_size
 
 
-def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int, ready: Any) -> None:
+def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
+                 ready: Any) -> None:
     _die_with_parent()
     torch.set_num_threads(threads)
     try:
@@ -99,7 +100,9 @@ def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: Program
             break
         try:
             result: Any = program.execute(command)
-        except Exception as exc:
+        except (RuntimeError, dist.DistError):
+            raise  # a collective broke: this rank is out of step for good
+        except Exception as exc:  # raised alike on every rank, before any collective
             result = RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}")
         if rank == owner and rank != 0:
             dist.send_object_list([result], dst=0, group=ps.cpu_group)
@@ -118,7 +121,7 @@ class MpExecutor:
         self.threads = threads_per_rank
         self.on_failure = on_failure
         self.failure: str | None = None
-        self.procs: dict[int, mp.process.BaseProcess] = {}
+        self.procs: dict[int, Any] = {}
         self.ps: ParallelState | None = None
         self.program: RankProgram | None = None
         self._lock = threading.Lock()
@@ -149,13 +152,13 @@ class MpExecutor:
         pending = set(self.procs)
         deadline = time.monotonic() + self.rdzv.timeout_s
         while pending:
-            for rank in list(pending):
-                proc = self.procs[rank]
-                if not proc.is_alive() and proc.exitcode is not None:
-                    raise RankFailure(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} during start-up")
             try:
                 rank, error = ready.get(timeout=0.2)
             except Exception:
+                for rank in sorted(pending):
+                    proc = self.procs[rank]
+                    if proc.exitcode is not None:
+                        raise RankFailure(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} during start-up") from None
                 if time.monotonic() > deadline:
                     raise RankFailure(f"ranks {sorted(pending)} did not start within {self.rdzv.timeout_s:.0f}s") from None
                 continue
@@ -166,12 +169,12 @@ class MpExecutor:
     def _monitor(self) -> None:
         sentinels = {proc.sentinel: rank for rank, proc in self.procs.items()}
         while sentinels and not self._stopping:
-            done = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
-            for s in done:
+            for s in multiprocessing.connection.wait(list(sentinels), timeout=0.5):
                 rank = sentinels.pop(s)
                 if self._stopping:
                     return
                 proc = self.procs[rank]
+                proc.join(timeout=1)
                 self._fail(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
 
     def _fail(self, message: str) -> None:
@@ -182,28 +185,36 @@ class MpExecutor:
                 self.on_failure(message)
 
     def execute(self, command: Any) -> Any:
-        """Run `command` on every rank; return the owner's result. Thread-safe (one command at a time)."""
+        """Run `command` on every rank; return the owner's result. Thread-safe (one command at a time).
+
+        An error every rank raises alike (bad input, a shape mismatch) fails only this command; a failed
+        collective (a peer died, a timeout) fails the stage: later commands raise at once."""
         with self._lock:
             if self.failure is not None:
                 raise RankFailure(f"this stage lost a rank: {self.failure}")
             if self.ps is None or self.program is None:
                 raise RankFailure("the executor is not started")
+            local_error: Exception | None = None
             try:
                 if self.world > 1:
                     dist.broadcast_object_list([command], src=0, group=self.ps.cpu_group)
-                result = self.program.execute(command)
+                try:
+                    result = self.program.execute(command)
+                except (RuntimeError, dist.DistError):
+                    raise
+                except Exception as exc:  # raised alike on every rank, before any collective
+                    local_error, result = exc, None
                 owner = _result_owner(self.ps)
                 if owner != 0:
                     box: list[Any] = [None]
                     dist.recv_object_list(box, src=owner, group=self.ps.cpu_group)
                     result = box[0]
-            except RankFailure:
-                raise
             except Exception as exc:
-                # a collective failed: a peer died or timed out; name it if the monitor knows
-                time.sleep(0.2)
+                time.sleep(0.5)  # let the monitor name a dead rank if that is what happened
                 self._fail(self.failure or f"a collective failed: {type(exc).__name__}: {exc}")
                 raise RankFailure(f"this stage lost a rank: {self.failure}") from exc
+            if local_error is not None:
+                raise RankFailure(f"rank 0: {type(local_error).__name__}: {local_error}") from local_error
             if isinstance(result, RankFailure):
                 raise result
             return result

@@ -8,8 +8,8 @@ the only places that call `torch.distributed`; each is a no-op when its group ha
 Data flow:
     launcher/executor -> init_parallel_state(pp, tp, rank, master_addr, master_port, backend, timeout_s)
         -> torch.distributed.init_process_group (TCP rendezvous, bounded timeout)
-        -> TP groups (one per pipeline row) and PP groups (one per TP column), each a device group
-           (NCCL on CUDA, gloo on CPU) with a gloo CPU twin for metadata
+        -> TP groups (one per pipeline row) and PP groups (one per TP column), device groups
+           (NCCL on CUDA, gloo on CPU), plus a gloo CPU twin over the whole stage for metadata
         -> ParallelState, passed to the model layers and the pipeline send/recv
 
 Run (two ranks on CPU):  see tests/parallel/test_tp_pp_gloo.py, which spawns gloo workers that call
@@ -50,8 +50,9 @@ class ParallelState:
     A TP group is one pipeline row (same layers, different shards: all-reduce / all-gather inside it);
     a PP group is one TP column (same shard index, consecutive layer ranges: send/recv inside it), so TP
     rank t of pipeline rank p sends its hidden states to TP rank t of pipeline rank p + 1.
-    `*_group` are device groups (NCCL on CUDA, gloo on CPU); `*_cpu_group` are gloo twins for small
-    metadata (shapes, token ids, flags) that should not touch the device stream. Groups of size 1 are None.
+    `tp_group` / `pp_group` are device groups (NCCL on CUDA, gloo on CPU; None when that size is 1);
+    `cpu_group` is the gloo twin over all ranks of the stage, for small metadata (commands, token counts,
+    sampled ids) that should not touch the device stream (None only for `single()`).
     """
 
     world_size: int
@@ -64,9 +65,7 @@ class ParallelState:
     device: torch.device
     tp_group: Any = None  # torch.distributed.ProcessGroup | None
     pp_group: Any = None
-    tp_cpu_group: Any = None
-    pp_cpu_group: Any = None
-    world_cpu_group: Any = None  # gloo, all ranks of the stage (driver broadcasts: sampled ids, scheduling)
+    cpu_group: Any = None  # gloo, all ranks of the stage (driver broadcasts: commands, sampled ids)
 
     def __post_init__(self) -> None:
         if self.pp_size < 1 or self.tp_size < 1:
@@ -135,7 +134,7 @@ def init_parallel_state(
     timeout_s: float = 60.0,
     device: torch.device | str | None = None,
 ) -> ParallelState:
-    """Join the stage's process group over TCP and build the TP / PP groups (and their gloo twins).
+    """Join the stage's process group over TCP and build the TP / PP groups and the gloo metadata group.
 
     Every rank of the stage calls this with the same pp, tp, master_addr and master_port. The rendezvous
     and every later collective time out after `timeout_s`, so an unreachable master or a missing rank is
@@ -175,25 +174,22 @@ def init_parallel_state(
     table = rank_table(pp, tp)
     pp_rank, tp_rank = divmod(rank, tp)
 
-    def groups(rank_lists: list[list[int]]) -> tuple[Any, Any]:
-        """Create every group (all ranks must call new_group in the same order); return this rank's pair."""
-        mine: tuple[Any, Any] = (None, None)
+    def my_group(rank_lists: list[list[int]]) -> Any:
+        """Create every group (all ranks must call new_group in the same order); return this rank's."""
+        mine = None
         for ranks in rank_lists:
-            device_group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
-            cpu_group = device_group if backend == "gloo" else dist.new_group(ranks=ranks, backend="gloo",
-                                                                                timeout=timeout)
+            group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
             if rank in ranks:
-                mine = (device_group, cpu_group)
+                mine = group
         return mine
 
-    tp_group, tp_cpu = groups(table) if tp > 1 else (None, None)
-    pp_group, pp_cpu = groups([list(col) for col in zip(*table)]) if pp > 1 else (None, None)
-    world_cpu = dist.group.WORLD if backend == "gloo" else dist.new_group(list(range(world)), backend="gloo",
+    tp_group = my_group(table) if tp > 1 else None
+    pp_group = my_group([list(col) for col in zip(*table)]) if pp > 1 else None
+    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(list(range(world)), backend="gloo",
                                                                           timeout=timeout)
     return ParallelState(
         world_size=world, rank=rank, pp_size=pp, tp_size=tp, pp_rank=pp_rank, tp_rank=tp_rank, backend=backend,
-        device=dev, tp_group=tp_group, pp_group=pp_group, tp_cpu_group=tp_cpu, pp_cpu_group=pp_cpu,
-        world_cpu_group=world_cpu,
+        device=dev, tp_group=tp_group, pp_group=pp_group, cpu_group=cpu_group,
     )
 
 

@@ -1,0 +1,65 @@
+"""A two-layer MLP split over pp x tp ranks, for testing the executor without a real model.
+
+Layer l is on pipeline rank l * pp // 2; inside a layer, W_in is split by columns and W_out by rows over
+the TP ranks (one all-reduce per layer) — the same shape of work a transformer block does. Weights come
+from a fixed seed, so every rank can build its own shard and the test can compute the unsharded answer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from omnimesh.parallel.parallel_state import ParallelState, pp_recv, pp_send, tp_all_reduce
+
+H, F, LAYERS = 8, 16, 2
+
+
+def full_weights() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(H, F, generator=g), torch.randn(F, H, generator=g)) for _ in range(LAYERS)]
+
+
+def reference(x: torch.Tensor) -> torch.Tensor:
+    for w_in, w_out in full_weights():
+        x = torch.relu(x @ w_in) @ w_out  # (T, H)
+    return x
+
+
+class ToyProgram:
+    def __init__(self, ps: ParallelState):
+        self.ps = ps
+        per = F // ps.tp_size
+        self.layers = [
+            (w_in[:, ps.tp_rank * per:(ps.tp_rank + 1) * per], w_out[ps.tp_rank * per:(ps.tp_rank + 1) * per])
+            for layer, (w_in, w_out) in enumerate(full_weights())
+            if layer * ps.pp_size // LAYERS == ps.pp_rank
+        ]
+
+    def execute(self, command: tuple) -> torch.Tensor | str | None:
+        kind = command[0]
+        if kind == "crash":  # one rank dies; the others wait for it in a collective
+            if self.ps.rank == command[1]:
+                os._exit(3)
+            tp_all_reduce(torch.zeros(1), self.ps)
+            return None
+        if kind == "fail":  # a deterministic error: every rank raises it, before any collective
+            raise ValueError("bad input on purpose")
+        if kind == "whoami":
+            return f"rank {self.ps.rank}" if self.ps.rank == self.ps.last_pp_rank_driver else None
+        x = command[1] if self.ps.is_first_pp_rank else pp_recv(command[1].shape, torch.float32, self.ps)
+        for w_in, w_out in self.layers:
+            x = tp_all_reduce(torch.relu(x @ w_in) @ w_out, self.ps)  # (T, H)
+        pp_send(x, self.ps)
+        return x if self.ps.is_last_pp_rank and self.ps.tp_rank == 0 else None
+
+
+def make_toy(ps: ParallelState) -> ToyProgram:
+    return ToyProgram(ps)
+
+
+def make_broken(ps: ParallelState) -> ToyProgram:
+    if ps.rank == 1:
+        raise RuntimeError("weights for rank 1 are missing")
+    return ToyProgram(ps)
