@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +152,21 @@ def _read(files: dict[str, Path], wanted: set[str]) -> dict[str, torch.Tensor]:
             for key in keys:
                 out[key] = f.get_tensor(key)
     return out
+
+
+def iter_tensors(files: dict[str, Path], keys: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (key, tensor) for exactly `keys`, one tensor at a time, opening each shard once.
+
+    For sharded loading: the caller narrows each full tensor to its shard and drops it before the next
+    one is read, so a rank never holds more than one full tensor beyond its own shards.
+    """
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for key in sorted(set(keys)):
+        by_file[files[key]].append(key)
+    for path, names in sorted(by_file.items()):
+        with safe_open(str(path), framework="pt") as f:
+            for key in names:
+                yield key, f.get_tensor(key)
 
 
 def load_state_dict(

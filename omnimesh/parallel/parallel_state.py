@@ -195,7 +195,7 @@ def init_parallel_state(
 
 def destroy_parallel_state(ps: ParallelState) -> None:
     """Tear down the process groups `init_parallel_state` made (no-op for `ParallelState.single()`)."""
-    if ps.world_size > 1 and dist.is_initialized():
+    if ps.backend != "none" and dist.is_initialized():
         dist.destroy_process_group()
 
 

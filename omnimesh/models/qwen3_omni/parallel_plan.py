@@ -14,6 +14,7 @@ predictor; vocoder: code2wav's pre-transformer) and checks:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 
@@ -31,10 +32,11 @@ class Stack:
 
 def stacks(config: Qwen3OmniMoeConfig) -> dict[str, list[Stack]]:
     """The transformer stacks each stage splits over its ranks."""
-    tc = config.thinker_config
+    cfg: Any = config  # sub-configs are typed as `dict | PreTrainedConfig | None`; loaded ones are configs
+    tc = cfg.thinker_config
     a, v, t = tc.audio_config, tc.vision_config, tc.text_config
-    tk, cp = config.talker_config.text_config, config.talker_config.code_predictor_config
-    w = config.code2wav_config
+    tk, cp = cfg.talker_config.text_config, cfg.talker_config.code_predictor_config
+    w = cfg.code2wav_config
     return {
         "encoder": [
             Stack("audio tower", a.encoder_layers, a.encoder_attention_heads, a.encoder_attention_heads),

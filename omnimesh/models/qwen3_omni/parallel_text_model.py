@@ -1,0 +1,440 @@
+"""Qwen3-Omni's MoE text decoder (thinker LM or talker LM), tensor-parallel and cut into pipeline ranges.
+
+Role: our own implementation of `Qwen3OmniMoeThinkerTextModel` / `Qwen3OmniMoeTalkerModel` for ONE rank of
+a stage's pp x tp grid: its layers [start, end), its TP shard of every weight, the embedding only on the
+first pipeline rank, the final norm and the LM / codec head only on the last. The math mirrors transformers
+line for line (pre-norm RMSNorm, q/k per-head norm, GQA, interleaved M-RoPE, causal attention, router
+softmax -> top-k -> optional renorm, silu experts, the talker's sigmoid-gated shared expert, deepstack adds);
+tests/parallel/ check it against transformers (pp = tp = 1, 1e-5) and across gloo ranks (1e-4).
+
+TP sharding: attention by heads (q, k, v column-parallel, o row-parallel), dense MLPs by intermediate
+columns, and MoE experts by their intermediate dim (every rank holds every expert, I/tp wide; the router
+is replicated, so all TP ranks route identically and each computes its slice for every routed token; one
+all-reduce per MoE block covers routed + shared experts). Whole-expert (EP) sharding was not chosen: its
+per-rank load follows the routing skew and it needs a token all-to-all; slicing keeps every rank equally
+busy with the same column -> row pattern and collective count as a dense MLP.
+
+Data flow (one step of one request on one rank):
+    first pp rank:  ids -> embed (vocab-parallel) -> [caller merges media] -> x (1, T, H)
+    other ranks:    x = hidden (1, T, H) received from the previous pipeline rank
+    forward(x, position_ids (4|3, 1, T), cache, visual_pos_mask, deepstack, capture_layer)
+        -> layers start..end-1 (deepstack[i] added after global layer i when this rank owns it)
+        -> final norm (last rank) -> StageOutput(hidden (1, T, H), captured (1, T, H) | None)
+    last pp rank:   compute_logits(hidden[:, -1]) -> (1, V) all-gathered over TP
+`pipeline_step` runs that across pipeline ranks (what crosses a boundary is documented there).
+
+Run the checks: python -m pytest tests/parallel -q
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnimesh.models.loader import checkpoint_files, iter_tensors
+from omnimesh.parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelExperts,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_heads,
+    default_weight_loader,
+    divide,
+)
+from omnimesh.parallel.parallel_state import ParallelState, pp_recv, pp_send, tp_all_reduce
+from omnimesh.parallel.partition import partition_layers
+
+_SHOW = 5
+
+
+def check_parallel_layout(config: Any, pp: int, tp: int, custom_partition: list[int] | None = None) -> None:
+    """Every size a pp x tp layout must divide, checked before any process-group work (ValueError names them)."""
+    check_heads(config.num_attention_heads, config.num_key_value_heads, tp)
+    if config.num_experts > 0:
+        divide(config.moe_intermediate_size, tp, "moe_intermediate_size")
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        divide(config.shared_expert_intermediate_size, tp, "shared_expert_intermediate_size")
+    n = config.num_hidden_layers
+    if any(i in config.mlp_only_layers or config.num_experts == 0 or (i + 1) % config.decoder_sparse_step
+           for i in range(n)):  # some dense layer (not in the Qwen3-Omni configs, but supported)
+        divide(config.intermediate_size, tp, "intermediate_size")
+    partition_layers(n, pp, custom_partition)
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    hidden: torch.Tensor  # (1, T, H): after the final norm on the last pp rank, else the boundary hidden
+    captured: torch.Tensor | None  # (1, T, H) at `capture_layer`, when this rank holds it
+
+
+class KVCache:
+    """One request's keys/values for THIS rank's layers and heads, contiguous per layer.
+
+    `update(layer_idx, k, v)` (global layer index) appends (1, n_kv/tp, T, D) and returns the whole
+    (1, n_kv/tp, S, D) history; the paged cache replaces this class behind the same two methods.
+    """
+
+    def __init__(self, layer_range: tuple[int, int]) -> None:
+        self.start, self.end = layer_range
+        self._k: list[torch.Tensor | None] = [None] * (self.end - self.start)
+        self._v: list[torch.Tensor | None] = [None] * (self.end - self.start)
+
+    def get_seq_length(self) -> int:
+        k = self._k[0]
+        return 0 if k is None else int(k.shape[2])
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.start <= layer_idx < self.end:
+            raise ValueError(f"layer {layer_idx} is not in this cache's range [{self.start}, {self.end})")
+        i = layer_idx - self.start
+        old_k, old_v = self._k[i], self._v[i]
+        self._k[i] = k if old_k is None else torch.cat([old_k, k], dim=2)  # (1, n_kv, S, D)
+        self._v[i] = v if old_v is None else torch.cat([old_v, v], dim=2)
+        return self._k[i], self._v[i]  # type: ignore[return-value]
+
+
+class RMSNorm(nn.Module):
+    """transformers' Qwen3 RMSNorm: normalise in float32, scale in the input dtype (replicated weight)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight: nn.Parameter = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class MRotary(nn.Module):
+    """Interleaved M-RoPE (t, h, w sections) as Qwen3OmniMoeThinkerTextRotaryEmbedding computes it."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        rope = config.rope_parameters
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported yet (only 'default')")
+        dim = config.head_dim
+        self.mrope_section = list(rope.get("mrope_section", [24, 20, 20]))
+        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # (D/2,)
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (3, 1, T) -> cos, sin (1, T, D)."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # (3, 1, T, D/2)
+        out = []
+        for f in (freqs.cos(), freqs.sin()):
+            thw = f[0].clone()  # (1, T, D/2): t everywhere, then h and w on their interleaved slots
+            for dim, offset in ((1, 1), (2, 2)):
+                idx = slice(offset, self.mrope_section[dim] * 3, 3)
+                thw[..., idx] = f[dim, ..., idx]
+            out.append(torch.cat((thw, thw), dim=-1).to(dtype))  # (1, T, D)
+        return out[0], out[1]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, ps: ParallelState, dtype: torch.dtype) -> None:
+        super().__init__()
+        tp: dict[str, Any] = {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "ps": ps, "params_dtype": dtype}
+        self.layer_idx, self.head_dim = layer_idx, config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias, **tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
+                                        bias=config.attention_bias, **tp)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.n_rep = config.num_attention_heads // config.num_key_value_heads
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        T, D = x.shape[1], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
+        q = self.q_norm(q.view(1, T, -1, D)).transpose(1, 2)  # (1, nh/tp, T, D)
+        k = self.k_norm(k.view(1, T, -1, D)).transpose(1, 2)  # (1, nkv/tp, T, D)
+        v = v.view(1, T, -1, D).transpose(1, 2)  # (1, nkv/tp, T, D)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, T, D)
+        q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+        k, v = cache.update(self.layer_idx, k, v)  # (1, nkv/tp, S, D)
+        k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)  # (1, nh/tp, S, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1 and
+                                           k.shape[2] == T, scale=D**-0.5)  # (1, nh/tp, T, D)
+        return self.o_proj(o.transpose(1, 2).reshape(1, T, -1))  # (1, T, H), all-reduced
+
+
+class ParallelMLP(nn.Module):
+    """silu(x Wg) * (x Wu) Wd, intermediate dim split over TP (dense layers and the talker's shared expert)."""
+
+    def __init__(self, hidden: int, inter: int, ps: ParallelState, dtype: torch.dtype, reduce: bool) -> None:
+        super().__init__()
+        tp: dict[str, Any] = {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "ps": ps, "params_dtype": dtype}
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], **tp)
+        self.down_proj = RowParallelLinear(inter, hidden, reduce_results=reduce, **tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x (..., I/tp)
+        return self.down_proj(F.silu(gate) * up)  # (..., H)
+
+
+class ParallelSparseMoe(nn.Module):
+    """Replicated router -> top-k -> TP-sliced experts (+ sigmoid-gated shared expert) -> one all-reduce."""
+
+    def __init__(self, config: Any, ps: ParallelState, dtype: torch.dtype, shared: bool) -> None:
+        super().__init__()
+        self.ps, self.top_k, self.norm_topk = ps, config.num_experts_per_tok, config.norm_topk_prob
+        self.router = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype),
+                                   requires_grad=False)  # (E, H), replicated
+        self.router.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.experts = ParallelExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                       tp_rank=ps.tp_rank, tp_size=ps.tp_size, ps=ps, params_dtype=dtype)
+        self.shared_expert: ParallelMLP | None = None
+        self.shared_expert_gate: nn.Parameter | None = None
+        if shared:
+            self.shared_expert = ParallelMLP(config.hidden_size, config.shared_expert_intermediate_size, ps, dtype,
+                                             reduce=False)
+            self.shared_expert_gate = nn.Parameter(torch.empty(1, config.hidden_size, dtype=dtype),
+                                                   requires_grad=False)  # (1, H), replicated
+            self.shared_expert_gate.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])  # (N, H)
+        logits = F.linear(h, self.router)  # (N, E)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)  # (N, E)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        if self.norm_topk:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        out = self.experts(h, top_i, top_w.to(logits.dtype))  # (N, H) partial over TP
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # sigmoid(gate) * sum_r(partial_r) == sum_r(sigmoid(gate) * partial_r): still one all-reduce
+            out = out + torch.sigmoid(F.linear(h, self.shared_expert_gate)) * self.shared_expert(h)
+        return tp_all_reduce(out, self.ps).reshape(shape)  # (1, T, H)
+
+
+class ParallelDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, ps: ParallelState, dtype: torch.dtype, is_talker: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = ParallelAttention(config, layer_idx, ps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        sparse = is_talker or (layer_idx not in config.mlp_only_layers and config.num_experts > 0
+                               and (layer_idx + 1) % config.decoder_sparse_step == 0)
+        self.mlp: nn.Module = (ParallelSparseMoe(config, ps, dtype, shared=is_talker) if sparse
+                               else ParallelMLP(config.hidden_size, config.intermediate_size, ps, dtype, reduce=True))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)  # (1, T, H)
+        return x + self.mlp(self.post_attention_layernorm(x))  # (1, T, H)
+
+
+class ParallelTextModel(nn.Module):
+    """One rank's part of the thinker LM (`thinker_config.text_config`) or talker LM (`talker_config.text_config`)."""
+
+    def __init__(self, config: Any, ps: ParallelState, layer_range: tuple[int, int], *, is_talker: bool,
+                 with_head: bool = True, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (Qwen3-Omni uses 'silu')")
+        check_parallel_layout(config, 1, ps.tp_size)
+        n, (start, end) = config.num_hidden_layers, layer_range
+        if not 0 <= start < end <= n:
+            raise ValueError(f"layer_range {layer_range} must satisfy 0 <= start < end <= {n} (num_hidden_layers)")
+        if ps.is_first_pp_rank != (start == 0) or ps.is_last_pp_rank != (end == n):
+            raise ValueError(f"pipeline rank {ps.pp_rank} of {ps.pp_size} got layer_range {layer_range}: the first "
+                             f"rank must start at 0 and the last must end at {n}; use partition_layers({n}, {ps.pp_size})")
+        self.config, self.ps, self.is_talker = config, ps, is_talker
+        self.start, self.end, self.num_layers = start, end, n
+        tp: dict[str, Any] = {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "ps": ps, "params_dtype": dtype}
+        with torch.device(ps.device):
+            self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp) \
+                if ps.is_first_pp_rank else None
+            self.layers = nn.ModuleList(ParallelDecoderLayer(config, i, ps, dtype, is_talker) for i in range(start, end))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if ps.is_last_pp_rank else None
+            self.head = ParallelLMHead(config.vocab_size, config.hidden_size, **tp) \
+                if ps.is_last_pp_rank and with_head else None
+            self.rotary = MRotary(config)
+
+    def decoder_layers(self) -> list[ParallelDecoderLayer]:
+        return [cast(ParallelDecoderLayer, layer) for layer in self.layers]
+
+    def new_cache(self) -> KVCache:
+        return KVCache((self.start, self.end))
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (..., ) -> embeddings (..., H); first pipeline rank only (collective over TP)."""
+        if self.embed is None:
+            raise ValueError(f"pipeline rank {self.ps.pp_rank} holds no embedding (only the first rank does)")
+        return self.embed(ids.to(self.ps.device))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H) -> logits (..., V); last pipeline rank only (all-gather over TP)."""
+        if self.head is None:
+            raise ValueError(f"pipeline rank {self.ps.pp_rank} holds no head (only the last rank, with_head=True)")
+        return self.head(hidden)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                visual_pos_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None,
+                capture_layer: int | None = None) -> StageOutput:
+        """Run this rank's layers on x (1, T, H); see the module docstring and decoder.py's capture convention."""
+        if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.config.hidden_size:
+            raise ValueError(f"x must be (1, T, {self.config.hidden_size}), got {tuple(x.shape)}")
+        if position_ids.dim() != 3 or position_ids.shape[0] not in (3, 4) or position_ids.shape[2] != x.shape[1]:
+            raise ValueError(f"position_ids must be (4 or 3, 1, T={x.shape[1]}), got {tuple(position_ids.shape)}")
+        if capture_layer is not None and not 0 <= capture_layer <= self.num_layers:
+            raise ValueError(f"capture_layer={capture_layer} is outside 0..{self.num_layers}")
+        # (3, 1, T) t/h/w rows; row 0 of a (4, 1, T) (text positions) only shapes transformers' mask, and for
+        # one unpadded request it equals the cache positions, which is what the mask below is built from
+        mrope = position_ids[-3:]
+        cos, sin = self.rotary(mrope.to(x.device), x.dtype)  # (1, T, D) each
+        T, past = x.shape[1], cache.get_seq_length()
+        mask = None  # SDPA's own causal mask covers a prefill from empty and single-token decode
+        if T > 1 and past > 0:  # chunked prefill: query i sees keys 0..past+i
+            q_pos = torch.arange(past, past + T, device=x.device)[:, None]  # (T, 1)
+            mask = torch.arange(past + T, device=x.device)[None, :] <= q_pos  # (T, S) bool
+        hidden = x  # (1, T, H)
+        captured = hidden if capture_layer == 0 and self.start == 0 else None
+        for idx, layer in zip(range(self.start, self.end), self.layers):
+            hidden = layer(hidden, cos, sin, cache, mask)  # (1, T, H)
+            if capture_layer == idx + 1 and capture_layer < self.num_layers:
+                captured = hidden
+            if deepstack is not None and idx < len(deepstack):
+                if visual_pos_mask is None:
+                    raise ValueError("deepstack features given without visual_pos_mask (1, T)")
+                hidden = hidden.clone()
+                hidden[visual_pos_mask] = hidden[visual_pos_mask] + deepstack[idx].to(hidden)  # (n_vis, H) rows
+        if self.norm is not None:
+            hidden = self.norm(hidden)  # (1, T, H)
+            if capture_layer == self.num_layers:
+                captured = hidden
+        return StageOutput(hidden=hidden, captured=captured)
+
+    def checkpoint_plan(self, prefix: str, head_key: str) -> dict[str, list[tuple[nn.Parameter, Callable[..., None], tuple]]]:
+        """Checkpoint key -> [(param, loader, extra loader args)] for exactly this rank's tensors."""
+        plan: dict[str, list[tuple[nn.Parameter, Callable[..., None], tuple]]] = {}
+
+        def add(key: str, param: nn.Parameter, *args: Any) -> None:
+            param.checkpoint_name = key  # type: ignore[attr-defined]
+            plan.setdefault(key, []).append((param, param.weight_loader, args))  # type: ignore[attr-defined]
+
+        embed_key = prefix + ("codec_embedding.weight" if self.is_talker else "embed_tokens.weight")
+        if self.embed is not None:
+            add(embed_key, self.embed.weight)
+        for idx, layer in zip(range(self.start, self.end), self.decoder_layers()):
+            p = f"{prefix}layers.{idx}."
+            add(p + "input_layernorm.weight", layer.input_layernorm.weight)
+            add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+            attn = layer.self_attn
+            for s in "qkv":
+                add(f"{p}self_attn.{s}_proj.weight", attn.qkv_proj.weight, s)
+                if attn.qkv_proj.bias is not None:
+                    add(f"{p}self_attn.{s}_proj.bias", attn.qkv_proj.bias, s)
+            add(p + "self_attn.o_proj.weight", attn.o_proj.weight)
+            if attn.o_proj.bias is not None:
+                add(p + "self_attn.o_proj.bias", attn.o_proj.bias)
+            add(p + "self_attn.q_norm.weight", attn.q_norm.weight)
+            add(p + "self_attn.k_norm.weight", attn.k_norm.weight)
+            mlp = layer.mlp
+            dense = [(p + "mlp.", mlp)] if isinstance(mlp, ParallelMLP) else []
+            if isinstance(mlp, ParallelSparseMoe):
+                add(p + "mlp.gate.weight", mlp.router)
+                for e in range(mlp.experts.num_experts):
+                    add(f"{p}mlp.experts.{e}.gate_proj.weight", mlp.experts.gate_up, e, "gate")
+                    add(f"{p}mlp.experts.{e}.up_proj.weight", mlp.experts.gate_up, e, "up")
+                    add(f"{p}mlp.experts.{e}.down_proj.weight", mlp.experts.down, e, "down")
+                if mlp.shared_expert is not None and mlp.shared_expert_gate is not None:
+                    dense.append((p + "mlp.shared_expert.", mlp.shared_expert))
+                    add(p + "mlp.shared_expert_gate.weight", mlp.shared_expert_gate)
+            for q, m in dense:
+                add(q + "gate_proj.weight", m.gate_up_proj.weight, 0)
+                add(q + "up_proj.weight", m.gate_up_proj.weight, 1)
+                add(q + "down_proj.weight", m.down_proj.weight)
+        if self.norm is not None:
+            add(prefix + "norm.weight", self.norm.weight)
+        if self.head is not None:
+            add(head_key, self.head.weight)
+        return plan
+
+    def load_weights(self, model_dir: Path, prefix: str | None = None, head_key: str | None = None) -> tuple[str, ...]:
+        """Read ONLY this rank's tensors from the safetensors folder, sharding each as it is read.
+
+        Defaults: thinker `thinker.model.` + `thinker.lm_head.weight`; talker `talker.model.` +
+        `talker.codec_head.weight` (a tied config falls back to the embedding key). Missing keys -> ValueError
+        naming them. Returns the checkpoint keys read.
+        """
+        role = "talker" if self.is_talker else "thinker"
+        prefix = prefix if prefix is not None else f"{role}.model."
+        head_key = head_key if head_key is not None else ("talker.codec_head.weight" if self.is_talker
+                                                          else "thinker.lm_head.weight")
+        files = checkpoint_files(Path(model_dir))
+        if head_key not in files and getattr(self.config, "tie_word_embeddings", False):
+            head_key = prefix + ("codec_embedding.weight" if self.is_talker else "embed_tokens.weight")
+        plan = self.checkpoint_plan(prefix, head_key)
+        missing = sorted(k for k in plan if k not in files)
+        if missing:
+            shown = ", ".join(missing[:_SHOW]) + (f", ... ({len(missing) - _SHOW} more)" if len(missing) > _SHOW else "")
+            raise ValueError(f"{len(missing)} weight(s) for {role} layers [{self.start}, {self.end}) are missing "
+                             f"from {model_dir}: {shown}")
+        covered = {id(param) for entries in plan.values() for param, _, _ in entries}
+        uncovered = [name for name, param in self.named_parameters() if id(param) not in covered]
+        if uncovered:
+            raise RuntimeError(f"checkpoint_plan misses parameters {uncovered[:_SHOW]}")  # a bug here, not the user's
+        with torch.no_grad():
+            for key, full in iter_tensors(files, plan):
+                for param, loader, args in plan[key]:
+                    loader(param, full, *args)  # copy_ casts to the param dtype
+        return tuple(sorted(plan))
+
+    def param_bytes(self) -> int:
+        """Bytes of this rank's parameters (buffers such as inv_freq excluded)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+def pipeline_step(model: ParallelTextModel, x: torch.Tensor | None, position_ids: torch.Tensor, cache: KVCache, *,
+                  visual_pos_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None,
+                  capture_layer: int | None = None) -> StageOutput:
+    """One blocking forward through the whole pipeline; every rank of the stage calls it for the same step.
+
+    What crosses each boundary p -> p+1 (TP rank t to TP rank t, over the PP group), in this order:
+      1. hidden (1, T, H) in the model dtype, always; T comes from `position_ids`, which every rank gets from
+         the executor's step metadata (so no shape handshake);
+      2. the captured hidden (1, T, H), only when `capture_layer` lies in an earlier rank's layers: it is
+         relayed rank by rank to the last pipeline rank, which returns it (each rank decides from its own
+         layer range and `capture_layer`, so no flag travels).
+    Deepstack features do not cross: each rank receives `deepstack` / `visual_pos_mask` as inputs and uses the
+    entries for the layers it owns. `x` is the inputs_embeds on the first rank and ignored elsewhere.
+    On the last rank the result holds the final hidden and the captured hidden.
+    """
+    ps, T, H = model.ps, position_ids.shape[-1], model.config.hidden_size
+    dtype = next(model.parameters()).dtype
+    if ps.is_first_pp_rank:
+        if x is None:
+            raise ValueError("the first pipeline rank needs inputs_embeds x (1, T, H)")
+    else:
+        x = pp_recv((1, T, H), dtype, ps)
+    # hidden index c is produced while running layer max(c - 1, 0) (c = 0: that layer's input)
+    capture_at = None if capture_layer is None else max(capture_layer - 1, 0)
+    relayed = pp_recv((1, T, H), dtype, ps) if capture_at is not None and capture_at < model.start else None
+    out = model(x, position_ids, cache, visual_pos_mask, deepstack, capture_layer)
+    captured = out.captured if relayed is None else relayed
+    if not ps.is_last_pp_rank:
+        pp_send(out.hidden, ps)
+        if capture_at is not None and capture_at < model.end and captured is not None:
+            pp_send(captured, ps)
+    return StageOutput(hidden=out.hidden, captured=captured)

@@ -1,0 +1,209 @@
+"""Our ParallelTextModel at pp = tp = 1 equals transformers' thinker / talker LMs (via decoder.run_decoder).
+
+Reference: `Qwen3OmniMoeThinkerTextModel` + `lm_head` and `Qwen3OmniMoeTalkerModel` + `codec_head` loaded by
+`stage_loading` from the tiny folder, run by `decoder.run_decoder` with a DynamicCache. Ours: the same folder
+through `ParallelTextModel.load_weights`. The folder's talker routers are made non-zero first (the tiny
+build leaves them zero, so every token would tie over all experts). Prefill (M-RoPE positions with a 2-D
+visual block, deepstack adds, a captured layer) and greedy decode steps must agree within 1e-5 (hidden,
+captured, logits, tokens).
+
+Run: python -m pytest tests/parallel/test_parallel_text_model.py -q
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
+
+from omnimesh.models.qwen3_omni.decoder import run_decoder
+from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel
+from omnimesh.models.qwen3_omni.stage_loading import load_config, load_talker, load_thinker
+from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+from omnimesh.parallel.parallel_state import ParallelState
+
+TOL = 1e-5
+DECODE_STEPS = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tiny = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3-omni")
+    return with_talker_routers(tiny, tmp_path_factory.mktemp("routed") / "qwen3-omni")
+
+
+def with_talker_routers(src: Path, dst: Path, seed: int = 0) -> Path:
+    """A copy of the tiny folder whose talker MoE routers are N(0, 0.05) instead of zero.
+
+    transformers 5.23 never initialises the talker's router (`mlp.gate.weight`), so the tiny build stores
+    zeros: every token then ties over all 8 experts, and top-k tie-breaking (device-dependent) would be all
+    the talker's routing ever tested.
+    """
+    dst.mkdir(parents=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    routers = sorted(k for k in tensors if k.startswith("talker.model.layers.") and k.endswith(".mlp.gate.weight"))
+    assert routers and all(not tensors[k].any() for k in routers), "tiny talker routers are no longer zero"
+    for key in routers:
+        tensors[key] = torch.randn(tensors[key].shape, generator=gen) * 0.05
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def mrope_positions(T: int, vis_start: int, grid: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    """(4, 1, T) float32 positions with one image block of grid h x w at `vis_start`, and the rope delta."""
+    h, w = grid
+    rows = torch.zeros(3, T)
+    p = 0.0
+    i = 0
+    while i < T:
+        if i == vis_start:
+            hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            n = h * w
+            rows[0, i:i + n] = p
+            rows[1, i:i + n] = p + hh.flatten()
+            rows[2, i:i + n] = p + ww.flatten()
+            p += max(h, w)
+            i += n
+        else:
+            rows[:, i] = p
+            p += 1
+            i += 1
+    text = torch.arange(T, dtype=torch.float32).view(1, 1, T)
+    delta = int(rows.max().item()) + 1 - T
+    return torch.cat([text, rows.view(3, 1, T)], dim=0), delta  # (4, 1, T)
+
+
+def decode_pos(seq_len: int, delta: int) -> torch.Tensor:
+    return torch.tensor([seq_len] + [seq_len + delta] * 3, dtype=torch.float32).view(4, 1, 1)
+
+
+def ours(model_dir: Path, is_talker: bool) -> ParallelTextModel:
+    config = load_config(model_dir)
+    text_config = (config.talker_config if is_talker else config.thinker_config).text_config
+    model = ParallelTextModel(text_config, ParallelState.single(), (0, text_config.num_hidden_layers),
+                              is_talker=is_talker)
+    model.load_weights(model_dir)
+    return model
+
+
+def run_both(ref_model: Any, ref_head: Any, ref_embed: Any, model: ParallelTextModel, *, n_deep: int,
+             capture: int) -> None:
+    T, vis_start, grid = 12, 3, (2, 3)
+    ids = torch.randint(0, 300, (1, T), generator=torch.Generator().manual_seed(1))
+    positions, delta = mrope_positions(T, vis_start, grid)
+    mask = torch.zeros(1, T, dtype=torch.bool)
+    mask[0, vis_start:vis_start + grid[0] * grid[1]] = True
+    gen = torch.Generator().manual_seed(2)
+    deep = [torch.randn(int(mask.sum()), 64, generator=gen) * 0.5 for _ in range(n_deep)] or None
+
+    with torch.no_grad():
+        ref_x = ref_embed(ids)  # (1, T, H)
+        x = model.embed_ids(ids)
+        assert torch.equal(x, ref_x)
+        ref_cache = DynamicCache(config=ref_model.config)
+        ref = run_decoder(ref_model, ref_x, positions, ref_cache, visual_pos_mask=mask if deep else None,
+                          deepstack=deep, capture_layer=capture)
+        cache = model.new_cache()
+        out = model(x, positions, cache, visual_pos_mask=mask if deep else None, deepstack=deep, capture_layer=capture)
+        assert ref.captured is not None and out.captured is not None
+        assert (out.hidden - ref.last_hidden).abs().max() < TOL
+        assert (out.captured - ref.captured).abs().max() < TOL
+        ref_logits = ref_head(ref.last_hidden[:, -1])  # (1, V)
+        logits = model.compute_logits(out.hidden[:, -1])
+        assert logits.shape == ref_logits.shape
+        assert (logits - ref_logits).abs().max() < TOL
+
+        seq = T
+        for _ in range(DECODE_STEPS):
+            token = int(ref_logits.argmax(-1))
+            assert int(logits.argmax(-1)) == token
+            tok = torch.tensor([[token]])
+            pos = decode_pos(seq, delta)
+            ref = run_decoder(ref_model, ref_embed(tok), pos, ref_cache)
+            out = model(model.embed_ids(tok), pos, cache)
+            ref_logits, logits = ref_head(ref.last_hidden[:, -1]), model.compute_logits(out.hidden[:, -1])
+            assert (out.hidden - ref.last_hidden).abs().max() < TOL
+            assert (logits - ref_logits).abs().max() < TOL
+            seq += 1
+        assert cache.get_seq_length() == ref_cache.get_seq_length() == T + DECODE_STEPS
+
+
+def test_thinker_matches_transformers(model_dir: Path) -> None:
+    ref = load_thinker(model_dir)
+    model = ours(model_dir, is_talker=False)
+    # 3 deepstack tensors: adds after layers 0, 1 and 2 (the real model has 3, the tiny config 1)
+    run_both(ref.text_model, ref.lm_head, ref.text_model.embed_tokens, model, n_deep=3, capture=2)
+
+
+def test_talker_matches_transformers(model_dir: Path) -> None:
+    talker = load_talker(model_dir).talker
+    model = ours(model_dir, is_talker=True)
+    run_both(talker.model, talker.codec_head, talker.model.codec_embedding, model, n_deep=0, capture=1)
+
+
+@pytest.mark.parametrize("capture", [0, 4])
+def test_capture_edges(model_dir: Path, capture: int) -> None:
+    """Index 0 is the layer input (inputs_embeds), num_layers the final-norm output."""
+    model = ours(model_dir, is_talker=False)
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(3))
+    positions, _ = mrope_positions(5, 99, (1, 1))
+    out = model(x, positions, model.new_cache(), capture_layer=capture)
+    assert out.captured is not None
+    assert torch.equal(out.captured, x if capture == 0 else out.hidden)
+
+
+def test_chunked_prefill_equals_one_prefill(model_dir: Path) -> None:
+    """A prompt run as 7 + 5 tokens (the explicit causal mask with a non-empty cache) equals one 12-token run."""
+    model = ours(model_dir, is_talker=True)
+    x = torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(4))
+    positions, _ = mrope_positions(12, 2, (2, 2))
+    whole = model(x, positions, model.new_cache()).hidden
+    cache = model.new_cache()
+    first = model(x[:, :7], positions[..., :7], cache).hidden
+    second = model(x[:, 7:], positions[..., 7:], cache).hidden
+    assert (torch.cat([first, second], dim=1) - whole).abs().max() < TOL
+
+
+def test_missing_key_is_named(model_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(model_dir / "config.json", broken / "config.json")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    gone = "thinker.model.layers.1.mlp.experts.3.up_proj.weight"
+    del tensors[gone]
+    save_file(tensors, str(broken / "model.safetensors"))
+    model = ParallelTextModel(load_config(model_dir).thinker_config.text_config, ParallelState.single(), (0, 4),
+                              is_talker=False)
+    with pytest.raises(ValueError, match=r"1 weight\(s\) for thinker layers \[0, 4\) are missing .*" + gone):
+        model.load_weights(broken)
+
+
+def test_layer_range_must_fit_the_rank(model_dir: Path) -> None:
+    config = load_config(model_dir).thinker_config.text_config
+    with pytest.raises(ValueError, match=r"first rank must start at 0 and the last must end at 4"):
+        ParallelTextModel(config, ParallelState.single(), (0, 2), is_talker=False)
+    with pytest.raises(ValueError, match=r"0 <= start < end <= 4"):
+        ParallelTextModel(config, ParallelState.single(), (0, 5), is_talker=False)
+
+
+def test_deepstack_needs_the_visual_mask(model_dir: Path) -> None:
+    model = ours(model_dir, is_talker=False)
+    positions, _ = mrope_positions(4, 99, (1, 1))
+    with pytest.raises(ValueError, match="deepstack features given without visual_pos_mask"):
+        model(torch.zeros(1, 4, 64), positions, model.new_cache(), deepstack=[torch.zeros(1, 64)])

@@ -1,0 +1,269 @@
+"""The thinker and talker LMs split over gloo ranks (pp, tp) in {(2,1), (1,2), (2,2)} equal the (1,1) model.
+
+Each layout spawns pp*tp processes (free TCP port, bounded rendezvous, killed if they overrun), which run
+`init_parallel_state`, load ONLY their layers / shards from the tiny folder (talker routers made non-zero,
+see `with_talker_routers`), and drive `pipeline_step`
+for a prefill (M-RoPE image block, 3 deepstack adds, a captured layer) plus 5 greedy decode steps with the
+real vocab-parallel lm_head / codec_head; the sampled id is broadcast from the last pipeline rank.
+Checked against `ParallelState.single()` in this process (itself checked against transformers in
+test_parallel_text_model.py): same greedy tokens, logits and captured hidden within 1e-4, and each
+rank's parameter bytes <= 1.1 x total / (pp*tp) + its named replicated parts (norms, routers, the talker's
+shared-expert gate) + its embedding / head shard.
+
+Run: python -m pytest tests/parallel/test_tp_pp_gloo.py -q
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import shutil
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel, check_parallel_layout, pipeline_step
+from omnimesh.parallel.parallel_state import (
+    ParallelState,
+    destroy_parallel_state,
+    init_parallel_state,
+)
+from omnimesh.parallel.partition import partition_layers
+
+ROLES = ("thinker", "talker")
+CAPTURE = {"thinker": 2, "talker": 1}  # both owned by pipeline rank 0 when pp = 2: relayed to the last rank
+DECODE_STEPS = 5
+TOL = 1e-4
+RENDEZVOUS_TIMEOUT_S = 30.0
+LAYOUT_DEADLINE_S = 60.0
+REPLICATED = ("norm", "router", "shared_expert_gate")  # parameter-name parts every TP rank holds whole
+
+
+def with_talker_routers(src: Path, dst: Path, seed: int = 0) -> Path:
+    """A copy of the tiny folder whose talker MoE routers are N(0, 0.05) instead of zero.
+
+    transformers 5.23 never initialises the talker's router (`mlp.gate.weight`), so the tiny build stores
+    zeros: every token then ties over all 8 experts, and top-k tie-breaking (device-dependent) would be all
+    the talker's routing ever tested.
+    """
+    dst.mkdir(parents=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    routers = sorted(k for k in tensors if k.startswith("talker.model.layers.") and k.endswith(".mlp.gate.weight"))
+    assert routers and all(not tensors[k].any() for k in routers), "tiny talker routers are no longer zero"
+    for key in routers:
+        tensors[key] = torch.randn(tensors[key].shape, generator=gen) * 0.05
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def text_config(model_dir: Path, role: str) -> Any:
+    from transformers import AutoConfig  # the config classes only; the modeling module is never imported
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return (config.talker_config if role == "talker" else config.thinker_config).text_config
+
+
+def prompt(T: int = 12) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, list[torch.Tensor]]:
+    """ids (1, T), positions (4, 1, T) with a 2 x 3 image block at 3..8, rope delta, visual mask, deepstack."""
+    ids = torch.randint(0, 300, (1, T), generator=torch.Generator().manual_seed(1))
+    t = torch.tensor([0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7, 8], dtype=torch.float32)
+    h = torch.tensor([0, 1, 2, 3, 3, 3, 4, 4, 4, 6, 7, 8], dtype=torch.float32)
+    w = torch.tensor([0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8], dtype=torch.float32)
+    positions = torch.stack([torch.arange(T, dtype=torch.float32), t, h, w]).view(4, 1, T)
+    mask = torch.zeros(1, T, dtype=torch.bool)
+    mask[0, 3:9] = True
+    gen = torch.Generator().manual_seed(2)
+    deepstack = [torch.randn(6, 64, generator=gen) * 0.5 for _ in range(3)]  # adds after layers 0, 1, 2
+    return ids, positions, 9 - T, mask, deepstack
+
+
+def scenario(ps: ParallelState, model_dir: Path, role: str) -> dict[str, Any]:
+    """Prefill + greedy decode on this rank; returns what the test compares (logits only on the last pp rank)."""
+    config = text_config(model_dir, role)
+    layer_range = partition_layers(config.num_hidden_layers, ps.pp_size)[ps.pp_rank]
+    model = ParallelTextModel(config, ps, layer_range, is_talker=role == "talker")
+    keys = model.load_weights(model_dir)
+    ids, positions, delta, mask, deepstack = prompt()
+    cache = model.new_cache()
+    deep = deepstack if role == "thinker" else None
+    out = pipeline_step(model, model.embed_ids(ids) if ps.is_first_pp_rank else None, positions, cache,
+                        visual_pos_mask=mask if deep else None, deepstack=deep, capture_layer=CAPTURE[role])
+    captured = out.captured
+    tokens: list[int] = []
+    logits_seen: list[torch.Tensor] = []
+    seq = ids.shape[1]
+    for step in range(DECODE_STEPS + 1):
+        token = torch.zeros(1, dtype=torch.long)
+        if ps.is_last_pp_rank:
+            logits = model.compute_logits(out.hidden[:, -1])  # (1, V), gathered over TP
+            logits_seen.append(logits[0])
+            token[0] = logits.argmax(-1)[0]
+        if ps.world_size > 1:  # the driver's job in the executor: sampled id from the last pp rank to all
+            dist.broadcast(token, src=ps.last_pp_rank_driver, group=ps.cpu_group)
+        tokens.append(int(token))
+        if step == DECODE_STEPS:
+            break
+        pos = torch.tensor([seq] + [seq + delta] * 3, dtype=torch.float32).view(4, 1, 1)
+        x = model.embed_ids(token.view(1, 1)) if ps.is_first_pp_rank else None
+        out = pipeline_step(model, x, pos, cache)
+        seq += 1
+    return {
+        "rank": ps.rank, "pp_rank": ps.pp_rank, "layer_range": layer_range, "keys": keys, "tokens": tokens,
+        "logits": torch.stack(logits_seen) if logits_seen else None,
+        "captured": captured if ps.is_last_pp_rank else None,
+        "param_bytes": model.param_bytes(),
+        "sizes": {name: p.numel() * p.element_size() for name, p in model.named_parameters()},
+        "cache_len": cache.get_seq_length(),
+    }
+
+
+def _worker(rank: int, pp: int, tp: int, port: int, model_dir: Path, results: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        ps = init_parallel_state(pp, tp, rank, "127.0.0.1", port, "gloo", timeout_s=RENDEZVOUS_TIMEOUT_S)
+        try:
+            out = {role: scenario(ps, model_dir, role) for role in ROLES}
+        finally:
+            destroy_parallel_state(ps)
+        # tensors as numpy arrays: torch's queue pickling shares memory that dies with this process
+        results.put((rank, {role: {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in res.items()}
+                            for role, res in out.items()}, None))
+    except Exception:  # noqa: BLE001  (reported to the parent, which fails the test with the traceback)
+        results.put((rank, None, traceback.format_exc()))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_layout(pp: int, tp: int, model_dir: Path) -> list[dict[str, dict[str, Any]]]:
+    """Spawn pp*tp gloo ranks; return their results by rank. Never hangs: a deadline, then kill."""
+    for role in ROLES:  # sizes are checked before any process or process group exists
+        check_parallel_layout(text_config(model_dir, role), pp, tp)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, pp, tp, port, model_dir, results), daemon=True)
+             for r in range(pp * tp)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + LAYOUT_DEADLINE_S
+    try:
+        while len(got) + len(errors) < len(procs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                errors.append(f"timed out after {LAYOUT_DEADLINE_S:.0f}s; ranks reported: {sorted(got)}")
+                break
+            try:
+                rank, out, err = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:  # check for ranks that died without reporting
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
+                if dead:
+                    errors.append(f"ranks {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                    break
+                continue
+            if err is not None:
+                errors.append(f"rank {rank}:\n{err}")
+            else:
+                got[rank] = {role: {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in res.items()}
+                             for role, res in out.items()}
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors:
+        pytest.fail(f"layout pp={pp} tp={tp} failed:\n" + "\n".join(errors))
+    return [got[r] for r in range(pp * tp)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni  # here, not at the top: spawned ranks
+    # import this module, and the builder pulls in the whole transformers model
+
+    tiny = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3-omni")
+    return with_talker_routers(tiny, tmp_path_factory.mktemp("routed") / "qwen3-omni")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[str, dict[str, Any]]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {role: scenario(ParallelState.single(), model_dir, role) for role in ROLES}
+    finally:
+        torch.set_num_threads(before)
+
+
+def _bytes(sizes: dict[str, int], *parts: str) -> int:
+    return sum(n for name, n in sizes.items() if any(p in name for p in parts))
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (1, 2), (2, 2)])
+def test_layout_matches_single_rank(pp: int, tp: int, model_dir: Path, reference: dict[str, dict[str, Any]]) -> None:
+    ranks = run_layout(pp, tp, model_dir)
+    for role in ROLES:
+        ref = reference[role]
+        outs = [r[role] for r in ranks]
+        last = outs[(pp - 1) * tp]
+        for o in outs:
+            assert o["tokens"] == ref["tokens"], f"{role} rank {o['rank']}: greedy tokens differ"
+            assert o["cache_len"] == 12 + DECODE_STEPS
+        for o in outs[(pp - 1) * tp:]:  # every TP rank of the last pp rank has the gathered logits
+            assert (o["logits"] - ref["logits"]).abs().max() < TOL, f"{role}: logits differ"
+        assert (last["captured"] - ref["captured"]).abs().max() < TOL, f"{role}: captured hidden differs"
+
+        # memory: each rank holds its share, plus the replicated parts named in REPLICATED and its vocab shards
+        total = ref["param_bytes"]
+        for o in outs:
+            allowance = _bytes(o["sizes"], *REPLICATED, "embed.", "head.")
+            assert o["param_bytes"] <= 1.1 * total / (pp * tp) + allowance, (role, o["rank"], o["param_bytes"])
+        # and nothing is held twice except the replicated parts (one copy per TP rank)
+        replicated = _bytes(ref["sizes"], *REPLICATED)
+        assert sum(o["param_bytes"] for o in outs) == total + (tp - 1) * replicated
+
+        # every rank read only its own layers' tensors (and the embedding / norm / head only where they live)
+        n_layers = ref["layer_range"][1]
+        for o in outs:
+            start, end = o["layer_range"]
+            layers_read = {int(k.split("layers.")[1].split(".")[0]) for k in o["keys"] if ".layers." in k}
+            assert layers_read == set(range(start, end))
+            head = "talker.codec_head.weight" if role == "talker" else "thinker.lm_head.weight"
+            assert (head in o["keys"]) == (end == n_layers)
+            assert any(k.endswith(("embed_tokens.weight", "codec_embedding.weight")) for k in o["keys"]) == (start == 0)
+
+
+def test_tp_that_does_not_divide_the_heads_fails_before_any_process_group(model_dir: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"tp=3 must divide num_attention_heads=4 and num_key_value_heads=2; "
+                                         r"valid tp values for this model: \[1, 2\]"):
+        run_layout(1, 3, model_dir)
+    assert not dist.is_initialized()
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ValueError, match=r"pp=5 exceeds the model's 4 layers"):
+        check_parallel_layout(text_config(model_dir, "thinker"), 5, 1)
+
+
+def test_unreachable_master_fails_within_the_timeout() -> None:
+    port = free_port()  # nobody listens there
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"rank 1 of 2 .* could not join the process group at "
+                                           rf"tcp://127.0.0.1:{port} within 2s"):
+        init_parallel_state(2, 1, 1, "127.0.0.1", port, "gloo", timeout_s=2.0)
+    assert time.monotonic() - t0 < 20
+    assert not dist.is_initialized()
