@@ -12,7 +12,6 @@ names the fix, and a valid setting this version cannot run yet says so and exits
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from dataclasses import replace
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from omnimesh.config.serve_args import GATEWAY_FIELDS, STAGE_EXCLUDED, ServeArgs, add_arguments, from_namespace
 from omnimesh.config.stage_config import STAGES
+from omnimesh.log_setup import setup_logging
 
 TINY_MODEL_NAME = "tiny-qwen3-omni"
 EXIT_USAGE = 2
@@ -31,28 +31,32 @@ def _fail(msg: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
+CPU_RANKS_PER_CORE = 4
+
+
 def _devices(device: str) -> tuple[int, str]:
-    """How many devices this host gives a stage: CUDA GPUs, or CPU cores (ranks) on CPU."""
+    """How many devices this host gives a stage: CUDA GPUs; on CPU the devices are rank processes, and a
+    core can time-share a few of them (slowly: CPU ranks are for testing layouts, not for speed)."""
     import torch
 
     if device != "cpu" and torch.cuda.is_available():
         return torch.cuda.device_count(), "CUDA devices"
     if device == "cuda":
         raise ValueError("--device cuda, but no CUDA device is visible (check CUDA_VISIBLE_DEVICES / drivers)")
-    return os.cpu_count() or 1, "CPU cores"
+    return CPU_RANKS_PER_CORE * (os.cpu_count() or 1), f"CPU ranks ({CPU_RANKS_PER_CORE} per core)"
 
 
-def _check_devices(args: ServeArgs) -> int | None:
+def _check_devices(args: ServeArgs, only: str | None = None) -> int | None:
     try:
         available, kind = _devices(args.device)
-        args.check_devices(available, kind)
+        args.check_devices(available, kind, only)
     except ValueError as exc:
         return _fail(str(exc))
     return None
 
 
-def _check_supported(args: ServeArgs) -> int | None:
-    unsupported = args.unsupported()
+def _check_supported(args: ServeArgs, only: str | None = None) -> int | None:
+    unsupported = args.unsupported(only)
     if unsupported:
         return _fail("not supported yet in this version:\n  " + "\n  ".join(unsupported), EXIT_UNSUPPORTED)
     return None
@@ -116,9 +120,10 @@ def cmd_stage(ns: argparse.Namespace) -> int:
         model_dir = _model_dir(args.model)
     except ValueError as exc:
         return _fail(str(exc))
-    if (rc := _check_devices(args)) is not None or (rc := _check_layout(args, model_dir, only=ns.stage_name)) is not None:
+    stage = ns.stage_name
+    if (rc := _check_devices(args, stage)) is not None or (rc := _check_layout(args, model_dir, only=stage)) is not None:
         return rc
-    if (rc := _check_supported(args)) is not None:
+    if (rc := _check_supported(args, stage)) is not None:
         return rc
     from omnimesh.server.stage_server import run_stage
     from omnimesh.stage_registry import handler_factory
@@ -193,20 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _KnownConfigNoise(logging.Filter):
-    """transformers 5.23 warns that Qwen3-Omni's own M-RoPE keys are unrecognised on every config load
-    (the real checkpoints carry them too, and the model reads them); keep the log for real problems."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not ("Unrecognized keys in `rope_parameters`" in msg and "mrope_section" in msg)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("transformers.modeling_rope_utils").addFilter(_KnownConfigNoise())
+    setup_logging(ns.log_level)
     return ns.func(ns)
 
 

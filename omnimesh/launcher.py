@@ -12,6 +12,7 @@ PR_SET_PDEATHSIG, so they die with the launcher even if it is killed outright.
 from __future__ import annotations
 
 import ctypes
+import json
 import signal
 import socket
 import subprocess
@@ -69,6 +70,10 @@ class MeshLauncher:
                 "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
         if a.max_model_len is not None:
             argv += ["--max-model-len", str(a.max_model_len)]
+        cfg = a.stage_configs()[stage]
+        argv += ["-tp", str(cfg.tp), "-pp", str(cfg.pp)]
+        if cfg.pp_layer_partition is not None:
+            argv += ["--stage-overrides", json.dumps({stage: {"pp_layer_partition": list(cfg.pp_layer_partition)}})]
         return argv
 
     def _gateway_argv(self, stage_addrs: dict[str, str]) -> list[str]:

@@ -18,8 +18,8 @@ PROTO_FILES = ("tensor.proto", "stage.proto", "omni.proto")
 
 def generate(out_root: Path) -> list[Path]:
     """Write `omnimesh/v1/*_pb2{,_grpc}.py(i)` under `out_root`; return the files written."""
-    from grpc_tools import protoc  # test/dev dependency only
     import grpc_tools
+    from grpc_tools import protoc  # test/dev dependency only
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     out_root.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 from omnimesh.config.serve_args import ServeArgs
+from omnimesh.models.qwen3_omni.stage_loading import LMLayout
+from omnimesh.server.stage_failure import StageFailure
 from omnimesh.server.stage_servicer import StageHandler
 
 SERVICES: dict[str, str] = {
@@ -28,6 +30,14 @@ def resolve_dtype(args: ServeArgs) -> torch.dtype:
     if args.dtype == "auto":
         return torch.bfloat16 if args.device == "cuda" else torch.float32
     return getattr(torch, args.dtype)
+
+
+def lm_layout(args: ServeArgs, stage: str, failure: StageFailure) -> LMLayout:
+    """The stage's pp x tp ranks from the flags (-tp/-pp, --stage-overrides, --master-*)."""
+    cfg = args.stage_configs()[stage]
+    return LMLayout(pp=cfg.pp, tp=cfg.tp, partition=cfg.pp_layer_partition,
+                    backend="nccl" if args.device == "cuda" else "gloo", master_addr=args.master_addr,
+                    master_port=args.master_port, on_failure=failure.report)
 
 
 def handler_factory(stage: str, model_dir: Path, args: ServeArgs) -> Callable[[], StageHandler]:

@@ -16,6 +16,7 @@ from typing import Any
 from omnimesh.config.stage_config import STAGES, StageConfig, parse_stage_overrides, resolve_stage
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+PARALLEL_STAGES = ("thinker", "talker")  # stages whose pp x tp > 1 runs today
 
 
 def _f(default: Any, help: str, *flags: str, **extra: Any) -> Any:
@@ -81,10 +82,12 @@ class ServeArgs:
         overrides = parse_stage_overrides(self.stage_overrides)
         return {stage: resolve_stage(model_stage, overrides.get(stage, {}), stage) for stage in STAGES}
 
-    def check_devices(self, available: int, kind: str) -> None:
-        """pp x tp of every stage must fit the devices of this host (before anything loads)."""
+    def check_devices(self, available: int, kind: str, only: str | None = None) -> None:
+        """pp x tp of every stage (or just `only`) must fit the devices of this host (before anything loads)."""
         total = available * self.num_nodes
         for stage, cfg in self.stage_configs().items():
+            if only is not None and stage != only:
+                continue
             if cfg.world_size > total:
                 raise ValueError(
                     f"stage {stage}: pp x tp = {cfg.pp} x {cfg.tp} = {cfg.world_size} ranks, but only {total} "
@@ -95,12 +98,16 @@ class ServeArgs:
                 if int(d) >= available:
                     raise ValueError(f"stage {stage}: device {d} does not exist; this host has {available} {kind} (0-{available - 1})")
 
-    def unsupported(self) -> list[str]:
+    def unsupported(self, only: str | None = None) -> list[str]:
         """Valid settings this version cannot run yet (each says what would be needed)."""
         out = []
         for stage, cfg in self.stage_configs().items():
-            if cfg.world_size > 1:
-                out.append(f"stage {stage}: pp x tp = {cfg.pp} x {cfg.tp} > 1 (pipeline/tensor parallel execution is not implemented yet)")
+            if only is not None and stage != only:
+                continue
+            if cfg.world_size > 1 and stage not in PARALLEL_STAGES:
+                out.append(f"stage {stage}: pp x tp = {cfg.pp} x {cfg.tp} > 1 (pipeline/tensor parallel execution "
+                           f"is implemented for {' and '.join(PARALLEL_STAGES)} so far; set the {stage}'s pp and tp "
+                           f"to 1 in --stage-overrides)")
             if cfg.num_replicas > 1:
                 out.append(f"stage {stage}: num_replicas = {cfg.num_replicas} (replicas are not implemented yet)")
         if self.distributed_executor_backend == "ray":
@@ -114,7 +121,7 @@ GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len", "trust_remote_code"}
 )
 STAGE_EXCLUDED = frozenset(
-    {"model", "host", "port", "grpc_port", "stage_base_port", "served_model_name", "async_chunk", "allowed_media_domains", "stage_overrides"}
+    {"model", "host", "port", "grpc_port", "stage_base_port", "served_model_name", "async_chunk", "allowed_media_domains"}
 )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from omnimesh.engine.task import StageRequestError, StageTask
+from omnimesh.parallel.mp_executor import RankFailure
 from omnimesh.transport.frames import StageChunk
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-compute")
         self._runner: asyncio.Task | None = None
+        self._closed = False
         self.steps = 0
 
     @property
@@ -73,7 +75,8 @@ class EngineLoop:
             await asyncio.gather(self._runner, return_exceptions=True)
         for rid in list(self._entries):
             self._finish(rid, EngineFailed(grpc.StatusCode.UNAVAILABLE, f"stage {self.name} is shutting down"))
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._executor.shutdown(wait=True, cancel_futures=False)
+        self._closed = True
 
     def submit(self, task: StageTask, timeout_s: float | None = None, whole_input: bool = False) -> asyncio.Queue:
         if task.request_id in self._entries:
@@ -106,9 +109,21 @@ class EngineLoop:
         if entry is None:
             return
         try:
-            entry.task.close()
+            # close() may free model state (KV caches on every rank): it runs on the compute thread, after any
+            # step in flight, so the model is never touched by two threads and the event loop never waits
+            if self._closed:
+                entry.task.close()
+            else:
+                self._executor.submit(self._close, entry.task)
         finally:
             entry.queue.put_nowait(event)
+
+    @staticmethod
+    def _close(task: StageTask) -> None:
+        try:
+            task.close()
+        except Exception:
+            log.exception("closing request %s failed", task.request_id)
 
     def _deliver_inputs(self, entry: _Entry) -> bool:
         """Hand buffered chunks to the task; False if the task rejected one (already finished)."""
@@ -155,6 +170,9 @@ class EngineLoop:
                     continue
                 except ValueError as exc:
                     self._finish(rid, EngineFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+                    continue
+                except RankFailure as exc:  # a rank of this stage died: the stage cannot serve
+                    self._finish(rid, EngineFailed(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {exc}"))
                     continue
                 except Exception as exc:  # a model bug must fail this request, not the stage
                     log.exception("%s: request %s failed", self.name, rid)

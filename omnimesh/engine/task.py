@@ -49,4 +49,5 @@ class StageTask(ABC):
         return the output chunks it produced (the engine numbers them). Set `finished` when done."""
 
     def close(self) -> None:
-        """Called once when the request ends for any reason (done, error, cancel): free what it holds."""
+        """Called once when the request ends for any reason (done, error, cancel), on the compute thread
+        after any step in flight: free what it holds (e.g. its KV cache on every rank)."""

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from omnimesh.log_setup import setup_logging
 from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,9 @@ def _result_owner(ps: ParallelState) -> int:
 
 
 def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
-                 ready: Any) -> None:
+                 ready: Any, log_level: int = logging.INFO) -> None:
     _die_with_parent()
+    setup_logging(logging.getLevelName(log_level))
     torch.set_num_threads(threads)
     try:
         ps = init_parallel_state(pp, tp, rank, rdzv.master_addr, rdzv.master_port, rdzv.backend, rdzv.timeout_s)
@@ -133,7 +135,8 @@ class MpExecutor:
         ready = ctx.Queue()
         for rank in range(1, self.world):
             proc = ctx.Process(target=_worker_main, name=f"omnimesh-rank{rank}", daemon=True,
-                               args=(rank, self.pp, self.tp, self.rdzv, self.factory, self.threads, ready))
+                               args=(rank, self.pp, self.tp, self.rdzv, self.factory, self.threads, ready,
+                                     logging.getLogger().getEffectiveLevel()))
             proc.start()
             self.procs[rank] = proc
         try:

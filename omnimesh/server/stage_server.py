@@ -7,13 +7,17 @@ EngineLoop + StageServicer on a grpc.aio server (uvloop) with health and reflect
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 from collections.abc import Callable
 
+from grpc_health.v1 import health_pb2
+
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.server.grpc_server import bind, make_server, serve_forever
+from omnimesh.server.stage_failure import StageFailure
 from omnimesh.server.stage_servicer import StageHandler, StageServicer
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 
@@ -28,6 +32,17 @@ async def _serve(handler: StageHandler, host: str, port: int) -> None:
     server, health_servicer = make_server([STAGE_SERVICE])
     stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine), server)
     bound = bind(server, host, port)
+    failure: StageFailure | None = getattr(handler, "failure", None)
+    if failure is not None:
+        loop = asyncio.get_running_loop()
+
+        def not_serving(message: str) -> None:
+            log.error("stage %s is NOT_SERVING: %s", handler.name, message)
+            for name in ("", STAGE_SERVICE):
+                asyncio.run_coroutine_threadsafe(
+                    health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING), loop)
+
+        failure.listen(not_serving)
     print(f"omnimesh stage {handler.name} listening on {host}:{bound}", flush=True)
     await serve_forever(server, health_servicer, [STAGE_SERVICE], on_stop=engine.stop)
 

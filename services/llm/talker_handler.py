@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
+
 from omnimesh.config.serve_args import ServeArgs
+from omnimesh.engine.task import StageRequestError
 from omnimesh.models.qwen3_omni.sampling import talker_sampling_params
-from omnimesh.models.qwen3_omni.stage_loading import load_talker
+from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_talker
 from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker
-from omnimesh.stage_registry import resolve_dtype
+from omnimesh.server.stage_failure import StageFailure
+from omnimesh.stage_registry import lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling
 from services.llm.talker_task import TalkerTask
-
 
 DEFAULT_SPEAKER = "ethan"
 
@@ -24,7 +27,9 @@ DEFAULT_SPEAKER = "ethan"
 class TalkerHandler:
     name = "talker"
 
-    def __init__(self, talker: Qwen3OmniTalker, model_name: str):
+    def __init__(self, talker: Qwen3OmniTalker, model_name: str, layout: LMLayout, failure: StageFailure):
+        self.layout = layout
+        self.failure = failure
         self.talker = talker
         self.defaults = talker_sampling_params(talker.config)
         self.model_name = model_name
@@ -33,14 +38,18 @@ class TalkerHandler:
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
-                                   pipeline_parallel_size=1, tensor_parallel_size=1, device="cpu",
-                                   speakers=self.speakers)
+                                   pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
+                                   device="cuda" if self.layout.backend == "nccl" else "cpu", speakers=self.speakers)
 
     def open(self, msg: stage_pb2.Open) -> TalkerTask:
+        if self.failure.message is not None:
+            raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"talker: {self.failure.message}")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
         speaker = msg.options.get("speaker") or self.speakers[0]
         return TalkerTask(msg.request_id, self.talker, speaker, params)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> TalkerHandler:
-    return TalkerHandler(load_talker(model_dir, resolve_dtype(args)), model_dir.name)
+    failure = StageFailure()
+    layout = lm_layout(args, "talker", failure)
+    return TalkerHandler(load_talker(model_dir, resolve_dtype(args), layout), model_dir.name, layout, failure)

@@ -9,7 +9,6 @@ code predictor) when its text entry is known (`can_step`); a finished code group
 
 from __future__ import annotations
 
-
 from omnimesh.engine.task import StageTask
 from omnimesh.models.qwen3_omni.edges import talker_prompt_from_tensors
 from omnimesh.models.qwen3_omni.sampling import SamplingParams
@@ -31,6 +30,11 @@ class TalkerTask(StageTask):
         self.prompt: TalkerPrompt | None = None
         self.state: TalkerState | None = None
         self.text_ended = False
+
+    def close(self) -> None:
+        if self.state is not None:
+            self.talker.release(self.state)
+            self.state = None
 
     def feed(self, chunk: StageChunk) -> None:
         if self.text_ended:

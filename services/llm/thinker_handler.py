@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 from transformers import AutoTokenizer, GenerationConfig
 
 from omnimesh.config.serve_args import ServeArgs
+from omnimesh.engine.task import StageRequestError
 from omnimesh.models.qwen3_omni.sampling import thinker_sampling_params
-from omnimesh.models.qwen3_omni.stage_loading import load_thinker
+from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_thinker
 from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
-from omnimesh.stage_registry import resolve_dtype
+from omnimesh.server.stage_failure import StageFailure
+from omnimesh.stage_registry import lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling
 from services.llm.thinker_task import ThinkerTask
@@ -25,7 +28,9 @@ class ThinkerHandler:
     name = "thinker"
 
     def __init__(self, thinker: Qwen3OmniThinker, tokenizer: object, generation_config: GenerationConfig | None,
-                 model_name: str, max_model_len: int):
+                 model_name: str, max_model_len: int, layout: LMLayout, failure: StageFailure):
+        self.layout = layout
+        self.failure = failure
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.defaults = thinker_sampling_params(thinker.config, generation_config)
@@ -34,16 +39,21 @@ class ThinkerHandler:
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
-                                   pipeline_parallel_size=1, tensor_parallel_size=1, device="cpu")
+                                   pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
+                                   device="cuda" if self.layout.backend == "nccl" else "cpu")
 
     def open(self, msg: stage_pb2.Open) -> ThinkerTask:
+        if self.failure.message is not None:
+            raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"thinker: {self.failure.message}")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
         return ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
                            talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
-    thinker = load_thinker(model_dir, resolve_dtype(args))
+    failure = StageFailure()
+    layout = lm_layout(args, "thinker", failure)
+    thinker = load_thinker(model_dir, resolve_dtype(args), layout)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     try:
         gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
@@ -53,4 +63,4 @@ def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
     max_len = args.max_model_len or limit
     if max_len > limit:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings {limit}")
-    return ThinkerHandler(thinker, tokenizer, gen, model_dir.name, max_len)
+    return ThinkerHandler(thinker, tokenizer, gen, model_dir.name, max_len, layout, failure)

@@ -38,6 +38,11 @@ class ThinkerTask(StageTask):
         self.pending: int | None = None  # sampled, not yet fed back
         self.first_chunk_extra: dict[str, torch.Tensor] = {}
 
+    def close(self) -> None:
+        if self.state is not None:
+            self.thinker.release(self.state)
+            self.state = None
+
     def feed(self, chunk: StageChunk) -> None:
         if self.inputs is not None:
             raise ValueError(f"{EDGE}: the thinker takes its whole prompt in one chunk")

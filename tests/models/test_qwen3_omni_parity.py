@@ -22,6 +22,9 @@ from omnimesh.models.qwen3_omni.code2wav import Code2WavStreamer
 from omnimesh.models.qwen3_omni.encoder import Qwen3OmniEncoder
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams, talker_sampling_params
 from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker
+from omnimesh.models.qwen3_omni.lm_backend import ShardedBackend
+from omnimesh.models.qwen3_omni.lm_shard import LMShardSpec
+from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
 
 CASES = {"text": (False, False), "audio": (True, False), "image": (False, True), "audio_image": (True, True)}
@@ -110,11 +113,16 @@ def pipeline(  # type: ignore[no-untyped-def]
 
 def _stages(  # type: ignore[no-untyped-def]
     model, media: Media, ids: torch.Tensor, thinker_params: SamplingParams, talker_params: SamplingParams,
-    interleave: bool, window: int, generator: torch.Generator | None,
+    interleave: bool, window: int, generator: torch.Generator | None, backends=None,
 ) -> Run:
+    """`backends` = (thinker, talker) LMBackends to run the decoders in; default: transformers' modules."""
     encoder = Qwen3OmniEncoder(model.thinker.model.audio_tower, model.thinker.model.visual)
-    thinker = Qwen3OmniThinker(model.thinker, model.config)
-    talker = Qwen3OmniTalker(model.talker, model.config)
+    if backends is None:
+        thinker = Qwen3OmniThinker.from_hf(model.thinker, model.config)
+        talker = Qwen3OmniTalker(model.talker, model.config)
+    else:
+        thinker = Qwen3OmniThinker(model.thinker.model.language_model.embed_tokens, backends[0], model.config)
+        talker = Qwen3OmniTalker(model.talker, model.config, backends[1])
     vocoder = Code2WavStreamer(model.code2wav, window=window)
     audio = image = deepstack = lengths = None
     if media.input_features is not None and media.feature_attention_mask is not None:
@@ -265,7 +273,7 @@ def test_sampled_run_reproducible_and_matches_generate_rng(model, media) -> None
 def test_talker_lookahead_and_errors(model, media) -> None:  # type: ignore[no-untyped-def]
     m = media["text"]
     ids = chat_prompt(m)
-    thinker = Qwen3OmniThinker(model.thinker, model.config)
+    thinker = Qwen3OmniThinker.from_hf(model.thinker, model.config)
     talker = Qwen3OmniTalker(model.talker, model.config)
     logits, tstate, prompt = thinker.prefill(ids)
     _, first = thinker.decode(tstate, int(logits.argmax()))
@@ -293,7 +301,7 @@ def test_talker_lookahead_and_errors(model, media) -> None:  # type: ignore[no-u
 
 
 def test_thinker_rejects_mismatched_media(model, media) -> None:  # type: ignore[no-untyped-def]
-    thinker = Qwen3OmniThinker(model.thinker, model.config)
+    thinker = Qwen3OmniThinker.from_hf(model.thinker, model.config)
     ids = chat_prompt(media["audio"])
     fake = torch.zeros(media["audio"].n_audio_tokens - 1, 64)
     with pytest.raises(ValueError, match="audio placeholder"):
@@ -302,12 +310,18 @@ def test_thinker_rejects_mismatched_media(model, media) -> None:  # type: ignore
         thinker.prefill(chat_prompt(media["image"]))
 
 
-def test_thinker_from_parts_equals_whole(model, media) -> None:  # type: ignore[no-untyped-def]
-    """A thinker stage holds only the language model + lm_head; same numbers as the whole thinker module."""
-    ids = chat_prompt(media["text"])
-    whole = Qwen3OmniThinker(model.thinker, model.config)
-    parts = Qwen3OmniThinker(model.thinker.model.language_model, model.thinker.lm_head, model.config)
-    (la, sa, pa), (lb, sb, pb) = whole.prefill(ids), parts.prefill(ids)
-    assert torch.equal(la, lb) and torch.equal(pa.prompt_embeds, pb.prompt_embeds)
-    assert torch.equal(whole.decode(sa, 5)[0], parts.decode(sb, 5)[0])
-    assert sa.seq_len == sb.seq_len == ids.numel() + 1
+def test_our_parallel_lm_equals_generate(model, media, tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
+    """The stages' own decoder (ParallelTextModel via LMShard, pp = tp = 1, weights read from the folder)
+    instead of transformers' modules: same text tokens and codes as `generate`, audio within 1e-4."""
+    folder = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "m")
+    backends = (ShardedBackend.local(LMShardSpec(folder, "thinker")), ShardedBackend.local(LMShardSpec(folder, "talker")))
+    for case in ("text", "audio_image"):
+        ids = chat_prompt(media[case])
+        ref = reference(model, media[case], ids, thinker_max_new_tokens=6, thinker_do_sample=False,
+                        talker_do_sample=False, talker_max_new_tokens=24)
+        thinker, talker = greedy(model, 6, 24)
+        ours = _stages(model, media[case], ids, thinker, talker, True, 5, None, backends)
+        assert ours.tokens == ref.tokens
+        assert torch.equal(ours.codes, ref.codes)
+        assert ours.wav.shape == ref.wav.shape
+        assert float((ours.wav - ref.wav).abs().max()) <= 1e-4 * max(float(ref.wav.abs().max()), 1e-6)

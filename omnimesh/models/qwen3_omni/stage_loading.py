@@ -7,8 +7,10 @@ Every load goes through `omnimesh.models.loader`, which fails on any missing key
 and a real Qwen3-Omni checkpoint (the prefixes are the real checkpoint's key layout).
 
     load_encoder(dir)  -> Qwen3OmniEncoder       thinker.audio_tower.*, thinker.visual.*
-    load_thinker(dir)  -> Qwen3OmniThinker       thinker.model.*, thinker.lm_head.*
-    load_talker(dir)   -> Qwen3OmniTalker        talker.*
+    load_thinker(dir, layout) -> Qwen3OmniThinker   thinker.model.embed_tokens here; its layers + lm_head
+                                                    split over the layout's pp x tp ranks (LMShard)
+    load_talker(dir, layout)  -> Qwen3OmniTalker    talker projections + code predictor here; its layers +
+                                                    codec head split over the ranks
     load_code2wav(dir) -> Qwen3OmniMoeCode2Wav   code2wav.*
 """
 
@@ -16,7 +18,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,12 +31,13 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeAudioEncoder,
     Qwen3OmniMoeCode2Wav,
     Qwen3OmniMoeTalkerForConditionalGeneration,
-    Qwen3OmniMoeThinkerTextModel,
     Qwen3OmniMoeVisionEncoder,
 )
 
-from omnimesh.models.loader import HF_PER_EXPERT_MOE, build_submodule
+from omnimesh.models.loader import build_submodule
 from omnimesh.models.qwen3_omni.encoder import Qwen3OmniEncoder
+from omnimesh.models.qwen3_omni.lm_backend import ShardedBackend
+from omnimesh.models.qwen3_omni.lm_shard import LMShardSpec
 from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker
 from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
 
@@ -64,27 +70,55 @@ def load_encoder(model_dir: Path, dtype: torch.dtype = torch.float32) -> Qwen3Om
     return Qwen3OmniEncoder(audio, visual)
 
 
-def load_thinker(model_dir: Path, dtype: torch.dtype = torch.float32) -> Qwen3OmniThinker:
+@dataclass(frozen=True)
+class LMLayout:
+    """How a thinker / talker stage spreads its decoder: pp x tp ranks (rank 0 is this process)."""
+
+    pp: int = 1
+    tp: int = 1
+    partition: tuple[int, ...] | None = None
+    backend: str = "gloo"  # "nccl" when the stage runs on CUDA devices
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port, so stages on one host never collide
+    on_failure: Callable[[str], None] | None = None
+
+
+def lm_backend(spec: LMShardSpec, layout: LMLayout) -> ShardedBackend:
+    if layout.pp * layout.tp == 1:
+        return ShardedBackend.local(spec)
+    return ShardedBackend.distributed(spec, layout.pp, layout.tp, backend=layout.backend,
+                                      master_addr=layout.master_addr, master_port=layout.master_port,
+                                      on_failure=layout.on_failure)
+
+
+def load_thinker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LMLayout = LMLayout()) -> Qwen3OmniThinker:
+    """This process keeps the embedding table (inputs are embedded and media merged here); the decoder
+    layers + lm_head are split over the layout's ranks, each loading only its own shard."""
     config = load_config(model_dir)
-    text_model = _timed("thinker language model", model_dir, lambda: build_submodule(
-        model_dir, config_path="thinker_config.text_config", factory=Qwen3OmniMoeThinkerTextModel,
-        prefix="thinker.model.", stacked=HF_PER_EXPERT_MOE, dtype=dtype))
-    text_cfg = config.get_text_config()
-    lm_head = build_submodule(
+    embed = build_submodule(
         model_dir, config_path="thinker_config.text_config",
-        factory=lambda c: nn.Linear(c.hidden_size, c.vocab_size, bias=False), prefix="thinker.lm_head.", dtype=dtype)
-    shape = tuple(lm_head.get_parameter("weight").shape)
-    if shape != (text_cfg.vocab_size, text_cfg.hidden_size):
-        raise ValueError(f"thinker.lm_head has shape {shape}, expected ({text_cfg.vocab_size}, {text_cfg.hidden_size})")
-    return Qwen3OmniThinker(text_model, lm_head, config)
+        factory=lambda c: nn.Embedding(c.vocab_size, c.hidden_size), prefix="thinker.model.embed_tokens.", dtype=dtype)
+    backend = _timed("thinker decoder", model_dir, lambda: lm_backend(
+        LMShardSpec(model_dir, "thinker", layout.partition, dtype), layout))
+    return Qwen3OmniThinker(embed, backend, config)
 
 
-def load_talker(model_dir: Path, dtype: torch.dtype = torch.float32) -> Qwen3OmniTalker:
+def _talker_without_decoder(config: Any) -> nn.Module:
+    """The talker's per-step parts only (projections, codec embedding, code predictor): its decoder layers and
+    codec head live in the LM shards, so they are dropped before loading."""
+    talker = Qwen3OmniMoeTalkerForConditionalGeneration(config)
+    talker.model.layers = nn.ModuleList()
+    talker.codec_head = None  # type: ignore[assignment]
+    return talker
+
+
+def load_talker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LMLayout = LMLayout()) -> Qwen3OmniTalker:
     config = load_config(model_dir)
-    talker = _timed("talker", model_dir, lambda: build_submodule(
-        model_dir, config_path="talker_config", factory=Qwen3OmniMoeTalkerForConditionalGeneration,
-        prefix="talker.", stacked=HF_PER_EXPERT_MOE, dtype=dtype))
-    return Qwen3OmniTalker(talker, config)
+    talker = _timed("talker projections + code predictor", model_dir, lambda: build_submodule(
+        model_dir, config_path="talker_config", factory=_talker_without_decoder, prefix="talker.", dtype=dtype))
+    backend = _timed("talker decoder", model_dir, lambda: lm_backend(
+        LMShardSpec(model_dir, "talker", layout.partition, dtype), layout))
+    return Qwen3OmniTalker(talker, config, backend)
 
 
 def load_code2wav(model_dir: Path, dtype: torch.dtype = torch.float32) -> Qwen3OmniMoeCode2Wav:

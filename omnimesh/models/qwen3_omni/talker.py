@@ -36,7 +36,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 
-from omnimesh.models.qwen3_omni.decoder import run_code_predictor, run_decoder
+from omnimesh.models.qwen3_omni.decoder import run_code_predictor
+from omnimesh.models.qwen3_omni.lm_backend import HFBackend, LMBackend
 from omnimesh.models.qwen3_omni.mrope import MropeSpec, decode_positions, prompt_positions
 from omnimesh.models.qwen3_omni.sampling import (
     Sampler,
@@ -55,7 +56,7 @@ class TalkerState:
 
     sampler: Sampler
     predictor_sampler: Sampler
-    cache: DynamicCache
+    handle: Any  # the backend's handle for this request's KV cache
     prefill_embeds: torch.Tensor | None  # (1, P, H) until the first step runs it
     prefill_positions: torch.Tensor | None  # (4, 1, P)
     rope_delta: int
@@ -77,8 +78,11 @@ class Qwen3OmniTalker:
     and the audio tower's `n_window`, which its own config lacks.
     """
 
-    def __init__(self, talker: nn.Module, config: Qwen3OmniMoeConfig) -> None:
+    def __init__(self, talker: nn.Module, config: Qwen3OmniMoeConfig, backend: LMBackend | None = None) -> None:
+        """`talker` supplies the small per-step modules (text/hidden projections, codec embedding, code
+        predictor); the decoder stack + codec head run in `backend` (default: transformers' own, in-process)."""
         self.talker: Any = talker
+        self.backend: LMBackend = backend if backend is not None else HFBackend(self.talker.model, self.talker.codec_head)
         self.config = config
         tk: Any = config.talker_config
         self.num_code_groups = int(tk.num_code_groups)
@@ -140,7 +144,7 @@ class Qwen3OmniTalker:
         return TalkerState(
             sampler=sampler,
             predictor_sampler=Sampler(code_predictor_sampling_params(params), sampler.generator),
-            cache=DynamicCache(config=self.talker.model.config),
+            handle=self.backend.open(),
             prefill_embeds=embeds, prefill_positions=positions, rope_delta=rope_delta,
             tts_eos=tts_eos, tts_pad=tts_pad,
         )
@@ -158,6 +162,10 @@ class Qwen3OmniTalker:
             raise ValueError("finish_text called twice")
         state.text.append(state.tts_eos)
         state.text_done = True
+
+    def release(self, state: TalkerState) -> None:
+        """The request ended: free its KV cache wherever the backend keeps it."""
+        self.backend.close(state.handle)
 
     def can_step(self, state: TalkerState) -> bool:
         """Whether `step` can run now: the prefill is pending, or text entry g for the next decode is known."""
@@ -189,10 +197,10 @@ class Qwen3OmniTalker:
         return torch.tensor([code, *residuals], dtype=torch.long)  # (G,)
 
     def _forward_and_sample(self, state: TalkerState, inputs: torch.Tensor, positions: torch.Tensor) -> None:
-        out = run_decoder(self.talker.model, inputs, positions, state.cache)
+        out = self.backend.forward(state.handle, inputs, positions)
         state.seq_len += inputs.shape[1]
-        state.last_hidden = out.last_hidden[:, -1:]  # (1, 1, H)
-        logits = self.talker.codec_head(state.last_hidden)[0, -1]  # (V,)
+        state.last_hidden = out.last_hidden  # (1, 1, H)
+        logits = out.logits  # (V,)
         history = torch.tensor(state.codes, dtype=torch.long)  # (n,) generated codec tokens only
         token = state.sampler.sample(logits, history)
         state.codes.append(token)

@@ -32,11 +32,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-from omnimesh.models.qwen3_omni.decoder import run_decoder
+from omnimesh.models.qwen3_omni.lm_backend import HFBackend, LMBackend
 from omnimesh.models.qwen3_omni.mrope import MropeSpec, decode_positions, prompt_positions
 
 
@@ -56,7 +55,7 @@ class TalkerPrompt:
 class ThinkerState:
     """One request's thinker state; owned by the caller, never shared."""
 
-    cache: DynamicCache
+    handle: Any  # the backend's handle for this request's KV cache
     rope_delta: int  # M-RoPE position of cache slot i is i + rope_delta
     token_ids: list[int] = field(default_factory=list)  # prompt + every token fed so far
 
@@ -70,30 +69,16 @@ class ThinkerState:
 
 
 class Qwen3OmniThinker:
-    """Step-wise thinker over already-loaded transformers sub-modules.
+    """Step-wise thinker: the embedding table here, the decoder stack + lm_head behind an `LMBackend`.
 
-    Either `Qwen3OmniThinker(thinker, config)` with a whole `Qwen3OmniMoeThinkerForConditionalGeneration`,
-    or `Qwen3OmniThinker(text_model, lm_head, config)` with only its `Qwen3OmniMoeThinkerTextModel` and
-    `lm_head` (what a thinker stage process loads; the towers live in the encoder stage).
+    `Qwen3OmniThinker(embed_tokens, backend, config)`; `Qwen3OmniThinker.from_hf(thinker, config)` wraps a
+    whole transformers `Qwen3OmniMoeThinkerForConditionalGeneration` (the in-process reference), and a
+    thinker stage builds a `ShardedBackend` over its pp x tp ranks (see stage_loading.py).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        lm_head_or_config: nn.Module | Qwen3OmniMoeConfig,
-        config: Qwen3OmniMoeConfig | None = None,
-    ) -> None:
-        if isinstance(lm_head_or_config, nn.Module):
-            if config is None:
-                raise ValueError("Qwen3OmniThinker(text_model, lm_head, config): config is missing")
-            self.text_model: Any = module
-            self.lm_head: Any = lm_head_or_config
-        else:
-            if config is not None:
-                raise ValueError("pass Qwen3OmniThinker(thinker, config) or (text_model, lm_head, config)")
-            whole: Any = module
-            self.text_model, self.lm_head = whole.model.language_model, whole.lm_head
-            config = lm_head_or_config
+    def __init__(self, embed_tokens: nn.Module, backend: LMBackend, config: Qwen3OmniMoeConfig) -> None:
+        self.embed_tokens = embed_tokens
+        self.backend = backend
         self.config = config
         tc: Any = config.thinker_config
         tk: Any = config.talker_config
@@ -105,15 +90,25 @@ class Qwen3OmniThinker:
         self.accept_hidden_layer = int(tk.accept_hidden_layer)
         self.tts_ids = (int(config.tts_bos_token_id), int(config.tts_eos_token_id), int(config.tts_pad_token_id))
         self.mrope = MropeSpec.for_thinker(config)
-        n_layers = len(self.text_model.layers)
+        n_layers = int(tc.text_config.num_hidden_layers)
         if not 0 <= self.accept_hidden_layer <= n_layers:
             raise ValueError(
                 f"talker_config.accept_hidden_layer={self.accept_hidden_layer} is outside 0..{n_layers} "
                 f"(the thinker has {n_layers} layers)"
             )
 
+    @classmethod
+    def from_hf(cls, thinker: nn.Module, config: Qwen3OmniMoeConfig) -> Qwen3OmniThinker:
+        """Over a whole transformers thinker, run in this process (the reference path)."""
+        text_model: Any = thinker.model.language_model  # type: ignore[union-attr]
+        return cls(text_model.embed_tokens, HFBackend(text_model, thinker.lm_head), config)
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.text_model.embed_tokens(ids)  # (..., H)
+        return self.embed_tokens(ids)  # (..., H)
+
+    def release(self, state: ThinkerState) -> None:
+        """The request ended: free its KV cache wherever the backend keeps it."""
+        self.backend.close(state.handle)
 
     @torch.no_grad()
     def prefill(
@@ -138,15 +133,17 @@ class Qwen3OmniThinker:
             embeds = embeds.masked_scatter(image_mask, image_embeds.to(embeds.dtype))
             visual_mask = (ids == self.image_token_id).view(1, -1)  # (1, L)
         positions, rope_delta = prompt_positions(ids, self.mrope, image_grid_thw, audio_feature_lengths)
-        cache = DynamicCache(config=self.text_model.config)
-        out = run_decoder(
-            self.text_model, embeds, positions, cache, visual_pos_mask=visual_mask,
+        handle = self.backend.open()
+        out = self.backend.forward(
+            handle, embeds, positions, visual_pos_mask=visual_mask,
             deepstack=deepstack if image_embeds is not None else None, capture_layer=self.accept_hidden_layer,
         )
-        logits = self.lm_head(out.last_hidden[:, -1])[0]  # (V,)
+        logits = out.logits  # (V,)
         mm_mask = (ids == self.audio_token_id) | (ids == self.image_token_id) | (ids == self.video_token_id)  # (L,)
         # `captured` is always set: the layer index was checked in __init__
-        captured = out.captured if out.captured is not None else out.last_hidden
+        if out.captured is None:
+            raise RuntimeError("the backend returned no captured hidden for accept_hidden_layer")
+        captured = out.captured
         prompt = TalkerPrompt(
             input_ids=ids.clone(),
             prompt_embeds=embeds[0].clone(),  # (L, H)
@@ -155,7 +152,7 @@ class Qwen3OmniThinker:
             image_grid_thw=None if image_grid_thw is None else image_grid_thw.clone(),
             audio_feature_lengths=None if audio_feature_lengths is None else audio_feature_lengths.view(-1).clone(),
         )
-        state = ThinkerState(cache=cache, rope_delta=rope_delta, token_ids=ids.tolist())
+        state = ThinkerState(handle=handle, rope_delta=rope_delta, token_ids=ids.tolist())
         return logits, state, prompt
 
     @torch.no_grad()
@@ -163,9 +160,9 @@ class Qwen3OmniThinker:
         """Feed one sampled token; returns (logits (V,) of the next token, token_embed (H,) of `token_id`)."""
         embed = self._embed(torch.tensor([[token_id]], dtype=torch.long))  # (1, 1, H)
         positions = decode_positions(state.seq_len, state.rope_delta)  # (4, 1, 1)
-        out = run_decoder(self.text_model, embed, positions, state.cache)
+        out = self.backend.forward(state.handle, embed, positions)
         state.token_ids.append(int(token_id))
-        return self.lm_head(out.last_hidden[:, -1])[0], embed[0, 0]  # (V,), (H,)
+        return out.logits, embed[0, 0]  # (V,), (H,)
 
     def _check_media(
         self,

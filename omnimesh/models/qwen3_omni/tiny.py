@@ -21,9 +21,8 @@ print(build_tiny_qwen3_omni(Path('/tmp/tiny-qwen3-omni')))"
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 from pathlib import Path
 from typing import Any, cast
 

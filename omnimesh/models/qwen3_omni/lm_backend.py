@@ -1,0 +1,115 @@
+"""LM backends: where the thinker's / talker's decoder layers actually run, behind one small interface.
+
+Role: the step logic (`thinker.py`, `talker.py`) decides what to feed and what to emit; a backend runs
+the decoder stack + head on it for one request and keeps that request's KV cache:
+
+    handle = backend.open()                                  a new request (its KV cache)
+    backend.forward(handle, x (1, T, H), position_ids, ...)  -> LMOutput(logits (V,), last_hidden, captured)
+    backend.close(handle)                                    frees the cache (on every rank)
+
+`HFBackend` runs transformers' own modules in this process (the reference the tests compare with).
+`ShardedBackend` runs our tensor-/pipeline-parallel `LMShard` on every rank of the stage: in-process for
+pp = tp = 1 (`ShardedBackend.local`), or through an `MpExecutor` driving pp x tp rank processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache
+
+from omnimesh.models.qwen3_omni.decoder import run_decoder
+from omnimesh.models.qwen3_omni.lm_shard import LMFree, LMShard, LMShardSpec, LMStep, LMStepResult, build_shard
+from omnimesh.parallel.mp_executor import MpExecutor
+from omnimesh.parallel.parallel_state import ParallelState
+
+
+@dataclass(frozen=True)
+class LMOutput:
+    logits: torch.Tensor  # (V,) of the last position
+    last_hidden: torch.Tensor  # (1, 1, H) final-norm hidden of the last position
+    captured: torch.Tensor | None  # (1, T, H) at capture_layer
+
+
+class LMBackend(Protocol):
+    def open(self) -> Any:
+        """Called once per request before its first forward; returns the request's handle."""
+        ...
+
+    def forward(self, handle: Any, x: torch.Tensor, position_ids: torch.Tensor, *,
+                visual_pos_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None,
+                capture_layer: int | None = None) -> LMOutput:
+        """Called per prefill / decode step with the step's input embeddings (1, T, H)."""
+        ...
+
+    def close(self, handle: Any) -> None:
+        """Called once when the request ends; frees its KV cache."""
+        ...
+
+
+class HFBackend:
+    """transformers' decoder module + head in this process (one DynamicCache per request)."""
+
+    def __init__(self, text_model: Any, head: Any):
+        self.text_model = text_model
+        self.head = head
+
+    def open(self) -> DynamicCache:
+        return DynamicCache(config=self.text_model.config)
+
+    def forward(self, handle: DynamicCache, x: torch.Tensor, position_ids: torch.Tensor, *,
+                visual_pos_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None,
+                capture_layer: int | None = None) -> LMOutput:
+        out = run_decoder(self.text_model, x, position_ids, handle, visual_pos_mask=visual_pos_mask,
+                          deepstack=deepstack, capture_layer=capture_layer)
+        last = out.last_hidden[:, -1:]  # (1, 1, H)
+        return LMOutput(logits=self.head(last)[0, -1], last_hidden=last, captured=out.captured)
+
+    def close(self, handle: DynamicCache) -> None:
+        pass
+
+
+class ShardedBackend:
+    """Our parallel LM: one `LMShard` per rank, driven in lock-step (see lm_shard.py)."""
+
+    def __init__(self, run: Any, executor: MpExecutor | None = None):
+        self._run = run  # LMShard.execute (in-process) or MpExecutor.execute
+        self.executor = executor
+        self._ids = itertools.count()
+
+    @classmethod
+    def local(cls, spec: LMShardSpec) -> ShardedBackend:
+        """pp = tp = 1 in this process: no process group at all."""
+        return cls(LMShard(spec, ParallelState.single()).execute)
+
+    @classmethod
+    def distributed(cls, spec: LMShardSpec, pp: int, tp: int, *, backend: str = "gloo",
+                    master_addr: str = "127.0.0.1", master_port: int | None = None, timeout_s: float = 120.0,
+                    on_failure: Any = None) -> ShardedBackend:
+        """pp x tp ranks: this process is rank 0, the others are spawned (bounded start-up)."""
+        from functools import partial
+
+        executor = MpExecutor(pp, tp, partial(build_shard, spec), backend=backend, master_addr=master_addr,
+                              master_port=master_port, timeout_s=timeout_s, on_failure=on_failure)
+        executor.start()
+        return cls(executor.execute, executor)
+
+    def open(self) -> int:
+        return next(self._ids)
+
+    def forward(self, handle: int, x: torch.Tensor, position_ids: torch.Tensor, *,
+                visual_pos_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None,
+                capture_layer: int | None = None) -> LMOutput:
+        result: LMStepResult = self._run(LMStep(handle, x, position_ids, visual_pos_mask, deepstack, capture_layer))
+        return LMOutput(logits=result.logits, last_hidden=result.last_hidden, captured=result.captured)
+
+    def close(self, handle: int) -> None:
+        if self.executor is None or self.executor.failure is None:
+            self._run(LMFree(handle))
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()

@@ -1,0 +1,107 @@
+"""LMShard: what one rank of a thinker or talker stage runs — its layers of the LM, its KV caches.
+
+Role: the `RankProgram` the stage's executor runs on every rank of a pp x tp grid (and, with
+`ParallelState.single()`, in-process for pp = tp = 1). Each rank builds a `ParallelTextModel` over its own
+contiguous layer range (`partition_layers`), loads only those tensors, sharded for its TP rank, and keeps
+one KV cache per open request for exactly those layers and heads.
+
+Commands (sent by the driver to every rank, executed in lock-step):
+    LMStep(handle, x (1, T, H), position_ids, visual_pos_mask, deepstack, capture_layer)
+        every rank: pipeline_step over its layers (hidden crosses pp boundaries, see parallel_text_model)
+        last pp rank: logits of the last position (all-gathered over TP) -> LMStepResult
+    LMFree(handle)    every rank drops the request's KV cache
+Inputs arrive as embeddings (the driver embeds and merges media), so no rank needs the embedding table.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelTextModel, pipeline_step
+from omnimesh.parallel.parallel_state import ParallelState
+from omnimesh.parallel.partition import partition_layers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LMStep:
+    handle: int
+    x: torch.Tensor  # (1, T, H) inputs_embeds of the first layer
+    position_ids: torch.Tensor  # (4 | 3, 1, T)
+    visual_pos_mask: torch.Tensor | None = None  # (1, T) bool
+    deepstack: list[torch.Tensor] | None = None  # [(n_visual, H)] added after the first layers
+    capture_layer: int | None = None
+
+
+@dataclass(frozen=True)
+class LMFree:
+    handle: int
+
+
+@dataclass(frozen=True)
+class LMStepResult:
+    logits: torch.Tensor  # (V,) of the last position
+    last_hidden: torch.Tensor  # (1, 1, H) final-norm hidden of the last position
+    captured: torch.Tensor | None  # (1, T, H) at capture_layer, when asked for
+
+
+@dataclass(frozen=True)
+class LMShardSpec:
+    """Everything a rank needs to build its shard (picklable: it crosses into spawned processes)."""
+
+    model_dir: Path
+    role: str  # "thinker" | "talker"
+    partition: tuple[int, ...] | None = None  # layers per pp rank; None = even split
+    dtype: torch.dtype = torch.float32
+
+    def text_config(self):  # noqa: ANN201 - a transformers text config
+        from omnimesh.models.qwen3_omni.stage_loading import load_config
+
+        config = load_config(self.model_dir)
+        sub = config.thinker_config if self.role == "thinker" else config.talker_config
+        return sub.text_config  # type: ignore[union-attr]
+
+
+class LMShard:
+    def __init__(self, spec: LMShardSpec, ps: ParallelState):
+        if spec.role not in ("thinker", "talker"):
+            raise ValueError(f"role must be thinker or talker, got {spec.role!r}")
+        config = spec.text_config()
+        ranges = partition_layers(config.num_hidden_layers, ps.pp_size, list(spec.partition) if spec.partition else None)
+        self.layer_range = ranges[ps.pp_rank]
+        self.ps = ps
+        self.model = ParallelTextModel(config, ps, self.layer_range, is_talker=spec.role == "talker", dtype=spec.dtype)
+        self.model.embed = None  # inputs arrive as embeddings; the driver holds the table
+        self.model.load_weights(spec.model_dir)
+        self.caches: dict[int, KVCache] = {}
+        log.info("%s rank %d (pp %d, tp %d): layers [%d, %d), %.2f MB of parameters", spec.role, ps.rank,
+                 ps.pp_rank, ps.tp_rank, *self.layer_range, self.model.param_bytes() / 1e6)
+
+    def execute(self, command: LMStep | LMFree) -> LMStepResult | None:
+        if isinstance(command, LMFree):
+            self.caches.pop(command.handle, None)
+            return None
+        cache = self.caches.get(command.handle)
+        if cache is None:
+            cache = self.caches[command.handle] = self.model.new_cache()
+        x = command.x.to(self.ps.device) if self.ps.is_first_pp_rank else None
+        out = pipeline_step(self.model, x, command.position_ids, cache, visual_pos_mask=command.visual_pos_mask,
+                            deepstack=command.deepstack, capture_layer=command.capture_layer)
+        if not (self.ps.is_last_pp_rank and self.ps.tp_rank == 0):
+            if self.ps.is_last_pp_rank:
+                self.model.compute_logits(out.hidden[:, -1])  # the all-gather needs every TP rank
+            return None
+        last = out.hidden[:, -1:]  # (1, 1, H)
+        logits = self.model.compute_logits(last[:, 0])[0]  # (V,)
+        return LMStepResult(logits=logits.cpu(), last_hidden=last.cpu(),
+                            captured=None if out.captured is None else out.captured.cpu())
+
+
+def build_shard(spec: LMShardSpec, ps: ParallelState) -> LMShard:
+    """The executor's program factory (module-level, so spawned ranks can unpickle it)."""
+    return LMShard(spec, ps)
