@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 from omnimesh.models.qwen3_omni.decoder import run_decoder
 from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel
-from omnimesh.models.qwen3_omni.stage_loading import load_config, load_talker, load_thinker
+from omnimesh.models.qwen3_omni.stage_loading import load_config
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.parallel.parallel_state import ParallelState
 
@@ -144,15 +144,22 @@ def run_both(ref_model: Any, ref_head: Any, ref_embed: Any, model: ParallelTextM
         assert cache.get_seq_length() == ref_cache.get_seq_length() == T + DECODE_STEPS
 
 
+def _transformers_model(model_dir: Path):  # noqa: ANN202
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).eval()
+
+
 def test_thinker_matches_transformers(model_dir: Path) -> None:
-    ref = load_thinker(model_dir)
+    thinker = _transformers_model(model_dir).thinker
+    text_model = thinker.model.language_model
     model = ours(model_dir, is_talker=False)
     # 3 deepstack tensors: adds after layers 0, 1 and 2 (the real model has 3, the tiny config 1)
-    run_both(ref.text_model, ref.lm_head, ref.text_model.embed_tokens, model, n_deep=3, capture=2)
+    run_both(text_model, thinker.lm_head, text_model.embed_tokens, model, n_deep=3, capture=2)
 
 
 def test_talker_matches_transformers(model_dir: Path) -> None:
-    talker = load_talker(model_dir).talker
+    talker = _transformers_model(model_dir).talker
     model = ours(model_dir, is_talker=True)
     run_both(talker.model, talker.codec_head, talker.model.codec_embedding, model, n_deep=0, capture=1)
 
