@@ -121,3 +121,60 @@ def start_stage(model_dir: Path, stage: str) -> tuple[Proc, str]:
     proc = Proc(["stage", stage, "--model", str(model_dir), "--port", str(port)])
     proc.wait_for_line(rf"omnimesh stage {stage} listening")
     return proc, f"127.0.0.1:{port}"
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def children(launcher_pid: int) -> dict[str, int]:
+    """The launcher's child processes by role: 'stage talker' -> pid, 'gateway' -> pid."""
+    out: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or ppid(int(entry.name)) != launcher_pid:
+            continue
+        argv = cmdline(int(entry.name))
+        if "omnimesh.cli" not in argv:
+            continue
+        i = argv.index("omnimesh.cli")
+        if argv[i + 1:i + 2] == ["stage"]:
+            out[f"stage {argv[i + 2]}"] = int(entry.name)
+        elif argv[i + 1:i + 2] == ["gateway"]:
+            out["gateway"] = int(entry.name)
+    return out
+
+
+def stage_pid(mesh: Mesh, stage: str) -> int:
+    pid = children(mesh.proc.proc.pid)[f"stage {stage}"]
+    argv = cmdline(pid)
+    port = mesh.stages[stage].rsplit(":", 1)[1]
+    assert argv[argv.index("--port") + 1] == port, (argv, mesh.stages)
+    return pid
+
+
+
+
+def rank_pids(stage_pid_: int) -> list[int]:
+    """The rank processes a stage spawned (its pp x tp ranks beyond rank 0, which is the stage itself)."""
+    return sorted(int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and ppid(int(e.name)) == stage_pid_
+                  and "spawn_main" in " ".join(cmdline(int(e.name))) and alive(int(e.name)))

@@ -21,7 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from mesh_harness import Mesh, Proc, free_port, start_mesh
+from mesh_harness import Proc, free_port, start_mesh
+from mesh_harness import alive as _alive
+from mesh_harness import children as _children
+from mesh_harness import stage_pid as _stage_pid
 
 MODEL = "tiny-qwen3-omni"
 ALLOWED_DOMAIN = "media.example.com"
@@ -29,56 +32,6 @@ TIMEOUT_S = 60.0
 FAIL_WITHIN_S = 10.0  # a request that needs a dead stage must be answered within this
 STOP_WITHIN_S = 30.0
 START_FAIL_WITHIN_S = 180.0
-
-
-# ------------------------------------------------------------------------------------------ process helpers
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie, dead but not yet reaped, counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _children(launcher_pid: int) -> dict[str, int]:
-    """The launcher's child processes by role: 'stage talker' -> pid, 'gateway' -> pid."""
-    out: dict[str, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or _ppid(int(entry.name)) != launcher_pid:
-            continue
-        argv = _cmdline(int(entry.name))
-        if "omnimesh.cli" not in argv:
-            continue
-        i = argv.index("omnimesh.cli")
-        if argv[i + 1:i + 2] == ["stage"]:
-            out[f"stage {argv[i + 2]}"] = int(entry.name)
-        elif argv[i + 1:i + 2] == ["gateway"]:
-            out["gateway"] = int(entry.name)
-    return out
-
-
-def _stage_pid(mesh: Mesh, stage: str) -> int:
-    pid = _children(mesh.proc.proc.pid)[f"stage {stage}"]
-    argv = _cmdline(pid)
-    port = mesh.stages[stage].rsplit(":", 1)[1]
-    assert argv[argv.index("--port") + 1] == port, (argv, mesh.stages)
-    return pid
 
 
 # ------------------------------------------------------------------------------------------- request helpers

@@ -1,0 +1,88 @@
+"""The mesh with its LM stages split over ranks — thinker pp=2 x tp=2 (4 processes), talker pp=2 — answers
+exactly like `transformers` generate (and so like the pp = tp = 1 mesh): text token for token, audio within
+1e-4. A thinker rank killed mid-request fails that request promptly with 503, the thinker goes
+NOT_SERVING and the gateway's /health names it; nothing hangs. This module runs its own mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from mesh_harness import rank_pids, stage_pid, start_mesh
+from reference import chat_request, png_bytes, sine_wav
+from test_parity import MAX_TOKENS, TALKER_MAX, run_pipeline
+
+from omnimesh.transport.stage_client import StageClient
+
+LAYOUT = '{"thinker": {"pp": 2, "tp": 2}, "talker": {"pp": 2}}'
+
+
+@pytest.fixture(scope="module")
+def split_mesh(tiny_model_dir: Path):
+    mesh = start_mesh(tiny_model_dir, "--stage-overrides", LAYOUT)
+    yield mesh
+    mesh.proc.stop()
+
+
+def test_stages_report_their_layout(split_mesh) -> None:
+    async def infos():
+        out = {}
+        for name in ("thinker", "talker"):
+            client = StageClient(name, split_mesh.stages[name])
+            out[name] = await client.info()
+            await client.close()
+        return out
+
+    info = asyncio.run(infos())
+    assert (info["thinker"].pipeline_parallel_size, info["thinker"].tensor_parallel_size) == (2, 2)
+    assert (info["talker"].pipeline_parallel_size, info["talker"].tensor_parallel_size) == (2, 1)
+    assert len(rank_pids(stage_pid(split_mesh, "thinker"))) == 3  # ranks 1..3; rank 0 is the stage itself
+    assert len(rank_pids(stage_pid(split_mesh, "talker"))) == 1
+
+
+@pytest.mark.parametrize("media", ["text", "audio+image"])
+def test_split_mesh_equals_generate(split_mesh, tiny_model_dir, reference, media) -> None:
+    wav, png = (sine_wav(), png_bytes()) if media == "audio+image" else (None, None)
+    req = chat_request("Tell me about the sea.", wav, png, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+    ref = reference.generate(req, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+    text, audio, finished = run_pipeline(split_mesh, tiny_model_dir, req, async_chunk=True)
+    assert text == ref.text and finished.completion_tokens == len(ref.token_ids)
+    assert audio.shape == ref.audio.shape
+    np.testing.assert_allclose(audio, ref.audio, atol=1e-4, rtol=0)
+
+
+def test_thinker_rank_killed_mid_request(split_mesh) -> None:
+    """Runs last in this module: it breaks the thinker on purpose."""
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000,
+            "temperature": 0, "ignore_eos": True}
+    result: dict = {}
+
+    def long_request() -> None:
+        t0 = time.monotonic()
+        r = httpx.post(f"{split_mesh.rest}/v1/chat/completions", json=body, timeout=120)
+        result.update(status=r.status_code, body=r.json(), seconds=time.monotonic() - t0)
+
+    victim = rank_pids(stage_pid(split_mesh, "thinker"))[-1]
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(1.5)  # the request is decoding
+    assert thread.is_alive(), result
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the request hung after a thinker rank died"
+    assert result["status"] == 503, result
+    assert "thinker" in result["body"]["error"]["message"] and f"pid {victim}" in result["body"]["error"]["message"]
+    assert time.monotonic() - killed_at < 30
+    health = httpx.get(f"{split_mesh.rest}/health", timeout=10)
+    assert health.status_code == 503 and "thinker" in health.json()["down"]
+    again = httpx.post(f"{split_mesh.rest}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert again.status_code == 503 and "thinker" in again.json()["error"]["message"]
