@@ -1,0 +1,41 @@
+"""GPU path (skipped without CUDA): an NCCL process group of one rank, and the thinker's LM shard on a CUDA
+device giving the CPU's greedy tokens. Run on a lent GPU machine with `python -m pytest -m gpu`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnimesh.models.qwen3_omni.lm_shard import LMShard, LMShardSpec, LMStep
+from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+from omnimesh.parallel.mp_executor import free_port
+from omnimesh.parallel.parallel_state import ParallelState, destroy_parallel_state, init_parallel_state
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _positions(n: int) -> torch.Tensor:
+    return torch.arange(n).view(1, 1, n).expand(4, 1, n)  # (4, 1, T) text-only M-RoPE positions
+
+
+def test_nccl_group_of_one() -> None:
+    ps = init_parallel_state(1, 1, 0, "127.0.0.1", free_port(), "nccl", timeout_s=60)
+    try:
+        assert ps.device.type == "cuda" and ps.backend == "nccl"
+    finally:
+        destroy_parallel_state(ps)
+
+
+def test_thinker_shard_on_cuda_matches_cpu(tmp_path: Path) -> None:
+    folder = build_tiny_qwen3_omni(tmp_path / "tiny")
+    spec = LMShardSpec(folder, "thinker")
+    cpu = LMShard(spec, ParallelState.single("cpu"))
+    gpu = LMShard(spec, ParallelState.single("cuda"))
+    x = torch.randn(1, 7, 64, generator=torch.Generator().manual_seed(0))
+    a = cpu.execute(LMStep(0, x, _positions(7)))
+    b = gpu.execute(LMStep(0, x, _positions(7)))
+    assert a is not None and b is not None
+    assert int(a.logits.argmax()) == int(b.logits.argmax())
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
