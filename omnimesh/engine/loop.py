@@ -4,7 +4,8 @@ Data flow: the servicer `submit`s a task and gets an asyncio queue of `EngineEve
 arrive through `feed` and are handed to the task between steps; each pass of the loop gives every ready
 task one `step` (round-robin), so a long request never blocks a short one for more than one step.
 Outputs are numbered per request (seq 0, 1, ...) and put on the request's queue, followed by one
-`EngineDone` or `EngineFailed`. The compute thread is the only thread that touches model weights.
+`EngineDone` or `EngineFailed`. Steps run on compute threads: one by default; a pipeline-parallel stage allows `max_inflight` = pp
+requests to step at once, each on its own thread, so every pipeline rank has work.
 
 This is where continuous batching plugs in: a pass that steps all ready tasks in one batched call.
 """
@@ -50,14 +51,19 @@ class _Entry:
     whole_input: bool  # hold inputs until the final chunk is in (--no-async-chunk)
     inbox: list[StageChunk] = field(default_factory=list)
     out_seq: int = 0
+    inflight: asyncio.Future | None = None  # the step running on a compute thread
 
 
 class EngineLoop:
-    def __init__(self, name: str):
+    def __init__(self, name: str, max_inflight: int = 1):
+        """`max_inflight` > 1 lets that many requests step at once (a pipeline-parallel stage keeps each of
+        its pp ranks busy with a different request); one request never has two steps in flight."""
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.name = name
         self._entries: dict[str, _Entry] = {}
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-compute")
+        self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix=f"{name}-compute")
         self._runner: asyncio.Task | None = None
         self._closed = False
         self.steps = 0
@@ -113,6 +119,9 @@ class EngineLoop:
             # step in flight, so the model is never touched by two threads and the event loop never waits
             if self._closed:
                 entry.task.close()
+            elif entry.inflight is not None and not entry.inflight.done():
+                task = entry.task  # cancelled mid-step: close once that step is over
+                entry.inflight.add_done_callback(lambda _: self._executor.submit(self._close, task))
             else:
                 self._executor.submit(self._close, entry.task)
         finally:
@@ -159,37 +168,43 @@ class EngineLoop:
                 except TimeoutError:
                     pass
                 continue
-            for entry in ready:
-                rid = entry.task.request_id
-                if self._entries.get(rid) is not entry:
-                    continue  # cancelled while an earlier task stepped
-                try:
-                    outputs = await loop.run_in_executor(self._executor, entry.task.step)
-                except StageRequestError as exc:
-                    self._finish(rid, EngineFailed(exc.code, exc.message))
-                    continue
-                except ValueError as exc:
-                    self._finish(rid, EngineFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
-                    continue
-                except RankFailure as exc:  # a rank of this stage died: the stage cannot serve
-                    self._finish(rid, EngineFailed(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {exc}"))
-                    continue
-                except Exception as exc:  # a model bug must fail this request, not the stage
-                    log.exception("%s: request %s failed", self.name, rid)
-                    self._finish(rid, EngineFailed(grpc.StatusCode.INTERNAL, f"{self.name}: {type(exc).__name__}: {exc}"))
-                    continue
-                self.steps += 1
-                if self._entries.get(rid) is not entry:
-                    continue  # cancelled during the step: its outputs go nowhere
-                if entry.task.finished:
-                    # the stream's last chunk carries final=True, even when the last step made no output
-                    if not outputs:
-                        outputs = [StageChunk()]
-                    outputs[-1].final = True
-                for chunk in outputs:
-                    chunk.seq = entry.out_seq
-                    entry.out_seq += 1
-                    entry.queue.put_nowait(chunk)
-                if entry.task.finished:
-                    t = entry.task
-                    self._finish(rid, EngineDone(t.finish_reason, t.prompt_tokens, t.completion_tokens))
+            # every ready request gets one step; up to `max_inflight` of them run at once (pipeline ranks)
+            await asyncio.gather(*(self._step(loop, entry) for entry in ready))
+
+    async def _step(self, loop: asyncio.AbstractEventLoop, entry: _Entry) -> None:
+        rid = entry.task.request_id
+        if self._entries.get(rid) is not entry:
+            return  # cancelled while an earlier task stepped
+        entry.inflight = loop.run_in_executor(self._executor, entry.task.step)
+        try:
+            outputs = await entry.inflight
+        except StageRequestError as exc:
+            self._finish(rid, EngineFailed(exc.code, exc.message))
+            return
+        except ValueError as exc:
+            self._finish(rid, EngineFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            return
+        except RankFailure as exc:  # a rank of this stage died: the stage cannot serve
+            self._finish(rid, EngineFailed(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {exc}"))
+            return
+        except Exception as exc:  # a model bug must fail this request, not the stage
+            log.exception("%s: request %s failed", self.name, rid)
+            self._finish(rid, EngineFailed(grpc.StatusCode.INTERNAL, f"{self.name}: {type(exc).__name__}: {exc}"))
+            return
+        finally:
+            entry.inflight = None
+        self.steps += 1
+        if self._entries.get(rid) is not entry:
+            return  # cancelled during the step: its outputs go nowhere
+        if entry.task.finished:
+            # the stream's last chunk carries final=True, even when the last step made no output
+            if not outputs:
+                outputs = [StageChunk()]
+            outputs[-1].final = True
+        for chunk in outputs:
+            chunk.seq = entry.out_seq
+            entry.out_seq += 1
+            entry.queue.put_nowait(chunk)
+        if entry.task.finished:
+            t = entry.task
+            self._finish(rid, EngineDone(t.finish_reason, t.prompt_tokens, t.completion_tokens))

@@ -4,9 +4,14 @@ Rank 0 lives in the stage's server process (the driver); ranks 1..N-1 are spawne
 rank builds its `RankProgram` once (its layers, its shard) from the same picklable factory, then all
 ranks run the same commands in lock-step:
 
-    driver: execute(cmd) --broadcast cmd (gloo metadata group)--> every rank: program.execute(cmd)
+    driver: submit(cmd) --cmd to every rank (non-blocking sends, gloo metadata group)--> program.execute(cmd)
             ranks exchange activations between themselves (send/recv, all-reduce on the device group)
-            the rank that owns the result (last pp rank, tp rank 0) sends it back to the driver
+            the rank that owns the result (last pp rank, tp rank 0) sends it back on a result group; a
+            receiver thread in the driver hands results to the waiting futures in command order
+
+Pipelining: `submit` returns once rank 0 has done ITS part of the command, so the driver can dispatch the
+next request's step while later pipeline ranks still work on this one (several engine threads call
+`execute` at once; commands still reach every rank in one order, which the lock keeps).
 
 Failure handling: a monitor thread watches every worker process; one that exits marks the executor
 failed with a message naming the rank, its pid and exit code, and calls `on_failure` (the stage goes
@@ -17,16 +22,19 @@ PR_SET_PDEATHSIG, so they die with the server even when it is killed outright.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -81,6 +89,31 @@ def _result_owner(ps: ParallelState) -> int:
     return (ps.pp_size - 1) * ps.tp_size
 
 
+def _send_obj(obj: Any, dst: int, group: Any) -> list[Any]:
+    """Non-blocking: pickled `obj` to `dst` as (size, bytes); returns (Work, tensor) pairs to keep alive."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    return [(dist.isend(size, dst, group=group), size), (dist.isend(data, dst, group=group), data)]
+
+
+def _recv_obj(src: int, group: Any) -> Any:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src, group=group)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def _prune(sends: list[Any]) -> list[Any]:
+    return [(w, t) for w, t in sends if not w.is_completed()]
+
+
+def _result_group(ps: ParallelState) -> Any:
+    """A gloo group of rank 0 and the result owner (every rank must create it, in the same order)."""
+    owner = _result_owner(ps)
+    return dist.new_group([0, owner], backend="gloo") if owner != 0 else None
+
+
 def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
                  ready: Any, log_level: int = logging.INFO) -> None:
     _die_with_parent()
@@ -88,17 +121,20 @@ def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: Program
     torch.set_num_threads(threads)
     try:
         ps = init_parallel_state(pp, tp, rank, rdzv.master_addr, rdzv.master_port, rdzv.backend, rdzv.timeout_s)
+        results = _result_group(ps)
         program = factory(ps)
     except Exception as exc:  # report start-up failures to the driver, then exit non-zero
         ready.put((rank, f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from exc
     ready.put((rank, None))
     owner = _result_owner(ps)
+    sends: list[Any] = []
     while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=ps.cpu_group)
-        command = box[0]
+        command = _recv_obj(0, ps.cpu_group)
         if command == _STOP:
+            if rank == owner:
+                for work, _ in _send_obj(_STOP, 0, results):  # releases the driver's receiver thread
+                    work.wait()
             break
         try:
             result: Any = program.execute(command)
@@ -106,9 +142,51 @@ def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: Program
             raise  # a collective broke: this rank is out of step for good
         except Exception as exc:  # raised alike on every rank, before any collective
             result = RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}")
-        if rank == owner and rank != 0:
-            dist.send_object_list([result], dst=0, group=ps.cpu_group)
+        if rank == owner:
+            sends = _prune(sends) + _send_obj(result, 0, results)
+    for work, _ in sends:
+        work.wait()
     dist.destroy_process_group()
+
+
+class _Pending:
+    """One submitted command: resolved once rank 0's part is done AND the owner's result has arrived
+    (either may come first: with pp > 1 the result can arrive before rank 0 returns from its send)."""
+
+    _UNSET = object()
+
+    def __init__(self) -> None:
+        self.future: Future = Future()
+        self._lock = threading.Lock()
+        self._local_done = False
+        self._local_error: Exception | None = None
+        self._result: Any = self._UNSET
+
+    def local(self, error: Exception | None) -> None:
+        with self._lock:
+            self._local_done, self._local_error = True, error
+            self._resolve()
+
+    def remote(self, result: Any) -> None:
+        with self._lock:
+            self._result = result
+            self._resolve()
+
+    def _resolve(self) -> None:
+        if not self._local_done or self._result is self._UNSET or self.future.done():
+            return
+        if self._local_error is not None:
+            error = self._local_error
+            self.future.set_exception(RankFailure(f"rank 0: {type(error).__name__}: {error}"))
+        elif isinstance(self._result, RankFailure):
+            self.future.set_exception(self._result)
+        else:
+            self.future.set_result(self._result)
+
+    def fail(self, error: RankFailure) -> None:
+        with self._lock:
+            if not self.future.done():
+                self.future.set_exception(error)
 
 
 class MpExecutor:
@@ -128,6 +206,9 @@ class MpExecutor:
         self.program: RankProgram | None = None
         self._lock = threading.Lock()
         self._stopping = False
+        self._sends: list[Any] = []
+        self._waiting: collections.deque[_Pending] = collections.deque()
+        self._results: Any = None
 
     def start(self) -> None:
         """Spawn ranks 1..N-1, join the rendezvous as rank 0, build every rank's program (bounded wait)."""
@@ -142,12 +223,15 @@ class MpExecutor:
         try:
             self.ps = init_parallel_state(self.pp, self.tp, 0, self.rdzv.master_addr, self.rdzv.master_port,
                                           self.rdzv.backend, self.rdzv.timeout_s)
+            self._results = _result_group(self.ps)
             self.program = self.factory(self.ps)
             self._wait_ready(ready)
         except BaseException:
             self.shutdown()
             raise
         threading.Thread(target=self._monitor, name="omnimesh-rank-monitor", daemon=True).start()
+        if _result_owner(self.ps) != 0:
+            threading.Thread(target=self._receive_results, name="omnimesh-rank-results", daemon=True).start()
         log.info("stage ranks up: pp=%d tp=%d world=%d (rendezvous %s:%d, %s)", self.pp, self.tp, self.world,
                  self.rdzv.master_addr, self.rdzv.master_port, self.rdzv.backend)
 
@@ -186,48 +270,83 @@ class MpExecutor:
             log.error("stage rank failure: %s", message)
             if self.on_failure is not None:
                 self.on_failure(message)
+        while self._waiting:
+            self._waiting.popleft().fail(RankFailure(f"this stage lost a rank: {self.failure}"))
 
-    def execute(self, command: Any) -> Any:
-        """Run `command` on every rank; return the owner's result. Thread-safe (one command at a time).
+    def _receive_results(self) -> None:
+        """Results come back from the owner in command order; hand each to the oldest waiting future."""
+        if self.ps is None:
+            return
+        owner = _result_owner(self.ps)
+        while True:
+            try:
+                result = _recv_obj(owner, self._results)
+            except Exception as exc:
+                if not self._stopping:
+                    time.sleep(0.5)  # let the monitor name a dead rank if that is what happened
+                    self._fail(self.failure or f"the result channel failed: {type(exc).__name__}: {exc}")
+                return
+            if result == _STOP:
+                return
+            if not self._waiting:
+                self._fail("a result arrived that no command was waiting for")
+                return
+            self._waiting.popleft().remote(result)
 
-        An error every rank raises alike (bad input, a shape mismatch) fails only this command; a failed
-        collective (a peer died, a timeout) fails the stage: later commands raise at once."""
+    def submit(self, command: Any) -> Future:
+        """Send `command` to every rank and run rank 0's part; the future gets the owner's result.
+
+        Returns once rank 0's part is done, so another thread can submit the next step while later
+        pipeline ranks work on this one. An error every rank raises alike (bad input, a shape mismatch)
+        fails only this command; a failed collective (a peer died, a timeout) fails the stage: later
+        commands raise at once."""
+        pending = _Pending()
         with self._lock:
             if self.failure is not None:
                 raise RankFailure(f"this stage lost a rank: {self.failure}")
             if self.ps is None or self.program is None:
                 raise RankFailure("the executor is not started")
+            owner = _result_owner(self.ps)
+            if owner != 0:
+                self._waiting.append(pending)  # before any rank can answer
             local_error: Exception | None = None
+            result: Any = None
             try:
-                if self.world > 1:
-                    dist.broadcast_object_list([command], src=0, group=self.ps.cpu_group)
+                self._sends = _prune(self._sends)
+                for rank in range(1, self.world):
+                    self._sends += _send_obj(command, rank, self.ps.cpu_group)
                 try:
                     result = self.program.execute(command)
                 except (RuntimeError, dist.DistError):
                     raise
                 except Exception as exc:  # raised alike on every rank, before any collective
-                    local_error, result = exc, None
-                owner = _result_owner(self.ps)
-                if owner != 0:
-                    box: list[Any] = [None]
-                    dist.recv_object_list(box, src=owner, group=self.ps.cpu_group)
-                    result = box[0]
+                    local_error = exc
             except Exception as exc:
                 time.sleep(0.5)  # let the monitor name a dead rank if that is what happened
                 self._fail(self.failure or f"a collective failed: {type(exc).__name__}: {exc}")
                 raise RankFailure(f"this stage lost a rank: {self.failure}") from exc
-            if local_error is not None:
-                raise RankFailure(f"rank 0: {type(local_error).__name__}: {local_error}") from local_error
-            if isinstance(result, RankFailure):
-                raise result
-            return result
+            if owner == 0:
+                pending.remote(result)
+            pending.local(local_error)
+        return pending.future
+
+    def execute(self, command: Any) -> Any:
+        """`submit` and wait for the result (bounded by the process-group timeout)."""
+        future = self.submit(command)
+        try:
+            return future.result(timeout=self.rdzv.timeout_s)
+        except TimeoutError:
+            self._fail(f"no result within {self.rdzv.timeout_s:.0f}s")
+            raise RankFailure(f"this stage lost a rank: {self.failure}") from None
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
         if self.ps is not None and self.failure is None and self.world > 1:
             try:
                 with self._lock:
-                    dist.broadcast_object_list([_STOP], src=0, group=self.ps.cpu_group)
+                    for rank in range(1, self.world):
+                        for work, _ in _send_obj(_STOP, rank, self.ps.cpu_group):
+                            work.wait()
             except Exception:
                 pass
         deadline = time.monotonic() + timeout_s

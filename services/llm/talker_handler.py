@@ -30,6 +30,7 @@ class TalkerHandler:
     def __init__(self, talker: Qwen3OmniTalker, model_name: str, layout: LMLayout, failure: StageFailure):
         self.layout = layout
         self.failure = failure
+        self.max_inflight_steps = layout.pp  # one request per pipeline rank at a time
         self.talker = talker
         self.defaults = talker_sampling_params(talker.config)
         self.model_name = model_name

@@ -31,6 +31,7 @@ class ThinkerHandler:
                  model_name: str, max_model_len: int, layout: LMLayout, failure: StageFailure):
         self.layout = layout
         self.failure = failure
+        self.max_inflight_steps = layout.pp  # one request per pipeline rank at a time
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.defaults = thinker_sampling_params(thinker.config, generation_config)

@@ -15,7 +15,10 @@ Inputs arrive as embeddings (the driver embeds and merges media), so no rank nee
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +29,8 @@ from omnimesh.parallel.parallel_state import ParallelState
 from omnimesh.parallel.partition import partition_layers
 
 log = logging.getLogger(__name__)
+
+TRACE_ENV = "OMNIMESH_TRACE_DIR"  # a folder: each rank appends its busy intervals there (tests, debugging)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,9 @@ class LMShard:
         self.model.embed = None  # inputs arrive as embeddings; the driver holds the table
         self.model.load_weights(spec.model_dir)
         self.caches: dict[int, KVCache] = {}
+        self.role = spec.role
+        trace_dir = os.environ.get(TRACE_ENV)
+        self.trace = Path(trace_dir) / f"{spec.role}-rank{ps.rank}.jsonl" if trace_dir else None
         log.info("%s rank %d (pp %d, tp %d): layers [%d, %d), %.2f MB of parameters", spec.role, ps.rank,
                  ps.pp_rank, ps.tp_rank, *self.layer_range, self.model.param_bytes() / 1e6)
 
@@ -90,16 +98,28 @@ class LMShard:
         if cache is None:
             cache = self.caches[command.handle] = self.model.new_cache()
         x = command.x.to(self.ps.device) if self.ps.is_first_pp_rank else None
+        started = time.time()
         out = pipeline_step(self.model, x, command.position_ids, cache, visual_pos_mask=command.visual_pos_mask,
                             deepstack=command.deepstack, capture_layer=command.capture_layer)
         if not (self.ps.is_last_pp_rank and self.ps.tp_rank == 0):
             if self.ps.is_last_pp_rank:
                 self.model.compute_logits(out.hidden[:, -1])  # the all-gather needs every TP rank
+            self._record(command, started)
             return None
         last = out.hidden[:, -1:]  # (1, 1, H)
         logits = self.model.compute_logits(last[:, 0])[0]  # (V,)
+        self._record(command, started)
         return LMStepResult(logits=logits.cpu(), last_hidden=last.cpu(),
                             captured=None if out.captured is None else out.captured.cpu())
+
+
+    def _record(self, command: LMStep, started: float) -> None:
+        """With OMNIMESH_TRACE_DIR set, each rank appends its busy interval per step (one JSON line)."""
+        if self.trace is not None:
+            with self.trace.open("a") as f:
+                f.write(json.dumps({"role": self.role, "rank": self.ps.rank, "pp_rank": self.ps.pp_rank,
+                                    "handle": command.handle, "tokens": int(command.position_ids.shape[-1]),
+                                    "start": started, "end": time.time()}) + "\n")
 
 
 def build_shard(spec: LMShardSpec, ps: ParallelState) -> LMShard:
