@@ -11,10 +11,8 @@ PR_SET_PDEATHSIG, so they die with the launcher even if it is killed outright.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,23 +21,10 @@ from pathlib import Path
 
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.config.stage_config import STAGES
+from omnimesh.proc_utils import die_with_parent, free_port
 
 START_TIMEOUT_S = 600.0
 STOP_GRACE_S = 10.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @dataclass
@@ -58,7 +43,7 @@ class MeshLauncher:
 
     def _spawn(self, name: str, argv: list[str], address: str) -> Child:
         cmd = [sys.executable, "-m", "omnimesh.cli", *argv]
-        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
         child = Child(name, proc, address)
         self.children.append(child)
         return child

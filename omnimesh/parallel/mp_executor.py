@@ -23,14 +23,12 @@ PR_SET_PDEATHSIG, so they die with the server even when it is killed outright.
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from omnimesh.log_setup import setup_logging
+from omnimesh.proc_utils import die_with_parent, free_port
 from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
 
 log = logging.getLogger(__name__)
@@ -69,19 +68,6 @@ class Rendezvous:
     master_port: int
     backend: str  # "gloo" on CPU, "nccl" on CUDA
     timeout_s: float
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _result_owner(ps: ParallelState) -> int:
@@ -116,7 +102,7 @@ def _result_group(ps: ParallelState) -> Any:
 
 def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
                  ready: Any, log_level: int = logging.INFO) -> None:
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)
     setup_logging(logging.getLevelName(log_level))
     torch.set_num_threads(threads)
     try:
