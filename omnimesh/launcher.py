@@ -57,8 +57,13 @@ class MeshLauncher:
             argv += ["--max-model-len", str(a.max_model_len)]
         cfg = a.stage_configs()[stage]
         argv += ["-tp", str(cfg.tp), "-pp", str(cfg.pp)]
+        own: dict[str, object] = {}
         if cfg.pp_layer_partition is not None:
-            argv += ["--stage-overrides", json.dumps({stage: {"pp_layer_partition": list(cfg.pp_layer_partition)}})]
+            own["pp_layer_partition"] = list(cfg.pp_layer_partition)
+        if cfg.devices:
+            own["devices"] = cfg.devices
+        if own:
+            argv += ["--stage-overrides", json.dumps({stage: own})]
         return argv
 
     def _gateway_argv(self, stage_addrs: dict[str, str]) -> list[str]:

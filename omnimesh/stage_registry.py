@@ -35,9 +35,11 @@ def resolve_dtype(args: ServeArgs) -> torch.dtype:
 def lm_layout(args: ServeArgs, stage: str, failure: StageFailure) -> LMLayout:
     """The stage's pp x tp ranks from the flags (-tp/-pp, --stage-overrides, --master-*)."""
     cfg = args.stage_configs()[stage]
+    cuda = args.device == "cuda"
     return LMLayout(pp=cfg.pp, tp=cfg.tp, partition=cfg.pp_layer_partition,
-                    backend="nccl" if args.device == "cuda" else "gloo", master_addr=args.master_addr,
-                    master_port=args.master_port, on_failure=failure.report)
+                    backend="nccl" if cuda else "gloo", master_addr=args.master_addr,
+                    master_port=args.master_port, on_failure=failure.report,
+                    devices=tuple(f"cuda:{d}" for d in cfg.device_list()) if cuda else ())
 
 
 def handler_factory(stage: str, model_dir: Path, args: ServeArgs) -> Callable[[], StageHandler]:

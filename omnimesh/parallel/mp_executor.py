@@ -68,6 +68,10 @@ class Rendezvous:
     master_port: int
     backend: str  # "gloo" on CPU, "nccl" on CUDA
     timeout_s: float
+    devices: tuple[str, ...] = ()  # device per rank, e.g. ("cuda:2", "cuda:3"); () = the default placement
+
+    def device(self, rank: int) -> str | None:
+        return self.devices[rank] if self.devices else None
 
 
 def _result_owner(ps: ParallelState) -> int:
@@ -106,7 +110,8 @@ def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: Program
     setup_logging(logging.getLevelName(log_level))
     torch.set_num_threads(threads)
     try:
-        ps = init_parallel_state(pp, tp, rank, rdzv.master_addr, rdzv.master_port, rdzv.backend, rdzv.timeout_s)
+        ps = init_parallel_state(pp, tp, rank, rdzv.master_addr, rdzv.master_port, rdzv.backend, rdzv.timeout_s,
+                                 device=rdzv.device(rank))
         results = _result_group(ps)
         program = factory(ps)
     except Exception as exc:  # report start-up failures to the driver, then exit non-zero
@@ -178,12 +183,15 @@ class _Pending:
 class MpExecutor:
     def __init__(self, pp: int, tp: int, factory: ProgramFactory, *, backend: str = "gloo",
                  master_addr: str = "127.0.0.1", master_port: int | None = None, timeout_s: float = 60.0,
-                 threads_per_rank: int = 1, on_failure: Callable[[str], None] | None = None):
+                 threads_per_rank: int = 1, on_failure: Callable[[str], None] | None = None,
+                 devices: tuple[str, ...] = ()):
         if pp < 1 or tp < 1:
             raise ValueError(f"pp and tp must be >= 1, got pp={pp}, tp={tp}")
+        if devices and len(devices) != pp * tp:
+            raise ValueError(f"{len(devices)} devices given for pp x tp = {pp} x {tp} = {pp * tp} ranks; give one per rank")
         self.pp, self.tp, self.world = pp, tp, pp * tp
         self.factory = factory
-        self.rdzv = Rendezvous(master_addr, master_port or free_port(master_addr), backend, timeout_s)
+        self.rdzv = Rendezvous(master_addr, master_port or free_port(master_addr), backend, timeout_s, tuple(devices))
         self.threads = threads_per_rank
         self.on_failure = on_failure
         self.failure: str | None = None
@@ -208,7 +216,7 @@ class MpExecutor:
             self.procs[rank] = proc
         try:
             self.ps = init_parallel_state(self.pp, self.tp, 0, self.rdzv.master_addr, self.rdzv.master_port,
-                                          self.rdzv.backend, self.rdzv.timeout_s)
+                                          self.rdzv.backend, self.rdzv.timeout_s, device=self.rdzv.device(0))
             self._results = _result_group(self.ps)
             self.program = self.factory(self.ps)
             self._wait_ready(ready)

@@ -1,5 +1,6 @@
 """Flag validation: wrong values fail before anything starts, with messages that name the fix."""
 
+import json
 import subprocess
 import sys
 
@@ -108,3 +109,19 @@ def test_cli_checks_the_layout_against_the_model(tmp_path) -> None:
     assert heads.returncode == 2 and "tp=3 does not divide the thinker LM's 4 attention heads" in heads.stderr
     layers = _cli("serve", str(model), "--stage-overrides", '{"talker": {"pp": 2, "pp_layer_partition": [1, 2]}}', "--device", "cpu")
     assert layers.returncode == 2 and "sums to 3, but the talker LM has 2 layers" in layers.stderr
+
+
+def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
+    from omnimesh.launcher import MeshLauncher
+
+    args = ServeArgs(stage_overrides='{"thinker": {"pp": 2, "tp": 2, "devices": "0,1,2,3", "pp_layer_partition": [1, 3]},'
+                                     ' "talker": {"pp": 2}}')
+    launcher = MeshLauncher(args, tmp_path)
+    thinker = launcher._stage_argv("thinker", 50052)
+    assert thinker[thinker.index("-tp") + 1] == "2" and thinker[thinker.index("-pp") + 1] == "2"
+    own = json.loads(thinker[thinker.index("--stage-overrides") + 1])
+    assert own == {"thinker": {"pp_layer_partition": [1, 3], "devices": "0,1,2,3"}}
+    talker = launcher._stage_argv("talker", 50053)
+    assert talker[talker.index("-pp") + 1] == "2" and "--stage-overrides" not in talker
+    encoder = launcher._stage_argv("encoder", 50051)
+    assert encoder[encoder.index("-tp") + 1] == "1" and encoder[encoder.index("-pp") + 1] == "1"

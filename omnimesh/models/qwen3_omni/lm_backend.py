@@ -88,12 +88,14 @@ class ShardedBackend:
     @classmethod
     def distributed(cls, spec: LMShardSpec, pp: int, tp: int, *, backend: str = "gloo",
                     master_addr: str = "127.0.0.1", master_port: int | None = None, timeout_s: float = 120.0,
-                    on_failure: Any = None) -> ShardedBackend:
-        """pp x tp ranks: this process is rank 0, the others are spawned (bounded start-up)."""
+                    on_failure: Any = None, devices: tuple[str, ...] = ()) -> ShardedBackend:
+        """pp x tp ranks: this process is rank 0, the others are spawned (bounded start-up); `devices`
+        pins rank r to devices[r] (e.g. "cuda:2")."""
         from functools import partial
 
         executor = MpExecutor(pp, tp, partial(build_shard, spec), backend=backend, master_addr=master_addr,
-                              master_port=master_port, timeout_s=timeout_s, on_failure=on_failure)
+                              master_port=master_port, timeout_s=timeout_s, on_failure=on_failure,
+                              devices=devices)
         executor.start()
         return cls(executor.execute, executor)
 

@@ -81,6 +81,7 @@ class LMLayout:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port, so stages on one host never collide
     on_failure: Callable[[str], None] | None = None
+    devices: tuple[str, ...] = ()  # per rank, e.g. ("cuda:2", "cuda:3"); () = rank r on cuda:r (or CPU)
 
 
 def lm_backend(spec: LMShardSpec, layout: LMLayout) -> ShardedBackend:
@@ -88,7 +89,7 @@ def lm_backend(spec: LMShardSpec, layout: LMLayout) -> ShardedBackend:
         return ShardedBackend.local(spec)
     return ShardedBackend.distributed(spec, layout.pp, layout.tp, backend=layout.backend,
                                       master_addr=layout.master_addr, master_port=layout.master_port,
-                                      on_failure=layout.on_failure)
+                                      on_failure=layout.on_failure, devices=layout.devices)
 
 
 def load_thinker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LMLayout = LMLayout()) -> Qwen3OmniThinker:
