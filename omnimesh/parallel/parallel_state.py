@@ -219,6 +219,15 @@ def tp_all_gather(x: torch.Tensor, ps: ParallelState | None, dim: int = -1) -> t
     return torch.cat(parts, dim=dim)
 
 
+def cpu_broadcast(x: torch.Tensor, src: int, ps: ParallelState | None) -> torch.Tensor:
+    """Overwrite the CPU tensor `x` on every rank of the stage with global rank `src`'s, in place (gloo
+    `cpu_group`: sampled ids, small metadata); returns `x`. A no-op for a single rank."""
+    if ps is None or ps.world_size == 1:
+        return x
+    dist.broadcast(x, src=src, group=ps.cpu_group)
+    return x
+
+
 def pp_send(x: torch.Tensor, ps: ParallelState) -> None:
     """Send `x` to the same TP rank of the next pipeline rank (blocking); a no-op on the last pipeline rank."""
     if ps.next_pp_rank is None:

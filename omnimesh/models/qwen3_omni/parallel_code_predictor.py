@@ -1,0 +1,394 @@
+"""The talker's code predictor (a small dense Qwen3 decoder), tensor-parallel and cut into pipeline ranges.
+
+Role: our own `Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration` for ONE rank of a pp x tp grid:
+its layers [start, end) with attention sharded by heads and the MLP by intermediate columns (the same
+column -> row pattern as `ParallelTextModel`, one all-reduce each), the per-group codec embeddings
+(`model.codec_embedding[j]`) only on the first pipeline rank and the per-group heads (`lm_head[j]`) only on
+the last. The math mirrors transformers (pre-norm RMSNorm, per-head q/k norm, GQA, 1-D RoPE, causal
+attention, a window on `sliding_attention` layers if the config has any, silu MLP, final norm); tests/parallel/
+check it against transformers (pp = tp = 1, 1e-5) and across gloo ranks (1e-4).
+
+Embeddings and heads are REPLICATED over TP by default (`vocab_parallel=False`): each of the 2 x 15 tables
+of the real model is 2048 x 1024, and per residual step the model only looks up one row and runs one
+(1, H) x (H, 2048) GEMV, so splitting them saves ~4 MB per table per rank but adds two collectives (an
+all-reduce for the lookup, an all-gather for the logits) to each of the 15 strictly sequential steps per
+talker token, which are all latency (the whole predictor is ~12 tiny collectives per step). With replicated
+heads every TP rank also holds the full logits. `vocab_parallel=True` splits them like `ParallelTextModel`
+(ceil(V / tp) rows per rank) for layouts where memory matters more.
+
+Data flow (one talker step of one request; every rank of the stage runs `predict_residuals` in lock-step):
+    first pp rank:  prefix (1, 2, H) = [talker last hidden, talker codec embedding of code c0]
+    step j = 0 .. G-2:  x at positions (0, 1) for j = 0, else (1 + j,)
+        -> pipeline_step: layers start..end-1 (hidden crosses pp boundaries) -> final norm (last rank)
+        -> last rank: lm_head[j](hidden[:, -1]) -> logits (V,) -> `sample` on the last pp rank's TP rank 0
+        -> id broadcast over the stage's gloo group -> every rank knows r_{j+1}
+        -> first rank: x = codec_embedding[j](r_{j+1}) (1, 1, H) for the next step
+    -> ResidualCodes(codes r_1..r_{G-1}, codec_sum (1, 1, H) on the first rank, hidden per step on the last)
+The generic `pipeline_step` and the dense attention here are reused by `parallel_code2wav_transformer.py`.
+
+Run the checks: python -m pytest tests/parallel/test_parallel_code_predictor.py -q
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnimesh.models.loader import checkpoint_files, iter_tensors
+from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelMLP, RMSNorm, _rotate_half
+from omnimesh.parallel.layers import (
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_heads,
+    divide,
+)
+from omnimesh.parallel.parallel_state import ParallelState, cpu_broadcast, pp_recv, pp_send
+from omnimesh.parallel.partition import partition_layers
+
+_SHOW = 5
+Sample = Callable[[torch.Tensor], int]  # logits (V,) -> token id
+
+
+class LayerCache(Protocol):
+    """What a layer needs from a per-request KV cache (`KVCache`, `SlidingWindowKVCache`)."""
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def get_seq_length(self) -> int: ...
+
+
+def check_dense_layout(config: Any, pp: int, tp: int, custom_partition: list[int] | None = None) -> None:
+    """Every size a pp x tp layout of a dense decoder must divide, checked before any process-group work."""
+    check_heads(config.num_attention_heads, config.num_key_value_heads, tp)
+    divide(config.intermediate_size, tp, "intermediate_size")
+    partition_layers(config.num_hidden_layers, pp, custom_partition)
+
+
+def check_layer_range(num_layers: int, ps: ParallelState, layer_range: tuple[int, int]) -> tuple[int, int]:
+    start, end = layer_range
+    if not 0 <= start < end <= num_layers:
+        raise ValueError(f"layer_range {layer_range} must satisfy 0 <= start < end <= {num_layers} (num_hidden_layers)")
+    if ps.is_first_pp_rank != (start == 0) or ps.is_last_pp_rank != (end == num_layers):
+        raise ValueError(f"pipeline rank {ps.pp_rank} of {ps.pp_size} got layer_range {layer_range}: the first rank "
+                         f"must start at 0 and the last must end at {num_layers}; use "
+                         f"partition_layers({num_layers}, {ps.pp_size})")
+    return start, end
+
+
+def check_supported(config: Any) -> None:
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (Qwen3-Omni uses 'silu')")
+    rope_type = config.rope_parameters.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported yet (only 'default')")
+
+
+def head_dim_of(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def layer_window(config: Any, layer_idx: int) -> int | None:
+    """The attention window of layer `layer_idx` (None = full causal), as transformers decides it."""
+    types = getattr(config, "layer_types", None)
+    return int(config.sliding_window) if types is not None and types[layer_idx] == "sliding_attention" else None
+
+
+def causal_window_mask(T: int, seen: int, stored: int, window: int | None,
+                       device: torch.device) -> torch.Tensor | None:
+    """Bool (T, stored + T) mask for T new queries at absolute positions seen..seen+T-1 over the `stored`
+    cached keys (the latest ones, ending at seen - 1) plus the T new keys: key k is visible to query q iff
+    k <= q and q - k < window (transformers' `sliding_window_overlay`). None when every key is visible."""
+    if T == 1 and (window is None or stored + 1 <= window):
+        return None
+    q = torch.arange(seen, seen + T, device=device)[:, None]  # (T, 1)
+    k = torch.arange(seen - stored, seen + T, device=device)[None, :]  # (1, S)
+    ok = k <= q  # (T, S)
+    return ok & (q - k < window) if window is not None else ok
+
+
+class Rotary1D(nn.Module):
+    """Plain RoPE over one position axis, as `Qwen3OmniMoeRotaryEmbedding` ('default', scaling 1)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        dim = head_dim_of(config)
+        inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (1, T) -> cos, sin (1, T, D)."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # (1, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (1, T, D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class ParallelDenseAttention(nn.Module):
+    """Attention of one dense layer, split by heads over TP: q/k/v column-parallel, o row-parallel."""
+
+    def __init__(self, config: Any, layer_idx: int, ps: ParallelState, dtype: torch.dtype, *, qk_norm: bool) -> None:
+        super().__init__()
+        tp: dict[str, Any] = {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "ps": ps, "params_dtype": dtype}
+        self.layer_idx, self.head_dim = layer_idx, head_dim_of(config)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads,
+                                          bias=config.attention_bias, **tp)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=config.attention_bias, **tp)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.n_rep = heads // kv_heads
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        T, D = x.shape[1], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
+        q, k, v = q.view(1, T, -1, D), k.view(1, T, -1, D), v.view(1, T, -1, D)  # (1, T, heads/tp, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, nh/tp | nkv/tp, T, D)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, T, D)
+        q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+        k, v = cache.update(self.layer_idx, k, v)  # (1, nkv/tp, S, D): cached keys + these T
+        k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)  # (1, nh/tp, S, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5)  # (1, nh/tp, T, D)
+        return self.o_proj(o.transpose(1, 2).reshape(1, T, -1))  # (1, T, H), all-reduced
+
+
+PlanEntries = dict[str, list[tuple[nn.Parameter, Callable[..., None], tuple[Any, ...]]]]
+
+
+class CheckpointPlan:
+    """Checkpoint key -> the (param, weight_loader, extra loader args) it fills, for one rank's tensors only."""
+
+    def __init__(self) -> None:
+        self.entries: PlanEntries = {}
+
+    def add(self, key: str, param: nn.Parameter, *args: Any) -> None:
+        param.checkpoint_name = key  # type: ignore[attr-defined]
+        self.entries.setdefault(key, []).append((param, param.weight_loader, args))  # type: ignore[attr-defined]
+
+    def add_attention(self, prefix: str, attn: ParallelDenseAttention) -> None:
+        for s in "qkv":
+            self.add(f"{prefix}{s}_proj.weight", attn.qkv_proj.weight, s)
+            if attn.qkv_proj.bias is not None:
+                self.add(f"{prefix}{s}_proj.bias", attn.qkv_proj.bias, s)
+        self.add(prefix + "o_proj.weight", attn.o_proj.weight)
+        if attn.o_proj.bias is not None:
+            self.add(prefix + "o_proj.bias", attn.o_proj.bias)
+        if attn.q_norm is not None and attn.k_norm is not None:
+            self.add(prefix + "q_norm.weight", attn.q_norm.weight)
+            self.add(prefix + "k_norm.weight", attn.k_norm.weight)
+
+    def add_mlp(self, prefix: str, mlp: ParallelMLP) -> None:
+        self.add(prefix + "gate_proj.weight", mlp.gate_up_proj.weight, 0)
+        self.add(prefix + "up_proj.weight", mlp.gate_up_proj.weight, 1)
+        self.add(prefix + "down_proj.weight", mlp.down_proj.weight)
+
+    def load(self, model_dir: Path, module: nn.Module, what: str) -> tuple[str, ...]:
+        """Read exactly the planned keys (one full tensor at a time), shard each into its params; keys read."""
+        files = checkpoint_files(Path(model_dir))
+        missing = sorted(k for k in self.entries if k not in files)
+        if missing:
+            shown = ", ".join(missing[:_SHOW]) + (f", ... ({len(missing) - _SHOW} more)" if len(missing) > _SHOW else "")
+            raise ValueError(f"{len(missing)} weight(s) for {what} are missing from {model_dir}: {shown}")
+        covered = {id(param) for entries in self.entries.values() for param, _, _ in entries}
+        uncovered = [name for name, param in module.named_parameters() if id(param) not in covered]
+        if uncovered:
+            raise RuntimeError(f"checkpoint plan misses parameters {uncovered[:_SHOW]}")  # a bug here, not the user's
+        with torch.no_grad():
+            for key, full in iter_tensors(files, self.entries):
+                for param, loader, args in self.entries[key]:
+                    loader(param, full, *args)  # copy_ casts to the param dtype
+        return tuple(sorted(self.entries))
+
+
+class ParallelCodePredictorLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, ps: ParallelState, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = ParallelDenseAttention(config, layer_idx, ps, dtype, qk_norm=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = ParallelMLP(config.hidden_size, config.intermediate_size, ps, dtype, reduce=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)  # (1, T, H)
+        return x + self.mlp(self.post_attention_layernorm(x))  # (1, T, H)
+
+
+class ParallelCodePredictor(nn.Module):
+    """One rank's part of the talker's code predictor (`talker_config.code_predictor_config`)."""
+
+    def __init__(self, config: Any, ps: ParallelState, layer_range: tuple[int, int],
+                 dtype: torch.dtype = torch.float32, *, vocab_parallel: bool = False) -> None:
+        super().__init__()
+        check_supported(config)
+        check_dense_layout(config, 1, ps.tp_size)
+        self.start, self.end = check_layer_range(config.num_hidden_layers, ps, layer_range)
+        self.config, self.ps, self.dtype, self.vocab_parallel = config, ps, dtype, vocab_parallel
+        self.hidden_size, self.num_code_groups = int(config.hidden_size), int(config.num_code_groups)
+        if self.num_code_groups < 2:
+            raise ValueError(f"num_code_groups={self.num_code_groups} leaves no residual code to predict (needs >= 2)")
+        vocab: dict[str, Any] = ({"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "ps": ps} if vocab_parallel
+                                 else {"tp_rank": 0, "tp_size": 1, "ps": None})  # replicated: a 1-rank shard
+        V, H, n_tables = config.vocab_size, config.hidden_size, self.num_code_groups - 1
+        with torch.device(ps.device):
+            self.codec_embedding = nn.ModuleList(VocabParallelEmbedding(V, H, **vocab, params_dtype=dtype)
+                                                 for _ in range(n_tables)) if ps.is_first_pp_rank else None
+            self.layers = nn.ModuleList(ParallelCodePredictorLayer(config, i, ps, dtype)
+                                        for i in range(self.start, self.end))
+            self.norm = RMSNorm(H, config.rms_norm_eps, dtype) if ps.is_last_pp_rank else None
+            self.lm_head = nn.ModuleList(ParallelLMHead(V, H, **vocab, params_dtype=dtype)
+                                         for _ in range(n_tables)) if ps.is_last_pp_rank else None
+            self.rotary = Rotary1D(config)
+        self.windows = [layer_window(config, i) for i in range(self.start, self.end)]
+
+    def new_cache(self) -> KVCache:
+        """A per-request cache for this rank's layers and heads (the predictor restarts it every talker step)."""
+        return KVCache((self.start, self.end))
+
+    def embed_codes(self, group: int, ids: torch.Tensor) -> torch.Tensor:
+        """ids (...,) of residual code group+1 -> `codec_embedding[group]` rows (..., H); first pp rank only."""
+        if self.codec_embedding is None:
+            raise ValueError(f"pipeline rank {self.ps.pp_rank} holds no codec embedding (only the first rank does)")
+        return cast(VocabParallelEmbedding, self.codec_embedding[group])(ids.to(self.ps.device))
+
+    def compute_logits(self, group: int, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H) -> `lm_head[group]` logits (..., V); last pp rank only (all TP ranks when vocab-parallel)."""
+        if self.lm_head is None:
+            raise ValueError(f"pipeline rank {self.ps.pp_rank} holds no lm_head (only the last rank does)")
+        return cast(ParallelLMHead, self.lm_head[group])(hidden)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """This rank's layers on x (1, T, H) at positions (1, T) -> (1, T, H), final-normed on the last rank."""
+        if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size:
+            raise ValueError(f"x must be (1, T, {self.hidden_size}), got {tuple(x.shape)}")
+        if positions.shape != (1, x.shape[1]):
+            raise ValueError(f"positions must be (1, T={x.shape[1]}), got {tuple(positions.shape)}")
+        T, seen = x.shape[1], cache.get_seq_length()
+        cos, sin = self.rotary(positions.to(x.device), x.dtype)  # (1, T, D) each
+        masks = {w: causal_window_mask(T, seen, seen, w, x.device) for w in set(self.windows)}  # (T, S) | None
+        hidden = x  # (1, T, H)
+        for layer, window in zip(self.layers, self.windows):
+            hidden = layer(hidden, cos, sin, cache, masks[window])  # (1, T, H)
+        return self.norm(hidden) if self.norm is not None else hidden
+
+    def checkpoint_plan(self, prefix: str) -> CheckpointPlan:
+        plan = CheckpointPlan()
+        for j, table in enumerate(self.codec_embedding or []):
+            plan.add(f"{prefix}model.codec_embedding.{j}.weight", cast(VocabParallelEmbedding, table).weight)
+        for idx, layer in zip(range(self.start, self.end), self.layers):
+            layer = cast(ParallelCodePredictorLayer, layer)
+            p = f"{prefix}model.layers.{idx}."
+            plan.add(p + "input_layernorm.weight", layer.input_layernorm.weight)
+            plan.add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+            plan.add_attention(p + "self_attn.", layer.self_attn)
+            plan.add_mlp(p + "mlp.", layer.mlp)
+        if self.norm is not None:
+            plan.add(prefix + "model.norm.weight", self.norm.weight)
+        for j, head in enumerate(self.lm_head or []):
+            plan.add(f"{prefix}lm_head.{j}.weight", cast(ParallelLMHead, head).weight)
+        return plan
+
+    def load_weights(self, model_dir: Path, prefix: str = "talker.code_predictor.") -> tuple[str, ...]:
+        """Read ONLY this rank's tensors (its layers; tables / heads where they live), sharding each as read.
+
+        Missing keys -> ValueError naming them. Returns the checkpoint keys read.
+        """
+        what = f"code predictor layers [{self.start}, {self.end})"
+        return self.checkpoint_plan(prefix).load(model_dir, self, what)
+
+    def param_bytes(self) -> int:
+        """Bytes of this rank's parameters (buffers such as inv_freq excluded)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+class DenseStack(Protocol):
+    """What `pipeline_step` drives: a rank's layer range of a dense decoder."""
+
+    ps: ParallelState
+    hidden_size: int
+    dtype: torch.dtype
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor: ...
+
+
+def pipeline_step(model: DenseStack, x: torch.Tensor | None, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    """One blocking forward through the whole pipeline; every rank of the stage calls it for the same step.
+
+    Only the hidden (1, T, H) in the model dtype crosses each boundary p -> p+1 (TP rank t to TP rank t);
+    T comes from `positions` (1, T), which every rank gets from the step metadata, so no shape handshake.
+    `x` is the input on the first pipeline rank and ignored elsewhere. Returns this rank's output hidden
+    (the final-normed hidden on the last rank).
+    """
+    ps, T = model.ps, positions.shape[-1]
+    if ps.is_first_pp_rank:
+        if x is None:
+            raise ValueError(f"the first pipeline rank needs its input x (1, T, {model.hidden_size})")
+    else:
+        x = pp_recv((1, T, model.hidden_size), model.dtype, ps)
+    hidden = model(x, positions, cache)  # (1, T, H)
+    pp_send(hidden, ps)  # no-op on the last pipeline rank
+    return hidden
+
+
+@dataclass(frozen=True)
+class ResidualCodes:
+    codes: tuple[int, ...]  # r_1 .. r_{G-1}, known on every rank
+    codec_sum: torch.Tensor | None  # (1, 1, H) talker embedding of c0 + codec_embedding[j](r_{j+1}); first pp rank
+    hidden: tuple[torch.Tensor, ...]  # per step the final-normed hidden, (1, 2, H) then (1, 1, H); last pp rank
+
+
+def greedy(logits: torch.Tensor) -> int:
+    return int(torch.argmax(logits, dim=-1).item())
+
+
+@torch.no_grad()
+def predict_residuals(model: ParallelCodePredictor, prefix: torch.Tensor | None, *,
+                      sample: Sample | None = None) -> ResidualCodes:
+    """The residual codes r_1..r_{G-1} of one talker step (what `Qwen3OmniTalker._predict_residuals` does).
+
+    Every rank of the stage calls this in lock-step. `prefix` (1, 2, H) = [talker last hidden, talker codec
+    embedding of c0] on the first pipeline rank (ignored elsewhere). `sample` (default greedy) runs only on
+    the last pipeline rank's TP rank 0 (`ps.last_pp_rank_driver`), so a seeded sampler lives there alone;
+    its id reaches every rank through one gloo broadcast per step. A fresh KV cache per call: the predictor
+    restarts at position 0 every talker step.
+    """
+    ps, H = model.ps, model.hidden_size
+    x: torch.Tensor | None = None
+    embeds: list[torch.Tensor] = []
+    if ps.is_first_pp_rank:
+        if prefix is None or tuple(prefix.shape) != (1, 2, H):
+            raise ValueError(f"the first pipeline rank needs prefix (1, 2, {H}), got "
+                             f"{None if prefix is None else tuple(prefix.shape)}")
+        x = prefix.to(device=ps.device, dtype=model.dtype)
+        embeds.append(x[:, 1:])  # (1, 1, H)
+    pick = sample if sample is not None else greedy
+    cache = model.new_cache()
+    codes: list[int] = []
+    hiddens: list[torch.Tensor] = []
+    for j in range(model.num_code_groups - 1):
+        positions = torch.arange(2).view(1, 2) if j == 0 else torch.tensor([[1 + j]])  # (1, T)
+        hidden = pipeline_step(model, x, positions, cache)  # (1, T, H)
+        token = torch.zeros(1, dtype=torch.long)  # CPU: crosses the gloo group
+        if ps.is_last_pp_rank:
+            hiddens.append(hidden)
+            logits = model.compute_logits(j, hidden[:, -1])  # (1, V)
+            if ps.rank == ps.last_pp_rank_driver:
+                token[0] = pick(logits[0])
+        cpu_broadcast(token, ps.last_pp_rank_driver, ps)
+        codes.append(int(token))
+        if ps.is_first_pp_rank:
+            x = model.embed_codes(j, token.view(1, 1))  # (1, 1, H): next step's input, and part of the sum
+            embeds.append(x)
+    codec_sum = torch.cat(embeds, dim=1).sum(1, keepdim=True) if ps.is_first_pp_rank else None  # (1, 1, H)
+    return ResidualCodes(codes=tuple(codes), codec_sum=codec_sum, hidden=tuple(hiddens))

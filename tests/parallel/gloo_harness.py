@@ -1,0 +1,142 @@
+"""Spawn one stage's pp x tp gloo ranks as processes, run a scenario on each, and collect what they return.
+
+Role: the launcher the distributed model tests share. A test passes a module-level `scenario(ps, *args) ->
+dict` (picklable by reference: spawned ranks import the test module, so keep transformers' modeling out of
+its top-level imports); every rank runs it on its own `ParallelState`. Nothing can hang: the rendezvous and
+every collective time out after `RENDEZVOUS_TIMEOUT_S`, the parent waits at most `deadline_s`, and ranks still
+alive after that are killed.
+
+Data flow:
+    run_layout(pp, tp, scenario, *args)
+      -> pp*tp spawned processes (free TCP port), each: torch.set_num_threads(1)
+         -> init_parallel_state(pp, tp, rank, 127.0.0.1, port, "gloo") -> scenario(ps, *args) -> dict
+         -> tensors as numpy (torch's queue pickling shares memory that dies with the process) -> queue
+      -> parent: results by rank with tensors restored, or pytest.fail with every rank's traceback
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from omnimesh.parallel.parallel_state import ParallelState, destroy_parallel_state, init_parallel_state
+
+RENDEZVOUS_TIMEOUT_S = 30.0
+LAYOUT_DEADLINE_S = 60.0
+Scenario = Callable[..., dict[str, Any]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def to_numpy(obj: Any) -> Any:
+    """Tensors (also inside dicts, lists, tuples) as numpy arrays, for the trip through the queue."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, dict):
+        return {k: to_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_numpy(v) for v in obj)
+    return obj
+
+
+def to_torch(obj: Any) -> Any:
+    """The inverse of `to_numpy`."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: to_torch(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_torch(v) for v in obj)
+    return obj
+
+
+def _worker(rank: int, pp: int, tp: int, port: int, scenario: Scenario, args: tuple[Any, ...], results: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        ps = init_parallel_state(pp, tp, rank, "127.0.0.1", port, "gloo", timeout_s=RENDEZVOUS_TIMEOUT_S)
+        try:
+            out = scenario(ps, *args)
+        finally:
+            destroy_parallel_state(ps)
+        results.put((rank, to_numpy(out), None))
+    except Exception:  # noqa: BLE001  (reported to the parent, which fails the test with the traceback)
+        results.put((rank, None, traceback.format_exc()))
+
+
+def run_single(scenario: Scenario, *args: Any) -> dict[str, Any]:
+    """The same scenario on `ParallelState.single()` in this process (one thread), as the reference."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return scenario(ParallelState.single(), *args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_layout(pp: int, tp: int, scenario: Scenario, *args: Any,
+               deadline_s: float = LAYOUT_DEADLINE_S) -> list[dict[str, Any]]:
+    """Spawn pp*tp gloo ranks running `scenario(ps, *args)`; return their dicts by rank. Never hangs."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, pp, tp, port, scenario, args, results), daemon=True)
+             for r in range(pp * tp)]
+    for p in procs:
+        p.start()
+    got: dict[int, dict[str, Any]] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + deadline_s
+    try:
+        while len(got) + len(errors) < len(procs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                errors.append(f"timed out after {deadline_s:.0f}s; ranks reported: {sorted(got)}")
+                break
+            try:
+                rank, out, err = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:  # look for ranks that died without reporting
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
+                if dead:
+                    errors.append(f"ranks {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                    break
+                continue
+            if err is not None:
+                errors.append(f"rank {rank}:\n{err}")
+            else:
+                got[rank] = to_torch(out)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors:
+        pytest.fail(f"layout pp={pp} tp={tp} failed:\n" + "\n".join(errors))
+    return [got[r] for r in range(pp * tp)]
+
+
+def bytes_matching(sizes: dict[str, int], *parts: str) -> int:
+    """Total bytes of the parameters whose names contain any of `parts`."""
+    return sum(n for name, n in sizes.items() if any(p in name for p in parts))
+
+
+def param_sizes(module: torch.nn.Module) -> dict[str, int]:
+    return {name: p.numel() * p.element_size() for name, p in module.named_parameters()}
+
+
+def layers_read(keys: list[str] | tuple[str, ...]) -> set[int]:
+    """Layer indices among checkpoint keys `...layers.{i}....`."""
+    return {int(k.split("layers.")[1].split(".")[0]) for k in keys if ".layers." in k}
