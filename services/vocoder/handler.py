@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from omnimesh.config.serve_args import ServeArgs
-from omnimesh.models.qwen3_omni.stage_loading import load_code2wav
-from omnimesh.stage_registry import resolve_dtype
+from omnimesh.engine.task import StageRequestError
+from omnimesh.models.qwen3_omni.code2wav_shard import Code2WavTransformerBackend
+from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_code2wav
+from omnimesh.server.stage_failure import StageFailure
+from omnimesh.stage_registry import lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
 from services.vocoder.vocoder_task import VocoderTask
 
@@ -24,21 +28,31 @@ DEFAULT_WINDOW = 25
 class VocoderHandler:
     name = "vocoder"
 
-    def __init__(self, code2wav: Qwen3OmniMoeCode2Wav, model_name: str):
+    def __init__(self, code2wav: Qwen3OmniMoeCode2Wav, transformer: Code2WavTransformerBackend, model_name: str,
+                 layout: LMLayout, failure: StageFailure):
         self.code2wav = code2wav
+        self.transformer = transformer
         self.model_name = model_name
+        self.layout = layout
+        self.failure = failure
+        self.max_inflight_steps = layout.pp  # one request per pipeline rank at a time
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
-                                   pipeline_parallel_size=1, tensor_parallel_size=1, device="cpu",
-                                   sample_rate=SAMPLE_RATE)
+                                   pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
+                                   device="cuda" if self.layout.backend == "nccl" else "cpu", sample_rate=SAMPLE_RATE)
 
     def open(self, msg: stage_pb2.Open) -> VocoderTask:
+        if self.failure.message is not None:
+            raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"vocoder: {self.failure.message}")
         text = msg.options.get("window", str(DEFAULT_WINDOW))
         if not text.isdigit() or int(text) < 1:
             raise ValueError(f"option window must be a whole number of codes >= 1, got {text!r}")
-        return VocoderTask(msg.request_id, self.code2wav, int(text))
+        return VocoderTask(msg.request_id, self.code2wav, int(text), self.transformer)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:
-    return VocoderHandler(load_code2wav(model_dir, resolve_dtype(args)), model_dir.name)
+    failure = StageFailure()
+    layout = lm_layout(args, "vocoder", failure)
+    code2wav, transformer = load_code2wav(model_dir, resolve_dtype(args), layout)
+    return VocoderHandler(code2wav, transformer, model_dir.name, layout, failure)

@@ -9,6 +9,8 @@ a request's audio is bit-identical run to run (decoding other cuts agrees only t
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
@@ -21,14 +23,18 @@ EDGE = "talker -> vocoder"
 
 
 class VocoderTask(StageTask):
-    def __init__(self, request_id: str, code2wav: Qwen3OmniMoeCode2Wav, window: int):
+    def __init__(self, request_id: str, code2wav: Qwen3OmniMoeCode2Wav, window: int, transformer: Any = None):
         super().__init__(request_id)
-        self.streamer = Code2WavStreamer(code2wav, window=1)  # windowing is done here, per engine step
+        # windowing is done here, per engine step; the pre-transformer runs on the stage's ranks
+        self.streamer = Code2WavStreamer(code2wav, window=1, transformer=transformer)
         self.window = window
         self.codebook = int(code2wav.config.codebook_size)  # type: ignore[union-attr]
         self.pending: list[torch.Tensor] = []
         self.n_pending = 0
         self.ended = False
+
+    def close(self) -> None:
+        self.streamer.close()
 
     def feed(self, chunk: StageChunk) -> None:
         if "codes" in chunk.tensors:

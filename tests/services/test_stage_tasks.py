@@ -98,7 +98,7 @@ def test_talker_with_no_text_ends_without_audio(handlers: dict) -> None:
     assert _run(task) == [] and task.finished
 
 
-def test_vocoder_checks_codes_and_streams_windows(handlers: dict) -> None:
+def test_vocoder_checks_codes_and_streams_windows(handlers: dict, model_dir: Path) -> None:
     voc = handlers["vocoder"]
     with pytest.raises(ValueError, match=r"codes must be in \[0, 256\)"):
         _open(voc).feed(StageChunk(tensors={"codes": torch.full((4, 2), 300)}))
@@ -113,7 +113,11 @@ def test_vocoder_checks_codes_and_streams_windows(handlers: dict) -> None:
         task.feed(StageChunk(tensors={"codes": codes[:, i:i + 5]}, final=i == 25))
         pieces += [c.tensors["pcm"] for c in _run(task)]
     assert task.finished and len(pieces) >= 3
-    whole = handlers["vocoder"].code2wav(codes.unsqueeze(0)).view(-1)
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    reference = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).code2wav.eval()
+    with torch.no_grad():
+        whole = reference(codes.unsqueeze(0)).view(-1)
     torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-5, rtol=0)
 
 

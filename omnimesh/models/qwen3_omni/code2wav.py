@@ -88,7 +88,10 @@ def conv_left_context(code2wav: Any) -> int:
 class Code2WavStreamer:
     """Streams ONE request's codes through `Qwen3OmniMoeCode2Wav`; emitted audio == one-piece decode."""
 
-    def __init__(self, code2wav: nn.Module, left_context: int | None = None, window: int = 1) -> None:
+    def __init__(self, code2wav: nn.Module, left_context: int | None = None, window: int = 1,
+                 transformer: Any = None) -> None:
+        """`transformer`: where the pre-transformer runs (a `Code2WavTransformerBackend`, our pp x tp
+        ranks); default: `code2wav.pre_transformer` in this process with a transformers KV cache."""
         if window < 1:
             raise ValueError(f"window must be >= 1 code, got {window}")
         c2w: Any = code2wav
@@ -100,7 +103,9 @@ class Code2WavStreamer:
         self.window = window
         self.samples_per_code = int(c2w.total_upsample)
         self.num_quantizers = int(c2w.config.num_quantizers)
-        self._cache = DynamicCache(config=c2w.pre_transformer.config)
+        self.transformer = transformer
+        self._handle = transformer.open() if transformer is not None else None
+        self._cache = DynamicCache(config=c2w.pre_transformer.config) if transformer is None else None
         self._frames = torch.zeros(1, 0, c2w.config.hidden_size)  # (1, F, H) kept pre-transformer output
         self._frames_start = 0  # global index of self._frames[:, 0]
         self._seen = 0  # codes through the pre-transformer
@@ -148,11 +153,20 @@ class Code2WavStreamer:
         hidden = c2w.code_embedding(codes + c2w.code_offset).mean(1)  # (1, n, H)
         n = hidden.shape[1]
         positions = torch.arange(self._seen, self._seen + n).view(1, n)  # (1, n)
-        out = c2w.pre_transformer(
-            inputs_embeds=hidden, position_ids=positions, past_key_values=self._cache, use_cache=True
-        ).last_hidden_state  # (1, n, H)
+        if self.transformer is not None:
+            out = self.transformer.forward(self._handle, hidden, positions)  # (1, n, H)
+        else:
+            out = c2w.pre_transformer(
+                inputs_embeds=hidden, position_ids=positions, past_key_values=self._cache, use_cache=True
+            ).last_hidden_state  # (1, n, H)
         self._seen += n
         return out
+
+    def close(self) -> None:
+        """Free the request's pre-transformer cache (on every rank when the transformer is split)."""
+        if self.transformer is not None and self._handle is not None:
+            self.transformer.close(self._handle)
+            self._handle = None
 
     def _run_convs(self, frames: torch.Tensor) -> torch.Tensor:
         """Upsample + decoder over frames (1, F, H) -> waveform (F * samples_per_code - tail,)."""

@@ -35,6 +35,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omnimesh.models.loader import build_submodule
+from omnimesh.models.qwen3_omni.code2wav_shard import C2WShardSpec, Code2WavTransformerBackend
 from omnimesh.models.qwen3_omni.encoder import Qwen3OmniEncoder
 from omnimesh.models.qwen3_omni.lm_backend import ShardedBackend
 from omnimesh.models.qwen3_omni.lm_shard import LMShardSpec
@@ -122,6 +123,22 @@ def load_talker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LML
     return Qwen3OmniTalker(talker, config, backend)
 
 
-def load_code2wav(model_dir: Path, dtype: torch.dtype = torch.float32) -> Qwen3OmniMoeCode2Wav:
-    return _timed("code2wav", model_dir, lambda: build_submodule(
-        model_dir, config_path="code2wav_config", factory=Qwen3OmniMoeCode2Wav, prefix="code2wav.", dtype=dtype))
+def _code2wav_without_transformer_layers(config: Any) -> nn.Module:
+    """code2wav's embedding and conv stack; its pre-transformer layers live in the Code2WavShards."""
+    c2w = Qwen3OmniMoeCode2Wav(config)
+    c2w.pre_transformer.layers = nn.ModuleList()
+    return c2w
+
+
+def load_code2wav(model_dir: Path, dtype: torch.dtype = torch.float32,
+                  layout: LMLayout = LMLayout()) -> tuple[Qwen3OmniMoeCode2Wav, Code2WavTransformerBackend]:
+    """This process keeps the code embedding and the conv stack; the pre-transformer's layers are split
+    over the layout's pp x tp ranks (in-process for pp = tp = 1), each loading only its own shard."""
+    c2w = _timed("code2wav embedding + convs", model_dir, lambda: build_submodule(
+        model_dir, config_path="code2wav_config", factory=_code2wav_without_transformer_layers, prefix="code2wav.",
+        dtype=dtype))
+    spec = C2WShardSpec(model_dir, layout.partition, dtype)
+    backend = _timed("code2wav pre-transformer", model_dir, lambda: Code2WavTransformerBackend.build(
+        spec, layout.pp, layout.tp, backend=layout.backend, master_addr=layout.master_addr,
+        master_port=layout.master_port, on_failure=layout.on_failure, devices=layout.devices))
+    return c2w, backend
