@@ -316,10 +316,6 @@ class ParallelAudioTower(nn.Module):
     def batch(self, feature_lens: torch.Tensor) -> AudioBatch:
         return audio_batch(self.config, feature_lens.to(self.ps.device))
 
-    def output_width(self) -> int:
-        """Width of what `forward` returns on this rank: output_dim on the last pp rank, else d_model."""
-        return self.config.output_dim if self.ps.is_last_pp_rank else self.config.d_model
-
     @torch.no_grad()
     def embed_features(self, features: torch.Tensor, batch: AudioBatch) -> torch.Tensor:
         """features (n_mel, sum T_valid) -> hidden (N, d_model); first pipeline rank only (no collective)."""

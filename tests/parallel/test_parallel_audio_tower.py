@@ -1,0 +1,167 @@
+"""ParallelAudioTower equals transformers' audio tower (pp = tp = 1), and every gloo layout equals pp = tp = 1.
+
+The tiny folder's audio tower is re-drawn first (`with_random_tower`): the tiny build stores zero biases,
+unit norms and 0.02-std weights, so a misplaced bias or norm would go unnoticed and outputs would be ~1e-2.
+The re-drawn tower gives O(1) outputs. Input: two clips of 930 and 157 mel frames, padded to 930 with a
+feature_attention_mask (the padding is noise). The long clip spans 9 full chunks + a tail (121 tokens, so
+two attention windows, 104 + 17); the short one spans 1 chunk + a tail (21 tokens).
+
+Checks: pp = tp = 1 vs `Qwen3OmniMoeForConditionalGeneration.from_pretrained(...)`'s audio tower within
+1e-5. Layouts (pp, tp) in {(2,1), (1,2), (2,2)}, as gloo ranks spawned by tests/parallel/gloo_harness.py,
+equal pp = tp = 1 within 1e-4 on every TP rank of the last pipeline rank. Each rank's parameter bytes are
+<= 1.1 x total / (pp*tp) + its named replicated parts, and each rank reads only its own layers' tensors.
+A tp that does not divide the heads is a ValueError naming the numbers.
+
+Run: python -m pytest tests/parallel/test_parallel_audio_tower.py -q
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gloo_harness import bytes_matching, layers_read, param_sizes, run_layout, run_single
+from safetensors.torch import load_file, save_file
+
+from omnimesh.models.qwen3_omni.parallel_audio_tower import (
+    ParallelAudioTower,
+    audio_output_lengths,
+    audio_pipeline_step,
+    check_audio_layout,
+)
+from omnimesh.parallel.parallel_state import ParallelState
+from omnimesh.parallel.partition import partition_layers
+
+PREFIX = "thinker.audio_tower."
+LENGTHS = (930, 157)
+EXACT_TOL = 1e-5
+LAYOUT_TOL = 1e-4
+# TP-replicated parameter-name parts: conv front-end (first pp rank), layer norms, biases of row-parallel linears
+REPLICATED = ("front.", "layer_norm", "ln_post", "out_proj.bias", "fc2.bias")
+
+
+def with_random_tower(src: Path, dst: Path, prefix: str, seed: int = 0) -> Path:
+    """A copy of the tiny folder whose tensors under `prefix` are re-drawn: weights N(0, 1/fan_in),
+    biases N(0, 0.1^2), norm weights 1 + N(0, 0.1^2). Keeps every other tensor."""
+    dst.mkdir(parents=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    for key in sorted(k for k in tensors if k.startswith(prefix)):
+        t = tensors[key]
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+        if t.dim() > 1:
+            tensors[key] = noise / t[0].numel() ** 0.5  # (out, fan_in, ...)
+        elif key.endswith(".weight"):  # layer-norm scale
+            tensors[key] = 1.0 + 0.1 * noise
+        else:
+            tensors[key] = 0.1 * noise
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def audio_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig  # the config classes only; the modeling module is never imported
+
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True).thinker_config.audio_config
+
+
+def clips() -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid frames (n_mel, sum T_valid) and feature_lens (B,), taken from a padded batch with a mask."""
+    gen = torch.Generator().manual_seed(3)
+    padded = torch.randn(len(LENGTHS), 128, max(LENGTHS), generator=gen)  # (B, n_mel, T); padding is noise too
+    mask = torch.arange(max(LENGTHS))[None, :] < torch.tensor(LENGTHS)[:, None]  # (B, T)
+    valid = padded.permute(0, 2, 1)[mask].permute(1, 0)  # (n_mel, sum T_valid): what the encoder stage feeds
+    return valid, mask.sum(1)
+
+
+def scenario(ps: ParallelState, model_dir: Path) -> dict[str, Any]:
+    config = audio_config(model_dir)
+    layer_range = partition_layers(config.encoder_layers, ps.pp_size)[ps.pp_rank]
+    tower = ParallelAudioTower(config, ps, layer_range)
+    keys = tower.load_weights(model_dir)
+    features, lens = clips()
+    out = audio_pipeline_step(tower, features if ps.is_first_pp_rank else None, lens)
+    return {
+        "rank": ps.rank, "layer_range": layer_range, "keys": keys, "param_bytes": tower.param_bytes(),
+        "sizes": param_sizes(tower),
+        "out": out if ps.is_last_pp_rank else None,
+    }
+
+
+# ---- fixtures and tests ----
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni  # here: spawned ranks import this module
+
+    tiny = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3-omni")
+    return with_random_tower(tiny, tmp_path_factory.mktemp("audio") / "qwen3-omni", PREFIX)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[str, Any]:
+    return run_single(scenario, model_dir)
+
+
+def test_single_rank_matches_transformers(model_dir: Path, reference: dict[str, Any]) -> None:
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir)
+    features, lens = clips()
+    with torch.no_grad():
+        expected = model.thinker.model.audio_tower(features, feature_lens=lens).last_hidden_state  # (N, out)
+    ours = reference["out"]
+    assert ours.shape == expected.shape == (int(audio_output_lengths(lens, 50).sum()), 64) == (142, 64)
+    assert expected.abs().max() > 0.5, "outputs too small for the tolerance to mean anything"
+    assert (ours - expected).abs().max() < EXACT_TOL
+    # every parameter of transformers' tower is accounted for, nothing twice
+    assert reference["param_bytes"] == sum(p.numel() * 4 for p in model.thinker.model.audio_tower.parameters())
+    assert set(reference["keys"]) == {PREFIX + n for n, _ in model.thinker.model.audio_tower.named_parameters()}
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (1, 2), (2, 2)])
+def test_layout_matches_single_rank(pp: int, tp: int, model_dir: Path, reference: dict[str, Any]) -> None:
+    check_audio_layout(audio_config(model_dir), pp, tp)  # sizes checked before any process exists
+    ranks = run_layout(pp, tp, scenario, model_dir)
+    for o in ranks[(pp - 1) * tp:]:  # every TP rank of the last pp rank holds the all-reduced output
+        assert (o["out"] - reference["out"]).abs().max() < LAYOUT_TOL, f"rank {o['rank']}"
+
+    total = reference["param_bytes"]
+    for o in ranks:
+        allowance = bytes_matching(o["sizes"], *REPLICATED)
+        assert o["param_bytes"] <= 1.1 * total / (pp * tp) + allowance, (o["rank"], o["param_bytes"])
+    replicated = bytes_matching(reference["sizes"], *REPLICATED)
+    assert sum(o["param_bytes"] for o in ranks) == total + (tp - 1) * replicated  # nothing else held twice
+
+    for o in ranks:  # each rank read its own layers, the front-end only on the first, the head only on the last
+        start, end = o["layer_range"]
+        assert layers_read(o["keys"]) == set(range(start, end))
+        assert (PREFIX + "conv2d1.weight" in o["keys"]) == (start == 0)
+        assert (PREFIX + "proj2.weight" in o["keys"]) == (end == 2)
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused(model_dir: Path) -> None:
+    config = audio_config(model_dir)
+    message = (r"tensor-parallel size tp=3 must divide the audio tower's encoder_attention_heads=4 .*"
+               r"valid tp values for this tower: \[1, 2, 4\]")
+    with pytest.raises(ValueError, match=message):
+        check_audio_layout(config, 1, 3)
+    fake = ParallelState(world_size=3, rank=0, pp_size=1, tp_size=3, pp_rank=0, tp_rank=0, backend="gloo",
+                         device=torch.device("cpu"), tp_group=object())  # never used: the check comes first
+    with pytest.raises(ValueError, match=message):
+        ParallelAudioTower(config, fake, (0, 2))
+    with pytest.raises(ValueError, match=r"pp=3 exceeds the model's 2 layers"):
+        check_audio_layout(config, 3, 1)

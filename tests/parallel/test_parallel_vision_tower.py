@@ -1,0 +1,167 @@
+"""ParallelVisionTower equals transformers' vision tower (pp = tp = 1), and every gloo layout equals pp = tp = 1.
+
+The tiny folder's vision tower is re-drawn first (`with_random_tower`): the tiny build stores zero biases,
+unit norms and 0.02-std weights, which would hide a misplaced bias or norm. Input: two images with grids
+[1, 4, 4] and [1, 4, 6] (the position table is 8 x 8, so both are resampled) plus a 2-frame clip [2, 2, 4]
+(attention per frame): 56 patches -> 14 tokens. The tiny tower has 2 blocks with deepstack at block 0, so
+at pp = 2 the deepstack feature is made on pipeline rank 0 and must be relayed to rank 1.
+
+Checks: pp = tp = 1 vs `Qwen3OmniMoeForConditionalGeneration.from_pretrained(...)`'s vision tower
+(image_embeds and every deepstack feature) within 1e-5. Layouts (pp, tp) in {(2,1), (1,2), (2,2)}, as
+gloo ranks spawned by tests/parallel/gloo_harness.py, equal pp = tp = 1 within 1e-4 on every TP rank of the
+last pipeline rank. Each rank's parameter bytes are <= 1.1 x total / (pp*tp) + its named replicated parts,
+and each rank reads only its own blocks and mergers. A tp that does not divide the heads is a ValueError
+naming the numbers.
+
+Run: python -m pytest tests/parallel/test_parallel_vision_tower.py -q
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gloo_harness import bytes_matching, param_sizes, run_layout, run_single
+from safetensors.torch import load_file, save_file
+
+from omnimesh.models.qwen3_omni.parallel_vision_tower import (
+    ParallelVisionTower,
+    check_vision_layout,
+    vision_pipeline_step,
+)
+from omnimesh.parallel.parallel_state import ParallelState
+from omnimesh.parallel.partition import partition_layers
+
+PREFIX = "thinker.visual."
+GRIDS = ((1, 4, 4), (1, 4, 6), (2, 2, 4))
+EXACT_TOL = 1e-5
+LAYOUT_TOL = 1e-4
+# TP-replicated parameter-name parts: patch embedding + position table (first pp rank), layer norms,
+# biases of row-parallel linears (attn.proj, and fc2 of every MLP and merger)
+REPLICATED = ("patch_", "pos_embed", "norm", "ln_q", "attn.proj.bias", "fc2.bias")
+
+
+def with_random_tower(src: Path, dst: Path, prefix: str, seed: int = 0) -> Path:
+    """A copy of the tiny folder whose tensors under `prefix` are re-drawn: weights N(0, 1/fan_in),
+    biases N(0, 0.1^2), norm weights 1 + N(0, 0.1^2). Keeps every other tensor."""
+    dst.mkdir(parents=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    for key in sorted(k for k in tensors if k.startswith(prefix)):
+        t = tensors[key]
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+        if t.dim() > 1:
+            tensors[key] = noise / t[0].numel() ** 0.5  # (out, fan_in, ...)
+        elif key.endswith(".weight"):  # layer-norm scale
+            tensors[key] = 1.0 + 0.1 * noise
+        else:
+            tensors[key] = 0.1 * noise
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def vision_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig  # the config classes only; the modeling module is never imported
+
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True).thinker_config.vision_config
+
+
+def images() -> tuple[torch.Tensor, torch.Tensor]:
+    """pixel_values (N, C*T*P*P) and grid_thw (n, 3)."""
+    grid = torch.tensor(GRIDS)
+    return torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(4)), grid
+
+
+def scenario(ps: ParallelState, model_dir: Path) -> dict[str, Any]:
+    config = vision_config(model_dir)
+    layer_range = partition_layers(config.depth, ps.pp_size)[ps.pp_rank]
+    tower = ParallelVisionTower(config, ps, layer_range)
+    keys = tower.load_weights(model_dir)
+    pixels, grid = images()
+    out = vision_pipeline_step(tower, pixels if ps.is_first_pp_rank else None, grid)
+    return {
+        "rank": ps.rank, "layer_range": layer_range, "keys": keys, "param_bytes": tower.param_bytes(),
+        "sizes": param_sizes(tower), "embeds": out.image_embeds,
+        "deepstack": torch.stack(out.deepstack) if ps.is_last_pp_rank else None,  # (n_deepstack, tokens, out)
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni  # here: spawned ranks import this module
+
+    tiny = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3-omni")
+    return with_random_tower(tiny, tmp_path_factory.mktemp("vision") / "qwen3-omni", PREFIX)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[str, Any]:
+    return run_single(scenario, model_dir)
+
+
+def test_single_rank_matches_transformers(model_dir: Path, reference: dict[str, Any]) -> None:
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    visual = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).thinker.model.visual
+    pixels, grid = images()
+    with torch.no_grad():
+        expected = visual(pixels, grid_thw=grid)
+    assert reference["embeds"].shape == expected.pooler_output.shape == (14, 64)
+    assert expected.pooler_output.abs().max() > 0.5, "outputs too small for the tolerance to mean anything"
+    assert (reference["embeds"] - expected.pooler_output).abs().max() < EXACT_TOL
+    assert len(expected.deepstack_features) == reference["deepstack"].shape[0] == 1
+    for ours, theirs in zip(reference["deepstack"], expected.deepstack_features):
+        assert (ours - theirs).abs().max() < EXACT_TOL
+    # every parameter of transformers' tower is accounted for, nothing twice
+    assert reference["param_bytes"] == sum(p.numel() * 4 for p in visual.parameters())
+    assert set(reference["keys"]) == {PREFIX + n for n, _ in visual.named_parameters()}
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (1, 2), (2, 2)])
+def test_layout_matches_single_rank(pp: int, tp: int, model_dir: Path, reference: dict[str, Any]) -> None:
+    check_vision_layout(vision_config(model_dir), pp, tp)  # sizes checked before any process exists
+    ranks = run_layout(pp, tp, scenario, model_dir)
+    for o in ranks[(pp - 1) * tp:]:  # every TP rank of the last pp rank: embeds and the relayed deepstack
+        assert (o["embeds"] - reference["embeds"]).abs().max() < LAYOUT_TOL, f"rank {o['rank']}"
+        assert o["deepstack"].shape == reference["deepstack"].shape
+        assert (o["deepstack"] - reference["deepstack"]).abs().max() < LAYOUT_TOL, f"rank {o['rank']}"
+
+    total = reference["param_bytes"]
+    for o in ranks:
+        allowance = bytes_matching(o["sizes"], *REPLICATED)
+        assert o["param_bytes"] <= 1.1 * total / (pp * tp) + allowance, (o["rank"], o["param_bytes"])
+    assert sum(o["param_bytes"] for o in ranks) == total + (tp - 1) * bytes_matching(reference["sizes"], *REPLICATED)
+
+    for o in ranks:  # own blocks; patch embedding first, merger last, deepstack merger with block 0
+        start, end = o["layer_range"]
+        assert {int(k.split("blocks.")[1].split(".")[0]) for k in o["keys"] if ".blocks." in k} == set(range(start, end))
+        assert (PREFIX + "patch_embed.proj.weight" in o["keys"]) == (start == 0)
+        assert (PREFIX + "merger.mlp.0.weight" in o["keys"]) == (end == 2)
+        assert (PREFIX + "merger_list.0.mlp.0.weight" in o["keys"]) == (start == 0)
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused(model_dir: Path) -> None:
+    config = vision_config(model_dir)
+    message = (r"tensor-parallel size tp=3 must divide the vision tower's num_heads=4 .*"
+               r"valid tp values for this tower: \[1, 2, 4\]")
+    with pytest.raises(ValueError, match=message):
+        check_vision_layout(config, 1, 3)
+    fake = ParallelState(world_size=3, rank=0, pp_size=1, tp_size=3, pp_rank=0, tp_rank=0, backend="gloo",
+                         device=torch.device("cpu"), tp_group=object())  # never used: the check comes first
+    with pytest.raises(ValueError, match=message):
+        ParallelVisionTower(config, fake, (0, 2))
+    with pytest.raises(ValueError, match=r"pp=3 exceeds the model's 2 layers"):
+        check_vision_layout(config, 3, 1)
