@@ -16,7 +16,6 @@ from typing import Any
 from omnimesh.config.stage_config import STAGES, StageConfig, parse_stage_overrides, resolve_stage
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-PARALLEL_STAGES = ("thinker", "talker", "vocoder")  # stages whose pp x tp > 1 runs today
 
 
 def _f(default: Any, help: str, *flags: str, **extra: Any) -> Any:
@@ -104,10 +103,6 @@ class ServeArgs:
         for stage, cfg in self.stage_configs().items():
             if only is not None and stage != only:
                 continue
-            if cfg.world_size > 1 and stage not in PARALLEL_STAGES:
-                out.append(f"stage {stage}: pp x tp = {cfg.pp} x {cfg.tp} > 1 (pipeline/tensor parallel execution "
-                           f"is implemented for {', '.join(PARALLEL_STAGES)} so far; set the {stage}'s pp and tp "
-                           f"to 1 in --stage-overrides)")
             if cfg.num_replicas > 1:
                 out.append(f"stage {stage}: num_replicas = {cfg.num_replicas} (replicas are not implemented yet)")
         if self.distributed_executor_backend == "ray":

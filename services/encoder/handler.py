@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
+
 from omnimesh.config.serve_args import ServeArgs
+from omnimesh.engine.task import StageRequestError
 from omnimesh.models.qwen3_omni.encoder import Qwen3OmniEncoder
-from omnimesh.models.qwen3_omni.stage_loading import load_encoder
-from omnimesh.stage_registry import resolve_dtype
+from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_encoder
+from omnimesh.server.stage_failure import StageFailure
+from omnimesh.stage_registry import lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
 from services.encoder.encoder_task import EncoderTask
 
@@ -18,17 +22,25 @@ from services.encoder.encoder_task import EncoderTask
 class EncoderHandler:
     name = "encoder"
 
-    def __init__(self, encoder: Qwen3OmniEncoder, model_name: str):
+    def __init__(self, encoder: Qwen3OmniEncoder, model_name: str, layout: LMLayout, failure: StageFailure):
         self.encoder = encoder
         self.model_name = model_name
+        self.layout = layout
+        self.failure = failure
+        self.max_inflight_steps = layout.pp  # one request per pipeline rank at a time
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
-                                   pipeline_parallel_size=1, tensor_parallel_size=1, device="cpu")
+                                   pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
+                                   device="cuda" if self.layout.backend == "nccl" else "cpu")
 
     def open(self, msg: stage_pb2.Open) -> EncoderTask:
+        if self.failure.message is not None:
+            raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"encoder: {self.failure.message}")
         return EncoderTask(msg.request_id, self.encoder)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> EncoderHandler:
-    return EncoderHandler(load_encoder(model_dir, resolve_dtype(args)), model_dir.name)
+    failure = StageFailure()
+    layout = lm_layout(args, "encoder", failure)
+    return EncoderHandler(load_encoder(model_dir, resolve_dtype(args), layout), model_dir.name, layout, failure)

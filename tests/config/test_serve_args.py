@@ -60,10 +60,11 @@ def test_devices_check_names_the_numbers() -> None:
 
 
 def test_valid_but_unsupported_settings_are_listed() -> None:
-    args = ServeArgs(stage_overrides='{"thinker": {"pp": 2}, "encoder": {"tp": 2}}', distributed_executor_backend="ray")
+    args = ServeArgs(stage_overrides='{"thinker": {"pp": 2}, "encoder": {"num_replicas": 2}}',
+                     distributed_executor_backend="ray")
     text = "\n".join(args.unsupported())
-    assert "stage encoder: pp x tp = 1 x 2" in text and "ray is not implemented" in text
-    assert "stage thinker" not in text  # the LM stages run pp x tp > 1
+    assert "stage encoder: num_replicas = 2" in text and "ray is not implemented" in text
+    assert "stage thinker" not in text  # every stage runs pp x tp > 1
 
 
 @pytest.mark.parametrize(

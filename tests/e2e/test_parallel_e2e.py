@@ -1,6 +1,6 @@
-"""The mesh with its stages split over ranks — thinker pp=2 x tp=2 (4 processes), talker pp=2, vocoder tp=2 — answers
-exactly like `transformers` generate (and so like the pp = tp = 1 mesh): text token for token, audio within
-1e-4. A thinker rank killed mid-request fails that request promptly with 503, the thinker goes
+"""The mesh with every stage split over ranks — encoder pp=2, thinker pp=2 x tp=2 (4 processes), talker
+pp=2, vocoder tp=2 — answers exactly like `transformers` generate (and so like the pp = tp = 1 mesh): text
+token for token, audio within 1e-4. A thinker rank killed mid-request fails that request promptly with 503, the thinker goes
 NOT_SERVING and the gateway's /health names it; nothing hangs. This module runs its own mesh."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from test_parity import MAX_TOKENS, TALKER_MAX, run_pipeline
 
 from omnimesh.transport.stage_client import StageClient
 
-LAYOUT = '{"thinker": {"pp": 2, "tp": 2}, "talker": {"pp": 2}, "vocoder": {"tp": 2}}'
+LAYOUT = '{"encoder": {"pp": 2}, "thinker": {"pp": 2, "tp": 2}, "talker": {"pp": 2}, "vocoder": {"tp": 2}}'
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def split_mesh(tiny_model_dir: Path):
 def test_stages_report_their_layout(split_mesh) -> None:
     async def infos():
         out = {}
-        for name in ("thinker", "talker", "vocoder"):
+        for name in ("encoder", "thinker", "talker", "vocoder"):
             client = StageClient(name, split_mesh.stages[name])
             out[name] = await client.info()
             await client.close()
@@ -47,6 +47,8 @@ def test_stages_report_their_layout(split_mesh) -> None:
     assert len(rank_pids(stage_pid(split_mesh, "talker"))) == 1
     assert (info["vocoder"].pipeline_parallel_size, info["vocoder"].tensor_parallel_size) == (1, 2)
     assert len(rank_pids(stage_pid(split_mesh, "vocoder"))) == 1
+    assert (info["encoder"].pipeline_parallel_size, info["encoder"].tensor_parallel_size) == (2, 1)
+    assert len(rank_pids(stage_pid(split_mesh, "encoder"))) == 1
 
 
 @pytest.mark.parametrize("media", ["text", "audio+image"])

@@ -19,14 +19,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
 
 class Qwen3OmniEncoder:
     """Audio + vision towers of an already-loaded Qwen3-Omni thinker; stateless, request-safe."""
 
-    def __init__(self, audio_tower: nn.Module | None, visual: nn.Module | None) -> None:
+    def __init__(self, audio_tower: Any, visual: Any) -> None:
+        """The towers: transformers' modules, or `encoder_shard`'s stand-ins over the stage's pp x tp ranks
+        (same call signature and output fields); None for a tower this encoder does not serve."""
         self.audio_tower: Any = audio_tower
         self.visual: Any = visual
 

@@ -28,15 +28,19 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-    Qwen3OmniMoeAudioEncoder,
     Qwen3OmniMoeCode2Wav,
     Qwen3OmniMoeTalkerForConditionalGeneration,
-    Qwen3OmniMoeVisionEncoder,
 )
 
 from omnimesh.models.loader import build_submodule
 from omnimesh.models.qwen3_omni.code2wav_shard import C2WShardSpec, Code2WavTransformerBackend
 from omnimesh.models.qwen3_omni.encoder import Qwen3OmniEncoder
+from omnimesh.models.qwen3_omni.encoder_shard import (
+    EncoderShardSpec,
+    ShardedAudioTower,
+    ShardedVisionTower,
+    encoder_runner,
+)
 from omnimesh.models.qwen3_omni.lm_backend import ShardedBackend
 from omnimesh.models.qwen3_omni.lm_shard import LMShardSpec
 from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker
@@ -59,16 +63,6 @@ def _timed(what: str, model_dir: Path, fn):  # noqa: ANN001, ANN202
     n = sum(p.numel() for p in module.parameters()) if isinstance(module, nn.Module) else 0
     log.info("loaded %s: %.2f M parameters in %.1fs", what, n / 1e6, time.monotonic() - t0)
     return module
-
-
-def load_encoder(model_dir: Path, dtype: torch.dtype = torch.float32) -> Qwen3OmniEncoder:
-    audio = _timed("audio tower", model_dir, lambda: build_submodule(
-        model_dir, config_path="thinker_config.audio_config", factory=Qwen3OmniMoeAudioEncoder,
-        prefix="thinker.audio_tower.", dtype=dtype))
-    visual = _timed("vision tower", model_dir, lambda: build_submodule(
-        model_dir, config_path="thinker_config.vision_config", factory=Qwen3OmniMoeVisionEncoder,
-        prefix="thinker.visual.", dtype=dtype))
-    return Qwen3OmniEncoder(audio, visual)
 
 
 @dataclass(frozen=True)
@@ -103,6 +97,17 @@ def load_thinker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LM
     backend = _timed("thinker decoder", model_dir, lambda: lm_backend(
         LMShardSpec(model_dir, "thinker", layout.partition, dtype), layout))
     return Qwen3OmniThinker(embed, backend, config)
+
+
+def load_encoder(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LMLayout = LMLayout()) -> Qwen3OmniEncoder:
+    """Both towers split over the layout's pp x tp ranks (in-process for pp = tp = 1); each rank loads only
+    its own blocks of each tower."""
+    tc: Any = load_config(model_dir).thinker_config
+    run, executor = _timed("audio + vision towers", model_dir, lambda: encoder_runner(
+        EncoderShardSpec(model_dir, dtype), layout.pp, layout.tp, backend=layout.backend,
+        master_addr=layout.master_addr, master_port=layout.master_port, on_failure=layout.on_failure,
+        devices=layout.devices))
+    return Qwen3OmniEncoder(ShardedAudioTower(tc.audio_config, run), ShardedVisionTower(tc.vision_config, run, dtype))
 
 
 def _talker_without_decoder(config: Any) -> nn.Module:

@@ -1,0 +1,112 @@
+"""EncoderShard: what one rank of an encoder stage runs — its blocks of the audio tower and of the vision
+tower — and the two tower stand-ins `Qwen3OmniEncoder` calls in the stage's driver.
+
+Role: the `RankProgram` of an encoder stage split over pp x tp ranks (in-process for pp = tp = 1). Each
+rank builds `ParallelAudioTower` and `ParallelVisionTower` over its own block ranges (each tower split
+evenly over the same pp ranks), loads only those tensors, sharded for its TP rank. The towers are
+stateless per request, so nothing is cached between commands.
+
+Commands:  EncodeAudio(features (n_mel, sum T_valid), feature_lens (B,)) -> (n_tokens, H)
+           EncodeImage(pixel_values (N, C*T*P*P), grid_thw (n, 3)) -> (image_embeds, [deepstack])
+`ShardedAudioTower` / `ShardedVisionTower` call those with the same signature and return the same fields
+as transformers' towers, so `Qwen3OmniEncoder`'s checks and bookkeeping stay as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from omnimesh.models.qwen3_omni.parallel_audio_tower import ParallelAudioTower, audio_pipeline_step
+from omnimesh.models.qwen3_omni.parallel_vision_tower import ParallelVisionTower, vision_pipeline_step
+from omnimesh.parallel.mp_executor import MpExecutor
+from omnimesh.parallel.parallel_state import ParallelState
+from omnimesh.parallel.partition import partition_layers
+
+
+@dataclass(frozen=True)
+class EncodeAudio:
+    features: torch.Tensor  # (n_mel, sum T_valid) valid frames of every clip, concatenated
+    feature_lens: torch.Tensor  # (B,) valid frames per clip
+
+
+@dataclass(frozen=True)
+class EncodeImage:
+    pixel_values: torch.Tensor  # (N, C * T * P * P)
+    grid_thw: torch.Tensor  # (n_images, 3)
+
+
+@dataclass(frozen=True)
+class EncoderShardSpec:
+    model_dir: Path
+    dtype: torch.dtype = torch.float32
+
+
+class EncoderShard:
+    def __init__(self, spec: EncoderShardSpec, ps: ParallelState):
+        from omnimesh.models.qwen3_omni.stage_loading import load_config
+
+        tc: Any = load_config(spec.model_dir).thinker_config
+        a_range = partition_layers(tc.audio_config.encoder_layers, ps.pp_size)[ps.pp_rank]
+        v_range = partition_layers(tc.vision_config.depth, ps.pp_size)[ps.pp_rank]
+        self.ps = ps
+        self.audio = ParallelAudioTower(tc.audio_config, ps, a_range, spec.dtype)
+        self.audio.load_weights(spec.model_dir)
+        self.vision = ParallelVisionTower(tc.vision_config, ps, v_range, spec.dtype)
+        self.vision.load_weights(spec.model_dir)
+
+    @torch.no_grad()
+    def execute(self, command: EncodeAudio | EncodeImage) -> Any:
+        owner = self.ps.is_last_pp_rank and self.ps.tp_rank == 0
+        first = self.ps.is_first_pp_rank
+        if isinstance(command, EncodeAudio):
+            out = audio_pipeline_step(self.audio, command.features.to(self.ps.device) if first else None,
+                                      command.feature_lens)
+            return out.cpu() if owner else None
+        result = vision_pipeline_step(self.vision, command.pixel_values.to(self.ps.device) if first else None,
+                                      command.grid_thw)
+        if not owner or result.image_embeds is None:
+            return None
+        return result.image_embeds.cpu(), [d.cpu() for d in result.deepstack]
+
+
+def build_encoder_shard(spec: EncoderShardSpec, ps: ParallelState) -> EncoderShard:
+    return EncoderShard(spec, ps)
+
+
+def encoder_runner(spec: EncoderShardSpec, pp: int = 1, tp: int = 1, **executor_args: Any) -> tuple[Any, MpExecutor | None]:
+    """`run(command)` over the encoder's ranks (in-process for pp = tp = 1), and the executor if any."""
+    if pp * tp == 1:
+        return EncoderShard(spec, ParallelState.single()).execute, None
+    executor = MpExecutor(pp, tp, partial(build_encoder_shard, spec), **executor_args)
+    executor.start()
+    return executor.execute, executor
+
+
+class ShardedAudioTower:
+    """Called like transformers' audio tower: (features (n_mel, sum T), feature_lens) -> .last_hidden_state."""
+
+    def __init__(self, config: Any, run: Any):
+        self.config = config
+        self._run = run
+
+    def __call__(self, features: torch.Tensor, feature_lens: torch.Tensor, return_dict: bool = True) -> Any:
+        return SimpleNamespace(last_hidden_state=self._run(EncodeAudio(features, feature_lens)))
+
+
+class ShardedVisionTower:
+    """Called like transformers' vision tower: (pixel_values, grid_thw) -> .pooler_output, .deepstack_features."""
+
+    def __init__(self, config: Any, run: Any, dtype: torch.dtype):
+        self.config = config
+        self.dtype = dtype
+        self._run = run
+
+    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        embeds, deepstack = self._run(EncodeImage(pixel_values, grid_thw))
+        return SimpleNamespace(pooler_output=embeds, deepstack_features=deepstack)
