@@ -122,7 +122,7 @@ def _stages(  # type: ignore[no-untyped-def]
         talker = Qwen3OmniTalker(model.talker, model.config)
     else:
         thinker = Qwen3OmniThinker(model.thinker.model.language_model.embed_tokens, backends[0], model.config)
-        talker = Qwen3OmniTalker(model.talker, model.config, backends[1])
+        talker = Qwen3OmniTalker(model.talker, model.config, backends[1], predictor=backends[1].predict)
     vocoder = Code2WavStreamer(model.code2wav, window=window)
     audio = image = deepstack = lengths = None
     if media.input_features is not None and media.feature_attention_mask is not None:
@@ -311,8 +311,9 @@ def test_thinker_rejects_mismatched_media(model, media) -> None:  # type: ignore
 
 
 def test_our_parallel_lm_equals_generate(model, media, tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
-    """The stages' own decoder (ParallelTextModel via LMShard, pp = tp = 1, weights read from the folder)
-    instead of transformers' modules: same text tokens and codes as `generate`, audio within 1e-4."""
+    """The stages' own decoders (ParallelTextModel and ParallelCodePredictor via LMShard, pp = tp = 1, weights
+    read from the folder) instead of transformers' modules: same text tokens and codes as `generate`, audio
+    within 1e-4."""
     folder = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "m")
     backends = (ShardedBackend.local(LMShardSpec(folder, "thinker")), ShardedBackend.local(LMShardSpec(folder, "talker")))
     for case in ("text", "audio_image"):

@@ -22,7 +22,17 @@ import torch
 from transformers import DynamicCache
 
 from omnimesh.models.qwen3_omni.decoder import run_decoder
-from omnimesh.models.qwen3_omni.lm_shard import LMFree, LMShard, LMShardSpec, LMStep, LMStepResult, build_shard
+from omnimesh.models.qwen3_omni.lm_shard import (
+    LMFree,
+    LMPredict,
+    LMPredictResult,
+    LMShard,
+    LMShardSpec,
+    LMStep,
+    LMStepResult,
+    build_shard,
+)
+from omnimesh.models.qwen3_omni.sampling import SamplingParams
 from omnimesh.parallel.mp_executor import MpExecutor
 from omnimesh.parallel.parallel_state import ParallelState
 
@@ -75,15 +85,17 @@ class HFBackend:
 class ShardedBackend:
     """Our parallel LM: one `LMShard` per rank, driven in lock-step (see lm_shard.py)."""
 
-    def __init__(self, run: Any, executor: MpExecutor | None = None):
+    def __init__(self, run: Any, executor: MpExecutor | None = None, local_shard: Any = None):
         self._run = run  # LMShard.execute (in-process) or MpExecutor.execute
         self.executor = executor
+        self.local_shard: Any = local_shard if local_shard is not None else (executor.program if executor else None)
         self._ids = itertools.count()
 
     @classmethod
     def local(cls, spec: LMShardSpec) -> ShardedBackend:
         """pp = tp = 1 in this process: no process group at all."""
-        return cls(LMShard(spec, ParallelState.single()).execute)
+        shard = LMShard(spec, ParallelState.single())
+        return cls(shard.execute, local_shard=shard)
 
     @classmethod
     def distributed(cls, spec: LMShardSpec, pp: int, tp: int, *, backend: str = "gloo",
@@ -101,6 +113,15 @@ class ShardedBackend:
 
     def open(self) -> int:
         return next(self._ids)
+
+    def predict(self, prefix: torch.Tensor, params: SamplingParams) -> tuple[list[int], torch.Tensor]:
+        """Talker stages: the code predictor over the stage's ranks -> (residual codes, codec sum (1, 1, H))."""
+        key = next(self._ids)
+        result: LMPredictResult = self._run(LMPredict(key, prefix, params))
+        codec_sum = result.codec_sum
+        if codec_sum is None:  # made on rank 0 (the first pipeline rank, this process), kept by key
+            codec_sum = self.local_shard.codec_sums.pop(key)
+        return list(result.codes), codec_sum
 
     def forward(self, handle: int, x: torch.Tensor, position_ids: torch.Tensor, *,
                 visual_pos_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None,

@@ -10,6 +10,9 @@ Commands (sent by the driver to every rank, executed in lock-step):
         every rank: pipeline_step over its layers (hidden crosses pp boundaries, see parallel_text_model)
         last pp rank: logits of the last position (all-gathered over TP) -> LMStepResult
     LMFree(handle)    every rank drops the request's KV cache
+    LMPredict(key, prefix (1, 2, H), params)   talker only: the code predictor, split over the same ranks
+        -> LMPredictResult(residual codes, codec sum (1, 1, H)); the codec sum is made on the first pp rank
+        (rank 0, the driver), which keeps it by `key` when it is not the owner
 Inputs arrive as embeddings (the driver embeds and merges media), so no rank needs the embedding table.
 """
 
@@ -21,10 +24,13 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from omnimesh.models.qwen3_omni.parallel_code_predictor import ParallelCodePredictor, predict_residuals
 from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelTextModel, pipeline_step
+from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
 from omnimesh.parallel.parallel_state import ParallelState
 from omnimesh.parallel.partition import partition_layers
 
@@ -46,6 +52,21 @@ class LMStep:
 @dataclass(frozen=True)
 class LMFree:
     handle: int
+
+
+@dataclass(frozen=True)
+class LMPredict:
+    """The talker's code predictor for one talker step (talker stages only): residual codes r1..r_{G-1}."""
+
+    key: int  # names this command's codec sum, kept on the first pipeline rank until the driver takes it
+    prefix: torch.Tensor  # (1, 2, H) [talker last hidden, talker codec embedding of c0]
+    params: SamplingParams  # the code predictor's sampling (greedy, or top-k / top-p with a seed)
+
+
+@dataclass(frozen=True)
+class LMPredictResult:
+    codes: tuple[int, ...]  # r1 .. r_{G-1}
+    codec_sum: torch.Tensor | None  # (1, 1, H) on the first pipeline rank; None when that is not the owner
 
 
 @dataclass(frozen=True)
@@ -84,16 +105,27 @@ class LMShard:
         self.model.embed = None  # inputs arrive as embeddings; the driver holds the table
         self.model.load_weights(spec.model_dir)
         self.caches: dict[int, KVCache] = {}
+        self.predictor: ParallelCodePredictor | None = None
+        self.codec_sums: dict[int, torch.Tensor] = {}  # LMPredict.key -> codec sum (first pp rank only)
+        if spec.role == "talker":
+            from omnimesh.models.qwen3_omni.stage_loading import load_config
+
+            cp: Any = load_config(spec.model_dir).talker_config.code_predictor_config  # type: ignore[union-attr]
+            cp_range = partition_layers(cp.num_hidden_layers, ps.pp_size)[ps.pp_rank]
+            self.predictor = ParallelCodePredictor(cp, ps, cp_range, spec.dtype)
+            self.predictor.load_weights(spec.model_dir)
         self.role = spec.role
         trace_dir = os.environ.get(TRACE_ENV)
         self.trace = Path(trace_dir) / f"{spec.role}-rank{ps.rank}.jsonl" if trace_dir else None
         log.info("%s rank %d (pp %d, tp %d): layers [%d, %d), %.2f MB of parameters", spec.role, ps.rank,
                  ps.pp_rank, ps.tp_rank, *self.layer_range, self.model.param_bytes() / 1e6)
 
-    def execute(self, command: LMStep | LMFree) -> LMStepResult | None:
+    def execute(self, command: LMStep | LMFree | LMPredict) -> LMStepResult | LMPredictResult | None:
         if isinstance(command, LMFree):
             self.caches.pop(command.handle, None)
             return None
+        if isinstance(command, LMPredict):
+            return self._predict(command)
         cache = self.caches.get(command.handle)
         if cache is None:
             cache = self.caches[command.handle] = self.model.new_cache()
@@ -112,6 +144,21 @@ class LMShard:
         return LMStepResult(logits=logits.cpu(), last_hidden=last.cpu(),
                             captured=None if out.captured is None else out.captured.cpu())
 
+
+    def _predict(self, command: LMPredict) -> LMPredictResult | None:
+        if self.predictor is None:
+            raise ValueError("LMPredict is for talker stages (this shard has no code predictor)")
+        params = command.params
+        sample = None
+        if not params.greedy:  # the seeded sampler lives on the rank that samples
+            sampler = Sampler(params)
+            sample = sampler.sample
+        out = predict_residuals(self.predictor, command.prefix if self.ps.is_first_pp_rank else None, sample=sample)
+        owner = self.ps.is_last_pp_rank and self.ps.tp_rank == 0
+        if self.ps.is_first_pp_rank and out.codec_sum is not None and not owner:
+            self.codec_sums[command.key] = out.codec_sum.cpu()  # the driver (rank 0) takes it after the step
+        return LMPredictResult(out.codes, out.codec_sum.cpu() if owner and out.codec_sum is not None else None) \
+            if owner else None
 
     def _record(self, command: LMStep, started: float) -> None:
         """With OMNIMESH_TRACE_DIR set, each rank appends its busy interval per step (one JSON line)."""

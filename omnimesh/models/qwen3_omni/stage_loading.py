@@ -111,11 +111,12 @@ def load_encoder(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LM
 
 
 def _talker_without_decoder(config: Any) -> nn.Module:
-    """The talker's per-step parts only (projections, codec embedding, code predictor): its decoder layers and
-    codec head live in the LM shards, so they are dropped before loading."""
+    """The talker's per-step parts only (projections, codec embedding): its decoder layers, codec head and
+    code predictor live in the LM shards, so they are dropped before loading."""
     talker = Qwen3OmniMoeTalkerForConditionalGeneration(config)
     talker.model.layers = nn.ModuleList()
     talker.codec_head = None  # type: ignore[assignment]
+    talker.code_predictor = None  # type: ignore[assignment]
     return talker
 
 
@@ -125,7 +126,7 @@ def load_talker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LML
         model_dir, config_path="talker_config", factory=_talker_without_decoder, prefix="talker.", dtype=dtype))
     backend = _timed("talker decoder", model_dir, lambda: lm_backend(
         LMShardSpec(model_dir, "talker", layout.partition, dtype), layout))
-    return Qwen3OmniTalker(talker, config, backend)
+    return Qwen3OmniTalker(talker, config, backend, predictor=backend.predict)
 
 
 def _code2wav_without_transformer_layers(config: Any) -> nn.Module:

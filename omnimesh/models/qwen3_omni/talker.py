@@ -28,7 +28,7 @@ Fed token by token or all at once the numbers are identical (each text row is pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -78,9 +78,13 @@ class Qwen3OmniTalker:
     and the audio tower's `n_window`, which its own config lacks.
     """
 
-    def __init__(self, talker: nn.Module, config: Qwen3OmniMoeConfig, backend: LMBackend | None = None) -> None:
-        """`talker` supplies the small per-step modules (text/hidden projections, codec embedding, code
-        predictor); the decoder stack + codec head run in `backend` (default: transformers' own, in-process)."""
+    def __init__(self, talker: nn.Module, config: Qwen3OmniMoeConfig, backend: LMBackend | None = None,
+                 predictor: Any = None) -> None:
+        """`talker` supplies the small per-step modules (text/hidden projections, codec embedding, and the code
+        predictor unless `predictor` is given); the decoder stack + codec head run in `backend` (default:
+        transformers' own, in-process). `predictor(prefix (1, 2, H), params) -> (codes, codec_sum)` runs the
+        code predictor elsewhere (a `ShardedBackend.predict` over the stage's ranks)."""
+        self.predictor = predictor
         self.talker: Any = talker
         self.backend: LMBackend = backend if backend is not None else HFBackend(self.talker.model, self.talker.codec_head)
         self.config = config
@@ -233,6 +237,15 @@ class Qwen3OmniTalker:
 
     def _predict_residuals(self, state: TalkerState, code: int) -> tuple[list[int], torch.Tensor]:
         """Code predictor for codec token `code`: residual codes r1..r_{G-1} and the summed group embedding."""
+        if self.predictor is not None:
+            if state.last_hidden is None:
+                raise ValueError("code predictor before the talker prefill ran")
+            first = self.talker.get_input_embeddings()(torch.tensor([[code]], dtype=torch.long))  # (1, 1, H)
+            params = state.predictor_sampler.params
+            if not params.greedy:  # a seed per step from the request's own stream: reproducible with its seed
+                seed = int(torch.randint(0, 2**62, (1,), generator=state.sampler.generator))
+                params = replace(params, seed=seed)
+            return self.predictor(torch.cat([state.last_hidden, first], dim=1), params)
         predictor = self.talker.code_predictor
         model = predictor.model
         first = self.talker.get_input_embeddings()(torch.tensor([[code]], dtype=torch.long))  # (1, 1, H)
