@@ -15,7 +15,7 @@ from omnimesh.models.qwen3_omni.lm_backend import ShardedBackend
 from omnimesh.models.qwen3_omni.lm_shard import TRACE_ENV, LMShardSpec
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 
-REQUESTS, DECODE_STEPS, PROMPT = 4, 6, 9
+REQUESTS, DECODE_STEPS, PROMPT = 8, 3, 9
 
 
 def positions(start: int, n: int) -> torch.Tensor:
