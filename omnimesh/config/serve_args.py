@@ -32,6 +32,7 @@ class ServeArgs:
     served_model_name: str | None = _f(None, "model name clients use; default: the folder name", "--served-model-name")
     tensor_parallel_size: int = _f(1, "tensor-parallel ranks per model stage", "-tp", "--tensor-parallel-size")
     pipeline_parallel_size: int = _f(1, "pipeline-parallel ranks per model stage", "-pp", "--pipeline-parallel-size")
+    pp_layer_partition: str | None = _f(None, "layers per pipeline rank, e.g. 3,5 (default: even, extra layers to the middle ranks)", "--pp-layer-partition")
     gpu_memory_utilization: float = _f(0.9, "fraction of each device a stage may take (weights + KV cache)", "--gpu-memory-utilization")
     max_model_len: int | None = _f(None, "longest prompt + output in tokens; default: the model's limit", "--max-model-len")
     max_num_seqs: int = _f(256, "most requests a stage runs at once", "--max-num-seqs")
@@ -74,6 +75,7 @@ class ServeArgs:
         model_stage = StageConfig(
             pp=self.pipeline_parallel_size,
             tp=self.tensor_parallel_size,
+            pp_layer_partition=parse_partition(self.pp_layer_partition),
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -118,6 +120,15 @@ GATEWAY_FIELDS = frozenset(
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "served_model_name", "async_chunk", "allowed_media_domains"}
 )
+
+
+def parse_partition(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--pp-layer-partition must be comma-separated layer counts like 3,5, got {text!r}") from None
 
 
 def add_arguments(

@@ -126,3 +126,12 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     assert talker[talker.index("-pp") + 1] == "2" and "--stage-overrides" not in talker
     encoder = launcher._stage_argv("encoder", 50051)
     assert encoder[encoder.index("-tp") + 1] == "1" and encoder[encoder.index("-pp") + 1] == "1"
+
+
+def test_pp_layer_partition_flag() -> None:
+    cfgs = ServeArgs(pipeline_parallel_size=2, pp_layer_partition="3,1").stage_configs()
+    assert cfgs["thinker"].pp_layer_partition == (3, 1)
+    with pytest.raises(ValueError, match="must be comma-separated layer counts"):
+        ServeArgs(pp_layer_partition="3;1")
+    with pytest.raises(ValueError, match=r"must list 2 positive layer counts"):
+        ServeArgs(pipeline_parallel_size=2, pp_layer_partition="4")

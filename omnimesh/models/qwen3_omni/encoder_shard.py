@@ -3,7 +3,7 @@ tower — and the two tower stand-ins `Qwen3OmniEncoder` calls in the stage's dr
 
 Role: the `RankProgram` of an encoder stage split over pp x tp ranks (in-process for pp = tp = 1). Each
 rank builds `ParallelAudioTower` and `ParallelVisionTower` over its own block ranges (each tower split
-evenly over the same pp ranks), loads only those tensors, sharded for its TP rank. The towers are
+over the same pp ranks: the audio tower by the stage's partition if one is given, the vision tower evenly), loads only those tensors, sharded for its TP rank. The towers are
 stateless per request, so nothing is cached between commands.
 
 Commands:  EncodeAudio(features (n_mel, sum T_valid), feature_lens (B,)) -> (n_tokens, H)
@@ -45,6 +45,7 @@ class EncodeImage:
 class EncoderShardSpec:
     model_dir: Path
     dtype: torch.dtype = torch.float32
+    partition: tuple[int, ...] | None = None  # audio-tower layers per pp rank (the stage's main stack)
 
 
 class EncoderShard:
@@ -52,7 +53,8 @@ class EncoderShard:
         from omnimesh.models.qwen3_omni.stage_loading import load_config
 
         tc: Any = load_config(spec.model_dir).thinker_config
-        a_range = partition_layers(tc.audio_config.encoder_layers, ps.pp_size)[ps.pp_rank]
+        custom = list(spec.partition) if spec.partition else None
+        a_range = partition_layers(tc.audio_config.encoder_layers, ps.pp_size, custom)[ps.pp_rank]
         v_range = partition_layers(tc.vision_config.depth, ps.pp_size)[ps.pp_rank]
         self.ps = ps
         self.audio = ParallelAudioTower(tc.audio_config, ps, a_range, spec.dtype)

@@ -104,7 +104,7 @@ def load_encoder(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LM
     its own blocks of each tower."""
     tc: Any = load_config(model_dir).thinker_config
     run, executor = _timed("audio + vision towers", model_dir, lambda: encoder_runner(
-        EncoderShardSpec(model_dir, dtype), layout.pp, layout.tp, backend=layout.backend,
+        EncoderShardSpec(model_dir, dtype, layout.partition), layout.pp, layout.tp, backend=layout.backend,
         master_addr=layout.master_addr, master_port=layout.master_port, on_failure=layout.on_failure,
         devices=layout.devices))
     return Qwen3OmniEncoder(ShardedAudioTower(tc.audio_config, run), ShardedVisionTower(tc.vision_config, run, dtype))
