@@ -12,21 +12,28 @@ Data flow:
          -> init_parallel_state(pp, tp, rank, 127.0.0.1, port, "gloo") -> scenario(ps, *args) -> dict
          -> tensors as numpy (torch's queue pickling shares memory that dies with the process) -> queue
       -> parent: results by rank with tensors restored, or pytest.fail with every rank's traceback
+
+Also shared by those tests: the `one_thread` module fixture (import it into a test module to make it autouse
+there), `build_tiny` (the tiny folder, builder imported lazily), `rewrite_folder` and its uses
+(`with_talker_routers`, `with_random_tower`, `without_key`), `fake_tp3` and the byte / key accounting helpers.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import shutil
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from omnimesh.parallel.parallel_state import ParallelState, destroy_parallel_state, init_parallel_state
 
@@ -137,6 +144,83 @@ def param_sizes(module: torch.nn.Module) -> dict[str, int]:
     return {name: p.numel() * p.element_size() for name, p in module.named_parameters()}
 
 
-def layers_read(keys: list[str] | tuple[str, ...]) -> set[int]:
-    """Layer indices among checkpoint keys `...layers.{i}....`."""
-    return {int(k.split("layers.")[1].split(".")[0]) for k in keys if ".layers." in k}
+def layers_read(keys: list[str] | tuple[str, ...], name: str = "layers") -> set[int]:
+    """Layer indices among checkpoint keys `...{name}.{i}....` (`name` "layers", or "blocks" for the vision tower)."""
+    return {int(k.split(f"{name}.")[1].split(".")[0]) for k in keys if f".{name}." in k}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test module that imports this fixture (autouse there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def build_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-Omni folder in a fresh temp dir."""
+    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni  # here, not at the top: spawned ranks
+    # import the test modules (and so this one), and the builder pulls in the whole transformers model
+
+    return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3-omni")
+
+
+def rewrite_folder(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of the model folder `src` at `dst` (config.json + model.safetensors) with `edit` applied to its tensors."""
+    dst.mkdir(parents=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def with_talker_routers(src: Path, dst: Path, seed: int = 0) -> Path:
+    """A copy of the tiny folder whose talker MoE routers are N(0, 0.05) instead of zero.
+
+    transformers 5.23 never initialises the talker's router (`mlp.gate.weight`), so the tiny build stores
+    zeros: every token then ties over all 8 experts, and top-k tie-breaking (device-dependent) would be all
+    the talker's routing ever tested.
+    """
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        routers = sorted(k for k in tensors
+                         if k.startswith("talker.model.layers.") and k.endswith(".mlp.gate.weight"))
+        assert routers and all(not tensors[k].any() for k in routers), "tiny talker routers are no longer zero"
+        for key in routers:
+            tensors[key] = torch.randn(tensors[key].shape, generator=gen) * 0.05
+
+    return rewrite_folder(src, dst, edit)
+
+
+def with_random_tower(src: Path, dst: Path, prefix: str, seed: int = 0) -> Path:
+    """A copy of the tiny folder whose tensors under `prefix` are re-drawn: weights N(0, 1/fan_in),
+    biases N(0, 0.1^2), norm weights 1 + N(0, 0.1^2). Keeps every other tensor."""
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for key in sorted(k for k in tensors if k.startswith(prefix)):
+            t = tensors[key]
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+            if t.dim() > 1:
+                tensors[key] = noise / t[0].numel() ** 0.5  # (out, fan_in, ...)
+            elif key.endswith(".weight"):  # layer-norm scale
+                tensors[key] = 1.0 + 0.1 * noise
+            else:
+                tensors[key] = 0.1 * noise
+
+    return rewrite_folder(src, dst, edit)
+
+
+def without_key(src: Path, dst: Path, key: str) -> Path:
+    """A copy of the model folder with the tensor `key` deleted."""
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors[key]
+
+    return rewrite_folder(src, dst, edit)
+
+
+def fake_tp3() -> ParallelState:
+    """A tp = 3 state for constructors that must refuse it before touching any process group."""
+    return ParallelState(world_size=3, rank=0, pp_size=1, tp_size=3, pp_rank=0, tp_rank=0, backend="gloo",
+                         device=torch.device("cpu"), tp_group=object())

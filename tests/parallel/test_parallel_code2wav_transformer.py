@@ -15,15 +15,23 @@ Run: python -m pytest tests/parallel/test_parallel_code2wav_transformer.py -q
 from __future__ import annotations
 
 import copy
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from gloo_harness import bytes_matching, layers_read, param_sizes, run_layout, run_single
-from safetensors.torch import load_file, save_file
+from gloo_harness import (  # one_thread: autouse here
+    build_tiny,
+    bytes_matching,
+    fake_tp3,
+    layers_read,
+    one_thread,  # noqa: F401
+    param_sizes,
+    rewrite_folder,
+    run_layout,
+    run_single,
+    without_key,
+)
 
 from omnimesh.models.qwen3_omni.parallel_code2wav_transformer import (
     ParallelCode2WavTransformer,
@@ -40,35 +48,22 @@ GLOO_FEED = (30, 1, 7)  # window sizes, cycled until N_CODES codes are in
 PREFIX = "code2wav.pre_transformer."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def sharpened(src: Path, dst: Path, seed: int = 0) -> Path:
     """A copy of the folder whose code2wav attention is peaked (q/k x 8) and layer scales ~1 (see above)."""
-    dst.mkdir(parents=True)
-    shutil.copy(src / "config.json", dst / "config.json")
-    tensors = load_file(str(src / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    for key in sorted(k for k in tensors if k.startswith(PREFIX)):
-        if key.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-            tensors[key] = tensors[key] * 8
-        elif key.endswith("layer_scale.scale"):
-            tensors[key] = 0.5 + torch.rand(tensors[key].shape, generator=gen)
-    save_file(tensors, str(dst / "model.safetensors"))
-    return dst
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for key in sorted(k for k in tensors if k.startswith(PREFIX)):
+            if key.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+                tensors[key] = tensors[key] * 8
+            elif key.endswith("layer_scale.scale"):
+                tensors[key] = 0.5 + torch.rand(tensors[key].shape, generator=gen)
+
+    return rewrite_folder(src, dst, edit)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni  # here: spawned ranks import this module
-
-    tiny = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3-omni")
-    return sharpened(tiny, tmp_path_factory.mktemp("sharp") / "qwen3-omni")
+    return sharpened(build_tiny(tmp_path_factory), tmp_path_factory.mktemp("sharp") / "qwen3-omni")
 
 
 def code2wav_config(model_dir: Path) -> Any:
@@ -176,20 +171,13 @@ def test_tp_that_does_not_divide_the_heads_is_named(model_dir: Path) -> None:
                r"valid tp values for this model: \[1, 2, 4\]")
     with pytest.raises(ValueError, match=message):
         check_code2wav_layout(config, 1, 3)
-    fake_tp3 = ParallelState(world_size=3, rank=0, pp_size=1, tp_size=3, pp_rank=0, tp_rank=0, backend="gloo",
-                             device=torch.device("cpu"), tp_group=object())  # never used: construction fails first
     with pytest.raises(ValueError, match=message):
-        ParallelCode2WavTransformer(config, fake_tp3, (0, config.num_hidden_layers))
+        ParallelCode2WavTransformer(config, fake_tp3(), (0, config.num_hidden_layers))  # construction fails first
 
 
 def test_missing_key_is_named(model_dir: Path, tmp_path: Path) -> None:
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    shutil.copy(model_dir / "config.json", broken / "config.json")
-    tensors = load_file(str(model_dir / "model.safetensors"))
     gone = PREFIX + "layers.1.mlp_layer_scale.scale"
-    del tensors[gone]
-    save_file(tensors, str(broken / "model.safetensors"))
+    broken = without_key(model_dir, tmp_path / "broken", gone)
     model = ParallelCode2WavTransformer(code2wav_config(model_dir), ParallelState.single(), (0, 2))
     with pytest.raises(ValueError, match=r"1 weight\(s\) for code2wav pre-transformer layers \[0, 2\) are missing .*"
                                          + gone):

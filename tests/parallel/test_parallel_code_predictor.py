@@ -14,14 +14,22 @@ Run: python -m pytest tests/parallel/test_parallel_code_predictor.py -q
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_harness import bytes_matching, layers_read, param_sizes, run_layout, run_single
+from gloo_harness import (  # one_thread: autouse here
+    build_tiny,
+    bytes_matching,
+    fake_tp3,
+    layers_read,
+    one_thread,  # noqa: F401
+    param_sizes,
+    run_layout,
+    run_single,
+)
 
 from omnimesh.models.qwen3_omni.parallel_code_predictor import (
     ParallelCodePredictor,
@@ -36,19 +44,9 @@ TALKER_STEPS = 4
 PREFIX = "talker.code_predictor."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni  # here: spawned ranks import this module
-
-    return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3-omni")
+    return build_tiny(tmp_path_factory)
 
 
 def predictor_config(model_dir: Path) -> Any:
@@ -197,10 +195,8 @@ def test_tp_that_does_not_divide_the_heads_is_named(model_dir: Path) -> None:
                r"valid tp values for this model: \[1, 2\]")
     with pytest.raises(ValueError, match=message):
         check_dense_layout(config, 1, 3)
-    fake_tp3 = ParallelState(world_size=3, rank=0, pp_size=1, tp_size=3, pp_rank=0, tp_rank=0, backend="gloo",
-                             device=torch.device("cpu"), tp_group=object())  # never used: construction fails first
     with pytest.raises(ValueError, match=message):
-        ParallelCodePredictor(config, fake_tp3, (0, config.num_hidden_layers))
+        ParallelCodePredictor(config, fake_tp3(), (0, config.num_hidden_layers))  # construction fails first
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match=r"first rank must start at 0 and the last must end at 2"):
         ParallelCodePredictor(config, ParallelState.single(), (0, 1))

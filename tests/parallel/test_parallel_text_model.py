@@ -12,57 +12,26 @@ Run: python -m pytest tests/parallel/test_parallel_text_model.py -q
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from gloo_harness import build_tiny, one_thread, with_talker_routers, without_key  # noqa: F401  (one_thread: autouse)
 from transformers import DynamicCache
 
 from omnimesh.models.qwen3_omni.decoder import run_decoder
 from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel
 from omnimesh.models.qwen3_omni.stage_loading import load_config
-from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.parallel.parallel_state import ParallelState
 
 TOL = 1e-5
 DECODE_STEPS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tiny = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3-omni")
-    return with_talker_routers(tiny, tmp_path_factory.mktemp("routed") / "qwen3-omni")
-
-
-def with_talker_routers(src: Path, dst: Path, seed: int = 0) -> Path:
-    """A copy of the tiny folder whose talker MoE routers are N(0, 0.05) instead of zero.
-
-    transformers 5.23 never initialises the talker's router (`mlp.gate.weight`), so the tiny build stores
-    zeros: every token then ties over all 8 experts, and top-k tie-breaking (device-dependent) would be all
-    the talker's routing ever tested.
-    """
-    dst.mkdir(parents=True)
-    shutil.copy(src / "config.json", dst / "config.json")
-    tensors = load_file(str(src / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    routers = sorted(k for k in tensors if k.startswith("talker.model.layers.") and k.endswith(".mlp.gate.weight"))
-    assert routers and all(not tensors[k].any() for k in routers), "tiny talker routers are no longer zero"
-    for key in routers:
-        tensors[key] = torch.randn(tensors[key].shape, generator=gen) * 0.05
-    save_file(tensors, str(dst / "model.safetensors"))
-    return dst
+    return with_talker_routers(build_tiny(tmp_path_factory), tmp_path_factory.mktemp("routed") / "qwen3-omni")
 
 
 def mrope_positions(T: int, vis_start: int, grid: tuple[int, int]) -> tuple[torch.Tensor, int]:
@@ -188,13 +157,8 @@ def test_chunked_prefill_equals_one_prefill(model_dir: Path) -> None:
 
 
 def test_missing_key_is_named(model_dir: Path, tmp_path: Path) -> None:
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    shutil.copy(model_dir / "config.json", broken / "config.json")
-    tensors = load_file(str(model_dir / "model.safetensors"))
     gone = "thinker.model.layers.1.mlp.experts.3.up_proj.weight"
-    del tensors[gone]
-    save_file(tensors, str(broken / "model.safetensors"))
+    broken = without_key(model_dir, tmp_path / "broken", gone)
     model = ParallelTextModel(load_config(model_dir).thinker_config.text_config, ParallelState.single(), (0, 4),
                               is_talker=False)
     with pytest.raises(ValueError, match=r"1 weight\(s\) for thinker layers \[0, 4\) are missing .*" + gone):

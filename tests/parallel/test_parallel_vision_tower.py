@@ -18,15 +18,22 @@ Run: python -m pytest tests/parallel/test_parallel_vision_tower.py -q
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from gloo_harness import bytes_matching, param_sizes, run_layout, run_single
-from safetensors.torch import load_file, save_file
+from gloo_harness import (  # one_thread: autouse here
+    build_tiny,
+    bytes_matching,
+    fake_tp3,
+    layers_read,
+    one_thread,  # noqa: F401
+    param_sizes,
+    run_layout,
+    run_single,
+    with_random_tower,
+)
 
 from omnimesh.models.qwen3_omni.parallel_vision_tower import (
     ParallelVisionTower,
@@ -43,26 +50,6 @@ LAYOUT_TOL = 1e-4
 # TP-replicated parameter-name parts: patch embedding + position table (first pp rank), layer norms,
 # biases of row-parallel linears (attn.proj, and fc2 of every MLP and merger)
 REPLICATED = ("patch_", "pos_embed", "norm", "ln_q", "attn.proj.bias", "fc2.bias")
-
-
-def with_random_tower(src: Path, dst: Path, prefix: str, seed: int = 0) -> Path:
-    """A copy of the tiny folder whose tensors under `prefix` are re-drawn: weights N(0, 1/fan_in),
-    biases N(0, 0.1^2), norm weights 1 + N(0, 0.1^2). Keeps every other tensor."""
-    dst.mkdir(parents=True)
-    shutil.copy(src / "config.json", dst / "config.json")
-    tensors = load_file(str(src / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    for key in sorted(k for k in tensors if k.startswith(prefix)):
-        t = tensors[key]
-        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-        if t.dim() > 1:
-            tensors[key] = noise / t[0].numel() ** 0.5  # (out, fan_in, ...)
-        elif key.endswith(".weight"):  # layer-norm scale
-            tensors[key] = 1.0 + 0.1 * noise
-        else:
-            tensors[key] = 0.1 * noise
-    save_file(tensors, str(dst / "model.safetensors"))
-    return dst
 
 
 def vision_config(model_dir: Path) -> Any:
@@ -91,20 +78,9 @@ def scenario(ps: ParallelState, model_dir: Path) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni  # here: spawned ranks import this module
-
-    tiny = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3-omni")
-    return with_random_tower(tiny, tmp_path_factory.mktemp("vision") / "qwen3-omni", PREFIX)
+    return with_random_tower(build_tiny(tmp_path_factory), tmp_path_factory.mktemp("vision") / "qwen3-omni", PREFIX)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +123,7 @@ def test_layout_matches_single_rank(pp: int, tp: int, model_dir: Path, reference
 
     for o in ranks:  # own blocks; patch embedding first, merger last, deepstack merger with block 0
         start, end = o["layer_range"]
-        assert {int(k.split("blocks.")[1].split(".")[0]) for k in o["keys"] if ".blocks." in k} == set(range(start, end))
+        assert layers_read(o["keys"], "blocks") == set(range(start, end))
         assert (PREFIX + "patch_embed.proj.weight" in o["keys"]) == (start == 0)
         assert (PREFIX + "merger.mlp.0.weight" in o["keys"]) == (end == 2)
         assert (PREFIX + "merger_list.0.mlp.0.weight" in o["keys"]) == (start == 0)
@@ -159,9 +135,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused(model_dir: Path) -> None:
                r"valid tp values for this tower: \[1, 2, 4\]")
     with pytest.raises(ValueError, match=message):
         check_vision_layout(config, 1, 3)
-    fake = ParallelState(world_size=3, rank=0, pp_size=1, tp_size=3, pp_rank=0, tp_rank=0, backend="gloo",
-                         device=torch.device("cpu"), tp_group=object())  # never used: the check comes first
     with pytest.raises(ValueError, match=message):
-        ParallelVisionTower(config, fake, (0, 2))
+        ParallelVisionTower(config, fake_tp3(), (0, 2))  # fails before using the state
     with pytest.raises(ValueError, match=r"pp=3 exceeds the model's 2 layers"):
         check_vision_layout(config, 3, 1)

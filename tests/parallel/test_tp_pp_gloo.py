@@ -15,54 +15,33 @@ Run: python -m pytest tests/parallel/test_tp_pp_gloo.py -q
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import shutil
-import socket
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from gloo_harness import (
+    build_tiny,
+    bytes_matching,
+    free_port,
+    layers_read,
+    param_sizes,
+    run_single,
+    with_talker_routers,
+)
+from gloo_harness import run_layout as spawn_layout
 
 from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel, check_parallel_layout, pipeline_step
-from omnimesh.parallel.parallel_state import (
-    ParallelState,
-    destroy_parallel_state,
-    init_parallel_state,
-)
+from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
 from omnimesh.parallel.partition import partition_layers
 
 ROLES = ("thinker", "talker")
 CAPTURE = {"thinker": 2, "talker": 1}  # both owned by pipeline rank 0 when pp = 2: relayed to the last rank
 DECODE_STEPS = 5
 TOL = 1e-4
-RENDEZVOUS_TIMEOUT_S = 30.0
-LAYOUT_DEADLINE_S = 60.0
 REPLICATED = ("norm", "router", "shared_expert_gate")  # parameter-name parts every TP rank holds whole
-
-
-def with_talker_routers(src: Path, dst: Path, seed: int = 0) -> Path:
-    """A copy of the tiny folder whose talker MoE routers are N(0, 0.05) instead of zero.
-
-    transformers 5.23 never initialises the talker's router (`mlp.gate.weight`), so the tiny build stores
-    zeros: every token then ties over all 8 experts, and top-k tie-breaking (device-dependent) would be all
-    the talker's routing ever tested.
-    """
-    dst.mkdir(parents=True)
-    shutil.copy(src / "config.json", dst / "config.json")
-    tensors = load_file(str(src / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    routers = sorted(k for k in tensors if k.startswith("talker.model.layers.") and k.endswith(".mlp.gate.weight"))
-    assert routers and all(not tensors[k].any() for k in routers), "tiny talker routers are no longer zero"
-    for key in routers:
-        tensors[key] = torch.randn(tensors[key].shape, generator=gen) * 0.05
-    save_file(tensors, str(dst / "model.safetensors"))
-    return dst
 
 
 def text_config(model_dir: Path, role: str) -> Any:
@@ -121,97 +100,30 @@ def scenario(ps: ParallelState, model_dir: Path, role: str) -> dict[str, Any]:
         "logits": torch.stack(logits_seen) if logits_seen else None,
         "captured": captured if ps.is_last_pp_rank else None,
         "param_bytes": model.param_bytes(),
-        "sizes": {name: p.numel() * p.element_size() for name, p in model.named_parameters()},
+        "sizes": param_sizes(model),
         "cache_len": cache.get_seq_length(),
     }
 
 
-def _worker(rank: int, pp: int, tp: int, port: int, model_dir: Path, results: Any) -> None:
-    torch.set_num_threads(1)
-    try:
-        ps = init_parallel_state(pp, tp, rank, "127.0.0.1", port, "gloo", timeout_s=RENDEZVOUS_TIMEOUT_S)
-        try:
-            out = {role: scenario(ps, model_dir, role) for role in ROLES}
-        finally:
-            destroy_parallel_state(ps)
-        # tensors as numpy arrays: torch's queue pickling shares memory that dies with this process
-        results.put((rank, {role: {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in res.items()}
-                            for role, res in out.items()}, None))
-    except Exception:  # noqa: BLE001  (reported to the parent, which fails the test with the traceback)
-        results.put((rank, None, traceback.format_exc()))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def both_roles(ps: ParallelState, model_dir: Path) -> dict[str, dict[str, Any]]:
+    return {role: scenario(ps, model_dir, role) for role in ROLES}
 
 
 def run_layout(pp: int, tp: int, model_dir: Path) -> list[dict[str, dict[str, Any]]]:
-    """Spawn pp*tp gloo ranks; return their results by rank. Never hangs: a deadline, then kill."""
+    """Spawn pp*tp gloo ranks (gloo_harness: bounded rendezvous, deadline, then kill); results by rank."""
     for role in ROLES:  # sizes are checked before any process or process group exists
         check_parallel_layout(text_config(model_dir, role), pp, tp)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, pp, tp, port, model_dir, results), daemon=True)
-             for r in range(pp * tp)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + LAYOUT_DEADLINE_S
-    try:
-        while len(got) + len(errors) < len(procs):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                errors.append(f"timed out after {LAYOUT_DEADLINE_S:.0f}s; ranks reported: {sorted(got)}")
-                break
-            try:
-                rank, out, err = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:  # check for ranks that died without reporting
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
-                if dead:
-                    errors.append(f"ranks {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
-                    break
-                continue
-            if err is not None:
-                errors.append(f"rank {rank}:\n{err}")
-            else:
-                got[rank] = {role: {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in res.items()}
-                             for role, res in out.items()}
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if errors:
-        pytest.fail(f"layout pp={pp} tp={tp} failed:\n" + "\n".join(errors))
-    return [got[r] for r in range(pp * tp)]
+    return spawn_layout(pp, tp, both_roles, model_dir)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni  # here, not at the top: spawned ranks
-    # import this module, and the builder pulls in the whole transformers model
-
-    tiny = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "qwen3-omni")
-    return with_talker_routers(tiny, tmp_path_factory.mktemp("routed") / "qwen3-omni")
+    return with_talker_routers(build_tiny(tmp_path_factory), tmp_path_factory.mktemp("routed") / "qwen3-omni")
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> dict[str, dict[str, Any]]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return {role: scenario(ParallelState.single(), model_dir, role) for role in ROLES}
-    finally:
-        torch.set_num_threads(before)
-
-
-def _bytes(sizes: dict[str, int], *parts: str) -> int:
-    return sum(n for name, n in sizes.items() if any(p in name for p in parts))
+    return run_single(both_roles, model_dir)
 
 
 @pytest.mark.parametrize(("pp", "tp"), [(2, 1), (1, 2), (2, 2)])
@@ -231,18 +143,17 @@ def test_layout_matches_single_rank(pp: int, tp: int, model_dir: Path, reference
         # memory: each rank holds its share, plus the replicated parts named in REPLICATED and its vocab shards
         total = ref["param_bytes"]
         for o in outs:
-            allowance = _bytes(o["sizes"], *REPLICATED, "embed.", "head.")
+            allowance = bytes_matching(o["sizes"], *REPLICATED, "embed.", "head.")
             assert o["param_bytes"] <= 1.1 * total / (pp * tp) + allowance, (role, o["rank"], o["param_bytes"])
         # and nothing is held twice except the replicated parts (one copy per TP rank)
-        replicated = _bytes(ref["sizes"], *REPLICATED)
+        replicated = bytes_matching(ref["sizes"], *REPLICATED)
         assert sum(o["param_bytes"] for o in outs) == total + (tp - 1) * replicated
 
         # every rank read only its own layers' tensors (and the embedding / norm / head only where they live)
         n_layers = ref["layer_range"][1]
         for o in outs:
             start, end = o["layer_range"]
-            layers_read = {int(k.split("layers.")[1].split(".")[0]) for k in o["keys"] if ".layers." in k}
-            assert layers_read == set(range(start, end))
+            assert layers_read(o["keys"]) == set(range(start, end))
             head = "talker.codec_head.weight" if role == "talker" else "thinker.lm_head.weight"
             assert (head in o["keys"]) == (end == n_layers)
             assert any(k.endswith(("embed_tokens.weight", "codec_embedding.weight")) for k in o["keys"]) == (start == 0)
