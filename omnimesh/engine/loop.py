@@ -1,4 +1,4 @@
-"""EngineLoop: steps every in-flight request of a stage, interleaved, on one compute thread.
+"""EngineLoop: steps every in-flight request of a stage, interleaved, on its compute thread(s).
 
 Data flow: the servicer `submit`s a task and gets an asyncio queue of `EngineEvent`s; input chunks
 arrive through `feed` and are handed to the task between steps; each pass of the loop gives every ready
@@ -66,7 +66,6 @@ class EngineLoop:
         self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix=f"{name}-compute")
         self._runner: asyncio.Task | None = None
         self._closed = False
-        self.steps = 0
 
     @property
     def num_requests(self) -> int:
@@ -193,7 +192,6 @@ class EngineLoop:
             return
         finally:
             entry.inflight = None
-        self.steps += 1
         if self._entries.get(rid) is not entry:
             return  # cancelled during the step: its outputs go nowhere
         if entry.task.finished:

@@ -53,7 +53,7 @@ class RankFailure(RuntimeError):
 
 
 class RankProgram(Protocol):
-    """What one rank runs. Built once per rank by the factory; `run` is called with the same command on
+    """What one rank runs. Built once per rank by the factory; `execute` is called with the same command on
     every rank, in the same order, and returns the result on the rank that owns it (None elsewhere)."""
 
     def execute(self, command: Any) -> Any: ...
@@ -72,11 +72,6 @@ class Rendezvous:
 
     def device(self, rank: int) -> str | None:
         return self.devices[rank] if self.devices else None
-
-
-def _result_owner(ps: ParallelState) -> int:
-    """Global rank that holds a command's result: tp rank 0 of the last pipeline stage."""
-    return (ps.pp_size - 1) * ps.tp_size
 
 
 def _send_obj(obj: Any, dst: int, group: Any) -> list[Any]:
@@ -100,7 +95,7 @@ def _prune(sends: list[Any]) -> list[Any]:
 
 def _result_group(ps: ParallelState) -> Any:
     """A gloo group of rank 0 and the result owner (every rank must create it, in the same order)."""
-    owner = _result_owner(ps)
+    owner = ps.last_pp_rank_driver
     return dist.new_group([0, owner], backend="gloo") if owner != 0 else None
 
 
@@ -118,7 +113,7 @@ def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: Program
         ready.put((rank, f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from exc
     ready.put((rank, None))
-    owner = _result_owner(ps)
+    owner = ps.last_pp_rank_driver
     sends: list[Any] = []
     while True:
         command = _recv_obj(0, ps.cpu_group)
@@ -224,7 +219,7 @@ class MpExecutor:
             self.shutdown()
             raise
         threading.Thread(target=self._monitor, name="omnimesh-rank-monitor", daemon=True).start()
-        if _result_owner(self.ps) != 0:
+        if self.ps.last_pp_rank_driver != 0:
             threading.Thread(target=self._receive_results, name="omnimesh-rank-results", daemon=True).start()
         log.info("stage ranks up: pp=%d tp=%d world=%d (rendezvous %s:%d, %s)", self.pp, self.tp, self.world,
                  self.rdzv.master_addr, self.rdzv.master_port, self.rdzv.backend)
@@ -271,7 +266,7 @@ class MpExecutor:
         """Results come back from the owner in command order; hand each to the oldest waiting future."""
         if self.ps is None:
             return
-        owner = _result_owner(self.ps)
+        owner = self.ps.last_pp_rank_driver
         while True:
             try:
                 result = _recv_obj(owner, self._results)
@@ -300,7 +295,7 @@ class MpExecutor:
                 raise RankFailure(f"this stage lost a rank: {self.failure}")
             if self.ps is None or self.program is None:
                 raise RankFailure("the executor is not started")
-            owner = _result_owner(self.ps)
+            owner = self.ps.last_pp_rank_driver
             if owner != 0:
                 self._waiting.append(pending)  # before any rank can answer
             local_error: Exception | None = None
@@ -359,3 +354,18 @@ class MpExecutor:
     @property
     def pids(self) -> dict[int, int]:
         return {0: os.getpid(), **{r: p.pid for r, p in self.procs.items() if p.pid is not None}}
+
+
+def start_program(factory: ProgramFactory, pp: int = 1, tp: int = 1,
+                  **executor_args: Any) -> tuple[Callable[[Any], Any], MpExecutor | None, RankProgram]:
+    """Run `factory`'s program on pp x tp ranks: in this process without any process group when pp = tp = 1,
+    else through a started `MpExecutor` (this process is rank 0). Returns (run(command) -> result, the
+    executor or None, rank 0's program)."""
+    if pp * tp == 1:
+        program = factory(ParallelState.single())
+        return program.execute, None, program
+    executor = MpExecutor(pp, tp, factory, **executor_args)
+    executor.start()
+    if executor.program is None:
+        raise RankFailure("the executor started without a rank-0 program")
+    return executor.execute, executor, executor.program

@@ -65,7 +65,7 @@ def test_split_mesh_equals_generate(split_mesh, tiny_model_dir, reference, media
 def test_thinker_rank_killed_mid_request(split_mesh) -> None:
     """Runs last in this module: it breaks the thinker on purpose."""
     body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000,
-            "temperature": 0, "ignore_eos": True}
+            "temperature": 0}
     result: dict = {}
 
     def long_request() -> None:

@@ -39,3 +39,11 @@ def test_uneven_and_non_power_of_two_pp_is_advice() -> None:
     advice = check_layout(CONFIG, {"thinker": StageConfig(pp=3)})
     assert any("4 layers do not divide evenly over pp=3" in a for a in advice)
     assert any("pp=3 is not a power of two" in a for a in advice)
+
+
+def test_the_parallel_layers_own_checks_run_too() -> None:
+    """Sizes only the implementation knows about (here the MoE experts' intermediate size) fail up front."""
+    config = tiny_qwen3_omni_config()
+    config.thinker_config.text_config.moe_intermediate_size = 31  # the experts' 31 columns do not split over tp=2
+    with pytest.raises(ValueError, match=r"stage thinker \(thinker LM\): .*moe_intermediate_size"):
+        check_layout(config, {"thinker": StageConfig(tp=2)})

@@ -315,7 +315,7 @@ def test_our_parallel_lm_equals_generate(model, media, tmp_path_factory) -> None
     read from the folder) instead of transformers' modules: same text tokens and codes as `generate`, audio
     within 1e-4."""
     folder = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "m")
-    backends = (ShardedBackend.local(LMShardSpec(folder, "thinker")), ShardedBackend.local(LMShardSpec(folder, "talker")))
+    backends = (ShardedBackend.start(LMShardSpec(folder, "thinker")), ShardedBackend.start(LMShardSpec(folder, "talker")))
     for case in ("text", "audio_image"):
         ids = chat_prompt(media[case])
         ref = reference(model, media[case], ids, thinker_max_new_tokens=6, thinker_do_sample=False,

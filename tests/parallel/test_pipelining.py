@@ -45,13 +45,13 @@ def test_two_pipeline_ranks_work_at_once(tmp_path: Path, monkeypatch: pytest.Mon
     torch.set_num_threads(1)
     folder = build_tiny_qwen3_omni(tmp_path / "tiny")
     spec = LMShardSpec(folder, "thinker")
-    alone = ShardedBackend.local(spec)
+    alone = ShardedBackend.start(spec)
     expected = [run_request(alone, i) for i in range(REQUESTS)]
 
     trace = tmp_path / "trace"
     trace.mkdir()
     monkeypatch.setenv(TRACE_ENV, str(trace))
-    split = ShardedBackend.distributed(spec, pp=2, tp=1, timeout_s=60)
+    split = ShardedBackend.start(spec, pp=2, tp=1, timeout_s=60)
     try:
         with ThreadPoolExecutor(2) as pool:  # two requests in flight, as the engine runs a pp=2 stage
             got = list(pool.map(lambda i: run_request(split, i), range(REQUESTS)))

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from omnimesh.models.qwen3_omni.parallel_code2wav_transformer import ParallelCode2WavTransformer, pipeline_step
-from omnimesh.parallel.mp_executor import MpExecutor
+from omnimesh.parallel.mp_executor import MpExecutor, start_program
 from omnimesh.parallel.parallel_state import ParallelState
 from omnimesh.parallel.partition import partition_layers
 
@@ -81,11 +81,8 @@ class Code2WavTransformerBackend:
 
     @classmethod
     def build(cls, spec: C2WShardSpec, pp: int = 1, tp: int = 1, **executor_args: Any) -> Code2WavTransformerBackend:
-        if pp * tp == 1:
-            return cls(Code2WavShard(spec, ParallelState.single()).execute)
-        executor = MpExecutor(pp, tp, partial(build_code2wav_shard, spec), **executor_args)
-        executor.start()
-        return cls(executor.execute, executor)
+        run, executor, _ = start_program(partial(build_code2wav_shard, spec), pp, tp, **executor_args)
+        return cls(run, executor)
 
     def open(self) -> int:
         self._next += 1

@@ -24,7 +24,7 @@ import torch
 
 from omnimesh.models.qwen3_omni.parallel_audio_tower import ParallelAudioTower, audio_pipeline_step
 from omnimesh.models.qwen3_omni.parallel_vision_tower import ParallelVisionTower, vision_pipeline_step
-from omnimesh.parallel.mp_executor import MpExecutor
+from omnimesh.parallel.mp_executor import MpExecutor, start_program
 from omnimesh.parallel.parallel_state import ParallelState
 from omnimesh.parallel.partition import partition_layers
 
@@ -83,11 +83,8 @@ def build_encoder_shard(spec: EncoderShardSpec, ps: ParallelState) -> EncoderSha
 
 def encoder_runner(spec: EncoderShardSpec, pp: int = 1, tp: int = 1, **executor_args: Any) -> tuple[Any, MpExecutor | None]:
     """`run(command)` over the encoder's ranks (in-process for pp = tp = 1), and the executor if any."""
-    if pp * tp == 1:
-        return EncoderShard(spec, ParallelState.single()).execute, None
-    executor = MpExecutor(pp, tp, partial(build_encoder_shard, spec), **executor_args)
-    executor.start()
-    return executor.execute, executor
+    run, executor, _ = start_program(partial(build_encoder_shard, spec), pp, tp, **executor_args)
+    return run, executor
 
 
 class ShardedAudioTower:

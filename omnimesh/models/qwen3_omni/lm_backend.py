@@ -8,15 +8,16 @@ the decoder stack + head on it for one request and keeps that request's KV cache
     backend.close(handle)                                    frees the cache (on every rank)
 
 `HFBackend` runs transformers' own modules in this process (the reference the tests compare with).
-`ShardedBackend` runs our tensor-/pipeline-parallel `LMShard` on every rank of the stage: in-process for
-pp = tp = 1 (`ShardedBackend.local`), or through an `MpExecutor` driving pp x tp rank processes.
+`ShardedBackend.start` runs our tensor-/pipeline-parallel `LMShard` on every rank of the stage: in-process
+for pp = tp = 1, or through an `MpExecutor` driving pp x tp rank processes.
 """
 
 from __future__ import annotations
 
 import itertools
+from functools import partial
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import DynamicCache
@@ -33,8 +34,7 @@ from omnimesh.models.qwen3_omni.lm_shard import (
     build_shard,
 )
 from omnimesh.models.qwen3_omni.sampling import SamplingParams
-from omnimesh.parallel.mp_executor import MpExecutor
-from omnimesh.parallel.parallel_state import ParallelState
+from omnimesh.parallel.mp_executor import MpExecutor, start_program
 
 
 @dataclass(frozen=True)
@@ -85,31 +85,18 @@ class HFBackend:
 class ShardedBackend:
     """Our parallel LM: one `LMShard` per rank, driven in lock-step (see lm_shard.py)."""
 
-    def __init__(self, run: Any, executor: MpExecutor | None = None, local_shard: Any = None):
+    def __init__(self, run: Any, executor: MpExecutor | None, local_shard: LMShard):
         self._run = run  # LMShard.execute (in-process) or MpExecutor.execute
         self.executor = executor
-        self.local_shard: Any = local_shard if local_shard is not None else (executor.program if executor else None)
+        self.local_shard = local_shard  # rank 0's shard, in this process
         self._ids = itertools.count()
 
     @classmethod
-    def local(cls, spec: LMShardSpec) -> ShardedBackend:
-        """pp = tp = 1 in this process: no process group at all."""
-        shard = LMShard(spec, ParallelState.single())
-        return cls(shard.execute, local_shard=shard)
-
-    @classmethod
-    def distributed(cls, spec: LMShardSpec, pp: int, tp: int, *, backend: str = "gloo",
-                    master_addr: str = "127.0.0.1", master_port: int | None = None, timeout_s: float = 120.0,
-                    on_failure: Any = None, devices: tuple[str, ...] = ()) -> ShardedBackend:
-        """pp x tp ranks: this process is rank 0, the others are spawned (bounded start-up); `devices`
-        pins rank r to devices[r] (e.g. "cuda:2")."""
-        from functools import partial
-
-        executor = MpExecutor(pp, tp, partial(build_shard, spec), backend=backend, master_addr=master_addr,
-                              master_port=master_port, timeout_s=timeout_s, on_failure=on_failure,
-                              devices=devices)
-        executor.start()
-        return cls(executor.execute, executor)
+    def start(cls, spec: LMShardSpec, pp: int = 1, tp: int = 1, **executor_args: Any) -> ShardedBackend:
+        """pp x tp ranks (this process is rank 0, the others are spawned, bounded start-up); pp = tp = 1 runs
+        in this process with no process group. `executor_args` go to `MpExecutor` (backend, devices, ...)."""
+        run, executor, shard = start_program(partial(build_shard, spec), pp, tp, **executor_args)
+        return cls(run, executor, cast(LMShard, shard))
 
     def open(self) -> int:
         return next(self._ids)

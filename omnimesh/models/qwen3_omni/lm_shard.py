@@ -101,8 +101,9 @@ class LMShard:
         ranges = partition_layers(config.num_hidden_layers, ps.pp_size, list(spec.partition) if spec.partition else None)
         self.layer_range = ranges[ps.pp_rank]
         self.ps = ps
-        self.model = ParallelTextModel(config, ps, self.layer_range, is_talker=spec.role == "talker", dtype=spec.dtype)
-        self.model.embed = None  # inputs arrive as embeddings; the driver holds the table
+        # inputs arrive as embeddings (the driver holds the table), so no rank builds one
+        self.model = ParallelTextModel(config, ps, self.layer_range, is_talker=spec.role == "talker",
+                                       with_embed=False, dtype=spec.dtype)
         self.model.load_weights(spec.model_dir)
         self.caches: dict[int, KVCache] = {}
         self.predictor: ParallelCodePredictor | None = None

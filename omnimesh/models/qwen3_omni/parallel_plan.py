@@ -14,11 +14,17 @@ predictor; vocoder: code2wav's pre-transformer) and checks:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 
 from omnimesh.config.stage_config import StageConfig
+from omnimesh.models.qwen3_omni.parallel_audio_tower import check_audio_layout
+from omnimesh.models.qwen3_omni.parallel_code2wav_transformer import check_code2wav_layout
+from omnimesh.models.qwen3_omni.parallel_code_predictor import check_dense_layout
+from omnimesh.models.qwen3_omni.parallel_text_model import check_parallel_layout
+from omnimesh.models.qwen3_omni.parallel_vision_tower import check_vision_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +34,9 @@ class Stack:
     heads: int
     kv_heads: int
     vocab: int | None = None
+    # the parallel implementation's own size checks (intermediate sizes, ...): (config, pp, tp, partition)
+    check: Callable[..., None] | None = None
+    config: Any = None
 
 
 def stacks(config: Qwen3OmniMoeConfig) -> dict[str, list[Stack]]:
@@ -39,15 +48,20 @@ def stacks(config: Qwen3OmniMoeConfig) -> dict[str, list[Stack]]:
     w = cfg.code2wav_config
     return {
         "encoder": [
-            Stack("audio tower", a.encoder_layers, a.encoder_attention_heads, a.encoder_attention_heads),
-            Stack("vision tower", v.depth, v.num_heads, v.num_heads),
+            Stack("audio tower", a.encoder_layers, a.encoder_attention_heads, a.encoder_attention_heads,
+                  check=check_audio_layout, config=a),
+            Stack("vision tower", v.depth, v.num_heads, v.num_heads, check=check_vision_layout, config=v),
         ],
-        "thinker": [Stack("thinker LM", t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.vocab_size)],
+        "thinker": [Stack("thinker LM", t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.vocab_size,
+                          check=check_parallel_layout, config=t)],
         "talker": [
-            Stack("talker LM", tk.num_hidden_layers, tk.num_attention_heads, tk.num_key_value_heads, tk.vocab_size),
-            Stack("code predictor", cp.num_hidden_layers, cp.num_attention_heads, cp.num_key_value_heads, cp.vocab_size),
+            Stack("talker LM", tk.num_hidden_layers, tk.num_attention_heads, tk.num_key_value_heads, tk.vocab_size,
+                  check=check_parallel_layout, config=tk),
+            Stack("code predictor", cp.num_hidden_layers, cp.num_attention_heads, cp.num_key_value_heads, cp.vocab_size,
+                  check=check_dense_layout, config=cp),
         ],
-        "vocoder": [Stack("code2wav transformer", w.num_hidden_layers, w.num_attention_heads, w.num_key_value_heads)],
+        "vocoder": [Stack("code2wav transformer", w.num_hidden_layers, w.num_attention_heads, w.num_key_value_heads,
+                          check=check_code2wav_layout, config=w)],
     }
 
 
@@ -75,6 +89,12 @@ def check_layout(config: Qwen3OmniMoeConfig, layouts: dict[str, StageConfig]) ->
                     f"stage {stage}: pp_layer_partition {list(cfg.pp_layer_partition)} sums to "
                     f"{sum(cfg.pp_layer_partition)}, but the {s.name} has {s.layers} layers"
                 )
+            if s.check is not None:  # what the parallel implementation itself needs (e.g. intermediate sizes)
+                try:
+                    s.check(s.config, cfg.pp, cfg.tp,
+                            list(cfg.pp_layer_partition) if cfg.pp_layer_partition is not None and i == 0 else None)
+                except ValueError as exc:
+                    raise ValueError(f"stage {stage} ({s.name}): {exc}") from exc
             if cfg.pp > 1 and s.layers % cfg.pp and (cfg.pp_layer_partition is None or i > 0):
                 advice.append(
                     f"stage {stage}: the {s.name}'s {s.layers} layers do not divide evenly over pp={cfg.pp}; "

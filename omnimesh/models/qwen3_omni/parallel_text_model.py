@@ -247,7 +247,7 @@ class ParallelTextModel(nn.Module):
     """One rank's part of the thinker LM (`thinker_config.text_config`) or talker LM (`talker_config.text_config`)."""
 
     def __init__(self, config: Any, ps: ParallelState, layer_range: tuple[int, int], *, is_talker: bool,
-                 with_head: bool = True, dtype: torch.dtype = torch.float32) -> None:
+                 with_head: bool = True, with_embed: bool = True, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (Qwen3-Omni uses 'silu')")
@@ -263,7 +263,7 @@ class ParallelTextModel(nn.Module):
         tp: dict[str, Any] = {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "ps": ps, "params_dtype": dtype}
         with torch.device(ps.device):
             self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp) \
-                if ps.is_first_pp_rank else None
+                if ps.is_first_pp_rank and with_embed else None
             self.layers = nn.ModuleList(ParallelDecoderLayer(config, i, ps, dtype, is_talker) for i in range(start, end))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if ps.is_last_pp_rank else None
             self.head = ParallelLMHead(config.vocab_size, config.hidden_size, **tp) \

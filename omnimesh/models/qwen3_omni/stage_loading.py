@@ -77,14 +77,12 @@ class LMLayout:
     master_port: int | None = None  # None: a free port, so stages on one host never collide
     on_failure: Callable[[str], None] | None = None
     devices: tuple[str, ...] = ()  # per rank, e.g. ("cuda:2", "cuda:3"); () = rank r on cuda:r (or CPU)
+    timeout_s: float = 120.0  # rendezvous, start-up and every collective
 
-
-def lm_backend(spec: LMShardSpec, layout: LMLayout) -> ShardedBackend:
-    if layout.pp * layout.tp == 1:
-        return ShardedBackend.local(spec)
-    return ShardedBackend.distributed(spec, layout.pp, layout.tp, backend=layout.backend,
-                                      master_addr=layout.master_addr, master_port=layout.master_port,
-                                      on_failure=layout.on_failure, devices=layout.devices)
+    def executor_args(self) -> dict[str, Any]:
+        """What `MpExecutor` takes from this layout (used only when pp x tp > 1)."""
+        return {"backend": self.backend, "master_addr": self.master_addr, "master_port": self.master_port,
+                "on_failure": self.on_failure, "devices": self.devices, "timeout_s": self.timeout_s}
 
 
 def load_thinker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LMLayout = LMLayout()) -> Qwen3OmniThinker:
@@ -94,8 +92,8 @@ def load_thinker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LM
     embed = build_submodule(
         model_dir, config_path="thinker_config.text_config",
         factory=lambda c: nn.Embedding(c.vocab_size, c.hidden_size), prefix="thinker.model.embed_tokens.", dtype=dtype)
-    backend = _timed("thinker decoder", model_dir, lambda: lm_backend(
-        LMShardSpec(model_dir, "thinker", layout.partition, dtype), layout))
+    backend = _timed("thinker decoder", model_dir, lambda: ShardedBackend.start(
+        LMShardSpec(model_dir, "thinker", layout.partition, dtype), layout.pp, layout.tp, **layout.executor_args()))
     return Qwen3OmniThinker(embed, backend, config)
 
 
@@ -104,9 +102,7 @@ def load_encoder(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LM
     its own blocks of each tower."""
     tc: Any = load_config(model_dir).thinker_config
     run, executor = _timed("audio + vision towers", model_dir, lambda: encoder_runner(
-        EncoderShardSpec(model_dir, dtype, layout.partition), layout.pp, layout.tp, backend=layout.backend,
-        master_addr=layout.master_addr, master_port=layout.master_port, on_failure=layout.on_failure,
-        devices=layout.devices))
+        EncoderShardSpec(model_dir, dtype, layout.partition), layout.pp, layout.tp, **layout.executor_args()))
     return Qwen3OmniEncoder(ShardedAudioTower(tc.audio_config, run), ShardedVisionTower(tc.vision_config, run, dtype))
 
 
@@ -124,8 +120,8 @@ def load_talker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LML
     config = load_config(model_dir)
     talker = _timed("talker projections + code predictor", model_dir, lambda: build_submodule(
         model_dir, config_path="talker_config", factory=_talker_without_decoder, prefix="talker.", dtype=dtype))
-    backend = _timed("talker decoder", model_dir, lambda: lm_backend(
-        LMShardSpec(model_dir, "talker", layout.partition, dtype), layout))
+    backend = _timed("talker decoder", model_dir, lambda: ShardedBackend.start(
+        LMShardSpec(model_dir, "talker", layout.partition, dtype), layout.pp, layout.tp, **layout.executor_args()))
     return Qwen3OmniTalker(talker, config, backend, predictor=backend.predict)
 
 
@@ -145,6 +141,5 @@ def load_code2wav(model_dir: Path, dtype: torch.dtype = torch.float32,
         dtype=dtype))
     spec = C2WShardSpec(model_dir, layout.partition, dtype)
     backend = _timed("code2wav pre-transformer", model_dir, lambda: Code2WavTransformerBackend.build(
-        spec, layout.pp, layout.tp, backend=layout.backend, master_addr=layout.master_addr,
-        master_port=layout.master_port, on_failure=layout.on_failure, devices=layout.devices))
+        spec, layout.pp, layout.tp, **layout.executor_args()))
     return c2w, backend
