@@ -5,6 +5,9 @@ loop runs it; a reader coroutine decodes incoming chunks (checking that seq numb
 so a lost chunk is an error, never silence) and feeds them to the engine; engine events are written
 back as `chunk` / `done` / `error` messages. Errors travel inside the stream, so one bad request never
 touches the others. A `cancel` message, or the client cancelling the RPC, frees the request at once.
+After its answer (done or error) a stream stays open, dropping input, until the caller half-closes or
+cancels: a caller still writing (the gateway relaying the thinker into a talker that already failed)
+then reads the stage's own answer instead of a transport error.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from omnimesh.transport.frames import FrameError, StageChunk, chunk_from_proto, 
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+SETTLE_CAP_S = 600.0  # the longest a finished request's stream waits for its caller to half-close
 
 
 class StageHandler(Protocol):
@@ -67,17 +72,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if not rid:
             yield _error(grpc.StatusCode.INVALID_ARGUMENT, "open.request_id is empty")
             return
+        timeout = opened.deadline_unix_s - time.time() if opened.deadline_unix_s else None
         try:
             task = self.handler.open(opened)
-            timeout = opened.deadline_unix_s - time.time() if opened.deadline_unix_s else None
             if timeout is not None and timeout <= 0:
                 raise StageRequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} arrived past its deadline")
             queue = self.engine.submit(task, timeout_s=timeout, whole_input=opened.whole_input)
-        except StageRequestError as exc:
-            yield _error(exc.code, exc.message)
-            return
-        except ValueError as exc:
-            yield _error(grpc.StatusCode.INVALID_ARGUMENT, f"{self.handler.name}: {exc}")
+        except (StageRequestError, ValueError) as exc:
+            if isinstance(exc, StageRequestError):
+                yield _error(exc.code, exc.message)
+            else:
+                yield _error(grpc.StatusCode.INVALID_ARGUMENT, f"{self.handler.name}: {exc}")
+            await _settle(asyncio.ensure_future(_drain(request_iterator)), timeout)
             return
 
         reader = asyncio.create_task(self._read_inputs(request_iterator, rid))
@@ -89,10 +95,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 elif isinstance(event, EngineDone):
                     usage = stage_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
                     yield stage_pb2.StageResponse(done=stage_pb2.Done(finish_reason=event.finish_reason, usage=usage))
-                    return
+                    break
                 elif isinstance(event, EngineFailed):
                     yield _error(event.code, event.message)
-                    return
+                    break
+            await _settle(reader, timeout)
         finally:
             reader.cancel()
             self.engine.cancel(rid)  # no-op when already finished; frees state when the client left
@@ -100,38 +107,63 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def _read_inputs(
         self, request_iterator: AsyncIterator[stage_pb2.StageRequest], rid: str
     ) -> None:
+        """Check and feed input chunks until the caller half-closes. After a fault (or a cancel) it keeps
+        reading and drops what comes: the caller may still be writing, and its writes must not hit a closed
+        stream (gRPC would then turn the call's status into INTERNAL and hide the stage's real answer)."""
         expected = 0
         got_final = False
+        dropping = False
 
         def fail(code: grpc.StatusCode, message: str) -> None:
+            nonlocal dropping
+            dropping = True
             self.engine.fail(rid, code, message)
 
         try:
             async for msg in request_iterator:
+                if dropping:
+                    continue
                 kind = msg.WhichOneof("kind")
                 if kind == "cancel":
                     self.engine.cancel(rid)
-                    return
-                if kind != "chunk":
+                    dropping = True
+                elif kind != "chunk":
                     fail(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: unexpected `{kind}` after open")
-                    return
-                if got_final:
+                elif got_final:
                     fail(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: chunk {msg.chunk.seq} after the final chunk")
-                    return
-                if msg.chunk.seq != expected:
+                elif msg.chunk.seq != expected:
                     fail(
                         grpc.StatusCode.DATA_LOSS,
                         f"request {rid}: input chunk {expected} is missing (got seq {msg.chunk.seq})",
                     )
-                    return
-                expected += 1
-                got_final = msg.chunk.final
-                self.engine.feed(rid, chunk_from_proto(msg.chunk, rid))
-            if not got_final:
+                else:
+                    expected += 1
+                    got_final = msg.chunk.final
+                    try:
+                        self.engine.feed(rid, chunk_from_proto(msg.chunk, rid))
+                    except FrameError as exc:
+                        fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if not got_final and not dropping:
                 fail(grpc.StatusCode.DATA_LOSS, f"request {rid}: the input stream ended after {expected} chunks without a final chunk")
-        except FrameError as exc:
-            fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError:
             self.engine.cancel(rid)
+
+
+async def _drain(request_iterator: AsyncIterator[stage_pb2.StageRequest]) -> None:
+    """Read and drop the caller's remaining messages (see `_read_inputs`)."""
+    try:
+        async for _ in request_iterator:
+            pass
+    except grpc.aio.AioRpcError:
+        pass
+
+
+async def _settle(reader: asyncio.Future, timeout_s: float | None) -> None:
+    """After the answer is written, keep the stream open until the caller half-closes (or cancels, as the
+    gateway does on an error), bounded by the request's deadline or `SETTLE_CAP_S`."""
+    limit = SETTLE_CAP_S if timeout_s is None else max(0.0, min(timeout_s, SETTLE_CAP_S))
+    done, _ = await asyncio.wait({reader}, timeout=limit)
+    if not done:
+        reader.cancel()

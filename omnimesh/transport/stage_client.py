@@ -53,7 +53,11 @@ class StageStream:
                 await self._call.done_writing()
         except grpc.aio.AioRpcError as exc:
             raise self._rpc_error(exc) from exc
-        except asyncio.InvalidStateError as exc:  # the stage already ended the RPC (it answered an error)
+        except asyncio.InvalidStateError as exc:
+            if self._call.done() and await self._call.code() == grpc.StatusCode.OK:
+                # the stage already answered (an in-stream error, or done) and ended the RPC: that answer, not
+                # this write, is the request's outcome, and whoever reads the stream gets it
+                return
             raise StageCallError(self.stage, grpc.StatusCode.ABORTED, f"stream closed while sending: {exc}") from exc
 
     async def cancel(self, reason: str = "") -> None:

@@ -89,4 +89,4 @@ def test_thinker_rank_killed_mid_request(split_mesh) -> None:
     assert health.status_code == 503 and "thinker" in health.json()["down"]
     again = httpx.post(f"{split_mesh.rest}/v1/chat/completions", timeout=30,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    assert again.status_code == 503 and "thinker" in again.json()["error"]["message"]
+    assert again.status_code == 503 and "thinker" in again.json()["error"]["message"], again.text

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from omnimesh.engine.loop import EngineLoop
-from omnimesh.engine.task import StageTask
+from omnimesh.engine.task import StageRequestError, StageTask
 from omnimesh.server.grpc_server import make_server
 from omnimesh.server.stage_server import STAGE_SERVICE
 from omnimesh.server.stage_servicer import StageServicer
@@ -67,6 +67,8 @@ class DoubleHandler:
         return stage_pb2.StageInfo(stage="double")
 
     def open(self, msg: stage_pb2.Open) -> StageTask:
+        if msg.options.get("refuse") == "1":
+            raise StageRequestError(grpc.StatusCode.UNAVAILABLE, "double: this stage lost a rank")
         steps = int(msg.options.get("steps", "0"))
         if steps < 0:
             raise ValueError("steps must be >= 0")
@@ -136,6 +138,26 @@ async def test_bad_input_and_failing_step_fail_only_their_request(stage):
     assert e2.value.code == grpc.StatusCode.INTERNAL and "boom" in e2.value.message
     out = await collect(good)
     assert out[0].tensors["y"].tolist() == [2.0]
+
+
+async def test_writes_after_the_answer_still_yield_the_stages_error(stage):
+    """The stage answers (refuses at `open`, or fails mid-request) while the caller is still writing: the
+    writes succeed and the reader gets the stage's own error, not gRPC's INTERNAL for a closed stream."""
+    client, engine, _, _ = stage
+    refused = await client.open("refused", options={"refuse": "1"})
+    failing = await client.open("failing", options={"fail": "1"})
+    await failing.send(StageChunk(tensors={"x": torch.ones(1)}))
+    await asyncio.sleep(0.5)  # both answers are on the wire before the next writes
+    for i in range(3):
+        await refused.send(StageChunk(tensors={"x": torch.ones(1)}, final=i == 2))
+        await failing.send(StageChunk(tensors={"x": torch.ones(1)}, final=i == 2))
+    with pytest.raises(StageCallError) as err:
+        await collect(refused)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and "lost a rank" in err.value.message
+    with pytest.raises(StageCallError) as err:
+        await collect(failing)
+    assert err.value.code == grpc.StatusCode.INTERNAL and "boom" in err.value.message
+    assert engine.num_requests == 0
 
 
 async def test_requests_interleave(stage):
