@@ -4,10 +4,13 @@ Data flow: the servicer `submit`s a task and gets an asyncio queue of `EngineEve
 arrive through `feed` and are handed to the task between steps; each pass of the loop gives every ready
 task one `step` (round-robin), so a long request never blocks a short one for more than one step.
 Outputs are numbered per request (seq 0, 1, ...) and put on the request's queue, followed by one
-`EngineDone` or `EngineFailed`. Steps run on compute threads: one by default; a pipeline-parallel stage allows `max_inflight` = pp
-requests to step at once, each on its own thread, so every pipeline rank has work.
+`EngineDone` or `EngineFailed`. Steps run on compute threads: one by default; a pipeline-parallel stage
+allows `max_inflight` = pp steps at once, each on its own thread, so every pipeline rank has work.
 
-This is where continuous batching plugs in: a pass that steps all ready tasks in one batched call.
+Continuous batching: a stage with a `BatchStepper` gets every ready request (split over the free
+compute slots) in one `step_batch` call per step; requests join and leave between steps, and the
+stepper decides which of them run (token budget, KV-cache blocks). A slot frees -> the next step starts
+with whatever is ready then, so new requests never wait for older ones to finish.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
@@ -43,6 +47,19 @@ class EngineFailed:
 EngineEvent = StageChunk | EngineDone | EngineFailed
 
 
+class BatchStepper(Protocol):
+    """A stage that steps many requests in one call (continuous batching); the engine loop's alternative to
+    calling each task's own `step`."""
+
+    def step_batch(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
+        """Called on a compute thread with ready tasks, none of them in another step in flight. Returns, per
+        request id that was stepped, its output chunks (the task's `finished` and counters updated as in
+        `StageTask.step`) or the exception that ends that request alone. A request left out made no
+        progress this step (it stays ready: the batch was full). An exception raised by the call itself
+        fails every task given to it."""
+        ...
+
+
 @dataclass(slots=True)
 class _Entry:
     task: StageTask
@@ -52,20 +69,25 @@ class _Entry:
     inbox: list[StageChunk] = field(default_factory=list)
     out_seq: int = 0
     inflight: asyncio.Future | None = None  # the step running on a compute thread
+    last_step: int = 0  # number of the step that last included it (round-robin: the longest-waiting first)
 
 
 class EngineLoop:
-    def __init__(self, name: str, max_inflight: int = 1):
-        """`max_inflight` > 1 lets that many requests step at once (a pipeline-parallel stage keeps each of
-        its pp ranks busy with a different request); one request never has two steps in flight."""
+    def __init__(self, name: str, max_inflight: int = 1, batcher: BatchStepper | None = None):
+        """`max_inflight` > 1 lets that many steps run at once (a pipeline-parallel stage keeps each of its
+        pp ranks busy with a different request or batch); one request never has two steps in flight.
+        With a `batcher`, each step is one `step_batch` call over many ready requests."""
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.name = name
+        self._max_inflight = max_inflight
+        self._batcher = batcher
         self._entries: dict[str, _Entry] = {}
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix=f"{name}-compute")
         self._runner: asyncio.Task | None = None
         self._closed = False
+        self._steps = 0
 
     @property
     def num_requests(self) -> int:
@@ -151,6 +173,8 @@ class EngineLoop:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        running: set[asyncio.Task] = set()
+        idle = False  # the last batch made no progress: wait for news before trying again
         while True:
             self._wake.clear()
             now = time.monotonic()
@@ -158,42 +182,84 @@ class EngineLoop:
             for rid, entry in list(self._entries.items()):
                 if now > entry.deadline:
                     self._finish(rid, EngineFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} ran past its deadline in {self.name}"))
-                elif self._deliver_inputs(entry) and entry.task.ready():
-                    ready.append(entry)
-            if not ready:
-                timeout = min((e.deadline for e in self._entries.values()), default=float("inf")) - now
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=None if timeout == float("inf") else max(timeout, 0.001))
-                except TimeoutError:
-                    pass
-                continue
-            # every ready request gets one step; up to `max_inflight` of them run at once (pipeline ranks)
-            await asyncio.gather(*(self._step(loop, entry) for entry in ready))
+                elif entry.inflight is None and self._deliver_inputs(entry) and entry.task.ready():
+                    ready.append(entry)  # inputs wait in the inbox while a step is in flight
+            if not idle:
+                for group in self._groups(ready, self._max_inflight - len(running)):
+                    running.add(asyncio.create_task(self._step_group(loop, group)))
+            timeout = min((e.deadline for e in self._entries.values()), default=float("inf")) - now
+            waits: list[asyncio.Future] = [asyncio.ensure_future(self._wake.wait()), *running]
+            done, _ = await asyncio.wait(waits, timeout=None if timeout == float("inf") else max(timeout, 0.001),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            waits[0].cancel()
+            finished = [t for t in running if t in done]
+            running.difference_update(finished)
+            if finished:
+                idle = not any(t.result() for t in finished)
+            elif waits[0] in done:
+                idle = False
 
-    async def _step(self, loop: asyncio.AbstractEventLoop, entry: _Entry) -> None:
-        rid = entry.task.request_id
-        if self._entries.get(rid) is not entry:
-            return  # cancelled while an earlier task stepped
-        entry.inflight = loop.run_in_executor(self._executor, entry.task.step)
+    def _groups(self, ready: list[_Entry], slots: int) -> list[list[_Entry]]:
+        """Split the ready requests over the free compute slots: one request per slot without a batcher;
+        with one, every ready request goes into some batch (a pipeline-parallel stage fills each of its pp
+        slots with a share, so every pipeline rank has a micro-batch)."""
+        if slots <= 0 or not ready:
+            return []
+        ready = sorted(ready, key=lambda e: e.last_step)
+        if self._batcher is None:
+            return [[entry] for entry in ready[:slots]]
+        n = min(slots, len(ready))
+        return [ready[i::n] for i in range(n)]
+
+    def _compute(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
+        """On a compute thread: one batched step (the stage's batcher) or one task's step."""
+        if self._batcher is not None:
+            return self._batcher.step_batch(tasks)
+        task = tasks[0]
         try:
-            outputs = await entry.inflight
-        except StageRequestError as exc:
-            self._finish(rid, EngineFailed(exc.code, exc.message))
-            return
-        except ValueError as exc:
-            self._finish(rid, EngineFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
-            return
-        except RankFailure as exc:  # a rank of this stage died: the stage cannot serve
-            self._finish(rid, EngineFailed(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {exc}"))
-            return
-        except Exception as exc:  # a model bug must fail this request, not the stage
-            log.exception("%s: request %s failed", self.name, rid)
-            self._finish(rid, EngineFailed(grpc.StatusCode.INTERNAL, f"{self.name}: {type(exc).__name__}: {exc}"))
-            return
+            return {task.request_id: task.step()}
+        except Exception as exc:
+            return {task.request_id: exc}
+
+    async def _step_group(self, loop: asyncio.AbstractEventLoop, group: list[_Entry]) -> bool:
+        """Run one step over `group`; deliver each request's outputs or error. True if any request progressed."""
+        future = loop.run_in_executor(self._executor, self._compute, [e.task for e in group])
+        self._steps += 1
+        for entry in group:
+            entry.inflight = future
+            entry.last_step = self._steps
+        try:
+            results = await future
+        except Exception as exc:  # the batch as a whole failed (a rank died, a model bug): every request in it
+            results = {e.task.request_id: exc for e in group}
         finally:
-            entry.inflight = None
-        if self._entries.get(rid) is not entry:
-            return  # cancelled during the step: its outputs go nowhere
+            for entry in group:
+                entry.inflight = None
+            self._wake.set()
+        for entry in group:
+            rid = entry.task.request_id
+            result = results.get(rid)
+            if result is None or self._entries.get(rid) is not entry:
+                continue  # no progress this step, or cancelled during it (its outputs go nowhere)
+            if isinstance(result, BaseException):
+                self._finish(rid, self._failure(rid, result))
+            else:
+                self._emit(entry, result)
+        return bool(results)
+
+    def _failure(self, rid: str, exc: BaseException) -> EngineFailed:
+        if isinstance(exc, StageRequestError):
+            return EngineFailed(exc.code, exc.message)
+        if isinstance(exc, ValueError):
+            return EngineFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if isinstance(exc, RankFailure):  # a rank of this stage died: the stage cannot serve
+            return EngineFailed(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {exc}")
+        # a model bug must fail this request, not the stage
+        log.error("%s: request %s failed", self.name, rid, exc_info=exc)
+        return EngineFailed(grpc.StatusCode.INTERNAL, f"{self.name}: {type(exc).__name__}: {exc}")
+
+    def _emit(self, entry: _Entry, outputs: list[StageChunk]) -> None:
+        rid = entry.task.request_id
         if entry.task.finished:
             # the stream's last chunk carries final=True, even when the last step made no output
             if not outputs:

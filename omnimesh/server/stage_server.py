@@ -27,7 +27,8 @@ STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 
 
 async def _serve(handler: StageHandler, host: str, port: int) -> None:
-    engine = EngineLoop(handler.name, max_inflight=getattr(handler, "max_inflight_steps", 1))
+    engine = EngineLoop(handler.name, max_inflight=getattr(handler, "max_inflight_steps", 1),
+                        batcher=getattr(handler, "batcher", None))
     engine.start()
     server, health_servicer = make_server([STAGE_SERVICE])
     stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine), server)

@@ -230,3 +230,45 @@ async def test_unreachable_stage_is_unavailable():
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert not await client.serving(timeout_s=0.5)
     await client.close()
+
+
+class RecordingBatcher:
+    """Steps every task it is given in one call; records the batch sizes; fails 'boom' requests alone."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def step_batch(self, tasks: list[StageTask]) -> dict:
+        self.sizes.append(len(tasks))
+        out: dict = {}
+        for task in tasks:
+            try:
+                out[task.request_id] = task.step()
+            except RuntimeError as exc:
+                out[task.request_id] = exc
+        return out
+
+
+async def test_a_batcher_steps_many_requests_per_call():
+    handler, batcher = DoubleHandler(), RecordingBatcher()
+    engine = EngineLoop("double", batcher=batcher)
+    engine.start()
+    server, _ = make_server([STAGE_SERVICE])
+    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = StageClient("double", f"127.0.0.1:{port}")
+    try:
+        streams = [await client.open(f"r{i}", options={"steps": "20", "fail": "1" if i == 3 else "0"}) for i in range(8)]
+        for s in streams:
+            await s.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+        results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
+        assert isinstance(results[3], StageCallError) and results[3].code == grpc.StatusCode.INTERNAL
+        assert all(len(r) == 21 for i, r in enumerate(results) if i != 3)
+        assert max(batcher.sizes) >= 4, batcher.sizes  # requests shared steps
+        assert sum(batcher.sizes) < 8 * 21  # ... so there were fewer calls than request-steps
+        assert engine.num_requests == 0
+    finally:
+        await client.close()
+        await server.stop(0)
+        await engine.stop()
