@@ -51,17 +51,16 @@ class MeshLauncher:
     def _stage_argv(self, stage: str, port: int) -> list[str]:
         a = self.args
         argv = ["stage", stage, "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", a.dtype, "--device", a.device, "--max-num-seqs", str(a.max_num_seqs),
-                "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
-        if a.max_model_len is not None:
-            argv += ["--max-model-len", str(a.max_model_len)]
+                "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size)]
         cfg = a.stage_configs()[stage]
         argv += ["-tp", str(cfg.tp), "-pp", str(cfg.pp)]
-        own: dict[str, object] = {}
+        # the stage's own resolved settings (global flags under its --stage-overrides entry)
+        own: dict[str, object] = {"max_num_seqs": cfg.max_num_seqs, "gpu_memory_utilization": cfg.gpu_memory_utilization}
+        for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "devices"):
+            if getattr(cfg, key) is not None:
+                own[key] = getattr(cfg, key)
         if cfg.pp_layer_partition is not None:
             own["pp_layer_partition"] = list(cfg.pp_layer_partition)
-        if cfg.devices:
-            own["devices"] = cfg.devices
         if own:
             argv += ["--stage-overrides", json.dumps({stage: own})]
         return argv

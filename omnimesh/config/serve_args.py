@@ -13,7 +13,7 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from omnimesh.config.stage_config import STAGES, StageConfig, parse_stage_overrides, resolve_stage
+from omnimesh.config.stage_config import STAGES, StageConfig, parse_bytes, parse_stage_overrides, resolve_stage
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -37,6 +37,8 @@ class ServeArgs:
     max_model_len: int | None = _f(None, "longest prompt + output in tokens; default: the model's limit", "--max-model-len")
     max_num_seqs: int = _f(256, "most requests a stage runs at once", "--max-num-seqs")
     max_num_batched_tokens: int | None = _f(None, "most tokens in one engine step (long prompts are chunked)", "--max-num-batched-tokens")
+    kv_cache_memory: str | None = _f(None, "KV-cache size per rank of the thinker / talker, e.g. 2GiB (CPU default 4GiB; on CUDA it is what --gpu-memory-utilization leaves after weights and activations)", "--kv-cache-memory")
+    block_size: int = _f(16, "tokens per KV-cache block", "--block-size")
     enforce_eager: bool = _f(False, "never capture CUDA graphs", "--enforce-eager", action="store_true")
     trust_remote_code: bool = _f(False, "allow model code from the model folder", "--trust-remote-code", action="store_true")
     dtype: str = _f("auto", f"weight / activation dtype: {', '.join(DTYPES)} (auto: bfloat16 on CUDA, float32 on CPU)", "--dtype")
@@ -67,6 +69,10 @@ class ServeArgs:
             raise ValueError(f"--node-rank must be in [0, --num-nodes) = [0, {self.num_nodes}), got {self.node_rank}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"--block-size must be in 1..1024 tokens, got {self.block_size} (16 is the usual value)")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory, "--kv-cache-memory")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be a port number, got {self.master_port}")
         self.stage_configs()  # validates -tp/-pp, utilization, --stage-overrides
@@ -79,6 +85,8 @@ class ServeArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory, "--kv-cache-memory"),
         )
         overrides = parse_stage_overrides(self.stage_overrides)
         return {stage: resolve_stage(model_stage, overrides.get(stage, {}), stage) for stage in STAGES}

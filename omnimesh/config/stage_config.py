@@ -26,6 +26,10 @@ class StageConfig:
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of each device the stage may take"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests the stage runs at once"})
     max_model_len: int | None = field(default=None, metadata={"help": "longest prompt + output, in tokens"})
+    max_num_batched_tokens: int | None = field(
+        default=None, metadata={"help": "most tokens in one engine step; longer prompts are prefilled in chunks"})
+    kv_cache_memory: int | None = field(
+        default=None, metadata={"help": "KV-cache bytes per rank, e.g. '2GiB' (CPU default 4GiB; CUDA: from utilization)"})
     pp_layer_partition: tuple[int, ...] | None = field(
         default=None, metadata={"help": "layers per pipeline rank, e.g. [3, 5]; must sum to the layer count"}
     )
@@ -39,6 +43,10 @@ class StageConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}; 0.9 is the usual value"
             )
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
+            raise ValueError(f"kv_cache_memory must be a size in bytes >= 1 (e.g. '512MiB'), got {self.kv_cache_memory!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.devices is not None and self.device_list() and len(self.device_list()) != self.pp * self.tp:
@@ -104,11 +112,39 @@ def parse_stage_overrides(text: str | None) -> dict[str, dict[str, Any]]:
                 if isinstance(value, str):
                     value = [int(v) for v in value.split(",")]
                 value = tuple(value)
+            if name == "kv_cache_memory" and value is not None:
+                value = parse_bytes(value, f"--stage-overrides[{key!r}].kv_cache_memory")
             if name == "devices" and value is not None:
                 value = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
             clean[name] = value
         out[stage] = clean
     return out
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(value: Any, what: str = "size") -> int:
+    """'4GiB', '512MiB', '2G', '1e9' or a number -> bytes (decimal units K/M/G/T, binary KiB/MiB/GiB/TiB)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a size like '4GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+        split = len(text.rstrip("kmgtib"))
+        number_text, unit = text[:split], text[split:]
+        try:
+            number = float(number_text)
+        except ValueError:
+            raise ValueError(f"{what}: {value!r} is not a size; write e.g. '4GiB', '512MiB' or a byte count") from None
+        if unit not in _UNITS:
+            raise ValueError(f"{what}: unknown unit {unit!r} in {value!r}; use B, KiB, MiB, GiB, TiB (or K, M, G, T)")
+    size = int(number * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"{what} must be at least 1 byte, got {value!r}")
+    return size
 
 
 def resolve_stage(defaults: StageConfig, overrides: dict[str, Any], stage: str) -> StageConfig:

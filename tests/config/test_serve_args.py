@@ -115,17 +115,41 @@ def test_cli_checks_the_layout_against_the_model(tmp_path) -> None:
 def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     from omnimesh.launcher import MeshLauncher
 
-    args = ServeArgs(stage_overrides='{"thinker": {"pp": 2, "tp": 2, "devices": "0,1,2,3", "pp_layer_partition": [1, 3]},'
-                                     ' "talker": {"pp": 2}}')
+    args = ServeArgs(max_num_seqs=64, kv_cache_memory="1GiB",
+                     stage_overrides='{"thinker": {"pp": 2, "tp": 2, "devices": "0,1,2,3", "pp_layer_partition": [1, 3],'
+                                     ' "kv_cache_memory": "256MiB", "max_num_batched_tokens": 512}, "talker": {"pp": 2}}')
     launcher = MeshLauncher(args, tmp_path)
     thinker = launcher._stage_argv("thinker", 50052)
     assert thinker[thinker.index("-tp") + 1] == "2" and thinker[thinker.index("-pp") + 1] == "2"
     own = json.loads(thinker[thinker.index("--stage-overrides") + 1])
-    assert own == {"thinker": {"pp_layer_partition": [1, 3], "devices": "0,1,2,3"}}
+    assert own == {"thinker": {"pp_layer_partition": [1, 3], "devices": "0,1,2,3", "max_num_seqs": 64,
+                               "gpu_memory_utilization": 0.9, "kv_cache_memory": 256 * 2**20,
+                               "max_num_batched_tokens": 512}}
     talker = launcher._stage_argv("talker", 50053)
-    assert talker[talker.index("-pp") + 1] == "2" and "--stage-overrides" not in talker
+    assert talker[talker.index("-pp") + 1] == "2"
+    assert json.loads(talker[talker.index("--stage-overrides") + 1])["talker"]["kv_cache_memory"] == 2**30
     encoder = launcher._stage_argv("encoder", 50051)
     assert encoder[encoder.index("-tp") + 1] == "1" and encoder[encoder.index("-pp") + 1] == "1"
+    # what the stage process parses back is the stage's resolved config
+    from omnimesh.cli import build_parser
+    from omnimesh.config.serve_args import from_namespace
+
+    cfg = from_namespace(build_parser().parse_args(thinker)).stage_configs()["thinker"]
+    assert (cfg.pp, cfg.tp, cfg.kv_cache_memory, cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2, 2, 256 * 2**20, 512, 64)
+
+
+@pytest.mark.parametrize("text, size", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("2G", 2 * 10**9),
+                                        ("1000", 1000), (4096, 4096), ("1.5 GiB", int(1.5 * 2**30))])
+def test_sizes_parse(text, size) -> None:
+    from omnimesh.config.stage_config import parse_bytes
+
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "4XB", "-1", "0"])
+def test_bad_sizes_say_how_to_write_one(text) -> None:
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        ServeArgs(kv_cache_memory=text)
 
 
 def test_pp_layer_partition_flag() -> None:
