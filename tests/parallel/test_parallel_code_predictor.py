@@ -98,7 +98,7 @@ def test_matches_transformers_residual_prediction(model_dir: Path) -> None:
             ref_sum = torch.cat(embeds, 1).sum(1, keepdim=True)  # (1, 1, H)
 
             out = predict_residuals(model, torch.cat([h, first], 1))
-            assert list(out.codes) == ref_codes
+            assert list(out.codes[0]) == ref_codes
             assert out.codec_sum is not None and (out.codec_sum - ref_sum).abs().max() < TOL
             assert len(out.hidden) == len(ref_hidden) == G - 1
             for mine, ref in zip(out.hidden, ref_hidden):
@@ -127,11 +127,32 @@ def test_seeded_sampling_matches_the_talker(model_dir: Path) -> None:
     with torch.no_grad():
         for h, code in talker_inputs(3):
             first = hf.talker.get_input_embeddings()(torch.tensor([[code]]))
-            out = predict_residuals(model, torch.cat([h, first], 1), sample=mine.sample)
+            out = predict_residuals(model, torch.cat([h, first], 1), sample=[mine.sample])
             state = types.SimpleNamespace(last_hidden=h, predictor_sampler=theirs)
             codes, codec_sum = step_talker._predict_residuals(state, code)  # type: ignore[arg-type]
-            assert list(out.codes) == codes
+            assert list(out.codes[0]) == codes
             assert out.codec_sum is not None and (out.codec_sum - codec_sum).abs().max() < TOL
+
+
+def test_a_batch_equals_each_request_alone(model_dir: Path) -> None:
+    """B requests in one call (a batched talker step) give each request's solo codes and sum; a greedy and
+    a seeded request can share the batch."""
+    from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
+
+    model, _ = ours(model_dir, ParallelState.single())
+    gen = torch.Generator().manual_seed(3)
+    prefixes = torch.cat([torch.randn(4, 1, 64, generator=gen), 0.02 * torch.randn(4, 1, 64, generator=gen)], 1)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=50, seed=5),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.8, seed=9)]
+    solo = [predict_residuals(model, prefixes[b:b + 1], sample=[None if p.greedy else Sampler(p).sample])
+            for b, p in enumerate(params)]
+    batch = predict_residuals(model, prefixes, sample=[None if p.greedy else Sampler(p).sample for p in params],
+                              batch=4)
+    assert batch.codec_sum is not None and batch.codec_sum.shape == (4, 1, 64)
+    for b, one in enumerate(solo):
+        assert batch.codes[b] == one.codes[0]
+        assert one.codec_sum is not None and (batch.codec_sum[b:b + 1] - one.codec_sum).abs().max() < TOL
+    assert len({c for one in solo for c in one.codes[0]}) > 4  # not degenerate
 
 
 def scenario(ps: ParallelState, model_dir: Path) -> dict[str, Any]:
@@ -145,7 +166,7 @@ def scenario(ps: ParallelState, model_dir: Path) -> dict[str, Any]:
         codes, sums, hidden = [], [], []
         for prefix in prefixes:
             res = predict_residuals(model, prefix if ps.is_first_pp_rank else None)
-            codes.append(list(res.codes))
+            codes.append(list(res.codes[0]))
             if res.codec_sum is not None:
                 sums.append(res.codec_sum.view(-1))
             hidden += list(res.hidden)

@@ -103,12 +103,18 @@ class ShardedBackend:
 
     def predict(self, prefix: torch.Tensor, params: SamplingParams) -> tuple[list[int], torch.Tensor]:
         """Talker stages: the code predictor over the stage's ranks -> (residual codes, codec sum (1, 1, H))."""
+        (codes, codec_sum), = self.predict_batch(prefix, (params,))
+        return codes, codec_sum
+
+    def predict_batch(self, prefix: torch.Tensor, params: tuple[SamplingParams, ...]
+                      ) -> list[tuple[list[int], torch.Tensor]]:
+        """The code predictor for B requests in one call: prefix (B, 2, H) -> per request (codes, sum (1, 1, H))."""
         key = next(self._ids)
         result: LMPredictResult = self._run(LMPredict(key, prefix, params))
-        codec_sum = result.codec_sum
-        if codec_sum is None:  # made on rank 0 (the first pipeline rank, this process), kept by key
-            codec_sum = self.local_shard.codec_sums.pop(key)
-        return list(result.codes), codec_sum
+        sums = result.codec_sum
+        if sums is None:  # made on rank 0 (the first pipeline rank, this process), kept by key
+            sums = self.local_shard.codec_sums.pop(key)
+        return [(list(codes), sums[b:b + 1]) for b, codes in enumerate(result.codes)]
 
     def forward(self, handle: int, x: torch.Tensor, position_ids: torch.Tensor, *,
                 visual_pos_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None,

@@ -10,8 +10,9 @@ Commands (sent by the driver to every rank, executed in lock-step):
         every rank: pipeline_step over its layers (hidden crosses pp boundaries, see parallel_text_model)
         last pp rank: logits of the last position (all-gathered over TP) -> LMStepResult
     LMFree(handle)    every rank drops the request's KV cache
-    LMPredict(key, prefix (1, 2, H), params)   talker only: the code predictor, split over the same ranks
-        -> LMPredictResult(residual codes, codec sum (1, 1, H)); the codec sum is made on the first pp rank
+    LMPredict(key, prefix (B, 2, H), params per request)   talker only: the code predictor for B requests,
+        split over the same ranks -> LMPredictResult(residual codes per request, codec sums (B, 1, H)); the
+        codec sums are made on the first pp rank
         (rank 0, the driver), which keeps it by `key` when it is not the owner
 Inputs arrive as embeddings (the driver embeds and merges media), so no rank needs the embedding table.
 """
@@ -56,17 +57,17 @@ class LMFree:
 
 @dataclass(frozen=True)
 class LMPredict:
-    """The talker's code predictor for one talker step (talker stages only): residual codes r1..r_{G-1}."""
+    """The talker's code predictor for one talker step of B requests (talker stages only): residual codes."""
 
-    key: int  # names this command's codec sum, kept on the first pipeline rank until the driver takes it
-    prefix: torch.Tensor  # (1, 2, H) [talker last hidden, talker codec embedding of c0]
-    params: SamplingParams  # the code predictor's sampling (greedy, or top-k / top-p with a seed)
+    key: int  # names this command's codec sums, kept on the first pipeline rank until the driver takes them
+    prefix: torch.Tensor  # (B, 2, H) per request [talker last hidden, talker codec embedding of c0]
+    params: tuple[SamplingParams, ...]  # per request: the code predictor's sampling (greedy, or seeded)
 
 
 @dataclass(frozen=True)
 class LMPredictResult:
-    codes: tuple[int, ...]  # r1 .. r_{G-1}
-    codec_sum: torch.Tensor | None  # (1, 1, H) on the first pipeline rank; None when that is not the owner
+    codes: tuple[tuple[int, ...], ...]  # per request r1 .. r_{G-1}
+    codec_sum: torch.Tensor | None  # (B, 1, H) on the first pipeline rank; None when that is not the owner
 
 
 @dataclass(frozen=True)
@@ -149,12 +150,10 @@ class LMShard:
     def _predict(self, command: LMPredict) -> LMPredictResult | None:
         if self.predictor is None:
             raise ValueError("LMPredict is for talker stages (this shard has no code predictor)")
-        params = command.params
-        sample = None
-        if not params.greedy:  # the seeded sampler lives on the rank that samples
-            sampler = Sampler(params)
-            sample = sampler.sample
-        out = predict_residuals(self.predictor, command.prefix if self.ps.is_first_pp_rank else None, sample=sample)
+        # seeded samplers live on the rank that samples; greedy requests need none
+        samples = [None if p.greedy else Sampler(p).sample for p in command.params]
+        out = predict_residuals(self.predictor, command.prefix if self.ps.is_first_pp_rank else None,
+                                sample=samples, batch=len(command.params))
         owner = self.ps.is_last_pp_rank and self.ps.tp_rank == 0
         if self.ps.is_first_pp_rank and out.codec_sum is not None and not owner:
             self.codec_sums[command.key] = out.codec_sum.cpu()  # the driver (rank 0) takes it after the step

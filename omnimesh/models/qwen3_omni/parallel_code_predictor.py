@@ -31,7 +31,7 @@ Run the checks: python -m pytest tests/parallel/test_parallel_code_predictor.py 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -148,18 +148,18 @@ class ParallelDenseAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        T, D = x.shape[1], self.head_dim
+        B, T, D = x.shape[0], x.shape[1], self.head_dim  # B: requests at the same positions (batched steps)
         q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
-        q, k, v = q.view(1, T, -1, D), k.view(1, T, -1, D), v.view(1, T, -1, D)  # (1, T, heads/tp, D)
+        q, k, v = q.view(B, T, -1, D), k.view(B, T, -1, D), v.view(B, T, -1, D)  # (B, T, heads/tp, D)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, nh/tp | nkv/tp, T, D)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh/tp | nkv/tp, T, D)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, T, D)
         q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
-        k, v = cache.update(self.layer_idx, k, v)  # (1, nkv/tp, S, D): cached keys + these T
-        k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)  # (1, nh/tp, S, D)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5)  # (1, nh/tp, T, D)
-        return self.o_proj(o.transpose(1, 2).reshape(1, T, -1))  # (1, T, H), all-reduced
+        k, v = cache.update(self.layer_idx, k, v)  # (B, nkv/tp, S, D): cached keys + these T
+        k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)  # (B, nh/tp, S, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5)  # (B, nh/tp, T, D)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))  # (B, T, H), all-reduced
 
 
 PlanEntries = dict[str, list[tuple[nn.Parameter, Callable[..., None], tuple[Any, ...]]]]
@@ -269,9 +269,10 @@ class ParallelCodePredictor(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        """This rank's layers on x (1, T, H) at positions (1, T) -> (1, T, H), final-normed on the last rank."""
-        if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size:
-            raise ValueError(f"x must be (1, T, {self.hidden_size}), got {tuple(x.shape)}")
+        """This rank's layers on x (B, T, H) at positions (1, T) -> (B, T, H), final-normed on the last rank
+        (B requests at the same positions: the predictor restarts at 0 every talker step)."""
+        if x.dim() != 3 or x.shape[2] != self.hidden_size:
+            raise ValueError(f"x must be (B, T, {self.hidden_size}), got {tuple(x.shape)}")
         if positions.shape != (1, x.shape[1]):
             raise ValueError(f"positions must be (1, T={x.shape[1]}), got {tuple(positions.shape)}")
         T, seen = x.shape[1], cache.get_seq_length()
@@ -322,11 +323,13 @@ class DenseStack(Protocol):
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor: ...
 
 
-def pipeline_step(model: DenseStack, x: torch.Tensor | None, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+def pipeline_step(model: DenseStack, x: torch.Tensor | None, positions: torch.Tensor, cache: Any,
+                  batch: int = 1) -> torch.Tensor:
     """One blocking forward through the whole pipeline; every rank of the stage calls it for the same step.
 
-    Only the hidden (1, T, H) in the model dtype crosses each boundary p -> p+1 (TP rank t to TP rank t);
-    T comes from `positions` (1, T), which every rank gets from the step metadata, so no shape handshake.
+    Only the hidden (B, T, H) in the model dtype crosses each boundary p -> p+1 (TP rank t to TP rank t);
+    T comes from `positions` (1, T) and B from `batch`, which every rank gets from the step metadata, so no
+    shape handshake.
     `x` is the input on the first pipeline rank and ignored elsewhere. Returns this rank's output hidden
     (the final-normed hidden on the last rank).
     """
@@ -335,17 +338,17 @@ def pipeline_step(model: DenseStack, x: torch.Tensor | None, positions: torch.Te
         if x is None:
             raise ValueError(f"the first pipeline rank needs its input x (1, T, {model.hidden_size})")
     else:
-        x = pp_recv((1, T, model.hidden_size), model.dtype, ps)
-    hidden = model(x, positions, cache)  # (1, T, H)
+        x = pp_recv((batch, T, model.hidden_size), model.dtype, ps)
+    hidden = model(x, positions, cache)  # (B, T, H)
     pp_send(hidden, ps)  # no-op on the last pipeline rank
     return hidden
 
 
 @dataclass(frozen=True)
 class ResidualCodes:
-    codes: tuple[int, ...]  # r_1 .. r_{G-1}, known on every rank
-    codec_sum: torch.Tensor | None  # (1, 1, H) talker embedding of c0 + codec_embedding[j](r_{j+1}); first pp rank
-    hidden: tuple[torch.Tensor, ...]  # per step the final-normed hidden, (1, 2, H) then (1, 1, H); last pp rank
+    codes: tuple[tuple[int, ...], ...]  # per request r_1 .. r_{G-1}, known on every rank
+    codec_sum: torch.Tensor | None  # (B, 1, H) talker embedding of c0 + codec_embedding[j](r_{j+1}); first pp rank
+    hidden: tuple[torch.Tensor, ...]  # per step the final-normed hidden, (B, 2, H) then (B, 1, H); last pp rank
 
 
 def greedy(logits: torch.Tensor) -> int:
@@ -354,41 +357,45 @@ def greedy(logits: torch.Tensor) -> int:
 
 @torch.no_grad()
 def predict_residuals(model: ParallelCodePredictor, prefix: torch.Tensor | None, *,
-                      sample: Sample | None = None) -> ResidualCodes:
-    """The residual codes r_1..r_{G-1} of one talker step (what `Qwen3OmniTalker._predict_residuals` does).
+                      sample: Sequence[Sample | None] | None = None, batch: int = 1) -> ResidualCodes:
+    """The residual codes r_1..r_{G-1} of one talker step for `batch` requests at once (what
+    `Qwen3OmniTalker._predict_residuals` does for one).
 
-    Every rank of the stage calls this in lock-step. `prefix` (1, 2, H) = [talker last hidden, talker codec
-    embedding of c0] on the first pipeline rank (ignored elsewhere). `sample` (default greedy) runs only on
-    the last pipeline rank's TP rank 0 (`ps.last_pp_rank_driver`), so a seeded sampler lives there alone;
-    its id reaches every rank through one gloo broadcast per step. A fresh KV cache per call: the predictor
-    restarts at position 0 every talker step.
+    Every rank of the stage calls this in lock-step. `prefix` (B, 2, H) = per request [talker last hidden,
+    talker codec embedding of c0] on the first pipeline rank (ignored elsewhere). `sample[b]` (None or
+    missing: greedy) picks request b's ids and runs only on the last pipeline rank's TP rank 0
+    (`ps.last_pp_rank_driver`), so seeded samplers live there alone; the ids reach every rank through one
+    gloo broadcast per step. A fresh KV cache per call: the predictor restarts at position 0 every talker
+    step, so all B requests share positions and need no padding.
     """
     ps, H = model.ps, model.hidden_size
     x: torch.Tensor | None = None
     embeds: list[torch.Tensor] = []
     if ps.is_first_pp_rank:
-        if prefix is None or tuple(prefix.shape) != (1, 2, H):
-            raise ValueError(f"the first pipeline rank needs prefix (1, 2, {H}), got "
+        if prefix is None or tuple(prefix.shape) != (batch, 2, H):
+            raise ValueError(f"the first pipeline rank needs prefix ({batch}, 2, {H}), got "
                              f"{None if prefix is None else tuple(prefix.shape)}")
         x = prefix.to(device=ps.device, dtype=model.dtype)
-        embeds.append(x[:, 1:])  # (1, 1, H)
-    pick = sample if sample is not None else greedy
+        embeds.append(x[:, 1:])  # (B, 1, H)
+    picks = [(sample[b] if sample is not None and b < len(sample) else None) or greedy for b in range(batch)]
     cache = model.new_cache()
-    codes: list[int] = []
+    codes: list[list[int]] = [[] for _ in range(batch)]
     hiddens: list[torch.Tensor] = []
     for j in range(model.num_code_groups - 1):
         positions = torch.arange(2).view(1, 2) if j == 0 else torch.tensor([[1 + j]])  # (1, T)
-        hidden = pipeline_step(model, x, positions, cache)  # (1, T, H)
-        token = torch.zeros(1, dtype=torch.long)  # CPU: crosses the gloo group
+        hidden = pipeline_step(model, x, positions, cache, batch)  # (B, T, H)
+        tokens = torch.zeros(batch, dtype=torch.long)  # CPU: crosses the gloo group
         if ps.is_last_pp_rank:
             hiddens.append(hidden)
-            logits = model.compute_logits(j, hidden[:, -1])  # (1, V)
+            logits = model.compute_logits(j, hidden[:, -1])  # (B, V)
             if ps.rank == ps.last_pp_rank_driver:
-                token[0] = pick(logits[0])
-        cpu_broadcast(token, ps.last_pp_rank_driver, ps)
-        codes.append(int(token))
+                for b in range(batch):
+                    tokens[b] = picks[b](logits[b])
+        cpu_broadcast(tokens, ps.last_pp_rank_driver, ps)
+        for b in range(batch):
+            codes[b].append(int(tokens[b]))
         if ps.is_first_pp_rank:
-            x = model.embed_codes(j, token.view(1, 1))  # (1, 1, H): next step's input, and part of the sum
+            x = model.embed_codes(j, tokens.view(batch, 1))  # (B, 1, H): next step's input, and part of the sum
             embeds.append(x)
-    codec_sum = torch.cat(embeds, dim=1).sum(1, keepdim=True) if ps.is_first_pp_rank else None  # (1, 1, H)
-    return ResidualCodes(codes=tuple(codes), codec_sum=codec_sum, hidden=tuple(hiddens))
+    codec_sum = torch.cat(embeds, dim=1).sum(1, keepdim=True) if ps.is_first_pp_rank else None  # (B, 1, H)
+    return ResidualCodes(codes=tuple(tuple(c) for c in codes), codec_sum=codec_sum, hidden=tuple(hiddens))
