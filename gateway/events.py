@@ -44,7 +44,11 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True)
 class SamplingOverrides:
-    """What the client set; None = the stage's model default (what `transformers` generate uses)."""
+    """What the client set; None = the stage's model default (what `transformers` generate uses).
+
+    `stop_token_ids` add to the stage's own EOS (the stage checks them against its vocab); `stop` holds
+    stop strings for the thinker's text (the talker has no text and refuses them).
+    """
 
     temperature: float | None = None
     top_p: float | None = None
@@ -52,6 +56,8 @@ class SamplingOverrides:
     seed: int | None = None
     max_tokens: int | None = None
     repetition_penalty: float | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    stop: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """The gRPC front end: `omnimesh.v1.Omni` (Generate, ListModels) over the same `Pipeline` as REST.
 
 Data flow of `Generate`: `GenerateRequest` -> `OmniServicer.build` (the REST front end's checks: model,
-voice, modalities, sampling ranges, media decoded by `MediaLoader`) -> `ChatRequest` -> `pipeline.run` ->
-a server stream of `text_delta`, `audio` (mono PCM16 chunks numbered by `seq` from 0) and one `done`.
+voice, modalities, sampling ranges incl. stop / stop_token_ids, media decoded by `MediaLoader`) ->
+`ChatRequest` -> `pipeline.run` -> a server stream of `text_delta`, `audio` (mono PCM16 chunks numbered
+by `seq` from 0) and one `done`.
 Any failure, before or during generation, is one `error` message (code = the `grpc.StatusCode` value,
 INVALID_ARGUMENT for a bad request) that ends the stream; the RPC itself then ends OK, as the proto says
 errors travel inside the stream.
@@ -56,15 +57,15 @@ def grpc_server_options(limits: InputLimits) -> list[tuple[str, int]]:
 
 
 def _overrides(p: stage_pb2.SamplingParams, param: str) -> SamplingOverrides:
-    if len(p.stop_token_ids):
-        raise invalid_request(f"{param}.stop_token_ids: not supported in the client API", f"{param}.stop_token_ids")
+    """The proto's sampling fields (the same as REST's) -> checked `SamplingOverrides`; empty lists = unset."""
 
     def opt(name: str) -> float | int | None:
         return getattr(p, name) if p.HasField(name) else None
 
     s = SamplingOverrides(temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),  # type: ignore[arg-type]
                           seed=opt("seed"), max_tokens=opt("max_tokens"),  # type: ignore[arg-type]
-                          repetition_penalty=opt("repetition_penalty"))
+                          repetition_penalty=opt("repetition_penalty"),
+                          stop_token_ids=tuple(p.stop_token_ids) or None, stop=tuple(p.stop) or None)
     check_sampling(s, param)
     return s
 

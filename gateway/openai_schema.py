@@ -8,20 +8,21 @@ the pydantic models below and serialised with `dump`.
 Defaults chosen to match OpenAI: `modalities` defaults to ["text"] (no audio unless asked for); when
 "audio" is asked for without an `audio` object the pipeline's default voice and "wav" are used. Unknown
 top-level fields are accepted and ignored (clients send many), except ones whose silent omission would
-change the answer: `n` > 1, `logprobs`, `top_logprobs`, a non-empty `stop`, non-empty `tools`.
+change the answer: `n` > 1, `logprobs`, `top_logprobs`, non-empty `tools`.
 Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate, whatever `audio.format`
 says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `message.audio.data`.
-Extensions: `top_k`, `repetition_penalty` (as in vLLM), `stage_params` (per stage sampling), and
-`audio_url` content parts.
+`stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does.
+Extensions: `top_k`, `repetition_penalty`, `stop_token_ids` (as in vLLM), `stage_params` (per stage
+sampling, the same keys; `stop` only for the thinker), and `audio_url` content parts.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.audio_encoding import OUTPUT_AUDIO_FORMATS
 from gateway.events import PipelineError, SamplingOverrides
@@ -98,6 +99,14 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# OpenAI's `stop`: a string or a list of strings; a lone string is a list of one
+StopList = Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)]
+
+
+def _tuple(v: list[Any] | None) -> tuple[Any, ...] | None:
+    return None if v is None else tuple(v)
+
+
 class StageSampling(_Strict):
     """Per-stage overrides; unknown keys are errors (a typo must not be silently ignored)."""
 
@@ -108,11 +117,14 @@ class StageSampling(_Strict):
     seed: int | None = None
     max_tokens: int | None = None
     repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    stop: StopList | None = None
 
     def overrides(self) -> SamplingOverrides:
         return SamplingOverrides(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                  seed=self.seed, max_tokens=self.max_tokens,
-                                 repetition_penalty=self.repetition_penalty)
+                                 repetition_penalty=self.repetition_penalty,
+                                 stop_token_ids=_tuple(self.stop_token_ids), stop=_tuple(self.stop))
 
 
 class StageParams(_Strict):
@@ -135,6 +147,8 @@ class ChatCompletionRequest(_Strict):
     top_k: int | None = None
     seed: int | None = None
     repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    stop: StopList | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stage_params: StageParams | None = None
@@ -142,7 +156,6 @@ class ChatCompletionRequest(_Strict):
     n: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    stop: str | list[str] | None = None
     tools: list[Any] | None = None
 
     @model_validator(mode="after")
@@ -151,8 +164,6 @@ class ChatCompletionRequest(_Strict):
             raise ValueError(f"n={self.n} is not supported; only n=1 (one choice per request)")
         if self.logprobs or self.top_logprobs:
             raise ValueError("logprobs / top_logprobs are not supported")
-        if self.stop:
-            raise ValueError("stop sequences are not supported")
         if self.tools:
             raise ValueError("tools are not supported")
         return self
@@ -161,7 +172,8 @@ class ChatCompletionRequest(_Strict):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return SamplingOverrides(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                  seed=self.seed, max_tokens=max_tokens,
-                                 repetition_penalty=self.repetition_penalty)
+                                 repetition_penalty=self.repetition_penalty,
+                                 stop_token_ids=_tuple(self.stop_token_ids), stop=_tuple(self.stop))
 
     def stage_overrides(self) -> dict[str, SamplingOverrides]:
         if self.stage_params is None:
@@ -206,8 +218,15 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
 
 
 # ------------------------------------------------------------------------- checks shared with gRPC
+MAX_STOP_STRINGS = 4  # as OpenAI
+
+
 def check_sampling(s: SamplingOverrides, param: str) -> None:
-    """Ranges for sampling values (REST and gRPC alike); None means the stage default."""
+    """Ranges for sampling values (REST and gRPC alike); None means the stage default.
+
+    `param` is "" (top level: the thinker), "sampling" (gRPC's top level) or "stage_params.<stage>".
+    Stop ids are checked for sign and int64 only: the stage knows its vocab and checks the upper bound.
+    """
     problems: list[tuple[str, str]] = []
     if s.temperature is not None and not 0.0 <= s.temperature <= 2.0:
         problems.append(("temperature", f"must be in [0, 2] (0 = greedy), got {s.temperature}"))
@@ -221,6 +240,18 @@ def check_sampling(s: SamplingOverrides, param: str) -> None:
         problems.append(("repetition_penalty", f"must be > 0, got {s.repetition_penalty}"))
     if s.seed is not None and not -(2**63) <= s.seed < 2**63:
         problems.append(("seed", f"must fit in a signed 64-bit integer, got {s.seed}"))
+    for i, t in enumerate(s.stop_token_ids or ()):
+        if not 0 <= t < 2**63:
+            problems.append((f"stop_token_ids[{i}]", f"must be a token id >= 0, got {t}"))
+            break
+    if s.stop:
+        if param.endswith("talker"):
+            why = "stop strings apply to the thinker's text only; the talker emits audio codes (use stop_token_ids)"
+            problems.append(("stop", why))
+        elif len(s.stop) > MAX_STOP_STRINGS:
+            problems.append(("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}"))
+        elif "" in s.stop:
+            problems.append(("stop", "stop strings must not be empty"))
     if problems:
         name, why = problems[0]
         full = f"{param}.{name}" if param else name

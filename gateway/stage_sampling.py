@@ -1,9 +1,12 @@
 """Client sampling settings -> the SamplingParams each stage receives.
 
-Rules (see README "Sampling"): top-level `temperature/top_p/seed/max_tokens` apply to the thinker;
-`stage_params[stage]` overrides per stage; a top-level `temperature: 0` makes EVERY stage greedy (a
-stage's own explicit temperature still wins). Unset fields stay unset, so each stage falls back to the
-defaults `transformers` generate uses for that model.
+Rules (see README "The API"): every top-level field (temperature, top_p, top_k, seed, max_tokens,
+repetition_penalty, stop_token_ids, stop) applies to the thinker; `stage_params[stage]` overrides per
+stage, field by field (a stage's list replaces the top-level list); a top-level `temperature: 0` makes
+EVERY stage greedy (a stage's own explicit temperature still wins) and a top-level seed seeds the talker
+too. Stop ids / strings never pass from the thinker to the talker (other vocab, no text). Unset fields
+stay unset, so each stage falls back to the defaults `transformers` generate uses for that model; the
+stage itself checks `stop_token_ids` against its vocab.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ def _to_proto(s: SamplingOverrides) -> stage_pb2.SamplingParams:
         msg.max_tokens = s.max_tokens
     if s.repetition_penalty is not None:
         msg.repetition_penalty = s.repetition_penalty
+    if s.stop_token_ids:
+        msg.stop_token_ids.extend(s.stop_token_ids)
+    if s.stop:
+        msg.stop.extend(s.stop)
     return msg
 
 

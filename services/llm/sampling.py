@@ -1,8 +1,11 @@
 """The wire SamplingParams (what the caller set) over the model's defaults -> the stage's SamplingParams.
 
-Unset fields keep the default `transformers` generate uses for this model and role; `stop_token_ids`
-add to the model's own stop ids. Bad values (negative temperature, top_p outside (0, 1], ...) raise
-ValueError, which travels back as INVALID_ARGUMENT.
+Runs in each LLM stage handler's `open`. Unset fields keep the default `transformers` generate uses for
+this model and role. `stop_token_ids` add to the model's own stop ids (its EOS always stays one) and must
+lie in [0, vocab) of this stage's head (`defaults.vocab_size`; the gateway does not know it). `stop`
+strings are carried on the params for the task's text (`StopStrings` in detokenizer.py). Bad values
+(negative temperature, top_p outside (0, 1], an id out of range, ...) raise ValueError, which the stage
+servicer answers as INVALID_ARGUMENT prefixed with the stage's name.
 """
 
 from __future__ import annotations
@@ -22,5 +25,15 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
         if msg.HasField(name):
             changes[name] = getattr(msg, name)
     if msg.stop_token_ids:
-        changes["stop_token_ids"] = tuple(dict.fromkeys((*defaults.stop_token_ids, *msg.stop_token_ids)))
+        ids = [int(i) for i in msg.stop_token_ids]
+        vocab = defaults.vocab_size
+        bad = [i for i in ids if i < 0 or (vocab > 0 and i >= vocab)]
+        if bad:
+            bound = f"[0, {vocab})" if vocab > 0 else ">= 0"
+            raise ValueError(f"stop_token_ids must be in {bound} (this stage's vocabulary), got {bad[:8]}")
+        changes["stop_token_ids"] = tuple(dict.fromkeys((*defaults.stop_token_ids, *ids)))
+    if msg.stop:
+        if any(s == "" for s in msg.stop):
+            raise ValueError("stop strings must not be empty")
+        changes["stop"] = tuple(dict.fromkeys((*defaults.stop, *msg.stop)))
     return replace(defaults, **changes)

@@ -23,7 +23,7 @@ from omnimesh.models.qwen3_omni.sampling import (
     talker_sampling_params,
     thinker_sampling_params,
 )
-from omnimesh.models.qwen3_omni.tiny_config import CODEC_IDS, CODEC_VOCAB, tiny_qwen3_omni_config
+from omnimesh.models.qwen3_omni.tiny_config import CODEC_IDS, CODEC_VOCAB, THINKER_VOCAB, tiny_qwen3_omni_config
 
 
 def logits(seed: int = 0, vocab: int = 64) -> torch.Tensor:
@@ -118,6 +118,8 @@ def test_generate_defaults() -> None:
     assert (cp.temperature, cp.top_k, cp.top_p) == (1.0, 50, 0.8)
     thinker = thinker_sampling_params(config)
     assert thinker.greedy and thinker.stop_token_ids == (config.im_end_token_id,)
+    # stop-id bounds of each head (services/llm/sampling.py checks a caller's ids); no stop strings by default
+    assert (thinker.vocab_size, talker.vocab_size, thinker.stop, talker.stop) == (THINKER_VOCAB, CODEC_VOCAB, (), ())
     sampled = thinker_sampling_params(config, GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95))
     assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.6, 0.95, 50)  # top_k: global default
 
@@ -129,3 +131,12 @@ def test_invalid_params() -> None:
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_stop_strings_and_vocab_do_not_change_the_draw() -> None:
+    """`stop` is for the task's text and `vocab_size` only bounds ids: the same tokens come out."""
+    raw = logits(5)
+    plain = Sampler(SamplingParams(temperature=0.8, top_k=10, seed=3))
+    extra = Sampler(SamplingParams(temperature=0.8, top_k=10, seed=3, stop=("\n",), vocab_size=64))
+    assert [plain.sample(raw) for _ in range(20)] == [extra.sample(raw) for _ in range(20)]
+    assert not extra.is_stop(0) and Sampler(SamplingParams(stop_token_ids=(0,))).is_stop(0)

@@ -30,7 +30,10 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks tokens. `temperature == 0` is greedy; `top_k == 0` / `top_p == 1` are off."""
+    """How one request picks tokens. `temperature == 0` is greedy; `top_k == 0` / `top_p == 1` are off.
+
+    `stop` is carried for the task's text (the Sampler never looks at it); `vocab_size` only bounds ids.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -40,6 +43,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     suppress_tokens: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings on the detokenized text (thinker; see services/llm/detokenizer.py)
+    vocab_size: int = 0  # ids the head can produce (0 = unknown); bounds the caller's stop_token_ids
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -152,12 +157,14 @@ def thinker_sampling_params(
         return defaults[name] if value is None else value
 
     do_sample = bool(pick("do_sample"))
+    tc: Any = config.thinker_config
     return SamplingParams(
         temperature=float(pick("temperature")) if do_sample else 0.0,
         top_p=float(pick("top_p")), top_k=int(pick("top_k") or 0), seed=seed, max_tokens=max_tokens,
         repetition_penalty=float(pick("repetition_penalty")),
         stop_token_ids=(int(config.im_end_token_id),),
         suppress_tokens=tuple(gc.suppress_tokens or ()),
+        vocab_size=int(tc.text_config.vocab_size),
     )
 
 
@@ -172,7 +179,7 @@ def talker_sampling_params(
     return SamplingParams(
         temperature=temperature if do_sample else 0.0, top_p=top_p, top_k=top_k, seed=seed,
         max_tokens=max_tokens, repetition_penalty=repetition_penalty, stop_token_ids=(eos,),
-        suppress_tokens=tuple(i for i in range(vocab - 1024, vocab) if i != eos),
+        suppress_tokens=tuple(i for i in range(vocab - 1024, vocab) if i != eos), vocab_size=int(vocab),
     )
 
 

@@ -1,0 +1,131 @@
+"""Sampling parameters per stage through both front ends (REST on uvicorn, gRPC Omni): each field reaches
+the right stage's wire `SamplingParams` (top level = thinker, `stage_params` per stage, stop ids / strings
+never inherited by the talker), and bad values are a 400 / INVALID_ARGUMENT naming the parameter."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import openai
+import pytest
+from gateway_harness import GrpcServer, RestServer, ScriptedPipeline
+
+from gateway.events import ChatRequest, SamplingOverrides
+from gateway.stage_sampling import talker_sampling, thinker_sampling
+from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
+
+USER_HI = [{"role": "user", "content": "hi"}]
+INVALID_ARGUMENT = 3
+
+
+def post(server: RestServer, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": USER_HI, **body}, timeout=10)
+
+
+def generate(server: GrpcServer, **kw: object) -> list[omni_pb2.GenerateResponse]:
+    msg = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text="hi")])
+    req = omni_pb2.GenerateRequest(model="tiny-omni", messages=[msg], modalities=["text"], **kw)  # type: ignore[arg-type]
+    with grpc.insecure_channel(server.target) as ch:
+        return list(omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=10))
+
+
+def wire(req: ChatRequest) -> tuple[stage_pb2.SamplingParams, stage_pb2.SamplingParams]:
+    return thinker_sampling(req), talker_sampling(req)
+
+
+def test_rest_fields_reach_each_stage(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r = post(rest_server, {
+        "temperature": 0, "top_p": 0.9, "top_k": 20, "seed": 11, "max_tokens": 30, "repetition_penalty": 1.1,
+        "stop": ["\n\n", "END"], "stop_token_ids": [5, 6],
+        "stage_params": {"talker": {"top_k": 10, "stop_token_ids": [1000], "max_tokens": 300}}})
+    assert r.status_code == 200, r.text
+    req = pipeline.requests[-1]
+    assert req.sampling == SamplingOverrides(temperature=0.0, top_p=0.9, top_k=20, seed=11, max_tokens=30,
+                                             repetition_penalty=1.1, stop_token_ids=(5, 6), stop=("\n\n", "END"))
+    thinker, talker = wire(req)
+    assert (thinker.temperature, thinker.top_k, thinker.seed, thinker.max_tokens) == (0.0, 20, 11, 30)
+    assert list(thinker.stop) == ["\n\n", "END"] and list(thinker.stop_token_ids) == [5, 6]
+    # the talker: greedy and the seed inherited, its own ids; the thinker's ids / strings / top_k are not
+    assert (talker.temperature, talker.seed, talker.top_k, talker.max_tokens) == (0.0, 11, 10, 300)
+    assert list(talker.stop_token_ids) == [1000] and list(talker.stop) == []
+    assert not talker.HasField("top_p") and not talker.HasField("repetition_penalty")
+
+
+def test_rest_stage_params_override_the_top_level(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r = post(rest_server, {"stop": "A", "stop_token_ids": [1],
+                           "stage_params": {"thinker": {"stop": "B", "stop_token_ids": [2, 3], "temperature": 0.5}}})
+    assert r.status_code == 200, r.text
+    thinker, talker = wire(pipeline.requests[-1])
+    assert list(thinker.stop) == ["B"] and list(thinker.stop_token_ids) == [2, 3] and thinker.temperature == 0.5
+    assert list(talker.stop_token_ids) == [] and not talker.HasField("temperature")
+    # a lone string is a list of one; an empty list means "none"
+    assert post(rest_server, {"stop": "\n"}).status_code == 200
+    assert thinker_sampling(pipeline.requests[-1]).stop == ["\n"]
+    assert post(rest_server, {"stop": [], "stop_token_ids": []}).status_code == 200
+    plain = thinker_sampling(pipeline.requests[-1])
+    assert list(plain.stop) == [] and list(plain.stop_token_ids) == []
+
+
+def test_openai_client_extra_body(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    client = openai.OpenAI(base_url=f"{rest_server.base_url}/v1", api_key="x", max_retries=0)
+    client.chat.completions.create(
+        model="tiny-omni", messages=USER_HI, stop=["###"],  # type: ignore[arg-type]
+        extra_body={"stop_token_ids": [9], "stage_params": {"talker": {"temperature": 0.7, "stop_token_ids": [4]}}})
+    thinker, talker = wire(pipeline.requests[-1])
+    assert list(thinker.stop) == ["###"] and list(thinker.stop_token_ids) == [9]
+    assert list(talker.stop_token_ids) == [4] and talker.temperature == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize(("body", "param", "needle"), [
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"stop": 5}, "stop", "valid list"),
+    ({"stop": ["a", 1]}, "stop[1]", "string"),
+    ({"stop": ["a", ""]}, "stop", "empty"),
+    ({"stop_token_ids": ["1"]}, "stop_token_ids[0]", "integer"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids[0]", "integer"),
+    ({"stop_token_ids": [True]}, "stop_token_ids[0]", "integer"),
+    ({"stop_token_ids": 3}, "stop_token_ids", "list"),
+    ({"stop_token_ids": [4, -1]}, "stop_token_ids[1]", ">= 0"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids[0]", ">= 0"),
+    ({"stage_params": {"thinker": {"stop_token_ids": [-2]}}}, "stage_params.thinker.stop_token_ids[0]", ">= 0"),
+    ({"stage_params": {"thinker": {"stop": ["1", "2", "3", "4", "5"]}}}, "stage_params.thinker.stop", "at most 4"),
+    ({"stage_params": {"talker": {"stop": ["x"]}}}, "stage_params.talker.stop", "thinker's text only"),
+    ({"stage_params": {"talker": {"stop_token_ids": ["x"]}}}, "stage_params.talker.stop_token_ids[0]", "integer"),
+])
+def test_rest_bad_values_name_the_param(rest_server: RestServer, pipeline: ScriptedPipeline, body: dict,
+                                        param: str, needle: str) -> None:
+    r = post(rest_server, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"] and err["type"] == "invalid_request_error"
+    assert pipeline.requests == []
+
+
+def test_grpc_fields_reach_each_stage(grpc_server: GrpcServer, pipeline: ScriptedPipeline) -> None:
+    out = generate(grpc_server,
+                   sampling=stage_pb2.SamplingParams(seed=3, top_k=7, stop=["END"], stop_token_ids=[5]),
+                   stage_params={"talker": stage_pb2.SamplingParams(stop_token_ids=[1000], repetition_penalty=1.2)})
+    assert out[-1].WhichOneof("kind") == "done", out
+    req = pipeline.requests[-1]
+    assert req.sampling == SamplingOverrides(seed=3, top_k=7, stop=("END",), stop_token_ids=(5,))
+    assert set(req.stage_params) == {"talker"} and req.stage_params["talker"].stop_token_ids == (1000,)
+    assert req.stage_params["talker"].repetition_penalty == pytest.approx(1.2)  # a proto float32
+    thinker, talker = wire(req)
+    assert list(thinker.stop) == ["END"] and list(thinker.stop_token_ids) == [5] and thinker.top_k == 7
+    assert list(talker.stop_token_ids) == [1000] and list(talker.stop) == [] and talker.seed == 3
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"sampling": stage_pb2.SamplingParams(stop=["a", "b", "c", "d", "e"])}, "sampling.stop: at most 4"),
+    ({"sampling": stage_pb2.SamplingParams(stop=[""])}, "sampling.stop: stop strings must not be empty"),
+    ({"sampling": stage_pb2.SamplingParams(stop_token_ids=[-1])}, "sampling.stop_token_ids[0]: must be"),
+    ({"stage_params": {"talker": stage_pb2.SamplingParams(stop=["x"])}}, "stage_params.talker.stop"),
+    ({"stage_params": {"thinker": stage_pb2.SamplingParams(stop_token_ids=[3, -7])}},
+     "stage_params.thinker.stop_token_ids[1]"),
+])
+def test_grpc_bad_values_name_the_param(grpc_server: GrpcServer, pipeline: ScriptedPipeline, kw: dict,
+                                        needle: str) -> None:
+    out = generate(grpc_server, **kw)
+    assert [r.WhichOneof("kind") for r in out] == ["error"]
+    assert out[0].error.code == INVALID_ARGUMENT and needle in out[0].error.message, out[0].error.message
+    assert pipeline.requests == []
