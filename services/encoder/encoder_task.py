@@ -2,7 +2,9 @@
 
 Data flow: one final input chunk with `input_features` (n_audio, n_mel, T) + `feature_attention_mask`
 (n_audio, T) and/or `pixel_values` + `image_grid_thw`; one step runs the towers and emits one final
-chunk with what the thinker needs (see omnimesh/models/qwen3_omni/edges.py).
+chunk with what the thinker needs (see omnimesh/models/qwen3_omni/edges.py). `step` is the solo path
+(a batch of one); the stage itself steps its requests together through `EncoderBatcher.step_batch`, which
+emits per request exactly what `step` would (services/encoder/encoder_batcher.py).
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from omnimesh.engine.task import StageTask
-from omnimesh.models.qwen3_omni.edges import encoder_outputs_to_tensors, require
+from omnimesh.models.qwen3_omni.edges import require
 from omnimesh.models.qwen3_omni.encoder import Qwen3OmniEncoder
 from omnimesh.transport.frames import StageChunk
+from services.encoder.encoder_batcher import check_inputs, encode_batch
 
 EDGE = "gateway -> encoder"
 
@@ -39,15 +42,8 @@ class EncoderTask(StageTask):
         return self.inputs is not None and not self.finished
 
     def step(self) -> list[StageChunk]:
-        t = self.inputs
-        if t is None:
+        if self.inputs is None:
             raise RuntimeError("step before the media arrived")  # ready() prevents this
-        audio = lengths = image = deep = None
-        if "input_features" in t:
-            mask = t["feature_attention_mask"]
-            audio = self.encoder.encode_audio(t["input_features"], mask)
-            lengths = mask.view(-1, mask.shape[-1]).sum(-1).long()  # (n_audio,)
-        if "pixel_values" in t:
-            image, deep = self.encoder.encode_image(t["pixel_values"], t["image_grid_thw"].long())
+        (tensors,) = encode_batch(self.encoder, [check_inputs(self.encoder, self.inputs)])
         self.finished = True
-        return [StageChunk(tensors=encoder_outputs_to_tensors(audio, lengths, image, deep))]
+        return [StageChunk(tensors=tensors)]

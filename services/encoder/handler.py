@@ -1,5 +1,8 @@
 """The encoder stage service: loads the audio + vision towers and opens an EncoderTask per request.
 
+Its `batcher` (EncoderBatcher) makes the engine loop step every ready request together: one audio-tower
+call and one vision-tower call per engine step, whatever the number of requests.
+
 Run: `omnimesh stage encoder --model DIR --port 50051`.
 """
 
@@ -16,6 +19,7 @@ from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_encoder
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.stage_registry import lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
+from services.encoder.encoder_batcher import EncoderBatcher
 from services.encoder.encoder_task import EncoderTask
 
 
@@ -27,7 +31,8 @@ class EncoderHandler:
         self.model_name = model_name
         self.layout = layout
         self.failure = failure
-        self.max_inflight_steps = layout.pp  # one request per pipeline rank at a time
+        self.max_inflight_steps = layout.pp  # one batch per pipeline rank at a time
+        self.batcher = EncoderBatcher(encoder)  # the engine loop steps all ready requests in one call
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",

@@ -1,4 +1,4 @@
-"""The encoder stage of Qwen3-Omni: the audio tower and the vision tower, one request at a time.
+"""The encoder stage of Qwen3-Omni: the audio tower and the vision tower.
 
 Role: turns raw media features into the embeddings the thinker scatters into its placeholder positions.
 It holds only `thinker.model.audio_tower` and `thinker.model.visual` (an encoder process loads nothing else)
@@ -12,6 +12,11 @@ Data flow:
 
 `n_audio_tokens` per audio is `audio_output_lengths(feature_lengths)`; `n_image_tokens` per image is
 `t * h * w / spatial_merge_size**2`. The prompt must hold exactly that many placeholder ids.
+
+Batching: `audio_frames` / `check_image` check one request's media (ValueError for anything a tower would
+refuse); `audio_tower_call` / `vision_tower_call` run ONE tower call over the concatenated media of many
+requests (services/encoder/encoder_batcher.py splits the outputs back). `encode_audio` / `encode_image`
+are the two steps for one request.
 """
 
 from __future__ import annotations
@@ -37,43 +42,93 @@ class Qwen3OmniEncoder:
             raise ValueError("this encoder was built without an audio tower")
         return _get_feat_extract_output_lengths(feature_lengths, self.audio_tower.config.n_window)
 
+    def audio_frames(
+        self, input_features: torch.Tensor, feature_attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check one request's audio and keep its valid frames: features (n_mel, T) or (B, n_mel, T) (+ mask
+        (B, T) of 0/1) -> (frames (n_mel, sum T_valid), feature_lens (B,) long). Everything the tower would
+        refuse is a ValueError here, so a batch of checked requests never fails for one request's input."""
+        if self.audio_tower is None:
+            raise ValueError("this encoder was built without an audio tower")
+        feats = input_features.unsqueeze(0) if input_features.dim() == 2 else input_features  # (B, n_mel, T)
+        n_mel = self.audio_tower.config.num_mel_bins
+        if feats.dim() != 3 or feats.shape[1] != n_mel or feats.shape[0] == 0 or not feats.is_floating_point():
+            raise ValueError(
+                f"input_features must be floating point (n_mel, T) or (B >= 1, n_mel, T) with n_mel={n_mel}, "
+                f"got {tuple(input_features.shape)} {input_features.dtype}"
+            )
+        B, T = feats.shape[0], feats.shape[2]
+        if feature_attention_mask is None:
+            feature_attention_mask = torch.ones(B, T, dtype=torch.long)
+        if feature_attention_mask.numel() != B * T:
+            raise ValueError(f"feature_attention_mask must be ({B}, {T}) for input_features "
+                             f"{tuple(input_features.shape)}, got {tuple(feature_attention_mask.shape)}")
+        mask = feature_attention_mask.reshape(B, T)
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("feature_attention_mask must hold only 0 and 1")
+        lengths = mask.sum(dim=1).long()  # (B,)
+        if int(lengths.min()) < 1:
+            raise ValueError(f"every audio needs at least one valid frame; valid frames per audio: {lengths.tolist()}")
+        valid = feats.permute(0, 2, 1)[mask.bool()].permute(1, 0)  # (n_mel, sum T_valid)
+        return valid, lengths
+
+    @torch.no_grad()
+    def audio_tower_call(self, frames: torch.Tensor, feature_lens: torch.Tensor) -> torch.Tensor:
+        """ONE tower call over the valid frames of any number of audios (n_mel, sum T_valid) -> (n_tokens, H)."""
+        if self.audio_tower is None:
+            raise ValueError("this encoder was built without an audio tower")
+        return self.audio_tower(frames, feature_lens=feature_lens, return_dict=True).last_hidden_state
+
     @torch.no_grad()
     def encode_audio(
         self, input_features: torch.Tensor, feature_attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Mel features (n_mel, T) or (B, n_mel, T) (+ mask (B, T)) -> audio_embeds (n_audio_tokens, H)."""
-        if self.audio_tower is None:
-            raise ValueError("this encoder was built without an audio tower")
-        feats = input_features.unsqueeze(0) if input_features.dim() == 2 else input_features  # (B, n_mel, T)
-        if feats.dim() != 3 or feats.shape[1] != self.audio_tower.config.num_mel_bins:
+        return self.audio_tower_call(*self.audio_frames(input_features, feature_attention_mask))
+
+    def check_image(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Check one request's images against the tower's rules (ValueError naming the problem); returns the
+        grid (n_images, 3) as long."""
+        if self.visual is None:
+            raise ValueError("this encoder was built without a vision tower")
+        cfg = self.visual.config
+        m = cfg.spatial_merge_size
+        if image_grid_thw.dim() != 2 or image_grid_thw.shape[0] == 0 or image_grid_thw.shape[1] != 3 \
+                or not torch.equal(image_grid_thw.long().to(image_grid_thw.dtype), image_grid_thw) \
+                or int(image_grid_thw.min()) < 1:
+            raise ValueError(f"image_grid_thw must be (n_images >= 1, 3) whole numbers t, h, w >= 1, got "
+                             f"{image_grid_thw.tolist()}")
+        grid = image_grid_thw.long()
+        if bool((grid[:, 1:] % m).any()):
+            raise ValueError(f"every image_grid_thw h and w must divide by spatial_merge_size={m}, got {grid.tolist()}")
+        patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        n_patches = int(grid.prod(-1).sum())
+        if pixel_values.shape != (n_patches, patch_dim) or not pixel_values.is_floating_point():
             raise ValueError(
-                f"input_features must be (n_mel, T) or (B, n_mel, T) with n_mel="
-                f"{self.audio_tower.config.num_mel_bins}, got {tuple(input_features.shape)}"
+                f"pixel_values must be floating point (sum(t*h*w)={n_patches}, C*tp*p*p={patch_dim}) for "
+                f"image_grid_thw {grid.tolist()}, got {tuple(pixel_values.shape)} {pixel_values.dtype}"
             )
-        if feature_attention_mask is None:
-            feature_attention_mask = torch.ones(feats.shape[0], feats.shape[2], dtype=torch.long)
-        mask = feature_attention_mask.view(feats.shape[0], -1)  # (B, T)
-        if mask.shape[1] != feats.shape[2]:
-            raise ValueError(f"feature_attention_mask has {mask.shape[1]} frames, input_features {feats.shape[2]}")
-        lengths = mask.sum(dim=1)  # (B,)
-        valid = feats.permute(0, 2, 1)[mask.bool()].permute(1, 0)  # (n_mel, sum T_valid)
-        out = self.audio_tower(valid, feature_lens=lengths, return_dict=True)
-        return out.last_hidden_state  # (n_audio_tokens, H)
+        return grid
+
+    def image_token_counts(self, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Image tokens (rows of image_embeds and of each deepstack feature) per image: t*h*w / merge**2."""
+        if self.visual is None:
+            raise ValueError("this encoder was built without a vision tower")
+        return image_grid_thw.long().prod(-1) // self.visual.config.spatial_merge_size**2  # (n_images,)
+
+    @torch.no_grad()
+    def vision_tower_call(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """ONE tower call over the patches of any number of images -> (embeds (n_tokens, H), deepstack list)."""
+        if self.visual is None:
+            raise ValueError("this encoder was built without a vision tower")
+        out = self.visual(pixel_values.type(self.visual.dtype), grid_thw=image_grid_thw)
+        return out.pooler_output, list(out.deepstack_features)  # (n_tokens, H), [(n_tokens, H)]
 
     @torch.no_grad()
     def encode_image(
         self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Patches (n_patches, C*tp*p*p) + grid (n_images, 3) -> (embeds (n_tokens, H), deepstack list)."""
-        if self.visual is None:
-            raise ValueError("this encoder was built without a vision tower")
-        cfg = self.visual.config
-        patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
-        n_patches = int(image_grid_thw.prod(-1).sum())
-        if pixel_values.shape != (n_patches, patch_dim):
-            raise ValueError(
-                f"pixel_values must be (sum(t*h*w)={n_patches}, C*tp*p*p={patch_dim}) for image_grid_thw "
-                f"{image_grid_thw.tolist()}, got {tuple(pixel_values.shape)}"
-            )
-        out = self.visual(pixel_values.type(self.visual.dtype), grid_thw=image_grid_thw)
-        return out.pooler_output, list(out.deepstack_features)  # (n_tokens, H), [(n_tokens, H)]
+        return self.vision_tower_call(pixel_values, self.check_image(pixel_values, image_grid_thw))
