@@ -10,7 +10,10 @@ status even for `stream: true`; an error after that is sent as `data: {"error": 
 typed fields) are 400, as OpenAI answers, not FastAPI's 422.
 
 Also: `GET /v1/models`, `GET /health` (200 / 503 naming the stages down), `GET /metrics` (Prometheus
-text, `omnimesh:` prefix, a per-app registry). Run: `uvicorn.Server(uvicorn.Config(create_app(p), ...))`.
+text, `omnimesh:` prefix): the gateway's own series (a per-app registry; no `stage` label) followed by
+every stage's, scraped over the Stage `Metrics` RPC at each request and merged into one family per name
+(stage series carry `stage="thinker"` etc.; a stage that does not answer is left out and
+`omnimesh:stage_scrape_up{stage}` says 0). Run: `uvicorn.Server(uvicorn.Config(create_app(p), ...))`.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -70,9 +74,11 @@ from gateway.openai_schema import (
     resolve_model,
     resolve_voice,
 )
+from omnimesh.engine.metrics import merge_families, parse_exposition
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
+STAGE_SCRAPE_TIMEOUT_S = 2.0  # a stage slower than this to answer /metrics is left out of that scrape
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -94,6 +100,14 @@ class RestMetrics:
         self.prompt_tokens = Counter("omnimesh:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("omnimesh:generation_tokens", "Text tokens generated", registry=r)
         self.running = Gauge("omnimesh:requests_running", "Chat requests in flight", registry=r)
+        self.scrape_up = Gauge("omnimesh:stage_scrape_up", "1 when the stage answered the last /metrics scrape",
+                               ["stage"], registry=r)
+
+
+class MetricsSource(Protocol):
+    """A stage whose metrics /metrics includes (a `StageClient`)."""
+
+    async def metrics(self, timeout_s: float = ...) -> str: ...
 
 
 @dataclass(slots=True)
@@ -142,8 +156,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
 class RestGateway:
     """The route handlers of one app; `create_app` wires them."""
 
-    def __init__(self, pipeline: Pipeline, served_model_names: tuple[str, ...], loader: MediaLoader) -> None:
+    def __init__(self, pipeline: Pipeline, served_model_names: tuple[str, ...], loader: MediaLoader,
+                 stage_metrics: Mapping[str, MetricsSource] | None = None) -> None:
         self.pipeline = pipeline
+        self.stage_metrics = dict(stage_metrics or {})
         self.served_model_names = served_model_names
         self.loader = loader
         self.metrics = RestMetrics()
@@ -348,7 +364,23 @@ class RestGateway:
         return JSONResponse({"status": "ok", "stages": stages, "down": []})
 
     async def metrics_text(self, request: Request) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        names = list(self.stage_metrics)
+        scraped = await asyncio.gather(*(self._scrape(n) for n in names))
+        for name, families in zip(names, scraped):
+            self.metrics.scrape_up.labels(stage=name).set(0 if families is None else 1)
+        own = parse_exposition(generate_latest(self.metrics.registry).decode())  # `_created` as in the stages'
+        text = merge_families([own, *(f for f in scraped if f is not None)])
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    async def _scrape(self, name: str) -> list[Metric] | None:
+        """One stage's metric families; None when it does not answer in time or answers garbage."""
+        try:
+            text = await asyncio.wait_for(self.stage_metrics[name].metrics(timeout_s=STAGE_SCRAPE_TIMEOUT_S),
+                                          STAGE_SCRAPE_TIMEOUT_S + 0.5)
+            return parse_exposition(text)
+        except Exception as e:
+            log.debug("scraping the metrics of stage %s failed: %s", name, e)
+            return None
 
 
 class _Stream:
@@ -415,15 +447,17 @@ async def _close(events: AsyncIterator[Event]) -> None:
 
 def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                allowed_media_domains: frozenset[str] = frozenset(), limits: InputLimits | None = None,
-               media_transport: object | None = None) -> FastAPI:
+               media_transport: object | None = None,
+               stage_metrics: Mapping[str, MetricsSource] | None = None) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
     ask for; `allowed_media_domains` the hosts http(s) media may come from (empty = none);
-    `media_transport` an `httpx.AsyncBaseTransport` for tests."""
+    `media_transport` an `httpx.AsyncBaseTransport` for tests; `stage_metrics` the stages whose series
+    /metrics adds (by stage name)."""
     names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
     loader = MediaLoader(limits or InputLimits(), allowed_media_domains, transport=media_transport)  # type: ignore[arg-type]
-    gw = RestGateway(pipeline, names, loader)
+    gw = RestGateway(pipeline, names, loader, stage_metrics)
     app = FastAPI(title="omnimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])

@@ -2,7 +2,8 @@
 
 Data flow: load the tokenizer + processor from the model folder -> StageClients for the given stage
 addresses -> StagePipeline.connect() (reads voices / sample rate from the stages, bounded wait) ->
-serve REST on --host:--port and gRPC on --host:--grpc-port until SIGTERM / SIGINT.
+serve REST on --host:--port and gRPC on --host:--grpc-port until SIGTERM / SIGINT. REST /metrics also
+scrapes every stage's Metrics RPC through the same clients.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     pipeline = build_pipeline(args, model_dir, stage_addrs)
     await pipeline.connect()
     domains = frozenset(d.strip() for d in (args.allowed_media_domains or "").split(",") if d.strip())
-    app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains)
+    app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains,
+                     stage_metrics=pipeline.stages)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", loop="none", lifespan="off")
     rest = uvicorn.Server(config)
     rest.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # we own the signals

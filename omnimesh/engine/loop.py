@@ -11,6 +11,10 @@ Continuous batching: a stage with a `BatchStepper` gets every ready request (spl
 compute slots) in one `step_batch` call per step; requests join and leave between steps, and the
 stepper decides which of them run (token budget, KV-cache blocks). A slot frees -> the next step starts
 with whatever is ready then, so new requests never wait for older ones to finish.
+
+Metrics (optional `EngineMetrics`): each request's `RequestTiming` hears its submit, first readiness,
+first step, every step with output and its end; the load gauges read `_load` (the batcher's `stats()`
+when it has one) at scrape time.
 """
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from omnimesh.engine.task import StageRequestError, StageTask
 from omnimesh.parallel.mp_executor import RankFailure
 from omnimesh.transport.frames import StageChunk
+
+if TYPE_CHECKING:
+    from omnimesh.engine.metrics import EngineMetrics, RequestTiming, Stats
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +77,16 @@ class _Entry:
     out_seq: int = 0
     inflight: asyncio.Future | None = None  # the step running on a compute thread
     last_step: int = 0  # number of the step that last included it (round-robin: the longest-waiting first)
+    timing: RequestTiming | None = None  # metrics only
 
 
 class EngineLoop:
-    def __init__(self, name: str, max_inflight: int = 1, batcher: BatchStepper | None = None):
+    def __init__(self, name: str, max_inflight: int = 1, batcher: BatchStepper | None = None,
+                 metrics: EngineMetrics | None = None):
         """`max_inflight` > 1 lets that many steps run at once (a pipeline-parallel stage keeps each of its
         pp ranks busy with a different request or batch); one request never has two steps in flight.
-        With a `batcher`, each step is one `step_batch` call over many ready requests."""
+        With a `batcher`, each step is one `step_batch` call over many ready requests. `metrics` records
+        latencies, tokens and load."""
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.name = name
@@ -88,10 +98,18 @@ class EngineLoop:
         self._runner: asyncio.Task | None = None
         self._closed = False
         self._steps = 0
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.bind_stats(self._load)
 
     @property
     def num_requests(self) -> int:
         return len(self._entries)
+
+    def _load(self) -> Stats:
+        """The load gauges: the batcher's `stats()` when it has one, else every request here is running."""
+        stats = getattr(self._batcher, "stats", None)
+        return stats() if stats is not None else {"running": len(self._entries), "waiting": 0}
 
     def start(self) -> None:
         self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"{self.name}-engine")
@@ -112,7 +130,9 @@ class EngineLoop:
             )
         deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
         queue: asyncio.Queue = asyncio.Queue()
-        self._entries[task.request_id] = _Entry(task=task, queue=queue, deadline=deadline, whole_input=whole_input)
+        timing = self._metrics.request() if self._metrics is not None else None
+        self._entries[task.request_id] = _Entry(task=task, queue=queue, deadline=deadline, whole_input=whole_input,
+                                                timing=timing)
         self._wake.set()
         return queue
 
@@ -135,6 +155,8 @@ class EngineLoop:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return
+        if entry.timing is not None:
+            entry.timing.finished(entry.task, event)
         try:
             # close() may free model state (KV caches on every rank): it runs on the compute thread, after any
             # step in flight, so the model is never touched by two threads and the event loop never waits
@@ -184,6 +206,8 @@ class EngineLoop:
                     self._finish(rid, EngineFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} ran past its deadline in {self.name}"))
                 elif entry.inflight is None and self._deliver_inputs(entry) and entry.task.ready():
                     ready.append(entry)  # inputs wait in the inbox while a step is in flight
+                    if entry.timing is not None:
+                        entry.timing.ready()
             if not idle:
                 for group in self._groups(ready, self._max_inflight - len(running)):
                     running.add(asyncio.create_task(self._step_group(loop, group)))
@@ -223,6 +247,7 @@ class EngineLoop:
 
     async def _step_group(self, loop: asyncio.AbstractEventLoop, group: list[_Entry]) -> bool:
         """Run one step over `group`; deliver each request's outputs or error. True if any request progressed."""
+        started = time.monotonic()
         future = loop.run_in_executor(self._executor, self._compute, [e.task for e in group])
         self._steps += 1
         for entry in group:
@@ -241,6 +266,8 @@ class EngineLoop:
             result = results.get(rid)
             if result is None or self._entries.get(rid) is not entry:
                 continue  # no progress this step, or cancelled during it (its outputs go nowhere)
+            if entry.timing is not None:
+                entry.timing.stepped(started)
             if isinstance(result, BaseException):
                 self._finish(rid, self._failure(rid, result))
             else:
@@ -260,6 +287,8 @@ class EngineLoop:
 
     def _emit(self, entry: _Entry, outputs: list[StageChunk]) -> None:
         rid = entry.task.request_id
+        if entry.timing is not None and outputs:
+            entry.timing.output()
         if entry.task.finished:
             # the stream's last chunk carries final=True, even when the last step made no output
             if not outputs:

@@ -1,7 +1,8 @@
 """Runs one stage as a gRPC service: load the handler (the model part), then serve `Stage` until a signal.
 
 Data flow: `run_stage(factory, host, port)` -> factory() loads weights (progress on the log) ->
-EngineLoop + StageServicer on a grpc.aio server (uvloop) with health and reflection -> prints
+EngineLoop + StageServicer (sharing one EngineMetrics, served by the Metrics RPC) on a grpc.aio server
+(uvloop) with health and reflection -> prints
 `omnimesh stage <name> listening on host:port` (the launcher waits for that line or for health).
 """
 
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from grpc_health.v1 import health_pb2
 
 from omnimesh.engine.loop import EngineLoop
+from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.server.grpc_server import bind, make_server, serve_forever
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.server.stage_servicer import StageHandler, StageServicer
@@ -27,11 +29,12 @@ STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 
 
 async def _serve(handler: StageHandler, host: str, port: int) -> None:
+    metrics = EngineMetrics(handler.name, model_name=handler.info().model)
     engine = EngineLoop(handler.name, max_inflight=getattr(handler, "max_inflight_steps", 1),
-                        batcher=getattr(handler, "batcher", None))
+                        batcher=getattr(handler, "batcher", None), metrics=metrics)
     engine.start()
     server, health_servicer = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine), server)
+    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine, metrics), server)
     bound = bind(server, host, port)
     failure: StageFailure | None = getattr(handler, "failure", None)
     if failure is not None:

@@ -8,6 +8,7 @@ touches the others. A `cancel` message, or the client cancelling the RPC, frees 
 After its answer (done or error) a stream stays open, dropping input, until the caller half-closes or
 cancels: a caller still writing (the gateway relaying the thinker into a talker that already failed)
 then reads the stage's own answer instead of a transport error.
+`Metrics` answers the engine's Prometheus text (`EngineMetrics.render`), scraped by the gateway.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Protocol
 import grpc
 
 from omnimesh.engine.loop import EngineDone, EngineFailed, EngineLoop
+from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.engine.task import StageRequestError, StageTask
 from omnimesh.transport.frames import FrameError, StageChunk, chunk_from_proto, chunk_to_proto
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
@@ -49,12 +51,16 @@ def _error(code: grpc.StatusCode, message: str) -> stage_pb2.StageResponse:
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, handler: StageHandler, engine: EngineLoop):
+    def __init__(self, handler: StageHandler, engine: EngineLoop, metrics: EngineMetrics | None = None):
         self.handler = handler
         self.engine = engine
+        self.metrics = metrics  # the same object the engine records into; None = no series
 
     async def Info(self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> stage_pb2.StageInfo:
         return self.handler.info()
+
+    async def Metrics(self, request: stage_pb2.MetricsRequest, context: grpc.aio.ServicerContext) -> stage_pb2.MetricsReply:
+        return stage_pb2.MetricsReply(text=self.metrics.render() if self.metrics is not None else "")
 
     async def Process(
         self, request_iterator: AsyncIterator[stage_pb2.StageRequest], context: grpc.aio.ServicerContext

@@ -5,6 +5,7 @@ sends `open`; `stream.send(chunk)` numbers and writes input chunks (the last wit
 iterating the stream yields output `StageChunk`s, checks that their seq numbers are contiguous, and
 ends with the stage's `Done`. Every failure — an error inside the stream, the stage being unreachable,
 a missing chunk — is raised as `StageCallError` naming the stage and carrying a gRPC status code.
+`client.metrics()` fetches the stage's Prometheus text (the gateway's /metrics scrape).
 """
 
 from __future__ import annotations
@@ -133,6 +134,14 @@ class StageClient:
             return await self._stub.Info(stage_pb2.InfoRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise StageCallError(self.stage, exc.code(), f"stage {self.stage} at {self.address}: {exc.details()}") from exc
+
+    async def metrics(self, timeout_s: float = 2.0) -> str:
+        """The stage's metrics, Prometheus text (every series labelled with its stage)."""
+        try:
+            reply = await self._stub.Metrics(stage_pb2.MetricsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise StageCallError(self.stage, exc.code(), f"stage {self.stage} at {self.address}: {exc.details()}") from exc
+        return reply.text
 
     async def serving(self, timeout_s: float = 2.0) -> bool:
         try:

@@ -44,6 +44,11 @@ class StageStub:
                 request_serializer=omnimesh_dot_v1_dot_stage__pb2.InfoRequest.SerializeToString,
                 response_deserializer=omnimesh_dot_v1_dot_stage__pb2.StageInfo.FromString,
                 _registered_method=True)
+        self.Metrics = channel.unary_unary(
+                '/omnimesh.v1.Stage/Metrics',
+                request_serializer=omnimesh_dot_v1_dot_stage__pb2.MetricsRequest.SerializeToString,
+                response_deserializer=omnimesh_dot_v1_dot_stage__pb2.MetricsReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -61,6 +66,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Metrics(self, request, context):
+        """the engine's metrics, scraped by the gateway
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +85,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=omnimesh_dot_v1_dot_stage__pb2.InfoRequest.FromString,
                     response_serializer=omnimesh_dot_v1_dot_stage__pb2.StageInfo.SerializeToString,
+            ),
+            'Metrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.Metrics,
+                    request_deserializer=omnimesh_dot_v1_dot_stage__pb2.MetricsRequest.FromString,
+                    response_serializer=omnimesh_dot_v1_dot_stage__pb2.MetricsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +146,33 @@ class Stage:
             '/omnimesh.v1.Stage/Info',
             omnimesh_dot_v1_dot_stage__pb2.InfoRequest.SerializeToString,
             omnimesh_dot_v1_dot_stage__pb2.StageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Metrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnimesh.v1.Stage/Metrics',
+            omnimesh_dot_v1_dot_stage__pb2.MetricsRequest.SerializeToString,
+            omnimesh_dot_v1_dot_stage__pb2.MetricsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,202 @@
+"""Engine metrics through the Stage `Metrics` RPC: an EngineLoop + StageServicer on a real gRPC server on
+127.0.0.1 with a small counting stage (input `ids` of n tokens, then option `steps` decode steps with
+one output chunk each), scraped with `StageClient.metrics()` and parsed as Prometheus text."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from omnimesh.engine.loop import EngineLoop
+from omnimesh.engine.metrics import EngineMetrics
+from omnimesh.engine.task import StageTask
+from omnimesh.server.grpc_server import make_server
+from omnimesh.server.stage_server import STAGE_SERVICE
+from omnimesh.server.stage_servicer import StageServicer
+from omnimesh.transport.frames import StageChunk
+from omnimesh.transport.stage_client import StageCallError, StageClient
+from omnimesh.v1 import stage_pb2, stage_pb2_grpc
+
+LABELS = {"stage": "count", "model_name": "tiny"}
+
+
+class CountTask(StageTask):
+    def __init__(self, rid: str, steps: int, reason: str, fail: bool):
+        super().__init__(rid)
+        self.steps_left, self.fail, self.fed = steps, fail, False
+        self.finish_reason = reason
+
+    def feed(self, chunk: StageChunk) -> None:
+        self.prompt_tokens += int(chunk.tensors["ids"].numel())
+        self.fed = self.fed or chunk.final
+
+    def ready(self) -> bool:
+        return self.fed
+
+    def step(self) -> list[StageChunk]:
+        if self.fail:
+            raise RuntimeError("boom")
+        time.sleep(0.002)
+        self.steps_left -= 1
+        self.completion_tokens += 1
+        self.finished = self.steps_left <= 0
+        return [StageChunk(text="t")]
+
+
+class CountHandler:
+    name = "count"
+
+    def info(self) -> stage_pb2.StageInfo:
+        return stage_pb2.StageInfo(stage="count", model="tiny")
+
+    def open(self, msg: stage_pb2.Open) -> StageTask:
+        o = msg.options
+        return CountTask(msg.request_id, int(o.get("steps", "1")), o.get("reason", "stop"), o.get("fail") == "1")
+
+
+class FakeBatcher:
+    """Steps each task itself; reports the load an LM batcher would."""
+
+    def __init__(self) -> None:
+        self.load = {"running": 3, "waiting": 2, "kv_cache_usage": 0.25, "preemptions": 4}
+
+    def step_batch(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
+        return {t.request_id: t.step() for t in tasks}
+
+    def stats(self) -> dict:
+        return dict(self.load)
+
+
+async def _serve(batcher: FakeBatcher | None = None):
+    metrics = EngineMetrics("count", model_name="tiny")
+    engine = EngineLoop("count", batcher=batcher, metrics=metrics)
+    engine.start()
+    server, _ = make_server([STAGE_SERVICE])
+    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(CountHandler(), engine, metrics), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, engine, StageClient("count", f"127.0.0.1:{port}")
+
+
+@pytest.fixture
+async def stage():
+    server, engine, client = await _serve()
+    yield client, engine
+    await client.close()
+    await server.stop(0)
+    await engine.stop()
+
+
+async def run(client: StageClient, rid: str, n_prompt: int, **options: str) -> list[StageChunk]:
+    s = await client.open(rid, options=options)
+    await s.send(StageChunk(tensors={"ids": torch.zeros(n_prompt, dtype=torch.long)}, final=True))
+    return [c async for c in s]
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of the text (which must parse) by (name, labels); each carries the stage's labels."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = dict(s.labels)
+            assert {k: labels.pop(k, None) for k in LABELS} == LABELS, s
+            out[(s.name, frozenset(labels.items()))] = s.value
+    return out
+
+
+def value(got: dict, name: str, **labels: str) -> float:
+    return got.get((name, frozenset(labels.items())), 0.0)
+
+
+async def test_counters_and_histograms_match_what_ran(stage):
+    client, engine = stage
+    await asyncio.gather(run(client, "a", 5, steps="1"), run(client, "b", 7, steps="2"),
+                         run(client, "c", 11, steps="3", reason="length"))
+    with pytest.raises(StageCallError):
+        await run(client, "f", 2, fail="1")
+    held = await client.open("held", options={"steps": "1"})  # open, no input yet: in the engine, not stepped
+    await held.send(StageChunk(tensors={"ids": torch.zeros(3, dtype=torch.long)}))
+    await asyncio.sleep(0.05)
+
+    got = samples(await client.metrics())
+    assert value(got, "omnimesh:prompt_tokens_total") == 5 + 7 + 11 + 2
+    assert value(got, "omnimesh:generation_tokens_total") == 1 + 2 + 3
+    assert value(got, "omnimesh:request_success_total", finished_reason="stop") == 2
+    assert value(got, "omnimesh:request_success_total", finished_reason="length") == 1
+    assert value(got, "omnimesh:request_failure_total", code="INTERNAL") == 1
+    assert value(got, "omnimesh:time_to_first_token_seconds_count") == 3  # one per request with output
+    assert value(got, "omnimesh:inter_token_latency_seconds_count") == 0 + 1 + 2
+    assert value(got, "omnimesh:e2e_request_latency_seconds_count") == 3
+    assert value(got, "omnimesh:e2e_request_latency_seconds_bucket", le="+Inf") == 3
+    assert 0 < value(got, "omnimesh:e2e_request_latency_seconds_sum") < 30
+    assert value(got, "omnimesh:request_queue_time_seconds_count") == 4  # the failed one was stepped too
+    # no batcher: every request in the engine counts as running, none waits; no KV-cache series at all
+    assert value(got, "omnimesh:num_requests_running") == 1 and engine.num_requests == 1
+    assert value(got, "omnimesh:num_requests_waiting") == 0
+    assert not any(name.startswith(("omnimesh:kv_cache", "omnimesh:num_preemptions")) for name, _ in got)
+
+    await held.send(StageChunk(tensors={"ids": torch.zeros(1, dtype=torch.long)}, final=True))
+    assert len([c async for c in held]) == 1
+    await held.cancel()
+    got = samples(await client.metrics())
+    assert value(got, "omnimesh:num_requests_running") == 0
+    assert value(got, "omnimesh:prompt_tokens_total") == 25 + 4
+    assert value(got, "omnimesh:request_success_total", finished_reason="stop") == 3
+
+
+async def test_cancelled_request_counts_but_has_no_e2e_latency(stage):
+    client, engine = stage
+    s = await client.open("long", options={"steps": "100000"})
+    await s.send(StageChunk(tensors={"ids": torch.zeros(4, dtype=torch.long)}, final=True))
+    await asyncio.sleep(0.1)
+    await s.cancel()
+    for _ in range(100):
+        if engine.num_requests == 0:
+            break
+        await asyncio.sleep(0.01)
+    got = samples(await client.metrics())
+    assert value(got, "omnimesh:request_success_total", finished_reason="cancelled") == 1
+    assert value(got, "omnimesh:e2e_request_latency_seconds_count") == 0
+    assert value(got, "omnimesh:prompt_tokens_total") == 4
+    assert value(got, "omnimesh:generation_tokens_total") > 0  # what it generated before the cancel
+
+
+async def test_batcher_stats_are_the_load_gauges():
+    batcher = FakeBatcher()
+    server, engine, client = await _serve(batcher)
+    try:
+        assert len(await run(client, "r", 3, steps="2")) == 2
+        got = samples(await client.metrics())
+        assert value(got, "omnimesh:num_requests_running") == 3
+        assert value(got, "omnimesh:num_requests_waiting") == 2
+        assert value(got, "omnimesh:kv_cache_usage_perc") == 0.25
+        assert value(got, "omnimesh:num_preemptions_total") == 4
+        assert value(got, "omnimesh:generation_tokens_total") == 2
+        batcher.load = {"running": 0, "waiting": 0, "preemptions": 5}  # no KV figure: no KV series
+        got = samples(await client.metrics())
+        assert value(got, "omnimesh:num_preemptions_total") == 5
+        assert not any(name == "omnimesh:kv_cache_usage_perc" for name, _ in got)
+    finally:
+        await client.close()
+        await server.stop(0)
+        await engine.stop()
+
+
+async def test_servicer_without_metrics_answers_empty_text():
+    engine = EngineLoop("count")
+    engine.start()
+    server, _ = make_server([STAGE_SERVICE])
+    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(CountHandler(), engine), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = StageClient("count", f"127.0.0.1:{port}")
+    try:
+        assert await client.metrics() == ""
+    finally:
+        await client.close()
+        await server.stop(0)
+        await engine.stop()
