@@ -1,8 +1,10 @@
-"""The vocoder stage service: loads code2wav and opens a VocoderTask per request.
+"""The vocoder stage service: loads code2wav, opens a VocoderTask per request and steps all ready
+requests together through its `batcher` (a `VocoderBatcher`: one model call per engine step).
 
 Run: `omnimesh stage vocoder --model DIR --port 50054`. Option `window` (codes per decode, default 25 =
-2 s of audio on Qwen3-Omni) trades first-audio latency against per-call overhead; any window gives the
-same samples (to ~1e-7; one window size always gives bit-identical audio).
+2 s of audio on Qwen3-Omni) trades first-audio latency against per-call overhead; any window, and any
+batch a request shares a step with, gives the same samples (to float rounding, ~1e-7).
+The stage's max_num_batched_tokens caps the codes decoded in one step (default: no cap).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_code2wav
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.stage_registry import lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
+from services.vocoder.vocoder_batcher import VocoderBatcher
 from services.vocoder.vocoder_task import VocoderTask
 
 SAMPLE_RATE = 24000
@@ -29,13 +32,14 @@ class VocoderHandler:
     name = "vocoder"
 
     def __init__(self, code2wav: Qwen3OmniMoeCode2Wav, transformer: Code2WavTransformerBackend, model_name: str,
-                 layout: LMLayout, failure: StageFailure):
+                 layout: LMLayout, failure: StageFailure, max_codes_per_step: int | None = None):
         self.code2wav = code2wav
         self.transformer = transformer
         self.model_name = model_name
         self.layout = layout
         self.failure = failure
-        self.max_inflight_steps = layout.pp  # one request per pipeline rank at a time
+        self.max_inflight_steps = layout.pp  # one batch per pipeline rank at a time
+        self.batcher = VocoderBatcher(max_codes_per_step)
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
@@ -55,4 +59,5 @@ def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:
     failure = StageFailure()
     layout = lm_layout(args, "vocoder", failure)
     code2wav, transformer = load_code2wav(model_dir, resolve_dtype(args), layout)
-    return VocoderHandler(code2wav, transformer, model_dir.name, layout, failure)
+    cap = args.stage_configs()["vocoder"].max_num_batched_tokens
+    return VocoderHandler(code2wav, transformer, model_dir.name, layout, failure, cap)

@@ -1,10 +1,13 @@
 """VocoderTask: one request in the vocoder stage — codec code groups in, 24 kHz audio chunks out.
 
-Data flow: `codes` (Q, n) chunks are queued; an engine step runs when a whole window of `window` codes
-waits (or the input ended), decodes exactly one window through a `Code2WavStreamer` (left context +
-look-ahead handled there, so the concatenated stream equals one-piece decoding) and emits `pcm`
-(samples,) float32. Windows always start at multiples of `window`, whatever the timing of the input, so
-a request's audio is bit-identical run to run (decoding other cuts agrees only to ~1e-7).
+Data flow: `codes` (Q, n) chunks are queued by `feed`; the request is ready when a whole window of `window`
+codes waits (or the input ended). An engine step takes exactly one window off the queue (`take_window`),
+decodes it through the request's `Code2WavStreamer` (left context + look-ahead handled there, so the
+concatenated stream equals one-piece decoding) and emits `pcm` (samples,) float32 (`emit`). Windows always
+start at multiples of `window`, whatever the timing of the input, so a request's chunks are the same run to
+run. The stage steps all its ready requests together (`VocoderBatcher`, one model call per step); `step`
+is that same code for this request alone. Alone, a request's audio is bit-identical run to run; in a batch
+it equals that to float rounding (~1e-7: batched conv kernels round differently).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from omnimesh.engine.task import StageTask
 from omnimesh.models.qwen3_omni.code2wav import Code2WavStreamer
 from omnimesh.models.qwen3_omni.edges import require
 from omnimesh.transport.frames import StageChunk
+from services.vocoder.vocoder_batcher import step_windows
 
 EDGE = "talker -> vocoder"
 
@@ -50,17 +54,28 @@ class VocoderTask(StageTask):
     def ready(self) -> bool:
         return self.n_pending >= self.window or self.ended
 
-    def step(self) -> list[StageChunk]:
-        pcm = torch.zeros(0)
-        if self.pending:
-            codes = torch.cat(self.pending, dim=1)  # (Q, n)
-            take = min(self.window, codes.shape[1])
-            rest = codes[:, take:]
-            self.pending = [rest] if rest.shape[1] else []
-            self.n_pending = rest.shape[1]
-            self.completion_tokens += take
-            pcm = self.streamer.feed(codes[:, :take])
+    def next_window_size(self) -> int:
+        """Codes the next step takes (0: only the end of the stream is left)."""
+        return min(self.window, self.n_pending)
+
+    def take_window(self) -> torch.Tensor:
+        """Take the next window off the queue -> codes (Q, take), take = min(window, pending) (may be 0)."""
+        codes = torch.cat(self.pending, dim=1) if self.pending else torch.zeros(self.streamer.num_quantizers, 0, dtype=torch.long)
+        take = min(self.window, codes.shape[1])
+        rest = codes[:, take:]
+        self.pending = [rest] if rest.shape[1] else []
+        self.n_pending = rest.shape[1]
+        self.completion_tokens += take
+        return codes[:, :take]
+
+    def emit(self, pcm: torch.Tensor) -> list[StageChunk]:
+        """The step's output for its decoded samples (k,); the step that empties an ended queue finishes."""
         if self.ended and not self.pending:
-            pcm = torch.cat([pcm, self.streamer.flush()])
             self.finished = True
         return [StageChunk(tensors={"pcm": pcm.to(torch.float32)})] if pcm.numel() or self.finished else []
+
+    def step(self) -> list[StageChunk]:
+        result = step_windows([self])[self.request_id]
+        if isinstance(result, BaseException):
+            raise result
+        return result

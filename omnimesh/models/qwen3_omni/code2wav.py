@@ -22,16 +22,27 @@ Why that is possible (read off `Qwen3OmniMoeCode2Wav.forward`):
 
 Data flow (one request):
     feed(codes (Q, n)) -> pending; once >= `window` codes are pending:
-        embed (1, n, H) -> pre_transformer(cache, positions seen..seen+n) -> frames (1, n, H)
+        embed (n, H) -> pre_transformer(cache, positions seen..seen+n) -> frames (n, H)
         [kept left-context frames | new frames] -> upsample + decoder -> emit new samples (k,)
     flush() -> decodes what is pending; afterwards total emitted == n_total * 1920 - 555.
+
+Batching (the vocoder stage's continuous batching): `decode_windows` decodes the next codes of MANY
+streamers in one pre-transformer call and one conv-stack call. Each streamer `prepare`s its codes (its own
+embedding, cheap), the frames are right-padded to the longest row, and each row's output is cropped back
+to its own length. That is exact: the pre-transformer masks per row (see parallel_code2wav_transformer),
+and every conv is causal with the trans convs' look-ahead already trimmed (output m of a trans conv reads
+inputs <= floor(m / r), and the trim drops every output that would read past the last input), so no
+sample a row keeps reads a padded frame. A lone streamer is a batch of one: the same code either way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
@@ -91,7 +102,8 @@ class Code2WavStreamer:
     def __init__(self, code2wav: nn.Module, left_context: int | None = None, window: int = 1,
                  transformer: Any = None) -> None:
         """`transformer`: where the pre-transformer runs (a `Code2WavTransformerBackend`, our pp x tp
-        ranks); default: `code2wav.pre_transformer` in this process with a transformers KV cache."""
+        ranks, batched over requests); default: `code2wav.pre_transformer` in this process with a
+        transformers KV cache (one call per request even in a batch)."""
         if window < 1:
             raise ValueError(f"window must be >= 1 code, got {window}")
         c2w: Any = code2wav
@@ -106,8 +118,8 @@ class Code2WavStreamer:
         self.transformer = transformer
         self._handle = transformer.open() if transformer is not None else None
         self._cache = DynamicCache(config=c2w.pre_transformer.config) if transformer is None else None
-        self._frames = torch.zeros(1, 0, c2w.config.hidden_size)  # (1, F, H) kept pre-transformer output
-        self._frames_start = 0  # global index of self._frames[:, 0]
+        self._frames: torch.Tensor | None = None  # (F, H) kept pre-transformer output
+        self._frames_start = 0  # global index of self._frames[0]
         self._seen = 0  # codes through the pre-transformer
         self._emitted = 0  # samples emitted so far
         self._pending: list[torch.Tensor] = []  # (Q, n) code blocks not yet decoded
@@ -118,8 +130,7 @@ class Code2WavStreamer:
 
     def feed(self, codes: torch.Tensor) -> torch.Tensor:
         """Queue codes (Q, n); decode once >= `window` are pending. Returns the new final samples (k,)."""
-        if codes.dim() != 2 or codes.shape[0] != self.num_quantizers:
-            raise ValueError(f"codes must be (num_quantizers={self.num_quantizers}, n), got {tuple(codes.shape)}")
+        self._check(codes)
         self._pending.append(codes.long())
         if sum(c.shape[1] for c in self._pending) < self.window:
             return torch.zeros(0)
@@ -129,37 +140,47 @@ class Code2WavStreamer:
         """Decode whatever is pending (end of request). Returns the remaining samples (k,)."""
         return self._decode_pending()
 
-    @torch.no_grad()
+    def _check(self, codes: torch.Tensor) -> None:
+        if codes.dim() != 2 or codes.shape[0] != self.num_quantizers:
+            raise ValueError(f"codes must be (num_quantizers={self.num_quantizers}, n), got {tuple(codes.shape)}")
+
     def _decode_pending(self) -> torch.Tensor:
-        if not self._pending or sum(c.shape[1] for c in self._pending) == 0:
-            self._pending = []
-            return torch.zeros(0)
-        codes = torch.cat(self._pending, dim=1).unsqueeze(0)  # (1, Q, n)
+        codes = torch.cat(self._pending, dim=1) if self._pending else torch.zeros(self.num_quantizers, 0)
         self._pending = []
-        new_frames = self._run_transformer(codes)  # (1, n, H)
-        frames = torch.cat([self._frames, new_frames], dim=1)  # (1, F + n, H)
-        wav = self._run_convs(frames)  # (samples,)
+        if codes.shape[1] == 0:
+            return torch.zeros(0)
+        return decode_windows([self.prepare(codes)])[0]
+
+    @torch.no_grad()
+    def prepare(self, codes: torch.Tensor) -> Window:
+        """This request's part of a decode step: embed its next n >= 1 codes (Q, n) -> a `Window` for
+        `decode_windows`. Raises (for this request alone) on bad codes or a closed streamer."""
+        self._check(codes)
+        if codes.shape[1] == 0:
+            raise ValueError("a window needs at least one code")
+        if self.transformer is not None and self._handle is None:
+            raise ValueError("this streamer is closed (its pre-transformer cache was freed)")
+        c2w = self.code2wav
+        x = c2w.code_embedding(codes.long().unsqueeze(0) + c2w.code_offset).mean(1)[0]  # (n, H)
+        return Window(self, x)
+
+    def _run_local(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' pre-transformer on this request's KV cache: x (n, H) -> frames (n, H)."""
+        n = x.shape[0]
+        positions = torch.arange(self._seen, self._seen + n).view(1, n)  # (1, n)
+        return self.code2wav.pre_transformer(
+            inputs_embeds=x.unsqueeze(0), position_ids=positions, past_key_values=self._cache, use_cache=True
+        ).last_hidden_state[0]  # (n, H)
+
+    def _advance(self, frames: torch.Tensor, wav: torch.Tensor) -> torch.Tensor:
+        """After a decode over frames (F, H) (kept + new) that gave wav (F * samples_per_code - tail,):
+        the new samples (k,); keeps the left-context frames the next window needs."""
         offset = self._emitted - self._frames_start * self.samples_per_code
         out = wav[offset:]  # (k,)
         self._emitted += out.shape[0]
         keep_from = max(self._emitted // self.samples_per_code - self.left_context, self._frames_start)
-        self._frames = frames[:, keep_from - self._frames_start :]  # (1, F', H)
+        self._frames = frames[keep_from - self._frames_start :]  # (F', H)
         self._frames_start = keep_from
-        return out
-
-    def _run_transformer(self, codes: torch.Tensor) -> torch.Tensor:
-        """Pre-transformer on new codes (1, Q, n) with the request's KV cache -> frames (1, n, H)."""
-        c2w = self.code2wav
-        hidden = c2w.code_embedding(codes + c2w.code_offset).mean(1)  # (1, n, H)
-        n = hidden.shape[1]
-        positions = torch.arange(self._seen, self._seen + n).view(1, n)  # (1, n)
-        if self.transformer is not None:
-            out = self.transformer.forward(self._handle, hidden, positions)  # (1, n, H)
-        else:
-            out = c2w.pre_transformer(
-                inputs_embeds=hidden, position_ids=positions, past_key_values=self._cache, use_cache=True
-            ).last_hidden_state  # (1, n, H)
-        self._seen += n
         return out
 
     def close(self) -> None:
@@ -168,15 +189,64 @@ class Code2WavStreamer:
             self.transformer.close(self._handle)
             self._handle = None
 
-    def _run_convs(self, frames: torch.Tensor) -> torch.Tensor:
-        """Upsample + decoder over frames (1, F, H) -> waveform (F * samples_per_code - tail,)."""
-        hidden = frames.permute(0, 2, 1)  # (1, H, F)
-        for blocks in self.code2wav.upsample:
-            for block in blocks:
-                hidden = block(hidden)
-        for block in self.code2wav.decoder:
+
+@dataclass(frozen=True)
+class Window:
+    """One streamer's next codes, embedded: x (n, H)."""
+
+    streamer: Code2WavStreamer
+    x: torch.Tensor
+
+
+@torch.no_grad()
+def decode_windows(windows: Sequence[Window]) -> list[torch.Tensor]:
+    """Decode the windows of several streamers (one each, same code2wav and transformer) in ONE
+    pre-transformer call and ONE conv-stack call; returns each streamer's new samples (k_b,), in order."""
+    if not windows:
+        return []
+    streamers = [w.streamer for w in windows]
+    first = streamers[0]
+    if any(s.code2wav is not first.code2wav or s.transformer is not first.transformer for s in streamers):
+        raise ValueError("a batch must share one code2wav and one pre-transformer")
+    if len({id(s) for s in streamers}) != len(streamers):
+        raise ValueError("a streamer may decode one window per batch")
+    new = _pre_transformer(first, windows)  # per row (n_b, H)
+    frames = [f if s._frames is None else torch.cat([s._frames.to(f.dtype), f]) for s, f in zip(streamers, new)]
+    wavs = run_convs(first.code2wav, frames)  # per row (F_b * samples_per_code - tail,)
+    return [s._advance(f, w) for s, f, w in zip(streamers, frames, wavs)]
+
+
+def _pre_transformer(first: Code2WavStreamer, windows: Sequence[Window]) -> list[torch.Tensor]:
+    """Every window's new frames (n_b, H): one call on the backend for the whole batch, right-padded."""
+    lengths = [w.x.shape[0] for w in windows]
+    if first.transformer is None:
+        out = [w.streamer._run_local(w.x) for w in windows]
+    else:
+        T = max(lengths)
+        x = torch.stack([F.pad(w.x, (0, 0, 0, T - w.x.shape[0])) for w in windows])  # (B, T, H)
+        positions = torch.stack([torch.arange(w.streamer._seen, w.streamer._seen + T) for w in windows])  # (B, T)
+        hidden = first.transformer.forward([w.streamer._handle for w in windows], x, positions, lengths)  # (B, T, H)
+        out = [hidden[b, :n] for b, n in enumerate(lengths)]
+    for w, n in zip(windows, lengths):
+        w.streamer._seen += n
+    return out
+
+
+def run_convs(code2wav: Any, frames: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Upsample + decoder once over B rows of frames (F_b, H), right-padded -> per row its waveform
+    (F_b * samples_per_code - tail,), cropped back (exact: see the module docstring)."""
+    lengths = [f.shape[0] for f in frames]
+    F_max = max(lengths)
+    batch = torch.stack([F.pad(f, (0, 0, 0, F_max - f.shape[0])) for f in frames])  # (B, F, H)
+    hidden = batch.permute(0, 2, 1)  # (B, H, F)
+    for blocks in code2wav.upsample:
+        for block in blocks:
             hidden = block(hidden)
-        return hidden.clamp(min=-1, max=1).view(-1)  # (samples,)
+    for block in code2wav.decoder:
+        hidden = block(hidden)
+    wav = hidden.clamp(min=-1, max=1).reshape(len(frames), -1)  # (B, F * samples_per_code - tail)
+    tail = F_max * int(code2wav.total_upsample) - wav.shape[1]
+    return [wav[b, : n * int(code2wav.total_upsample) - tail] for b, n in enumerate(lengths)]
 
 
 def stream_decode(

@@ -4,14 +4,18 @@ Role: the `RankProgram` of a vocoder stage split over pp x tp ranks (and, with `
 in-process). Each rank builds `ParallelCode2WavTransformer` over its own layer range, loads only those
 tensors (sharded for its TP rank) and keeps one sliding-window KV cache per open request. The code
 embedding and the causal conv stack (upsampling + decoder) stay in the stage's driver process, which
-embeds the codes, sends the frames here and turns the returned hidden frames into samples.
+embeds the codes, sends the frames here and turns the returned hidden frames into samples. One step
+carries the next window of one or many requests (the vocoder's continuous batching), right-padded to
+the longest, and runs every rank's layers once for all of them.
 
-Commands:  C2WStep(handle, x (1, n, H), positions (1, n)) -> hidden (1, n, H) from the last pp rank
-           C2WFree(handle)                                   every rank drops the request's cache
+Commands:  C2WStep(handles (B,), x (B, T, H), positions (B, T), lengths (B,))
+                -> hidden (B, T, H) from the last pp rank (row b real up to lengths[b])
+           C2WFree(handle)       every rank drops the request's cache
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,7 +23,7 @@ from typing import Any
 
 import torch
 
-from omnimesh.models.qwen3_omni.parallel_code2wav_transformer import ParallelCode2WavTransformer, pipeline_step
+from omnimesh.models.qwen3_omni.parallel_code2wav_transformer import ParallelCode2WavTransformer, batch_pipeline_step
 from omnimesh.parallel.mp_executor import MpExecutor, start_program
 from omnimesh.parallel.parallel_state import ParallelState
 from omnimesh.parallel.partition import partition_layers
@@ -27,9 +31,10 @@ from omnimesh.parallel.partition import partition_layers
 
 @dataclass(frozen=True)
 class C2WStep:
-    handle: int
-    x: torch.Tensor  # (1, n, H) mean code embeddings of n new codes
-    positions: torch.Tensor  # (1, n) absolute positions seen .. seen + n
+    handles: tuple[int, ...]  # (B,) one open request per row
+    x: torch.Tensor  # (B, T, H) mean code embeddings of each request's new codes, right-padded to T
+    positions: torch.Tensor  # (B, T) absolute positions seen_b .. seen_b + T - 1
+    lengths: tuple[int, ...]  # (B,) real codes per row, 1..T
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,12 @@ class Code2WavShard:
         if isinstance(command, C2WFree):
             self.caches.pop(command.handle, None)
             return None
-        cache = self.caches.get(command.handle)
-        if cache is None:
-            cache = self.caches[command.handle] = self.model.new_cache()
+        for h in command.handles:
+            if h not in self.caches:
+                self.caches[h] = self.model.new_cache()
+        caches = [self.caches[h] for h in command.handles]
         x = command.x.to(self.ps.device) if self.ps.is_first_pp_rank else None
-        hidden = pipeline_step(self.model, x, command.positions, cache)  # (1, n, H)
+        hidden = batch_pipeline_step(self.model, x, command.positions, caches, command.lengths)  # (B, T, H)
         return hidden.cpu() if self.ps.is_last_pp_rank and self.ps.tp_rank == 0 else None
 
 
@@ -72,7 +78,8 @@ def build_code2wav_shard(spec: C2WShardSpec, ps: ParallelState) -> Code2WavShard
 
 
 class Code2WavTransformerBackend:
-    """The pre-transformer behind `Code2WavStreamer`: open / forward / close per request, on our ranks."""
+    """The pre-transformer behind `Code2WavStreamer`: open / close per request, forward per step for a batch
+    of requests, on our ranks."""
 
     def __init__(self, run: Any, executor: MpExecutor | None = None):
         self._run = run
@@ -88,8 +95,12 @@ class Code2WavTransformerBackend:
         self._next += 1
         return self._next
 
-    def forward(self, handle: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self._run(C2WStep(handle, x, positions))
+    def forward(self, handles: Sequence[int], x: torch.Tensor, positions: torch.Tensor,
+                lengths: Sequence[int]) -> torch.Tensor:
+        """The next codes of requests `handles`: x (B, T, H), positions (B, T), lengths (B,) -> frames (B, T, H)."""
+        if len(set(handles)) != len(handles):
+            raise ValueError(f"a request may appear once per step, got handles {list(handles)}")
+        return self._run(C2WStep(tuple(handles), x, positions, tuple(int(n) for n in lengths)))
 
     def close(self, handle: int) -> None:
         if self.executor is None or self.executor.failure is None:

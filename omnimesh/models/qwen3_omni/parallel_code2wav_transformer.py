@@ -14,37 +14,47 @@ q-71..q, so the cache never needs more than the last `sliding_window - 1` keys p
 `get_seq_length` still counts every position seen, which is where the mask and positions come from.
 Windows of any size give the same frames as one pass over all codes (tests: 1, 7, 30 codes, past 72).
 
-Data flow (one window of one request; every rank of the stage calls `pipeline_step` for it):
-    first pp rank:  x = code_embedding(codes + offset).mean(quantizers) (1, n, H), positions (1, n)
-        -> layers start..end-1 over this rank's heads / columns (hidden crosses pp boundaries)
-        -> final norm (last pp rank) -> frames (1, n, H) for the conv stack
+Batching: `forward` takes the windows of B requests at once, x (B, T, H) right-padded to the longest
+(row b holds `lengths[b]` real codes), positions (B, T) and one cache per row. Per layer, q/k/v, the MLP
+and the norms run once for the whole batch; each row's keys are [its cached keys | its T new keys],
+right-padded to the longest row, and the (B, 1, T, S) mask lets query i of row b see only that row's keys
+k <= q within the window. Real queries never see a padded key (padded keys come after every real query,
+padded key slots beyond a row's length are masked), and only the real keys enter each cache, so a row's
+output equals decoding it alone; padded query rows hold finite garbage the caller drops.
+
+Data flow (one engine step of B requests; every rank of the stage calls `batch_pipeline_step` for it):
+    first pp rank:  x = code_embedding(codes + offset).mean(quantizers) (B, T, H), positions (B, T)
+        -> layers start..end-1 over this rank's heads / columns (hidden (B, T, H) crosses pp boundaries)
+        -> final norm (last pp rank) -> frames (B, T, H) for the conv stack
 
 Run the checks: python -m pytest tests/parallel/test_parallel_code2wav_transformer.py -q
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omnimesh.models.qwen3_omni.parallel_code_predictor import (
     CheckpointPlan,
     ParallelDenseAttention,
     Rotary1D,
-    causal_window_mask,
     check_dense_layout,
     check_layer_range,
     check_supported,
     pipeline_step,
 )
-from omnimesh.models.qwen3_omni.parallel_text_model import ParallelMLP, RMSNorm
+from omnimesh.models.qwen3_omni.parallel_text_model import ParallelMLP, RMSNorm, _rotate_half
 from omnimesh.parallel.layers import default_weight_loader
-from omnimesh.parallel.parallel_state import ParallelState
+from omnimesh.parallel.parallel_state import ParallelState, pp_recv, pp_send
 
-__all__ = ["ParallelCode2WavTransformer", "SlidingWindowKVCache", "check_code2wav_layout", "pipeline_step"]
+__all__ = ["ParallelCode2WavTransformer", "SlidingWindowKVCache", "batch_pipeline_step", "check_code2wav_layout",
+           "pipeline_step"]
 
 
 def check_code2wav_layout(config: Any, pp: int, tp: int, custom_partition: list[int] | None = None) -> None:
@@ -118,10 +128,53 @@ class ParallelCode2WavLayer(nn.Module):
         self.mlp = ParallelMLP(H, config.intermediate_size, ps, dtype, reduce=True)
         self.mlp_layer_scale = LayerScale(H, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: SlidingWindowKVCache,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, cache, mask))  # (1, T, H)
-        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))  # (1, T, H)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[SlidingWindowKVCache],
+                lengths: Sequence[int], mask: torch.Tensor) -> torch.Tensor:
+        attn = batch_attention(self.self_attn, self.input_layernorm(x), cos, sin, caches, lengths, mask)  # (B, T, H)
+        x = x + self.self_attn_layer_scale(attn)  # (B, T, H)
+        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))  # (B, T, H)
+
+
+def batch_attention(attn: ParallelDenseAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    caches: Sequence[SlidingWindowKVCache], lengths: Sequence[int], mask: torch.Tensor) -> torch.Tensor:
+    """`attn`'s projections over x (B, T, H) (rows right-padded, row b real up to lengths[b]); each row attends
+    over [its cache | its T new keys] (padded to the longest row, see `batch_window_mask`). Only a row's real
+    keys enter its cache. -> (B, T, H), all-reduced over TP."""
+    B, T, D = x.shape[0], x.shape[1], attn.head_dim
+    proj = attn.qkv_proj
+    q, k, v = proj(x).split([proj.q_size, proj.kv_size, proj.kv_size], -1)
+    q, k, v = q.view(B, T, -1, D), k.view(B, T, -1, D), v.view(B, T, -1, D)  # (B, T, heads/tp, D)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh/tp | nkv/tp, T, D)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
+    q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    keys, values = [], []
+    for b, (cache, n) in enumerate(zip(caches, lengths)):
+        kb, vb = cache.update(attn.layer_idx, k[b:b + 1, :, :n], v[b:b + 1, :, :n])  # (1, nkv/tp, stored_b + n, D)
+        keys.append(torch.cat([kb, k[b:b + 1, :, n:]], dim=2) if n < T else kb)  # (1, nkv/tp, stored_b + T, D)
+        values.append(torch.cat([vb, v[b:b + 1, :, n:]], dim=2) if n < T else vb)
+    S = mask.shape[-1]
+    k = torch.cat([F.pad(t, (0, 0, 0, S - t.shape[2])) for t in keys])  # (B, nkv/tp, S, D)
+    v = torch.cat([F.pad(t, (0, 0, 0, S - t.shape[2])) for t in values])
+    k, v = k.repeat_interleave(attn.n_rep, dim=1), v.repeat_interleave(attn.n_rep, dim=1)  # (B, nh/tp, S, D)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5)  # (B, nh/tp, T, D)
+    return attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
+
+
+def batch_window_mask(seen: Sequence[int], stored: Sequence[int], T: int, window: int,
+                      device: torch.device) -> torch.Tensor:
+    """Bool (B, 1, T, S) mask, S = max(stored) + T: row b's keys are its `stored[b]` cached keys (positions
+    seen_b - stored_b .. seen_b - 1) then its T new keys (seen_b ..), then padding; query i (position
+    seen_b + i) sees key k iff k <= q and q - k < window (transformers' sliding window), never padding."""
+    seen_t = torch.tensor(list(seen), device=device)[:, None, None]  # (B, 1, 1)
+    stored_t = torch.tensor(list(stored), device=device)[:, None, None]
+    S = int(max(stored)) + T
+    q = seen_t + torch.arange(T, device=device)[None, :, None]  # (B, T, 1)
+    j = torch.arange(S, device=device)[None, None, :]  # (1, 1, S) key slot
+    k = seen_t - stored_t + j  # (B, 1, S) key position
+    ok = (j < stored_t + T) & (k <= q) & (q - k < window)  # (B, T, S)
+    return ok.unsqueeze(1)
 
 
 class ParallelCode2WavTransformer(nn.Module):
@@ -145,19 +198,27 @@ class ParallelCode2WavTransformer(nn.Module):
         return SlidingWindowKVCache((self.start, self.end), self.window)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: SlidingWindowKVCache) -> torch.Tensor:
-        """This rank's layers on x (1, T, H) at positions (1, T) (= seen..seen+T-1) -> (1, T, H), final-normed
-        on the last rank."""
-        if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size:
-            raise ValueError(f"x must be (1, T, {self.hidden_size}), got {tuple(x.shape)}")
-        if positions.shape != (1, x.shape[1]):
-            raise ValueError(f"positions must be (1, T={x.shape[1]}), got {tuple(positions.shape)}")
-        T = x.shape[1]
-        cos, sin = self.rotary(positions.to(x.device), x.dtype)  # (1, T, D) each
-        mask = causal_window_mask(T, cache.get_seq_length(), cache.stored_length(), self.window, x.device)  # (T, S)
-        hidden = x  # (1, T, H)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                caches: SlidingWindowKVCache | Sequence[SlidingWindowKVCache],
+                lengths: Sequence[int] | None = None) -> torch.Tensor:
+        """This rank's layers on x (B, T, H) at positions (B, T) (row b: seen_b..seen_b+T-1, seen_b = its
+        cache's length), one cache per row (a bare cache: B = 1), row b real up to lengths[b] (default T)
+        -> (B, T, H), final-normed on the last rank; padded rows' outputs are garbage to drop."""
+        caches = [caches] if isinstance(caches, SlidingWindowKVCache) else list(caches)
+        B, T = len(caches), x.shape[1]
+        lengths = [T] * B if lengths is None else list(lengths)
+        if x.dim() != 3 or x.shape[0] != B or x.shape[2] != self.hidden_size:
+            raise ValueError(f"x must be ({B} = one row per cache, T, {self.hidden_size}), got {tuple(x.shape)}")
+        if positions.shape != (B, T):
+            raise ValueError(f"positions must be (B={B}, T={T}), got {tuple(positions.shape)}")
+        if len(lengths) != B or not all(1 <= n <= T for n in lengths):
+            raise ValueError(f"lengths must be {B} row lengths in 1..{T}, got {lengths}")
+        cos, sin = self.rotary(positions.to(x.device), x.dtype)  # (B, T, D) each
+        mask = batch_window_mask([c.get_seq_length() for c in caches], [c.stored_length() for c in caches], T,
+                                 self.window, x.device)  # (B, 1, T, S)
+        hidden = x  # (B, T, H)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, cache, mask)  # (1, T, H)
+            hidden = layer(hidden, cos, sin, caches, lengths, mask)  # (B, T, H)
         return self.norm(hidden) if self.norm is not None else hidden
 
     def checkpoint_plan(self, prefix: str) -> CheckpointPlan:
@@ -183,3 +244,19 @@ class ParallelCode2WavTransformer(nn.Module):
     def param_bytes(self) -> int:
         """Bytes of this rank's parameters (buffers such as inv_freq excluded)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+def batch_pipeline_step(model: ParallelCode2WavTransformer, x: torch.Tensor | None, positions: torch.Tensor,
+                        caches: Sequence[SlidingWindowKVCache], lengths: Sequence[int]) -> torch.Tensor:
+    """`pipeline_step` for a batch: every rank of the stage calls it for the same step; only the hidden
+    (B, T, H) crosses each pp boundary, its shape known on every rank from `positions` (B, T). `x` is the
+    input on the first pipeline rank (ignored elsewhere). Returns this rank's output (B, T, H)."""
+    ps = model.ps
+    if ps.is_first_pp_rank:
+        if x is None:
+            raise ValueError(f"the first pipeline rank needs its input x (B, T, {model.hidden_size})")
+    else:
+        x = pp_recv((*positions.shape, model.hidden_size), model.dtype, ps)
+    hidden = model(x, positions, caches, lengths)  # (B, T, H)
+    pp_send(hidden, ps)  # no-op on the last pipeline rank
+    return hidden

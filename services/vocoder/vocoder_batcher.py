@@ -1,0 +1,72 @@
+"""VocoderBatcher: the vocoder stage's continuous batching — one model call per engine step for every
+ready request.
+
+Data flow (one `step_batch`, on the engine's compute thread):
+    per request (errors stay with that request): take its next window of codes (Q, n_b) off its queue
+        (`VocoderTask.take_window`; windows start at multiples of `window`, as when it runs alone) and
+        embed it (`Code2WavStreamer.prepare`)
+    all at once: `decode_windows` -> ONE pre-transformer call over (B, T, H), right-padded (on the stage's
+        pp x tp ranks, one KV cache per request) and ONE conv-stack call over each request's [kept left
+        context | new frames], padded to the longest and cropped back per request
+    per request: `VocoderTask.emit` -> its pcm chunk, `finished` when its ended queue is empty
+A request whose stream ended with nothing left to decode just finishes (no model work). The padding is
+exact (see code2wav.py), so each request's samples equal its solo decode to float rounding of the batched
+kernels. `max_codes` (the stage's max_num_batched_tokens) caps the codes of one step; requests left out
+stay ready for the next step (the engine offers the longest-waiting first).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from omnimesh.engine.task import StageTask
+from omnimesh.models.qwen3_omni.code2wav import Window, decode_windows
+from omnimesh.transport.frames import StageChunk
+
+if TYPE_CHECKING:
+    from services.vocoder.vocoder_task import VocoderTask
+
+StepResult = dict[str, list[StageChunk] | BaseException]
+
+
+def step_windows(tasks: list[VocoderTask]) -> StepResult:
+    """One step of each task (its next window), decoded together; per request id its chunks or its error.
+    An error of the batched model call itself is raised (it fails every task given)."""
+    results: StepResult = {}
+    stepped: list[tuple[VocoderTask, Window | None]] = []
+    for task in tasks:
+        try:
+            codes = task.take_window()  # (Q, n)
+            stepped.append((task, task.streamer.prepare(codes) if codes.shape[1] else None))
+        except Exception as exc:
+            results[task.request_id] = exc
+    decoding = [(task, w) for task, w in stepped if w is not None]
+    pcm = dict(zip([t.request_id for t, _ in decoding], decode_windows([w for _, w in decoding])))  # the model call
+    for task, _ in stepped:
+        try:
+            results[task.request_id] = task.emit(pcm.get(task.request_id, torch.zeros(0)))
+        except Exception as exc:
+            results[task.request_id] = exc
+    return results
+
+
+class VocoderBatcher:
+    """The vocoder handler's `batcher` (the engine loop's `BatchStepper`)."""
+
+    def __init__(self, max_codes: int | None = None) -> None:
+        if max_codes is not None and max_codes < 1:
+            raise ValueError(f"max_codes must be >= 1, got {max_codes}")
+        self.max_codes = max_codes
+
+    def step_batch(self, tasks: list[StageTask]) -> StepResult:
+        batch: list[VocoderTask] = []
+        codes = 0
+        for task in cast("list[VocoderTask]", tasks):  # the engine's order: longest-waiting first
+            n = task.next_window_size()
+            if batch and self.max_codes is not None and codes + n > self.max_codes:
+                continue  # no room this step; it stays ready
+            batch.append(task)
+            codes += n
+        return step_windows(batch)
