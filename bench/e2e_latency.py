@@ -11,40 +11,27 @@ time to first audio chunk (streamed) and the ratios. Not part of the test suite.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import HFGenerate, chat_body, model_folder, percentile, prompt, stream_chat  # noqa: E402
 from bench.mesh_process import MeshProcess  # noqa: E402
-from gateway.events import ChatMessage, ChatRequest, TextPart  # noqa: E402
-from gateway.prompt import PromptBuilder  # noqa: E402
-
-PROMPTS = [f"Tell me a short story about the number {i}." for i in range(64)]
 
 
 def transformers_latencies(model_dir: Path, n: int, max_tokens: int, talker_max: int) -> list[float]:
-    from transformers import Qwen3OmniMoeForConditionalGeneration
-
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).eval()
-    prompts = PromptBuilder(model_dir, max_model_len=4096)
+    hf = HFGenerate(model_dir, "cpu")
     out = []
     for i in range(n + 1):  # the first run warms up and is not counted
-        req = ChatRequest("b", "m", (ChatMessage("user", (TextPart(PROMPTS[i % len(PROMPTS)]),)),))
-        ids = prompts(req).input_ids.view(1, -1)
+        inputs = hf.inputs(prompt(i), None, max_tokens=max_tokens, talker_max=talker_max)
         t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(input_ids=ids, speaker="Ethan", thinker_max_new_tokens=max_tokens,
-                           thinker_eos_token_id=model.config.im_end_token_id, thinker_do_sample=False,
-                           talker_do_sample=False, talker_max_new_tokens=talker_max)
+        hf.generate([inputs], max_tokens=max_tokens, talker_max=talker_max)
         if i:
             out.append(time.perf_counter() - t0)
     return out
@@ -52,40 +39,24 @@ def transformers_latencies(model_dir: Path, n: int, max_tokens: int, talker_max:
 
 def mesh_request(url: str, i: int, max_tokens: int, talker_max: int) -> tuple[float, float]:
     """One streamed request; returns (end-to-end latency, time to first audio chunk)."""
-    body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "modalities": ["text", "audio"],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stage_params": {"talker": {"max_tokens": talker_max}}}
-    t0 = time.perf_counter()
-    first_audio = float("nan")
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {") and first_audio != first_audio:
-                choices = json.loads(line[6:]).get("choices") or [{}]
-                if choices[0].get("delta", {}).get("audio"):
-                    first_audio = time.perf_counter() - t0
-    return time.perf_counter() - t0, first_audio
+    r = stream_chat(url, chat_body(prompt(i), max_tokens=max_tokens, talker_max=talker_max, stream=True))
+    if r.error:
+        raise RuntimeError(f"request {i} failed: {r.error}")
+    return r.latency, r.ttfp
 
 
-def p(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+p = percentile
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny model)")
+    ap.add_argument("--model", type=Path, default=None, help="model folder (default: the built-in tiny model)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--talker-max-tokens", type=int, default=100)
     ap.add_argument("--concurrency", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    tmp = tempfile.TemporaryDirectory()
-    model_dir = args.model
-    if model_dir is None:
-        from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
-
-        model_dir = build_tiny_qwen3_omni(Path(tmp.name) / "tiny-qwen3-omni")
+    model_dir = model_folder(args.model)
     c = args.concurrency
     hf = transformers_latencies(model_dir, c, args.max_tokens, args.talker_max_tokens)
     with MeshProcess(model_dir) as mesh:

@@ -1,0 +1,387 @@
+"""Throughput and streaming latency at several concurrencies: omnimesh (whole mesh, streaming REST) vs
+`transformers` `generate` on the same model, side by side in one run.
+
+    python bench/throughput.py [--model DIR] [--concurrency 1,4,8,16,32] [--requests N] [--max-tokens 32]
+        [--talker-max-tokens 64] [--audio-every K] [--hf-requests N] [--no-hf-batched] [--hf-threads T]
+        [--device auto|cpu|cuda] [--serve-args "--max-num-seqs 64 --kv-cache-memory 2GiB"] [--json out.json]
+
+The workload is the same on both sides: requests with a fixed text prompt each (every K-th also carries a
+1 s audio clip with --audio-every K), text + audio out, speaker Ethan, greedy thinker (`--max-tokens`)
+and talker (`--talker-max-tokens` code groups); request i is the same request on both sides. Each
+concurrency c runs requests 0..n-1, n = `--requests` (default max(8, 2c)).
+
+- omnimesh: one `omnimesh serve` on free ports (plus `--serve-args`), warmed up, then for each c the
+  requests with c in flight (closed loop: a client sends its next request when its last one ends), each
+  streamed (SSE): time to first text delta (TTFT), to first audio delta (TTFP), to the end; audio seconds
+  are the streamed pcm16 samples at the rate the mesh serves (read from a WAV answer).
+- transformers: (a) `generate` one request at a time (`--hf-requests` of them); (b) batched `generate`,
+  c requests per call (left-padded), for each c > 1. `generate` does not stream, so its TTFT and TTFP are
+  the whole call's latency. On CPU it runs with torch's default threads or 1, whichever a short probe
+  finds faster (on a shared machine the default can be many times slower); `--hf-threads` fixes it.
+
+Prints both tables, the ratios to sequential (and batched) transformers, and the two targets: throughput
+at c=16 >= 8x sequential transformers, TTFP p50 at c=8 <= 2x its value at c=1. Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
+    HFGenerate,
+    chat_body,
+    machine_info,
+    model_folder,
+    percentile,
+    prompt,
+    resolve_device,
+    served_sample_rate,
+    sine_wav,
+    stream_chat,
+)
+from bench.mesh_process import MeshProcess  # noqa: E402
+
+TARGET_SPEEDUP_C16 = 8.0
+TARGET_TTFP_RATIO_C8 = 2.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95)}
+
+
+class Workload:
+    def __init__(self, args: argparse.Namespace):
+        self.max_tokens = args.max_tokens
+        self.talker_max = args.talker_max_tokens
+        self.audio_every = args.audio_every
+        self.wav = sine_wav(1.0) if args.audio_every else None
+
+    def wav_for(self, i: int) -> bytes | None:
+        return self.wav if self.audio_every and i % self.audio_every == self.audio_every - 1 else None
+
+    def body(self, i: int) -> dict[str, Any]:
+        return chat_body(prompt(i), wav=self.wav_for(i), max_tokens=self.max_tokens, talker_max=self.talker_max,
+                         stream=True)
+
+
+# ------------------------------------------------------------------------------------------------ omnimesh
+
+
+def run_mesh(url: str, work: Workload, c: int, n: int, rate: int) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    with httpx.Client(limits=limits) as client, ThreadPoolExecutor(c) as pool:
+        t0 = time.perf_counter()
+        results = list(pool.map(lambda i: stream_chat(url, work.body(i), client=client), range(n)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if not r.error]
+    samples = sum(r.audio_samples for r in ok)
+    return {
+        "concurrency": c, "requests": n, "ok": len(ok), "errors": [r.error for r in results if r.error],
+        "wall_s": wall, "req_per_s": len(ok) / wall, "audio_s": samples / rate, "audio_s_per_s": samples / rate / wall,
+        "audio_s_per_request": samples / rate / max(1, len(ok)),
+        "ttft_s": stats([r.ttft for r in ok if r.ttft == r.ttft]),
+        "ttfp_s": stats([r.ttfp for r in ok if r.ttfp == r.ttfp]),
+        "latency_s": stats([r.latency for r in ok]),
+        "without_audio": sum(1 for r in ok if r.ttfp != r.ttfp),
+    }
+
+
+def omnimesh_side(model: Path, work: Workload, args: argparse.Namespace, device: str,
+                  concurrencies: list[int]) -> tuple[int, dict[int, dict[str, Any]], list[str]]:
+    serve = ["--device", device, *shlex.split(args.serve_args)]
+    log(f"omnimesh: starting `omnimesh serve {model} {' '.join(serve)}`")
+    t = time.perf_counter()
+    with MeshProcess(model, *serve) as mesh:
+        log(f"omnimesh: up in {time.perf_counter() - t:.1f}s at {mesh.url}; warming up")
+        rate = served_sample_rate(mesh.url, {**work.body(0), "stream": False})
+        for i in range(2):
+            r = stream_chat(mesh.url, work.body(1000 + i))
+            if r.error:
+                raise RuntimeError(f"omnimesh warm-up request failed: {r.error}")
+        out: dict[int, dict[str, Any]] = {}
+        for c in concurrencies:
+            n = args.requests or max(8, 2 * c)
+            log(f"omnimesh: concurrency {c}, {n} requests")
+            out[c] = run_mesh(mesh.url, work, c, n, rate)
+            if out[c]["errors"]:
+                log(f"omnimesh: {len(out[c]['errors'])} request(s) failed at c={c}; first: {out[c]['errors'][0]}")
+    return rate, out, serve
+
+
+# ------------------------------------------------------------------------------------------- transformers
+
+
+def hf_side(model: Path, work: Workload, args: argparse.Namespace, device: str,
+            concurrencies: list[int]) -> dict[str, Any]:
+    import torch
+
+    log("transformers: loading")
+    hf = HFGenerate(model, device)
+    inputs: dict[int, Any] = {}
+
+    def inp(i: int) -> Any:
+        if i not in inputs:
+            inputs[i] = hf.inputs(prompt(i), work.wav_for(i), max_tokens=work.max_tokens, talker_max=work.talker_max)
+        return inputs[i]
+
+    def gen(batch: list[int]) -> list[tuple[list[int], int]]:
+        return hf.generate([inp(i) for i in batch], max_tokens=work.max_tokens, talker_max=work.talker_max)
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    gen([999])  # warm-up, not counted
+    result: dict[str, Any] = {"threads_probe_s_per_request": {}}
+    if args.hf_threads:
+        torch.set_num_threads(args.hf_threads)
+    elif not device.startswith("cuda") and torch.get_num_threads() > 1:
+        # torch's default (every core) can be many times slower than 1 thread when other processes share the
+        # cores (OpenMP threads wait on each other): take whichever is faster here, so the baseline is the
+        # best transformers does on this machine, not a strawman
+        default = torch.get_num_threads()
+        for threads in sorted({default, 1}, reverse=True):
+            torch.set_num_threads(threads)
+            gen([998])
+            t = time.perf_counter()
+            gen([997])
+            gen([996])
+            result["threads_probe_s_per_request"][threads] = (time.perf_counter() - t) / 2
+        probe = result["threads_probe_s_per_request"]
+        torch.set_num_threads(min(probe, key=probe.get))
+        log("transformers: torch threads " + ", ".join(f"{k}: {v:.3f} s/request" for k, v in probe.items())
+            + f"; using {torch.get_num_threads()}")
+    result["torch_threads"] = torch.get_num_threads()
+    log(f"transformers: sequential generate, {args.hf_requests} requests")
+    seq_lat: list[float] = []
+    seq_samples = 0
+    seq_rows: dict[int, tuple[list[int], int]] = {}
+    t0 = time.perf_counter()
+    for i in range(args.hf_requests):
+        t = time.perf_counter()
+        ((tokens, samples),) = gen([i])
+        sync()
+        seq_lat.append(time.perf_counter() - t)
+        seq_samples += samples
+        seq_rows[i] = (tokens, samples)
+    seq_wall = time.perf_counter() - t0
+    result["sequential"] = {"requests": args.hf_requests, "wall_s": seq_wall, "req_per_s": args.hf_requests / seq_wall,
+                            "audio_samples": seq_samples, "latency_s": stats(seq_lat)}
+    result["batched"] = {}
+    unsupported = ""
+    for c in [c for c in concurrencies if c > 1] if not args.no_hf_batched else []:
+        n = args.requests or max(8, 2 * c)
+        if unsupported:
+            result["batched"][c] = {"error": unsupported}
+            continue
+        log(f"transformers: batched generate, batch {c}, {n} requests")
+        lat: list[float] = []
+        samples = 0
+        same = compared = 0
+        try:
+            gen(list(range(990 - c, 990)))  # warm-up of this batch size, not counted
+            t0 = time.perf_counter()
+            for start in range(0, n, c):
+                batch = list(range(start, min(n, start + c)))
+                t = time.perf_counter()
+                rows = gen(batch)
+                sync()
+                lat += [time.perf_counter() - t] * len(batch)
+                for i, (tokens, s) in zip(batch, rows):
+                    samples += s
+                    if i in seq_rows:
+                        compared += 1
+                        same += (_trim_eos(tokens, hf), s) == (_trim_eos(seq_rows[i][0], hf), seq_rows[i][1])
+            wall = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - reported, and the run goes on
+            unsupported = (f"batched generate: not supported by transformers for "
+                           f"{type(hf.model).__name__}.generate (batch {c}, text + audio out): {type(e).__name__}: {e}")
+            log(unsupported)
+            result["batched"][c] = {"error": unsupported}
+            continue
+        result["batched"][c] = {"batch": c, "requests": n, "wall_s": wall, "req_per_s": n / wall,
+                                "audio_samples": samples, "latency_s": stats(lat),
+                                "rows_equal_to_sequential": [same, compared]}
+    return result
+
+
+def _trim_eos(tokens: list[int], hf: HFGenerate) -> list[int]:
+    """Generated ids up to and including the first <|im_end|> (a batch row goes on with pads after it)."""
+    eos = hf.model.config.im_end_token_id
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+# ------------------------------------------------------------------------------------------------- report
+
+
+def fmt(x: float, width: int, digits: int = 3) -> str:
+    return f"{x:{width}.{digits}f}" if x == x else f"{'n/a':>{width}}"
+
+
+def report(machine: dict[str, Any], args: argparse.Namespace, rate: int, mesh: dict[int, dict[str, Any]],
+           hf: dict[str, Any]) -> dict[str, Any]:
+    seq = hf["sequential"]
+    seq["audio_s_per_s"] = seq["audio_samples"] / rate / seq["wall_s"]
+    seq["audio_s_per_request"] = seq["audio_samples"] / rate / seq["requests"]
+    for b in hf["batched"].values():
+        if "error" not in b:
+            b["audio_s_per_s"] = b["audio_samples"] / rate / b["wall_s"]
+            b["audio_s_per_request"] = b["audio_samples"] / rate / b["requests"]
+
+    print()
+    print("transformers generate (not streaming: its TTFT and TTFP are the whole request's latency)")
+    print(f"{'mode':12}{'batch':>6}{'reqs':>6}{'wall s':>9}{'req/s':>8}{'audio s/s':>11}{'audio s/req':>13}"
+          f"{'lat=TTFP p50':>14}{'p95':>8}   rows equal to sequential (tokens, audio length)")
+    print(f"{'sequential':12}{1:6}{seq['requests']:6}{seq['wall_s']:9.2f}{seq['req_per_s']:8.2f}"
+          f"{seq['audio_s_per_s']:11.2f}{seq['audio_s_per_request']:13.2f}{seq['latency_s']['p50']:14.3f}"
+          f"{seq['latency_s']['p95']:8.3f}   -")
+    for c, b in hf["batched"].items():
+        if "error" in b:
+            print(f"{'batched':12}{c:6}   {b['error']}")
+            continue
+        same, compared = b["rows_equal_to_sequential"]
+        print(f"{'batched':12}{c:6}{b['requests']:6}{b['wall_s']:9.2f}{b['req_per_s']:8.2f}{b['audio_s_per_s']:11.2f}"
+              f"{b['audio_s_per_request']:13.2f}{b['latency_s']['p50']:14.3f}{b['latency_s']['p95']:8.3f}"
+              f"   {same}/{compared} rows")
+
+    print()
+    print("omnimesh (streaming REST, c requests in flight); ratios = omnimesh / transformers")
+    print(f"{'c':>4}{'reqs':>6}{'err':>5}{'wall s':>9}{'req/s':>8}{'audio s/s':>11}{'audio s/req':>13}"
+          f"{'TTFT p50':>10}{'p95':>8}{'TTFP p50':>10}{'p95':>8}{'lat p50':>9}{'p95':>8}"
+          f"{'x seq req/s':>13}{'x seq aud/s':>13}{'x batched':>11}")
+    for c, m in mesh.items():
+        m["x_sequential_req_per_s"] = m["req_per_s"] / seq["req_per_s"]
+        m["x_sequential_audio_s_per_s"] = m["audio_s_per_s"] / seq["audio_s_per_s"] if seq["audio_s_per_s"] else float("nan")
+        b = hf["batched"].get(c, {})
+        m["x_batched_req_per_s"] = m["req_per_s"] / b["req_per_s"] if "req_per_s" in b else (
+            m["x_sequential_req_per_s"] if c == 1 else float("nan"))
+        print(f"{c:4}{m['requests']:6}{len(m['errors']):5}{m['wall_s']:9.2f}{m['req_per_s']:8.2f}"
+              f"{m['audio_s_per_s']:11.2f}{m['audio_s_per_request']:13.2f}"
+              f"{fmt(m['ttft_s']['p50'], 10)}{fmt(m['ttft_s']['p95'], 8)}{fmt(m['ttfp_s']['p50'], 10)}"
+              f"{fmt(m['ttfp_s']['p95'], 8)}{fmt(m['latency_s']['p50'], 9)}{fmt(m['latency_s']['p95'], 8)}"
+              f"{fmt(m['x_sequential_req_per_s'], 12, 2)}x{fmt(m['x_sequential_audio_s_per_s'], 12, 2)}x"
+              f"{fmt(m['x_batched_req_per_s'], 10, 2)}x")
+    print("(x batched: vs batched generate with batch = c; at c=1 that is sequential generate)")
+    if any(m["without_audio"] for m in mesh.values()):
+        print("note: some omnimesh requests finished without any audio delta: "
+              + ", ".join(f"c={c}: {m['without_audio']}" for c, m in mesh.items() if m["without_audio"]))
+
+    targets: dict[str, Any] = {}
+    print()
+    if 16 in mesh:
+        x = mesh[16]["x_sequential_req_per_s"]
+        ok = x >= TARGET_SPEEDUP_C16
+        targets["throughput_c16_x_sequential"] = {"value": x, "target": f">= {TARGET_SPEEDUP_C16:g}", "pass": ok}
+        print(f"{'PASS' if ok else 'FAIL'}  throughput at c=16: {x:.2f}x sequential transformers "
+              f"({mesh[16]['req_per_s']:.2f} vs {seq['req_per_s']:.2f} req/s; target >= {TARGET_SPEEDUP_C16:g}x)")
+    else:
+        print("n/a   throughput at c=16: not measured (16 not in --concurrency)")
+    if 8 in mesh and 1 in mesh:
+        y = mesh[8]["ttfp_s"]["p50"] / mesh[1]["ttfp_s"]["p50"]
+        ok = y <= TARGET_TTFP_RATIO_C8
+        targets["ttfp_p50_c8_over_c1"] = {"value": y, "target": f"<= {TARGET_TTFP_RATIO_C8:g}", "pass": ok}
+        print(f"{'PASS' if ok else 'FAIL'}  TTFP p50 at c=8 / c=1: {y:.2f} ({mesh[8]['ttfp_s']['p50']:.3f} s / "
+              f"{mesh[1]['ttfp_s']['p50']:.3f} s; target <= {TARGET_TTFP_RATIO_C8:g})")
+    else:
+        print("n/a   TTFP p50 at c=8 / c=1: not measured (--concurrency needs both 1 and 8)")
+    return targets
+
+
+def _no_nan(x: Any) -> Any:
+    """JSON has no NaN: a value never measured becomes null."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_no_nan(v) for v in x]
+    return x
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="model folder (default: the built-in tiny Qwen3-Omni)")
+    ap.add_argument("--concurrency", default="1,4,8,16,32", help="comma-separated requests in flight (default: %(default)s)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per concurrency (default: max(8, 2c))")
+    ap.add_argument("--max-tokens", type=int, default=32, help="thinker tokens per request (default: %(default)s)")
+    ap.add_argument("--talker-max-tokens", type=int, default=64,
+                    help="talker code groups per request (default: %(default)s)")
+    ap.add_argument("--audio-every", type=int, default=0, metavar="K",
+                    help="every K-th request also carries a 1 s audio clip (default: 0 = text prompts only)")
+    ap.add_argument("--hf-requests", type=int, default=None,
+                    help="requests for sequential transformers (default: as many as the largest concurrency runs, "
+                         "so every request the other runs send is in it)")
+    ap.add_argument("--no-hf-batched", action="store_true", help="skip batched transformers generate")
+    ap.add_argument("--hf-threads", type=int, default=None,
+                    help="torch intra-op threads for transformers (default on CPU: torch's default or 1, whichever "
+                         "a short probe finds faster)")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda, for both sides (default: %(default)s)")
+    ap.add_argument("--serve-args", default="", help="extra `omnimesh serve` flags, one string, e.g. "
+                    "\"--max-num-seqs 64 --kv-cache-memory 2GiB\"")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
+    args = ap.parse_args()
+    concurrencies = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
+    if not concurrencies or min(concurrencies) < 1 or (args.requests is not None and args.requests < 1):
+        ap.error("--concurrency needs whole numbers >= 1, --requests >= 1")
+    if args.hf_requests is None:
+        args.hf_requests = max(args.requests or max(8, 2 * c) for c in concurrencies)
+    device = resolve_device(args.device)
+    model = model_folder(args.model)
+    work = Workload(args)
+    machine = machine_info()
+    started = time.perf_counter()
+
+    loads = [os.getloadavg()[0]]
+    rate, mesh, serve = omnimesh_side(model, work, args, device, concurrencies)
+    loads.append(os.getloadavg()[0])
+    hf = hf_side(model, work, args, device, concurrencies)
+    loads.append(os.getloadavg()[0])
+    machine["load_average_1min"] = {"start": loads[0], "after_omnimesh": loads[1], "after_transformers": loads[2]}
+
+    print(f"machine: {machine['host']}, {machine['cpu_count']} CPUs ({machine['cpus_usable']} usable), "
+          f"{machine['cuda'] or 'no CUDA'}; {machine['platform']}; {machine['date']}")
+    print(f"software: python {machine['python']}, torch {machine['torch']}, transformers {machine['transformers']}, "
+          f"omnimesh commit {machine['commit']}")
+    probe = hf["threads_probe_s_per_request"]
+    print(f"threads: transformers torch {hf['torch_threads']} intra-op"
+          + (" (" + ", ".join(f"{k} thread(s) {v:.3f} s/request" for k, v in probe.items()) + " in a probe)"
+             if probe else "")
+          + f"; each mesh stage {machine['mesh_stage_cpu_threads']} (OMNIMESH_CPU_THREADS="
+          f"{machine['OMNIMESH_CPU_THREADS']}); OMP_NUM_THREADS={machine['OMP_NUM_THREADS']}")
+    print("load average (1 min) at start / after omnimesh / after transformers: "
+          + " / ".join(f"{x:.2f}" for x in loads) + " (other processes on this machine skew both sides)")
+    print(f"model: {model}; device {device}; thinker {args.max_tokens} tokens, talker {args.talker_max_tokens} code "
+          f"groups, greedy, text + audio out at {rate} Hz, speaker Ethan; "
+          + (f"1 request in {args.audio_every} with 1 s audio in" if args.audio_every else "text prompts"))
+    print(f"omnimesh serve flags: {' '.join(serve)}; the bench client shares this machine's CPUs with the mesh")
+    targets = report(machine, args, rate, mesh, hf)
+    print(f"(whole run {time.perf_counter() - started:.0f} s)")
+    if args.json:
+        hf["batched"] = {str(c): b for c, b in hf["batched"].items()}
+        doc = {"machine": machine, "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                                                "device": device, "model": str(model), "sample_rate": rate,
+                                                "concurrency": concurrencies, "serve_flags": serve},
+               "transformers": hf, "omnimesh": {str(c): m for c, m in mesh.items()}, "targets": targets}
+        args.json.write_text(json.dumps(_no_nan(doc), indent=2) + "\n")
+        print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
