@@ -10,6 +10,7 @@ import importlib
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +18,9 @@ from omnimesh.config.serve_args import ServeArgs
 from omnimesh.models.qwen3_omni.stage_loading import LMLayout
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.server.stage_servicer import StageHandler
+
+if TYPE_CHECKING:
+    from omnimesh.models.qwen3_omni.lm_engine import LMEngine
 
 SERVICES: dict[str, str] = {
     "encoder": "services.encoder.handler",
@@ -40,6 +44,22 @@ def lm_layout(args: ServeArgs, stage: str, failure: StageFailure) -> LMLayout:
                     backend="nccl" if cuda else "gloo", master_addr=args.master_addr,
                     master_port=args.master_port, on_failure=failure.report,
                     devices=tuple(f"cuda:{d}" for d in cfg.device_list()) if cuda else ())
+
+
+def lm_engine(backend: Any, stage: str, args: ServeArgs, max_model_len: int,
+              capture_layer: int | None = None) -> LMEngine:
+    """The stage's continuous-batching engine over its ranks: KV pool sized from --kv-cache-memory (CPU
+    default 4 GiB per rank) or, on CUDA, from --gpu-memory-utilization; scheduling limits from the flags."""
+    from omnimesh.models.qwen3_omni.lm_engine import CPU_KV_CACHE_BYTES, LMEngine
+
+    cfg = args.stage_configs()[stage]
+    kv_bytes = cfg.kv_cache_memory
+    if kv_bytes is None and args.device != "cuda":
+        kv_bytes = CPU_KV_CACHE_BYTES
+    return LMEngine(backend, role=stage, block_size=args.block_size, kv_bytes=kv_bytes,
+                    gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_seqs=cfg.max_num_seqs,
+                    max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
+                    capture_layer=capture_layer)
 
 
 def handler_factory(stage: str, model_dir: Path, args: ServeArgs) -> Callable[[], StageHandler]:

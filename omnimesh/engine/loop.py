@@ -164,11 +164,17 @@ class EngineLoop:
                 entry.task.close()
             elif entry.inflight is not None and not entry.inflight.done():
                 task = entry.task  # cancelled mid-step: close once that step is over
-                entry.inflight.add_done_callback(lambda _: self._executor.submit(self._close, task))
+                entry.inflight.add_done_callback(lambda _: self._submit_close(task))
             else:
-                self._executor.submit(self._close, entry.task)
+                self._submit_close(entry.task)
         finally:
             entry.queue.put_nowait(event)
+
+    def _submit_close(self, task: StageTask) -> None:
+        try:
+            self._executor.submit(self._close, task)
+        except RuntimeError:  # the executor already shut down (the stage is stopping): close here
+            self._close(task)
 
     @staticmethod
     def _close(task: StageTask) -> None:

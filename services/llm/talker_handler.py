@@ -16,9 +16,11 @@ from omnimesh.models.qwen3_omni.sampling import talker_sampling_params
 from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_talker
 from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker
 from omnimesh.server.stage_failure import StageFailure
-from omnimesh.stage_registry import lm_layout, resolve_dtype
+from omnimesh.models.qwen3_omni.lm_engine import LMEngine
+from omnimesh.stage_registry import lm_engine, lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling
+from services.llm.talker_batcher import TalkerBatcher
 from services.llm.talker_task import TalkerTask
 
 DEFAULT_SPEAKER = "ethan"
@@ -27,8 +29,12 @@ DEFAULT_SPEAKER = "ethan"
 class TalkerHandler:
     name = "talker"
 
-    def __init__(self, talker: Qwen3OmniTalker, model_name: str, layout: LMLayout, failure: StageFailure):
+    def __init__(self, talker: Qwen3OmniTalker, model_name: str, layout: LMLayout, failure: StageFailure,
+                 engine: LMEngine | None = None, max_model_len: int = 0):
+        """`engine` None: a handler that only validates requests (tests); the stage always has one."""
         self.layout = layout
+        self.max_model_len = max_model_len
+        self.batcher = TalkerBatcher(talker, engine, talker.backend.predict_batch) if engine is not None else None  # type: ignore[attr-defined]
         self.failure = failure
         self.max_inflight_steps = layout.pp  # one request per pipeline rank at a time
         self.talker = talker
@@ -47,10 +53,15 @@ class TalkerHandler:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"talker: {self.failure.message}")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
         speaker = msg.options.get("speaker") or self.speakers[0]
-        return TalkerTask(msg.request_id, self.talker, speaker, params)
+        return TalkerTask(msg.request_id, self.talker, speaker, params, max_model_len=self.max_model_len,
+                          batcher=self.batcher)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> TalkerHandler:
     failure = StageFailure()
     layout = lm_layout(args, "talker", failure)
-    return TalkerHandler(load_talker(model_dir, resolve_dtype(args), layout), model_dir.name, layout, failure)
+    talker = load_talker(model_dir, resolve_dtype(args), layout)
+    # the talker's own context (prompt rows + codec tokens): its model limit, not the thinker's --max-model-len
+    max_len = int(talker.config.talker_config.text_config.max_position_embeddings)  # type: ignore[union-attr]
+    engine = lm_engine(talker.backend, "talker", args, max_len)
+    return TalkerHandler(talker, model_dir.name, layout, failure, engine, max_len)

@@ -1,17 +1,21 @@
 """TalkerTask: one request in the talker stage — speaks the thinker's text as codec code groups.
 
-Data flow: thinker chunks arrive (async: one per thinker token; whole: all at once). The first carries
-the TalkerPrompt and the first spoken token's embedding -> `talker.start`; later `token_embeds` ->
-`push_text`; the final chunk -> `finish_text`. Each engine step runs one talker step (which includes the
-code predictor) when its text entry is known (`can_step`); a finished code group goes out as
-`codes` (num_code_groups, 1). A thinker that spoke nothing (its first token was final) gives no audio.
+Data flow: thinker chunks arrive (async: one per thinker token; whole: all at once). The first carries the
+TalkerPrompt and the first spoken token's embedding -> `talker.start`; later `token_embeds` ->
+`push_text`; the final chunk -> `finish_text`. The `TalkerBatcher` then steps it in continuous batches:
+the prefill rows go to the stage's `LMEngine`; each time the engine returns logits, the next codec token
+c_g is sampled; once text entry g is known the code predictor (one call for all requests of a step) gives
+the residual codes, the group [c_g, r1..] goes out as `codes` (num_code_groups, 1) and the group's summed
+embedding + text entry g becomes the next decoder input. A thinker that spoke nothing gives no audio.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from omnimesh.engine.task import StageTask
 from omnimesh.models.qwen3_omni.edges import talker_prompt_from_tensors
-from omnimesh.models.qwen3_omni.sampling import SamplingParams
+from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
 from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerState
 from omnimesh.models.qwen3_omni.thinker import TalkerPrompt
 from omnimesh.transport.frames import StageChunk
@@ -20,21 +24,27 @@ EDGE = "thinker -> talker"
 
 
 class TalkerTask(StageTask):
-    def __init__(self, request_id: str, talker: Qwen3OmniTalker, speaker: str, params: SamplingParams):
+    def __init__(self, request_id: str, talker: Qwen3OmniTalker, speaker: str, params: SamplingParams,
+                 *, max_model_len: int = 0, batcher: object = None):
         super().__init__(request_id)
         if speaker.lower() not in talker.speakers:
             raise ValueError(f"unknown speaker {speaker!r}; valid speakers: {', '.join(sorted(talker.speakers))}")
         self.talker = talker
         self.speaker = speaker
         self.params = params
+        self.max_model_len = max_model_len  # 0: no cap beyond max_tokens
+        self.batcher = batcher  # the stage's TalkerBatcher (`step` is a batch of one through it)
         self.prompt: TalkerPrompt | None = None
         self.state: TalkerState | None = None
         self.text_ended = False
+        self.queued = False  # the prefill went to the engine
+        self.awaiting = False  # an input row is in the engine: wait for its logits before predicting again
+        self.on_close: list = []  # callbacks run by close() (the engine frees the request's KV blocks)
 
     def close(self) -> None:
-        if self.state is not None:
-            self.talker.release(self.state)
-            self.state = None
+        for callback in self.on_close:
+            callback(self.request_id)
+        self.on_close.clear()
 
     def feed(self, chunk: StageChunk) -> None:
         if self.text_ended:
@@ -45,7 +55,7 @@ class TalkerTask(StageTask):
         embeds = chunk.tensors.get("token_embeds")
         for row in embeds.unbind(0) if embeds is not None else ():
             if self.state is None:
-                self.state = self.talker.start(self.prompt, self.speaker, row, self.params)
+                self._start(row)
             else:
                 self.talker.push_text(self.state, row)
         if chunk.final:
@@ -53,20 +63,39 @@ class TalkerTask(StageTask):
             if self.state is not None:
                 self.talker.finish_text(self.state)
 
+    def _start(self, first_text_embed) -> None:  # noqa: ANN001 - (H,) tensor
+        assert self.prompt is not None
+        state = self.talker.start(self.prompt, self.speaker, first_text_embed, self.params)
+        if self.max_model_len and state.prefill_embeds is not None:
+            room = self.max_model_len - state.prefill_embeds.shape[1]
+            if room < 1:
+                raise ValueError(f"the talker prompt has {state.prefill_embeds.shape[1]} rows; the talker's "
+                                 f"max_model_len is {self.max_model_len}")
+            if room < state.sampler.params.max_tokens:  # the codes must fit the talker's context
+                state.sampler = Sampler(replace(state.sampler.params, max_tokens=room), state.sampler.generator)
+        self.state = state
+
     def ready(self) -> bool:
         if self.state is None:
             return self.text_ended  # nothing to speak: finish on the next pass
-        return self.talker.can_step(self.state)
+        if self.state.finished:
+            return False
+        return not self.queued or self.awaiting or self.talker.needs_predict(self.state)
 
     def step(self) -> list[StageChunk]:
-        if self.state is None:
-            self.finished = True
-            return []
-        group = self.talker.step(self.state)
-        self.finished = self.state.finished
-        self.completion_tokens = len(self.state.codes)
+        if self.batcher is None:
+            raise RuntimeError("a TalkerTask is stepped by its stage's TalkerBatcher")
+        result = self.batcher.step_batch([self])  # type: ignore[attr-defined]
+        out = result.get(self.request_id, [])
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def finish_counts(self) -> None:
+        state = self.state
+        if state is None:
+            return
+        self.completion_tokens = len(state.codes)
+        self.finished = state.finished
         if self.finished:
-            self.finish_reason = "length" if not self.state.sampler.is_stop(self.state.codes[-1]) else "stop"
-        if group is None:
-            return []
-        return [StageChunk(tensors={"codes": group.view(-1, 1)})]  # (G, 1)
+            self.finish_reason = "stop" if state.sampler.is_stop(state.codes[-1]) else "length"

@@ -18,9 +18,11 @@ from omnimesh.models.qwen3_omni.sampling import thinker_sampling_params
 from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_thinker
 from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
 from omnimesh.server.stage_failure import StageFailure
-from omnimesh.stage_registry import lm_layout, resolve_dtype
+from omnimesh.models.qwen3_omni.lm_engine import LMEngine
+from omnimesh.stage_registry import lm_engine, lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling
+from services.llm.thinker_batcher import ThinkerBatcher
 from services.llm.thinker_task import ThinkerTask
 
 
@@ -28,8 +30,11 @@ class ThinkerHandler:
     name = "thinker"
 
     def __init__(self, thinker: Qwen3OmniThinker, tokenizer: object, generation_config: GenerationConfig | None,
-                 model_name: str, max_model_len: int, layout: LMLayout, failure: StageFailure):
+                 model_name: str, max_model_len: int, layout: LMLayout, failure: StageFailure,
+                 engine: LMEngine | None = None):
+        """`engine` None: a handler that only validates requests (tests); the stage always has one."""
         self.layout = layout
+        self.batcher = ThinkerBatcher(engine) if engine is not None else None
         self.failure = failure
         self.max_inflight_steps = layout.pp  # one request per pipeline rank at a time
         self.thinker = thinker
@@ -48,7 +53,8 @@ class ThinkerHandler:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"thinker: {self.failure.message}")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
         return ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
-                           talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len)
+                           talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len,
+                           batcher=self.batcher)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
@@ -61,7 +67,9 @@ def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
     except OSError:
         gen = None
     limit = int(thinker.config.get_text_config().max_position_embeddings)
-    max_len = args.max_model_len or limit
+    cfg = args.stage_configs()["thinker"]
+    max_len = cfg.max_model_len or limit
     if max_len > limit:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings {limit}")
-    return ThinkerHandler(thinker, tokenizer, gen, model_dir.name, max_len, layout, failure)
+    engine = lm_engine(thinker.backend, "thinker", args, max_len, capture_layer=thinker.accept_hidden_layer)
+    return ThinkerHandler(thinker, tokenizer, gen, model_dir.name, max_len, layout, failure, engine)

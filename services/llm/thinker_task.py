@@ -1,11 +1,12 @@
-"""ThinkerTask: one request in the thinker stage — prefill, then one decode per engine step.
+"""ThinkerTask: one request in the thinker stage — its prompt, sampler, text state; stepped in batches.
 
-Data flow: feed(final chunk: input_ids + encoder outputs) -> step 1: prefill, sample token 0 ->
-each later step: if the pending token is final (a stop id, or max tokens) emit its text and finish;
-otherwise decode it (-> its embedding for the talker + logits) and sample the next. Each output chunk
-carries the text delta, `token_ids` (1,), and, when the request wants audio, `token_embeds` (1, H) for
-the talker (the first chunk also carries the TalkerPrompt). The last chunk is final=True: for the
-talker it means "the text ended" (the final token is never spoken, as in `generate`).
+Data flow: feed(final chunk: input_ids + encoder outputs) -> the `ThinkerBatcher` prepares the prompt
+(embedded, media merged, positioned) and hands it to the stage's `LMEngine`, which prefills it (in chunks
+when long) within continuous batches. Each time the engine returns logits for the request, `on_output`
+samples one token and returns its chunk: the text delta, `token_ids` (1,), and, when the request wants
+audio, `token_embeds` (1, H) for the talker (the first chunk also carries the TalkerPrompt); a token that
+does not end the request is fed back as the next input row. The final token (a stop id, a stop string,
+or max tokens) is never spoken: its chunk has no `token_embeds` and ends the stream (final=True).
 """
 
 from __future__ import annotations
@@ -16,32 +17,36 @@ import torch
 
 from omnimesh.engine.task import StageTask
 from omnimesh.models.qwen3_omni.edges import require, talker_prompt_to_tensors
+from omnimesh.models.qwen3_omni.lm_engine import InputRun, RunOutput
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
-from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker, ThinkerState
+from omnimesh.models.qwen3_omni.thinker import PreparedPrompt, Qwen3OmniThinker
 from omnimesh.transport.frames import StageChunk
-from services.llm.detokenizer import Detokenizer
+from services.llm.detokenizer import Detokenizer, StopStrings
 
 EDGE = "gateway -> thinker"
 
 
 class ThinkerTask(StageTask):
     def __init__(self, request_id: str, thinker: Qwen3OmniThinker, tokenizer: object, params: SamplingParams,
-                 *, talker_inputs: bool, max_model_len: int):
+                 *, talker_inputs: bool, max_model_len: int, batcher: object = None):
         super().__init__(request_id)
         self.thinker = thinker
         self.sampler = Sampler(params)
         self.detok = Detokenizer(tokenizer)
+        self.stops = StopStrings(params.stop)
         self.talker_inputs = talker_inputs
         self.max_model_len = max_model_len
+        self.batcher = batcher  # the stage's ThinkerBatcher (`step` is a batch of one through it)
         self.inputs: dict[str, torch.Tensor] | None = None
-        self.state: ThinkerState | None = None
-        self.pending: int | None = None  # sampled, not yet fed back
-        self.first_chunk_extra: dict[str, torch.Tensor] = {}
+        self.prompt: PreparedPrompt | None = None
+        self.token_ids: list[int] = []  # prompt + generated tokens (what the repetition penalty sees)
+        self.captured: list[torch.Tensor] = []  # hidden at accept_hidden_layer of the prompt's media rows
+        self.on_close: list = []  # callbacks run by close() (the engine frees the request's KV blocks)
 
     def close(self) -> None:
-        if self.state is not None:
-            self.thinker.release(self.state)
-            self.state = None
+        for callback in self.on_close:
+            callback(self.request_id)
+        self.on_close.clear()
 
     def feed(self, chunk: StageChunk) -> None:
         if self.inputs is not None:
@@ -52,7 +57,8 @@ class ThinkerTask(StageTask):
         if ids.numel() == 0:
             raise ValueError(f"{EDGE}: input_ids is empty")
         if ids.numel() >= self.max_model_len:
-            raise ValueError(f"prompt has {ids.numel()} tokens; the thinker's max_model_len is {self.max_model_len}")
+            raise ValueError(f"prompt has {ids.numel()} tokens; the thinker's max_model_len is {self.max_model_len} "
+                             f"(prompt + at least one generated token must fit)")
         vocab = self.thinker.config.get_text_config().vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"{EDGE}: input_ids must be in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
@@ -62,16 +68,21 @@ class ThinkerTask(StageTask):
         return self.inputs is not None and not self.finished
 
     def step(self) -> list[StageChunk]:
-        if self.state is None:
-            return self._prefill()
-        return [self._advance(self.state)]
+        if self.batcher is None:
+            raise RuntimeError("a ThinkerTask is stepped by its stage's ThinkerBatcher")
+        result = self.batcher.step_batch([self])  # type: ignore[attr-defined]
+        out = result.get(self.request_id, [])
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
-    def _prefill(self) -> list[StageChunk]:
+    def prompt_run(self) -> InputRun:
+        """Prepare the prompt (raises ValueError for media that do not match it): the first input run."""
         t = self.inputs
         if t is None:
             raise RuntimeError("prefill before the prompt arrived")  # ready() prevents this
         deep = t.get("deepstack_embeds")
-        logits, state, prompt = self.thinker.prefill(
+        prompt = self.thinker.prepare(
             t["input_ids"].view(-1).long(),
             audio_embeds=t.get("audio_embeds"),
             image_embeds=t.get("image_embeds"),
@@ -79,37 +90,47 @@ class ThinkerTask(StageTask):
             image_grid_thw=t.get("image_grid_thw"),
             audio_feature_lengths=t.get("audio_feature_lengths"),
         )
-        self.state = state
-        self.prompt_tokens = state.seq_len
-        # a prompt this long leaves only so much room in the model's context
-        room = self.max_model_len - state.seq_len
+        self.prompt = prompt
+        self.token_ids = prompt.ids.tolist()
+        self.prompt_tokens = len(self.token_ids)
+        room = self.max_model_len - self.prompt_tokens  # a long prompt leaves only so much room
         if room < self.sampler.params.max_tokens:
             self.sampler = Sampler(replace(self.sampler.params, max_tokens=room), self.sampler.generator)
-        self.pending = self.sampler.sample(logits, state.history())
-        self.completion_tokens = 1
-        if self.talker_inputs:
-            self.first_chunk_extra = talker_prompt_to_tensors(prompt)
-        return [self._advance(state)]
+        capture = prompt.mm_mask if self.talker_inputs and bool(prompt.mm_mask.any()) else None
+        return InputRun(prompt.embeds, prompt.positions, prompt.visual, prompt.deepstack, capture)
 
-    def _advance(self, state: ThinkerState) -> StageChunk:
-        """Emit the pending token; feed it back and sample the next unless it ends the request."""
-        token = self.pending
-        if token is None:
-            raise RuntimeError("no sampled token to advance")
-        tensors: dict[str, torch.Tensor] = {"token_ids": torch.tensor([token], dtype=torch.long)}
-        tensors.update(self.first_chunk_extra)
-        self.first_chunk_extra = {}
+    def on_output(self, out: RunOutput) -> tuple[list[StageChunk], InputRun | None]:
+        """The engine ran some of this request's rows: sample when it returned logits. Returns the chunks to
+        emit and the next input row (None when the request ended or no token was sampled)."""
+        if out.captured is not None:
+            self.captured.append(out.captured)
+        if out.logits is None:
+            return [], None  # a prefill chunk (or a recompute after preemption): no token yet
+        prompt = self.prompt
+        if prompt is None:
+            raise RuntimeError("logits before the prompt was prepared")
+        tensors: dict[str, torch.Tensor] = {}
+        if self.completion_tokens == 0 and self.talker_inputs:
+            hidden = torch.cat(self.captured) if self.captured else prompt.embeds.new_zeros(0, prompt.embeds.shape[1])
+            tensors.update(talker_prompt_to_tensors(self.thinker.talker_prompt(prompt, hidden)))
+            self.captured = []
+        token = self.sampler.sample(out.logits, torch.tensor(self.token_ids, dtype=torch.long))
+        self.completion_tokens += 1
+        tensors["token_ids"] = torch.tensor([token], dtype=torch.long)
         stop = self.sampler.is_stop(token)
         at_max = self.completion_tokens >= self.sampler.params.max_tokens
+        raw = "" if stop else self.detok.push(token)
         if stop or at_max:
-            text = (self.detok.push(token) if not stop else "") + self.detok.finish()
+            raw += self.detok.finish()
+        text, stop_str = self.stops.push(raw)
+        if stop or at_max or stop_str:
+            if not stop_str:
+                text += self.stops.finish()  # release held-back text (never after a stop-string match)
             self.finished = True
-            self.finish_reason = "stop" if stop else "length"
-            return StageChunk(tensors=tensors, text=text)
-        text = self.detok.push(token)
-        logits, embed = self.thinker.decode(state, token)
+            self.finish_reason = "stop" if (stop or stop_str) else "length"
+            return [StageChunk(tensors=tensors, text=text)], None
+        embed, positions = self.thinker.token_input(token, len(self.token_ids), prompt.rope_delta)
+        self.token_ids.append(token)
         if self.talker_inputs:
             tensors["token_embeds"] = embed.view(1, -1)  # (1, H)
-        self.pending = self.sampler.sample(logits, state.history())
-        self.completion_tokens += 1
-        return StageChunk(tensors=tensors, text=text)
+        return [StageChunk(tensors=tensors, text=text)], InputRun(embed.view(1, -1), positions)

@@ -14,9 +14,9 @@ import numpy as np
 
 MODEL = "tiny-qwen3-omni"
 TIMEOUT_S = 120.0
-# The vocoder decodes aligned windows whatever the timing, so a request's audio is bit-identical whether it
-# runs alone or beside seven others.
-PCM16_TOLERANCE = 0
+# The vocoder decodes aligned windows whatever the timing, but batched with other requests' windows its conv
+# kernels round differently (<= 2e-7 on the waveform), which can move a pcm16 sample by one step.
+PCM16_TOLERANCE = 1
 PROMPTS = [
     ("Tell me about the sea.", "ethan"),
     ("What is 2+2?", "aiden"),

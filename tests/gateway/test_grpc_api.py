@@ -78,7 +78,7 @@ def test_generate_text_only_sampling_and_media(grpc_server: GrpcServer, pipeline
     ({"voice": "alloy"}, INVALID_ARGUMENT, "unknown voice 'alloy'"),
     ({"modalities": ["video"]}, INVALID_ARGUMENT, "modalities"),
     ({"sampling": stage_pb2.SamplingParams(temperature=5.0)}, INVALID_ARGUMENT, "sampling.temperature"),
-    ({"sampling": stage_pb2.SamplingParams(stop_token_ids=[1])}, INVALID_ARGUMENT, "stop_token_ids"),
+    ({"sampling": stage_pb2.SamplingParams(stop_token_ids=[-1])}, INVALID_ARGUMENT, "sampling.stop_token_ids[0]"),
     ({"stage_params": {"vocoder": stage_pb2.SamplingParams()}}, INVALID_ARGUMENT, "unknown stage 'vocoder'"),
 ])
 def test_generate_validation_errors(grpc_server: GrpcServer, pipeline: ScriptedPipeline, request_kw: dict,

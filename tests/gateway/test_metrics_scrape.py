@@ -29,11 +29,14 @@ from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 
 
 class OneStepTask(StageTask):
+    fed = False
+
     def feed(self, chunk: StageChunk) -> None:
         self.prompt_tokens += int(chunk.tensors["ids"].numel())
+        self.fed = True
 
     def ready(self) -> bool:
-        return not self.finished
+        return self.fed and not self.finished
 
     def step(self) -> list[StageChunk]:
         self.completion_tokens, self.finished = 1, True

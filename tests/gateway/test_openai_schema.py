@@ -38,7 +38,7 @@ def test_max_completion_tokens_wins_and_ints_are_floats() -> None:
     ({"messages": [{"role": "user", "content": "x"}], "stage_params": {"talker": {"temperature": "0"}}},
      "stage_params.talker.temperature", "number"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, None, "logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, None, "stop sequences"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop", "valid list"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, None, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "modalities": []}, "modalities", "at least 1"),
 ])

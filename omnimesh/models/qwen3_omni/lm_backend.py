@@ -15,6 +15,7 @@ for pp = tp = 1, or through an `MpExecutor` driving pp x tp rank processes.
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 from functools import partial
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -100,6 +101,22 @@ class ShardedBackend:
 
     def open(self) -> int:
         return next(self._ids)
+
+    def submit(self, command: Any) -> Future:
+        """Run `command` on every rank; the future resolves with the owner's result. With an executor this
+        returns once rank 0's part is done, so another thread can submit the next pipeline micro-batch."""
+        if self.executor is not None:
+            return self.executor.submit(command)
+        done: Future = Future()
+        try:
+            done.set_result(self._run(command))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
+
+    @property
+    def result_timeout_s(self) -> float:
+        return self.executor.rdzv.timeout_s if self.executor is not None else float("inf")
 
     def predict(self, prefix: torch.Tensor, params: SamplingParams) -> tuple[list[int], torch.Tensor]:
         """Talker stages: the code predictor over the stage's ranks -> (residual codes, codec sum (1, 1, H))."""

@@ -6,6 +6,9 @@ contiguous layer range (`partition_layers`), loads only those tensors, sharded f
 one KV cache per open request for exactly those layers and heads.
 
 Commands (sent by the driver to every rank, executed in lock-step):
+    LMInitCache(block_size, kv_bytes | None, ...)   size the paged KV pool (min over ranks) -> num_blocks
+    LMBatch(x (1, N, H), position_ids, layout, logit_rows, ...)   one continuous-batching step over the pool:
+        the new tokens of many requests packed; -> LMBatchResult(logits (M, V), last hidden (M, H), captured)
     LMStep(handle, x (1, T, H), position_ids, visual_pos_mask, deepstack, capture_layer)
         every rank: pipeline_step over its layers (hidden crosses pp boundaries, see parallel_text_model)
         last pp rank: logits of the last position (all-gathered over TP) -> LMStepResult
@@ -28,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from omnimesh.models.qwen3_omni.paged_kv import BatchLayout, PagedBatch, PagedKVPool, block_bytes
 from omnimesh.models.qwen3_omni.parallel_code_predictor import ParallelCodePredictor, predict_residuals
 from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelTextModel, pipeline_step
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
@@ -71,6 +76,37 @@ class LMPredictResult:
 
 
 @dataclass(frozen=True)
+class LMInitCache:
+    """Size and allocate every rank's paged KV pool; all ranks take the smallest block count any can hold."""
+
+    block_size: int
+    kv_bytes: int | None  # per-rank budget; None on CUDA: measured from `gpu_memory_utilization`
+    gpu_memory_utilization: float = 0.9
+    profile_tokens: int = 2048  # CUDA: activations of a step this large are kept free
+
+
+@dataclass(frozen=True)
+class LMBatch:
+    """One continuous-batching step: the new tokens of many requests, packed (see paged_kv.py)."""
+
+    x: torch.Tensor  # (1, N, H) packed input embeddings (used on the first pp rank)
+    position_ids: torch.Tensor  # (4 | 3, 1, N) packed
+    layout: BatchLayout
+    logit_rows: torch.Tensor  # (M,) packed rows whose logits and final hidden come back
+    visual_pos_mask: torch.Tensor | None = None  # (1, N) bool
+    deepstack: list[torch.Tensor] | None = None  # [(n_visual rows of this step, H)] per deepstack layer
+    capture_layer: int | None = None
+    capture_rows: torch.Tensor | None = None  # (C,) packed rows whose hidden at capture_layer comes back
+
+
+@dataclass(frozen=True)
+class LMBatchResult:
+    logits: torch.Tensor  # (M, V)
+    last_hidden: torch.Tensor  # (M, H) final-norm hidden of those rows
+    captured: torch.Tensor | None  # (C, H)
+
+
+@dataclass(frozen=True)
 class LMStepResult:
     logits: torch.Tensor  # (V,) of the last position
     last_hidden: torch.Tensor  # (1, 1, H) final-norm hidden of the last position
@@ -106,7 +142,9 @@ class LMShard:
         self.model = ParallelTextModel(config, ps, self.layer_range, is_talker=spec.role == "talker",
                                        with_embed=False, dtype=spec.dtype)
         self.model.load_weights(spec.model_dir)
-        self.caches: dict[int, KVCache] = {}
+        self.caches: dict[int, KVCache] = {}  # LMStep: one contiguous cache per handle
+        self.pool: PagedKVPool | None = None  # LMBatch: the paged pool (LMInitCache sizes it)
+        self.dtype = spec.dtype
         self.predictor: ParallelCodePredictor | None = None
         self.codec_sums: dict[int, torch.Tensor] = {}  # LMPredict.key -> codec sum (first pp rank only)
         if spec.role == "talker":
@@ -122,7 +160,11 @@ class LMShard:
         log.info("%s rank %d (pp %d, tp %d): layers [%d, %d), %.2f MB of parameters", spec.role, ps.rank,
                  ps.pp_rank, ps.tp_rank, *self.layer_range, self.model.param_bytes() / 1e6)
 
-    def execute(self, command: LMStep | LMFree | LMPredict) -> LMStepResult | LMPredictResult | None:
+    def execute(self, command: Any) -> Any:
+        if isinstance(command, LMBatch):
+            return self._batch(command)
+        if isinstance(command, LMInitCache):
+            return self._init_cache(command)
         if isinstance(command, LMFree):
             self.caches.pop(command.handle, None)
             return None
@@ -138,14 +180,79 @@ class LMShard:
         if not (self.ps.is_last_pp_rank and self.ps.tp_rank == 0):
             if self.ps.is_last_pp_rank:
                 self.model.compute_logits(out.hidden[:, -1])  # the all-gather needs every TP rank
-            self._record(command, started)
+            self._record(int(command.position_ids.shape[-1]), command.handle, started)
             return None
         last = out.hidden[:, -1:]  # (1, 1, H)
         logits = self.model.compute_logits(last[:, 0])[0]  # (V,)
-        self._record(command, started)
+        self._record(int(command.position_ids.shape[-1]), command.handle, started)
         return LMStepResult(logits=logits.cpu(), last_hidden=last.cpu(),
                             captured=None if out.captured is None else out.captured.cpu())
 
+
+    def _init_cache(self, command: LMInitCache) -> int:
+        config, (start, end) = self.model.config, self.layer_range
+        per_block = block_bytes(config, end - start, self.ps.tp_size, command.block_size, self.dtype)
+        budget = command.kv_bytes if command.kv_bytes is not None else self._cuda_budget(command)
+        blocks = torch.tensor([budget // per_block], dtype=torch.long)
+        if self.ps.world_size > 1:  # every rank must hold the same block ids
+            dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.ps.cpu_group)
+        num_blocks = int(blocks)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget ({budget / 2**20:.1f} MiB per rank) holds no block of "
+                             f"{command.block_size} tokens ({per_block / 2**20:.2f} MiB each); raise --kv-cache-memory "
+                             f"or --gpu-memory-utilization")
+        self.pool = None  # drop an older pool before allocating the new one
+        self.pool = PagedKVPool(self.layer_range, num_blocks, command.block_size,
+                                max(1, config.num_key_value_heads // self.ps.tp_size), config.head_dim,
+                                self.dtype, self.ps.device)
+        log.info("%s rank %d: KV cache %d blocks x %d tokens (%.1f MiB)", self.role, self.ps.rank, num_blocks,
+                 command.block_size, self.pool.nbytes() / 2**20)
+        return num_blocks
+
+    def _cuda_budget(self, command: LMInitCache) -> int:
+        """What `gpu_memory_utilization` of this rank's device leaves after the weights and the activations
+        of a `profile_tokens` step (measured with a throw-away forward of this rank's layers)."""
+        device = torch.device(self.ps.device)
+        if device.type != "cuda":
+            raise ValueError("give the KV cache size (--kv-cache-memory) on CPU")
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        H, T = self.model.config.hidden_size, command.profile_tokens
+        x = torch.zeros(1, T, H, dtype=self.dtype, device=device)
+        positions = torch.arange(T, device=device).view(1, 1, T).expand(3, 1, T)
+        self.model(x, positions, self.model.new_cache())  # rank-local: collectives stay within the TP group
+        torch.cuda.synchronize(device)
+        activations = torch.cuda.max_memory_allocated(device) - before
+        del x
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * command.gpu_memory_utilization) - (total - free) - activations
+        if budget <= 0:
+            raise ValueError(f"no room for a KV cache on {device}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free, "
+                             f"{activations / 2**30:.2f} GiB for activations at --gpu-memory-utilization "
+                             f"{command.gpu_memory_utilization}; raise it, or lower --max-num-batched-tokens")
+        return budget
+
+    def _batch(self, command: LMBatch) -> LMBatchResult | None:
+        if self.pool is None:
+            raise ValueError("LMBatch before LMInitCache: the stage has no KV cache yet")
+        cache = PagedBatch(self.pool, command.layout)
+        x = command.x.to(self.ps.device) if self.ps.is_first_pp_rank else None
+        started = time.time()
+        out = pipeline_step(self.model, x, command.position_ids, cache, visual_pos_mask=command.visual_pos_mask,
+                            deepstack=command.deepstack, capture_layer=command.capture_layer)
+        self._record(command.layout.num_tokens, -1, started)
+        if not self.ps.is_last_pp_rank:
+            return None
+        rows = out.hidden[0, command.logit_rows.to(out.hidden.device)]  # (M, H)
+        logits = self.model.compute_logits(rows)  # (M, V): the all-gather needs every TP rank
+        if self.ps.tp_rank != 0:
+            return None
+        captured = None
+        if command.capture_rows is not None and out.captured is not None:
+            captured = out.captured[0, command.capture_rows.to(out.captured.device)].cpu()  # (C, H)
+        return LMBatchResult(logits=logits.cpu(), last_hidden=rows.cpu(), captured=captured)
 
     def _predict(self, command: LMPredict) -> LMPredictResult | None:
         if self.predictor is None:
@@ -160,12 +267,12 @@ class LMShard:
         return LMPredictResult(out.codes, out.codec_sum.cpu() if owner and out.codec_sum is not None else None) \
             if owner else None
 
-    def _record(self, command: LMStep, started: float) -> None:
+    def _record(self, tokens: int, handle: int, started: float) -> None:
         """With OMNIMESH_TRACE_DIR set, each rank appends its busy interval per step (one JSON line)."""
         if self.trace is not None:
             with self.trace.open("a") as f:
                 f.write(json.dumps({"role": self.role, "rank": self.ps.rank, "pp_rank": self.ps.pp_rank,
-                                    "handle": command.handle, "tokens": int(command.position_ids.shape[-1]),
+                                    "handle": handle, "tokens": tokens,
                                     "start": started, "end": time.time()}) + "\n")
 
 

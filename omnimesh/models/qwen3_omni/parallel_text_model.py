@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +79,8 @@ class KVCache:
     """One request's keys/values for THIS rank's layers and heads, contiguous per layer.
 
     `update(layer_idx, k, v)` (global layer index) appends (1, n_kv/tp, T, D) and returns the whole
-    (1, n_kv/tp, S, D) history; the paged cache replaces this class behind the same two methods.
+    (1, n_kv/tp, S, D) history; `attend` stores and attends (the `LMCache` interface, which the stage's
+    batched steps implement over a paged pool in paged_kv.py).
     """
 
     def __init__(self, layer_range: tuple[int, int]) -> None:
@@ -91,6 +92,19 @@ class KVCache:
         k = self._k[0]
         return 0 if k is None else int(k.shape[2])
 
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int,
+               scale: float) -> torch.Tensor:
+        """Store k/v (1, nkv, T, D) and attend q (1, nh, T, D) over the whole history -> (1, nh, T, D).
+        (`paged_kv.PagedBatch.attend` is the same for many requests at once.)"""
+        T = q.shape[2]
+        k, v = self.update(layer_idx, k, v)  # (1, nkv, S, D)
+        past = k.shape[2] - T  # this layer's cached tokens before this step
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # (1, nh, S, D)
+        mask = None  # SDPA's own causal mask covers a prefill from empty and single-token decode
+        if T > 1 and past > 0:  # chunked prefill: query i sees keys 0..past+i
+            mask = torch.arange(past + T, device=q.device)[None, :] <= torch.arange(past, past + T, device=q.device)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale)
+
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.start <= layer_idx < self.end:
             raise ValueError(f"layer {layer_idx} is not in this cache's range [{self.start}, {self.end})")
@@ -99,6 +113,14 @@ class KVCache:
         self._k[i] = k if old_k is None else torch.cat([old_k, k], dim=2)  # (1, n_kv, S, D)
         self._v[i] = v if old_v is None else torch.cat([old_v, v], dim=2)
         return self._k[i], self._v[i]  # type: ignore[return-value]
+
+
+class LMCache(Protocol):
+    """What the attention layers write keys/values to and read them from: one request's `KVCache`, or a
+    `paged_kv.PagedBatch` (many requests' blocks in a shared pool, one batched step)."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int,
+               scale: float) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -161,8 +183,7 @@ class ParallelAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         self.n_rep = config.num_attention_heads // config.num_key_value_heads
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LMCache) -> torch.Tensor:
         T, D = x.shape[1], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
         q = self.q_norm(q.view(1, T, -1, D)).transpose(1, 2)  # (1, nh/tp, T, D)
@@ -170,10 +191,7 @@ class ParallelAttention(nn.Module):
         v = v.view(1, T, -1, D).transpose(1, 2)  # (1, nkv/tp, T, D)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, T, D)
         q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
-        k, v = cache.update(self.layer_idx, k, v)  # (1, nkv/tp, S, D)
-        k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)  # (1, nh/tp, S, D)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1 and
-                                           k.shape[2] == T, scale=D**-0.5)  # (1, nh/tp, T, D)
+        o = cache.attend(self.layer_idx, q, k, v, self.n_rep, D**-0.5)  # (1, nh/tp, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(1, T, -1))  # (1, T, H), all-reduced
 
 
@@ -237,9 +255,8 @@ class ParallelDecoderLayer(nn.Module):
         self.mlp: nn.Module = (ParallelSparseMoe(config, ps, dtype, shared=is_talker) if sparse
                                else ParallelMLP(config.hidden_size, config.intermediate_size, ps, dtype, reduce=True))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)  # (1, T, H)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LMCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)  # (1, T, H)
         return x + self.mlp(self.post_attention_layernorm(x))  # (1, T, H)
 
 
@@ -289,10 +306,12 @@ class ParallelTextModel(nn.Module):
         return self.head(hidden)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: LMCache,
                 visual_pos_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None,
                 capture_layer: int | None = None) -> StageOutput:
-        """Run this rank's layers on x (1, T, H); see the module docstring and decoder.py's capture convention."""
+        """Run this rank's layers on x (1, T, H); see the module docstring and decoder.py's capture convention.
+        `cache` is one request's `KVCache`, or a `PagedBatch`: then x packs the new tokens of many requests
+        (T = their sum) and position_ids / visual_pos_mask / deepstack rows are packed the same way."""
         if x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.config.hidden_size:
             raise ValueError(f"x must be (1, T, {self.config.hidden_size}), got {tuple(x.shape)}")
         if position_ids.dim() != 3 or position_ids.shape[0] not in (3, 4) or position_ids.shape[2] != x.shape[1]:
@@ -300,18 +319,13 @@ class ParallelTextModel(nn.Module):
         if capture_layer is not None and not 0 <= capture_layer <= self.num_layers:
             raise ValueError(f"capture_layer={capture_layer} is outside 0..{self.num_layers}")
         # (3, 1, T) t/h/w rows; row 0 of a (4, 1, T) (text positions) only shapes transformers' mask, and for
-        # one unpadded request it equals the cache positions, which is what the mask below is built from
+        # unpadded requests it equals the cache positions, which is what the caches' causal masks are built from
         mrope = position_ids[-3:]
         cos, sin = self.rotary(mrope.to(x.device), x.dtype)  # (1, T, D) each
-        T, past = x.shape[1], cache.get_seq_length()
-        mask = None  # SDPA's own causal mask covers a prefill from empty and single-token decode
-        if T > 1 and past > 0:  # chunked prefill: query i sees keys 0..past+i
-            q_pos = torch.arange(past, past + T, device=x.device)[:, None]  # (T, 1)
-            mask = torch.arange(past + T, device=x.device)[None, :] <= q_pos  # (T, S) bool
         hidden = x  # (1, T, H)
         captured = hidden if capture_layer == 0 and self.start == 0 else None
         for idx, layer in zip(range(self.start, self.end), self.layers):
-            hidden = layer(hidden, cos, sin, cache, mask)  # (1, T, H)
+            hidden = layer(hidden, cos, sin, cache)  # (1, T, H)
             if capture_layer == idx + 1 and capture_layer < self.num_layers:
                 captured = hidden
             if deepstack is not None and idx < len(deepstack):
@@ -406,7 +420,7 @@ class ParallelTextModel(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
 
-def pipeline_step(model: ParallelTextModel, x: torch.Tensor | None, position_ids: torch.Tensor, cache: KVCache, *,
+def pipeline_step(model: ParallelTextModel, x: torch.Tensor | None, position_ids: torch.Tensor, cache: LMCache, *,
                   visual_pos_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None,
                   capture_layer: int | None = None) -> StageOutput:
     """One blocking forward through the whole pipeline; every rank of the stage calls it for the same step.

@@ -203,8 +203,49 @@ class Qwen3OmniTalker:
     def _forward_and_sample(self, state: TalkerState, inputs: torch.Tensor, positions: torch.Tensor) -> None:
         out = self.backend.forward(state.handle, inputs, positions)
         state.seq_len += inputs.shape[1]
-        state.last_hidden = out.last_hidden  # (1, 1, H)
-        logits = out.logits  # (V,)
+        self.sample_next(state, out.logits, out.last_hidden)
+
+    # --- the batched stage path: the talker's decoder runs in the stage's LMEngine, the code predictor in
+    # --- one call for all requests of a step (services/llm/talker_batcher.py drives these)
+
+    def prefill_input(self, state: TalkerState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill rows (P, H) and positions (4, P); the state then counts them as fed."""
+        if state.prefill_embeds is None or state.prefill_positions is None:
+            raise ValueError("the talker prefill was already taken")
+        embeds, positions = state.prefill_embeds[0], state.prefill_positions[:, 0]
+        state.prefill_embeds = state.prefill_positions = None
+        state.seq_len = embeds.shape[0]
+        return embeds, positions
+
+    def needs_predict(self, state: TalkerState) -> bool:
+        """The prefill ran and c_g is sampled: the code predictor can run once text entry g is known."""
+        return state.prefill_embeds is None and bool(state.codes) and self.can_step(state)
+
+    def predict_prefix(self, state: TalkerState) -> tuple[torch.Tensor, SamplingParams]:
+        """The code predictor's input (1, 2, H) for c_g and its sampling (a fresh seed from the request's
+        stream when sampling, drawn in `_predict_residuals`' order)."""
+        if state.last_hidden is None:
+            raise ValueError("code predictor before the talker prefill ran")
+        first = self.talker.get_input_embeddings()(torch.tensor([[state.codes[-1]]], dtype=torch.long))  # (1, 1, H)
+        params = state.predictor_sampler.params
+        if not params.greedy:
+            params = replace(params, seed=int(torch.randint(0, 2**62, (1,), generator=state.sampler.generator)))
+        return torch.cat([state.last_hidden, first], dim=1), params
+
+    def after_predict(self, state: TalkerState, residuals: list[int], codec_sum: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (code group (G,), next decoder input (1, H), its positions (4, 1))."""
+        g = state.steps_done
+        text = state.text[g] if g < len(state.text) else state.tts_pad  # (H,)
+        state.steps_done += 1
+        positions = decode_positions(state.seq_len, state.rope_delta)[:, 0]  # (4, 1)
+        state.seq_len += 1
+        group = torch.tensor([state.codes[-1], *residuals], dtype=torch.long)  # (G,)
+        return group, (codec_sum.view(1, -1) + text.view(1, -1)), positions
+
+    def sample_next(self, state: TalkerState, logits: torch.Tensor, last_hidden: torch.Tensor) -> None:
+        """The decoder's output for the latest input: sample the next codec token (c0 of the next group)."""
+        state.last_hidden = last_hidden  # (1, 1, H)
         history = torch.tensor(state.codes, dtype=torch.long)  # (n,) generated codec tokens only
         token = state.sampler.sample(logits, history)
         state.codes.append(token)

@@ -3,7 +3,8 @@
 Role: runs the thinker LLM for ONE request with an explicit `ThinkerState` (its own KV cache and rope
 delta; the module's `rope_deltas` attribute is never touched), and produces what the talker stage needs.
 
-Data flow (the caller samples with `sampling.Sampler`, history = `state.history()`):
+Data flow (the caller samples with `sampling.Sampler`, history = `state.history()`); a thinker stage's
+batched engine uses `prepare` / `token_input` / `talker_prompt` and runs the decoder itself (lm_engine.py):
     prefill(input_ids (L,), audio_embeds, image_embeds, deepstack, image_grid_thw, audio_feature_lengths)
         embed -> masked_scatter media at the placeholder ids -> M-RoPE positions (mrope.py) -> layers
         -> (logits (V,) for generated token 0, ThinkerState, TalkerPrompt)
@@ -49,6 +50,21 @@ class TalkerPrompt:
     tts_embeds: torch.Tensor  # (3, H) thinker embeddings of tts_bos, tts_eos, tts_pad (in that order)
     image_grid_thw: torch.Tensor | None = None  # (n_images, 3) int64
     audio_feature_lengths: torch.Tensor | None = None  # (n_audios,) int64 valid mel frames per audio
+
+
+@dataclass
+class PreparedPrompt:
+    """A prompt ready for the decoder: embedded with its media merged in, positioned."""
+
+    ids: torch.Tensor  # (L,) int64
+    embeds: torch.Tensor  # (L, H) layer-0 inputs
+    positions: torch.Tensor  # (4, L) M-RoPE rows
+    rope_delta: int
+    visual: torch.Tensor | None  # (L,) bool image rows (deepstack targets)
+    deepstack: torch.Tensor | None  # (k, n_image_rows, H)
+    mm_mask: torch.Tensor  # (L,) bool media rows (their hidden at accept_hidden_layer goes to the talker)
+    image_grid_thw: torch.Tensor | None = None
+    audio_feature_lengths: torch.Tensor | None = None
 
 
 @dataclass
@@ -111,6 +127,54 @@ class Qwen3OmniThinker:
         self.backend.close(state.handle)
 
     @torch.no_grad()
+    def prepare(
+        self,
+        input_ids: torch.Tensor,
+        audio_embeds: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        deepstack: list[torch.Tensor] | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        audio_feature_lengths: torch.Tensor | None = None,
+    ) -> PreparedPrompt:
+        """Check the media, embed the prompt and merge the media in, and compute its M-RoPE positions."""
+        ids = input_ids.view(-1).long()  # (L,)
+        self._check_media(ids, audio_embeds, image_embeds, deepstack, image_grid_thw, audio_feature_lengths)
+        embeds = self._embed(ids).unsqueeze(0)  # (1, L, H)
+        if audio_embeds is not None:
+            audio_mask = (ids == self.audio_token_id).view(1, -1, 1).expand_as(embeds)  # (1, L, H)
+            embeds = embeds.masked_scatter(audio_mask, audio_embeds.to(embeds.dtype))
+        visual = None
+        if image_embeds is not None:
+            image_mask = (ids == self.image_token_id).view(1, -1, 1).expand_as(embeds)  # (1, L, H)
+            embeds = embeds.masked_scatter(image_mask, image_embeds.to(embeds.dtype))
+            visual = ids == self.image_token_id  # (L,)
+        positions, rope_delta = prompt_positions(ids, self.mrope, image_grid_thw, audio_feature_lengths)
+        mm_mask = (ids == self.audio_token_id) | (ids == self.image_token_id) | (ids == self.video_token_id)  # (L,)
+        return PreparedPrompt(
+            ids=ids, embeds=embeds[0], positions=positions[:, 0], rope_delta=rope_delta, visual=visual,
+            deepstack=torch.stack(deepstack) if image_embeds is not None and deepstack else None,
+            mm_mask=mm_mask, image_grid_thw=image_grid_thw,
+            audio_feature_lengths=None if audio_feature_lengths is None else audio_feature_lengths.view(-1))
+
+    def talker_prompt(self, prompt: PreparedPrompt, multimodal_hidden: torch.Tensor) -> TalkerPrompt:
+        """What the talker needs, once `multimodal_hidden` (n_mm, H) — the hidden at `accept_hidden_layer` of
+        the prompt's media rows — is known."""
+        return TalkerPrompt(
+            input_ids=prompt.ids.clone(),
+            prompt_embeds=prompt.embeds.clone(),  # (L, H)
+            multimodal_hidden=multimodal_hidden.clone(),  # (n_mm, H)
+            tts_embeds=self._embed(torch.tensor(self.tts_ids, dtype=torch.long)),  # (3, H)
+            image_grid_thw=None if prompt.image_grid_thw is None else prompt.image_grid_thw.clone(),
+            audio_feature_lengths=None if prompt.audio_feature_lengths is None else prompt.audio_feature_lengths.clone(),
+        )
+
+    @torch.no_grad()
+    def token_input(self, token_id: int, seq_len: int, rope_delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A generated token as the next input row: its embedding (H,) and its positions (4, 1) at `seq_len`."""
+        embed = self._embed(torch.tensor([token_id], dtype=torch.long))[0]  # (H,)
+        return embed, decode_positions(seq_len, rope_delta)[:, 0]  # (H,), (4, 1)
+
+    @torch.no_grad()
     def prefill(
         self,
         input_ids: torch.Tensor,
@@ -121,39 +185,19 @@ class Qwen3OmniThinker:
         audio_feature_lengths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ThinkerState, TalkerPrompt]:
         """Run the prompt; returns (logits (V,) of generated token 0, state, talker prompt)."""
-        ids = input_ids.view(-1).long()  # (L,)
-        self._check_media(ids, audio_embeds, image_embeds, deepstack, image_grid_thw, audio_feature_lengths)
-        embeds = self._embed(ids).unsqueeze(0)  # (1, L, H)
-        if audio_embeds is not None:
-            audio_mask = (ids == self.audio_token_id).view(1, -1, 1).expand_as(embeds)  # (1, L, H)
-            embeds = embeds.masked_scatter(audio_mask, audio_embeds.to(embeds.dtype))
-        visual_mask = None
-        if image_embeds is not None:
-            image_mask = (ids == self.image_token_id).view(1, -1, 1).expand_as(embeds)  # (1, L, H)
-            embeds = embeds.masked_scatter(image_mask, image_embeds.to(embeds.dtype))
-            visual_mask = (ids == self.image_token_id).view(1, -1)  # (1, L)
-        positions, rope_delta = prompt_positions(ids, self.mrope, image_grid_thw, audio_feature_lengths)
+        prompt = self.prepare(input_ids, audio_embeds, image_embeds, deepstack, image_grid_thw, audio_feature_lengths)
         handle = self.backend.open()
         out = self.backend.forward(
-            handle, embeds, positions, visual_pos_mask=visual_mask,
-            deepstack=deepstack if image_embeds is not None else None, capture_layer=self.accept_hidden_layer,
+            handle, prompt.embeds.unsqueeze(0), prompt.positions.unsqueeze(1),
+            visual_pos_mask=None if prompt.visual is None else prompt.visual.view(1, -1),
+            deepstack=None if prompt.deepstack is None else list(prompt.deepstack.unbind(0)),
+            capture_layer=self.accept_hidden_layer,
         )
-        logits = out.logits  # (V,)
-        mm_mask = (ids == self.audio_token_id) | (ids == self.image_token_id) | (ids == self.video_token_id)  # (L,)
         # `captured` is always set: the layer index was checked in __init__
         if out.captured is None:
             raise RuntimeError("the backend returned no captured hidden for accept_hidden_layer")
-        captured = out.captured
-        prompt = TalkerPrompt(
-            input_ids=ids.clone(),
-            prompt_embeds=embeds[0].clone(),  # (L, H)
-            multimodal_hidden=captured[0][mm_mask].clone(),  # (n_mm, H)
-            tts_embeds=self._embed(torch.tensor(self.tts_ids, dtype=torch.long)),  # (3, H)
-            image_grid_thw=None if image_grid_thw is None else image_grid_thw.clone(),
-            audio_feature_lengths=None if audio_feature_lengths is None else audio_feature_lengths.view(-1).clone(),
-        )
-        state = ThinkerState(handle=handle, rope_delta=rope_delta, token_ids=ids.tolist())
-        return logits, state, prompt
+        state = ThinkerState(handle=handle, rope_delta=prompt.rope_delta, token_ids=prompt.ids.tolist())
+        return out.logits, state, self.talker_prompt(prompt, out.captured[0][prompt.mm_mask])
 
     @torch.no_grad()
     def decode(self, state: ThinkerState, token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,115 @@
+"""LMScheduler: which requests of a thinker / talker stage run in the next batched step, and how many tokens.
+
+Role: continuous batching with a token budget over a paged KV cache (vLLM's scheduler policy, simplified).
+Each step, given the requests that have input waiting:
+  1. running requests (they hold KV blocks), oldest first: a decode takes 1 token of the budget, a prefill
+     takes what is left, up to `max_num_batched_tokens` (longer prompts are prefilled in chunks over several
+     steps, so they never stall running decodes for their whole length). A request that needs a block when
+     none is free preempts the NEWEST running request (its blocks freed at once; it is recomputed later
+     from its stored inputs) — or itself when it is the newest;
+  2. then waiting requests (new, or preempted earlier), first come first served, while there is budget,
+     a free seat (`max_num_seqs`) and blocks for their next chunk.
+Finished and cancelled requests give their blocks back at once (`remove`).
+The scheduler knows token counts only; what the tokens are is `lm_engine.py`'s business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omnimesh.engine.kv_blocks import BlockAllocator
+
+
+@dataclass(eq=False)
+class ScheduledSeq:
+    """A request as the scheduler sees it."""
+
+    rid: str
+    order: int  # admission order: smaller = older
+    pending: int = 0  # input tokens not yet in the cache
+    cached: int = 0  # tokens in the cache
+    blocks: list[int] = field(default_factory=list)
+    running: bool = False
+
+
+class LMScheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, "
+                             f"{max_num_batched_tokens}")
+        self.allocator = allocator
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.running: list[ScheduledSeq] = []  # admission order
+        self.waiting: list[ScheduledSeq] = []  # preempted first, then new ones in arrival order
+        self.preemptions = 0
+        self._order = 0
+
+    def add(self, rid: str) -> ScheduledSeq:
+        self._order += 1
+        seq = ScheduledSeq(rid, self._order)
+        self.waiting.append(seq)
+        return seq
+
+    def remove(self, seq: ScheduledSeq) -> None:
+        self.allocator.free(seq.blocks)
+        seq.cached, seq.running = 0, False
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def schedule(self, ready: set[str], busy: set[str] = frozenset()  # type: ignore[assignment]
+                 ) -> tuple[list[tuple[ScheduledSeq, int]], list[ScheduledSeq]]:
+        """Pick this step's (request, new tokens) among the `ready` ones; returns (plan, preempted). `busy`
+        requests are in another step in flight (pipeline parallelism): never preempted."""
+        budget = self.max_num_batched_tokens
+        plan: list[tuple[ScheduledSeq, int]] = []
+        preempted: list[ScheduledSeq] = []
+        planned: set[str] = set(busy)
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if not seq.running or seq.rid not in ready or seq.pending <= 0:
+                continue
+            n = min(seq.pending, budget)
+            while not self.allocator.grow(seq.blocks, seq.cached + n):
+                victim = next((s for s in reversed(self.running) if s.rid not in planned), None)
+                if victim is None:  # everything else already runs this step: wait for the next one
+                    break
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.running and len(seq.blocks) >= self.allocator.blocks_for(seq.cached + n):
+                plan.append((seq, n))
+                planned.add(seq.rid)
+                budget -= n
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if seq.rid not in ready or seq.pending <= 0 or seq in preempted:
+                continue
+            n = min(seq.pending, budget)
+            if not self.allocator.grow(seq.blocks, seq.cached + n):
+                break  # first come first served: nobody overtakes the oldest waiting request
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            self.running.sort(key=lambda s: s.order)
+            seq.running = True
+            plan.append((seq, n))
+            planned.add(seq.rid)
+            budget -= n
+        return plan, preempted
+
+    def _preempt(self, seq: ScheduledSeq) -> None:
+        self.allocator.free(seq.blocks)
+        seq.pending += seq.cached  # everything it had cached is recomputed when it runs again
+        seq.cached, seq.running = 0, False
+        self.running.remove(seq)
+        self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: s.order)  # older first: a preempted request goes before newer ones
+        self.preemptions += 1
+
+    def stats(self) -> dict[str, float]:
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "kv_cache_usage": self.allocator.usage(), "preemptions": self.preemptions}

@@ -1,0 +1,236 @@
+"""LMEngine: the driver side of a thinker / talker stage's continuous batching.
+
+Role: keeps, per request, the input rows not yet in the KV cache (`pending`) and those already fed
+(`history`, kept so a preempted request can be recomputed), asks `LMScheduler` what runs, packs the
+chosen rows of all chosen requests into one `LMBatch` (embeddings, M-RoPE positions, deepstack rows,
+capture rows), runs it on the stage's ranks, and hands each request the logits of its last row when
+that row ended an input run that wants them.
+
+Data flow per step:
+    feed(rid, InputRun(embeds (n, H), positions (P, n), ...))        the task's next input rows
+    step(ready rids) -> LMScheduler.schedule -> BatchLayout + LMBatch -> ranks -> LMBatchResult
+        -> {rid: RunOutput(logits (V,) | None, last_hidden (1, 1, H), captured rows)} for the requests
+           that ran (logits None: a prefill chunk that did not finish its run, or a recompute)
+    remove(rid)                                                        blocks back to the free list
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from omnimesh.engine.kv_blocks import BlockAllocator
+from omnimesh.engine.lm_scheduler import LMScheduler, ScheduledSeq
+from omnimesh.models.qwen3_omni.lm_backend import ShardedBackend
+from omnimesh.models.qwen3_omni.lm_shard import LMBatch, LMBatchResult, LMInitCache
+from omnimesh.models.qwen3_omni.paged_kv import BatchLayout
+from omnimesh.parallel.mp_executor import RankFailure
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
+DEFAULT_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class InputRun:
+    """Consecutive input rows of one request."""
+
+    embeds: torch.Tensor  # (n, H)
+    positions: torch.Tensor  # (P, n) M-RoPE rows (P = 4 or 3)
+    visual: torch.Tensor | None = None  # (n,) bool: rows that get deepstack features
+    deepstack: torch.Tensor | None = None  # (k, n_visual, H) features of the visual rows, per deepstack layer
+    capture: torch.Tensor | None = None  # (n,) bool: rows whose hidden at the capture layer comes back
+    want_logits: bool = True  # False for rows re-fed after a preemption (their token was already sampled)
+
+    @property
+    def n(self) -> int:
+        return int(self.embeds.shape[0])
+
+    def split(self, k: int) -> tuple[InputRun, InputRun]:
+        """The first k rows, and the rest."""
+        cut_vis = int(self.visual[:k].sum()) if self.visual is not None else 0
+
+        def part(sl: slice, vis: slice, want_logits: bool) -> InputRun:
+            return InputRun(
+                self.embeds[sl], self.positions[:, sl],
+                None if self.visual is None else self.visual[sl],
+                None if self.deepstack is None else self.deepstack[:, vis],
+                None if self.capture is None else self.capture[sl], want_logits)
+
+        # only the run's last row yields logits: the first part never does
+        return (part(slice(0, k), slice(0, cut_vis), False),
+                part(slice(k, None), slice(cut_vis, None), self.want_logits))
+
+
+@dataclass
+class RunOutput:
+    logits: torch.Tensor | None  # (V,) after the request's last row of this step, if its run wants them
+    last_hidden: torch.Tensor  # (1, 1, H) final-norm hidden of that row
+    captured: torch.Tensor | None  # (c, H) hidden at the capture layer of this step's capture rows
+
+
+@dataclass(eq=False)
+class _Seq:
+    sched: ScheduledSeq
+    pending: list[InputRun] = field(default_factory=list)
+    history: list[InputRun] = field(default_factory=list)
+
+
+class LMEngine:
+    def __init__(self, backend: ShardedBackend, *, role: str, block_size: int, kv_bytes: int | None,
+                 gpu_memory_utilization: float, max_num_seqs: int, max_num_batched_tokens: int | None,
+                 max_model_len: int, capture_layer: int | None = None) -> None:
+        """`backend` runs commands on every rank of the stage. Sizes the KV pool on the ranks and refuses to
+        start when it cannot hold one request of `max_model_len` tokens."""
+        self.backend, self.role, self.capture_layer = backend, role, capture_layer
+        self._lock = threading.Lock()
+        self._inflight: set[str] = set()
+        tokens = max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, block_size)
+        init = LMInitCache(block_size, kv_bytes, gpu_memory_utilization, profile_tokens=tokens)
+        num_blocks = int(backend.submit(init).result())
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        if self.allocator.capacity_tokens < max_model_len:
+            raise ValueError(
+                f"{role}: the KV cache holds {self.allocator.capacity_tokens} tokens ({num_blocks} blocks of "
+                f"{block_size}), fewer than max_model_len {max_model_len}: a single long request could never "
+                f"finish. Raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len")
+        self.scheduler = LMScheduler(self.allocator, max_num_seqs, tokens)
+        self.seqs: dict[str, _Seq] = {}
+        log.info("%s KV cache: %d blocks x %d tokens = %d tokens; batches of up to %d sequences / %d tokens",
+                 role, num_blocks, block_size, self.allocator.capacity_tokens, max_num_seqs, tokens)
+
+    def has(self, rid: str) -> bool:
+        return rid in self.seqs
+
+    def pending_tokens(self, rid: str) -> int:
+        seq = self.seqs.get(rid)
+        return 0 if seq is None else seq.sched.pending
+
+    def feed(self, rid: str, run: InputRun) -> None:
+        with self._lock:
+            self._feed(rid, run)
+
+    def _feed(self, rid: str, run: InputRun) -> None:
+        seq = self.seqs.get(rid)
+        if seq is None:
+            seq = self.seqs[rid] = _Seq(self.scheduler.add(rid))
+        seq.pending.append(run)
+        seq.sched.pending += run.n
+
+    def remove(self, rid: str) -> None:
+        """Give the request's blocks back (a request still in a step in flight keeps them until it returns:
+        the engine loop closes a cancelled request only after its step)."""
+        with self._lock:
+            seq = self.seqs.pop(rid, None)
+            if seq is not None:
+                self.scheduler.remove(seq.sched)
+
+    def drop_captures(self, rid: str) -> None:
+        """The request took its captured rows: a recompute after a preemption must not capture them again."""
+        seq = self.seqs.get(rid)
+        if seq is not None:
+            for run in seq.history + seq.pending:
+                run.capture = None
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return self.scheduler.stats()
+
+    def step(self, ready: list[str]) -> dict[str, RunOutput]:
+        """One batched forward over the scheduled part of the `ready` requests' pending rows. Thread-safe:
+        with pp > 1 the stage steps pp disjoint batches at once; scheduling, submitting (in command order)
+        and bookkeeping hold the lock, waiting for the ranks does not."""
+        with self._lock:
+            runs = self._plan(ready)
+            if not runs:
+                return {}
+            future = self.backend.submit(self._command(runs))
+            self._inflight.update(seq.sched.rid for seq, _ in runs)
+        try:
+            result: LMBatchResult = future.result(timeout=self.backend.result_timeout_s)
+        except TimeoutError:
+            raise RankFailure(f"{self.role}: a batched step got no result within "
+                              f"{self.backend.result_timeout_s:.0f}s") from None
+        finally:
+            with self._lock:
+                self._inflight.difference_update(seq.sched.rid for seq, _ in runs)
+        with self._lock:
+            return self._apply(runs, result)
+
+    def _plan(self, ready: list[str]) -> list[tuple[_Seq, list[InputRun]]]:
+        plan, preempted = self.scheduler.schedule({rid for rid in ready if rid in self.seqs}, busy=self._inflight)
+        for sched in preempted:
+            seq = self.seqs[sched.rid]
+            seq.pending = [replace(r, want_logits=False) for r in seq.history] + seq.pending
+            seq.history = []
+            log.info("%s: preempted request %s (KV cache full); it is recomputed when blocks free up", self.role, sched.rid)
+        runs: list[tuple[_Seq, list[InputRun]]] = []
+        for sched, n in plan:
+            seq = self.seqs[sched.rid]
+            taken: list[InputRun] = []
+            while n > 0:
+                head = seq.pending[0]
+                if head.n <= n:
+                    taken.append(seq.pending.pop(0))
+                    n -= head.n
+                else:
+                    first, rest = head.split(n)
+                    taken.append(first)
+                    seq.pending[0] = rest
+                    n = 0
+            runs.append((seq, taken))
+        return runs
+
+    def _apply(self, runs: list[tuple[_Seq, list[InputRun]]], result: LMBatchResult) -> dict[str, RunOutput]:
+        out: dict[str, RunOutput] = {}
+        cap_at = 0
+        for i, (seq, taken) in enumerate(runs):
+            n = sum(r.n for r in taken)
+            caps = sum(int(r.capture.sum()) for r in taken if r.capture is not None)
+            captured = None
+            if caps and result.captured is not None:
+                captured = result.captured[cap_at:cap_at + caps]
+                cap_at += caps
+            if self.seqs.get(seq.sched.rid) is not seq:
+                continue  # removed (cancelled) while its step ran
+            seq.sched.cached += n
+            seq.sched.pending -= n
+            seq.history.extend(taken)
+            wants = taken[-1].want_logits  # the last row of a whole run (a split's first part says False)
+            out[seq.sched.rid] = RunOutput(logits=result.logits[i] if wants else None,
+                                           last_hidden=result.last_hidden[i].view(1, 1, -1), captured=captured)
+        return out
+
+    def _command(self, runs: list[tuple[_Seq, list[InputRun]]]) -> LMBatch:
+        embeds, positions, visual, deep, capture, logit_rows, seqs = [], [], [], [], [], [], []
+        row = 0
+        any_visual = any(r.visual is not None for _, taken in runs for r in taken)
+        any_capture = any(r.capture is not None for _, taken in runs for r in taken)
+        for seq, taken in runs:
+            n = sum(r.n for r in taken)
+            seqs.append((n, seq.sched.cached, seq.sched.blocks))
+            for r in taken:
+                embeds.append(r.embeds)
+                positions.append(r.positions)
+                if any_visual:
+                    visual.append(r.visual if r.visual is not None else torch.zeros(r.n, dtype=torch.bool))
+                    if r.deepstack is not None:
+                        deep.append(r.deepstack)
+                if any_capture:
+                    capture.append(r.capture if r.capture is not None else torch.zeros(r.n, dtype=torch.bool))
+            row += n
+            logit_rows.append(row - 1)
+        x = torch.cat(embeds).unsqueeze(0)  # (1, N, H)
+        pos = torch.cat(positions, dim=1).unsqueeze(1)  # (P, 1, N)
+        vis = torch.cat(visual).view(1, -1) if any_visual else None
+        deepstack = list(torch.cat(deep, dim=1).unbind(0)) if deep else None
+        cap_rows = torch.nonzero(torch.cat(capture)).view(-1) if any_capture else None
+        return LMBatch(x=x, position_ids=pos, layout=BatchLayout.build(seqs, self.allocator.block_size),
+                       logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+                       visual_pos_mask=vis if deepstack is not None else None, deepstack=deepstack,
+                       capture_layer=self.capture_layer if cap_rows is not None and cap_rows.numel() else None,
+                       capture_rows=cap_rows if cap_rows is not None and cap_rows.numel() else None)

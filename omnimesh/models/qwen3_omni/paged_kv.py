@@ -1,0 +1,142 @@
+"""Paged KV cache of one rank, and the per-step batch layout its attention reads.
+
+Role: continuous batching keeps the keys/values of every running request of a thinker / talker stage in
+one pool per layer, cut into fixed blocks of `block_size` tokens (vLLM's PagedAttention layout). The
+driver's scheduler owns the block ids (`omnimesh/engine/kv_blocks.py`) and ships each step's
+`BatchLayout` to every rank inside the step command, so all ranks read and write the same slots.
+
+Data flow for one batched step on one rank (N packed tokens of B requests, see parallel_text_model.py):
+    BatchLayout.build([(n_new, past, block table) per request], block_size)   on the driver, once per step
+    per layer: q (1, nh, N, D), k/v (1, nkv, N, D) -> PagedBatch.attend
+        -> k/v written to their slots (slot = block * block_size + offset)
+        -> requests with one new token (decodes): their keys gathered into a padded (Bd, nkv, Smax, D),
+           one SDPA call with a key-padding mask
+        -> requests with several new tokens (prefill chunks): one SDPA each, causal over past + chunk
+        -> o (1, nh, N, D) in packed order
+Pool memory per rank: 2 x layers x num_blocks x block_size x (n_kv_heads / tp) x head_dim x dtype size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def block_bytes(config: Any, layers: int, tp: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one cache block takes on a rank holding `layers` layers and 1/tp of the KV heads."""
+    kv_heads = max(1, config.num_key_value_heads // tp)
+    return 2 * layers * block_size * kv_heads * config.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PrefillSlice:
+    start: int  # first packed row
+    n: int  # new tokens
+    slots: torch.Tensor  # (past + n,) cache slots of all its keys, in position order
+    mask: torch.Tensor | None  # (n, past + n) bool; None = plain causal from an empty cache
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each packed token's keys go and which keys each request attends to (built on the driver)."""
+
+    num_tokens: int
+    write_slots: torch.Tensor  # (N,) int64
+    decode_rows: torch.Tensor  # (Bd,) packed rows of the one-token requests
+    decode_slots: torch.Tensor  # (Bd, Smax) their keys' slots, padded with slot 0
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, Smax) bool; None when no request is padded
+    prefills: tuple[PrefillSlice, ...]
+
+    @classmethod
+    def build(cls, seqs: list[tuple[int, int, list[int]]], block_size: int) -> BatchLayout:
+        """`seqs`: per request (n_new, past, block table), in packed order."""
+        write: list[torch.Tensor] = []
+        dec_rows: list[int] = []
+        dec_slots: list[torch.Tensor] = []
+        prefills: list[PrefillSlice] = []
+        row = 0
+        for n, past, blocks in seqs:
+            total = past + n
+            if n < 1 or ceil(total / block_size) > len(blocks):
+                raise ValueError(f"a request with {past} cached + {n} new tokens needs {ceil(total / block_size)} "
+                                 f"blocks, its table has {len(blocks)}")
+            table = torch.tensor(blocks[:ceil(total / block_size)], dtype=torch.long)
+            pos = torch.arange(total)
+            slots = table[pos // block_size] * block_size + pos % block_size  # (total,)
+            write.append(slots[past:])
+            if n == 1:
+                dec_rows.append(row)
+                dec_slots.append(slots)
+            else:
+                mask = None
+                if past > 0:  # chunked prefill: query i sees keys 0 .. past + i
+                    mask = torch.arange(total)[None, :] <= torch.arange(past, total)[:, None]  # (n, total)
+                prefills.append(PrefillSlice(row, n, slots, mask))
+            row += n
+        smax = max((s.numel() for s in dec_slots), default=0)
+        padded = torch.zeros(len(dec_slots), smax, dtype=torch.long)
+        mask = torch.zeros(len(dec_slots), 1, 1, smax, dtype=torch.bool)
+        for i, s in enumerate(dec_slots):
+            padded[i, :s.numel()] = s
+            mask[i, ..., :s.numel()] = True
+        ragged = any(s.numel() != smax for s in dec_slots)
+        return cls(num_tokens=row, write_slots=torch.cat(write) if write else torch.zeros(0, dtype=torch.long),
+                   decode_rows=torch.tensor(dec_rows, dtype=torch.long), decode_slots=padded,
+                   decode_mask=mask if ragged else None, prefills=tuple(prefills))
+
+
+class PagedKVPool:
+    """This rank's K and V pools: per owned layer (num_blocks * block_size, n_kv / tp, head_dim)."""
+
+    def __init__(self, layer_range: tuple[int, int], num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.start, self.end = layer_range
+        self.num_blocks, self.block_size = num_blocks, block_size
+        slots = num_blocks * block_size
+        # torch.empty: pages are touched only as blocks fill, so an unused CPU pool costs no resident memory
+        self.k = [torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(self.end - self.start)]
+        self.v = [torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(self.end - self.start)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class PagedBatch:
+    """The cache as one batched step sees it: implements `attend` like `KVCache` does for one request."""
+
+    def __init__(self, pool: PagedKVPool, layout: BatchLayout) -> None:
+        self.pool, self.layout = pool, layout
+        device = pool.k[0].device if pool.k else "cpu"
+        self.write_slots = layout.write_slots.to(device)
+        self.decode_rows = layout.decode_rows.to(device)
+        self.decode_slots = layout.decode_slots.to(device)
+        self.decode_mask = None if layout.decode_mask is None else layout.decode_mask.to(device)
+        self.prefills = [(p.start, p.n, p.slots.to(device), None if p.mask is None else p.mask.to(device))
+                         for p in layout.prefills]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int,
+               scale: float) -> torch.Tensor:
+        """q (1, nh, N, D), k/v (1, nkv, N, D) of the packed tokens -> attention output (1, nh, N, D)."""
+        if not self.pool.start <= layer_idx < self.pool.end:
+            raise ValueError(f"layer {layer_idx} is not in this pool's range [{self.pool.start}, {self.pool.end})")
+        kp, vp = self.pool.k[layer_idx - self.pool.start], self.pool.v[layer_idx - self.pool.start]
+        kp.index_copy_(0, self.write_slots, k[0].transpose(0, 1))  # (N, nkv, D) into their slots
+        vp.index_copy_(0, self.write_slots, v[0].transpose(0, 1))
+        out = torch.empty_like(q)  # (1, nh, N, D)
+        if self.decode_rows.numel():
+            qd = q[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)  # (Bd, nh, 1, D)
+            kd = kp[self.decode_slots].permute(0, 2, 1, 3).repeat_interleave(n_rep, dim=1)  # (Bd, nh, Smax, D)
+            vd = vp[self.decode_slots].permute(0, 2, 1, 3).repeat_interleave(n_rep, dim=1)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=scale)  # (Bd, nh, 1, D)
+            out[0, :, self.decode_rows] = od[:, :, 0].transpose(0, 1)
+        for start, n, slots, mask in self.prefills:
+            qp = q[:, :, start:start + n]  # (1, nh, n, D)
+            kk = kp[slots].transpose(0, 1).unsqueeze(0).repeat_interleave(n_rep, dim=1)  # (1, nh, S, D)
+            vv = vp[slots].transpose(0, 1).unsqueeze(0).repeat_interleave(n_rep, dim=1)
+            out[:, :, start:start + n] = F.scaled_dot_product_attention(
+                qp, kk, vv, attn_mask=mask, is_causal=mask is None, scale=scale)
+        return out

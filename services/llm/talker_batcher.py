@@ -1,0 +1,88 @@
+"""TalkerBatcher: the talker stage's continuous batching — code predictor and decoder, each once per step.
+
+Data flow (`step_batch`, on the engine loop's compute thread), over the ready requests:
+  1. a request with nothing to speak (its thinker's first token was final) finishes with no audio;
+  2. a started request's prefill rows are queued in the stage's `LMEngine` (once);
+  3. every request whose codec token c_g is sampled and whose text entry g is known joins ONE code-predictor
+     call (B requests, `ShardedBackend.predict_batch`): its group [c_g, r1..] is emitted at once and the
+     group's embedding sum + text entry g is queued as its next decoder input;
+  4. ONE `LMEngine.step` runs the scheduled decoder rows of all requests; each request that got logits
+     samples its next codec token (codec EOS or max tokens ends it: the last token gets no group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omnimesh.engine.task import StageTask
+from omnimesh.models.qwen3_omni.lm_engine import InputRun, LMEngine
+from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker
+from omnimesh.transport.frames import StageChunk
+from services.llm.talker_task import TalkerTask
+
+
+class TalkerBatcher:
+    def __init__(self, talker: Qwen3OmniTalker, engine: LMEngine, predict_batch: Any):
+        """`predict_batch(prefix (B, 2, H), params tuple) -> [(codes, codec_sum (1, 1, H))]`."""
+        self.talker = talker
+        self.engine = engine
+        self.predict_batch = predict_batch
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    def step_batch(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
+        out: dict[str, list[StageChunk] | BaseException] = {}
+        live: dict[str, TalkerTask] = {}
+        predict: list[TalkerTask] = []
+        for task in tasks:
+            if not isinstance(task, TalkerTask):
+                raise TypeError(f"the talker batcher got a {type(task).__name__}")
+            state = task.state
+            if state is None:  # the thinker spoke nothing
+                task.finished = True
+                out[task.request_id] = []
+                continue
+            live[task.request_id] = task
+            if not task.queued:
+                embeds, positions = self.talker.prefill_input(state)
+                self.engine.feed(task.request_id, InputRun(embeds, positions))
+                task.queued = task.awaiting = True
+                task.on_close.append(self.engine.remove)
+            elif not task.awaiting and self.talker.needs_predict(state):
+                predict.append(task)
+        if predict:
+            self._predict(predict, out)
+        for rid, result in self.engine.step([rid for rid, t in live.items() if t.awaiting]).items():
+            task = live[rid]
+            if result.logits is None:
+                out.setdefault(rid, [])
+                continue
+            try:
+                assert task.state is not None
+                self.talker.sample_next(task.state, result.logits, result.last_hidden)
+            except Exception as exc:  # this request's sampling failed: it alone ends
+                out[rid] = exc
+                continue
+            task.awaiting = False
+            task.finish_counts()
+            out.setdefault(rid, [])
+        return out
+
+    def _predict(self, tasks: list[TalkerTask], out: dict[str, list[StageChunk] | BaseException]) -> None:
+        prefixes, params = [], []
+        for task in tasks:
+            assert task.state is not None
+            prefix, p = self.talker.predict_prefix(task.state)
+            prefixes.append(prefix)
+            params.append(p)
+        results = self.predict_batch(torch.cat(prefixes), tuple(params))
+        for task, (residuals, codec_sum) in zip(tasks, results):
+            assert task.state is not None
+            group, row, positions = self.talker.after_predict(task.state, residuals, codec_sum)
+            self.engine.feed(task.request_id, InputRun(row, positions))
+            task.awaiting = True
+            task.completion_tokens = len(task.state.codes)
+            out[task.request_id] = [StageChunk(tensors={"codes": group.view(-1, 1)})]  # (G, 1)
