@@ -79,6 +79,7 @@ class Sampler:
             else:
                 generator.manual_seed(params.seed)
         self.generator = generator
+        self._suppress_mask: torch.Tensor | None = None  # (V,) bool, built on first use
         self._suppress: torch.Tensor | None = (
             torch.tensor(params.suppress_tokens, dtype=torch.long) if params.suppress_tokens else None
         )
@@ -90,8 +91,11 @@ class Sampler:
         if p.repetition_penalty != 1.0 and history is not None and history.numel() > 0:
             scores = apply_repetition_penalty(scores, history, p.repetition_penalty)
         if self._suppress is not None:
-            vocab = torch.arange(scores.shape[-1], device=scores.device)  # (V,)
-            scores = torch.where(torch.isin(vocab, self._suppress.to(scores.device)), -float("inf"), scores)
+            mask = self._suppress_mask
+            if mask is None or mask.shape[0] != scores.shape[-1] or mask.device != scores.device:
+                vocab = torch.arange(scores.shape[-1], device=scores.device)  # (V,)
+                mask = self._suppress_mask = torch.isin(vocab, self._suppress.to(scores.device))  # built once
+            scores = scores.masked_fill(mask, -float("inf"))
         if p.greedy:
             return scores
         if p.temperature != 1.0:
