@@ -8,7 +8,8 @@ Each step, given the requests that have input waiting:
      none is free preempts the NEWEST running request (its blocks freed at once; it is recomputed later
      from its stored inputs) — or itself when it is the newest;
   2. then waiting requests (new, or preempted earlier), first come first served, while there is budget,
-     a free seat (`max_num_seqs`) and blocks for their next chunk.
+     a free seat (`max_num_seqs`) and blocks for their next chunk (none newer than a request preempted in
+     this very step).
 Finished and cancelled requests give their blocks back at once (`remove`).
 The scheduler knows token counts only; what the tokens are is `lm_engine.py`'s business.
 """
@@ -66,12 +67,19 @@ class LMScheduler:
         plan: list[tuple[ScheduledSeq, int]] = []
         preempted: list[ScheduledSeq] = []
         planned: set[str] = set(busy)
-        for seq in list(self.running):
+        runnable = [s for s in self.running if s.rid in ready and s.pending > 0]
+        decodes_left = sum(s.pending == 1 for s in runnable)  # each running decode is owed 1 token of the budget
+        for seq in runnable:
+            if seq.pending == 1:
+                decodes_left -= 1
             if budget <= 0:
                 break
-            if not seq.running or seq.rid not in ready or seq.pending <= 0:
+            if not seq.running:  # preempted earlier in this step
                 continue
-            n = min(seq.pending, budget)
+            # a prefill chunk (or a recompute after a preemption) takes what the later decodes leave
+            n = min(seq.pending, budget if seq.pending == 1 else budget - decodes_left)
+            if n <= 0:
+                continue
             while not self.allocator.grow(seq.blocks, seq.cached + n):
                 victim = next((s for s in reversed(self.running) if s.rid not in planned), None)
                 if victim is None:  # everything else already runs this step: wait for the next one
@@ -87,7 +95,9 @@ class LMScheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if seq.rid not in ready or seq.pending <= 0 or seq in preempted:
+            if seq in preempted:
+                break  # preempted in this step: it is not readmitted yet, and no newer request overtakes it
+            if seq.rid not in ready or seq.pending <= 0:
                 continue
             n = min(seq.pending, budget)
             if not self.allocator.grow(seq.blocks, seq.cached + n):

@@ -165,7 +165,8 @@ class LMEngine:
         plan, preempted = self.scheduler.schedule({rid for rid in ready if rid in self.seqs}, busy=self._inflight)
         for sched in preempted:
             seq = self.seqs[sched.rid]
-            seq.pending = [replace(r, want_logits=False) for r in seq.history] + seq.pending
+            # recomputed rows: their token was sampled and their captured rows were handed over already
+            seq.pending = [replace(r, want_logits=False, capture=None) for r in seq.history] + seq.pending
             seq.history = []
             log.info("%s: preempted request %s (KV cache full); it is recomputed when blocks free up", self.role, sched.rid)
         runs: list[tuple[_Seq, list[InputRun]]] = []

@@ -1,0 +1,539 @@
+"""Continuous batching of the thinker and talker stages (LMScheduler + LMEngine + the batchers), in-process on
+the tiny model folder. What it proves:
+
+- batched == solo: 16 thinker requests of different prompt lengths stepped together give exactly the tokens
+  each gives alone, and they really ran in shared steps (one engine step for all 16 at once);
+- chunked prefill: with a token budget of 8 a 40-token prompt is prefilled over several steps (no LMBatch
+  above 8 tokens) and gives the same tokens as unchunked; a request already decoding gets a token
+  on every one of those steps;
+- preemption: a KV cache of a few blocks forces newest-first preemption with recompute, yet every request's
+  tokens equal its solo run, and all blocks come back; a request preempted in the middle of a prefill with
+  capture rows hands each captured row to its task exactly once;
+- cancellation: 200 requests holding blocks, closed the way a cancel does, give every block back and leave the
+  scheduler empty; a cache that cannot hold max_model_len refuses to start, naming --kv-cache-memory;
+- talker batched == solo: 4 requests fed from real thinker output give the same codes together as alone, with
+  ONE code-predictor call per step for the batch;
+- both batchers' stats() report running / waiting / kv_cache_usage / preemptions while requests run;
+- LMScheduler unit tests (no model): the budget split between decodes and a chunked prefill, FCFS admission,
+  max_num_seqs, newest-first preemption, `busy` requests never preempted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from omnimesh.config.serve_args import ServeArgs
+from omnimesh.engine.kv_blocks import BlockAllocator
+from omnimesh.engine.lm_scheduler import LMScheduler, ScheduledSeq
+from omnimesh.models.qwen3_omni import paged_kv
+from omnimesh.models.qwen3_omni.lm_engine import InputRun
+from omnimesh.models.qwen3_omni.lm_shard import LMBatch
+from omnimesh.models.qwen3_omni.stage_loading import load_config
+from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+from omnimesh.models.qwen3_omni.tiny_config import ORDINARY_VOCAB_LIMIT
+from omnimesh.transport.frames import StageChunk
+from omnimesh.v1 import stage_pb2
+from services.llm.talker_handler import build_handler as talker_handler
+from services.llm.thinker_handler import build_handler as thinker_handler
+from tests.models.qwen3_omni_fixtures import torch_threads
+
+LOGIT_ATOL = 1e-4
+ORDINARY = ORDINARY_VOCAB_LIMIT  # tiny ids below this are plain text (above: specials, media placeholders)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture(scope="module")
+def thinker(model_dir: Path) -> Any:
+    """A roomy thinker stage (default budget, 64 blocks of 16) shared by the solo reference runs."""
+    return thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB"))
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, ORDINARY, (n,), generator=g) for n in lengths]
+
+
+def open_thinker(handler: Any, rid: str, ids: torch.Tensor, max_tokens: int, **options: str) -> Any:
+    task = handler.open(stage_pb2.Open(request_id=rid, options=options,
+                                       sampling=stage_pb2.SamplingParams(temperature=0, max_tokens=max_tokens)))
+    task.feed(StageChunk(tensors={"input_ids": ids}, final=True))
+    return task
+
+
+class Driver:
+    """Steps a stage's batcher the way the engine loop does: every ready task in one `step_batch` per step;
+    finished tasks are closed (their blocks freed) and leave the batch."""
+
+    def __init__(self, handler: Any):
+        self.handler = handler
+        self.live: list[Any] = []
+        self.chunks: dict[str, list[StageChunk]] = {}
+        self.steps = 0
+
+    def add(self, *tasks: Any) -> None:
+        for task in tasks:
+            self.live.append(task)
+            self.chunks.setdefault(task.request_id, [])
+
+    def step(self) -> dict[str, list[StageChunk]]:
+        ready = [t for t in self.live if t.ready()]
+        assert ready, f"no request is ready: {[t.request_id for t in self.live]}"
+        got: dict[str, list[StageChunk]] = {}
+        for rid, value in self.handler.batcher.step_batch(ready).items():
+            if isinstance(value, BaseException):
+                raise value
+            got[rid] = value
+            self.chunks[rid] += value
+        for task in [t for t in self.live if t.finished]:
+            task.close()
+            self.live.remove(task)
+        self.steps += 1
+        return got
+
+    def run(self, max_steps: int = 5000) -> dict[str, list[StageChunk]]:
+        while self.live:
+            assert self.steps < max_steps, "the batch does not finish"
+            self.step()
+        return self.chunks
+
+
+def token_ids(chunks: list[StageChunk]) -> list[int]:
+    return [int(t) for c in chunks for t in c.tensors.get("token_ids", torch.zeros(0)).tolist()]
+
+
+class Recorder:
+    """Wraps `engine.step`: the number of requests in each step, and every logits row each request got."""
+
+    def __init__(self, engine: Any):
+        self.engine, self.inner = engine, engine.step
+        self.sizes: list[int] = []
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        engine.step = self.step
+
+    def step(self, ready: list[str]) -> Any:
+        out = self.inner(ready)
+        self.sizes.append(len(out))
+        for rid, result in out.items():
+            if result.logits is not None:
+                self.logits.setdefault(rid, []).append(result.logits.clone())
+        return out
+
+    def stop(self) -> None:
+        self.engine.step = self.inner
+
+    def stacked(self, rid: str) -> torch.Tensor:
+        return torch.stack(self.logits[rid])
+
+
+def solo(handler: Any, ids: torch.Tensor, max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """The request alone on `handler`: its tokens and the logits (n, V) they were sampled from."""
+    rec = Recorder(handler.batcher.engine)
+    try:
+        d = Driver(handler)
+        d.add(open_thinker(handler, "solo", ids, max_tokens))
+        return token_ids(d.run()["solo"]), rec.stacked("solo")
+    finally:
+        rec.stop()
+
+
+def assert_same_run(got: tuple[list[int], torch.Tensor], want: tuple[list[int], torch.Tensor], what: str) -> None:
+    """Token ids exactly equal, logits equal up to float32 rounding (batched GEMMs round differently)."""
+    assert got[0] == want[0], what
+    torch.testing.assert_close(got[1], want[1], atol=LOGIT_ATOL, rtol=0, msg=what)
+
+
+def record_batches(engine: Any) -> list[LMBatch]:
+    """Wrap the backend's submit: the returned list gets every LMBatch command the engine sends."""
+    batches: list[LMBatch] = []
+    inner = engine.backend.submit
+
+    def submit(command: Any) -> Any:
+        if isinstance(command, LMBatch):
+            batches.append(command)
+        return inner(command)
+
+    engine.backend.submit = submit
+    return batches
+
+
+def block_bytes(model_dir: Path, block_size: int) -> int:
+    text = load_config(model_dir).thinker_config.text_config  # type: ignore[union-attr]
+    return paged_kv.block_bytes(text, layers=text.num_hidden_layers, tp=1, block_size=block_size,
+                                dtype=torch.float32)
+
+
+def assert_drained(engine: Any, free_at_start: int) -> None:
+    assert engine.allocator.num_free == free_at_start == engine.allocator.num_blocks
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_cache_usage"] == 0.0
+    assert engine.seqs == {}
+
+
+# ------------------------------------------------------------------------------------------ thinker
+
+
+def test_sixteen_batched_requests_equal_their_solo_runs(model_dir: Path, thinker: Any) -> None:
+    lengths = [3, 40, 7, 12, 5, 33, 18, 9, 26, 4, 15, 21, 37, 11, 6, 29]
+    ids = prompts(lengths)
+    alone = [solo(thinker, p, 12) for p in ids]
+    assert sum(len(a[0]) for a in alone) > 16 * 3, "the tiny model stops at once: the test would prove little"
+
+    handler = thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB"))
+    engine = handler.batcher.engine
+    rec = Recorder(engine)
+    d = Driver(handler)
+    d.add(*(open_thinker(handler, f"r{i}", p, 12) for i, p in enumerate(ids)))
+    chunks = d.run()
+    for i, want in enumerate(alone):
+        assert_same_run((token_ids(chunks[f"r{i}"]), rec.stacked(f"r{i}")), want, f"r{i} (prompt {lengths[i]} tokens)")
+    assert rec.sizes[0] == 16  # one step held all 16 requests (their prefills), and so did the decodes after it
+    assert len(rec.sizes) < sum(len(a[0]) for a in alone) / 4  # far fewer steps than tokens
+    assert_drained(engine, engine.allocator.num_blocks)
+
+
+def test_long_prompt_is_prefilled_in_chunks_without_stalling_a_decode(model_dir: Path, thinker: Any) -> None:
+    short, long = prompts([5, 40], seed=1)
+    want_long = solo(thinker, long, 6)  # unchunked: the default budget takes 40 tokens at once
+    want_short = solo(thinker, short, 20)
+    assert len(want_short[0]) == 20, "the short request must decode all through the long prefill"
+
+    handler = thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB",
+                                                   max_num_batched_tokens=8))
+    rec = Recorder(handler.batcher.engine)
+    batches = record_batches(handler.batcher.engine)
+    d = Driver(handler)
+    d.add(open_thinker(handler, "short", short, 20))
+    d.step()  # the short prompt's prefill: first token
+    assert len(token_ids(d.chunks["short"])) == 1
+    d.add(open_thinker(handler, "long", long, 6))
+    prefill_steps = 0
+    while not token_ids(d.chunks["long"]):
+        before = len(token_ids(d.chunks["short"]))
+        d.step()
+        prefill_steps += 1
+        assert len(token_ids(d.chunks["short"])) == before + 1, f"the decode stalled at prefill step {prefill_steps}"
+    # budget 8: one token for the decode, 7 for the prompt -> ceil(40 / 7) = 6 steps
+    assert prefill_steps == 6
+    # one LMBatch per step: the decode's row + a 7-row chunk (the last one 5 rows), each chunk after the first
+    # attending to the rows already cached
+    during = batches[-prefill_steps:]
+    assert [b.layout.num_tokens for b in during] == [8, 8, 8, 8, 8, 6]
+    assert [sum(p.mask is not None for p in b.layout.prefills) for b in during] == [0, 1, 1, 1, 1, 1]
+    chunks = d.run()
+    assert_same_run((token_ids(chunks["long"]), rec.stacked("long")), want_long, "chunked prefill")
+    assert_same_run((token_ids(chunks["short"]), rec.stacked("short")), want_short, "decode beside it")
+
+
+def test_preemption_recomputes_and_keeps_tokens_exact(model_dir: Path) -> None:
+    block_size, blocks = 4, 10
+    # 10 blocks of 4 tokens, 6 tokens a step: requests are preempted, and recomputed in chunks
+    args = ServeArgs(max_model_len=32, block_size=block_size, max_num_batched_tokens=6,
+                     kv_cache_memory=str(blocks * block_bytes(model_dir, 4)))
+    handler = thinker_handler(model_dir, args)
+    engine = handler.batcher.engine
+    assert engine.allocator.num_blocks == blocks
+    ids = prompts([6, 9, 4, 8, 7], seed=2)
+    alone = [solo(handler, p, 20) for p in ids]  # each alone fits (<= 29 tokens: 8 blocks)
+    assert engine.scheduler.preemptions == 0
+    assert sum(len(a[0]) for a in alone) > 60
+
+    rec = Recorder(engine)
+    d = Driver(handler)
+    d.add(*(open_thinker(handler, f"r{i}", p, 20) for i, p in enumerate(ids)))
+    saw_waiting = False
+    while d.live:
+        d.step()
+        saw_waiting |= engine.stats()["waiting"] > 0
+        assert d.steps < 2000
+    assert engine.scheduler.preemptions > 0 and saw_waiting
+    assert handler.batcher.stats()["preemptions"] == engine.scheduler.preemptions
+    for i, want in enumerate(alone):
+        assert_same_run((token_ids(d.chunks[f"r{i}"]), rec.stacked(f"r{i}")), want, f"r{i}")
+    assert_drained(engine, blocks)
+
+
+def test_preempted_prefill_captures_each_row_once(model_dir: Path) -> None:
+    """A request preempted part-way through a prefill whose rows are captured (media rows for the talker) is
+    recomputed from its first row; the rows its task already got must not come back a second time."""
+    block_size = 4
+    args = ServeArgs(max_model_len=16, block_size=block_size, max_num_batched_tokens=8,
+                     kv_cache_memory=str(4 * block_bytes(model_dir, block_size)))
+    handler = thinker_handler(model_dir, args)
+    engine, th = handler.batcher.engine, handler.thinker
+    old_ids, new_ids = prompts([12, 16], seed=3)
+    old = th.prepare(old_ids)
+    new = th.prepare(new_ids)
+    capture = torch.ones(16, dtype=torch.bool)
+
+    def new_run() -> InputRun:
+        return InputRun(new.embeds, new.positions, capture=capture.clone())
+
+    engine.feed("solo", new_run())
+    parts = [engine.step(["solo"])["solo"].captured for _ in range(2)]  # 8 + 8 rows
+    engine.remove("solo")
+    solo_captured = torch.cat(parts)
+    assert solo_captured.shape[0] == 16
+
+    engine.feed("old", InputRun(old.embeds, old.positions))
+    engine.step(["old", "new"])  # old: 8 rows (2 blocks)
+    engine.feed("new", new_run())
+    captured: list[torch.Tensor] = []
+    out = engine.step(["old", "new"])  # old: 4 rows -> logits (3 blocks); new: 4 rows (the last block)
+    assert out["old"].logits is not None and out["new"].captured is not None
+    captured.append(out["new"].captured)
+    token = th.token_input(int(out["old"].logits.argmax()), 12, old.rope_delta)
+    engine.feed("old", InputRun(token[0].view(1, -1), token[1]))
+    out = engine.step(["old", "new"])  # old needs a 4th block: the newest request is preempted
+    assert engine.scheduler.preemptions == 1 and "new" not in out
+    engine.remove("old")
+    while engine.pending_tokens("new"):
+        out = engine.step(["new"])
+        if out["new"].captured is not None:
+            captured.append(out["new"].captured)
+    engine.remove("new")
+    got = torch.cat(captured)
+    assert got.shape[0] == 16, f"{got.shape[0]} captured rows for a 16-row prompt"
+    torch.testing.assert_close(got, solo_captured)
+    assert engine.allocator.num_free == 4
+
+
+def test_closing_two_hundred_requests_frees_every_block(model_dir: Path) -> None:
+    handler = thinker_handler(model_dir, ServeArgs(max_model_len=64, kv_cache_memory="1MiB"))
+    engine = handler.batcher.engine
+    start = engine.allocator.num_free
+    ids = prompts([3 + i % 8 for i in range(200)], seed=4)
+    d = Driver(handler)
+    d.add(*(open_thinker(handler, f"r{i}", p, 50) for i, p in enumerate(ids)))
+    usage = []
+    for _ in range(3):
+        d.step()
+        usage.append(engine.stats()["kv_cache_usage"])
+    assert max(usage) > 0 and engine.stats()["running"] + engine.stats()["waiting"] > 0
+    for task in d.live:  # what a cancellation does (EngineLoop closes a cancelled task after its step)
+        task.close()
+    assert_drained(engine, start)
+
+
+def test_too_small_kv_cache_refuses_to_start(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"holds 16 tokens .*fewer than max_model_len 64.*--kv-cache-memory"):
+        thinker_handler(model_dir, ServeArgs(max_model_len=64, kv_cache_memory=str(block_bytes(model_dir, 16))))
+    with pytest.raises(ValueError, match="holds no block.*--kv-cache-memory"):
+        thinker_handler(model_dir, ServeArgs(max_model_len=64, kv_cache_memory="1KiB"))
+
+
+# ------------------------------------------------------------------------------------------- talker
+
+
+@pytest.fixture(scope="module")
+def thinker_out(thinker: Any) -> dict[str, list[StageChunk]]:
+    """What the thinker sends the talker for 4 requests (talker_inputs on): TalkerPrompt + token_embeds."""
+    # the talker speaks what follows the assistant start: a user turn, then `<|im_start|>assistant\n`
+    ids = [torch.cat([torch.tensor([400, 413, 10]), body, torch.tensor([401, 10, 400, 414, 10])])
+           for body in prompts([2, 9, 5, 14], seed=5)]
+    d = Driver(thinker)
+    d.add(*(open_thinker(thinker, f"t{i}", p, 8, talker_inputs="1") for i, p in enumerate(ids)))
+    out = d.run()
+    assert all("token_embeds" in out[f"t{i}"][0].tensors for i in range(4))
+    return out
+
+
+def open_talker(handler: Any, thinker_out: dict[str, list[StageChunk]], rid: str) -> Any:
+    """A talker task fed its thinker's chunks in order, the last one final (as the stage's edge does)."""
+    task = handler.open(stage_pb2.Open(request_id=rid, options={"speaker": "ethan"},
+                                       sampling=stage_pb2.SamplingParams(temperature=0, max_tokens=20)))
+    chunks = thinker_out[rid]
+    for n, c in enumerate(chunks):
+        task.feed(StageChunk(tensors=c.tensors, seq=n, final=n == len(chunks) - 1))
+    return task
+
+
+def codes(chunks: list[StageChunk]) -> torch.Tensor:
+    return torch.cat([c.tensors["codes"] for c in chunks], dim=1)  # (G, n)
+
+
+def test_talker_batched_equals_solo_with_one_predictor_call_per_step(model_dir: Path, thinker_out: dict) -> None:
+    handler = talker_handler(model_dir, ServeArgs(max_model_len=128))
+    solo = []
+    for i in range(4):
+        s = Driver(handler)
+        s.add(open_talker(handler, thinker_out, f"t{i}"))
+        solo.append(codes(s.run()[f"t{i}"]))
+    assert all(c.shape[1] > 2 for c in solo)
+
+    calls: list[int] = []
+    per_step: list[int] = []
+    inner = handler.batcher.predict_batch
+
+    def predict_batch(prefix: torch.Tensor, params: tuple) -> Any:
+        calls.append(len(params))
+        per_step[-1] += 1
+        return inner(prefix, params)
+
+    handler.batcher.predict_batch = predict_batch
+    d = Driver(handler)
+    d.add(*(open_talker(handler, thinker_out, f"t{i}") for i in range(4)))
+    while d.live:
+        per_step.append(0)
+        d.step()
+    for i in range(4):
+        assert torch.equal(codes(d.chunks[f"t{i}"]), solo[i]), f"t{i}"
+    assert max(per_step) == 1  # at most one code-predictor call per step
+    assert max(calls) == 4  # ... holding every request that needed one
+    assert sum(calls) == sum(c.shape[1] for c in solo)  # one prediction per emitted group
+    assert_drained(handler.batcher.engine, handler.batcher.engine.allocator.num_blocks)
+
+
+def test_stats_while_requests_run(model_dir: Path, thinker_out: dict) -> None:
+    handler = thinker_handler(model_dir, ServeArgs(max_model_len=64, kv_cache_memory="1MiB", max_num_seqs=2))
+    d = Driver(handler)
+    d.add(*(open_thinker(handler, f"r{i}", p, 10) for i, p in enumerate(prompts([4, 5, 6], seed=6))))
+    d.step()
+    stats = handler.batcher.stats()
+    assert set(stats) >= {"running", "waiting", "kv_cache_usage", "preemptions"}
+    assert stats["running"] == 2 and stats["waiting"] == 1  # max_num_seqs=2
+    assert 0 < stats["kv_cache_usage"] <= 2 / handler.batcher.engine.allocator.num_blocks
+    assert stats["preemptions"] == 0
+    d.run()
+    assert handler.batcher.stats()["running"] == 0 and handler.batcher.stats()["kv_cache_usage"] == 0
+
+    talker = talker_handler(model_dir, ServeArgs(max_model_len=64))
+    assert talker.batcher.stats() == {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "preemptions": 0}
+    d = Driver(talker)
+    d.add(*(open_talker(talker, thinker_out, f"t{i}") for i in range(3)))
+    d.step()  # the three talker prefills
+    stats = talker.batcher.stats()
+    assert stats["running"] == 3 and stats["waiting"] == 0 and stats["preemptions"] == 0
+    assert 0 < stats["kv_cache_usage"] < 0.01  # a few blocks of a 4 GiB (default CPU) pool
+    d.run()
+    assert talker.batcher.stats() == {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "preemptions": 0}
+
+
+# ------------------------------------------------------------------------------ scheduler unit tests
+
+
+def run(plan: list[tuple[ScheduledSeq, int]]) -> list[tuple[str, int]]:
+    """What the engine does after a step: the scheduled tokens are now cached."""
+    for seq, n in plan:
+        seq.pending -= n
+        seq.cached += n
+    return [(seq.rid, n) for seq, n in plan]
+
+
+def add(sched: LMScheduler, rid: str, pending: int) -> ScheduledSeq:
+    seq = sched.add(rid)
+    seq.pending = pending
+    return seq
+
+
+def test_scheduler_splits_the_budget_between_decodes_and_a_chunked_prefill() -> None:
+    sched = LMScheduler(BlockAllocator(100, 4), max_num_seqs=8, max_num_batched_tokens=8)
+    a, b = add(sched, "a", 3), add(sched, "b", 2)
+    assert run(sched.schedule({"a", "b"})[0]) == [("a", 3), ("b", 2)]
+    a.pending = b.pending = 1  # both decode now
+    c = add(sched, "c", 20)
+    assert run(sched.schedule({"a", "b", "c"})[0]) == [("a", 1), ("b", 1), ("c", 6)]
+    a.pending = b.pending = 1
+    assert run(sched.schedule({"a", "b", "c"})[0]) == [("a", 1), ("b", 1), ("c", 6)]
+    a.pending = b.pending = 1
+    assert run(sched.schedule({"a", "b", "c"})[0]) == [("a", 1), ("b", 1), ("c", 6)]
+    a.pending = b.pending = 1
+    assert run(sched.schedule({"a", "b", "c"})[0]) == [("a", 1), ("b", 1), ("c", 2)]
+    assert c.pending == 0 and len(c.blocks) == 5
+    # an OLDER request with many rows to (re)compute still leaves one token per running decode
+    a.pending, b.pending, c.pending = 30, 1, 1
+    assert run(sched.schedule({"a", "b", "c"})[0]) == [("a", 6), ("b", 1), ("c", 1)]
+    # more decodes than budget: the oldest decode first, nobody gets more than it needs
+    sched2 = LMScheduler(BlockAllocator(100, 4), max_num_seqs=8, max_num_batched_tokens=2)
+    seqs = [add(sched2, str(i), 1) for i in range(3)]
+    assert run(sched2.schedule({"0", "1", "2"})[0]) == [("0", 1), ("1", 1)]
+    assert [s.running for s in seqs] == [True, True, False]
+
+
+def test_scheduler_admits_first_come_first_served() -> None:
+    alloc = BlockAllocator(4, 4)
+    sched = LMScheduler(alloc, max_num_seqs=8, max_num_batched_tokens=100)
+    add(sched, "big", 12)  # 3 blocks
+    run(sched.schedule({"big"})[0])
+    add(sched, "huge", 8)  # 2 blocks: only 1 free
+    add(sched, "small", 2)  # would fit, but must not overtake "huge"
+    assert run(sched.schedule({"huge", "small"})[0]) == []
+    assert [s.rid for s in sched.waiting] == ["huge", "small"]
+    # a waiting request with nothing to run (not ready) does not hold the queue up
+    assert run(sched.schedule({"small"})[0]) == [("small", 2)]
+    sched.remove(sched.running[0])  # "big" finishes
+    assert run(sched.schedule({"huge"})[0]) == [("huge", 8)]
+    assert alloc.num_free == 4 - 2 - 1
+
+
+def test_scheduler_caps_running_requests_at_max_num_seqs() -> None:
+    alloc = BlockAllocator(100, 4)
+    sched = LMScheduler(alloc, max_num_seqs=2, max_num_batched_tokens=100)
+    a, b, c = (add(sched, rid, 3) for rid in "abc")
+    assert run(sched.schedule({"a", "b", "c"})[0]) == [("a", 3), ("b", 3)]
+    a.pending = b.pending = 1
+    assert run(sched.schedule({"a", "b", "c"})[0]) == [("a", 1), ("b", 1)]
+    assert sched.stats()["running"] == 2 and sched.stats()["waiting"] == 1
+    sched.remove(a)
+    b.pending = 1
+    assert run(sched.schedule({"b", "c"})[0]) == [("b", 1), ("c", 3)]
+    assert alloc.num_free == 100 - 2 - 1
+
+
+def _three_running(blocks: int, c_tokens: int = 4) -> tuple[LMScheduler, list[ScheduledSeq]]:
+    """a, b (1 full block each) and c (`c_tokens`) running in a pool of `blocks` blocks of 4; all decode next."""
+    sched = LMScheduler(BlockAllocator(blocks, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    seqs = [add(sched, "a", 4), add(sched, "b", 4), add(sched, "c", c_tokens)]
+    run(sched.schedule({"a", "b", "c"})[0])
+    for s in seqs:
+        s.pending = 1
+    return sched, seqs
+
+
+def test_scheduler_preempts_the_newest_running_request() -> None:
+    sched, (a, b, c) = _three_running(4)  # 1 block free: a takes it, b needs one more
+    plan, preempted = sched.schedule({"a", "b", "c"})
+    assert run(plan) == [("a", 1), ("b", 1)] and preempted == [c]
+    assert sched.preemptions == 1 and not c.running and c.blocks == [] and c.cached == 0
+    assert c.pending == 5  # its 4 cached tokens are recomputed, then its pending decode row
+    assert sched.waiting == [c] and sched.allocator.num_free == 0
+    # the newest request preempts itself rather than an older one
+    sched2, (a2, b2, c2) = _three_running(3)  # no block free
+    b2.pending = 0  # only a and c need a block now
+    plan, preempted = sched2.schedule({"a", "c"})
+    assert run(plan) == [("a", 1)] and preempted == [c2] and a2.running and b2.running
+
+
+def test_scheduler_does_not_let_a_newer_request_overtake_one_it_preempted() -> None:
+    sched, (a, b, c) = _three_running(5, c_tokens=8)  # a 1, b 1, c 2 blocks, 1 free
+    d = add(sched, "d", 1)
+    plan, preempted = sched.schedule({"a", "b", "c", "d"})
+    assert preempted == [c] and run(plan) == [("a", 1), ("b", 1)]
+    assert [s.rid for s in sched.waiting] == ["c", "d"] and not d.running
+
+
+def test_scheduler_never_preempts_busy_requests() -> None:
+    sched, (a, b, c) = _three_running(4)  # c is in a step in flight (pipeline parallelism)
+    plan, preempted = sched.schedule({"a", "b"}, busy={"c"})
+    assert run(plan) == [("a", 1)] and preempted == [b]  # b, newest of the rest, gives way
+    assert c.running and len(c.blocks) == 1 and sched.preemptions == 1
+    # no block free and every other request busy: the request gives way itself
+    sched2, (a2, b2, c2) = _three_running(3)
+    plan, preempted = sched2.schedule({"b"}, busy={"a", "c"})
+    assert plan == [] and preempted == [b2] and a2.running and c2.running
