@@ -159,6 +159,12 @@ def init_parallel_state(
 
     world = pp * tp
     timeout = timedelta(seconds=timeout_s)
+    # torch names each process group's rendezvous keys after a per-process group counter; a process that
+    # already had (and destroyed) a process group — a driver whose stage restarted its ranks — would wait on
+    # keys its fresh peers never write. Every rank of a new stage starts counting from zero.
+    world_state = getattr(dist.distributed_c10d, "_world", None)
+    if world_state is not None and hasattr(world_state, "group_count"):
+        world_state.group_count = 0
     try:
         dist.init_process_group(
             backend=backend, init_method=f"tcp://{master_addr}:{master_port}", world_size=world, rank=rank,

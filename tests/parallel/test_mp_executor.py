@@ -61,3 +61,19 @@ def test_start_up_failure_names_the_rank() -> None:
     ex = MpExecutor(1, 2, toy_program.make_broken, timeout_s=20)
     with pytest.raises(RankFailure, match="rank 1 failed to start: RuntimeError: weights for rank 1 are missing"):
         ex.start()
+
+
+def test_a_process_can_start_ranks_again_after_a_shutdown() -> None:
+    """A driver that already had (and tore down) a process group starts a new one with fresh ranks (torch's
+    per-process group counter would otherwise name rendezvous keys the new ranks never write)."""
+    import torch.distributed as dist
+
+    x = torch.randn(3, toy_program.H, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        dist.distributed_c10d._world.group_count = 3  # as left by earlier groups in this process (seen in CI)
+        ex = MpExecutor(2, 1, toy_program.make_toy, timeout_s=30)
+        ex.start()
+        try:
+            torch.testing.assert_close(ex.execute(("run", x)), toy_program.reference(x), rtol=1e-5, atol=1e-5)
+        finally:
+            ex.shutdown()
