@@ -9,6 +9,7 @@ whenever it is ready. All model compute happens in `step`, on the loop's compute
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import grpc
 
@@ -51,3 +52,26 @@ class StageTask(ABC):
     def close(self) -> None:
         """Called once when the request ends for any reason (done, error, cancel), on the compute thread
         after any step in flight: free what it holds (e.g. its KV cache on every rank)."""
+
+
+class BatchedTask(StageTask):
+    """A task its stage steps through a `BatchStepper` (continuous batching): `step` is a batch of one
+    through that batcher, and `close` runs the callbacks the batcher registered (freeing KV blocks)."""
+
+    def __init__(self, request_id: str, batcher: object = None):
+        super().__init__(request_id)
+        self.batcher = batcher
+        self.on_close: list[Callable[[str], None]] = []
+
+    def step(self) -> list[StageChunk]:
+        if self.batcher is None:
+            raise RuntimeError(f"{type(self).__name__} is stepped by its stage's batcher")
+        out = self.batcher.step_batch([self]).get(self.request_id, [])  # type: ignore[attr-defined]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def close(self) -> None:
+        for callback in self.on_close:
+            callback(self.request_id)
+        self.on_close.clear()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from omnimesh.engine.task import StageTask
+from omnimesh.engine.task import BatchedTask
 from omnimesh.models.qwen3_omni.edges import talker_prompt_from_tensors
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
 from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerState
@@ -23,28 +23,21 @@ from omnimesh.transport.frames import StageChunk
 EDGE = "thinker -> talker"
 
 
-class TalkerTask(StageTask):
+class TalkerTask(BatchedTask):
     def __init__(self, request_id: str, talker: Qwen3OmniTalker, speaker: str, params: SamplingParams,
                  *, max_model_len: int = 0, batcher: object = None):
-        super().__init__(request_id)
+        super().__init__(request_id, batcher)
         if speaker.lower() not in talker.speakers:
             raise ValueError(f"unknown speaker {speaker!r}; valid speakers: {', '.join(sorted(talker.speakers))}")
         self.talker = talker
         self.speaker = speaker
         self.params = params
         self.max_model_len = max_model_len  # 0: no cap beyond max_tokens
-        self.batcher = batcher  # the stage's TalkerBatcher (`step` is a batch of one through it)
         self.prompt: TalkerPrompt | None = None
         self.state: TalkerState | None = None
         self.text_ended = False
         self.queued = False  # the prefill went to the engine
         self.awaiting = False  # an input row is in the engine: wait for its logits before predicting again
-        self.on_close: list = []  # callbacks run by close() (the engine frees the request's KV blocks)
-
-    def close(self) -> None:
-        for callback in self.on_close:
-            callback(self.request_id)
-        self.on_close.clear()
 
     def feed(self, chunk: StageChunk) -> None:
         if self.text_ended:
@@ -81,15 +74,6 @@ class TalkerTask(StageTask):
         if self.state.finished:
             return False
         return not self.queued or self.awaiting or self.talker.needs_predict(self.state)
-
-    def step(self) -> list[StageChunk]:
-        if self.batcher is None:
-            raise RuntimeError("a TalkerTask is stepped by its stage's TalkerBatcher")
-        result = self.batcher.step_batch([self])  # type: ignore[attr-defined]
-        out = result.get(self.request_id, [])
-        if isinstance(out, BaseException):
-            raise out
-        return out
 
     def finish_counts(self) -> None:
         state = self.state

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from omnimesh.engine.task import StageTask
+from omnimesh.engine.task import BatchedTask
 from omnimesh.models.qwen3_omni.edges import require, talker_prompt_to_tensors
 from omnimesh.models.qwen3_omni.lm_engine import InputRun, RunOutput
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
@@ -26,27 +26,20 @@ from services.llm.detokenizer import Detokenizer, StopStrings
 EDGE = "gateway -> thinker"
 
 
-class ThinkerTask(StageTask):
+class ThinkerTask(BatchedTask):
     def __init__(self, request_id: str, thinker: Qwen3OmniThinker, tokenizer: object, params: SamplingParams,
                  *, talker_inputs: bool, max_model_len: int, batcher: object = None):
-        super().__init__(request_id)
+        super().__init__(request_id, batcher)
         self.thinker = thinker
         self.sampler = Sampler(params)
         self.detok = Detokenizer(tokenizer)
         self.stops = StopStrings(params.stop)
         self.talker_inputs = talker_inputs
         self.max_model_len = max_model_len
-        self.batcher = batcher  # the stage's ThinkerBatcher (`step` is a batch of one through it)
         self.inputs: dict[str, torch.Tensor] | None = None
         self.prompt: PreparedPrompt | None = None
         self.token_ids: list[int] = []  # prompt + generated tokens (what the repetition penalty sees)
         self.captured: list[torch.Tensor] = []  # hidden at accept_hidden_layer of the prompt's media rows
-        self.on_close: list = []  # callbacks run by close() (the engine frees the request's KV blocks)
-
-    def close(self) -> None:
-        for callback in self.on_close:
-            callback(self.request_id)
-        self.on_close.clear()
 
     def feed(self, chunk: StageChunk) -> None:
         if self.inputs is not None:
@@ -66,15 +59,6 @@ class ThinkerTask(StageTask):
 
     def ready(self) -> bool:
         return self.inputs is not None and not self.finished
-
-    def step(self) -> list[StageChunk]:
-        if self.batcher is None:
-            raise RuntimeError("a ThinkerTask is stepped by its stage's ThinkerBatcher")
-        result = self.batcher.step_batch([self])  # type: ignore[attr-defined]
-        out = result.get(self.request_id, [])
-        if isinstance(out, BaseException):
-            raise out
-        return out
 
     def prompt_run(self) -> InputRun:
         """Prepare the prompt (raises ValueError for media that do not match it): the first input run."""

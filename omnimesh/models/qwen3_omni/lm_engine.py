@@ -129,13 +129,6 @@ class LMEngine:
             if seq is not None:
                 self.scheduler.remove(seq.sched)
 
-    def drop_captures(self, rid: str) -> None:
-        """The request took its captured rows: a recompute after a preemption must not capture them again."""
-        seq = self.seqs.get(rid)
-        if seq is not None:
-            for run in seq.history + seq.pending:
-                run.capture = None
-
     def stats(self) -> dict[str, float]:
         with self._lock:
             return self.scheduler.stats()
