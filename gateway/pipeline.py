@@ -9,6 +9,15 @@ Data flow for `run(request)`:
 Three relay coroutines run concurrently and feed one event queue; the first failure cancels the rest
 and every open stage stream, and is raised as a `PipelineError` with the HTTP status / gRPC code the
 front ends answer with (a stage that is down: 503 / UNAVAILABLE).
+
+The gateway stays on the control path: stage-to-stage tensors pass through as the producer wrote them
+(`parts()` -> `send_part`), never decoded here. `connect()` picks each producer's output transport from
+both ends' Info (`choose_transport`): between co-located stages the frames are shared-memory (or CUDA
+IPC) references, so only headers cross the gateway; across hosts they are inline pieces. A request that
+fails or is cancelled tells every producer that used shared memory to take back the frames nobody
+claimed (`StageClient.release`). `received_bytes` / `tensor_bytes` / `inline_bytes` count, per stage,
+what the gateway read off the wire, the tensor bytes those frames described, and how many of them came
+inline (0 on a shared-memory edge).
 """
 
 from __future__ import annotations
@@ -24,8 +33,11 @@ import torch
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, PipelineError, TextDelta
 from gateway.prompt import PromptInputs
 from gateway.stage_sampling import talker_sampling, thinker_sampling
+from omnimesh.transport.chunk_codec import ChunkEncoder
 from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageCallError, StageClient, StageStream
+from omnimesh.transport.transport import choose_transport
+from omnimesh.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +77,16 @@ class StagePipeline:
         self.voices: tuple[str, ...] = ()
         self.default_voice = ""
         self.sample_rate = 24000
+        self.output_transport: dict[str, str] = {name: "grpc" for name in stages}
+        self.received_bytes: dict[str, int] = dict.fromkeys(stages, 0)
+        self.tensor_bytes: dict[str, int] = dict.fromkeys(stages, 0)
+        self.inline_bytes: dict[str, int] = dict.fromkeys(stages, 0)
+        self._background: set[asyncio.Task] = set()
 
     async def connect(self, timeout_s: float = 60.0) -> None:
         """Read each stage's Info (voices, sample rate), waiting up to `timeout_s` for them to come up."""
         deadline = time.monotonic() + timeout_s
+        infos: dict[str, stage_pb2.StageInfo] = {}
         for name, client in self.stages.items():
             while True:
                 try:
@@ -83,6 +101,29 @@ class StagePipeline:
                 self.default_voice = info.speakers[0] if info.speakers else ""
             if name == "vocoder" and info.sample_rate:
                 self.sample_rate = info.sample_rate
+            infos[name] = info
+        self._choose_transports(infos)
+
+    def _choose_transports(self, infos: dict[str, stage_pb2.StageInfo]) -> None:
+        """Each producer's output transport, from its own setting and both ends' host ids."""
+        own_host = self.stages["thinker"].transport.host_id
+        for producer, consumer in EDGES:
+            info = infos.get(producer)
+            if info is None:
+                continue
+            if consumer == "gateway":
+                consumer_host = own_host
+            elif consumer in infos:
+                consumer_host = infos[consumer].host_id
+            else:
+                continue  # no consumer stage: this stage's tensors go nowhere
+            try:
+                mode = choose_transport(producer, info.transport or "grpc", info.host_id, info.device, consumer,
+                                        consumer_host)
+            except ValueError as exc:
+                raise RuntimeError(str(exc)) from exc
+            self.output_transport[producer] = mode
+            log.info("edge %s -> %s: %s", producer, consumer, mode)
 
     async def health(self) -> dict[str, bool]:
         names = list(self.stages)
@@ -112,22 +153,26 @@ class StagePipeline:
         streams: list[StageStream] = []
         events: asyncio.Queue = asyncio.Queue()
         relays: list[asyncio.Task] = []
+        ok = False
         try:
             features = await self._encode(rid, prompt, deadline, streams)
+            out = self.output_transport
             thinker = await self._client("thinker").open(
-                rid, thinker_sampling(request), {"talker_inputs": "1" if want_audio else "0"}, deadline
+                rid, thinker_sampling(request), {"talker_inputs": "1" if want_audio else "0"}, deadline,
+                transport=out["thinker"] if want_audio else "grpc",
             )
             streams.append(thinker)
-            inputs = {"input_ids": prompt.input_ids, **features}
-            await thinker.send(StageChunk(tensors=inputs, final=True))
+            await self._send_prompt(thinker, prompt, features)
             talker = vocoder = None
             if want_audio:
                 whole = not self.async_chunk
                 talker = await self._client("talker").open(
-                    rid, talker_sampling(request), {"speaker": voice}, deadline, whole_input=whole
+                    rid, talker_sampling(request), {"speaker": voice}, deadline, whole_input=whole,
+                    transport=out["talker"],
                 )
                 streams.append(talker)
-                vocoder = await self._client("vocoder").open(rid, None, {}, deadline, whole_input=whole)
+                vocoder = await self._client("vocoder").open(rid, None, {}, deadline, whole_input=whole,
+                                                             transport=out["vocoder"])
                 streams.append(vocoder)
             relays.append(asyncio.create_task(self._relay(thinker, talker, events, text=True)))
             if talker is not None and vocoder is not None:
@@ -148,6 +193,7 @@ class StagePipeline:
                 prompt_tokens=done.usage.prompt_tokens if done else int(prompt.input_ids.numel()),
                 completion_tokens=done.usage.completion_tokens if done else 0,
             )
+            ok = True
         except StageCallError as exc:
             raise stage_error(exc) from exc
         finally:
@@ -155,9 +201,49 @@ class StagePipeline:
                 task.cancel()
             for stream in streams:
                 await stream.cancel()
+                self.received_bytes[stream.stage] += stream.received_bytes
+                self.tensor_bytes[stream.stage] += stream.tensor_bytes
+                self.inline_bytes[stream.stage] += stream.inline_bytes
+            if not ok:
+                self._release(rid, [s.stage for s in streams])
 
-    async def _encode(self, rid: str, prompt: PromptInputs, deadline: float, streams: list[StageStream]) -> dict[str, torch.Tensor]:
-        """Run the encoder when the prompt has audio or images; return what the thinker needs."""
+    def _release(self, rid: str, stages: list[str]) -> None:
+        """A failed or cancelled request: producers that used shared memory take back its unclaimed frames
+        (in the background: this runs while the request's own task may be cancelled)."""
+        for name in stages:
+            if self.output_transport.get(name, "grpc") == "grpc":
+                continue
+            task = asyncio.get_running_loop().create_task(self._release_one(name, rid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _release_one(self, name: str, rid: str) -> None:
+        try:
+            await self.stages[name].release(rid)
+        except StageCallError as exc:  # the stage's own deadline sweep frees them later
+            log.warning("release of request %s at %s failed: %s", rid, name, exc.message)
+
+    async def _send_prompt(self, thinker: StageStream, prompt: PromptInputs, features: list[stage_pb2.Chunk]) -> None:
+        """The thinker's one input chunk: the prompt ids (inline) + the encoder's output parts as they came."""
+        names = {f.name for part in features for f in part.tensors}
+        tensors = {"input_ids": prompt.input_ids}
+        if prompt.image_grid_thw is not None and "image_grid_thw" not in names:
+            tensors["image_grid_thw"] = prompt.image_grid_thw
+        if not features:
+            await thinker.send(StageChunk(tensors=tensors, final=True))
+            return
+        parts = ChunkEncoder("grpc", request_id=thinker.request_id).parts(StageChunk(tensors=tensors))
+        for part in features:
+            relayed = stage_pb2.Chunk(tensors=part.tensors)
+            parts.append(relayed)
+        for part in parts:
+            part.more, part.final = True, False
+        parts[-1].more, parts[-1].final = False, True
+        for part in parts:
+            await thinker.send_part(part)
+
+    async def _encode(self, rid: str, prompt: PromptInputs, deadline: float, streams: list[StageStream]) -> list[stage_pb2.Chunk]:
+        """Run the encoder when the prompt has audio or images -> its output parts (passed on unread)."""
         tensors: dict[str, torch.Tensor] = {}
         if prompt.input_features is not None and prompt.feature_attention_mask is not None:
             tensors["input_features"] = prompt.input_features
@@ -166,32 +252,29 @@ class StagePipeline:
             tensors["pixel_values"] = prompt.pixel_values
             tensors["image_grid_thw"] = prompt.image_grid_thw
         if not tensors:
-            return {}
-        encoder = await self._client("encoder").open(rid, None, {}, deadline)
+            return []
+        encoder = await self._client("encoder").open(rid, None, {}, deadline, transport=self.output_transport["encoder"])
         streams.append(encoder)
         await encoder.send(StageChunk(tensors=tensors, final=True))
-        out: dict[str, torch.Tensor] = {}
-        async for chunk in encoder:
-            out.update(chunk.tensors)
-        if prompt.image_grid_thw is not None:
-            out["image_grid_thw"] = prompt.image_grid_thw
-        return out
+        return [part async for part in encoder.parts()]
 
     async def _relay(
         self, source: StageStream, sink: StageStream | None, events: asyncio.Queue, *, text: bool, audio: bool = False
     ) -> None:
-        """Read `source`; client-visible parts go to `events`; tensors go on to `sink`."""
+        """Read `source` part by part: client-visible parts go to `events`; tensors go on to `sink` unread."""
         try:
-            async for chunk in source:
-                if text and chunk.text:
-                    events.put_nowait(TextDelta(chunk.text))
-                if audio and "pcm" in chunk.tensors and chunk.tensors["pcm"].numel():
-                    pcm = chunk.tensors["pcm"].to(torch.float32).numpy()
-                    events.put_nowait(AudioDelta(pcm=pcm, sample_rate=self.sample_rate))
-                if sink is None:
-                    continue
-                # without async_chunk the sink was opened with whole_input: it buffers until the final chunk
-                await sink.send(StageChunk(tensors=chunk.tensors, final=chunk.final))
+            async for part in source.parts():
+                if text and part.text:
+                    events.put_nowait(TextDelta(part.text))
+                    part.text = ""
+                if audio:
+                    chunk = source.assemble(part)
+                    if chunk is not None and "pcm" in chunk.tensors and chunk.tensors["pcm"].numel():
+                        pcm = chunk.tensors["pcm"].to(torch.float32).numpy()
+                        events.put_nowait(AudioDelta(pcm=pcm, sample_rate=self.sample_rate))
+                if sink is not None:
+                    # without async_chunk the sink was opened with whole_input: it buffers until the final chunk
+                    await sink.send_part(part)
             events.put_nowait(None)
         except asyncio.CancelledError:
             raise
@@ -201,3 +284,6 @@ class StagePipeline:
             log.exception("relay %s -> %s failed", source.stage, sink.stage if sink else "client")
             events.put_nowait(PipelineError(f"gateway relay failed: {exc}", http_status=500, grpc_code=13, kind="internal_error"))
 
+
+# producer -> consumer of every stage edge (the vocoder's pcm is read by the gateway itself)
+EDGES = (("encoder", "thinker"), ("thinker", "talker"), ("talker", "vocoder"), ("vocoder", "gateway"))

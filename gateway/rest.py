@@ -24,7 +24,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -32,7 +32,8 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -104,6 +105,38 @@ class RestMetrics:
                                ["stage"], registry=r)
 
 
+class _HandOffCollector(Collector):
+    """Per stage: bytes the gateway read off the wire and the tensor bytes those frames described (with
+    shared-memory hand-offs the first stays at headers and text), and the stage's output transport."""
+
+    def __init__(self, pipeline: object) -> None:
+        self.pipeline = pipeline
+
+    def collect(self) -> Iterable[Metric]:
+        received = getattr(self.pipeline, "received_bytes", None)
+        described = getattr(self.pipeline, "tensor_bytes", None)
+        inline = getattr(self.pipeline, "inline_bytes", None)
+        transports = getattr(self.pipeline, "output_transport", None)
+        if received is None or described is None or inline is None or transports is None:
+            return []
+        wire = CounterMetricFamily("omnimesh:gateway_stage_received_bytes",
+                                   "Bytes the gateway received from the stage (serialized messages)", labels=["stage"])
+        frames = CounterMetricFamily("omnimesh:gateway_stage_tensor_bytes",
+                                     "Bytes of the tensors the stage's frames described (inline or by reference)",
+                                     labels=["stage"])
+        inlined = CounterMetricFamily("omnimesh:gateway_stage_inline_tensor_bytes",
+                                      "Of those tensor bytes, the ones that came inline through the gateway",
+                                      labels=["stage"])
+        edge = GaugeMetricFamily("omnimesh:stage_output_transport", "1 for the transport of each stage's output "
+                                 "tensors", labels=["stage", "transport"])
+        for stage in received:
+            wire.add_metric([stage], float(received[stage]))
+            frames.add_metric([stage], float(described.get(stage, 0)))
+            inlined.add_metric([stage], float(inline.get(stage, 0)))
+            edge.add_metric([stage, transports.get(stage, "grpc")], 1.0)
+        return [wire, frames, inlined, edge]
+
+
 class MetricsSource(Protocol):
     """A stage whose metrics /metrics includes (a `StageClient`)."""
 
@@ -163,6 +196,7 @@ class RestGateway:
         self.served_model_names = served_model_names
         self.loader = loader
         self.metrics = RestMetrics()
+        self.metrics.registry.register(_HandOffCollector(pipeline))
         self.created = int(time.time())
 
     # ------------------------------------------------------------------------------ request building

@@ -23,6 +23,7 @@ from gateway.rest import create_app
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.server.grpc_server import bind
 from omnimesh.transport.stage_client import StageClient
+from omnimesh.transport.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ def model_max_len(model_dir: Path) -> int:
 def build_pipeline(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> StagePipeline:
     name = args.served_model_name or model_dir.name
     builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir))
-    clients = {stage: StageClient(stage, addr) for stage, addr in stage_addrs.items()}
+    transport = Transport("gateway", "grpc")  # the gateway reads shm frames (the vocoder's pcm), never writes any
+    clients = {stage: StageClient(stage, addr, transport) for stage, addr in stage_addrs.items()}
     return StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk)
 
 

@@ -129,7 +129,9 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     from omnimesh.stage_registry import handler_factory
 
     port = ns.stage_port if ns.stage_port is not None else 50051 + STAGES.index(ns.stage_name)
-    run_stage(handler_factory(ns.stage_name, model_dir, args), ns.stage_host, port)
+    cfg = args.stage_configs()[stage]
+    run_stage(handler_factory(ns.stage_name, model_dir, args), ns.stage_host, port,
+              transport=cfg.transport, shm_arena_size=cfg.shm_arena_size)
     return 0
 
 

@@ -13,7 +13,7 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from omnimesh.config.stage_config import STAGES, StageConfig, parse_bytes, parse_stage_overrides, resolve_stage
+from omnimesh.config.stage_config import STAGES, TRANSPORT_CHOICES, StageConfig, parse_bytes, parse_size, parse_stage_overrides, resolve_stage
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -52,6 +52,8 @@ class ServeArgs:
     stage_overrides: str | None = _f(None, "JSON keyed by stage name or id, e.g. '{\"thinker\": {\"tp\": 2}}'", "--stage-overrides")
     allowed_media_domains: str | None = _f(None, "comma-separated domains http(s) media may be fetched from (default: none)", "--allowed-media-domains")
     device: str = _f("auto", "auto, cpu or cuda", "--device")
+    transport: str = _f("auto", "where tensors between stages travel: auto (shared memory / CUDA IPC between co-located stages, gRPC frames across hosts), grpc, shm or cuda-ipc", "--transport")
+    shm_arena_size: str = _f("256MiB", "shared-memory arena of each stage for co-located hand-offs (0: none)", "--shm-arena-size")
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -73,6 +75,8 @@ class ServeArgs:
             raise ValueError(f"--block-size must be in 1..1024 tokens, got {self.block_size} (16 is the usual value)")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory, "--kv-cache-memory")
+        if self.transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"--transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.transport!r}")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be a port number, got {self.master_port}")
         self.stage_configs()  # validates -tp/-pp, utilization, --stage-overrides
@@ -87,6 +91,8 @@ class ServeArgs:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory, "--kv-cache-memory"),
+            transport=self.transport,
+            shm_arena_size=parse_size(self.shm_arena_size, "--shm-arena-size"),
         )
         overrides = parse_stage_overrides(self.stage_overrides)
         return {stage: resolve_stage(model_stage, overrides.get(stage, {}), stage) for stage in STAGES}

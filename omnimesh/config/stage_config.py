@@ -13,6 +13,7 @@ from typing import Any
 
 STAGES: tuple[str, ...] = ("encoder", "thinker", "talker", "vocoder")
 STAGE_IDS: dict[str, str] = {str(i): name for i, name in enumerate(STAGES)}
+TRANSPORT_CHOICES: tuple[str, ...] = ("auto", "grpc", "shm", "cuda-ipc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,10 @@ class StageConfig:
     pp_layer_partition: tuple[int, ...] | None = field(
         default=None, metadata={"help": "layers per pipeline rank, e.g. [3, 5]; must sum to the layer count"}
     )
+    transport: str = field(
+        default="auto", metadata={"help": "where the stage's output tensors travel: auto | grpc | shm | cuda-ipc"})
+    shm_arena_size: int = field(
+        default=256 * 2**20, metadata={"help": "bytes of the stage's shared-memory arena, e.g. '1GiB' (0: none)"})
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "num_replicas", "max_num_seqs"):
@@ -47,6 +52,10 @@ class StageConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
             raise ValueError(f"kv_cache_memory must be a size in bytes >= 1 (e.g. '512MiB'), got {self.kv_cache_memory!r}")
+        if self.transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.transport!r}")
+        if not isinstance(self.shm_arena_size, int) or self.shm_arena_size < 0:
+            raise ValueError(f"shm_arena_size must be a size in bytes >= 0 (e.g. '256MiB'), got {self.shm_arena_size!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.devices is not None and self.device_list() and len(self.device_list()) != self.pp * self.tp:
@@ -114,6 +123,8 @@ def parse_stage_overrides(text: str | None) -> dict[str, dict[str, Any]]:
                 value = tuple(value)
             if name == "kv_cache_memory" and value is not None:
                 value = parse_bytes(value, f"--stage-overrides[{key!r}].kv_cache_memory")
+            if name == "shm_arena_size":
+                value = parse_size(value, f"--stage-overrides[{key!r}].shm_arena_size")
             if name == "devices" and value is not None:
                 value = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
             clean[name] = value
@@ -145,6 +156,13 @@ def parse_bytes(value: Any, what: str = "size") -> int:
     if size < 1:
         raise ValueError(f"{what} must be at least 1 byte, got {value!r}")
     return size
+
+
+def parse_size(value: Any, what: str) -> int:
+    """Like `parse_bytes`, but 0 (nothing) is allowed."""
+    if value in (0, "0"):
+        return 0
+    return parse_bytes(value, what)
 
 
 def resolve_stage(defaults: StageConfig, overrides: dict[str, Any], stage: str) -> StageConfig:

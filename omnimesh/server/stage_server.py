@@ -1,6 +1,7 @@
 """Runs one stage as a gRPC service: load the handler (the model part), then serve `Stage` until a signal.
 
-Data flow: `run_stage(factory, host, port)` -> factory() loads weights (progress on the log) ->
+Data flow: `run_stage(factory, host, port)` -> factory() loads weights (progress on the log) -> the
+stage's Transport (its shm arena, per --transport / --shm-arena-size) ->
 EngineLoop + StageServicer (sharing one EngineMetrics, served by the Metrics RPC) on a grpc.aio server
 (uvloop) with health and reflection -> prints
 `omnimesh stage <name> listening on host:port` (the launcher waits for that line or for health).
@@ -21,6 +22,9 @@ from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.server.grpc_server import bind, make_server, serve_forever
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.server.stage_servicer import StageHandler, StageServicer
+from omnimesh.transport.shm_arena import DEFAULT_ARENA_BYTES
+from omnimesh.transport.transport import Transport
+from omnimesh.transport.transport_metrics import register_transport_metrics
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -28,13 +32,14 @@ log = logging.getLogger(__name__)
 STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 
 
-async def _serve(handler: StageHandler, host: str, port: int) -> None:
+async def _serve(handler: StageHandler, host: str, port: int, transport: Transport) -> None:
     metrics = EngineMetrics(handler.name, model_name=handler.info().model)
+    register_transport_metrics(metrics.registry, transport, metrics.labels)
     engine = EngineLoop(handler.name, max_inflight=getattr(handler, "max_inflight_steps", 1),
                         batcher=getattr(handler, "batcher", None), metrics=metrics)
     engine.start()
     server, health_servicer = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine, metrics), server)
+    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine, metrics, transport), server)
     bound = bind(server, host, port)
     failure: StageFailure | None = getattr(handler, "failure", None)
     if failure is not None:
@@ -48,7 +53,10 @@ async def _serve(handler: StageHandler, host: str, port: int) -> None:
 
         failure.listen(not_serving)
     print(f"omnimesh stage {handler.name} listening on {host}:{bound}", flush=True)
-    await serve_forever(server, health_servicer, [STAGE_SERVICE], on_stop=engine.stop)
+    try:
+        await serve_forever(server, health_servicer, [STAGE_SERVICE], on_stop=engine.stop)
+    finally:
+        transport.close()
 
 
 def cpu_threads() -> int:
@@ -62,7 +70,8 @@ def cpu_threads() -> int:
     return max(1, (os.cpu_count() or 1) // 4)
 
 
-def run_stage(factory: Callable[[], StageHandler], host: str, port: int) -> None:
+def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, transport: str = "auto",
+              shm_arena_size: int = DEFAULT_ARENA_BYTES) -> None:
     import torch
     import uvloop
 
@@ -70,4 +79,5 @@ def run_stage(factory: Callable[[], StageHandler], host: str, port: int) -> None
     t0 = time.monotonic()
     handler = factory()
     log.info("stage %s loaded in %.1fs", handler.name, time.monotonic() - t0)
-    uvloop.run(_serve(handler, host, port))
+    hand_off = Transport(handler.name, transport, shm_arena_size)  # before serving: a bad setting stops start-up
+    uvloop.run(_serve(handler, host, port, hand_off))

@@ -1,14 +1,18 @@
 """StageServicer: the thin gRPC face of a stage — one bidirectional `Process` stream per request.
 
 Data flow: the first message must be `open` -> `StageHandler.open` builds a `StageTask` -> the engine
-loop runs it; a reader coroutine decodes incoming chunks (checking that seq numbers are contiguous,
-so a lost chunk is an error, never silence) and feeds them to the engine; engine events are written
-back as `chunk` / `done` / `error` messages. Errors travel inside the stream, so one bad request never
+loop runs it; a reader coroutine assembles incoming chunk parts (`ChunkAssembler`: inline pieces, shm
+slots mapped without copying; seq numbers must be contiguous, so a lost chunk is an error, never
+silence) and feeds them to the engine; engine events are written back as `chunk` parts (through the
+request's `ChunkEncoder`: tensors inline or in this stage's shm arena, per `open.transport`), then
+`done` / `error`. Errors travel inside the stream, so one bad request never
 touches the others. A `cancel` message, or the client cancelling the RPC, frees the request at once.
 After its answer (done or error) a stream stays open, dropping input, until the caller half-closes or
 cancels: a caller still writing (the gateway relaying the thinker into a talker that already failed)
 then reads the stage's own answer instead of a transport error.
 `Metrics` answers the engine's Prometheus text (`EngineMetrics.render`), scraped by the gateway.
+`Release` takes back the shared-memory frames of a request its caller gave up on, and a stream the
+caller cancels does the same for its own unclaimed frames (see `SlotOwner`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import grpc
 from omnimesh.engine.loop import EngineDone, EngineFailed, EngineLoop
 from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.engine.task import StageRequestError, StageTask
-from omnimesh.transport.frames import FrameError, StageChunk, chunk_from_proto, chunk_to_proto
+from omnimesh.transport.chunk_codec import TRANSPORTS, ChunkAssembler
+from omnimesh.transport.frames import FrameError, StageChunk
+from omnimesh.transport.transport import Transport
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,13 +57,21 @@ def _error(code: grpc.StatusCode, message: str) -> stage_pb2.StageResponse:
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, handler: StageHandler, engine: EngineLoop, metrics: EngineMetrics | None = None):
+    def __init__(self, handler: StageHandler, engine: EngineLoop, metrics: EngineMetrics | None = None,
+                 transport: Transport | None = None):
         self.handler = handler
         self.engine = engine
         self.metrics = metrics  # the same object the engine records into; None = no series
+        self.transport = transport if transport is not None else Transport(handler.name, "grpc")
 
     async def Info(self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> stage_pb2.StageInfo:
-        return self.handler.info()
+        info = self.handler.info()
+        info.host_id = self.transport.host_id
+        info.transport = self.transport.effective
+        return info
+
+    async def Release(self, request: stage_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> stage_pb2.ReleaseReply:
+        return stage_pb2.ReleaseReply(released=self.transport.release(request.request_id))
 
     async def Metrics(self, request: stage_pb2.MetricsRequest, context: grpc.aio.ServicerContext) -> stage_pb2.MetricsReply:
         return stage_pb2.MetricsReply(text=self.metrics.render() if self.metrics is not None else "")
@@ -80,6 +94,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             return
         timeout = opened.deadline_unix_s - time.time() if opened.deadline_unix_s else None
         try:
+            if opened.transport and opened.transport not in TRANSPORTS:
+                raise ValueError(f"open.transport must be one of {', '.join(TRANSPORTS)}, got {opened.transport!r}")
+            encoder = self.transport.encoder(opened.transport, rid, opened.deadline_unix_s)
             task = self.handler.open(opened)
             if timeout is not None and timeout <= 0:
                 raise StageRequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} arrived past its deadline")
@@ -93,11 +110,19 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             return
 
         reader = asyncio.create_task(self._read_inputs(request_iterator, rid))
+        cancelled = True  # until the stream ends the normal way: a caller that cancels gave up on our frames
         try:
             while True:
                 event = await queue.get()
                 if isinstance(event, StageChunk):
-                    yield stage_pb2.StageResponse(chunk=chunk_to_proto(event))
+                    try:
+                        parts = encoder.parts(event)
+                    except FrameError as exc:
+                        self.engine.cancel(rid)
+                        yield _error(grpc.StatusCode.INTERNAL, f"{self.handler.name}: output of request {rid}: {exc}")
+                        break
+                    for part in parts:
+                        yield stage_pb2.StageResponse(chunk=part)
                 elif isinstance(event, EngineDone):
                     usage = stage_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
                     yield stage_pb2.StageResponse(done=stage_pb2.Done(finish_reason=event.finish_reason, usage=usage))
@@ -106,9 +131,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     yield _error(event.code, event.message)
                     break
             await _settle(reader, timeout)
+            cancelled = False
         finally:
             reader.cancel()
             self.engine.cancel(rid)  # no-op when already finished; frees state when the client left
+            self.transport.end_request(rid, cancelled)
 
     async def _read_inputs(
         self, request_iterator: AsyncIterator[stage_pb2.StageRequest], rid: str
@@ -119,6 +146,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         expected = 0
         got_final = False
         dropping = False
+        assembler: ChunkAssembler = self.transport.assembler(rid)
 
         def fail(code: grpc.StatusCode, message: str) -> None:
             nonlocal dropping
@@ -127,9 +155,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
         try:
             async for msg in request_iterator:
-                if dropping:
-                    continue
                 kind = msg.WhichOneof("kind")
+                if dropping:
+                    if kind == "chunk":
+                        assembler.discard(msg.chunk)  # frees its shared-memory slots at once
+                    continue
                 if kind == "cancel":
                     self.engine.cancel(rid)
                     dropping = True
@@ -143,12 +173,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                         f"request {rid}: input chunk {expected} is missing (got seq {msg.chunk.seq})",
                     )
                 else:
-                    expected += 1
-                    got_final = msg.chunk.final
                     try:
-                        self.engine.feed(rid, chunk_from_proto(msg.chunk, rid))
+                        chunk = assembler.add(msg.chunk)
                     except FrameError as exc:
                         fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                        continue
+                    if chunk is None:
+                        continue  # more parts of this chunk follow
+                    expected += 1
+                    got_final = chunk.final
+                    self.engine.feed(rid, chunk)
             if not got_final and not dropping:
                 fail(grpc.StatusCode.DATA_LOSS, f"request {rid}: the input stream ended after {expected} chunks without a final chunk")
         except asyncio.CancelledError:

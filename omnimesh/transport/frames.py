@@ -1,11 +1,12 @@
-"""TensorFrame <-> torch.Tensor, and StageChunk <-> the wire `Chunk`.
+"""TensorFrame headers and inline bytes, and StageChunk, the in-process form of a chunk.
 
-Role: the one place where tensors become bytes and back. A frame is a header (name, dtype, shape) plus
-raw little-endian row-major bytes; decoding checks that the byte count matches dtype x shape and names
-the offending tensor and request when it does not. `StageChunk` is the in-process form of a chunk
-(named tensors, a text delta, sequence number, final flag) that engines produce and consume.
+Role: the one place where a tensor's header (name, dtype, shape) is written and checked, and where
+tensors become inline bytes and back. Checking names the offending tensor and request: an unknown dtype,
+a negative dimension, a byte count that does not match dtype x shape. `StageChunk` is what engines
+produce and consume (named tensors, a text delta, sequence number, final flag). Where the bytes travel
+(inline pieces, shared memory, CUDA IPC) is `chunk_codec`'s business.
 
-Data flow: engine output StageChunk -> chunk_to_proto -> gRPC -> chunk_from_proto -> next engine.
+Data flow: engine output StageChunk -> ChunkEncoder (frames) -> gRPC -> ChunkAssembler -> next engine.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnimesh.v1 import stage_pb2, tensor_pb2
+from omnimesh.v1 import tensor_pb2
 
 if sys.byteorder != "little":  # the wire format is little-endian; we never byte-swap silently
     raise RuntimeError("omnimesh frames need a little-endian host")
@@ -49,6 +50,30 @@ class StageChunk:
     final: bool = False
 
 
+def dtype_name(dtype: torch.dtype, what: str) -> str:
+    if dtype not in _NAMES:
+        raise FrameError(f"{what}: dtype {dtype} cannot travel in a frame")
+    return _NAMES[dtype]
+
+
+def frame_layout(frame: tensor_pb2.TensorFrame, request_id: str = "") -> tuple[torch.dtype, tuple[int, ...], int]:
+    """Check a frame's header -> (dtype, shape, byte count)."""
+    where = frame_where(frame.name, request_id)
+    dtype = _DTYPES.get(frame.dtype)
+    if dtype is None:
+        raise FrameError(f"{where}: unknown dtype {frame.dtype!r}; known: {sorted(_DTYPES)}")
+    if any(d < 0 for d in frame.shape):
+        raise FrameError(f"{where}: negative dimension in shape {list(frame.shape)}")
+    numel = 1
+    for d in frame.shape:
+        numel *= d
+    return dtype, tuple(frame.shape), numel * torch.empty((), dtype=dtype).element_size()
+
+
+def frame_where(name: str, request_id: str) -> str:
+    return f"tensor {name!r}" + (f" of request {request_id}" if request_id else "")
+
+
 def tensor_to_frame(name: str, tensor: torch.Tensor) -> tensor_pb2.TensorFrame:
     if tensor.dtype not in _NAMES:
         raise FrameError(f"tensor {name!r}: dtype {tensor.dtype} cannot travel in a frame")
@@ -59,41 +84,15 @@ def tensor_to_frame(name: str, tensor: torch.Tensor) -> tensor_pb2.TensorFrame:
 
 
 def frame_to_tensor(frame: tensor_pb2.TensorFrame, request_id: str = "") -> torch.Tensor:
-    where = f"tensor {frame.name!r}" + (f" of request {request_id}" if request_id else "")
-    dtype = _DTYPES.get(frame.dtype)
-    if dtype is None:
-        raise FrameError(f"{where}: unknown dtype {frame.dtype!r}; known: {sorted(_DTYPES)}")
-    if any(d < 0 for d in frame.shape):
-        raise FrameError(f"{where}: negative dimension in shape {list(frame.shape)}")
-    numel = 1
-    for d in frame.shape:
-        numel *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(frame.data) != numel * itemsize:
+    """A whole inline frame -> its tensor (owning a writable copy of the bytes)."""
+    dtype, shape, nbytes = frame_layout(frame, request_id)
+    if len(frame.data) != nbytes:
         raise FrameError(
-            f"{where}: {len(frame.data)} bytes do not match dtype {frame.dtype} x shape {list(frame.shape)}"
-            f" = {numel * itemsize} bytes"
+            f"{frame_where(frame.name, request_id)}: {len(frame.data)} bytes do not match dtype {frame.dtype} x shape "
+            f"{list(shape)} = {nbytes} bytes"
         )
-    if numel == 0:
-        return torch.empty(tuple(frame.shape), dtype=dtype)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
     # bytearray: a writable buffer, so the tensor owns memory torch may write to
     flat = torch.frombuffer(bytearray(frame.data), dtype=torch.uint8)
-    return flat.view(dtype).reshape(tuple(frame.shape))
-
-
-def chunk_to_proto(chunk: StageChunk) -> stage_pb2.Chunk:
-    return stage_pb2.Chunk(
-        seq=chunk.seq,
-        final=chunk.final,
-        text=chunk.text,
-        tensors=[tensor_to_frame(name, t) for name, t in chunk.tensors.items()],
-    )
-
-
-def chunk_from_proto(msg: stage_pb2.Chunk, request_id: str = "") -> StageChunk:
-    tensors: dict[str, torch.Tensor] = {}
-    for frame in msg.tensors:
-        if frame.name in tensors:
-            raise FrameError(f"request {request_id}: tensor {frame.name!r} appears twice in chunk {msg.seq}")
-        tensors[frame.name] = frame_to_tensor(frame, request_id)
-    return StageChunk(tensors=tensors, text=msg.text, seq=msg.seq, final=msg.final)
+    return flat.view(dtype).reshape(shape)

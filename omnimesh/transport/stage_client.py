@@ -1,9 +1,13 @@
 """StageClient / StageStream: the caller's side of the Stage RPC (used by the gateway).
 
-Data flow: `client.open(request_id, sampling, options)` opens one bidirectional `Process` stream and
-sends `open`; `stream.send(chunk)` numbers and writes input chunks (the last with final=True);
-iterating the stream yields output `StageChunk`s, checks that their seq numbers are contiguous, and
-ends with the stage's `Done`. Every failure — an error inside the stream, the stage being unreachable,
+Data flow: `client.open(request_id, sampling, options, transport=...)` opens one bidirectional `Process`
+stream and sends `open` (with where the stage should put its output tensors); `stream.send(chunk)`
+encodes and writes an input chunk (the last with final=True) and `stream.send_part(part)` relays one
+part another stage produced, unchanged but for its seq (the gateway's pass-through: shm references stay
+references, inline pieces stay pieces). `stream.parts()` yields the output parts as they arrive (seq
+numbers checked contiguous; `received_bytes` counts what came over the wire, `tensor_bytes` what the
+frames describe); iterating the stream assembles them into `StageChunk`s. Either ends with the stage's
+`Done`. `client.release(request_id)` hands a given-up request's frames back to their producer. Every failure — an error inside the stream, the stage being unreachable,
 a missing chunk — is raised as `StageCallError` naming the stage and carrying a gRPC status code.
 `client.metrics()` fetches the stage's Prometheus text (the gateway's /metrics scrape).
 """
@@ -17,7 +21,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnimesh.server.grpc_server import GRPC_OPTIONS
-from omnimesh.transport.frames import FrameError, StageChunk, chunk_from_proto, chunk_to_proto
+from omnimesh.transport.chunk_codec import ChunkAssembler, ChunkEncoder
+from omnimesh.transport.frames import FrameError, StageChunk, frame_layout
+from omnimesh.transport.transport import Transport
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 
 
@@ -37,20 +43,35 @@ def _code(value: int) -> grpc.StatusCode:
 
 
 class StageStream:
-    def __init__(self, stage: str, request_id: str, call: grpc.aio.StreamStreamCall):
+    def __init__(self, stage: str, request_id: str, call: grpc.aio.StreamStreamCall, assembler: ChunkAssembler):
         self.stage = stage
         self.request_id = request_id
         self._call = call
+        self._assembler = assembler
         self._send_seq = 0
         self._recv_seq = 0
         self.done: stage_pb2.Done | None = None
+        self.received_bytes = 0  # serialized size of every message read from the stage
+        self.tensor_bytes = 0  # bytes of the tensors those messages describe (inline or by reference)
+        self.inline_bytes = 0  # tensor bytes that came inline (0 when the stage hands off by reference)
 
-    async def send(self, chunk: StageChunk) -> None:
+    async def send(self, chunk: StageChunk, piece_bytes: int | None = None) -> None:
+        """Encode and write one input chunk (inline frames; pieces when large)."""
+        encoder = ChunkEncoder("grpc", request_id=self.request_id)
+        if piece_bytes is not None:
+            encoder.piece_bytes = piece_bytes
         chunk.seq = self._send_seq
-        self._send_seq += 1
+        for part in encoder.parts(chunk):
+            await self.send_part(part)
+
+    async def send_part(self, part: stage_pb2.Chunk) -> None:
+        """Write one part (renumbered to this stream's seq); the last part of the final chunk half-closes."""
+        part.seq = self._send_seq
+        if not part.more:
+            self._send_seq += 1
         try:
-            await self._call.write(stage_pb2.StageRequest(chunk=chunk_to_proto(chunk)))
-            if chunk.final:
+            await self._call.write(stage_pb2.StageRequest(chunk=part))
+            if part.final and not part.more:
                 await self._call.done_writing()
         except grpc.aio.AioRpcError as exc:
             raise self._rpc_error(exc) from exc
@@ -72,7 +93,8 @@ class StageStream:
             msg = f"stage {self.stage} failed the call: {exc.details()}"
         return StageCallError(self.stage, code, msg)
 
-    async def __aiter__(self) -> AsyncIterator[StageChunk]:
+    async def parts(self) -> AsyncIterator[stage_pb2.Chunk]:
+        """The stage's output parts as they arrive, until its `done` (an `error` is raised)."""
         while True:
             try:
                 msg = await self._call.read()
@@ -82,29 +104,52 @@ class StageStream:
                 raise StageCallError(
                     self.stage, grpc.StatusCode.DATA_LOSS, f"stage {self.stage} closed request {self.request_id} without done"
                 )
+            self.received_bytes += msg.ByteSize()
             kind = msg.WhichOneof("kind")
             if kind == "error":
                 raise StageCallError(self.stage, _code(msg.error.code), msg.error.message)
             if kind == "done":
                 self.done = msg.done
                 return
-            if msg.chunk.seq != self._recv_seq:
+            part = msg.chunk
+            if part.seq != self._recv_seq:
                 raise StageCallError(
                     self.stage,
                     grpc.StatusCode.DATA_LOSS,
-                    f"stage {self.stage}: output chunk {self._recv_seq} of request {self.request_id} is missing (got {msg.chunk.seq})",
+                    f"stage {self.stage}: output chunk {self._recv_seq} of request {self.request_id} is missing (got {part.seq})",
                 )
-            self._recv_seq += 1
-            try:
-                yield chunk_from_proto(msg.chunk, self.request_id)
-            except FrameError as exc:
-                raise StageCallError(self.stage, grpc.StatusCode.DATA_LOSS, str(exc)) from exc
+            if not part.more:
+                self._recv_seq += 1
+            for frame in part.tensors:
+                if frame.WhichOneof("payload") in ("shm", "cuda_ipc"):
+                    try:
+                        self.tensor_bytes += frame_layout(frame, self.request_id)[2]
+                    except FrameError as exc:
+                        raise StageCallError(self.stage, grpc.StatusCode.DATA_LOSS, str(exc)) from exc
+                else:
+                    self.inline_bytes += len(frame.data)
+                    self.tensor_bytes += len(frame.data)
+            yield part
+
+    def assemble(self, part: stage_pb2.Chunk) -> StageChunk | None:
+        """Add one part read from `parts()`; the whole chunk once its last part is in."""
+        try:
+            return self._assembler.add(part)
+        except FrameError as exc:
+            raise StageCallError(self.stage, grpc.StatusCode.DATA_LOSS, str(exc)) from exc
+
+    async def __aiter__(self) -> AsyncIterator[StageChunk]:
+        async for part in self.parts():
+            chunk = self.assemble(part)
+            if chunk is not None:
+                yield chunk
 
 
 class StageClient:
-    def __init__(self, stage: str, address: str):
+    def __init__(self, stage: str, address: str, transport: Transport | None = None):
         self.stage = stage
         self.address = address
+        self.transport = transport if transport is not None else Transport(f"client-{stage}", "grpc")
         self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = stage_pb2_grpc.StageStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -116,13 +161,15 @@ class StageClient:
         options: Mapping[str, str] | None = None,
         deadline_unix_s: float = 0.0,
         whole_input: bool = False,
+        transport: str = "",
     ) -> StageStream:
+        """Open a request; `transport` says where the stage puts its output tensors (grpc | shm | cuda-ipc)."""
         call = self._stub.Process()
         opened = stage_pb2.Open(
             request_id=request_id, sampling=sampling, options=dict(options or {}), deadline_unix_s=deadline_unix_s,
-            whole_input=whole_input,
+            whole_input=whole_input, transport=transport,
         )
-        stream = StageStream(self.stage, request_id, call)
+        stream = StageStream(self.stage, request_id, call, self.transport.assembler(request_id))
         try:
             await call.write(stage_pb2.StageRequest(open=opened))
         except grpc.aio.AioRpcError as exc:
@@ -142,6 +189,14 @@ class StageClient:
         except grpc.aio.AioRpcError as exc:
             raise StageCallError(self.stage, exc.code(), f"stage {self.stage} at {self.address}: {exc.details()}") from exc
         return reply.text
+
+    async def release(self, request_id: str, timeout_s: float = 2.0) -> int:
+        """Tell the stage the caller gave up on `request_id`: it frees the request's unclaimed frames."""
+        try:
+            reply = await self._stub.Release(stage_pb2.ReleaseRequest(request_id=request_id), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise StageCallError(self.stage, exc.code(), f"stage {self.stage} at {self.address}: {exc.details()}") from exc
+        return reply.released
 
     async def serving(self, timeout_s: float = 2.0) -> bool:
         try:

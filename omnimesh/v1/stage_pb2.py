@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from omnimesh.v1 import tensor_pb2 as omnimesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17omnimesh/v1/stage.proto\x12\x0bomnimesh.v1\x1a\x18omnimesh/v1/tensor.proto\"\x98\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x0c\n\x04stop\x18\x08 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penalty\"\xd8\x01\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.omnimesh.v1.SamplingParams\x12/\n\x07options\x18\x03 \x03(\x0b\x32\x1e.omnimesh.v1.Open.OptionsEntry\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x04 \x01(\x01\x12\x13\n\x0bwhole_input\x18\x05 \x01(\x08\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x05\x43hunk\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.omnimesh.v1.TensorFrame\x12\x0c\n\x04text\x18\x04 \x01(\t\"\x18\n\x06\x43\x61ncel\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x85\x01\n\x0cStageRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.omnimesh.v1.OpenH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.omnimesh.v1.ChunkH\x00\x12%\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x13.omnimesh.v1.CancelH\x00\x42\x06\n\x04kind\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"@\n\x04\x44one\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.omnimesh.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x84\x01\n\rStageResponse\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.omnimesh.v1.ChunkH\x00\x12!\n\x04\x64one\x18\x02 \x01(\x0b\x32\x11.omnimesh.v1.DoneH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.omnimesh.v1.ErrorH\x00\x42\x06\n\x04kind\"\r\n\x0bInfoRequest\"\xae\x01\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\x1e\n\x16pipeline_parallel_size\x18\x04 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x10\n\x08speakers\x18\x07 \x03(\t\x12\x13\n\x0bsample_rate\x18\x08 \x01(\x05\"\x10\n\x0eMetricsRequest\"\x1c\n\x0cMetricsReply\x12\x0c\n\x04text\x18\x01 \x01(\t2\xca\x01\n\x05Stage\x12\x44\n\x07Process\x12\x19.omnimesh.v1.StageRequest\x1a\x1a.omnimesh.v1.StageResponse(\x01\x30\x01\x12\x38\n\x04Info\x12\x18.omnimesh.v1.InfoRequest\x1a\x16.omnimesh.v1.StageInfo\x12\x41\n\x07Metrics\x12\x1b.omnimesh.v1.MetricsRequest\x1a\x19.omnimesh.v1.MetricsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17omnimesh/v1/stage.proto\x12\x0bomnimesh.v1\x1a\x18omnimesh/v1/tensor.proto\"\x98\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x0c\n\x04stop\x18\x08 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penalty\"\xeb\x01\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.omnimesh.v1.SamplingParams\x12/\n\x07options\x18\x03 \x03(\x0b\x32\x1e.omnimesh.v1.Open.OptionsEntry\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x04 \x01(\x01\x12\x13\n\x0bwhole_input\x18\x05 \x01(\x08\x12\x11\n\ttransport\x18\x06 \x01(\t\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"j\n\x05\x43hunk\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.omnimesh.v1.TensorFrame\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x0c\n\x04more\x18\x05 \x01(\x08\"\x18\n\x06\x43\x61ncel\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x85\x01\n\x0cStageRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.omnimesh.v1.OpenH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.omnimesh.v1.ChunkH\x00\x12%\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x13.omnimesh.v1.CancelH\x00\x42\x06\n\x04kind\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"@\n\x04\x44one\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.omnimesh.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x84\x01\n\rStageResponse\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.omnimesh.v1.ChunkH\x00\x12!\n\x04\x64one\x18\x02 \x01(\x0b\x32\x11.omnimesh.v1.DoneH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.omnimesh.v1.ErrorH\x00\x42\x06\n\x04kind\"\r\n\x0bInfoRequest\"\xd2\x01\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\x1e\n\x16pipeline_parallel_size\x18\x04 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x10\n\x08speakers\x18\x07 \x03(\t\x12\x13\n\x0bsample_rate\x18\x08 \x01(\x05\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x11\n\ttransport\x18\n \x01(\t\"\x10\n\x0eMetricsRequest\"\x1c\n\x0cMetricsReply\x12\x0c\n\x04text\x18\x01 \x01(\t\"q\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x03shm\x18\x02 \x03(\x0b\x32\x13.omnimesh.v1.ShmRef\x12)\n\x08\x63uda_ipc\x18\x03 \x03(\x0b\x32\x17.omnimesh.v1.CudaIpcRef\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\r2\x8d\x02\n\x05Stage\x12\x44\n\x07Process\x12\x19.omnimesh.v1.StageRequest\x1a\x1a.omnimesh.v1.StageResponse(\x01\x30\x01\x12\x38\n\x04Info\x12\x18.omnimesh.v1.InfoRequest\x1a\x16.omnimesh.v1.StageInfo\x12\x41\n\x07Metrics\x12\x1b.omnimesh.v1.MetricsRequest\x1a\x19.omnimesh.v1.MetricsReply\x12\x41\n\x07Release\x12\x1b.omnimesh.v1.ReleaseRequest\x1a\x19.omnimesh.v1.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,31 +37,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=67
   _globals['_SAMPLINGPARAMS']._serialized_end=347
   _globals['_OPEN']._serialized_start=350
-  _globals['_OPEN']._serialized_end=566
-  _globals['_OPEN_OPTIONSENTRY']._serialized_start=520
-  _globals['_OPEN_OPTIONSENTRY']._serialized_end=566
-  _globals['_CHUNK']._serialized_start=568
-  _globals['_CHUNK']._serialized_end=660
-  _globals['_CANCEL']._serialized_start=662
-  _globals['_CANCEL']._serialized_end=686
-  _globals['_STAGEREQUEST']._serialized_start=689
-  _globals['_STAGEREQUEST']._serialized_end=822
-  _globals['_USAGE']._serialized_start=824
-  _globals['_USAGE']._serialized_end=881
-  _globals['_DONE']._serialized_start=883
-  _globals['_DONE']._serialized_end=947
-  _globals['_ERROR']._serialized_start=949
-  _globals['_ERROR']._serialized_end=987
-  _globals['_STAGERESPONSE']._serialized_start=990
-  _globals['_STAGERESPONSE']._serialized_end=1122
-  _globals['_INFOREQUEST']._serialized_start=1124
-  _globals['_INFOREQUEST']._serialized_end=1137
-  _globals['_STAGEINFO']._serialized_start=1140
-  _globals['_STAGEINFO']._serialized_end=1314
-  _globals['_METRICSREQUEST']._serialized_start=1316
-  _globals['_METRICSREQUEST']._serialized_end=1332
-  _globals['_METRICSREPLY']._serialized_start=1334
-  _globals['_METRICSREPLY']._serialized_end=1362
-  _globals['_STAGE']._serialized_start=1365
-  _globals['_STAGE']._serialized_end=1567
+  _globals['_OPEN']._serialized_end=585
+  _globals['_OPEN_OPTIONSENTRY']._serialized_start=539
+  _globals['_OPEN_OPTIONSENTRY']._serialized_end=585
+  _globals['_CHUNK']._serialized_start=587
+  _globals['_CHUNK']._serialized_end=693
+  _globals['_CANCEL']._serialized_start=695
+  _globals['_CANCEL']._serialized_end=719
+  _globals['_STAGEREQUEST']._serialized_start=722
+  _globals['_STAGEREQUEST']._serialized_end=855
+  _globals['_USAGE']._serialized_start=857
+  _globals['_USAGE']._serialized_end=914
+  _globals['_DONE']._serialized_start=916
+  _globals['_DONE']._serialized_end=980
+  _globals['_ERROR']._serialized_start=982
+  _globals['_ERROR']._serialized_end=1020
+  _globals['_STAGERESPONSE']._serialized_start=1023
+  _globals['_STAGERESPONSE']._serialized_end=1155
+  _globals['_INFOREQUEST']._serialized_start=1157
+  _globals['_INFOREQUEST']._serialized_end=1170
+  _globals['_STAGEINFO']._serialized_start=1173
+  _globals['_STAGEINFO']._serialized_end=1383
+  _globals['_METRICSREQUEST']._serialized_start=1385
+  _globals['_METRICSREQUEST']._serialized_end=1401
+  _globals['_METRICSREPLY']._serialized_start=1403
+  _globals['_METRICSREPLY']._serialized_end=1431
+  _globals['_RELEASEREQUEST']._serialized_start=1433
+  _globals['_RELEASEREQUEST']._serialized_end=1546
+  _globals['_RELEASEREPLY']._serialized_start=1548
+  _globals['_RELEASEREPLY']._serialized_end=1580
+  _globals['_STAGE']._serialized_start=1583
+  _globals['_STAGE']._serialized_end=1852
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("request_id", "sampling", "options", "deadline_unix_s", "whole_input")
+    __slots__ = ("request_id", "sampling", "options", "deadline_unix_s", "whole_input", "transport")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,24 +41,28 @@ class Open(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     WHOLE_INPUT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sampling: SamplingParams
     options: _containers.ScalarMap[str, str]
     deadline_unix_s: float
     whole_input: bool
-    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., options: _Optional[_Mapping[str, str]] = ..., deadline_unix_s: _Optional[float] = ..., whole_input: _Optional[bool] = ...) -> None: ...
+    transport: str
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., options: _Optional[_Mapping[str, str]] = ..., deadline_unix_s: _Optional[float] = ..., whole_input: _Optional[bool] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("seq", "final", "tensors", "text")
+    __slots__ = ("seq", "final", "tensors", "text", "more")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     final: bool
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorFrame]
     text: str
-    def __init__(self, seq: _Optional[int] = ..., final: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorFrame, _Mapping]]] = ..., text: _Optional[str] = ...) -> None: ...
+    more: bool
+    def __init__(self, seq: _Optional[int] = ..., final: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorFrame, _Mapping]]] = ..., text: _Optional[str] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("reason",)
@@ -115,7 +119,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "pipeline_parallel_size", "tensor_parallel_size", "device", "speakers", "sample_rate")
+    __slots__ = ("stage", "model", "family", "pipeline_parallel_size", "tensor_parallel_size", "device", "speakers", "sample_rate", "host_id", "transport")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +128,8 @@ class StageInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SPEAKERS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -132,7 +138,9 @@ class StageInfo(_message.Message):
     device: str
     speakers: _containers.RepeatedScalarFieldContainer[str]
     sample_rate: int
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., speakers: _Optional[_Iterable[str]] = ..., sample_rate: _Optional[int] = ...) -> None: ...
+    host_id: str
+    transport: str
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., speakers: _Optional[_Iterable[str]] = ..., sample_rate: _Optional[int] = ..., host_id: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class MetricsRequest(_message.Message):
     __slots__ = ()
@@ -143,3 +151,19 @@ class MetricsReply(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id", "shm", "cuda_ipc")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    shm: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.ShmRef]
+    cuda_ipc: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.CudaIpcRef]
+    def __init__(self, request_id: _Optional[str] = ..., shm: _Optional[_Iterable[_Union[_tensor_pb2.ShmRef, _Mapping]]] = ..., cuda_ipc: _Optional[_Iterable[_Union[_tensor_pb2.CudaIpcRef, _Mapping]]] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...

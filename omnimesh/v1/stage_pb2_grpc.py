@@ -49,6 +49,11 @@ class StageStub:
                 request_serializer=omnimesh_dot_v1_dot_stage__pb2.MetricsRequest.SerializeToString,
                 response_deserializer=omnimesh_dot_v1_dot_stage__pb2.MetricsReply.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/omnimesh.v1.Stage/Release',
+                request_serializer=omnimesh_dot_v1_dot_stage__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=omnimesh_dot_v1_dot_stage__pb2.ReleaseReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -73,6 +78,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """free slots of frames the caller dropped undelivered
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +102,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Metrics,
                     request_deserializer=omnimesh_dot_v1_dot_stage__pb2.MetricsRequest.FromString,
                     response_serializer=omnimesh_dot_v1_dot_stage__pb2.MetricsReply.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=omnimesh_dot_v1_dot_stage__pb2.ReleaseRequest.FromString,
+                    response_serializer=omnimesh_dot_v1_dot_stage__pb2.ReleaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +190,33 @@ class Stage:
             '/omnimesh.v1.Stage/Metrics',
             omnimesh_dot_v1_dot_stage__pb2.MetricsRequest.SerializeToString,
             omnimesh_dot_v1_dot_stage__pb2.MetricsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnimesh.v1.Stage/Release',
+            omnimesh_dot_v1_dot_stage__pb2.ReleaseRequest.SerializeToString,
+            omnimesh_dot_v1_dot_stage__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

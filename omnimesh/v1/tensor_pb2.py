@@ -24,13 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnimesh/v1/tensor.proto\x12\x0bomnimesh.v1\"`\n\x0bTensorFrame\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x04\x64\x61ta\x18\x04 \x01(\x0cH\x00\x42\t\n\x07payloadJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnimesh/v1/tensor.proto\x12\x0bomnimesh.v1\"k\n\x06ShmRef\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06nbytes\x18\x06 \x01(\x04\"\x7f\n\nCudaIpcRef\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\x05\x12\x0e\n\x06handle\x18\x06 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\"\xbb\x01\n\x0bTensorFrame\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x04\x64\x61ta\x18\x04 \x01(\x0cH\x00\x12\"\n\x03shm\x18\x05 \x01(\x0b\x32\x13.omnimesh.v1.ShmRefH\x00\x12+\n\x08\x63uda_ipc\x18\x06 \x01(\x0b\x32\x17.omnimesh.v1.CudaIpcRefH\x00\x12\x14\n\x0cpiece_offset\x18\x07 \x01(\x04\x42\t\n\x07payloadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnimesh.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TENSORFRAME']._serialized_start=41
-  _globals['_TENSORFRAME']._serialized_end=137
+  _globals['_SHMREF']._serialized_start=41
+  _globals['_SHMREF']._serialized_end=148
+  _globals['_CUDAIPCREF']._serialized_start=150
+  _globals['_CUDAIPCREF']._serialized_end=277
+  _globals['_TENSORFRAME']._serialized_start=280
+  _globals['_TENSORFRAME']._serialized_end=467
 # @@protoc_insertion_point(module_scope)

@@ -117,17 +117,20 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
 
     args = ServeArgs(max_num_seqs=64, kv_cache_memory="1GiB",
                      stage_overrides='{"thinker": {"pp": 2, "tp": 2, "devices": "0,1,2,3", "pp_layer_partition": [1, 3],'
-                                     ' "kv_cache_memory": "256MiB", "max_num_batched_tokens": 512}, "talker": {"pp": 2}}')
+                                     ' "kv_cache_memory": "256MiB", "max_num_batched_tokens": 512, "transport": "grpc",'
+                                     ' "shm_arena_size": "64MiB"}, "talker": {"pp": 2}}')
     launcher = MeshLauncher(args, tmp_path)
     thinker = launcher._stage_argv("thinker", 50052)
     assert thinker[thinker.index("-tp") + 1] == "2" and thinker[thinker.index("-pp") + 1] == "2"
     own = json.loads(thinker[thinker.index("--stage-overrides") + 1])
     assert own == {"thinker": {"pp_layer_partition": [1, 3], "devices": "0,1,2,3", "max_num_seqs": 64,
                                "gpu_memory_utilization": 0.9, "kv_cache_memory": 256 * 2**20,
-                               "max_num_batched_tokens": 512}}
+                               "max_num_batched_tokens": 512, "transport": "grpc", "shm_arena_size": 64 * 2**20}}
     talker = launcher._stage_argv("talker", 50053)
     assert talker[talker.index("-pp") + 1] == "2"
-    assert json.loads(talker[talker.index("--stage-overrides") + 1])["talker"]["kv_cache_memory"] == 2**30
+    talker_own = json.loads(talker[talker.index("--stage-overrides") + 1])["talker"]
+    assert talker_own["kv_cache_memory"] == 2**30
+    assert (talker_own["transport"], talker_own["shm_arena_size"]) == ("auto", 256 * 2**20)
     encoder = launcher._stage_argv("encoder", 50051)
     assert encoder[encoder.index("-tp") + 1] == "1" and encoder[encoder.index("-pp") + 1] == "1"
     # what the stage process parses back is the stage's resolved config
@@ -136,6 +139,7 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
 
     cfg = from_namespace(build_parser().parse_args(thinker)).stage_configs()["thinker"]
     assert (cfg.pp, cfg.tp, cfg.kv_cache_memory, cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2, 2, 256 * 2**20, 512, 64)
+    assert (cfg.transport, cfg.shm_arena_size) == ("grpc", 64 * 2**20)
 
 
 @pytest.mark.parametrize("text, size", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("2G", 2 * 10**9),
@@ -159,3 +163,20 @@ def test_pp_layer_partition_flag() -> None:
         ServeArgs(pp_layer_partition="3;1")
     with pytest.raises(ValueError, match=r"must list 2 positive layer counts"):
         ServeArgs(pipeline_parallel_size=2, pp_layer_partition="4")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(transport="tcp"), "--transport must be one of auto, grpc, shm, cuda-ipc"),
+    (dict(shm_arena_size="lots"), "--shm-arena-size"),
+    (dict(stage_overrides='{"thinker": {"transport": "rdma"}}'), "transport must be one of"),
+])
+def test_transport_flags_are_checked(flags, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServeArgs(**flags)
+
+
+def test_transport_flags_resolve_per_stage() -> None:
+    cfgs = ServeArgs(transport="grpc", shm_arena_size="0",
+                     stage_overrides='{"talker": {"transport": "shm", "shm_arena_size": "1GiB"}}').stage_configs()
+    assert (cfgs["thinker"].transport, cfgs["thinker"].shm_arena_size) == ("grpc", 0)
+    assert (cfgs["talker"].transport, cfgs["talker"].shm_arena_size) == ("shm", 2**30)
