@@ -217,6 +217,9 @@ class EngineLoop:
             if not idle:
                 for group in self._groups(ready, self._max_inflight - len(running)):
                     running.add(asyncio.create_task(self._step_group(loop, group)))
+            # hold no request past its end while waiting: a cancelled one must free its tensors (and the shared
+            # memory slots under them) now, not at the next wake-up
+            ready = group = entry = None  # type: ignore[assignment]
             timeout = min((e.deadline for e in self._entries.values()), default=float("inf")) - now
             waits: list[asyncio.Future] = [asyncio.ensure_future(self._wake.wait()), *running]
             done, _ = await asyncio.wait(waits, timeout=None if timeout == float("inf") else max(timeout, 0.001),

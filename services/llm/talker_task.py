@@ -68,6 +68,10 @@ class TalkerTask(BatchedTask):
                 state.sampler = Sampler(replace(state.sampler.params, max_tokens=room), state.sampler.generator)
         self.state = state
 
+    def close(self) -> None:
+        super().close()
+        self.prompt = self.state = None  # the thinker's tensors may be slots of its shm arena: free them now
+
     def ready(self) -> bool:
         if self.state is None:
             return self.text_ended  # nothing to speak: finish on the next pass

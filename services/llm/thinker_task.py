@@ -60,6 +60,11 @@ class ThinkerTask(BatchedTask):
     def ready(self) -> bool:
         return self.inputs is not None and not self.finished
 
+    def close(self) -> None:
+        super().close()
+        self.inputs = self.prompt = None  # the encoder's tensors may be slots of its shm arena: free them now
+        self.captured = []
+
     def prompt_run(self) -> InputRun:
         """Prepare the prompt (raises ValueError for media that do not match it): the first input run."""
         t = self.inputs

@@ -39,6 +39,7 @@ class VocoderTask(StageTask):
 
     def close(self) -> None:
         self.streamer.close()
+        self.pending = []  # codes may be slots of the talker's shm arena: free them now
 
     def feed(self, chunk: StageChunk) -> None:
         if "codes" in chunk.tensors:
