@@ -57,3 +57,16 @@ def test_k8s_services_match_deployments() -> None:
 def test_dockerfile_pins_torch_before_the_project() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     assert text.index("torch==2.13.0") < text.index("pip install --no-cache-dir .")
+
+
+def test_compose_stages_share_one_ipc_namespace() -> None:
+    """Shared-memory hand-off needs one /dev/shm: every container joins the encoder's IPC namespace, and it
+    has room for every stage's default arena."""
+    from omnimesh.config.stage_config import StageConfig, parse_bytes
+
+    services = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    assert services["encoder"]["ipc"] == "shareable"
+    for name in (*STAGES, "gateway"):
+        if name != "encoder":
+            assert services[name]["ipc"] == "service:encoder", name
+    assert parse_bytes(services["encoder"]["shm_size"].upper().replace("GB", "GiB")) >= len(STAGES) * StageConfig().shm_arena_size
