@@ -21,6 +21,7 @@ from gateway.pipeline import StagePipeline
 from gateway.prompt import PromptBuilder
 from gateway.rest import create_app
 from omnimesh.config.serve_args import ServeArgs
+from omnimesh.proc_utils import tune_malloc
 from omnimesh.server.grpc_server import bind
 from omnimesh.transport.stage_client import StageClient
 from omnimesh.transport.transport import Transport
@@ -73,6 +74,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
 def run_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> int:
     import uvloop
 
+    tune_malloc()
     try:
         uvloop.run(serve_gateway(args, model_dir, stage_addrs))
     except RuntimeError as exc:

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2
 
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.metrics import EngineMetrics
+from omnimesh.proc_utils import tune_malloc
 from omnimesh.server.grpc_server import bind, make_server, serve_forever
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.server.stage_servicer import StageHandler, StageServicer
@@ -76,6 +77,7 @@ def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, tran
     import uvloop
 
     torch.set_num_threads(cpu_threads())
+    tune_malloc()
     t0 = time.monotonic()
     handler = factory()
     log.info("stage %s loaded in %.1fs", handler.name, time.monotonic() - t0)

@@ -116,13 +116,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 event = await queue.get()
                 if isinstance(event, StageChunk):
                     try:
-                        parts = encoder.parts(event)
+                        responses = encoder.responses(event)
                     except FrameError as exc:
                         self.engine.cancel(rid)
                         yield _error(grpc.StatusCode.INTERNAL, f"{self.handler.name}: output of request {rid}: {exc}")
                         break
-                    for part in parts:
-                        yield stage_pb2.StageResponse(chunk=part)
+                    for response in responses:
+                        yield response
                 elif isinstance(event, EngineDone):
                     usage = stage_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
                     yield stage_pb2.StageResponse(done=stage_pb2.Done(finish_reason=event.finish_reason, usage=usage))

@@ -15,9 +15,9 @@ tensor and the request; a refused part gives back the references it carried that
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,7 +27,11 @@ from omnimesh.transport.shm_region import RegionError, RegionReader
 from omnimesh.v1 import stage_pb2, tensor_pb2
 
 TRANSPORTS = ("grpc", "shm", "cuda-ipc")
-PIECE_BYTES = 4 * 2**20  # inline bytes per message: far below the gRPC limit, large enough to stream at GB/s
+M = TypeVar("M", stage_pb2.Chunk, stage_pb2.StageResponse, stage_pb2.StageRequest)
+# inline bytes per message: far below the gRPC limit; 1 MiB streams about twice as fast as 4 MiB between
+# two processes (bench/handoff.py: each message's copies stay small enough for the caches and the allocator
+# to reuse their memory), while 256 KiB and less pay per-message overhead
+PIECE_BYTES = 1 * 2**20
 
 
 class Publisher:
@@ -53,41 +57,58 @@ class ChunkEncoder:
             raise ValueError(f"transport {self.mode} needs shared memory, and this process has none")
 
     def parts(self, chunk: StageChunk) -> list[stage_pb2.Chunk]:
-        parts = [stage_pb2.Chunk(seq=chunk.seq, text=chunk.text)]
-        inline = 0  # inline bytes in the last part
+        return self._build(chunk, stage_pb2.Chunk, lambda msg: msg)
+
+    def responses(self, chunk: StageChunk) -> list[stage_pb2.StageResponse]:
+        """The parts already inside the stage's response messages (built in place: no copy of the bytes)."""
+        return self._build(chunk, stage_pb2.StageResponse, lambda msg: msg.chunk)
+
+    def requests(self, chunk: StageChunk) -> list[stage_pb2.StageRequest]:
+        """The parts already inside the caller's request messages."""
+        return self._build(chunk, stage_pb2.StageRequest, lambda msg: msg.chunk)
+
+    def _build(self, chunk: StageChunk, message: Callable[[], M], part_of: Callable[[M], stage_pb2.Chunk]) -> list[M]:
+        def new_part() -> stage_pb2.Chunk:
+            msgs.append(message())
+            part = part_of(msgs[-1])
+            part.seq = chunk.seq
+            return part
+
+        msgs: list[M] = []
+        part = new_part()
+        part.text = chunk.text
+        inline = 0  # inline bytes in the current part
         for name, tensor in chunk.tensors.items():
-            frame = self._by_reference(name, tensor)
-            if frame is not None:
-                parts[-1].tensors.append(frame)
+            if self._by_reference(part, name, tensor):
                 continue
             # inline frames are built in place in their part (`tensors.add`): appending a finished frame
             # would copy its bytes twice more (upb's MergeFrom serializes and parses)
             for fields, size in self._pieces(name, tensor):
                 if inline and inline + size > self.piece_bytes:
-                    parts.append(stage_pb2.Chunk(seq=chunk.seq))
+                    part.more = True
+                    part = new_part()
                     inline = 0
-                parts[-1].tensors.add(**fields)
+                part.tensors.add(**fields)
                 inline += size
-        for part in parts[:-1]:
-            part.more = True
-        parts[-1].final = chunk.final
-        return parts
+        part.final = chunk.final
+        return msgs
 
-    def _by_reference(self, name: str, tensor: torch.Tensor) -> tensor_pb2.TensorFrame | None:
+    def _by_reference(self, part: stage_pb2.Chunk, name: str, tensor: torch.Tensor) -> bool:
+        """Publish the tensor in shared memory (or by CUDA IPC) and add its frame to `part`; False when it
+        goes inline (grpc, an empty tensor, a full arena)."""
         if self.mode == "grpc" or tensor.numel() == 0 or self.publisher is None:
-            return None
-        frame = tensor_pb2.TensorFrame(name=name, dtype=dtype_name(tensor.dtype, frame_where(name, self.request_id)),
-                                       shape=list(tensor.shape))
+            return False
+        dtype = dtype_name(tensor.dtype, frame_where(name, self.request_id))
         if tensor.device.type == "cuda" and self.mode == "cuda-ipc":
             ipc = self.publisher.publish_ipc(tensor, self.request_id, self.deadline)
             if ipc is not None:
-                frame.cuda_ipc.CopyFrom(ipc)
-                return frame
+                part.tensors.add(name=name, dtype=dtype, shape=tensor.shape).cuda_ipc.CopyFrom(ipc)
+                return True
         ref = self.publisher.publish_shm(tensor.detach().to("cpu"), self.request_id, self.deadline)
         if ref is None:
-            return None
-        frame.shm.CopyFrom(ref)
-        return frame
+            return False
+        part.tensors.add(name=name, dtype=dtype, shape=tensor.shape).shm.CopyFrom(ref)
+        return True
 
     def _pieces(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[dict[str, Any], int]]:
         """The inline frames of one tensor, as TensorFrame fields, and their byte counts: the whole tensor

@@ -34,6 +34,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES.values()}
 
 
 class FrameError(ValueError):
@@ -67,7 +68,7 @@ def frame_layout(frame: tensor_pb2.TensorFrame, request_id: str = "") -> tuple[t
     numel = 1
     for d in frame.shape:
         numel *= d
-    return dtype, tuple(frame.shape), numel * torch.empty((), dtype=dtype).element_size()
+    return dtype, tuple(frame.shape), numel * _ITEMSIZE[dtype]
 
 
 def frame_where(name: str, request_id: str) -> str:

@@ -86,8 +86,8 @@ class ShmArena(SlotOwner):
     def publish(self, tensor: torch.Tensor, request_id: str, deadline_unix_s: float = 0.0) -> tensor_pb2.ShmRef | None:
         """Copy a CPU tensor into the arena -> its reference; None when it does not fit now, or is empty (send
         inline)."""
-        src = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        nbytes = src.numel()
+        src = tensor.detach()
+        nbytes = src.numel() * src.element_size()
         if nbytes == 0:  # nothing to share; a 0-byte extent would alias the next tensor's offset
             return None
         offset = self._extents.alloc(nbytes) if self._data is not None else None
@@ -103,7 +103,8 @@ class ShmArena(SlotOwner):
             self.fallbacks += 1
             return None
         assert self._data is not None
-        self._data[offset: offset + nbytes].copy_(src)
+        # copy in the tensor's own dtype and layout: wider than bytes, and no extra copy for a strided source
+        self._data[offset: offset + nbytes].view(src.dtype).view(src.shape).copy_(src)
         generation = self._publish(slot, request_id, offset, nbytes, deadline_unix_s)
         return tensor_pb2.ShmRef(host_id=self.host_id, region=self.name, slot=slot, generation=generation,
                                  offset=offset, nbytes=nbytes)

@@ -57,11 +57,7 @@ class SlotOwner:
         region.lock_exclusive(slot)
         try:
             generation = int(table["generation"][slot]) + 1
-            table["generation"][slot] = generation
-            table["offset"][slot] = offset
-            table["nbytes"][slot] = nbytes
-            table["deadline"][slot] = deadline_unix_s
-            table["state"][slot] = PUBLISHED
+            table[slot] = (PUBLISHED, 0, generation, offset, nbytes, deadline_unix_s, 0)
         finally:
             region.unlock(slot)
         self._live[slot] = Live(request_id, generation, offset, nbytes)

@@ -61,16 +61,21 @@ class StageStream:
         if piece_bytes is not None:
             encoder.piece_bytes = piece_bytes
         chunk.seq = self._send_seq
-        for part in encoder.parts(chunk):
-            await self.send_part(part)
+        for request in encoder.requests(chunk):
+            await self._write(request)
 
     async def send_part(self, part: stage_pb2.Chunk) -> None:
-        """Write one part (renumbered to this stream's seq); the last part of the final chunk half-closes."""
+        """Write one part another stage produced (renumbered to this stream's seq)."""
+        await self._write(stage_pb2.StageRequest(chunk=part))
+
+    async def _write(self, request: stage_pb2.StageRequest) -> None:
+        """The last part of the final chunk half-closes the stream."""
+        part = request.chunk
         part.seq = self._send_seq
         if not part.more:
             self._send_seq += 1
         try:
-            await self._call.write(stage_pb2.StageRequest(chunk=part))
+            await self._call.write(request)
             if part.final and not part.more:
                 await self._call.done_writing()
         except grpc.aio.AioRpcError as exc:
@@ -97,14 +102,15 @@ class StageStream:
         """The stage's output parts as they arrive, until its `done` (an `error` is raised)."""
         while True:
             try:
-                msg = await self._call.read()
+                item = await self._call.read()
             except grpc.aio.AioRpcError as exc:
                 raise self._rpc_error(exc) from exc
-            if msg is grpc.aio.EOF:
+            if item is grpc.aio.EOF:
                 raise StageCallError(
                     self.stage, grpc.StatusCode.DATA_LOSS, f"stage {self.stage} closed request {self.request_id} without done"
                 )
-            self.received_bytes += msg.ByteSize()
+            size, msg = item  # the wire size comes with the message (`_counted`): counting it copies nothing
+            self.received_bytes += size
             kind = msg.WhichOneof("kind")
             if kind == "error":
                 raise StageCallError(self.stage, _code(msg.error.code), msg.error.message)
@@ -120,15 +126,17 @@ class StageStream:
                 )
             if not part.more:
                 self._recv_seq += 1
-            for frame in part.tensors:
-                if frame.WhichOneof("payload") in ("shm", "cuda_ipc"):
-                    try:
-                        self.tensor_bytes += frame_layout(frame, self.request_id)[2]
-                    except FrameError as exc:
-                        raise StageCallError(self.stage, grpc.StatusCode.DATA_LOSS, str(exc)) from exc
-                else:
-                    self.inline_bytes += len(frame.data)
-                    self.tensor_bytes += len(frame.data)
+            for frame in part.tensors:  # from the headers: reading `data` here would copy it
+                by_reference = frame.WhichOneof("payload") in ("shm", "cuda_ipc")
+                if not by_reference and frame.piece_offset:
+                    continue  # a later piece: its tensor was counted at its first piece
+                try:
+                    nbytes = frame_layout(frame, self.request_id)[2]
+                except FrameError as exc:
+                    raise StageCallError(self.stage, grpc.StatusCode.DATA_LOSS, str(exc)) from exc
+                self.tensor_bytes += nbytes
+                if not by_reference:
+                    self.inline_bytes += nbytes
             yield part
 
     def assemble(self, part: stage_pb2.Chunk) -> StageChunk | None:
@@ -145,6 +153,13 @@ class StageStream:
                 yield chunk
 
 
+PROCESS_METHOD = "/omnimesh.v1.Stage/Process"
+
+
+def _counted(data: bytes) -> tuple[int, stage_pb2.StageResponse]:
+    return len(data), stage_pb2.StageResponse.FromString(data)
+
+
 class StageClient:
     def __init__(self, stage: str, address: str, transport: Transport | None = None):
         self.stage = stage
@@ -152,6 +167,8 @@ class StageClient:
         self.transport = transport if transport is not None else Transport(f"client-{stage}", "grpc")
         self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = stage_pb2_grpc.StageStub(self._channel)
+        self._process = self._channel.stream_stream(  # Process, with each response's wire size kept
+            PROCESS_METHOD, request_serializer=stage_pb2.StageRequest.SerializeToString, response_deserializer=_counted)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def open(
@@ -164,7 +181,7 @@ class StageClient:
         transport: str = "",
     ) -> StageStream:
         """Open a request; `transport` says where the stage puts its output tensors (grpc | shm | cuda-ipc)."""
-        call = self._stub.Process()
+        call = self._process()
         opened = stage_pb2.Open(
             request_id=request_id, sampling=sampling, options=dict(options or {}), deadline_unix_s=deadline_unix_s,
             whole_input=whole_input, transport=transport,

@@ -180,7 +180,7 @@ def test_the_pre_transformer_is_audible(model: tuple[Any, Any], codes: dict[str,
     task = VocoderTask("x", c2w, 80, backend)
     task.feed(StageChunk(tensors={"codes": codes["f"]}, final=True))
     task.step()  # codes 0..79
-    task.close()
+    task.streamer.close()  # forget the history only (task.close() would end the request)
     task.streamer._handle = backend.open()  # a new, empty cache; positions continue at 80
     (last,) = task.step()
     task.close()
