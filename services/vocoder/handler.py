@@ -2,8 +2,9 @@
 requests together through its `batcher` (a `VocoderBatcher`: one model call per engine step).
 
 Run: `omnimesh stage vocoder --model DIR --port 50054`. Option `window` (codes per decode, default 25 =
-2 s of audio on Qwen3-Omni) trades first-audio latency against per-call overhead; any window, and any
-batch a request shares a step with, gives the same samples (to float rounding, ~1e-7).
+2 s of audio on Qwen3-Omni) trades latency against per-call overhead; option `first_window` (default 5,
+at most `window`) is the first decode's, so the first audio leaves after 5 codes instead of 25. Any
+windows, and any batch a request shares a step with, give the same samples (to float rounding, ~1e-7).
 The stage's max_num_batched_tokens caps the codes decoded in one step (default: no cap).
 """
 
@@ -26,6 +27,7 @@ from services.vocoder.vocoder_task import VocoderTask
 
 SAMPLE_RATE = 24000
 DEFAULT_WINDOW = 25
+DEFAULT_FIRST_WINDOW = 5
 
 
 class VocoderHandler:
@@ -49,10 +51,16 @@ class VocoderHandler:
     def open(self, msg: stage_pb2.Open) -> VocoderTask:
         if self.failure.message is not None:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"vocoder: {self.failure.message}")
-        text = msg.options.get("window", str(DEFAULT_WINDOW))
-        if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"option window must be a whole number of codes >= 1, got {text!r}")
-        return VocoderTask(msg.request_id, self.code2wav, int(text), self.transformer)
+        window = _codes_option(msg, "window", DEFAULT_WINDOW)
+        first = min(_codes_option(msg, "first_window", DEFAULT_FIRST_WINDOW), window)
+        return VocoderTask(msg.request_id, self.code2wav, window, self.transformer, first_window=first)
+
+
+def _codes_option(msg: stage_pb2.Open, name: str, default: int) -> int:
+    text = msg.options.get(name, str(default))
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"option {name} must be a whole number of codes >= 1, got {text!r}")
+    return int(text)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:

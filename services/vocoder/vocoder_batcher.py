@@ -12,7 +12,8 @@ Data flow (one `step_batch`, on the engine's compute thread):
 A request whose stream ended with nothing left to decode just finishes (no model work). The padding is
 exact (see code2wav.py), so each request's samples equal its solo decode to float rounding of the batched
 kernels. `max_codes` (the stage's max_num_batched_tokens) caps the codes of one step; requests left out
-stay ready for the next step (the engine offers the longest-waiting first).
+stay ready for the next step (the engine offers the longest-waiting first). First windows go first: when
+a request waits for its first audio, a step takes only first windows (not twice in a row).
 """
 
 from __future__ import annotations
@@ -59,11 +60,20 @@ class VocoderBatcher:
         if max_codes is not None and max_codes < 1:
             raise ValueError(f"max_codes must be >= 1, got {max_codes}")
         self.max_codes = max_codes
+        self._first_only = False  # the last step took only first windows
 
     def step_batch(self, tasks: list[StageTask]) -> StepResult:
+        ready = cast("list[VocoderTask]", tasks)
+        first = [t for t in ready if t.completion_tokens == 0 and t.next_window_size()]
+        if first and len(first) < len(ready) and not self._first_only:
+            # a request's first audio goes ahead: its short first window in a step of its own (the others
+            # already streamed seconds of audio ahead of real time); never twice in a row, so none starves
+            ready, self._first_only = first, True
+        else:
+            self._first_only = False
         batch: list[VocoderTask] = []
         codes = 0
-        for task in cast("list[VocoderTask]", tasks):  # the engine's order: longest-waiting first
+        for task in ready:  # the engine's order: longest-waiting first
             n = task.next_window_size()
             if batch and self.max_codes is not None and codes + n > self.max_codes:
                 continue  # no room this step; it stays ready

@@ -1,11 +1,12 @@
 """VocoderTask: one request in the vocoder stage — codec code groups in, 24 kHz audio chunks out.
 
-Data flow: `codes` (Q, n) chunks are queued by `feed`; the request is ready when a whole window of `window`
-codes waits (or the input ended). An engine step takes exactly one window off the queue (`take_window`),
+Data flow: `codes` (Q, n) chunks are queued by `feed`; the request is ready when a whole window waits
+(`first_window` codes for the first, `window` after it: the first audio comes out after a few codes), or the
+input ended. An engine step takes exactly one window off the queue (`take_window`),
 decodes it through the request's `Code2WavStreamer` (left context + look-ahead handled there, so the
 concatenated stream equals one-piece decoding) and emits `pcm` (samples,) float32 (`emit`). Windows always
-start at multiples of `window`, whatever the timing of the input, so a request's chunks are the same run to
-run. The stage steps all its ready requests together (`VocoderBatcher`, one model call per step); `step`
+start at 0, `first_window`, `first_window + window`, ..., whatever the timing of the input, so a request's
+chunks are the same run to run. The stage steps all its ready requests together (`VocoderBatcher`, one model call per step); `step`
 is that same code for this request alone. Alone, a request's audio is bit-identical run to run; in a batch
 it equals that to float rounding (~1e-7: batched conv kernels round differently).
 """
@@ -27,11 +28,13 @@ EDGE = "talker -> vocoder"
 
 
 class VocoderTask(StageTask):
-    def __init__(self, request_id: str, code2wav: Qwen3OmniMoeCode2Wav, window: int, transformer: Any = None):
+    def __init__(self, request_id: str, code2wav: Qwen3OmniMoeCode2Wav, window: int, transformer: Any = None,
+                 first_window: int | None = None):
         super().__init__(request_id)
         # windowing is done here, per engine step; the pre-transformer runs on the stage's ranks
         self.streamer = Code2WavStreamer(code2wav, window=1, transformer=transformer)
         self.window = window
+        self.first_window = first_window or window  # a short first window: the first audio sooner
         self.codebook = int(code2wav.config.codebook_size)  # type: ignore[union-attr]
         self.pending: list[torch.Tensor] = []
         self.n_pending = 0
@@ -52,17 +55,22 @@ class VocoderTask(StageTask):
             self.n_pending += codes.shape[1]
         self.ended = chunk.final
 
+    @property
+    def current_window(self) -> int:
+        """Codes in the next full window: `first_window` for the first, `window` after it."""
+        return self.first_window if self.completion_tokens == 0 else self.window
+
     def ready(self) -> bool:
-        return self.n_pending >= self.window or self.ended
+        return self.n_pending >= self.current_window or self.ended
 
     def next_window_size(self) -> int:
         """Codes the next step takes (0: only the end of the stream is left)."""
-        return min(self.window, self.n_pending)
+        return min(self.current_window, self.n_pending)
 
     def take_window(self) -> torch.Tensor:
-        """Take the next window off the queue -> codes (Q, take), take = min(window, pending) (may be 0)."""
+        """Take the next window off the queue -> codes (Q, take), take = min(current window, pending) (may be 0)."""
         codes = torch.cat(self.pending, dim=1) if self.pending else torch.zeros(self.streamer.num_quantizers, 0, dtype=torch.long)
-        take = min(self.window, codes.shape[1])
+        take = min(self.current_window, codes.shape[1])
         rest = codes[:, take:]
         self.pending = [rest] if rest.shape[1] else []
         self.n_pending = rest.shape[1]

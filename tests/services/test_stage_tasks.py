@@ -106,13 +106,18 @@ def test_vocoder_checks_codes_and_streams_windows(handlers: dict, model_dir: Pat
         _open(voc).feed(StageChunk(tensors={"codes": torch.zeros(3, 2, dtype=torch.long)}))
     with pytest.raises(ValueError, match="window must be a whole number"):
         _open(voc, options={"window": "0"})
+    with pytest.raises(ValueError, match="first_window must be a whole number"):
+        _open(voc, options={"first_window": "x"})
     codes = torch.randint(0, 256, (4, 30), generator=torch.Generator().manual_seed(0))
-    task = _open(voc, options={"window": "10"})
-    pieces = []
+    task = _open(voc, options={"window": "10", "first_window": "3"})
+    pieces, taken = [], []
     for i in range(0, 30, 5):
         task.feed(StageChunk(tensors={"codes": codes[:, i:i + 5]}, final=i == 25))
-        pieces += [c.tensors["pcm"] for c in _run(task)]
-    assert task.finished and len(pieces) >= 3
+        while task.ready() and not task.finished:
+            taken.append(task.next_window_size())
+            pieces += [c.tensors["pcm"] for c in task.step()]
+    assert task.finished and taken[:3] == [3, 10, 10], taken  # the first window is short, the rest full
+    assert _open(voc, options={"window": "4"}).first_window == 4  # never longer than the window
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     reference = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).code2wav.eval()
