@@ -65,14 +65,20 @@ def _deltas(before: dict, after: dict, name: str) -> dict[str, float]:
     return {stage: a.get(stage, 0.0) - b.get(stage, 0.0) for stage in STAGES}
 
 
+def _one_request(url: str, reference, transport: str) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Check every stage edge uses `transport`, run one request that must equal `generate` -> per stage the
+    tensor bytes its frames described, those that came inline, and the bytes the gateway received."""
+    before = _metrics(url)
+    assert _transports(before) == dict.fromkeys(STAGES, transport)
+    _request_matches_reference(url, reference)
+    after = _metrics(url)
+    return (_deltas(before, after, "omnimesh:gateway_stage_tensor_bytes_total"),
+            _deltas(before, after, "omnimesh:gateway_stage_inline_tensor_bytes_total"),
+            _deltas(before, after, "omnimesh:gateway_stage_received_bytes_total"))
+
+
 def test_colocated_stages_pass_only_headers_through_the_gateway(mesh, reference):
-    before = _metrics(mesh.rest)
-    assert _transports(before) == dict.fromkeys(STAGES, "shm")
-    _request_matches_reference(mesh.rest, reference)
-    after = _metrics(mesh.rest)
-    described = _deltas(before, after, "omnimesh:gateway_stage_tensor_bytes_total")
-    inline = _deltas(before, after, "omnimesh:gateway_stage_inline_tensor_bytes_total")
-    wire = _deltas(before, after, "omnimesh:gateway_stage_received_bytes_total")
+    described, inline, wire = _one_request(mesh.rest, reference, "shm")
     for stage in STAGES:
         assert described[stage] > 0, stage
         assert inline[stage] == 0, f"{stage}: {inline[stage]} tensor bytes came through the gateway"
@@ -110,13 +116,7 @@ def test_finished_and_cancelled_requests_leave_every_arena_whole(mesh):
 def test_grpc_transport_sends_the_same_tensors_inline(tiny_model_dir, reference):
     m = start_mesh(tiny_model_dir, "--transport", "grpc", "--shm-arena-size", "0")
     try:
-        before = _metrics(m.rest)
-        assert _transports(before) == dict.fromkeys(STAGES, "grpc")
-        _request_matches_reference(m.rest, reference)
-        after = _metrics(m.rest)
-        described = _deltas(before, after, "omnimesh:gateway_stage_tensor_bytes_total")
-        inline = _deltas(before, after, "omnimesh:gateway_stage_inline_tensor_bytes_total")
-        wire = _deltas(before, after, "omnimesh:gateway_stage_received_bytes_total")
+        described, inline, wire = _one_request(m.rest, reference, "grpc")
         for stage in STAGES:
             assert inline[stage] == described[stage] > 0, stage
             assert wire[stage] > inline[stage], stage
