@@ -29,8 +29,11 @@ in-process memcpy; then the thinker -> talker edge of the real mesh with `--tran
    the tensor bytes its frames describe), measured by a client that opens the thinker stream exactly as
    the gateway does (the gateway's /metrics does not expose those counters).
 
-Targets from the issue are printed next to the results: shm >= 70% of memcpy at 128 MiB; inline gRPC
->= 1 GB/s. Not part of the test suite.
+   Also per row, "streamed": N tensors of the size in one request (one per producer step, ~64 MiB in all),
+   each dropped once held: N x size / (first tensor produced -> last held), the rate a stage edge sustains.
+
+Targets from the issue are printed next to the results: shm >= 70% of memcpy at 128 MiB (one tensor,
+hold); inline gRPC >= 1 GB/s (streamed; one tensor alone printed beside it). Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -91,11 +94,12 @@ def source_tensor(nbytes: int, device: str = "cpu") -> torch.Tensor:
 
 
 class SourceTask(StageTask):
-    """Waits for its (empty, final) input chunk, then returns the tensor in one step."""
+    """Waits for its (empty, final) input chunk, then returns the tensor, `count` times, one per step."""
 
-    def __init__(self, request_id: str, tensor: torch.Tensor):
+    def __init__(self, request_id: str, tensor: torch.Tensor, count: int = 1):
         super().__init__(request_id)
         self.tensor = tensor
+        self.left = count
         self.go = False
 
     def feed(self, chunk: StageChunk) -> None:
@@ -105,7 +109,8 @@ class SourceTask(StageTask):
         return self.go and not self.finished
 
     def step(self) -> list[StageChunk]:
-        self.finished = True
+        self.left -= 1
+        self.finished = self.left <= 0
         # "the producer has the tensor": the stamp rides along as the chunk's text
         return [StageChunk(tensors={"x": self.tensor}, text=repr(time.perf_counter()))]
 
@@ -123,7 +128,7 @@ class SourceHandler:
         key = (int(msg.options["nbytes"]), msg.options.get("device", "cpu"))
         if key not in self._tensors:  # preallocated once per size: the hand-off, not the allocation, is timed
             self._tensors[key] = source_tensor(*key)
-        return SourceTask(msg.request_id, self._tensors[key])
+        return SourceTask(msg.request_id, self._tensors[key], int(msg.options.get("count", "1")))
 
 
 def apply_grpc_options(options: list[str]) -> None:
@@ -251,6 +256,34 @@ async def hand_off(client: Any, mode: str, nbytes: int, rid: str, check: bool, p
             "producer_cpu_s": cpu1[0] - cpu0[0], "consumer_cpu_s": cpu1[1] - cpu0[1]}
 
 
+def stream_count(nbytes: int) -> int:
+    """Tensors per streamed request: ~64 MiB in all, 2 to 32 of them."""
+    return max(2, min(32, (64 * MiB) // max(nbytes, 1)))
+
+
+async def stream_off(client: Any, mode: str, nbytes: int, rid: str) -> float:
+    """One request streaming `stream_count` tensors, one per producer step, each dropped once held (as a
+    next stage consumes chunks) -> seconds from the first tensor's production to the last one held."""
+    count = stream_count(nbytes)
+    stream = await client.open(rid, options={"nbytes": str(nbytes), "count": str(count),
+                                             "device": "cuda" if mode == "cuda-ipc" else "cpu"}, transport=mode)
+    await stream.send(StageChunk(final=True))
+    t0 = t_last = float("nan")
+    got = 0
+    async for part in stream.parts():
+        chunk = stream.assemble(part)
+        if chunk is None:
+            continue
+        t_last = time.perf_counter()
+        if got == 0:
+            t0 = float(chunk.text)
+        got += 1
+        del chunk
+    if got != count:
+        raise RuntimeError(f"{mode}: request {rid} streamed {got} of {count} tensors")
+    return t_last - t0
+
+
 def variants(modes: list[str], pieces: list[int]) -> list[tuple[str, str, int]]:
     """(row label, transport, producer piece bytes or 0 = chunk_codec.PIECE_BYTES) of every measured row."""
     out = []
@@ -265,7 +298,7 @@ async def handoff_side(args: argparse.Namespace, sizes: list[int], rows: list[tu
     from omnimesh.transport.stage_client import StageClient
     from omnimesh.transport.transport import Transport
 
-    arena = 2 * max(sizes) + 16 * MiB
+    arena = max(2 * max(sizes), 2 * 64 * MiB) + 16 * MiB  # room for the streamed run's tensors in flight
     results: dict[str, Any] = {}
     with SourceProcess(arena, args.threads, [f"--grpc-option={o}" for o in args.grpc_option]) as src:
         log(f"hand-off: source stage (producer) pid {src.proc.pid} at {src.address}, consumer pid {os.getpid()}")
@@ -284,6 +317,7 @@ async def handoff_side(args: argparse.Namespace, sizes: list[int], rows: list[tu
                     for label, mode, piece in order:  # and one row's after-effects hit every row alike
                         rid = f"{mode}-{nbytes}-{i}" + (f"-piece{piece}" if piece else "")
                         r = await hand_off(client, mode, nbytes, rid, i == 0, src.proc.pid)
+                        r["stream_s"] = await stream_off(client, mode, nbytes, rid + "-stream")
                         if i >= args.warmup:
                             runs[label].append(r)
                 for label, _, _ in rows:
@@ -427,12 +461,14 @@ def report_handoff(res: dict[str, Any], sizes: list[int], rows: list[tuple[str, 
     print("  memcpy = dst.copy_(src) into a preallocated tensor in one process (x memcpy = GB/s / memcpy GB/s)")
     print("  CPU ms = CPU time of all threads of the producer / consumer process for the whole request (open to")
     print("         done): less sensitive than wall time to other load; wire bytes = serialized messages received")
+    print("  streamed = N tensors of the size in one request, one per producer step, each dropped once held (as")
+    print("         a next stage consumes chunks): N x size / (first tensor produced -> last one held), GB/s")
     print(f"  grpc = inline pieces of chunk_codec.PIECE_BYTES = {size_label(PIECE_BYTES)}"
           + ("; 'grpc N pieces' rows: the producer's piece size set to N (--piece-bytes)"
              if any(p for _, _, p in rows) else ""))
     label_w = max([10, *(len(label) + 1 for label, _, _ in rows)])
     print(f"{'size':>9}  {'transport':{label_w}}{'hold ms':>9}{'GB/s':>8}{'x memcpy':>10}{'+read ms':>10}{'GB/s':>8}"
-          f"{'x memcpy':>10}{'prod CPU ms':>13}{'cons CPU ms':>13}{'wire bytes':>12}")
+          f"{'x memcpy':>10}{'prod CPU ms':>13}{'cons CPU ms':>13}{'wire bytes':>12}{'streamed GB/s':>16}")
     for nbytes in sizes:
         row = res[str(nbytes)]
         size = size_label(nbytes)
@@ -445,10 +481,11 @@ def report_handoff(res: dict[str, Any], sizes: list[int], rows: list[tuple[str, 
             hold, read = med(r["hold_s"]), med(r["read_s"])
             r["hold_gbps"], r["read_gbps"] = nbytes / hold / 1e9, nbytes / read / 1e9
             r["hold_x_memcpy"], r["read_x_memcpy"] = base / hold, base / read
+            r["stream_gbps"] = stream_count(nbytes) * nbytes / med(r["stream_s"]) / 1e9
             print(f"{size:>9}  {label:{label_w}}{hold * 1e3:9.3f}{r['hold_gbps']:8.2f}{r['hold_x_memcpy']:10.2f}"
                   f"{read * 1e3:10.3f}{r['read_gbps']:8.2f}{r['read_x_memcpy']:10.2f}"
                   f"{med(r['producer_cpu_s']) * 1e3:13.3f}{med(r['consumer_cpu_s']) * 1e3:13.3f}"
-                  f"{int(med(r['wire_bytes'])):12d}")
+                  f"{int(med(r['wire_bytes'])):12d}{stream_count(nbytes):>6d} x{r['stream_gbps']:8.2f}")
         if "cuda-ipc" in transports and not cuda:
             print(f"{size:>9}  {'cuda-ipc':{label_w}}n/a (no CUDA device)")
         elif cuda and "memcpy-cuda" in row:
@@ -469,12 +506,12 @@ def report_handoff(res: dict[str, Any], sizes: list[int], rows: list[tuple[str, 
         print("n/a   shm at 128 MiB: not measured (needs 128 in --sizes and shm in --transports)")
     if "grpc" in labels:
         for nbytes in [n for n in sizes if n >= MiB]:  # a throughput target: small tensors measure latency
-            g = res[str(nbytes)]["grpc"]["hold_gbps"]
-            ok = g >= TARGET_GRPC_GBPS
+            g, st = res[str(nbytes)]["grpc"]["hold_gbps"], res[str(nbytes)]["grpc"]["stream_gbps"]
+            ok = st >= TARGET_GRPC_GBPS
             targets[f"grpc_{size_label(nbytes).replace(' ', '')}_gbps"] = {
-                "value": g, "target": f">= {TARGET_GRPC_GBPS}", "pass": ok}
-            print(f"{'PASS' if ok else 'FAIL'}  inline gRPC at {size_label(nbytes)}: {g:.2f} GB/s (hold; target >= "
-                  f"{TARGET_GRPC_GBPS:g} GB/s)")
+                "value": st, "hold": g, "target": f">= {TARGET_GRPC_GBPS}", "pass": ok}
+            print(f"{'PASS' if ok else 'FAIL'}  inline gRPC at {size_label(nbytes)}: {st:.2f} GB/s streamed, "
+                  f"{g:.2f} GB/s for one tensor alone (hold) (target >= {TARGET_GRPC_GBPS:g} GB/s)")
     return targets
 
 
