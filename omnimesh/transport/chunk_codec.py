@@ -111,18 +111,13 @@ class ChunkEncoder:
         return True
 
     def _pieces(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[dict[str, Any], int]]:
-        """The inline frames of one tensor, as TensorFrame fields, and their byte counts: the whole tensor
-        when it fits in a piece (as `tensor_to_frame` writes it), else pieces of `piece_bytes`. Lazily, so
-        only one piece's bytes exist outside its part at a time."""
+        """The inline frames of one tensor, as TensorFrame fields, and their byte counts: one frame when it
+        fits in a piece, else pieces of `piece_bytes`. Lazily, so only one piece's bytes exist outside its
+        part at a time. Bytes via a uint8 view: works for bfloat16 too, which numpy cannot represent."""
         t = tensor.detach().to("cpu").contiguous()
-        if t.numel() * t.element_size() <= self.piece_bytes:
-            dtype = dtype_name(t.dtype, f"tensor {name!r}")  # tensor_to_frame's check and message
-            data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            yield {"name": name, "dtype": dtype, "shape": list(t.shape), "data": data}, len(data)
-            return
         dtype = dtype_name(t.dtype, frame_where(name, self.request_id))
         flat = t.view(-1).view(torch.uint8).numpy()
-        for start in range(0, flat.size, self.piece_bytes):
+        for start in range(0, max(flat.size, 1), self.piece_bytes):  # an empty tensor: one empty frame
             data = flat[start: start + self.piece_bytes].tobytes()
             yield {"name": name, "dtype": dtype, "shape": list(t.shape), "piece_offset": start, "data": data}, len(data)
 
@@ -185,8 +180,8 @@ class ChunkAssembler:
         if partial is None:
             if frame.piece_offset != 0:
                 raise FrameError(f"{frame_where(name, rid)}: its first piece starts at byte {frame.piece_offset}, not 0")
-            if len(data) == nbytes:  # a whole frame: what `frame_to_tensor` returns, from the bytes read once
-                # (each read of `frame.data` copies the bytes out of the message)
+            if len(data) == nbytes:  # a whole frame, from the bytes read once (each read of `frame.data`
+                # copies them out of the message); a bytearray, so the tensor owns memory torch may write to
                 self._tensors[name] = (torch.empty(shape, dtype=dtype) if nbytes == 0 else
                                        torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape))
                 return

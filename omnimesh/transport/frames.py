@@ -1,7 +1,6 @@
-"""TensorFrame headers and inline bytes, and StageChunk, the in-process form of a chunk.
+"""TensorFrame headers, and StageChunk, the in-process form of a chunk.
 
-Role: the one place where a tensor's header (name, dtype, shape) is written and checked, and where
-tensors become inline bytes and back. Checking names the offending tensor and request: an unknown dtype,
+Role: the one place where a tensor's header (name, dtype, shape) is named and checked. Checking names the offending tensor and request: an unknown dtype,
 a negative dimension, a byte count that does not match dtype x shape. `StageChunk` is what engines
 produce and consume (named tensors, a text delta, sequence number, final flag). Where the bytes travel
 (inline pieces, shared memory, CUDA IPC) is `chunk_codec`'s business.
@@ -73,27 +72,3 @@ def frame_layout(frame: tensor_pb2.TensorFrame, request_id: str = "") -> tuple[t
 
 def frame_where(name: str, request_id: str) -> str:
     return f"tensor {name!r}" + (f" of request {request_id}" if request_id else "")
-
-
-def tensor_to_frame(name: str, tensor: torch.Tensor) -> tensor_pb2.TensorFrame:
-    if tensor.dtype not in _NAMES:
-        raise FrameError(f"tensor {name!r}: dtype {tensor.dtype} cannot travel in a frame")
-    t = tensor.detach().to("cpu").contiguous()
-    # bytes via a uint8 view: works for bfloat16 too, which numpy cannot represent
-    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return tensor_pb2.TensorFrame(name=name, dtype=_NAMES[t.dtype], shape=list(t.shape), data=data)
-
-
-def frame_to_tensor(frame: tensor_pb2.TensorFrame, request_id: str = "") -> torch.Tensor:
-    """A whole inline frame -> its tensor (owning a writable copy of the bytes)."""
-    dtype, shape, nbytes = frame_layout(frame, request_id)
-    if len(frame.data) != nbytes:
-        raise FrameError(
-            f"{frame_where(frame.name, request_id)}: {len(frame.data)} bytes do not match dtype {frame.dtype} x shape "
-            f"{list(shape)} = {nbytes} bytes"
-        )
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    # bytearray: a writable buffer, so the tensor owns memory torch may write to
-    flat = torch.frombuffer(bytearray(frame.data), dtype=torch.uint8)
-    return flat.view(dtype).reshape(shape)

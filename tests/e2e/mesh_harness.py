@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,14 +14,11 @@ from pathlib import Path
 
 import httpx
 
+from omnimesh.proc_utils import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -23,7 +23,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import shutil
-import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -36,16 +35,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from omnimesh.parallel.parallel_state import ParallelState, destroy_parallel_state, init_parallel_state
+from omnimesh.proc_utils import free_port
 
 RENDEZVOUS_TIMEOUT_S = 30.0
 LAYOUT_DEADLINE_S = 60.0
 Scenario = Callable[..., dict[str, Any]]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def to_numpy(obj: Any) -> Any:
@@ -138,6 +133,18 @@ def run_layout(pp: int, tp: int, scenario: Scenario, *args: Any,
 def bytes_matching(sizes: dict[str, int], *parts: str) -> int:
     """Total bytes of the parameters whose names contain any of `parts`."""
     return sum(n for name, n in sizes.items() if any(p in name for p in parts))
+
+
+def assert_memory_split(ranks: list[dict[str, Any]], reference: dict[str, Any], pp: int, tp: int,
+                        replicated: tuple[str, ...], sharded_whole: tuple[str, ...] = ()) -> None:
+    """Each rank holds at most its 1/(pp*tp) share of the parameters (+10%) plus what every TP rank holds
+    whole (`replicated`; `sharded_whole`: parts a rank holds beyond its share, e.g. vocab shards); across the
+    ranks nothing is held twice except the replicated parts, once per TP rank."""
+    total = reference["param_bytes"]
+    for o in ranks:
+        allowance = bytes_matching(o["sizes"], *replicated, *sharded_whole)
+        assert o["param_bytes"] <= 1.1 * total / (pp * tp) + allowance, (o.get("rank"), o["param_bytes"], total)
+    assert sum(o["param_bytes"] for o in ranks) == total + (tp - 1) * bytes_matching(reference["sizes"], *replicated)
 
 
 def param_sizes(module: torch.nn.Module) -> dict[str, int]:

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 from gloo_harness import (  # one_thread: autouse here
+    assert_memory_split,
     build_tiny,
-    bytes_matching,
     fake_tp3,
     layers_read,
     one_thread,  # noqa: F401
@@ -115,12 +115,7 @@ def test_layout_matches_single_rank(pp: int, tp: int, model_dir: Path, reference
     for o in ranks[(pp - 1) * tp:]:  # every TP rank of the last pp rank holds the all-reduced output
         assert (o["out"] - reference["out"]).abs().max() < LAYOUT_TOL, f"rank {o['rank']}"
 
-    total = reference["param_bytes"]
-    for o in ranks:
-        allowance = bytes_matching(o["sizes"], *REPLICATED)
-        assert o["param_bytes"] <= 1.1 * total / (pp * tp) + allowance, (o["rank"], o["param_bytes"])
-    replicated = bytes_matching(reference["sizes"], *REPLICATED)
-    assert sum(o["param_bytes"] for o in ranks) == total + (tp - 1) * replicated  # nothing else held twice
+    assert_memory_split(ranks, reference, pp, tp, REPLICATED)
 
     for o in ranks:  # each rank read its own layers, the front-end only on the first, the head only on the last
         start, end = o["layer_range"]

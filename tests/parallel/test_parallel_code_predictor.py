@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_harness import (  # one_thread: autouse here
+    assert_memory_split,
     build_tiny,
-    bytes_matching,
     fake_tp3,
     layers_read,
     one_thread,  # noqa: F401
@@ -202,12 +202,7 @@ def test_layout_matches_single_rank(pp: int, tp: int, model_dir: Path, reference
             assert layers_read(o["keys"]) == set(range(start, end))
             assert any("codec_embedding" in k for k in o["keys"]) == (start == 0)
             assert any("lm_head" in k for k in o["keys"]) == (end == n_layers)
-            # memory: its share of the total, plus the parts every TP rank holds whole
-            total = ref["param_bytes"]
-            allowance = bytes_matching(o["sizes"], *replicated)
-            assert o["param_bytes"] <= 1.1 * total / (pp * tp) + allowance, (variant, o["param_bytes"], total)
-        # nothing is held twice except the replicated parts (once per TP rank)
-        assert sum(o["param_bytes"] for o in outs) == total + (tp - 1) * bytes_matching(ref["sizes"], *replicated)
+        assert_memory_split(outs, ref, pp, tp, replicated)
 
 
 def test_tp_that_does_not_divide_the_heads_is_named(model_dir: Path) -> None:

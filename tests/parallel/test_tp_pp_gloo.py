@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_harness import (
+    assert_memory_split,
     build_tiny,
-    bytes_matching,
     free_port,
     layers_read,
     param_sizes,
@@ -140,14 +140,7 @@ def test_layout_matches_single_rank(pp: int, tp: int, model_dir: Path, reference
             assert (o["logits"] - ref["logits"]).abs().max() < TOL, f"{role}: logits differ"
         assert (last["captured"] - ref["captured"]).abs().max() < TOL, f"{role}: captured hidden differs"
 
-        # memory: each rank holds its share, plus the replicated parts named in REPLICATED and its vocab shards
-        total = ref["param_bytes"]
-        for o in outs:
-            allowance = bytes_matching(o["sizes"], *REPLICATED, "embed.", "head.")
-            assert o["param_bytes"] <= 1.1 * total / (pp * tp) + allowance, (role, o["rank"], o["param_bytes"])
-        # and nothing is held twice except the replicated parts (one copy per TP rank)
-        replicated = bytes_matching(ref["sizes"], *REPLICATED)
-        assert sum(o["param_bytes"] for o in outs) == total + (tp - 1) * replicated
+        assert_memory_split(outs, ref, pp, tp, REPLICATED, sharded_whole=("embed.", "head."))
 
         # every rank read only its own layers' tensors (and the embedding / norm / head only where they live)
         n_layers = ref["layer_range"][1]
