@@ -7,7 +7,9 @@
   never one whose producer lives (in this process or another);
 - `choose_transport`: auto -> shm (cpu) / cuda-ipc (cuda) on one host, grpc across hosts; a forced shm or
   cuda-ipc across hosts is a ValueError that says what to do; grpc stays grpc; a grpc-only Transport
-  has no arena and encodes inline."""
+  has no arena and encodes inline;
+- a /dev/shm too small for the arena: `auto` starts without one (inline gRPC, Info says grpc) and leaves
+  no file behind, a forced `shm` refuses to start with a message naming the fix."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from transport_testlib import REPO, TAG, over_wire, python_child, read_line
 from omnimesh.transport.chunk_codec import ChunkAssembler
 from omnimesh.transport.frames import FrameError, StageChunk
 from omnimesh.transport.host_id import SHM_DIR, host_id
-from omnimesh.transport.shm_region import PUBLISHED, RegionReader, remove_stale_regions
-from omnimesh.transport.transport import check_preference, choose_transport
+from omnimesh.transport.shm_region import PUBLISHED, RegionError, RegionReader, remove_stale_regions
+from omnimesh.transport.transport import Transport, check_preference, choose_transport
 
 
 def test_host_id_stable_and_shared_with_another_process() -> None:
@@ -120,3 +122,20 @@ def test_grpc_transport_has_no_arena(make_transport) -> None:
     parts = t.encoder("shm", "req-g").parts(StageChunk(tensors={"x": torch.ones(3)}))
     assert parts[0].tensors[0].WhichOneof("payload") == "data"
     assert t.release("req-g") == 0
+
+
+def test_no_room_in_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = {p.name for p in SHM_DIR.iterdir()}
+    auto = Transport(f"{TAG}-full", "auto", 2**20)
+    assert auto.arena is None and auto.effective == "grpc"
+    assert auto.encoder("shm", "r").mode == "grpc"  # a caller asking for shm still gets correct (inline) frames
+    with pytest.raises(RegionError, match=r"cannot reserve .* --shm-arena-size.*--shm-size"):
+        Transport(f"{TAG}-full", "shm", 2**20)
+    assert {p.name for p in SHM_DIR.iterdir()} == before  # the half-built region file is gone
