@@ -77,6 +77,7 @@ class StagePipeline:
         self.voices: tuple[str, ...] = ()
         self.default_voice = ""
         self.sample_rate = 24000
+        self.talker_options: dict[str, str] = {}  # the talker's output chunks = the vocoder's decode windows
         self.output_transport: dict[str, str] = {name: "grpc" for name in stages}
         self.received_bytes: dict[str, int] = dict.fromkeys(stages, 0)
         self.tensor_bytes: dict[str, int] = dict.fromkeys(stages, 0)
@@ -101,6 +102,11 @@ class StagePipeline:
                 self.default_voice = info.speakers[0] if info.speakers else ""
             if name == "vocoder" and info.sample_rate:
                 self.sample_rate = info.sample_rate
+            if name == "vocoder" and info.window_codes > 0:
+                # the vocoder decodes nothing before a window is whole: the talker sends each window's codes as
+                # one chunk instead of one message per code group, and no audio comes later for it
+                first = info.first_window_codes or info.window_codes
+                self.talker_options = {"chunk_codes": str(info.window_codes), "first_chunk_codes": str(first)}
             infos[name] = info
         self._choose_transports(infos)
 
@@ -167,7 +173,7 @@ class StagePipeline:
             if want_audio:
                 whole = not self.async_chunk
                 talker = await self._client("talker").open(
-                    rid, talker_sampling(request), {"speaker": voice}, deadline, whole_input=whole,
+                    rid, talker_sampling(request), {"speaker": voice, **self.talker_options}, deadline, whole_input=whole,
                     transport=out["talker"],
                 )
                 streams.append(talker)

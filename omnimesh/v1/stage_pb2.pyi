@@ -119,7 +119,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "pipeline_parallel_size", "tensor_parallel_size", "device", "speakers", "sample_rate", "host_id", "transport")
+    __slots__ = ("stage", "model", "family", "pipeline_parallel_size", "tensor_parallel_size", "device", "speakers", "sample_rate", "host_id", "transport", "window_codes", "first_window_codes")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,8 @@ class StageInfo(_message.Message):
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_CODES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_WINDOW_CODES_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -140,7 +142,9 @@ class StageInfo(_message.Message):
     sample_rate: int
     host_id: str
     transport: str
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., speakers: _Optional[_Iterable[str]] = ..., sample_rate: _Optional[int] = ..., host_id: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+    window_codes: int
+    first_window_codes: int
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., speakers: _Optional[_Iterable[str]] = ..., sample_rate: _Optional[int] = ..., host_id: _Optional[str] = ..., transport: _Optional[str] = ..., window_codes: _Optional[int] = ..., first_window_codes: _Optional[int] = ...) -> None: ...
 
 class MetricsRequest(_message.Message):
     __slots__ = ()

@@ -4,10 +4,12 @@ Data flow (`step_batch`, on the engine loop's compute thread), over the ready re
   1. a request with nothing to speak (its thinker's first token was final) finishes with no audio;
   2. a started request's prefill rows are queued in the stage's `LMEngine` (once);
   3. every request whose codec token c_g is sampled and whose text entry g is known joins ONE code-predictor
-     call (B requests, `ShardedBackend.predict_batch`): its group [c_g, r1..] is emitted at once and the
-     group's embedding sum + text entry g is queued as its next decoder input;
+     call (B requests, `ShardedBackend.predict_batch`): its group [c_g, r1..] goes to the task's outgoing
+     codes (sent once its chunk is whole) and the group's embedding sum + text entry g is queued as its next
+     decoder input;
   4. ONE `LMEngine.step` runs the scheduled decoder rows of all requests; each request that got logits
-     samples its next codec token (codec EOS or max tokens ends it: the last token gets no group).
+     samples its next codec token (codec EOS or max tokens ends it: the last token gets no group, and the
+     codes still held go out with the request's last chunk).
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ class TalkerBatcher:
                 continue
             task.awaiting = False
             task.finish_counts()
-            out.setdefault(rid, [])
+            chunks = out.setdefault(rid, [])
+            if task.finished and isinstance(chunks, list):
+                chunks.extend(task.flush())
         return out
 
     def _predict(self, tasks: list[TalkerTask], out: dict[str, list[StageChunk] | BaseException]) -> None:
@@ -85,4 +89,4 @@ class TalkerBatcher:
             self.engine.feed(task.request_id, InputRun(row, positions))
             task.awaiting = True
             task.completion_tokens = len(task.state.codes)
-            out[task.request_id] = [StageChunk(tensors={"codes": group.view(-1, 1)})]  # (G, 1)
+            out[task.request_id] = task.add_group(group)

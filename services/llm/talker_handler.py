@@ -1,7 +1,8 @@
 """The talker stage service (services/llm, role talker): loads the talker + code predictor and opens a
 TalkerTask per request; sampling defaults are the ones `generate` uses for the talker.
 
-Run: `omnimesh stage talker --model DIR --port 50053`.
+Run: `omnimesh stage talker --model DIR --port 50053`. Options: `speaker`; `first_chunk_codes` / `chunk_codes`
+(code groups per output chunk, default 1: the gateway sets the vocoder's decode windows, see TalkerTask).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling
 from services.llm.talker_batcher import TalkerBatcher
 from services.llm.talker_task import TalkerTask
+from services.options import codes_option
 
 DEFAULT_SPEAKER = "ethan"
 
@@ -53,8 +55,10 @@ class TalkerHandler:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"talker: {self.failure.message}")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
         speaker = msg.options.get("speaker") or self.speakers[0]
+        chunk = codes_option(msg, "chunk_codes", 1)
+        first = codes_option(msg, "first_chunk_codes", chunk)
         return TalkerTask(msg.request_id, self.talker, speaker, params, max_model_len=self.max_model_len,
-                          batcher=self.batcher)
+                          batcher=self.batcher, chunk_codes=chunk, first_chunk_codes=first)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> TalkerHandler:

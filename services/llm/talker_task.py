@@ -5,13 +5,20 @@ TalkerPrompt and the first spoken token's embedding -> `talker.start`; later `to
 `push_text`; the final chunk -> `finish_text`. The `TalkerBatcher` then steps it in continuous batches:
 the prefill rows go to the stage's `LMEngine`; each time the engine returns logits, the next codec token
 c_g is sampled; once text entry g is known the code predictor (one call for all requests of a step) gives
-the residual codes, the group [c_g, r1..] goes out as `codes` (num_code_groups, 1) and the group's summed
+the residual codes, the group [c_g, r1..] joins the request's outgoing codes and the group's summed
 embedding + text entry g becomes the next decoder input. A thinker that spoke nothing gives no audio.
+
+Output chunking (`first_chunk_codes`, then `chunk_codes` groups per chunk; default 1 = every group at once):
+the gateway sets them to the vocoder's decode windows, which cannot start before a window is whole anyway,
+so the codes of a window travel as one `codes` (num_code_groups, n) chunk instead of n messages through the
+gateway, with no later audio. The last chunk carries what is left when the request ends.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+
+import torch
 
 from omnimesh.engine.task import BatchedTask
 from omnimesh.models.qwen3_omni.edges import talker_prompt_from_tensors
@@ -25,7 +32,8 @@ EDGE = "thinker -> talker"
 
 class TalkerTask(BatchedTask):
     def __init__(self, request_id: str, talker: Qwen3OmniTalker, speaker: str, params: SamplingParams,
-                 *, max_model_len: int = 0, batcher: object = None):
+                 *, max_model_len: int = 0, batcher: object = None, chunk_codes: int = 1,
+                 first_chunk_codes: int | None = None):
         super().__init__(request_id, batcher)
         if speaker.lower() not in talker.speakers:
             raise ValueError(f"unknown speaker {speaker!r}; valid speakers: {', '.join(sorted(talker.speakers))}")
@@ -38,6 +46,12 @@ class TalkerTask(BatchedTask):
         self.text_ended = False
         self.queued = False  # the prefill went to the engine
         self.awaiting = False  # an input row is in the engine: wait for its logits before predicting again
+        if chunk_codes < 1 or (first_chunk_codes is not None and first_chunk_codes < 1):
+            raise ValueError(f"codes per chunk must be >= 1, got {first_chunk_codes} then {chunk_codes}")
+        self.chunk_codes = chunk_codes
+        self.first_chunk_codes = first_chunk_codes or chunk_codes
+        self.held: list[torch.Tensor] = []  # code groups (G, 1) not sent yet
+        self.sent_codes = 0
 
     def feed(self, chunk: StageChunk) -> None:
         if self.text_ended:
@@ -68,8 +82,24 @@ class TalkerTask(BatchedTask):
                 state.sampler = Sampler(replace(state.sampler.params, max_tokens=room), state.sampler.generator)
         self.state = state
 
+    def add_group(self, group: torch.Tensor) -> list[StageChunk]:
+        """A new code group (G,): the chunk to send once the current chunk is whole, else nothing yet."""
+        self.held.append(group.view(-1, 1))
+        size = self.first_chunk_codes if self.sent_codes == 0 else self.chunk_codes
+        return self.flush() if len(self.held) >= size else []
+
+    def flush(self) -> list[StageChunk]:
+        """The held groups as one `codes` (G, n) chunk (none when nothing is held)."""
+        if not self.held:
+            return []
+        codes = torch.cat(self.held, dim=1) if len(self.held) > 1 else self.held[0]
+        self.sent_codes += codes.shape[1]
+        self.held = []
+        return [StageChunk(tensors={"codes": codes})]
+
     def close(self) -> None:
         super().close()
+        self.held = []
         self.prompt = self.state = None  # the thinker's tensors may be slots of its shm arena: free them now
 
     def ready(self) -> bool:

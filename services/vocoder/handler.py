@@ -17,11 +17,13 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.task import StageRequestError
+from omnimesh.models.qwen3_omni.code2wav import CPU_CONV_ROWS
 from omnimesh.models.qwen3_omni.code2wav_shard import Code2WavTransformerBackend
 from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_code2wav
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.stage_registry import lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
+from services.options import codes_option
 from services.vocoder.vocoder_batcher import VocoderBatcher
 from services.vocoder.vocoder_task import VocoderTask
 
@@ -41,26 +43,21 @@ class VocoderHandler:
         self.layout = layout
         self.failure = failure
         self.max_inflight_steps = layout.pp  # one batch per pipeline rank at a time
-        self.batcher = VocoderBatcher(max_codes_per_step)
+        # on CPU a step decodes at most CPU_CONV_ROWS windows (see VocoderBatcher); on CUDA all ready ones
+        self.batcher = VocoderBatcher(max_codes_per_step, CPU_CONV_ROWS if layout.backend != "nccl" else None)
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
                                    pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
-                                   device="cuda" if self.layout.backend == "nccl" else "cpu", sample_rate=SAMPLE_RATE)
+                                   device="cuda" if self.layout.backend == "nccl" else "cpu", sample_rate=SAMPLE_RATE,
+                                   window_codes=DEFAULT_WINDOW, first_window_codes=DEFAULT_FIRST_WINDOW)
 
     def open(self, msg: stage_pb2.Open) -> VocoderTask:
         if self.failure.message is not None:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"vocoder: {self.failure.message}")
-        window = _codes_option(msg, "window", DEFAULT_WINDOW)
-        first = min(_codes_option(msg, "first_window", DEFAULT_FIRST_WINDOW), window)
+        window = codes_option(msg, "window", DEFAULT_WINDOW)
+        first = min(codes_option(msg, "first_window", DEFAULT_FIRST_WINDOW), window)
         return VocoderTask(msg.request_id, self.code2wav, window, self.transformer, first_window=first)
-
-
-def _codes_option(msg: stage_pb2.Open, name: str, default: int) -> int:
-    text = msg.options.get(name, str(default))
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"option {name} must be a whole number of codes >= 1, got {text!r}")
-    return int(text)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:

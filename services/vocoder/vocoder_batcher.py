@@ -11,9 +11,12 @@ Data flow (one `step_batch`, on the engine's compute thread):
     per request: `VocoderTask.emit` -> its pcm chunk, `finished` when its ended queue is empty
 A request whose stream ended with nothing left to decode just finishes (no model work). The padding is
 exact (see code2wav.py), so each request's samples equal its solo decode to float rounding of the batched
-kernels. `max_codes` (the stage's max_num_batched_tokens) caps the codes of one step; requests left out
-stay ready for the next step (the engine offers the longest-waiting first). First windows go first: when
-a request waits for its first audio, a step takes only first windows (not twice in a row).
+kernels. `max_codes` (the stage's max_num_batched_tokens) caps the codes of one step and `max_windows` its
+requests; those left out stay ready for the next step (the engine offers the longest-waiting first). On
+CPU a step takes at most `CPU_CONV_ROWS` windows: wider batches decode no faster there (the conv stack
+upsamples 1920x and falls out of cache), and a short step lets a new request's first window in sooner.
+First windows go first: when a request waits for its first audio, a step takes only first windows (not
+twice in a row).
 """
 
 from __future__ import annotations
@@ -56,10 +59,13 @@ def step_windows(tasks: list[VocoderTask]) -> StepResult:
 class VocoderBatcher:
     """The vocoder handler's `batcher` (the engine loop's `BatchStepper`)."""
 
-    def __init__(self, max_codes: int | None = None) -> None:
+    def __init__(self, max_codes: int | None = None, max_windows: int | None = None) -> None:
         if max_codes is not None and max_codes < 1:
             raise ValueError(f"max_codes must be >= 1, got {max_codes}")
+        if max_windows is not None and max_windows < 1:
+            raise ValueError(f"max_windows must be >= 1, got {max_windows}")
         self.max_codes = max_codes
+        self.max_windows = max_windows
         self._first_only = False  # the last step took only first windows
 
     def step_batch(self, tasks: list[StageTask]) -> StepResult:
@@ -74,6 +80,8 @@ class VocoderBatcher:
         batch: list[VocoderTask] = []
         codes = 0
         for task in ready:  # the engine's order: longest-waiting first
+            if self.max_windows is not None and len(batch) >= self.max_windows:
+                break
             n = task.next_window_size()
             if batch and self.max_codes is not None and codes + n > self.max_codes:
                 continue  # no room this step; it stays ready

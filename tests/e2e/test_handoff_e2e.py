@@ -122,3 +122,19 @@ def test_grpc_transport_sends_the_same_tensors_inline(tiny_model_dir, reference)
             assert wire[stage] > inline[stage], stage
     finally:
         assert m.proc.stop() == 0, m.proc.output()
+
+
+def test_the_talker_sends_each_vocoder_window_as_one_chunk(mesh):
+    """The vocoder announces its windows (5 codes, then 25) and the gateway opens the talker with them: the
+    talker's codes cross the gateway in a few window-sized chunks, not one message per code group."""
+    before = _metrics(mesh.rest)
+    body = {**_rest_body("Tell me about the sea.", None, None, False), "stage_params": {"talker": {"max_tokens": 64}}}
+    r = httpx.post(f"{mesh.rest}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    with wave.open(io.BytesIO(base64.b64decode(r.json()["choices"][0]["message"]["audio"]["data"]))) as w:
+        n_codes = (w.getnframes() + 555) // 1920  # n codes decode to n * 1920 - 555 samples
+    after = _metrics(mesh.rest)
+    itl = "omnimesh:inter_token_latency_seconds_count"
+    talker_chunks = _deltas(before, after, itl)["talker"] + 1  # one gap between each two outputs
+    want = 1 + -(-max(n_codes - 5, 0) // 25)
+    assert n_codes > 30 and talker_chunks == want, (n_codes, talker_chunks)

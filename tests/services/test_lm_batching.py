@@ -354,9 +354,9 @@ def thinker_out(thinker: Any) -> dict[str, list[StageChunk]]:
     return out
 
 
-def open_talker(handler: Any, thinker_out: dict[str, list[StageChunk]], rid: str) -> Any:
+def open_talker(handler: Any, thinker_out: dict[str, list[StageChunk]], rid: str, **options: str) -> Any:
     """A talker task fed its thinker's chunks in order, the last one final (as the stage's edge does)."""
-    task = handler.open(stage_pb2.Open(request_id=rid, options={"speaker": "ethan"},
+    task = handler.open(stage_pb2.Open(request_id=rid, options={"speaker": "ethan", **options},
                                        sampling=stage_pb2.SamplingParams(temperature=0, max_tokens=20)))
     chunks = thinker_out[rid]
     for n, c in enumerate(chunks):
@@ -398,6 +398,33 @@ def test_talker_batched_equals_solo_with_one_predictor_call_per_step(model_dir: 
     assert max(calls) == 4  # ... holding every request that needed one
     assert sum(calls) == sum(c.shape[1] for c in solo)  # one prediction per emitted group
     assert_drained(handler.batcher.engine, handler.batcher.engine.allocator.num_blocks)
+
+
+def test_talker_sends_its_codes_in_the_vocoders_windows(model_dir: Path, thinker_out: dict) -> None:
+    """chunk_codes / first_chunk_codes (the gateway sets the vocoder's windows): the same codes, in chunks of
+    the first size, then the steady size, the rest with the final chunk; each chunk leaves in the step that
+    made its last group. Bad sizes are INVALID_ARGUMENT (ValueError)."""
+    handler = talker_handler(model_dir, ServeArgs(max_model_len=128))
+    per_group = Driver(handler)
+    per_group.add(*(open_talker(handler, thinker_out, f"t{i}") for i in range(4)))
+    want = per_group.run()
+    chunked = Driver(handler)
+    chunked.add(*(open_talker(handler, thinker_out, f"t{i}", first_chunk_codes="3", chunk_codes="5") for i in range(4)))
+    got = chunked.run()
+    for i in range(4):
+        rid = f"t{i}"
+        n = codes(want[rid]).shape[1]
+        assert all(c.tensors["codes"].shape[1] == 1 for c in want[rid])  # the default: one group per chunk
+        assert torch.equal(codes(got[rid]), codes(want[rid])), rid
+        sizes = [c.tensors["codes"].shape[1] for c in got[rid]]
+        expected = [min(3, n)] + [5] * ((n - 3) // 5 if n > 3 else 0)
+        if sum(expected) < n:
+            expected.append(n - sum(expected))
+        assert sizes == expected, (rid, sizes)
+    assert chunked.steps == per_group.steps  # held codes never delay the end of a request
+    for bad in ({"chunk_codes": "0"}, {"first_chunk_codes": "x"}, {"chunk_codes": "-2"}):
+        with pytest.raises(ValueError, match="whole number of codes"):
+            open_talker(handler, thinker_out, "t0", **bad)
 
 
 def test_stats_while_requests_run(model_dir: Path, thinker_out: dict) -> None:

@@ -1,0 +1,13 @@
+"""Per-request stage options (`Open.options`, strings on the wire) read and checked in one place."""
+
+from __future__ import annotations
+
+from omnimesh.v1 import stage_pb2
+
+
+def codes_option(msg: stage_pb2.Open, name: str, default: int) -> int:
+    """A whole number of codes >= 1 (`default` when absent); ValueError (INVALID_ARGUMENT) otherwise."""
+    text = msg.options.get(name, str(default))
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"option {name} must be a whole number of codes >= 1, got {text!r}")
+    return int(text)
