@@ -12,7 +12,7 @@ import pytest
 import torch
 from qwen3_omni_fixtures import audible_code2wav, torch_threads
 
-from omnimesh.models.qwen3_omni.code2wav import Code2WavStreamer, conv_left_context, stream_decode
+from omnimesh.models.qwen3_omni.code2wav import Code2WavStreamer, stream_decode
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,10 +35,16 @@ def one_piece(code2wav, codes: torch.Tensor) -> torch.Tensor:  # type: ignore[no
         return code2wav(codes.unsqueeze(0)).view(-1)  # (n * 1920 - 555,)
 
 
-def test_left_context_is_derived_from_modules(code2wav) -> None:  # type: ignore[no-untyped-def]
-    # upsample x2 x2 (ConvNeXt k7) + decoder k7 + 4 blocks (trans conv 2r/r, dilations 1,3,9) + k7: 10 frames
-    assert conv_left_context(code2wav) == 10
+def test_each_window_runs_the_convs_on_its_new_frames_only(code2wav) -> None:  # type: ignore[no-untyped-def]
+    """No frame goes through the conv stack twice: the convs keep state instead of re-reading context."""
     assert int(code2wav.total_upsample) == 1920
+    seen: list[int] = []
+    hook = code2wav.upsample[0][0].register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[-1]))
+    try:
+        stream_decode(code2wav, random_codes(64, seed=1), 25)
+    finally:
+        hook.remove()
+    assert seen == [25, 25, 14]
 
 
 def test_reference_is_audible(code2wav) -> None:  # type: ignore[no-untyped-def]
@@ -61,12 +67,18 @@ def test_stream_equals_one_piece(code2wav, window: int, n_codes: int) -> None:  
     assert pieces[0].numel() == min(window, n_codes) * 1920 - 555
 
 
-def test_too_little_context_is_wrong(code2wav) -> None:  # type: ignore[no-untyped-def]
+def test_forgetting_the_conv_state_is_audible(code2wav) -> None:  # type: ignore[no-untyped-def]
+    """The comparisons above would see a state kept at the wrong length: dropping it moves the audio far."""
     codes = random_codes(60, seed=3)
     ref = one_piece(code2wav, codes)
-    out = torch.cat(stream_decode(code2wav, codes, 7, left_context=0))
-    assert out.shape == ref.shape
-    assert float((out - ref).abs().max()) > 1e-3
+    streamer = Code2WavStreamer(code2wav, window=7)
+    out = [streamer.feed(codes[:, :30])]
+    streamer.convs.kept.clear()  # zeros instead of the last inputs (the trans convs' look-ahead stays)
+    out += [streamer.feed(codes[:, 30:]), streamer.flush()]
+    got = torch.cat(out)
+    assert got.shape == ref.shape
+    assert float((got[: 30 * 1920 - 555] - ref[: 30 * 1920 - 555]).abs().max()) <= 1e-5
+    assert float((got - ref).abs().max()) > 1e-3
 
 
 def test_uneven_feeds_and_window_holding(code2wav) -> None:  # type: ignore[no-untyped-def]

@@ -7,7 +7,7 @@ error in the batched attention would move the samples by far less than the toler
 `test_the_pre_transformer_is_audible` proves the comparisons see it. Requests: window 10, code lengths
 1, 7 (shorter than a window), 25 and 46 (end mid-window), 30 (whole windows) and 83 (past the 72-code
 sliding window), fed in uneven chunks and joining at different steps, so one batch mixes first windows
-(no left context, empty caches) with later ones and with short last windows.
+(no conv state, empty caches) with later ones and with short last windows.
 
 Run: python -m pytest tests/services/test_vocoder_batching.py -q
 """
@@ -125,7 +125,7 @@ class Counted:
         self.convs = 0
         self._backend, self._forward = backend, backend.forward
         backend.forward = self._count_forward
-        self._hook = c2w.decoder[0].register_forward_hook(self._count_convs)  # once per conv-stack call
+        self._hook = c2w.decoder[0].conv.register_forward_hook(self._count_convs)  # once per conv-stack call
 
     def _count_forward(self, handles: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
         self.transformer.append(x.shape[0])
