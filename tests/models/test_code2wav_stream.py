@@ -103,3 +103,19 @@ def test_rejects_bad_input(code2wav) -> None:  # type: ignore[no-untyped-def]
         Code2WavStreamer(code2wav).feed(torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="window"):
         Code2WavStreamer(code2wav, window=0)
+
+
+def test_snake_with_its_constants_made_once_equals_transformers() -> None:
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
+
+    from omnimesh.models.qwen3_omni.streaming_convs import _snake
+
+    m = Qwen3OmniMoeSnakeBeta(8)
+    x = torch.randn(2, 8, 100, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        m.alpha.normal_(generator=torch.Generator().manual_seed(1))
+        m.beta.normal_(generator=torch.Generator().manual_seed(2))
+    assert torch.equal(_snake(m, x), m(x))
+    with torch.no_grad():
+        m.alpha.add_(1.0)  # changed in place after first use: the constants are made again
+    assert torch.equal(_snake(m, x), m(x))
