@@ -47,7 +47,8 @@ class SamplingOverrides:
     """What the client set; None = the stage's model default (what `transformers` generate uses).
 
     `stop_token_ids` add to the stage's own EOS (the stage checks them against its vocab); `stop` holds
-    stop strings for the thinker's text (the talker has no text and refuses them).
+    stop strings for the thinker's text (the talker has no text and refuses them), and
+    `include_stop_str_in_output` keeps the matched one in it. `min_tokens`: no stop before that many tokens.
     """
 
     temperature: float | None = None
@@ -58,6 +59,8 @@ class SamplingOverrides:
     repetition_penalty: float | None = None
     stop_token_ids: tuple[int, ...] | None = None
     stop: tuple[str, ...] | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

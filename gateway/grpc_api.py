@@ -41,7 +41,14 @@ from gateway.events import (
     TextPart,
 )
 from gateway.media import InputLimits, MediaLoader, invalid_request
-from gateway.openai_schema import STAGE_NAMES, check_sampling, normalize_modalities, resolve_model, resolve_voice
+from gateway.openai_schema import (
+    STAGE_NAMES,
+    check_sampling,
+    check_thinker_min_tokens,
+    normalize_modalities,
+    resolve_model,
+    resolve_voice,
+)
 from omnimesh.server.grpc_server import make_server
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
 
@@ -65,7 +72,9 @@ def _overrides(p: stage_pb2.SamplingParams, param: str) -> SamplingOverrides:
     s = SamplingOverrides(temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),  # type: ignore[arg-type]
                           seed=opt("seed"), max_tokens=opt("max_tokens"),  # type: ignore[arg-type]
                           repetition_penalty=opt("repetition_penalty"),
-                          stop_token_ids=tuple(p.stop_token_ids) or None, stop=tuple(p.stop) or None)
+                          stop_token_ids=tuple(p.stop_token_ids) or None, stop=tuple(p.stop) or None,
+                          min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
+                          include_stop_str_in_output=opt("include_stop_str_in_output"))  # type: ignore[arg-type]
     check_sampling(s, param)
     return s
 
@@ -99,6 +108,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 raise invalid_request(f"stage_params: unknown stage '{name}'; known: {', '.join(STAGE_NAMES)}",
                                       "stage_params")
             stages[name] = _overrides(p, f"stage_params.{name}")
+        check_thinker_min_tokens(sampling, stages.get("thinker"), "sampling")
         if not req.messages:
             raise invalid_request("messages: at least one message is required", "messages")
         messages: list[ChatMessage] = []

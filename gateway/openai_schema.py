@@ -12,8 +12,9 @@ change the answer: `n` > 1, `logprobs`, `top_logprobs`, non-empty `tools`.
 Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate, whatever `audio.format`
 says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `message.audio.data`.
 `stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does.
-Extensions: `top_k`, `repetition_penalty`, `stop_token_ids` (as in vLLM), `stage_params` (per stage
-sampling, the same keys; `stop` only for the thinker), and `audio_url` content parts.
+Extensions: `top_k`, `repetition_penalty`, `stop_token_ids`, `min_tokens`, `include_stop_str_in_output`
+(as in vLLM), `stage_params` (per stage sampling, the same keys; `stop` and `include_stop_str_in_output`
+only for the thinker), and `audio_url` content parts.
 """
 
 from __future__ import annotations
@@ -119,12 +120,16 @@ class StageSampling(_Strict):
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     stop: StopList | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
 
     def overrides(self) -> SamplingOverrides:
         return SamplingOverrides(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                  seed=self.seed, max_tokens=self.max_tokens,
                                  repetition_penalty=self.repetition_penalty,
-                                 stop_token_ids=_tuple(self.stop_token_ids), stop=_tuple(self.stop))
+                                 stop_token_ids=_tuple(self.stop_token_ids), stop=_tuple(self.stop),
+                                 min_tokens=self.min_tokens,
+                                 include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 class StageParams(_Strict):
@@ -149,6 +154,8 @@ class ChatCompletionRequest(_Strict):
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     stop: StopList | None = None
+    min_tokens: int | None = None  # vLLM's: no stop (EOS, stop ids, stop strings) before this many tokens
+    include_stop_str_in_output: bool | None = None  # vLLM's: the matched stop string ends the text
     stream: bool = False
     stream_options: StreamOptions | None = None
     stage_params: StageParams | None = None
@@ -173,7 +180,9 @@ class ChatCompletionRequest(_Strict):
         return SamplingOverrides(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                  seed=self.seed, max_tokens=max_tokens,
                                  repetition_penalty=self.repetition_penalty,
-                                 stop_token_ids=_tuple(self.stop_token_ids), stop=_tuple(self.stop))
+                                 stop_token_ids=_tuple(self.stop_token_ids), stop=_tuple(self.stop),
+                                 min_tokens=self.min_tokens,
+                                 include_stop_str_in_output=self.include_stop_str_in_output)
 
     def stage_overrides(self) -> dict[str, SamplingOverrides]:
         if self.stage_params is None:
@@ -219,6 +228,7 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
 
 # ------------------------------------------------------------------------- checks shared with gRPC
 MAX_STOP_STRINGS = 4  # as OpenAI
+INT32_MAX = 2**31 - 1  # the wire's token counts are int32
 
 
 def check_sampling(s: SamplingOverrides, param: str) -> None:
@@ -236,6 +246,10 @@ def check_sampling(s: SamplingOverrides, param: str) -> None:
         problems.append(("top_k", f"must be >= 1, got {s.top_k}"))
     if s.max_tokens is not None and s.max_tokens < 1:
         problems.append(("max_tokens", f"must be >= 1, got {s.max_tokens}"))
+    if s.min_tokens is not None and not 0 <= s.min_tokens <= INT32_MAX:
+        problems.append(("min_tokens", f"must be in [0, {INT32_MAX}], got {s.min_tokens}"))
+    elif s.min_tokens is not None and s.max_tokens is not None and s.min_tokens > s.max_tokens:
+        problems.append(("min_tokens", f"must be <= max_tokens ({s.max_tokens}), got {s.min_tokens}"))
     if s.repetition_penalty is not None and not s.repetition_penalty > 0.0:
         problems.append(("repetition_penalty", f"must be > 0, got {s.repetition_penalty}"))
     if s.seed is not None and not -(2**63) <= s.seed < 2**63:
@@ -252,10 +266,26 @@ def check_sampling(s: SamplingOverrides, param: str) -> None:
             problems.append(("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}"))
         elif "" in s.stop:
             problems.append(("stop", "stop strings must not be empty"))
+    if s.include_stop_str_in_output and param.endswith("talker"):
+        problems.append(("include_stop_str_in_output", "applies to the thinker's text only; the talker emits audio "
+                                                       "codes"))
     if problems:
         name, why = problems[0]
         full = f"{param}.{name}" if param else name
         raise invalid_request(f"{full}: {why}", full)
+
+
+def check_thinker_min_tokens(top: SamplingOverrides, thinker: SamplingOverrides | None, top_param: str) -> None:
+    """min_tokens <= max_tokens for the thinker once `stage_params.thinker` is laid over the top level (each
+    level alone is checked by `check_sampling`). `top_param` is "" (REST) or "sampling" (gRPC). A max_tokens
+    left to the stage's default is checked by the stage (400 / INVALID_ARGUMENT naming min_tokens)."""
+    own = thinker or SamplingOverrides()
+    low = own.min_tokens if own.min_tokens is not None else top.min_tokens
+    high = own.max_tokens if own.max_tokens is not None else top.max_tokens
+    if low is not None and high is not None and low > high:
+        where = "stage_params.thinker.min_tokens" if own.min_tokens is not None else (
+            f"{top_param}.min_tokens" if top_param else "min_tokens")
+        raise invalid_request(f"{where}: must be <= the thinker's max_tokens ({high}), got {low}", where)
 
 
 def resolve_model(requested: str | None, served_names: tuple[str, ...]) -> str:
@@ -383,8 +413,8 @@ class ErrorResponse(_Out):
 
 
 _STATUS_CODES: dict[int, str] = {400: "invalid_request", 404: "model_not_found", 405: "method_not_allowed",
-                                 413: "payload_too_large", 500: "internal_error", 503: "service_unavailable",
-                                 504: "timeout"}
+                                 413: "payload_too_large", 429: "rate_limit_exceeded", 500: "internal_error",
+                                 503: "service_unavailable", 504: "timeout"}
 
 
 def error_response(err: PipelineError) -> ErrorResponse:

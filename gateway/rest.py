@@ -7,7 +7,8 @@ response starts, so errors the pipeline finds up front (prompt too long, stage d
 status even for `stream: true`; an error after that is sent as `data: {"error": {...}}` then
 `data: [DONE]`, never as a silently truncated stream. Every error body is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`; schema violations (malformed JSON, missing or wrongly
-typed fields) are 400, as OpenAI answers, not FastAPI's 422.
+typed fields) are 400, as OpenAI answers, not FastAPI's 422. A 429 (a stage refused the request because
+`--max-waiting-requests` requests already wait there) carries `Retry-After: 1`.
 
 Also: `GET /v1/models`, `GET /health` (200 / 503 naming the stages down), `GET /metrics` (Prometheus
 text, `omnimesh:` prefix): the gateway's own series (a per-app registry; no `stage` label) followed by
@@ -68,6 +69,7 @@ from gateway.openai_schema import (
     ResponseMessage,
     Usage,
     check_sampling,
+    check_thinker_min_tokens,
     dump,
     error_response,
     normalize_modalities,
@@ -80,6 +82,7 @@ from omnimesh.engine.metrics import merge_families, parse_exposition
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
 STAGE_SCRAPE_TIMEOUT_S = 2.0  # a stage slower than this to answer /metrics is left out of that scrape
+RETRY_AFTER_S = 1  # the Retry-After of a 429: queues drain as requests finish, so soon is worth a try
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -159,7 +162,9 @@ class _Call:
 
 
 def _error(err: PipelineError) -> JSONResponse:
-    return JSONResponse(dump(error_response(err)), status_code=err.http_status)
+    # 429 (a stage's queue is full: --max-waiting-requests) says when to try again, as rate limiters do
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.http_status == 429 else None
+    return JSONResponse(dump(error_response(err)), status_code=err.http_status, headers=headers)
 
 
 def _internal(e: BaseException) -> PipelineError:
@@ -208,6 +213,7 @@ class RestGateway:
         stages = body.stage_overrides()
         for name, s in stages.items():
             check_sampling(s, f"stage_params.{name}")
+        check_thinker_min_tokens(sampling, stages.get("thinker"), "")
         modalities = normalize_modalities(body.modalities, default=("text",))
         voice = None
         if "audio" in modalities or (body.audio is not None and body.audio.voice):

@@ -1,12 +1,13 @@
 """Client sampling settings -> the SamplingParams each stage receives.
 
 Rules (see README "The API"): every top-level field (temperature, top_p, top_k, seed, max_tokens,
-repetition_penalty, stop_token_ids, stop) applies to the thinker; `stage_params[stage]` overrides per
-stage, field by field (a stage's list replaces the top-level list); a top-level `temperature: 0` makes
-EVERY stage greedy (a stage's own explicit temperature still wins) and a top-level seed seeds the talker
-too. Stop ids / strings never pass from the thinker to the talker (other vocab, no text). Unset fields
-stay unset, so each stage falls back to the defaults `transformers` generate uses for that model; the
-stage itself checks `stop_token_ids` against its vocab.
+min_tokens, repetition_penalty, stop_token_ids, stop, include_stop_str_in_output) applies to the
+thinker; `stage_params[stage]` overrides per stage, field by field (a stage's list replaces the
+top-level list); a top-level `temperature: 0` makes EVERY stage greedy (a stage's own explicit
+temperature still wins) and a top-level seed seeds the talker too. Stop ids / strings and min_tokens
+never pass from the thinker to the talker (other vocab, no text, codes rather than text tokens). Unset
+fields stay unset, so each stage falls back to the defaults `transformers` generate uses for that model;
+the stage itself checks `stop_token_ids` against its vocab.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def _to_proto(s: SamplingOverrides) -> stage_pb2.SamplingParams:
         msg.stop_token_ids.extend(s.stop_token_ids)
     if s.stop:
         msg.stop.extend(s.stop)
+    if s.min_tokens is not None:
+        msg.min_tokens = s.min_tokens
+    if s.include_stop_str_in_output is not None:
+        msg.include_stop_str_in_output = s.include_stop_str_in_output
     return msg
 
 

@@ -55,7 +55,8 @@ class MeshLauncher:
         cfg = a.stage_configs()[stage]
         argv += ["-tp", str(cfg.tp), "-pp", str(cfg.pp)]
         # the stage's own resolved settings (global flags under its --stage-overrides entry)
-        own: dict[str, object] = {"max_num_seqs": cfg.max_num_seqs, "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        own: dict[str, object] = {"max_num_seqs": cfg.max_num_seqs, "max_waiting_requests": cfg.max_waiting_requests,
+                                  "gpu_memory_utilization": cfg.gpu_memory_utilization,
                                   "transport": cfg.transport, "shm_arena_size": cfg.shm_arena_size}
         for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "devices"):
             if getattr(cfg, key) is not None:

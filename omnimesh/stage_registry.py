@@ -49,7 +49,8 @@ def lm_layout(args: ServeArgs, stage: str, failure: StageFailure) -> LMLayout:
 def lm_engine(backend: Any, stage: str, args: ServeArgs, max_model_len: int,
               capture_layer: int | None = None) -> LMEngine:
     """The stage's continuous-batching engine over its ranks: KV pool sized from --kv-cache-memory (CPU
-    default 4 GiB per rank) or, on CUDA, from --gpu-memory-utilization; scheduling limits from the flags."""
+    default 4 GiB per rank) or, on CUDA, from --gpu-memory-utilization; scheduling and admission limits
+    (--max-num-seqs, --max-num-batched-tokens, --max-waiting-requests) from the flags."""
     from omnimesh.models.qwen3_omni.lm_engine import CPU_KV_CACHE_BYTES, LMEngine
 
     cfg = args.stage_configs()[stage]
@@ -59,7 +60,7 @@ def lm_engine(backend: Any, stage: str, args: ServeArgs, max_model_len: int,
     return LMEngine(backend, role=stage, block_size=args.block_size, kv_bytes=kv_bytes,
                     gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_seqs=cfg.max_num_seqs,
                     max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
-                    capture_layer=capture_layer)
+                    capture_layer=capture_layer, max_waiting_requests=cfg.max_waiting_requests)
 
 
 def handler_factory(stage: str, model_dir: Path, args: ServeArgs) -> Callable[[], StageHandler]:

@@ -36,6 +36,10 @@ class ServeArgs:
     gpu_memory_utilization: float = _f(0.9, "fraction of each device a stage may take (weights + KV cache)", "--gpu-memory-utilization")
     max_model_len: int | None = _f(None, "longest prompt + output in tokens; default: the model's limit", "--max-model-len")
     max_num_seqs: int = _f(256, "most requests a stage runs at once", "--max-num-seqs")
+    max_waiting_requests: int = _f(256, "most requests the thinker keeps waiting beyond its free --max-num-seqs "
+                                   "seats; one more is refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429 with "
+                                   "Retry-After) rather than queued without bound (0: never queue)",
+                                   "--max-waiting-requests")
     max_num_batched_tokens: int | None = _f(None, "most tokens in one engine step (long prompts are chunked)", "--max-num-batched-tokens")
     kv_cache_memory: str | None = _f(None, "KV-cache size per rank of the thinker / talker, e.g. 2GiB (CPU default 4GiB; on CUDA it is what --gpu-memory-utilization leaves after weights and activations)", "--kv-cache-memory")
     block_size: int = _f(16, "tokens per KV-cache block", "--block-size")
@@ -69,6 +73,9 @@ class ServeArgs:
             raise ValueError(f"--distributed-executor-backend must be mp or ray, got {self.distributed_executor_backend!r}")
         if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
             raise ValueError(f"--node-rank must be in [0, --num-nodes) = [0, {self.num_nodes}), got {self.node_rank}")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0 (0: never queue beyond the free seats), "
+                             f"got {self.max_waiting_requests}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.block_size < 1 or self.block_size > 1024:
@@ -88,6 +95,7 @@ class ServeArgs:
             pp_layer_partition=parse_partition(self.pp_layer_partition),
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
+            max_waiting_requests=self.max_waiting_requests,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory, "--kv-cache-memory"),

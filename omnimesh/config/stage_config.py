@@ -26,6 +26,9 @@ class StageConfig:
     num_replicas: int = field(default=1, metadata={"help": "independent copies of the stage"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of each device the stage may take"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests the stage runs at once"})
+    max_waiting_requests: int = field(default=256, metadata={
+        "help": "most requests the stage's LLM engine keeps waiting beyond its free seats (the thinker checks it); "
+                "one more is refused (RESOURCE_EXHAUSTED, HTTP 429) at once instead of queued (0: never queue)"})
     max_model_len: int | None = field(default=None, metadata={"help": "longest prompt + output, in tokens"})
     max_num_batched_tokens: int | None = field(
         default=None, metadata={"help": "most tokens in one engine step; longer prompts are prefilled in chunks"})
@@ -44,6 +47,9 @@ class StageConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        mw = self.max_waiting_requests
+        if not isinstance(mw, int) or isinstance(mw, bool) or mw < 0:
+            raise ValueError(f"max_waiting_requests must be a whole number >= 0 (0: never queue), got {mw!r}")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}; 0.9 is the usual value"

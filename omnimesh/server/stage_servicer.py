@@ -97,9 +97,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if opened.transport and opened.transport not in TRANSPORTS:
                 raise ValueError(f"open.transport must be one of {', '.join(TRANSPORTS)}, got {opened.transport!r}")
             encoder = self.transport.encoder(opened.transport, rid, opened.deadline_unix_s)
-            task = self.handler.open(opened)
-            if timeout is not None and timeout <= 0:
+            if timeout is not None and timeout <= 0:  # before `open`, which may count it in the engine: only a
+                # submitted task is ever closed, and closing is what gives that count back
                 raise StageRequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} arrived past its deadline")
+            task = self.handler.open(opened)
             queue = self.engine.submit(task, timeout_s=timeout, whole_input=opened.whole_input)
         except (StageRequestError, ValueError) as exc:
             if isinstance(exc, StageRequestError):

@@ -4,10 +4,12 @@
 generated so far (skipping special tokens) and returns what is new; when the text ends in an incomplete
 byte sequence (U+FFFD) the delta is held back until the next token completes it.
 
-`StopStrings`: the detokenizer's deltas in, the deltas to emit out, ending the text before the first stop
-string (OpenAI's / vLLM's `stop`: the stop string itself is never emitted). Text that could still become
-the start of a stop string (at most len(longest stop) - 1 chars) is held back, so a stop string split
-across tokens is caught and never partly emitted; `finish()` releases it when the request ends otherwise.
+`StopStrings`: the detokenizer's deltas in, the deltas to emit out, ending the text at the first stop
+string (OpenAI's / vLLM's `stop`): before it by default, after it with vLLM's `include_stop_str_in_output`.
+Text that could still become the start of a stop string (at most len(longest stop) - 1 chars) is held
+back, so a stop string split across tokens is caught and never partly emitted; `finish()` releases it when
+the request ends otherwise. A delta pushed with `armed=False` (vLLM's `min_tokens` not reached yet) is
+never matched, only held back like any other: a stop string that ends in a later, armed delta still counts.
 """
 
 from __future__ import annotations
@@ -39,29 +41,32 @@ class Detokenizer:
 
 
 class StopStrings:
-    """`push(delta) -> (to_emit, stopped)` per text delta; `finish() -> held-back text` at the end.
+    """`push(delta, armed) -> (to_emit, stopped)` per text delta; `finish() -> held-back text` at the end.
 
     After a stop, `stopped` is True and every later call emits nothing. With no stop strings, deltas pass
-    through unchanged.
+    through unchanged. Several stop strings: the match that starts first wins (the shorter on a tie).
     """
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include_stop: bool = False):
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         self.stops = tuple(stops)
+        self.include_stop = include_stop  # emit the matched stop string as the text's end
         self.pending = ""  # text not emitted yet: a suffix that a stop string could start with
         self.stopped = False
 
-    def push(self, delta: str) -> tuple[str, bool]:
+    def push(self, delta: str, armed: bool = True) -> tuple[str, bool]:
         if self.stopped:
             return "", True
         if not self.stops:
             return delta, False
         text = self.pending + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:  # the earliest match wins
-            self.pending, self.stopped = "", True
-            return text[:min(hits)], True
+        if armed:
+            hits = [(i, len(s)) for s in self.stops if (i := text.find(s)) >= 0]
+            if hits:
+                start, length = min(hits)
+                self.pending, self.stopped = "", True
+                return text[:start + length if self.include_stop else start], True
         keep = self._held(text)
         self.pending = text[len(text) - keep:]
         return text[:len(text) - keep], False

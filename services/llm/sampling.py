@@ -3,9 +3,11 @@
 Runs in each LLM stage handler's `open`. Unset fields keep the default `transformers` generate uses for
 this model and role. `stop_token_ids` add to the model's own stop ids (its EOS always stays one) and must
 lie in [0, vocab) of this stage's head (`defaults.vocab_size`; the gateway does not know it). `stop`
-strings are carried on the params for the task's text (`StopStrings` in detokenizer.py). Bad values
-(negative temperature, top_p outside (0, 1], an id out of range, ...) raise ValueError, which the stage
-servicer answers as INVALID_ARGUMENT prefixed with the stage's name.
+strings (and `include_stop_str_in_output`) are carried on the params for the task's text (`StopStrings`
+in detokenizer.py); `min_tokens` is checked against the merged `max_tokens` (the stage's default when the
+caller set none). Bad values (negative temperature, top_p outside (0, 1], an id out of range, min_tokens
+above max_tokens, ...) raise ValueError, which the stage servicer answers as INVALID_ARGUMENT prefixed with
+the stage's name.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
     if msg is None:
         return defaults
     changes: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty"):
+    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "min_tokens",
+                 "include_stop_str_in_output"):
         if msg.HasField(name):
             changes[name] = getattr(msg, name)
     if msg.stop_token_ids:

@@ -57,8 +57,11 @@ class TalkerHandler:
         speaker = msg.options.get("speaker") or self.speakers[0]
         chunk = codes_option(msg, "chunk_codes", 1)
         first = codes_option(msg, "first_chunk_codes", chunk)
-        return TalkerTask(msg.request_id, self.talker, speaker, params, max_model_len=self.max_model_len,
+        task = TalkerTask(msg.request_id, self.talker, speaker, params, max_model_len=self.max_model_len,
                           batcher=self.batcher, chunk_codes=chunk, first_chunk_codes=first)
+        if self.batcher is not None:
+            self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
+        return task
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> TalkerHandler:

@@ -78,8 +78,10 @@ class TalkerTask(BatchedTask):
             if room < 1:
                 raise ValueError(f"the talker prompt has {state.prefill_embeds.shape[1]} rows; the talker's "
                                  f"max_model_len is {self.max_model_len}")
-            if room < state.sampler.params.max_tokens:  # the codes must fit the talker's context
-                state.sampler = Sampler(replace(state.sampler.params, max_tokens=room), state.sampler.generator)
+            p = state.sampler.params
+            if room < p.max_tokens:  # the codes must fit the talker's context (min_tokens with them)
+                state.sampler = Sampler(replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room)),
+                                        state.sampler.generator)
         self.state = state
 
     def add_group(self, group: torch.Tensor) -> list[StageChunk]:

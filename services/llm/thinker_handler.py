@@ -1,6 +1,6 @@
 """The thinker stage service (services/llm, role thinker): loads the language model + lm_head and the
 tokenizer, and opens a ThinkerTask per request with the model's own sampling defaults under the
-caller's overrides.
+caller's overrides; the engine admits it or refuses it at once (`LMEngine.admit`: --max-waiting-requests).
 
 Run: `omnimesh stage thinker --model DIR --port 50052`.
 """
@@ -52,9 +52,12 @@ class ThinkerHandler:
         if self.failure.message is not None:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"thinker: {self.failure.message}")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
-        return ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
+        task = ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
                            talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len,
                            batcher=self.batcher)
+        if self.batcher is not None:
+            self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
+        return task
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:

@@ -7,6 +7,8 @@ samples one token and returns its chunk: the text delta, `token_ids` (1,), and, 
 audio, `token_embeds` (1, H) for the talker (the first chunk also carries the TalkerPrompt); a token that
 does not end the request is fed back as the next input row. The final token (a stop id, a stop string,
 or max tokens) is never spoken: its chunk has no `token_embeds` and ends the stream (final=True).
+`min_tokens`: the sampler picks no stop id before that many tokens, and a stop string counts only when it
+completes in the token that reaches min_tokens or a later one (`StopStrings.push(armed=...)`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class ThinkerTask(BatchedTask):
         self.thinker = thinker
         self.sampler = Sampler(params)
         self.detok = Detokenizer(tokenizer)
-        self.stops = StopStrings(params.stop)
+        self.stops = StopStrings(params.stop, include_stop=params.include_stop_str_in_output)
         self.talker_inputs = talker_inputs
         self.max_model_len = max_model_len
         self.inputs: dict[str, torch.Tensor] | None = None
@@ -83,8 +85,10 @@ class ThinkerTask(BatchedTask):
         self.token_ids = prompt.ids.tolist()
         self.prompt_tokens = len(self.token_ids)
         room = self.max_model_len - self.prompt_tokens  # a long prompt leaves only so much room
-        if room < self.sampler.params.max_tokens:
-            self.sampler = Sampler(replace(self.sampler.params, max_tokens=room), self.sampler.generator)
+        p = self.sampler.params
+        if room < p.max_tokens:  # and min_tokens with it: no request can ask for more than fits
+            self.sampler = Sampler(replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room)),
+                                   self.sampler.generator)
         capture = prompt.mm_mask if self.talker_inputs and bool(prompt.mm_mask.any()) else None
         return InputRun(prompt.embeds, prompt.positions, prompt.visual, prompt.deepstack, capture)
 
@@ -111,7 +115,7 @@ class ThinkerTask(BatchedTask):
         raw = "" if stop else self.detok.push(token)
         if stop or at_max:
             raw += self.detok.finish()
-        text, stop_str = self.stops.push(raw)
+        text, stop_str = self.stops.push(raw, armed=self.completion_tokens >= self.sampler.params.min_tokens)
         if stop or at_max or stop_str:
             if not stop_str:
                 text += self.stops.finish()  # release held-back text (never after a stop-string match)

@@ -15,6 +15,7 @@ def test_defaults_are_valid_and_single_rank() -> None:
     cfgs = args.stage_configs()
     assert set(cfgs) == {"encoder", "thinker", "talker", "vocoder"}
     assert all(c.world_size == 1 for c in cfgs.values())
+    assert all(c.max_waiting_requests == 256 for c in cfgs.values())  # bounded by default (README)
     assert args.unsupported() == []
 
 
@@ -74,6 +75,9 @@ def test_valid_but_unsupported_settings_are_listed() -> None:
         ({"port": 0}, "--port must be a port number"),
         ({"distributed_executor_backend": "slurm"}, "must be mp or ray"),
         ({"num_nodes": 2, "node_rank": 2}, r"--node-rank must be in \[0, --num-nodes\)"),
+        ({"max_waiting_requests": -1}, r"--max-waiting-requests must be >= 0"),
+        ({"stage_overrides": '{"talker": {"max_waiting_requests": -2}}'},
+         r"stage talker: max_waiting_requests must be a whole number >= 0"),
     ],
 )
 def test_other_flag_errors(kwargs: dict, message: str) -> None:
@@ -115,21 +119,21 @@ def test_cli_checks_the_layout_against_the_model(tmp_path) -> None:
 def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     from omnimesh.launcher import MeshLauncher
 
-    args = ServeArgs(max_num_seqs=64, kv_cache_memory="1GiB",
+    args = ServeArgs(max_num_seqs=64, kv_cache_memory="1GiB", max_waiting_requests=7,
                      stage_overrides='{"thinker": {"pp": 2, "tp": 2, "devices": "0,1,2,3", "pp_layer_partition": [1, 3],'
                                      ' "kv_cache_memory": "256MiB", "max_num_batched_tokens": 512, "transport": "grpc",'
-                                     ' "shm_arena_size": "64MiB"}, "talker": {"pp": 2}}')
+                                     ' "shm_arena_size": "64MiB", "max_waiting_requests": 3}, "talker": {"pp": 2}}')
     launcher = MeshLauncher(args, tmp_path)
     thinker = launcher._stage_argv("thinker", 50052)
     assert thinker[thinker.index("-tp") + 1] == "2" and thinker[thinker.index("-pp") + 1] == "2"
     own = json.loads(thinker[thinker.index("--stage-overrides") + 1])
     assert own == {"thinker": {"pp_layer_partition": [1, 3], "devices": "0,1,2,3", "max_num_seqs": 64,
-                               "gpu_memory_utilization": 0.9, "kv_cache_memory": 256 * 2**20,
+                               "max_waiting_requests": 3, "gpu_memory_utilization": 0.9, "kv_cache_memory": 256 * 2**20,
                                "max_num_batched_tokens": 512, "transport": "grpc", "shm_arena_size": 64 * 2**20}}
     talker = launcher._stage_argv("talker", 50053)
     assert talker[talker.index("-pp") + 1] == "2"
     talker_own = json.loads(talker[talker.index("--stage-overrides") + 1])["talker"]
-    assert talker_own["kv_cache_memory"] == 2**30
+    assert talker_own["kv_cache_memory"] == 2**30 and talker_own["max_waiting_requests"] == 7
     assert (talker_own["transport"], talker_own["shm_arena_size"]) == ("auto", 256 * 2**20)
     encoder = launcher._stage_argv("encoder", 50051)
     assert encoder[encoder.index("-tp") + 1] == "1" and encoder[encoder.index("-pp") + 1] == "1"
@@ -139,6 +143,7 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
 
     cfg = from_namespace(build_parser().parse_args(thinker)).stage_configs()["thinker"]
     assert (cfg.pp, cfg.tp, cfg.kv_cache_memory, cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2, 2, 256 * 2**20, 512, 64)
+    assert cfg.max_waiting_requests == 3
     assert (cfg.transport, cfg.shm_arena_size) == ("grpc", 64 * 2**20)
 
 

@@ -9,6 +9,7 @@ import json
 import time
 import wave
 
+import grpc
 import httpx
 import numpy as np
 import openai
@@ -17,6 +18,8 @@ from gateway_harness import SAMPLE_RATE, RestServer, ScriptedPipeline, stage_dow
 from PIL import Image
 
 from gateway.events import AudioPart, Finished, ImagePart, SamplingOverrides, TextDelta, TextPart
+from gateway.pipeline import stage_error
+from omnimesh.transport.stage_client import StageCallError
 
 USER_HI = [{"role": "user", "content": "hi"}]
 
@@ -187,6 +190,23 @@ def test_error_before_first_event_keeps_its_status_even_when_streaming(rest_serv
     for stream in (False, True):
         err = assert_error_shape(post(rest_server, {"messages": USER_HI, "stream": stream}), 503)
         assert "thinker" in err["message"] and err["type"] == "service_unavailable"
+
+
+def test_a_full_stage_queue_is_429_with_retry_after(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    """A stage refusing at `open` (--max-waiting-requests reached) -> RESOURCE_EXHAUSTED -> 429 with Retry-After,
+    streaming or not (the refusal comes before the first event); the openai client sees a RateLimitError."""
+    message = "256 requests already waiting in thinker (--max-waiting-requests 256); retry later or raise it"
+    full = stage_error(StageCallError("thinker", grpc.StatusCode.RESOURCE_EXHAUSTED, message))
+    pipeline.script = lambda req: [full]
+    for stream in (False, True):
+        r = post(rest_server, {"messages": USER_HI, "stream": stream})
+        err = assert_error_shape(r, 429)
+        assert r.headers["retry-after"] == "1"
+        assert err["message"] == message and (err["type"], err["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    with pytest.raises(openai.RateLimitError, match="--max-waiting-requests"):
+        _client(rest_server).chat.completions.create(model="tiny-omni", messages=USER_HI)
+    pipeline.script = lambda req: [stage_down("thinker")]
+    assert "retry-after" not in post(rest_server, {"messages": USER_HI}).headers  # only a 429 says it
 
 
 def test_client_disconnect_closes_the_pipeline_request(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:

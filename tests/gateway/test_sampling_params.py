@@ -1,6 +1,7 @@
 """Sampling parameters per stage through both front ends (REST on uvicorn, gRPC Omni): each field reaches
-the right stage's wire `SamplingParams` (top level = thinker, `stage_params` per stage, stop ids / strings
-never inherited by the talker), and bad values are a 400 / INVALID_ARGUMENT naming the parameter."""
+the right stage's wire `SamplingParams` (top level = thinker, `stage_params` per stage, stop ids / strings /
+min_tokens / include_stop_str_in_output never inherited by the talker), and bad values are a 400 /
+INVALID_ARGUMENT naming the parameter (min_tokens also against the thinker's max_tokens across levels)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,25 @@ def test_rest_stage_params_override_the_top_level(rest_server: RestServer, pipel
     assert list(plain.stop) == [] and list(plain.stop_token_ids) == []
 
 
+def test_rest_min_tokens_and_include_stop_str(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r = post(rest_server, {"min_tokens": 3, "max_tokens": 3, "include_stop_str_in_output": True, "stop": "x",
+                           "stage_params": {"talker": {"min_tokens": 7}}})
+    assert r.status_code == 200, r.text
+    thinker, talker = wire(pipeline.requests[-1])
+    assert (thinker.min_tokens, thinker.include_stop_str_in_output, list(thinker.stop)) == (3, True, ["x"])
+    assert talker.min_tokens == 7 and not talker.HasField("include_stop_str_in_output")
+    # stage_params.thinker wins field by field; unset stays unset (the stage's default: 0 / false)
+    r = post(rest_server, {"min_tokens": 3, "include_stop_str_in_output": True,
+                           "stage_params": {"thinker": {"include_stop_str_in_output": False, "min_tokens": 0}}})
+    assert r.status_code == 200, r.text
+    thinker, talker = wire(pipeline.requests[-1])
+    assert thinker.HasField("include_stop_str_in_output") and not thinker.include_stop_str_in_output
+    assert thinker.HasField("min_tokens") and thinker.min_tokens == 0 and not talker.HasField("min_tokens")
+    assert post(rest_server, {}).status_code == 200
+    plain = thinker_sampling(pipeline.requests[-1])
+    assert not plain.HasField("min_tokens") and not plain.HasField("include_stop_str_in_output")
+
+
 def test_openai_client_extra_body(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
     client = openai.OpenAI(base_url=f"{rest_server.base_url}/v1", api_key="x", max_retries=0)
     client.chat.completions.create(
@@ -91,6 +111,19 @@ def test_openai_client_extra_body(rest_server: RestServer, pipeline: ScriptedPip
     ({"stage_params": {"thinker": {"stop": ["1", "2", "3", "4", "5"]}}}, "stage_params.thinker.stop", "at most 4"),
     ({"stage_params": {"talker": {"stop": ["x"]}}}, "stage_params.talker.stop", "thinker's text only"),
     ({"stage_params": {"talker": {"stop_token_ids": ["x"]}}}, "stage_params.talker.stop_token_ids[0]", "integer"),
+    ({"min_tokens": -1}, "min_tokens", "must be in [0,"),
+    ({"min_tokens": 2**31}, "min_tokens", "must be in [0,"),
+    ({"min_tokens": "3"}, "min_tokens", "integer"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "<= max_tokens (4)"),
+    ({"min_tokens": 5, "max_tokens": 9, "max_completion_tokens": 4}, "min_tokens", "<= max_tokens (4)"),
+    ({"stage_params": {"talker": {"min_tokens": 9, "max_tokens": 8}}}, "stage_params.talker.min_tokens",
+     "<= max_tokens"),
+    ({"max_tokens": 5, "stage_params": {"thinker": {"min_tokens": 6}}}, "stage_params.thinker.min_tokens",
+     "thinker's max_tokens (5)"),
+    ({"min_tokens": 6, "stage_params": {"thinker": {"max_tokens": 5}}}, "min_tokens", "thinker's max_tokens (5)"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output", "boolean"),
+    ({"stage_params": {"talker": {"include_stop_str_in_output": True}}},
+     "stage_params.talker.include_stop_str_in_output", "thinker's text only"),
 ])
 def test_rest_bad_values_name_the_param(rest_server: RestServer, pipeline: ScriptedPipeline, body: dict,
                                         param: str, needle: str) -> None:
@@ -115,7 +148,24 @@ def test_grpc_fields_reach_each_stage(grpc_server: GrpcServer, pipeline: Scripte
     assert list(talker.stop_token_ids) == [1000] and list(talker.stop) == [] and talker.seed == 3
 
 
+def test_grpc_min_tokens_and_include_stop_str(grpc_server: GrpcServer, pipeline: ScriptedPipeline) -> None:
+    out = generate(grpc_server, sampling=stage_pb2.SamplingParams(min_tokens=4, include_stop_str_in_output=True),
+                   stage_params={"talker": stage_pb2.SamplingParams(min_tokens=9)})
+    assert out[-1].WhichOneof("kind") == "done", out
+    req = pipeline.requests[-1]
+    assert (req.sampling.min_tokens, req.sampling.include_stop_str_in_output) == (4, True)
+    thinker, talker = wire(req)
+    assert (thinker.min_tokens, thinker.include_stop_str_in_output) == (4, True)
+    assert talker.min_tokens == 9 and not talker.HasField("include_stop_str_in_output")
+
+
 @pytest.mark.parametrize(("kw", "needle"), [
+    ({"sampling": stage_pb2.SamplingParams(min_tokens=-1)}, "sampling.min_tokens: must be in [0,"),
+    ({"sampling": stage_pb2.SamplingParams(min_tokens=5, max_tokens=4)}, "sampling.min_tokens: must be <= max_tokens"),
+    ({"sampling": stage_pb2.SamplingParams(max_tokens=4), "stage_params": {"thinker": stage_pb2.SamplingParams(
+        min_tokens=5)}}, "stage_params.thinker.min_tokens: must be <= the thinker's max_tokens (4)"),
+    ({"stage_params": {"talker": stage_pb2.SamplingParams(include_stop_str_in_output=True)}},
+     "stage_params.talker.include_stop_str_in_output"),
     ({"sampling": stage_pb2.SamplingParams(stop=["a", "b", "c", "d", "e"])}, "sampling.stop: at most 4"),
     ({"sampling": stage_pb2.SamplingParams(stop=[""])}, "sampling.stop: stop strings must not be empty"),
     ({"sampling": stage_pb2.SamplingParams(stop_token_ids=[-1])}, "sampling.stop_token_ids[0]: must be"),

@@ -1,4 +1,5 @@
-"""`Sampler` follows transformers' logits processors: penalty, suppression, temperature, top-k, top-p, seeds.
+"""`Sampler` follows transformers' logits processors: penalty, min new tokens, suppression, temperature,
+top-k, top-p, seeds.
 
 Run: python -m pytest tests/models/test_sampling.py -q
 """
@@ -9,6 +10,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
@@ -131,6 +133,11 @@ def test_invalid_params() -> None:
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match=r"min_tokens must be in \[0, max_tokens = 8\], got 9"):
+        SamplingParams(max_tokens=8, min_tokens=9)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)
+    SamplingParams(max_tokens=8, min_tokens=8)  # every token then: the request ends by length
 
 
 def test_stop_strings_and_vocab_do_not_change_the_draw() -> None:
@@ -140,3 +147,38 @@ def test_stop_strings_and_vocab_do_not_change_the_draw() -> None:
     extra = Sampler(SamplingParams(temperature=0.8, top_k=10, seed=3, stop=("\n",), vocab_size=64))
     assert [plain.sample(raw) for _ in range(20)] == [extra.sample(raw) for _ in range(20)]
     assert not extra.is_stop(0) and Sampler(SamplingParams(stop_token_ids=(0,))).is_stop(0)
+
+
+def test_min_tokens_matches_transformers_min_new_tokens() -> None:
+    """Stop ids are -inf until `min_tokens` tokens were sampled (as `generate(min_new_tokens=...)`), then the
+    scores are untouched; penalty and suppression compose in transformers' order."""
+    raw = logits(6)
+    stops = (int(raw.argmax()), 7)  # the favourite is a stop id: greedy would stop at once
+    params = SamplingParams(temperature=0.0, stop_token_ids=stops, min_tokens=3, repetition_penalty=1.3,
+                            suppress_tokens=(1,))
+    sampler = Sampler(params)
+    prompt = torch.tensor([2, 3])
+    ids = prompt.clone()
+    picked = []
+    for _ in range(5):
+        expected = raw.view(1, -1).clone()
+        for proc in (RepetitionPenaltyLogitsProcessor(1.3), MinNewTokensLengthLogitsProcessor(2, 3, list(stops)),
+                     SuppressTokensLogitsProcessor([1])):
+            expected = proc(ids.view(1, -1), expected)
+        assert torch.equal(sampler.process(raw, ids), expected[0])
+        picked.append(sampler.sample(raw, ids))
+        ids = torch.cat([ids, torch.tensor([picked[-1]])])
+    assert all(t not in stops for t in picked[:3]) and picked[3] == stops[0]
+    assert sampler.num_sampled == 5 and sampler.is_stop(picked[3])
+
+
+def test_min_tokens_zero_or_without_stop_ids_changes_nothing() -> None:
+    """Greedy exactness: min_tokens 0 is the plain sampler, bit for bit; a stop id past the head is ignored."""
+    raw = logits(7)
+    plain = Sampler(SamplingParams(temperature=0.0, stop_token_ids=(int(raw.argmax()),)))
+    zero = Sampler(SamplingParams(temperature=0.0, stop_token_ids=(int(raw.argmax()),), min_tokens=0))
+    assert torch.equal(plain.process(raw), zero.process(raw)) and plain.sample(raw) == zero.sample(raw)
+    beyond = Sampler(SamplingParams(temperature=0.0, stop_token_ids=(int(raw.argmax()), 10_000), min_tokens=2))
+    assert beyond.sample(raw) == int(raw.topk(2).indices[1])  # the runner-up; id 10000 >= V is skipped
+    seeded = [Sampler(SamplingParams(temperature=0.9, seed=4, min_tokens=m)) for m in (0, 5)]
+    assert [seeded[0].sample(raw) for _ in range(20)] == [seeded[1].sample(raw) for _ in range(20)]  # no stop ids

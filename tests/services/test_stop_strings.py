@@ -1,6 +1,8 @@
 """Stops in the LLM stages: `StopStrings` (the thinker's text ends before the first stop string, never
-emitting part of one) and `merge_sampling` (the caller's stop ids / strings over the model's defaults,
-ids checked against the stage's vocab; the handlers refuse a bad id before building a task).
+emitting part of one; with `include_stop_str_in_output` right after it; not before `min_tokens`, i.e. on
+unarmed deltas) and `merge_sampling` (the caller's stop ids / strings / min_tokens over the model's
+defaults, ids checked against the stage's vocab, min_tokens against max_tokens; the handlers refuse a bad
+value before building a task).
 
 Run: python -m pytest tests/services/test_stop_strings.py -q
 """
@@ -22,12 +24,14 @@ from services.llm.talker_handler import TalkerHandler
 from services.llm.thinker_handler import ThinkerHandler
 
 
-def run(stops: list[str], deltas: list[str]) -> tuple[list[str], bool, str]:
-    """Feed `deltas`; return what each push emitted, whether it stopped, and what finish() released."""
-    s = StopStrings(stops)
+def run(stops: list[str], deltas: list[str], include: bool = False, armed_from: int = 0
+        ) -> tuple[list[str], bool, str]:
+    """Feed `deltas` (armed from delta `armed_from` on); return what each push emitted, whether it stopped,
+    and what finish() released."""
+    s = StopStrings(stops, include_stop=include)
     emitted, stopped = [], False
-    for d in deltas:
-        out, stopped = s.push(d)
+    for i, d in enumerate(deltas):
+        out, stopped = s.push(d, armed=i >= armed_from)
         emitted.append(out)
         if stopped:
             break
@@ -89,6 +93,26 @@ def test_empty_stop_string_refused() -> None:
         StopStrings(["ok", ""])
 
 
+def test_include_stop_str_in_output_ends_the_text_with_it() -> None:
+    assert run(["END"], ["abc", "dEND xyz", "more"], include=True) == (["abc", "dEND"], True, "")
+    emitted, stopped, _ = run(["</answer>"], ["4", "</", "ans", "wer", "> trailing"], include=True)
+    assert stopped and "".join(emitted) == "4</answer>" and emitted[-1] == "</answer>"  # held back, then whole
+    assert run(["cd", "bcd"], ["abcde"], include=True) == (["abcd"], True, "")  # the earliest start wins
+    assert run(["cde", "cd"], ["abcde"], include=True) == (["abcd"], True, "")  # a tie: the shorter one
+    assert run(["END"], ["no stop here"], include=True) == (["no stop here"], False, "")
+
+
+def test_unarmed_deltas_are_never_matched_but_a_stop_ending_later_is() -> None:
+    """min_tokens not reached: a stop string in those deltas is ordinary text; one that starts there and
+    completes in an armed delta still stops (vLLM checks the text the first armed token completes)."""
+    assert run(["."], ["a.b", "c.d", "e.f"], armed_from=2) == (["a.b", "c.d", "e"], True, "")
+    emitted, stopped, _ = run(["END"], ["xEND", "yEN", "Dz"], armed_from=2)
+    assert emitted == ["xEND", "y", ""] and stopped  # "EN" held back while unarmed, "END" found once armed
+    emitted, stopped, _ = run(["END"], ["xEND", "yEN", "Dz"], armed_from=2, include=True)
+    assert "".join(emitted) == "xENDyEND" and stopped
+    assert run(["END"], ["xEND", "yEN"], armed_from=5) == (["xEND", "y"], False, "EN")  # released at the end
+
+
 # --------------------------------------------------------------------------------------- merge_sampling
 def wire(**kw: object) -> stage_pb2.SamplingParams:
     return stage_pb2.SamplingParams(**kw)  # type: ignore[arg-type]
@@ -104,6 +128,20 @@ def test_merge_keeps_defaults_and_adds_stops() -> None:
     assert got.stop_token_ids == (eos, 7, 0)  # the model's EOS stays first; duplicates dropped
     assert got.stop == ("\n\n", "END") and got.top_k == 5
     assert got.temperature == thinker.temperature and got.suppress_tokens == thinker.suppress_tokens
+
+
+def test_merge_min_tokens_and_include_stop_str() -> None:
+    thinker = thinker_sampling_params(tiny_qwen3_omni_config())
+    got = merge_sampling(thinker, wire(min_tokens=5, include_stop_str_in_output=True, stop=["x"]))
+    assert (got.min_tokens, got.include_stop_str_in_output, got.max_tokens) == (5, True, thinker.max_tokens)
+    assert (thinker.min_tokens, thinker.include_stop_str_in_output) == (0, False)  # the defaults
+    # checked against the merged max_tokens: the caller's, else the stage's default (1024 for the thinker)
+    with pytest.raises(ValueError, match=r"min_tokens must be in \[0, max_tokens = 4\], got 5"):
+        merge_sampling(thinker, wire(min_tokens=5, max_tokens=4))
+    with pytest.raises(ValueError, match=r"min_tokens must be in \[0, max_tokens = 1024\], got 2000"):
+        merge_sampling(thinker, wire(min_tokens=2000))
+    with pytest.raises(ValueError, match="min_tokens"):
+        merge_sampling(thinker, wire(min_tokens=-1))
 
 
 @pytest.mark.parametrize("bad", [[THINKER_VOCAB], [3, -1], [2**40]])

@@ -6,7 +6,14 @@ chosen rows of all chosen requests into one `LMBatch` (embeddings, M-RoPE positi
 capture rows), runs it on the stage's ranks, and hands each request the logits of its last row when
 that row ended an input run that wants them.
 
+Admission (`admit`, from the stage handler's `open`, before the request reaches the engine loop): a new
+request is refused with RESOURCE_EXHAUSTED when `max_waiting_requests` admitted requests already wait
+beyond the free seats (`max_num_seqs` minus those running), so a burst queues up to a bound and the rest
+hear at once that they should retry (HTTP 429), instead of waiting past their deadlines. Requests already
+admitted are never dropped; one leaves the count when it runs or ends (`remove`, on its task's close).
+
 Data flow per step:
+    admit(task)                                                       open: refused when the queue is full
     feed(rid, InputRun(embeds (n, H), positions (P, n), ...))        the task's next input rows
     step(ready rids) -> LMScheduler.schedule -> BatchLayout + LMBatch -> ranks -> LMBatchResult
         -> {rid: RunOutput(logits (V,) | None, last_hidden (1, 1, H), captured rows)} for the requests
@@ -20,10 +27,12 @@ import logging
 import threading
 from dataclasses import dataclass, field, replace
 
+import grpc
 import torch
 
 from omnimesh.engine.kv_blocks import BlockAllocator
 from omnimesh.engine.lm_scheduler import LMScheduler, ScheduledSeq
+from omnimesh.engine.task import BatchedTask, StageRequestError
 from omnimesh.models.qwen3_omni.lm_backend import ShardedBackend
 from omnimesh.models.qwen3_omni.lm_shard import LMBatch, LMBatchResult, LMInitCache
 from omnimesh.models.qwen3_omni.paged_kv import BatchLayout
@@ -83,12 +92,18 @@ class _Seq:
 class LMEngine:
     def __init__(self, backend: ShardedBackend, *, role: str, block_size: int, kv_bytes: int | None,
                  gpu_memory_utilization: float, max_num_seqs: int, max_num_batched_tokens: int | None,
-                 max_model_len: int, capture_layer: int | None = None) -> None:
+                 max_model_len: int, capture_layer: int | None = None,
+                 max_waiting_requests: int | None = None) -> None:
         """`backend` runs commands on every rank of the stage. Sizes the KV pool on the ranks and refuses to
-        start when it cannot hold one request of `max_model_len` tokens."""
+        start when it cannot hold one request of `max_model_len` tokens. `max_waiting_requests`: see
+        `admit` (None: no bound)."""
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0 (0: never queue), got {max_waiting_requests}")
         self.backend, self.role, self.capture_layer = backend, role, capture_layer
+        self.max_waiting_requests = max_waiting_requests
         self._lock = threading.Lock()
         self._inflight: set[str] = set()
+        self._admitted: set[str] = set()  # requests opened through `admit` and not yet removed
         tokens = max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, block_size)
         init = LMInitCache(block_size, kv_bytes, gpu_memory_utilization, profile_tokens=tokens)
         num_blocks = int(backend.submit(init).result())
@@ -105,6 +120,28 @@ class LMEngine:
 
     def has(self, rid: str) -> bool:
         return rid in self.seqs
+
+    def admit(self, task: BatchedTask) -> None:
+        """Called by the stage handler's `open` with the new task, before the engine loop gets it: raises
+        StageRequestError(RESOURCE_EXHAUSTED) when taking it would leave more than `max_waiting_requests`
+        requests waiting beyond the free seats; else counts it until its task closes (the close calls `remove`)."""
+        rid = task.request_id
+        with self._lock:
+            idle, free = self._queue()
+            limit = self.max_waiting_requests
+            if limit is not None and rid not in self._admitted and idle + 1 - free > limit:
+                why = (f"{idle - free} requests already waiting in {self.role}" if limit else
+                       f"no free seat in {self.role} (--max-num-seqs {self.scheduler.max_num_seqs})")
+                raise StageRequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"{why} (--max-waiting-requests {limit}); retry later or raise it")
+            self._admitted.add(rid)
+        task.on_close.append(self.remove)
+
+    def _queue(self) -> tuple[int, int]:
+        """(admitted or fed requests that are not running, free seats); the lock is held."""
+        running = {s.rid for s in self.scheduler.running}
+        idle = len((self._admitted | self.seqs.keys()) - running)
+        return idle, max(0, self.scheduler.max_num_seqs - len(running))
 
     def pending_tokens(self, rid: str) -> int:
         seq = self.seqs.get(rid)
@@ -125,6 +162,7 @@ class LMEngine:
         """Give the request's blocks back (a request still in a step in flight keeps them until it returns:
         the engine loop closes a cancelled request only after its step)."""
         with self._lock:
+            self._admitted.discard(rid)
             seq = self.seqs.pop(rid, None)
             if seq is not None:
                 self.scheduler.remove(seq.sched)

@@ -4,12 +4,16 @@ Role: the thinker, the talker and the code predictor each pick tokens through a 
 (it owns the request's seeded `torch.Generator`). The order of operations is the order in which
 `GenerationMixin._get_logits_processor` stacks its processors for the options used here:
 
-    logits (V,) -> repetition penalty (over `history`) -> suppress tokens (-inf)
+    logits (V,) -> repetition penalty (over `history`) -> min new tokens (stop ids -inf while fewer than
+                   `min_tokens` were sampled) -> suppress tokens (-inf)
                 -> [sampling only] temperature -> top-k -> top-p -> softmax -> multinomial(generator)
                 -> [greedy]       argmax
 
 `temperature == 0` means greedy (`do_sample=False`): transformers then skips temperature / top-k / top-p
-but still applies the repetition penalty and suppressed tokens, and so does this file.
+but still applies the repetition penalty and suppressed tokens, and so does this file. `min_tokens` is
+`generate`'s `min_new_tokens` (`MinNewTokensLengthLogitsProcessor`, over every stop id, the EOS included);
+0 (the default) changes nothing. The Sampler counts the tokens it picked, so it is made before a request's
+first token and used once per token.
 
 What `history` holds is the caller's choice and mirrors `generate`: the thinker is called with `input_ids`,
 so it penalises prompt + generated tokens; the talker is called with `inputs_embeds` only, so it penalises
@@ -32,7 +36,8 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 class SamplingParams:
     """How one request picks tokens. `temperature == 0` is greedy; `top_k == 0` / `top_p == 1` are off.
 
-    `stop` is carried for the task's text (the Sampler never looks at it); `vocab_size` only bounds ids.
+    `stop` and `include_stop_str_in_output` are carried for the task's text (the Sampler never looks at
+    them); `vocab_size` only bounds ids. `min_tokens`: no stop id can be picked before that many tokens.
     """
 
     temperature: float = 1.0
@@ -44,6 +49,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     suppress_tokens: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings on the detokenized text (thinker; see services/llm/detokenizer.py)
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text instead of being cut
+    min_tokens: int = 0  # stop ids are suppressed (-inf) until this many tokens were sampled
     vocab_size: int = 0  # ids the head can produce (0 = unknown); bounds the caller's stop_token_ids
 
     def __post_init__(self) -> None:
@@ -57,6 +64,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}; 1.0 disables it")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}; "
+                             f"lower min_tokens or raise max_tokens")
 
     @property
     def greedy(self) -> bool:
@@ -83,13 +93,22 @@ class Sampler:
         self._suppress: torch.Tensor | None = (
             torch.tensor(params.suppress_tokens, dtype=torch.long) if params.suppress_tokens else None
         )
+        self._min_stop: torch.Tensor | None = (  # (k,) the stop ids min_tokens holds back
+            torch.tensor(params.stop_token_ids, dtype=torch.long)
+            if params.min_tokens and params.stop_token_ids else None
+        )
+        self.num_sampled = 0  # tokens picked so far by `sample` (what min_tokens counts)
 
     def process(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
-        """The processed scores (V,) the token is picked from (penalty, suppression, and warpers if sampling)."""
+        """The processed scores (V,) the next token is picked from (penalty, min_tokens, suppression, and the
+        warpers if sampling)."""
         p = self.params
         scores = logits.to(torch.float32)  # (V,)
         if p.repetition_penalty != 1.0 and history is not None and history.numel() > 0:
             scores = apply_repetition_penalty(scores, history, p.repetition_penalty)
+        if self._min_stop is not None and self.num_sampled < p.min_tokens:
+            ids = self._min_stop.to(scores.device)
+            scores = scores.index_fill(0, ids[ids < scores.shape[-1]], -float("inf"))  # (V,)
         if self._suppress is not None:
             mask = self._suppress_mask
             if mask is None or mask.shape[0] != scores.shape[-1] or mask.device != scores.device:
@@ -109,6 +128,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> int:
         """One token id from `logits` (V,), given the tokens `history` (n,) the penalty looks at."""
         scores = self.process(logits, history)  # (V,)
+        self.num_sampled += 1
         if self.params.greedy:
             return int(torch.argmax(scores, dim=-1).item())
         probs = torch.softmax(scores.view(1, -1), dim=-1)  # (1, V)

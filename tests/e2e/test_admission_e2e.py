@@ -1,0 +1,93 @@
+"""--max-waiting-requests through a real `omnimesh serve --max-num-seqs 1 --max-waiting-requests 1` of this
+module's own (the flags travel launcher -> stage): request A streams and holds the thinker's only seat, B
+is admitted to wait, and C is answered HTTP 429 with `Retry-After` and a message naming the flag, streaming
+or not, before any event. Nothing admitted is lost: A runs to its `min_tokens` and B finishes with exactly
+the text it gets alone; once they are done C is served. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from mesh_harness import start_mesh
+
+MODEL = "tiny-qwen3-omni"
+TIMEOUT_S = 120.0
+LONG = 1000  # A's tokens (min_tokens = max_tokens: no early stop), so it holds the seat for a while
+
+
+@pytest.fixture(scope="module")
+def capped(tiny_model_dir: Path):
+    m = start_mesh(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    try:
+        yield m
+    finally:
+        code = m.proc.stop()
+        assert code == 0, f"omnimesh serve exited with {code} on SIGTERM:\n{m.proc.output()}"
+
+
+def _body(prompt: str, **over: object) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "modalities": ["text"],
+            "max_tokens": 8, "temperature": 0, **over}
+
+
+def _post(mesh, body: dict) -> httpx.Response:
+    return httpx.post(f"{mesh.rest}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+
+
+def _thinker_waiting(mesh) -> float:
+    """The thinker's `num_requests_waiting` gauge, scraped through the gateway's /metrics."""
+    for line in httpx.get(f"{mesh.rest}/metrics", timeout=TIMEOUT_S).text.splitlines():
+        if line.startswith("omnimesh:num_requests_waiting{") and 'stage="thinker"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _assert_429(r: httpx.Response) -> None:
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "1"
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded", err
+    assert err["message"] == ("1 requests already waiting in thinker (--max-waiting-requests 1); "
+                              "retry later or raise it"), err
+
+
+def test_third_request_is_429_and_the_admitted_ones_finish(capped):
+    alone = _post(capped, _body("B"))
+    assert alone.status_code == 200, alone.text
+    results: dict[str, httpx.Response] = {}
+    waiter = threading.Thread(target=lambda: results.update(b=_post(capped, _body("B"))), daemon=True)
+    usage = None
+    a_body = _body("A", stream=True, max_tokens=LONG, min_tokens=LONG, stream_options={"include_usage": True})
+    with httpx.stream("POST", f"{capped.rest}/v1/chat/completions", json=a_body, timeout=TIMEOUT_S) as a:
+        assert a.status_code == 200
+        lines = a.iter_lines()
+        while not next(lines).startswith('data: {"id"'):  # A's first chunk: it runs, holding the seat
+            pass
+        waiter.start()
+        deadline = time.monotonic() + 30.0
+        while _thinker_waiting(capped) < 1:  # B reached the thinker's engine and waits there
+            assert time.monotonic() < deadline and "b" not in results, "B never waited in the thinker"
+            time.sleep(0.02)
+        _assert_429(_post(capped, _body("C")))
+        with httpx.stream("POST", f"{capped.rest}/v1/chat/completions", json=_body("C", stream=True),
+                          timeout=TIMEOUT_S) as c:
+            c.read()
+        _assert_429(c)
+        assert "b" not in results, "B finished before A: A did not hold the seat long enough for the test"
+        for line in lines:
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                assert "error" not in chunk, chunk
+                usage = chunk.get("usage") or usage
+    assert usage is not None and usage["completion_tokens"] == LONG
+    waiter.join(TIMEOUT_S)
+    b = results["b"]
+    assert b.status_code == 200, b.text
+    assert b.json()["choices"][0]["message"]["content"] == alone.json()["choices"][0]["message"]["content"]
+    assert _post(capped, _body("C")).status_code == 200  # served once the queue drained
