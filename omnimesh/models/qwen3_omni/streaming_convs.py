@@ -65,7 +65,8 @@ def _check(module: Any) -> None:
     elif isinstance(module, Qwen3OmniMoeConvNeXtBlock):
         _check(module.dwconv)
     elif isinstance(module, Qwen3OmniMoeCode2WavDecoderResidualUnit):
-        _check(module.conv1), _check(module.conv2)
+        _check(module.conv1)
+        _check(module.conv2)
     elif isinstance(module, Qwen3OmniMoeCode2WavDecoderBlock):
         for inner in module.block:
             _check(inner)
