@@ -78,6 +78,7 @@ class StagePipeline:
         self.default_voice = ""
         self.sample_rate = 24000
         self.talker_options: dict[str, str] = {}  # the talker's output chunks = the vocoder's decode windows
+        self.eager_tokens = 1  # thinker tokens sent one by one before --stream-interval applies
         self.output_transport: dict[str, str] = {name: "grpc" for name in stages}
         self.received_bytes: dict[str, int] = dict.fromkeys(stages, 0)
         self.tensor_bytes: dict[str, int] = dict.fromkeys(stages, 0)
@@ -107,6 +108,9 @@ class StagePipeline:
                 # one chunk instead of one message per code group, and no audio comes later for it
                 first = info.first_window_codes or info.window_codes
                 self.talker_options = {"chunk_codes": str(info.window_codes), "first_chunk_codes": str(first)}
+                # the talker's first window of codes reads the thinker's first `first` + 1 tokens: those leave
+                # the thinker one by one whatever its --stream-interval, so the first audio never waits
+                self.eager_tokens = first + 1
             infos[name] = info
         self._choose_transports(infos)
 
@@ -164,7 +168,9 @@ class StagePipeline:
             features = await self._encode(rid, prompt, deadline, streams)
             out = self.output_transport
             thinker = await self._client("thinker").open(
-                rid, thinker_sampling(request), {"talker_inputs": "1" if want_audio else "0"}, deadline,
+                rid, thinker_sampling(request),
+                {"talker_inputs": "1" if want_audio else "0", "eager_tokens": str(self.eager_tokens if want_audio else 1)},
+                deadline,
                 transport=out["thinker"] if want_audio else "grpc",
             )
             streams.append(thinker)

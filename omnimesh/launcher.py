@@ -51,7 +51,8 @@ class MeshLauncher:
     def _stage_argv(self, stage: str, port: int) -> list[str]:
         a = self.args
         argv = ["stage", stage, "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size)]
+                "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
+                "--stream-interval", str(a.stream_interval)]
         cfg = a.stage_configs()[stage]
         argv += ["-tp", str(cfg.tp), "-pp", str(cfg.pp)]
         # the stage's own resolved settings (global flags under its --stage-overrides entry)

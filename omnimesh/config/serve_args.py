@@ -36,13 +36,16 @@ class ServeArgs:
     gpu_memory_utilization: float = _f(0.9, "fraction of each device a stage may take (weights + KV cache)", "--gpu-memory-utilization")
     max_model_len: int | None = _f(None, "longest prompt + output in tokens; default: the model's limit", "--max-model-len")
     max_num_seqs: int = _f(256, "most requests a stage runs at once", "--max-num-seqs")
-    max_waiting_requests: int = _f(256, "most requests the thinker keeps waiting beyond its free --max-num-seqs "
+    max_waiting_requests: int = _f(256, "most requests the thinker (and the talker) keeps waiting beyond its free --max-num-seqs "
                                    "seats; one more is refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429 with "
                                    "Retry-After) rather than queued without bound (0: never queue)",
                                    "--max-waiting-requests")
     max_num_batched_tokens: int | None = _f(None, "most tokens in one engine step (long prompts are chunked)", "--max-num-batched-tokens")
     kv_cache_memory: str | None = _f(None, "KV-cache size per rank of the thinker / talker, e.g. 2GiB (CPU default 4GiB; on CUDA it is what --gpu-memory-utilization leaves after weights and activations)", "--kv-cache-memory")
     block_size: int = _f(16, "tokens per KV-cache block", "--block-size")
+    stream_interval: int = _f(1, "thinker tokens per streamed chunk (text deltas and the talker's inputs), as vLLM's "
+                              "--stream-interval: the tokens the first audio needs and the last token go at once; "
+                              "larger = fewer messages under load, burstier text", "--stream-interval")
     enforce_eager: bool = _f(False, "never capture CUDA graphs", "--enforce-eager", action="store_true")
     trust_remote_code: bool = _f(False, "allow model code from the model folder", "--trust-remote-code", action="store_true")
     dtype: str = _f("auto", f"weight / activation dtype: {', '.join(DTYPES)} (auto: bfloat16 on CUDA, float32 on CPU)", "--dtype")
@@ -78,6 +81,8 @@ class ServeArgs:
                              f"got {self.max_waiting_requests}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1 token, got {self.stream_interval}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"--block-size must be in 1..1024 tokens, got {self.block_size} (16 is the usual value)")
         if self.kv_cache_memory is not None:

@@ -2,7 +2,9 @@
 tokenizer, and opens a ThinkerTask per request with the model's own sampling defaults under the
 caller's overrides; the engine admits it or refuses it at once (`LMEngine.admit`: --max-waiting-requests).
 
-Run: `omnimesh stage thinker --model DIR --port 50052`.
+Run: `omnimesh stage thinker --model DIR --port 50052`. `--stream-interval N` (vLLM's): tokens per output chunk
+after the first `eager_tokens` (request option, default 1; the gateway sets what the talker's first audio
+needs), see ThinkerTask.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling
 from services.llm.thinker_batcher import ThinkerBatcher
 from services.llm.thinker_task import ThinkerTask
+from services.options import codes_option
 
 
 class ThinkerHandler:
@@ -31,7 +34,7 @@ class ThinkerHandler:
 
     def __init__(self, thinker: Qwen3OmniThinker, tokenizer: object, generation_config: GenerationConfig | None,
                  model_name: str, max_model_len: int, layout: LMLayout, failure: StageFailure,
-                 engine: LMEngine | None = None):
+                 engine: LMEngine | None = None, stream_interval: int = 1):
         """`engine` None: a handler that only validates requests (tests); the stage always has one."""
         self.layout = layout
         self.batcher = ThinkerBatcher(engine) if engine is not None else None
@@ -42,6 +45,7 @@ class ThinkerHandler:
         self.defaults = thinker_sampling_params(thinker.config, generation_config)
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.stream_interval = stream_interval
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
@@ -54,7 +58,8 @@ class ThinkerHandler:
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
         task = ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
                            talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len,
-                           batcher=self.batcher)
+                           batcher=self.batcher, stream_interval=self.stream_interval,
+                           eager_tokens=codes_option(msg, "eager_tokens", 1, "tokens"))
         if self.batcher is not None:
             self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
         return task
@@ -75,4 +80,5 @@ def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
     if max_len > limit:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings {limit}")
     engine = lm_engine(thinker.backend, "thinker", args, max_len, capture_layer=thinker.accept_hidden_layer)
-    return ThinkerHandler(thinker, tokenizer, gen, model_dir.name, max_len, layout, failure, engine)
+    return ThinkerHandler(thinker, tokenizer, gen, model_dir.name, max_len, layout, failure, engine,
+                          stream_interval=args.stream_interval)

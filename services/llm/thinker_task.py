@@ -7,6 +7,9 @@ samples one token and returns its chunk: the text delta, `token_ids` (1,), and, 
 audio, `token_embeds` (1, H) for the talker (the first chunk also carries the TalkerPrompt); a token that
 does not end the request is fed back as the next input row. The final token (a stop id, a stop string,
 or max tokens) is never spoken: its chunk has no `token_embeds` and ends the stream (final=True).
+Streaming (`stream_interval`, the stage's --stream-interval; `eager_tokens`, a request option): the first
+`eager_tokens` tokens and the last leave at once, the others every `stream_interval` tokens as one chunk
+(texts joined, `token_ids` (k,) and `token_embeds` (k, H) stacked): fewer messages through the gateway.
 `min_tokens`: the sampler picks no stop id before that many tokens, and a stop string counts only when it
 completes in the token that reaches min_tokens or a later one (`StopStrings.push(armed=...)`).
 """
@@ -26,11 +29,13 @@ from omnimesh.transport.frames import StageChunk
 from services.llm.detokenizer import Detokenizer, StopStrings
 
 EDGE = "gateway -> thinker"
+MERGED = ("token_ids", "token_embeds")  # what several tokens' chunks stack into one (along dim 0)
 
 
 class ThinkerTask(BatchedTask):
     def __init__(self, request_id: str, thinker: Qwen3OmniThinker, tokenizer: object, params: SamplingParams,
-                 *, talker_inputs: bool, max_model_len: int, batcher: object = None):
+                 *, talker_inputs: bool, max_model_len: int, batcher: object = None, stream_interval: int = 1,
+                 eager_tokens: int = 1):
         super().__init__(request_id, batcher)
         self.thinker = thinker
         self.sampler = Sampler(params)
@@ -42,6 +47,11 @@ class ThinkerTask(BatchedTask):
         self.prompt: PreparedPrompt | None = None
         self.token_ids: list[int] = []  # prompt + generated tokens (what the repetition penalty sees)
         self.captured: list[torch.Tensor] = []  # hidden at accept_hidden_layer of the prompt's media rows
+        if stream_interval < 1 or eager_tokens < 1:
+            raise ValueError(f"stream_interval and eager_tokens must be >= 1, got {stream_interval}, {eager_tokens}")
+        self.stream_interval = stream_interval
+        self.eager_tokens = eager_tokens
+        self.held: list[StageChunk] = []  # one chunk per token not sent yet (see `_send`)
 
     def feed(self, chunk: StageChunk) -> None:
         if self.inputs is not None:
@@ -121,9 +131,27 @@ class ThinkerTask(BatchedTask):
                 text += self.stops.finish()  # release held-back text (never after a stop-string match)
             self.finished = True
             self.finish_reason = "stop" if (stop or stop_str) else "length"
-            return [StageChunk(tensors=tensors, text=text)], None
+            return self._send(StageChunk(tensors=tensors, text=text)), None
         embed, positions = self.thinker.token_input(token, len(self.token_ids), prompt.rope_delta)
         self.token_ids.append(token)
         if self.talker_inputs:
             tensors["token_embeds"] = embed.view(1, -1)  # (1, H)
-        return [StageChunk(tensors=tensors, text=text)], InputRun(embed.view(1, -1), positions)
+        return self._send(StageChunk(tensors=tensors, text=text)), InputRun(embed.view(1, -1), positions)
+
+    def _send(self, chunk: StageChunk) -> list[StageChunk]:
+        """This token's chunk goes out now (the first `eager_tokens` tokens, the last one, every
+        `stream_interval`-th) together with the tokens held before it, as ONE chunk: texts joined,
+        `token_ids` (k,) and `token_embeds` (k, H) stacked; else it is held."""
+        self.held.append(chunk)
+        if not (self.finished or self.completion_tokens <= self.eager_tokens
+                or len(self.held) >= self.stream_interval):
+            return []
+        held, self.held = self.held, []
+        if len(held) == 1:
+            return held
+        tensors = dict(held[0].tensors)  # the first token's extras (the talker prompt) stay as they are
+        for name in MERGED:
+            parts = [c.tensors[name] for c in held if name in c.tensors]
+            if parts:
+                tensors[name] = torch.cat(parts)
+        return [StageChunk(tensors=tensors, text="".join(c.text for c in held))]

@@ -208,6 +208,36 @@ def test_sixteen_batched_requests_equal_their_solo_runs(model_dir: Path, thinker
     assert_drained(engine, engine.allocator.num_blocks)
 
 
+def test_stream_interval_groups_tokens_after_the_eager_ones(model_dir: Path) -> None:
+    """--stream-interval 4 with eager_tokens 3: tokens 1..3 leave one by one, then one chunk per 4 tokens and
+    the rest with the last; texts, token ids and the talker's token embeddings are exactly those of the
+    one-token-per-chunk run, only grouped. A bad eager_tokens is INVALID_ARGUMENT."""
+    one = thinker_handler(model_dir, ServeArgs(max_model_len=128))
+    four = thinker_handler(model_dir, ServeArgs(max_model_len=128, stream_interval=4))
+    ids = prompts([6, 9], seed=11)
+
+    def run(handler: Any, **options: str) -> dict[str, list[StageChunk]]:
+        d = Driver(handler)
+        d.add(*(open_thinker(handler, f"r{i}", p, 14, talker_inputs="1", **options) for i, p in enumerate(ids)))
+        return d.run()
+
+    want, got = run(one), run(four, eager_tokens="3")
+    for rid in want:
+        n = len(token_ids(want[rid]))
+        assert n == 14 and [len(c.tensors["token_ids"]) for c in want[rid]] == [1] * n
+        sizes = [len(c.tensors["token_ids"]) for c in got[rid]]
+        assert sizes == [1, 1, 1, 4, 4, 3], sizes  # 14 tokens: 3 eager, 4 + 4, the last 3 with the final one
+        assert token_ids(got[rid]) == token_ids(want[rid])
+        assert "".join(c.text for c in got[rid]) == "".join(c.text for c in want[rid])
+        embeds = [torch.cat([c.tensors["token_embeds"] for c in run if "token_embeds" in c.tensors]) for run in
+                  (want[rid], got[rid])]
+        assert embeds[0].shape == (13, embeds[0].shape[1]) and torch.equal(embeds[0], embeds[1])  # last: unspoken
+        assert got[rid][-1].tensors.keys() == {"token_ids", "token_embeds"}  # the final token adds no embedding
+        assert "prompt_ids" not in got[rid][1].tensors and got[rid][0].tensors.keys() == want[rid][0].tensors.keys()
+    with pytest.raises(ValueError, match="eager_tokens must be a whole number of tokens"):
+        open_thinker(four, "bad", ids[0], 4, eager_tokens="0")
+
+
 def test_long_prompt_is_prefilled_in_chunks_without_stalling_a_decode(model_dir: Path, thinker: Any) -> None:
     short, long = prompts([5, 40], seed=1)
     want_long = solo(thinker, long, 6)  # unchunked: the default budget takes 40 tokens at once
