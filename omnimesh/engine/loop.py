@@ -10,7 +10,9 @@ allows `max_inflight` = pp steps at once, each on its own thread, so every pipel
 Continuous batching: a stage with a `BatchStepper` gets every ready request (split over the free
 compute slots) in one `step_batch` call per step; requests join and leave between steps, and the
 stepper decides which of them run (token budget, KV-cache blocks). A slot frees -> the next step starts
-with whatever is ready then, so new requests never wait for older ones to finish.
+with whatever is ready then, so new requests never wait for older ones to finish. A `LaneStepper` plans
+the steps itself (`lanes`): the vocoder keeps a second slot for first windows only, so a new request's
+first audio starts beside a long step of other requests' windows instead of after it.
 
 Metrics (optional `EngineMetrics`): each request's `RequestTiming` hears its submit, first readiness,
 first step, every step with output and its end; the load gauges read `_load` (the batcher's `stats()`
@@ -64,6 +66,15 @@ class BatchStepper(Protocol):
         `StageTask.step`) or the exception that ends that request alone. A request left out made no
         progress this step (it stays ready: the batch was full). An exception raised by the call itself
         fails every task given to it."""
+        ...
+
+
+class LaneStepper(BatchStepper, Protocol):
+    """A batch stepper that decides itself which ready requests start a step now (e.g. a latency lane)."""
+
+    def lanes(self, tasks: list[StageTask], free: int, busy: int) -> list[list[StageTask]]:
+        """On the asyncio thread, with the ready tasks (longest-waiting first), the free compute slots and the
+        steps in flight: the batches to start now, at most `free` (none: wait for a step to end)."""
         ...
 
 
@@ -235,12 +246,18 @@ class EngineLoop:
     def _groups(self, ready: list[_Entry], slots: int) -> list[list[_Entry]]:
         """Split the ready requests over the free compute slots: one request per slot without a batcher;
         with one, every ready request goes into some batch (a pipeline-parallel stage fills each of its pp
-        slots with a share, so every pipeline rank has a micro-batch)."""
+        slots with a share, so every pipeline rank has a micro-batch), unless the batcher plans its own
+        `lanes`."""
         if slots <= 0 or not ready:
             return []
         ready = sorted(ready, key=lambda e: e.last_step)
         if self._batcher is None:
             return [[entry] for entry in ready[:slots]]
+        lanes = getattr(self._batcher, "lanes", None)
+        if lanes is not None:
+            entry_of = {id(e.task): e for e in ready}
+            plan = lanes([e.task for e in ready], slots, self._max_inflight - slots)
+            return [[entry_of[id(t)] for t in group] for group in plan[:slots] if group]
         n = min(slots, len(ready))
         return [ready[i::n] for i in range(n)]
 

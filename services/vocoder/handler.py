@@ -42,9 +42,13 @@ class VocoderHandler:
         self.model_name = model_name
         self.layout = layout
         self.failure = failure
-        self.max_inflight_steps = layout.pp  # one batch per pipeline rank at a time
+        # one batch per pipeline rank at a time; in-process on CPU a second slot for first windows (see
+        # VocoderBatcher.lanes: two threads, disjoint requests, read-only modules)
+        in_process_cpu = layout.pp * layout.tp == 1 and layout.backend != "nccl"
+        self.max_inflight_steps = 2 if in_process_cpu else layout.pp
         # on CPU a step decodes at most CPU_CONV_ROWS windows (see VocoderBatcher); on CUDA all ready ones
-        self.batcher = VocoderBatcher(max_codes_per_step, CPU_CONV_ROWS if layout.backend != "nccl" else None)
+        self.batcher = VocoderBatcher(max_codes_per_step, CPU_CONV_ROWS if layout.backend != "nccl" else None,
+                                      first_lane=in_process_cpu)
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",

@@ -16,7 +16,10 @@ requests; those left out stay ready for the next step (the engine offers the lon
 CPU a step takes at most `CPU_CONV_ROWS` windows: wider batches decode no faster there (the conv stack
 upsamples 1920x and falls out of cache), and a short step lets a new request's first window in sooner.
 First windows go first: when a request waits for its first audio, a step takes only first windows (not
-twice in a row).
+twice in a row); and with two compute slots (the CPU stage, in-process) a first window starts in a step of
+its own beside a step in flight (`lanes`): on two cores the short first window no longer waits for a
+long step of other requests' windows. Steps on different slots touch disjoint requests: each has its own
+conv state and pre-transformer cache, and the modules are only read.
 """
 
 from __future__ import annotations
@@ -56,27 +59,52 @@ def step_windows(tasks: list[VocoderTask]) -> StepResult:
     return results
 
 
+def _is_first(task: StageTask) -> bool:
+    t = cast("VocoderTask", task)
+    return t.completion_tokens == 0 and t.next_window_size() > 0
+
+
 class VocoderBatcher:
     """The vocoder handler's `batcher` (the engine loop's `BatchStepper`)."""
 
-    def __init__(self, max_codes: int | None = None, max_windows: int | None = None) -> None:
+    def __init__(self, max_codes: int | None = None, max_windows: int | None = None, first_lane: bool = False) -> None:
+        """`first_lane`: the stage has a second compute slot for first windows (see `lanes`)."""
         if max_codes is not None and max_codes < 1:
             raise ValueError(f"max_codes must be >= 1, got {max_codes}")
         if max_windows is not None and max_windows < 1:
             raise ValueError(f"max_windows must be >= 1, got {max_windows}")
         self.max_codes = max_codes
         self.max_windows = max_windows
+        self.first_lane = first_lane
         self._first_only = False  # the last step took only first windows
+
+    def lanes(self, tasks: list[StageTask], free: int, busy: int) -> list[list[StageTask]]:
+        """The engine loop's plan (`LaneStepper`), with a first-window lane when the stage has 2 slots: no
+        step in flight -> one step over everything ready (`step_batch` picks); a step in flight -> only
+        first windows may start beside it, so a new request's first audio never waits for other requests'
+        long windows."""
+        if free <= 0 or not tasks:
+            return []
+        if not self.first_lane:  # the engine's own split: a share per free slot (pp micro-batches)
+            n = min(free, len(tasks))
+            return [tasks[i::n] for i in range(n)]
+        if busy == 0:
+            return [tasks]
+        first = [t for t in tasks if _is_first(t)]
+        return [first] if first else []
 
     def step_batch(self, tasks: list[StageTask]) -> StepResult:
         ready = cast("list[VocoderTask]", tasks)
-        first = [t for t in ready if t.completion_tokens == 0 and t.next_window_size()]
-        if first and len(first) < len(ready) and not self._first_only:
-            # a request's first audio goes ahead: its short first window in a step of its own (the others
-            # already streamed seconds of audio ahead of real time); never twice in a row, so none starves
-            ready, self._first_only = first, True
-        else:
-            self._first_only = False
+        first = [t for t in ready if _is_first(t)]
+        if first and len(first) < len(ready):
+            if not self._first_only:
+                # a request's first audio goes ahead: its short first window in a step of its own (the others
+                # already streamed seconds of audio ahead of real time); never twice in a row, so none starves
+                ready, self._first_only = first, True
+            else:
+                self._first_only = False
+        elif not first:
+            self._first_only = False  # (a step of first windows only, e.g. the first-window lane, leaves it)
         batch: list[VocoderTask] = []
         codes = 0
         for task in ready:  # the engine's order: longest-waiting first

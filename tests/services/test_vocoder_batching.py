@@ -15,6 +15,7 @@ Run: python -m pytest tests/services/test_vocoder_batching.py -q
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -261,3 +262,54 @@ def test_pipeline_parallel_batch_equals_single_rank(model_dir: Path, model: tupl
     one_rank = drive((c2w, single), codes, lambda tasks: batcher.step_batch(list(tasks)))
     for rid in codes:
         torch.testing.assert_close(torch.cat(two_ranks[rid]), torch.cat(one_rank[rid]), atol=TOL, rtol=0)
+
+
+def test_lanes_plan_a_first_window_beside_a_step_in_flight(model: tuple[Any, Any], codes: dict[str, torch.Tensor]) -> None:
+    c2w, backend = model
+    tasks = {rid: VocoderTask(rid, c2w, WINDOW, backend, first_window=3) for rid in ("old", "new")}
+    tasks["old"].feed(StageChunk(tensors={"codes": codes["d"][:, :3]}))
+    tasks["old"].step()  # its first window is done: the next is a later one
+    for task in tasks.values():
+        task.feed(StageChunk(tensors={"codes": codes["d"][:, 3:20]}))
+    lane = VocoderBatcher(first_lane=True)
+    ready = [tasks["old"], tasks["new"]]
+    assert lane.lanes(ready, free=2, busy=0) == [ready]  # nothing in flight: one step over everything
+    assert lane.lanes(ready, free=1, busy=1) == [[tasks["new"]]]  # beside a step: first windows only
+    assert lane.lanes([tasks["old"]], free=1, busy=1) == []
+    assert lane.lanes(ready, free=0, busy=2) == []
+    plain = VocoderBatcher()  # no lane (a pipeline-parallel stage): the engine's share per free slot
+    assert plain.lanes(ready, free=2, busy=0) == [[tasks["old"]], [tasks["new"]]]
+    for task in tasks.values():
+        task.close()
+
+
+async def test_a_first_window_does_not_wait_for_a_long_step(model: tuple[Any, Any], codes: dict[str, torch.Tensor],
+                                                            one_piece: dict[str, torch.Tensor]) -> None:
+    """Two slots (the CPU stage): while one request decodes a long window, a new request's first window runs
+    beside it and its audio comes out first; both streams still equal one-piece decoding."""
+    c2w, backend = model
+    loop = EngineLoop("vocoder", max_inflight=2, batcher=VocoderBatcher(first_lane=True))
+    loop.start()
+    arrived: dict[str, float] = {}
+    try:
+        long_q = loop.submit(VocoderTask("f", c2w, 80, backend, first_window=80))
+        loop.feed("f", StageChunk(tensors={"codes": codes["f"]}, final=True))  # one 80-code window, then 3
+        await asyncio.sleep(0.02)  # its long step is running
+        new_q = loop.submit(VocoderTask("c", c2w, WINDOW, backend, first_window=2))
+        loop.feed("c", StageChunk(tensors={"codes": codes["c"]}, final=True))
+
+        async def collect(rid: str, queue: asyncio.Queue) -> torch.Tensor:
+            pieces, event = [], await asyncio.wait_for(queue.get(), 60)
+            while isinstance(event, StageChunk):
+                arrived.setdefault(rid, time.monotonic())
+                pieces.append(event.tensors["pcm"])
+                event = await asyncio.wait_for(queue.get(), 60)
+            assert isinstance(event, EngineDone)
+            return torch.cat(pieces)
+
+        got = dict(zip(("f", "c"), await asyncio.gather(collect("f", long_q), collect("c", new_q))))
+    finally:
+        await loop.stop()
+    assert arrived["c"] < arrived["f"], arrived
+    for rid in ("f", "c"):
+        torch.testing.assert_close(got[rid], one_piece[rid], atol=TOL, rtol=0)
