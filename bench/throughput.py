@@ -8,7 +8,7 @@
 The workload is the same on both sides: requests with a fixed text prompt each (every K-th also carries a
 1 s audio clip with --audio-every K), text + audio out, speaker Ethan, greedy thinker (`--max-tokens`)
 and talker (`--talker-max-tokens` code groups); request i is the same request on both sides. Each
-concurrency c runs requests 0..n-1, n = `--requests` (default max(8, 2c)).
+concurrency c runs requests 0..n-1, n = `--requests` (default max(16, 3c): enough for steady p50s on a noisy host).
 
 - omnimesh: one `omnimesh serve` on free ports (plus `--serve-args`), warmed up, then for each c the
   requests with c in flight (closed loop: a client sends its next request when its last one ends), each
@@ -55,6 +55,10 @@ from bench.mesh_process import MeshProcess  # noqa: E402
 
 TARGET_SPEEDUP_C16 = 8.0
 TARGET_TTFP_RATIO_C8 = 2.0
+
+
+def default_requests(c: int) -> int:
+    return max(16, 3 * c)
 
 
 def log(msg: str) -> None:
@@ -116,7 +120,7 @@ def omnimesh_side(model: Path, work: Workload, args: argparse.Namespace, device:
                 raise RuntimeError(f"omnimesh warm-up request failed: {r.error}")
         out: dict[int, dict[str, Any]] = {}
         for c in concurrencies:
-            n = args.requests or max(8, 2 * c)
+            n = args.requests or default_requests(c)
             log(f"omnimesh: concurrency {c}, {n} requests")
             out[c] = run_mesh(mesh.url, work, c, n, rate)
             if out[c]["errors"]:
@@ -186,7 +190,7 @@ def hf_side(model: Path, work: Workload, args: argparse.Namespace, device: str,
     result["batched"] = {}
     unsupported = ""
     for c in [c for c in concurrencies if c > 1] if not args.no_hf_batched else []:
-        n = args.requests or max(8, 2 * c)
+        n = args.requests or default_requests(c)
         if unsupported:
             result["batched"][c] = {"error": unsupported}
             continue
@@ -318,7 +322,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: the built-in tiny Qwen3-Omni)")
     ap.add_argument("--concurrency", default="1,4,8,16,32", help="comma-separated requests in flight (default: %(default)s)")
-    ap.add_argument("--requests", type=int, default=None, help="requests per concurrency (default: max(8, 2c))")
+    ap.add_argument("--requests", type=int, default=None, help="requests per concurrency (default: max(16, 3c))")
     ap.add_argument("--max-tokens", type=int, default=32, help="thinker tokens per request (default: %(default)s)")
     ap.add_argument("--talker-max-tokens", type=int, default=64,
                     help="talker code groups per request (default: %(default)s)")
@@ -340,7 +344,7 @@ def main() -> int:
     if not concurrencies or min(concurrencies) < 1 or (args.requests is not None and args.requests < 1):
         ap.error("--concurrency needs whole numbers >= 1, --requests >= 1")
     if args.hf_requests is None:
-        args.hf_requests = max(args.requests or max(8, 2 * c) for c in concurrencies)
+        args.hf_requests = max(args.requests or default_requests(c) for c in concurrencies)
     device = resolve_device(args.device)
     model = model_folder(args.model)
     work = Workload(args)
