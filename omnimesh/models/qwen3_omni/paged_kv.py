@@ -19,9 +19,9 @@ Pool memory per rank: 2 x layers x num_blocks x block_size x (n_kv_heads / tp) x
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import ceil
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -53,20 +53,22 @@ class BatchLayout:
 
     @classmethod
     def build(cls, seqs: list[tuple[int, int, list[int]]], block_size: int) -> BatchLayout:
-        """`seqs`: per request (n_new, past, block table), in packed order."""
-        write: list[torch.Tensor] = []
+        """`seqs`: per request (n_new, past, block table), in packed order. Slot arithmetic in numpy (one
+        call per request instead of a dozen torch ops: this runs on the driver every step)."""
+        write: list[np.ndarray] = []
         dec_rows: list[int] = []
-        dec_slots: list[torch.Tensor] = []
+        dec_slots: list[np.ndarray] = []
         prefills: list[PrefillSlice] = []
+        offsets = np.arange(block_size, dtype=np.int64)
         row = 0
         for n, past, blocks in seqs:
             total = past + n
-            if n < 1 or ceil(total / block_size) > len(blocks):
-                raise ValueError(f"a request with {past} cached + {n} new tokens needs {ceil(total / block_size)} "
+            needed = -(-total // block_size)
+            if n < 1 or needed > len(blocks):
+                raise ValueError(f"a request with {past} cached + {n} new tokens needs {needed} "
                                  f"blocks, its table has {len(blocks)}")
-            table = torch.tensor(blocks[:ceil(total / block_size)], dtype=torch.long)
-            pos = torch.arange(total)
-            slots = table[pos // block_size] * block_size + pos % block_size  # (total,)
+            # slot of position p = block[p // block_size] * block_size + p % block_size
+            slots = (np.asarray(blocks[:needed], dtype=np.int64)[:, None] * block_size + offsets).reshape(-1)[:total]
             write.append(slots[past:])
             if n == 1:
                 dec_rows.append(row)
@@ -75,18 +77,20 @@ class BatchLayout:
                 mask = None
                 if past > 0:  # chunked prefill: query i sees keys 0 .. past + i
                     mask = torch.arange(total)[None, :] <= torch.arange(past, total)[:, None]  # (n, total)
-                prefills.append(PrefillSlice(row, n, slots, mask))
+                prefills.append(PrefillSlice(row, n, torch.from_numpy(slots), mask))
             row += n
-        smax = max((s.numel() for s in dec_slots), default=0)
-        padded = torch.zeros(len(dec_slots), smax, dtype=torch.long)
-        mask = torch.zeros(len(dec_slots), 1, 1, smax, dtype=torch.bool)
+        lengths = np.array([s.size for s in dec_slots], dtype=np.int64)
+        smax = int(lengths.max()) if len(dec_slots) else 0
+        padded = np.zeros((len(dec_slots), smax), dtype=np.int64)
         for i, s in enumerate(dec_slots):
-            padded[i, :s.numel()] = s
-            mask[i, ..., :s.numel()] = True
-        ragged = any(s.numel() != smax for s in dec_slots)
-        return cls(num_tokens=row, write_slots=torch.cat(write) if write else torch.zeros(0, dtype=torch.long),
-                   decode_rows=torch.tensor(dec_rows, dtype=torch.long), decode_slots=padded,
-                   decode_mask=mask if ragged else None, prefills=tuple(prefills))
+            padded[i, :s.size] = s
+        ragged = bool((lengths != smax).any())
+        mask = (torch.from_numpy(np.arange(smax)[None, :] < lengths[:, None]).view(len(dec_slots), 1, 1, smax)
+                if ragged else None)
+        return cls(num_tokens=row,
+                   write_slots=torch.from_numpy(np.concatenate(write)) if write else torch.zeros(0, dtype=torch.long),
+                   decode_rows=torch.tensor(dec_rows, dtype=torch.long), decode_slots=torch.from_numpy(padded),
+                   decode_mask=mask, prefills=tuple(prefills))
 
 
 class PagedKVPool:
