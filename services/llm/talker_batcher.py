@@ -8,19 +8,19 @@ Data flow (`step_batch`, on the engine loop's compute thread), over the ready re
      codes (sent once its chunk is whole) and the group's embedding sum + text entry g is queued as its next
      decoder input;
   4. ONE `LMEngine.step` runs the scheduled decoder rows of all requests; each request that got logits
-     samples its next codec token (codec EOS or max tokens ends it: the last token gets no group, and the
+     samples its next codec token (greedy requests alike in one go: `Qwen3OmniTalker.sample_next_batch`) (codec EOS or max tokens ends it: the last token gets no group, and the
      codes still held go out with the request's last chunk).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from omnimesh.engine.task import StageTask
 from omnimesh.models.qwen3_omni.lm_engine import InputRun, LMEngine
-from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker
+from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerState
 from omnimesh.transport.frames import StageChunk
 from services.llm.talker_task import TalkerTask
 
@@ -57,23 +57,41 @@ class TalkerBatcher:
                 predict.append(task)
         if predict:
             self._predict(predict, out)
+        sampled: list[tuple[TalkerTask, Any]] = []
         for rid, result in self.engine.step([rid for rid, t in live.items() if t.awaiting]).items():
-            task = live[rid]
-            if result.logits is None:
-                out.setdefault(rid, [])
-                continue
-            try:
-                assert task.state is not None
-                self.talker.sample_next(task.state, result.logits, result.last_hidden)
-            except Exception as exc:  # this request's sampling failed: it alone ends
-                out[rid] = exc
-                continue
+            out.setdefault(rid, [])
+            if result.logits is not None:
+                sampled.append((live[rid], result))
+        self._sample(sampled, out)
+        return out
+
+    def _sample(self, sampled: list[tuple[TalkerTask, Any]], out: dict[str, list[StageChunk] | BaseException]) -> None:
+        """Each request that got logits samples its next codec token: all in one go when they can
+        (`sample_next_batch`), else one by one, so a request whose sampling fails ends alone."""
+        if not sampled:
+            return
+        states = [t.state for t, _ in sampled]
+        try:
+            batched = all(s is not None for s in states) and self.talker.sample_next_batch(
+                cast("list[TalkerState]", states), torch.stack([r.logits for _, r in sampled]),
+                [r.last_hidden for _, r in sampled])
+        except Exception:  # nothing was taken: each request tries alone below, and a failure ends it alone
+            batched = False
+        done = [t for t, _ in sampled] if batched else []
+        if not batched:
+            for task, result in sampled:
+                try:
+                    assert task.state is not None
+                    self.talker.sample_next(task.state, result.logits, result.last_hidden)
+                    done.append(task)
+                except Exception as exc:  # this request's sampling failed: it alone ends
+                    out[task.request_id] = exc
+        for task in done:
             task.awaiting = False
             task.finish_counts()
-            chunks = out.setdefault(rid, [])
+            chunks = out[task.request_id]
             if task.finished and isinstance(chunks, list):
                 chunks.extend(task.flush())
-        return out
 
     def _predict(self, tasks: list[TalkerTask], out: dict[str, list[StageChunk] | BaseException]) -> None:
         prefixes, params = [], []

@@ -182,3 +182,27 @@ def test_min_tokens_zero_or_without_stop_ids_changes_nothing() -> None:
     assert beyond.sample(raw) == int(raw.topk(2).indices[1])  # the runner-up; id 10000 >= V is skipped
     seeded = [Sampler(SamplingParams(temperature=0.9, seed=4, min_tokens=m)) for m in (0, 5)]
     assert [seeded[0].sample(raw) for _ in range(20)] == [seeded[1].sample(raw) for _ in range(20)]  # no stop ids
+
+
+def test_greedy_batch_picks_what_each_sampler_would() -> None:
+    """Talker-like requests (penalty 1.05, suppressed ids, histories of different lengths, some with ids
+    past the head, an empty one): one batched pick equals each Sampler.sample; a batch that does not
+    qualify is refused (None) and changes no sampler."""
+    from dataclasses import replace
+
+    from omnimesh.models.qwen3_omni.sampling import greedy_batch
+
+    gen = torch.Generator().manual_seed(7)
+    params = SamplingParams(temperature=0, repetition_penalty=1.05, suppress_tokens=tuple(range(200, 260)),
+                            stop_token_ids=(300,), max_tokens=100)
+    logits = torch.randn(6, 320, generator=gen) * 3
+    histories = [torch.randint(0, 330, (n,), generator=gen) for n in (0, 1, 5, 17, 40, 3)]
+    want = [Sampler(params).sample(logits[b].clone(), histories[b]) for b in range(6)]
+    samplers = [Sampler(params) for _ in range(6)]
+    assert greedy_batch(samplers, logits.clone(), histories) == want
+    assert all(s.num_sampled == 1 for s in samplers)
+    for odd in (replace(params, temperature=0.7), replace(params, repetition_penalty=1.1),
+                replace(params, suppress_tokens=()), replace(params, min_tokens=3)):
+        mixed = [Sampler(params), Sampler(odd)]
+        assert greedy_batch(mixed, logits[:2], histories[:2]) is None
+        assert all(s.num_sampled == 0 for s in mixed)

@@ -430,6 +430,33 @@ def test_talker_batched_equals_solo_with_one_predictor_call_per_step(model_dir: 
     assert_drained(handler.batcher.engine, handler.batcher.engine.allocator.num_blocks)
 
 
+def test_sampled_talker_batched_equals_solo(model_dir: Path, thinker_out: dict) -> None:
+    """Seeded sampling (top-k 50, T 0.9: each request draws alone, with its own generator) batched with a
+    greedy request: every request's codes equal its solo run, and the greedy one equals its greedy run."""
+    handler = talker_handler(model_dir, ServeArgs(max_model_len=128))
+
+    def open_one(rid: str, seed: int | None) -> Any:
+        sampling = (stage_pb2.SamplingParams(temperature=0.9, top_k=50, seed=seed, max_tokens=20) if seed is not None
+                    else stage_pb2.SamplingParams(temperature=0, max_tokens=20))
+        task = handler.open(stage_pb2.Open(request_id=rid, options={"speaker": "ethan"}, sampling=sampling))
+        chunks = thinker_out[rid]
+        for n, c in enumerate(chunks):
+            task.feed(StageChunk(tensors=c.tensors, seq=n, final=n == len(chunks) - 1))
+        return task
+
+    seeds = {"t0": 11, "t1": None, "t2": 12}
+    solo = {}
+    for rid, seed in seeds.items():
+        d = Driver(handler)
+        d.add(open_one(rid, seed))
+        solo[rid] = codes(d.run()[rid])
+    d = Driver(handler)
+    d.add(*(open_one(rid, seed) for rid, seed in seeds.items()))
+    together = d.run()
+    for rid in seeds:
+        assert torch.equal(codes(together[rid]), solo[rid]), rid
+
+
 def test_talker_sends_its_codes_in_the_vocoders_windows(model_dir: Path, thinker_out: dict) -> None:
     """chunk_codes / first_chunk_codes (the gateway sets the vocoder's windows): the same codes, in chunks of
     the first size, then the steady size, the rest with the final chunk; each chunk leaves in the step that

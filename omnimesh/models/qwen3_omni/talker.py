@@ -43,6 +43,7 @@ from omnimesh.models.qwen3_omni.sampling import (
     Sampler,
     SamplingParams,
     code_predictor_sampling_params,
+    greedy_batch,
     talker_sampling_params,
 )
 from omnimesh.models.qwen3_omni.thinker import TalkerPrompt
@@ -247,7 +248,21 @@ class Qwen3OmniTalker:
         """The decoder's output for the latest input: sample the next codec token (c0 of the next group)."""
         state.last_hidden = last_hidden  # (1, 1, H)
         history = torch.tensor(state.codes, dtype=torch.long)  # (n,) generated codec tokens only
-        token = state.sampler.sample(logits, history)
+        self._took(state, state.sampler.sample(logits, history))
+
+    def sample_next_batch(self, states: list[TalkerState], logits: torch.Tensor, last_hidden: list[torch.Tensor]) -> bool:
+        """`sample_next` for B requests of one step, logits (B, V), when they are greedy alike (`greedy_batch`:
+        one go, the same tokens). False (nothing changed) when they are not: sample them one by one."""
+        histories = [torch.tensor(s.codes, dtype=torch.long) for s in states]
+        tokens = greedy_batch([s.sampler for s in states], logits, histories)
+        if tokens is None:
+            return False
+        for state, token, hidden in zip(states, tokens, last_hidden):
+            state.last_hidden = hidden  # (1, 1, H)
+            self._took(state, token)
+        return True
+
+    def _took(self, state: TalkerState, token: int) -> None:
         state.codes.append(token)
         if state.sampler.is_stop(token) or len(state.codes) >= state.sampler.params.max_tokens:
             state.finished = True
