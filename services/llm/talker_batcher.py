@@ -94,13 +94,8 @@ class TalkerBatcher:
                 chunks.extend(task.flush())
 
     def _predict(self, tasks: list[TalkerTask], out: dict[str, list[StageChunk] | BaseException]) -> None:
-        prefixes, params = [], []
-        for task in tasks:
-            assert task.state is not None
-            prefix, p = self.talker.predict_prefix(task.state)
-            prefixes.append(prefix)
-            params.append(p)
-        results = self.predict_batch(torch.cat(prefixes), tuple(params))
+        prefix, params = self.talker.predict_prefixes([cast(TalkerState, t.state) for t in tasks])  # (B, 2, H)
+        results = self.predict_batch(prefix, tuple(params))
         for task, (residuals, codec_sum) in zip(tasks, results):
             assert task.state is not None
             group, row, positions = self.talker.after_predict(task.state, residuals, codec_sum)

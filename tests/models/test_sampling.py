@@ -199,10 +199,10 @@ def test_greedy_batch_picks_what_each_sampler_would() -> None:
     histories = [torch.randint(0, 330, (n,), generator=gen) for n in (0, 1, 5, 17, 40, 3)]
     want = [Sampler(params).sample(logits[b].clone(), histories[b]) for b in range(6)]
     samplers = [Sampler(params) for _ in range(6)]
-    assert greedy_batch(samplers, logits.clone(), histories) == want
+    assert greedy_batch(samplers, logits.clone(), [h.tolist() for h in histories]) == want
     assert all(s.num_sampled == 1 for s in samplers)
     for odd in (replace(params, temperature=0.7), replace(params, repetition_penalty=1.1),
                 replace(params, suppress_tokens=()), replace(params, min_tokens=3)):
         mixed = [Sampler(params), Sampler(odd)]
-        assert greedy_batch(mixed, logits[:2], histories[:2]) is None
+        assert greedy_batch(mixed, logits[:2], [h.tolist() for h in histories[:2]]) is None
         assert all(s.num_sampled == 0 for s in mixed)

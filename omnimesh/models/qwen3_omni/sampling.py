@@ -24,6 +24,7 @@ The `*_sampling_params` functions give the defaults `Qwen3OmniMoeForConditionalG
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -138,8 +139,14 @@ class Sampler:
         return token_id in self.params.stop_token_ids
 
 
-def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[torch.Tensor]) -> list[int] | None:
-    """`sample` for B greedy requests at once: logits (B, V), per request its penalty history (n_b,) -> ids,
+@functools.lru_cache(maxsize=16)
+def _suppress_mask(ids: tuple[int, ...], vocab: int, device: str) -> torch.Tensor:
+    """(V,) bool: True at the suppressed ids (made once per id set; every request of a stage shares it)."""
+    return torch.isin(torch.arange(vocab, device=device), torch.tensor(ids, dtype=torch.long, device=device))
+
+
+def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[list[int]]) -> list[int] | None:
+    """`sample` for B greedy requests at once: logits (B, V), per request its penalty history (ids) -> ids,
     each what its own `sample` would pick (the same per-element arithmetic, one op per step instead of a
     dozen per request). None when the batch does not qualify (a request samples, holds stop ids back for
     min_tokens now, or the requests differ in penalty or suppressed tokens): the caller samples one by one."""
@@ -151,17 +158,15 @@ def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[
     scores = logits.to(torch.float32)  # (B, V)
     V = scores.shape[-1]
     if first.repetition_penalty != 1.0:
-        rows = torch.repeat_interleave(torch.arange(len(histories)), torch.tensor([h.numel() for h in histories]))
-        cols = torch.cat([h.to(scores.device).long().view(-1) for h in histories])  # (sum n_b,)
+        rows = torch.repeat_interleave(torch.arange(len(histories)), torch.tensor([len(h) for h in histories]))
+        cols = torch.tensor([i for h in histories for i in h], dtype=torch.long, device=scores.device)  # (sum n_b,)
         keep = cols < V  # ids past the head cannot be generated: ignored
         seen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         seen[rows[keep].to(scores.device), cols[keep]] = True  # (B, V)
         p = first.repetition_penalty
         scores = torch.where(seen, torch.where(scores < 0, scores * p, scores / p), scores)
-    suppress = samplers[0]._suppress
-    if suppress is not None:
-        mask = torch.isin(torch.arange(V, device=scores.device), suppress.to(scores.device))  # (V,)
-        scores = scores.masked_fill(mask, -float("inf"))
+    if first.suppress_tokens:
+        scores = scores.masked_fill(_suppress_mask(first.suppress_tokens, V, str(scores.device)), -float("inf"))
     tokens = torch.argmax(scores, dim=-1).tolist()
     for s in samplers:  # only now: a failure above leaves every sampler as it was
         s.num_sampled += 1

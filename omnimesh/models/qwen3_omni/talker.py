@@ -29,7 +29,7 @@ Fed token by token or all at once the numbers are identical (each text row is pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -222,16 +222,22 @@ class Qwen3OmniTalker:
         """The prefill ran and c_g is sampled: the code predictor can run once text entry g is known."""
         return state.prefill_embeds is None and bool(state.codes) and self.can_step(state)
 
-    def predict_prefix(self, state: TalkerState) -> tuple[torch.Tensor, SamplingParams]:
-        """The code predictor's input (1, 2, H) for c_g and its sampling (a fresh seed from the request's
-        stream when sampling, drawn in `_predict_residuals`' order)."""
-        if state.last_hidden is None:
+    def predict_prefixes(self, states: list[TalkerState]) -> tuple[torch.Tensor, list[SamplingParams]]:
+        """The code predictor's input (B, 2, H) = per request [last hidden, embedding of c_g] (one embedding
+        call for the batch) and each request's sampling (a fresh seed from its stream when sampling, drawn in
+        `_predict_residuals`' order)."""
+        if any(s.last_hidden is None for s in states):
             raise ValueError("code predictor before the talker prefill ran")
-        first = self.talker.get_input_embeddings()(torch.tensor([[state.codes[-1]]], dtype=torch.long))  # (1, 1, H)
-        params = state.predictor_sampler.params
-        if not params.greedy:
-            params = replace(params, seed=int(torch.randint(0, 2**62, (1,), generator=state.sampler.generator)))
-        return torch.cat([state.last_hidden, first], dim=1), params
+        codes = torch.tensor([[s.codes[-1]] for s in states], dtype=torch.long)  # (B, 1)
+        first = self.talker.get_input_embeddings()(codes)  # (B, 1, H)
+        params = []
+        for state in states:
+            p = state.predictor_sampler.params
+            if not p.greedy:
+                p = replace(p, seed=int(torch.randint(0, 2**62, (1,), generator=state.sampler.generator)))
+            params.append(p)
+        hidden = torch.cat([cast(torch.Tensor, s.last_hidden) for s in states])  # (B, 1, H)
+        return torch.cat([hidden, first], dim=1), params
 
     def after_predict(self, state: TalkerState, residuals: list[int], codec_sum: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,8 +259,7 @@ class Qwen3OmniTalker:
     def sample_next_batch(self, states: list[TalkerState], logits: torch.Tensor, last_hidden: list[torch.Tensor]) -> bool:
         """`sample_next` for B requests of one step, logits (B, V), when they are greedy alike (`greedy_batch`:
         one go, the same tokens). False (nothing changed) when they are not: sample them one by one."""
-        histories = [torch.tensor(s.codes, dtype=torch.long) for s in states]
-        tokens = greedy_batch([s.sampler for s in states], logits, histories)
+        tokens = greedy_batch([s.sampler for s in states], logits, [s.codes for s in states])
         if tokens is None:
             return False
         for state, token, hidden in zip(states, tokens, last_hidden):
