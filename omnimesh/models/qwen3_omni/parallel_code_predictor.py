@@ -355,6 +355,20 @@ def greedy(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits, dim=-1).item())
 
 
+def _pick(picks: Sequence[Sample], logits: torch.Tensor, greedy_rows: list[int]) -> list[int]:
+    """Each row's id from logits (B, V): the greedy rows with ONE argmax (the same ids as row by row), the
+    sampled ones through their own sampler, in row order."""
+    ids = [0] * len(picks)
+    if greedy_rows:
+        rows = logits if len(greedy_rows) == len(picks) else logits[greedy_rows]
+        for b, token in zip(greedy_rows, torch.argmax(rows, dim=-1).tolist()):
+            ids[b] = token
+    for b, pick in enumerate(picks):
+        if pick is not greedy:
+            ids[b] = pick(logits[b])
+    return ids
+
+
 @torch.no_grad()
 def predict_residuals(model: ParallelCodePredictor, prefix: torch.Tensor | None, *,
                       sample: Sequence[Sample | None] | None = None, batch: int = 1) -> ResidualCodes:
@@ -378,6 +392,7 @@ def predict_residuals(model: ParallelCodePredictor, prefix: torch.Tensor | None,
         x = prefix.to(device=ps.device, dtype=model.dtype)
         embeds.append(x[:, 1:])  # (B, 1, H)
     picks = [(sample[b] if sample is not None and b < len(sample) else None) or greedy for b in range(batch)]
+    greedy_rows = [b for b in range(batch) if picks[b] is greedy]
     cache = model.new_cache()
     codes: list[list[int]] = [[] for _ in range(batch)]
     hiddens: list[torch.Tensor] = []
@@ -389,11 +404,10 @@ def predict_residuals(model: ParallelCodePredictor, prefix: torch.Tensor | None,
             hiddens.append(hidden)
             logits = model.compute_logits(j, hidden[:, -1])  # (B, V)
             if ps.rank == ps.last_pp_rank_driver:
-                for b in range(batch):
-                    tokens[b] = picks[b](logits[b])
+                tokens = torch.tensor(_pick(picks, logits, greedy_rows), dtype=torch.long)
         cpu_broadcast(tokens, ps.last_pp_rank_driver, ps)
-        for b in range(batch):
-            codes[b].append(int(tokens[b]))
+        for b, token in enumerate(tokens.tolist()):
+            codes[b].append(token)
         if ps.is_first_pp_rank:
             x = model.embed_codes(j, tokens.view(batch, 1))  # (B, 1, H): next step's input, and part of the sum
             embeds.append(x)
