@@ -76,6 +76,7 @@ def test_valid_but_unsupported_settings_are_listed() -> None:
         ({"distributed_executor_backend": "slurm"}, "must be mp or ray"),
         ({"num_nodes": 2, "node_rank": 2}, r"--node-rank must be in \[0, --num-nodes\)"),
         ({"max_waiting_requests": -1}, r"--max-waiting-requests must be >= 0"),
+        ({"stream_interval": 0}, r"--stream-interval must be >= 1 token"),
         ({"stage_overrides": '{"talker": {"max_waiting_requests": -2}}'},
          r"stage talker: max_waiting_requests must be a whole number >= 0"),
     ],
