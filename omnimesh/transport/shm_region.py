@@ -83,10 +83,14 @@ class Region:
         self.max_slots = max_slots
         self.data_offset = data_offset
         self.data_size = data_size
-        self.table = np.ndarray((max_slots,), dtype=SLOT_DTYPE, buffer=mm, offset=HEADER_BYTES)
+        self.table = self.new_table()
         # Slots this descriptor has claimed and not released. OFD locks do not count: one unlock drops the
         # lock however often it was taken, so a failed claim or a discard of a slot held here must not unlock.
         self._held: set[int] = set()
+
+    def new_table(self) -> np.ndarray:
+        """The slot table: a (max_slots,) structured view of the mapping."""
+        return np.ndarray((self.max_slots,), dtype=SLOT_DTYPE, buffer=self.mm, offset=HEADER_BYTES)
 
     # -- creation / opening -------------------------------------------------------------------------------
     @classmethod
@@ -181,10 +185,11 @@ class Region:
         self._held.add(slot)
 
     def release(self, slot: int) -> None:
-        """The consumer is done with a claimed slot."""
-        self._held.discard(slot)
+        """The consumer is done with a claimed slot (may run on any thread: a tensor's finalizer). The slot
+        leaves `_held` last, so `RegionReader.drop_dead` never closes a region under a release."""
         self.table[slot]["state"] = RELEASED
         self.unlock(slot)
+        self._held.discard(slot)
 
     def discard(self, slot: int, generation: int) -> bool:
         """Release a publication without reading it (a frame its consumer drops); False when it was gone."""
@@ -212,17 +217,25 @@ class Region:
 
 
 class RegionReader:
-    """Consumer side: maps producers' regions on first use and claims / releases their slots."""
+    """Consumer side: maps producers' regions on first use and claims / releases their slots. A region whose
+    producer is gone (its liveness lock is free: it stopped, crashed or restarted under a new name) is
+    unmapped once no tensor views it, and its name removed, so restarting a stage frees its arena's memory
+    here too (checked when a new region appears and every `CHECK_EVERY_S`)."""
+
+    CHECK_EVERY_S = 10.0
 
     def __init__(self) -> None:
         self.host_id = host_id()
         self._regions: dict[str, Region] = {}
+        self._checked = time.monotonic()
 
     def region(self, name: str, ref_host: str, what: str) -> Region:
         if ref_host != self.host_id:
             raise RegionError(f"{what}: the tensor is in shared memory of host {ref_host[:12]}, but this process "
                               f"runs on host {self.host_id[:12]}; co-located stages only (use --transport grpc)")
         region = self._regions.get(name)
+        if region is None or time.monotonic() - self._checked > self.CHECK_EVERY_S:
+            self.drop_dead()
         if region is None:
             try:
                 region = self._regions[name] = Region.open(name)
@@ -242,6 +255,35 @@ class RegionReader:
         view = memoryview(region.mm)[start: start + nbytes]
         weakref.finalize(view, region.release, slot)
         return view
+
+    def drop_dead(self) -> int:
+        """Unmap the regions whose producer is gone and that no tensor views any more (their names removed
+        too); -> how many. A region still viewed stays until a later check."""
+        self._checked = time.monotonic()
+        dropped = 0
+        for name, region in list(self._regions.items()):
+            if not _flock(region.fd, fcntl.F_WRLCK, _LIVENESS, wait=False):
+                continue  # its producer holds the liveness lock: alive
+            try:
+                region.unlink()  # a dead producer's leftover: nobody can publish there again
+                if region._held:
+                    continue  # a tensor here still holds a slot: keep it mapped for now
+                del region.table  # the slot table is a view of the mapping too
+                try:
+                    region.mm.close()
+                except BufferError:  # a tensor still views it: keep it mapped for now
+                    region.table = region.new_table()
+                    continue
+                del self._regions[name]
+                dropped += 1
+            finally:
+                with contextlib.suppress(OSError):
+                    _flock(region.fd, fcntl.F_UNLCK, _LIVENESS, wait=False)
+                if name not in self._regions:
+                    os.close(region.fd)
+        if dropped:
+            log.info("unmapped %d shared-memory region(s) of stopped producers", dropped)
+        return dropped
 
     def claim_only(self, name: str, ref_host: str, slot: int, generation: int, nbytes: int, what: str) -> Region:
         """Claim a slot whose bytes live elsewhere (CUDA IPC); the caller releases it with `region.release`."""

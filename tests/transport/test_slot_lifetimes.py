@@ -253,3 +253,44 @@ def test_forged_reference_is_refused(make_transport, field: str, value: object, 
         producer.assembler("req-f").add(part)
     arena.end_request("req-f", cancelled=True)  # what the refusal did not give back, the cancel does
     assert arena.free_bytes() == arena.size and arena.live_slots == 0
+
+
+_PRODUCER = """
+import json, sys, time
+from omnimesh.transport.host_id import host_id
+from omnimesh.transport.shm_region import PUBLISHED, Region
+tag = json.loads(sys.argv[1])[0]
+region = Region.create(tag, max_slots=4, data_size=4096)
+region.mm[region.data_offset: region.data_offset + 4] = bytes([9, 8, 7, 6])
+region.lock_exclusive(0)
+region.table[0] = (PUBLISHED, 0, 1, 0, 4, 0.0, 0)
+region.unlock(0)
+print(region.name, host_id(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_dead_producers_region_is_unmapped_once_nothing_views_it(make_arena) -> None:
+    """A stage that stops or restarts leaves consumers mapping its old arena: the reader unmaps it (and
+    removes its name) as soon as no tensor views it any more, and never touches a living producer's."""
+    from transport_testlib import TAG, our_region_files
+
+    alive = make_arena("alive", max_slots=8)
+    ref = alive.publish(torch.arange(4, dtype=torch.uint8), "req-alive")
+    assert ref is not None
+    reader = RegionReader()
+    alive_view = reader.view(ref.region, ref.host_id, ref.slot, ref.generation, ref.offset, ref.nbytes, "alive")
+    child = python_child(_PRODUCER, f"{TAG}-gone")
+    try:
+        name, host = read_line(child).split()
+        held = torch.frombuffer(reader.view(name, host, 0, 1, 0, 4, "gone"), dtype=torch.uint8)
+        assert held.tolist() == [9, 8, 7, 6]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.communicate(timeout=30)
+    assert reader.drop_dead() == 0 and name in reader._regions  # still viewed: kept, and still readable
+    assert held.tolist() == [9, 8, 7, 6] and name not in our_region_files()  # its name is gone already
+    del held
+    gc.collect()
+    assert reader.drop_dead() == 1 and name not in reader._regions
+    assert ref.region in reader._regions and bytes(alive_view) == bytes(range(4))  # the living one stays
