@@ -23,15 +23,8 @@ from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageCallError, StageClient
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 from services.encoder.handler import EncoderHandler, build_handler
-from tests.models.qwen3_omni_fixtures import torch_threads
 
 N_MEL, PATCH_DIM = 128, 3 * 2 * 16 * 16  # the tiny model's num_mel_bins and C * temporal_patch * patch^2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -33,33 +33,14 @@ from omnimesh.models.qwen3_omni import paged_kv
 from omnimesh.models.qwen3_omni.lm_engine import InputRun
 from omnimesh.models.qwen3_omni.lm_shard import LMBatch
 from omnimesh.models.qwen3_omni.stage_loading import load_config
-from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.models.qwen3_omni.tiny_config import ORDINARY_VOCAB_LIMIT
 from omnimesh.transport.frames import StageChunk
 from omnimesh.v1 import stage_pb2
 from services.llm.talker_handler import build_handler as talker_handler
 from services.llm.thinker_handler import build_handler as thinker_handler
-from tests.models.qwen3_omni_fixtures import torch_threads
 
 LOGIT_ATOL = 1e-4
 ORDINARY = ORDINARY_VOCAB_LIMIT  # tiny ids below this are plain text (above: specials, media placeholders)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "m")
-
-
-@pytest.fixture(scope="module")
-def thinker(model_dir: Path) -> Any:
-    """A roomy thinker stage (default budget, 64 blocks of 16) shared by the solo reference runs."""
-    return thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB"))
 
 
 # ---------------------------------------------------------------------------------------------- helpers

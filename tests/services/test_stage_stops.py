@@ -22,35 +22,15 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from omnimesh.config.serve_args import ServeArgs
-from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.transport.frames import StageChunk
 from omnimesh.v1 import stage_pb2
 from services.llm.talker_handler import build_handler as talker_handler
-from services.llm.thinker_handler import build_handler as thinker_handler
-from tests.models.qwen3_omni_fixtures import torch_threads
 from tests.services.test_lm_batching import Driver, Recorder, codes, open_thinker, prompts, token_ids
 
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "m")
-
-
-@pytest.fixture(scope="module")
-def thinker(model_dir: Path) -> Any:
-    return thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB"))
 
 
 class Run:

@@ -9,19 +9,12 @@ import pytest
 import torch
 
 from omnimesh.config.serve_args import ServeArgs
-from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.transport.frames import StageChunk
 from omnimesh.v1 import stage_pb2
 from services.encoder.handler import build_handler as encoder_handler
 from services.llm.talker_handler import build_handler as talker_handler
 from services.llm.thinker_handler import build_handler as thinker_handler
 from services.vocoder.handler import build_handler as vocoder_handler
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "m")
 
 
 @pytest.fixture(scope="module")

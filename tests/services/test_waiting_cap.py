@@ -29,7 +29,6 @@ from gateway.pipeline import stage_error
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.task import StageRequestError
-from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.server.grpc_server import make_server
 from omnimesh.server.stage_server import STAGE_SERVICE
 from omnimesh.server.stage_servicer import StageServicer
@@ -37,22 +36,10 @@ from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageCallError, StageClient
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 from services.llm.thinker_handler import build_handler as thinker_handler
-from tests.models.qwen3_omni_fixtures import torch_threads
 from tests.services.test_lm_batching import Driver, assert_drained, open_thinker, prompts, token_ids
 
 MAX_TOKENS = 10
 FULL = "1 requests already waiting in thinker (--max-waiting-requests 1); retry later or raise it"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "m")
 
 
 def capped(model_dir: Path, seqs: int = 1, waiting: int = 1) -> Any:
