@@ -5,7 +5,7 @@ from __future__ import annotations
 from omnimesh.v1 import stage_pb2
 
 
-def codes_option(msg: stage_pb2.Open, name: str, default: int, unit: str = "codes") -> int:
+def count_option(msg: stage_pb2.Open, name: str, default: int, unit: str = "codes") -> int:
     """A whole number >= 1 of `unit` (`default` when absent); ValueError (INVALID_ARGUMENT) otherwise."""
     text = msg.options.get(name, str(default))
     if not text.isdigit() or int(text) < 1:

@@ -72,9 +72,10 @@ class BatchStepper(Protocol):
 class LaneStepper(BatchStepper, Protocol):
     """A batch stepper that decides itself which ready requests start a step now (e.g. a latency lane)."""
 
-    def lanes(self, tasks: list[StageTask], free: int, busy: int) -> list[list[StageTask]]:
+    def lanes(self, tasks: list[StageTask], free: int, busy: int) -> list[list[StageTask]] | None:
         """On the asyncio thread, with the ready tasks (longest-waiting first), the free compute slots and the
-        steps in flight: the batches to start now, at most `free` (none: wait for a step to end)."""
+        steps in flight: the batches to start now, at most `free` (none: wait for a step to end); None: the
+        engine's own split."""
         ...
 
 
@@ -254,9 +255,9 @@ class EngineLoop:
         if self._batcher is None:
             return [[entry] for entry in ready[:slots]]
         lanes = getattr(self._batcher, "lanes", None)
-        if lanes is not None:
+        plan = lanes([e.task for e in ready], slots, self._max_inflight - slots) if lanes is not None else None
+        if plan is not None:
             entry_of = {id(e.task): e for e in ready}
-            plan = lanes([e.task for e in ready], slots, self._max_inflight - slots)
             return [[entry_of[id(t)] for t in group] for group in plan[:slots] if group]
         n = min(slots, len(ready))
         return [ready[i::n] for i in range(n)]

@@ -23,7 +23,7 @@ from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling
 from services.llm.talker_batcher import TalkerBatcher
 from services.llm.talker_task import TalkerTask
-from services.options import codes_option
+from services.options import count_option
 
 DEFAULT_SPEAKER = "ethan"
 
@@ -55,8 +55,8 @@ class TalkerHandler:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"talker: {self.failure.message}")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
         speaker = msg.options.get("speaker") or self.speakers[0]
-        chunk = codes_option(msg, "chunk_codes", 1)
-        first = codes_option(msg, "first_chunk_codes", chunk)
+        chunk = count_option(msg, "chunk_codes", 1)
+        first = count_option(msg, "first_chunk_codes", chunk)
         task = TalkerTask(msg.request_id, self.talker, speaker, params, max_model_len=self.max_model_len,
                           batcher=self.batcher, chunk_codes=chunk, first_chunk_codes=first)
         if self.batcher is not None:

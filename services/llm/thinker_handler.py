@@ -26,7 +26,7 @@ from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling
 from services.llm.thinker_batcher import ThinkerBatcher
 from services.llm.thinker_task import ThinkerTask
-from services.options import codes_option
+from services.options import count_option
 
 
 class ThinkerHandler:
@@ -59,7 +59,7 @@ class ThinkerHandler:
         task = ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
                            talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len,
                            batcher=self.batcher, stream_interval=self.stream_interval,
-                           eager_tokens=codes_option(msg, "eager_tokens", 1, "tokens"))
+                           eager_tokens=count_option(msg, "eager_tokens", 1, "tokens"))
         if self.batcher is not None:
             self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
         return task

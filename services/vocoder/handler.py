@@ -23,7 +23,7 @@ from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_code2wav
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.stage_registry import lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
-from services.options import codes_option
+from services.options import count_option
 from services.vocoder.vocoder_batcher import VocoderBatcher
 from services.vocoder.vocoder_task import VocoderTask
 
@@ -59,8 +59,8 @@ class VocoderHandler:
     def open(self, msg: stage_pb2.Open) -> VocoderTask:
         if self.failure.message is not None:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"vocoder: {self.failure.message}")
-        window = codes_option(msg, "window", DEFAULT_WINDOW)
-        first = min(codes_option(msg, "first_window", DEFAULT_FIRST_WINDOW), window)
+        window = count_option(msg, "window", DEFAULT_WINDOW)
+        first = min(count_option(msg, "first_window", DEFAULT_FIRST_WINDOW), window)
         return VocoderTask(msg.request_id, self.code2wav, window, self.transformer, first_window=first)
 
 

@@ -59,11 +59,6 @@ def step_windows(tasks: list[VocoderTask]) -> StepResult:
     return results
 
 
-def _is_first(task: StageTask) -> bool:
-    t = cast("VocoderTask", task)
-    return t.completion_tokens == 0 and t.next_window_size() > 0
-
-
 class VocoderBatcher:
     """The vocoder handler's `batcher` (the engine loop's `BatchStepper`)."""
 
@@ -78,24 +73,23 @@ class VocoderBatcher:
         self.first_lane = first_lane
         self._first_only = False  # the last step took only first windows
 
-    def lanes(self, tasks: list[StageTask], free: int, busy: int) -> list[list[StageTask]]:
+    def lanes(self, tasks: list[StageTask], free: int, busy: int) -> list[list[StageTask]] | None:
         """The engine loop's plan (`LaneStepper`), with a first-window lane when the stage has 2 slots: no
         step in flight -> one step over everything ready (`step_batch` picks); a step in flight -> only
         first windows may start beside it, so a new request's first audio never waits for other requests'
         long windows."""
+        if not self.first_lane:
+            return None  # the engine's own split: a share per free slot (pp micro-batches)
         if free <= 0 or not tasks:
             return []
-        if not self.first_lane:  # the engine's own split: a share per free slot (pp micro-batches)
-            n = min(free, len(tasks))
-            return [tasks[i::n] for i in range(n)]
         if busy == 0:
             return [tasks]
-        first = [t for t in tasks if _is_first(t)]
+        first = [t for t in tasks if cast("VocoderTask", t).first_window_waits]
         return [first] if first else []
 
     def step_batch(self, tasks: list[StageTask]) -> StepResult:
         ready = cast("list[VocoderTask]", tasks)
-        first = [t for t in ready if _is_first(t)]
+        first = [t for t in ready if t.first_window_waits]
         if first and len(first) < len(ready):
             if not self._first_only:
                 # a request's first audio goes ahead: its short first window in a step of its own (the others

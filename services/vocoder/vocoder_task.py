@@ -60,6 +60,11 @@ class VocoderTask(StageTask):
         """Codes in the next full window: `first_window` for the first, `window` after it."""
         return self.first_window if self.completion_tokens == 0 else self.window
 
+    @property
+    def first_window_waits(self) -> bool:
+        """Its first window has codes to decode: the request still waits for its first audio."""
+        return self.completion_tokens == 0 and self.next_window_size() > 0
+
     def ready(self) -> bool:
         return self.n_pending >= self.current_window or self.ended
 

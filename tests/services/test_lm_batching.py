@@ -438,6 +438,49 @@ def test_sampled_talker_batched_equals_solo(model_dir: Path, thinker_out: dict) 
         assert torch.equal(codes(together[rid]), solo[rid]), rid
 
 
+def test_a_talker_sampling_failure_ends_only_its_request(model_dir: Path, thinker_out: dict) -> None:
+    """If the step's batched pick raises, every request picks alone; the one whose pick fails ends with that
+    error, the others go on to exactly their codes."""
+    handler = talker_handler(model_dir, ServeArgs(max_model_len=128))
+    want = {}
+    for rid in ("t0", "t2"):
+        d = Driver(handler)
+        d.add(open_talker(handler, thinker_out, rid))
+        want[rid] = codes(d.run()[rid])
+    talker = handler.batcher.talker
+    tasks = {rid: open_talker(handler, thinker_out, rid) for rid in ("t0", "t1", "t2")}
+    bad_state = tasks["t1"].state
+    one_by_one = talker.sample_next
+
+    def batch_fails(*_: Any) -> bool:
+        raise RuntimeError("batched pick failed")
+
+    def t1_fails(state: Any, *args: Any) -> None:
+        if state is bad_state:
+            raise ValueError("t1's pick failed")
+        one_by_one(state, *args)
+
+    talker.sample_next_batch, talker.sample_next = batch_fails, t1_fails
+    got: dict[str, list[StageChunk]] = {rid: [] for rid in tasks}
+    failed: dict[str, BaseException] = {}
+    live = list(tasks.values())
+    for _ in range(500):
+        if not live:
+            break
+        for rid, value in handler.batcher.step_batch([t for t in live if t.ready()]).items():
+            if isinstance(value, BaseException):
+                failed[rid] = value
+            else:
+                got[rid] += value
+        for task in [t for t in live if t.finished or t.request_id in failed]:
+            task.close()
+            live.remove(task)
+    assert set(failed) == {"t1"} and "t1's pick failed" in str(failed["t1"])
+    for rid in ("t0", "t2"):
+        assert torch.equal(codes(got[rid]), want[rid]), rid
+    assert_drained(handler.batcher.engine, handler.batcher.engine.allocator.num_blocks)
+
+
 def test_talker_sends_its_codes_in_the_vocoders_windows(model_dir: Path, thinker_out: dict) -> None:
     """chunk_codes / first_chunk_codes (the gateway sets the vocoder's windows): the same codes, in chunks of
     the first size, then the steady size, the rest with the final chunk; each chunk leaves in the step that
