@@ -46,7 +46,9 @@ class ServeArgs:
     stream_interval: int = _f(1, "thinker tokens per streamed chunk (text deltas and the talker's inputs), as vLLM's "
                               "--stream-interval: the tokens the first audio needs and the last token go at once; "
                               "larger = fewer messages under load, burstier text", "--stream-interval")
-    enforce_eager: bool = _f(False, "never capture CUDA graphs", "--enforce-eager", action="store_true")
+    enforce_eager: bool = _f(False, "eager PyTorch only, as vLLM's flag: no CUDA graphs and no "
+                              "torch.compile'd kernels (on CPU the vocoder compiles its SnakeBeta activation at "
+                              "start-up unless this is set)", "--enforce-eager", action="store_true")
     trust_remote_code: bool = _f(False, "allow model code from the model folder", "--trust-remote-code", action="store_true")
     dtype: str = _f("auto", f"weight / activation dtype: {', '.join(DTYPES)} (auto: bfloat16 on CUDA, float32 on CPU)", "--dtype")
     async_chunk: bool = _f(True, "stream chunks to the next stage as soon as they exist", "--async-chunk", action=argparse.BooleanOptionalAction)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
+import torch
 
 from omnimesh.engine.task import StageRequestError, StageTask
 from omnimesh.parallel.mp_executor import RankFailure
@@ -263,14 +264,16 @@ class EngineLoop:
         return [ready[i::n] for i in range(n)]
 
     def _compute(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
-        """On a compute thread: one batched step (the stage's batcher) or one task's step."""
-        if self._batcher is not None:
-            return self._batcher.step_batch(tasks)
-        task = tasks[0]
-        try:
-            return {task.request_id: task.step()}
-        except Exception as exc:
-            return {task.request_id: exc}
+        """On a compute thread: one batched step (the stage's batcher) or one task's step, in
+        `torch.inference_mode` (no autograd or version-counter bookkeeping: ~15% of a tiny LM step on CPU)."""
+        with torch.inference_mode():
+            if self._batcher is not None:
+                return self._batcher.step_batch(tasks)
+            task = tasks[0]
+            try:
+                return {task.request_id: task.step()}
+            except Exception as exc:
+                return {task.request_id: exc}
 
     async def _step_group(self, loop: asyncio.AbstractEventLoop, group: list[_Entry]) -> bool:
         """Run one step over `group`; deliver each request's outputs or error. True if any request progressed."""

@@ -123,7 +123,8 @@ def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: Program
                     work.wait()
             break
         try:
-            result: Any = program.execute(command)
+            with torch.inference_mode():  # as the driver's engine thread runs its part
+                result: Any = program.execute(command)
         except (RuntimeError, dist.DistError):
             raise  # a collective broke: this rank is out of step for good
         except Exception as exc:  # raised alike on every rank, before any collective

@@ -5,11 +5,15 @@ Run: `omnimesh stage vocoder --model DIR --port 50054`. Option `window` (codes p
 2 s of audio on Qwen3-Omni) trades latency against per-call overhead; option `first_window` (default 5,
 at most `window`) is the first decode's, so the first audio leaves after 5 codes instead of 25. Any
 windows, and any batch a request shares a step with, give the same samples (to float rounding, ~1e-7).
-The stage's max_num_batched_tokens caps the codes decoded in one step (default: no cap).
+The stage's max_num_batched_tokens caps the codes decoded in one step (default: no cap). On CPU the
+SnakeBeta activations run as one compiled kernel (snake_kernel; compiled at start-up, a few seconds);
+`--enforce-eager` keeps eager PyTorch.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import grpc
@@ -19,6 +23,7 @@ from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.task import StageRequestError
 from omnimesh.models.qwen3_omni.code2wav import CPU_CONV_ROWS
 from omnimesh.models.qwen3_omni.code2wav_shard import Code2WavTransformerBackend
+from omnimesh.models.qwen3_omni.snake_kernel import compile_snake, use_eager
 from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_code2wav
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.stage_registry import lm_layout, resolve_dtype
@@ -26,6 +31,8 @@ from omnimesh.v1 import stage_pb2
 from services.options import count_option
 from services.vocoder.vocoder_batcher import VocoderBatcher
 from services.vocoder.vocoder_task import VocoderTask
+
+log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
 DEFAULT_WINDOW = 25
@@ -68,5 +75,12 @@ def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:
     failure = StageFailure()
     layout = lm_layout(args, "vocoder", failure)
     code2wav, transformer = load_code2wav(model_dir, resolve_dtype(args), layout)
+    if args.enforce_eager:
+        use_eager()
+    else:  # before serving: no request waits on a compile
+        started = time.perf_counter()
+        if compile_snake(next(code2wav.parameters()).device):
+            log.info("vocoder: SnakeBeta compiled into one kernel in %.1f s (--enforce-eager: eager PyTorch)",
+                     time.perf_counter() - started)
     cap = args.stage_configs()["vocoder"].max_num_batched_tokens
     return VocoderHandler(code2wav, transformer, model_dir.name, layout, failure, cap)

@@ -14,7 +14,8 @@ instead of re-running the stack over frames of earlier windows:
     one and drops its first r outputs (what the module trims). This is where n codes give n x 1920 - 555
     samples: the held-back samples come out with the next window.
   * `ConvNeXtBlock`, `Code2WavDecoderResidualUnit`, `Code2WavDecoderBlock`: their forward, with the convs
-    streamed; `SnakeBeta` (its exp(alpha), 1/exp(beta) made once), LayerNorm and the linears are per sample.
+    streamed; `SnakeBeta` (its exp(alpha), 1/exp(beta) made once; the rest one fused kernel, see
+    snake_kernel), LayerNorm and the linears are per sample.
 Cost: a window of n codes runs the stack on n frames, the same work as decoding everything at once.
 
 Batching: rows are right-padded to the longest; every op is causal, so no kept sample reads a padded one;
@@ -38,6 +39,8 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeConvNeXtBlock,
     Qwen3OmniMoeSnakeBeta,
 )
+
+from omnimesh.models.qwen3_omni.snake_kernel import snake
 
 
 class ConvState:
@@ -65,8 +68,8 @@ def _check(module: Any) -> None:
     elif isinstance(module, Qwen3OmniMoeConvNeXtBlock):
         _check(module.dwconv)
     elif isinstance(module, Qwen3OmniMoeCode2WavDecoderResidualUnit):
-        _check(module.conv1)
-        _check(module.conv2)
+        for name in ("act1", "conv1", "act2", "conv2"):
+            _check(getattr(module, name))
     elif isinstance(module, Qwen3OmniMoeCode2WavDecoderBlock):
         for inner in module.block:
             _check(inner)
@@ -91,7 +94,7 @@ class _Batch:
             h = m.gamma * m.pwconv2(m.act(m.pwconv1(m.norm(h))))
             return x + h.permute(0, 2, 1)
         if isinstance(m, Qwen3OmniMoeCode2WavDecoderResidualUnit):
-            return x + self.causal(m.conv2, m.act2(self.causal(m.conv1, m.act1(x))))
+            return x + self.causal(m.conv2, _snake(m.act2, self.causal(m.conv1, _snake(m.act1, x))))
         if isinstance(m, Qwen3OmniMoeCode2WavDecoderBlock):
             for inner in m.block:
                 x = self.module(inner, x)
@@ -144,7 +147,7 @@ def _snake(m: Qwen3OmniMoeSnakeBeta, x: torch.Tensor) -> torch.Tensor:
             alpha = torch.exp(m.alpha.unsqueeze(0).unsqueeze(-1))  # (1, C, 1)
             inv_beta = 1.0 / (torch.exp(m.beta.unsqueeze(0).unsqueeze(-1)) + m.no_div_by_zero)  # (1, C, 1)
         cached = _SNAKE[m] = (key, alpha, inv_beta)
-    return x + cached[2] * torch.pow(torch.sin(x * cached[1]), 2)
+    return snake(x, cached[1], cached[2])  # the compiled kernel in a vocoder stage on CPU (snake_kernel)
 
 
 def run_stream(code2wav: Any, frames: Sequence[torch.Tensor], states: Sequence[ConvState]) -> list[torch.Tensor]:
