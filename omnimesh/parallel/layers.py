@@ -271,9 +271,13 @@ class ParallelExperts(nn.Module):
         Small steps (every expert's GEMMs over all N tokens within `DENSE_EXPERT_MACS`) run `_dense`: a
         few batched ops instead of ~5 per hit expert, which is what a tiny model's step costs; larger
         steps route sparsely (`_sparse`)."""
-        if x.shape[0] * self.num_experts * 3 * self.inter_per_rank * self.hidden_size <= DENSE_EXPERT_MACS:
+        if self.runs_dense(x.shape[0]):
             return self._dense(x, top_k_index, top_k_weights)
         return self._sparse(x, top_k_index, top_k_weights)
+
+    def runs_dense(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens runs every expert on every token (see `DENSE_EXPERT_MACS`)."""
+        return tokens * self.num_experts * 3 * self.inter_per_rank * self.hidden_size <= DENSE_EXPERT_MACS
 
     def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, weighted by the routing weight (0 where not routed): (N, H).

@@ -10,6 +10,8 @@ Run: python -m pytest tests/parallel/test_parallel_layers.py -q
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -149,7 +151,13 @@ def test_parallel_lm_head_gathers_logits() -> None:
     assert single(h).shape == (3, vocab)
 
 
-def test_experts_slice_intermediate_dim() -> None:
+@pytest.mark.parametrize("dense", [True, False])
+def test_experts_slice_intermediate_dim(dense: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of running the experts (all on every token, or only the routed pairs) give the reference."""
+    monkeypatch.setattr(ParallelExperts, "runs_dense", lambda self, tokens: dense)
+    taken: list[str] = []
+    for path in ("_dense", "_sparse"):
+        monkeypatch.setattr(ParallelExperts, path, spy(getattr(ParallelExperts, path), path, taken))
     E, H, inter, N, k = 3, 8, 4, 6, 2
     g = gen(10)
     gate = [torch.randn(inter, H, generator=g) for _ in range(E)]
@@ -173,6 +181,22 @@ def test_experts_slice_intermediate_dim() -> None:
         assert shard.gate_up.shape == (E, inter, H) and shard.down.shape == (E, H, inter // TP)
         total += shard(x, top_i, top_w)  # partial sums, all-reduced by hand
     assert (total - ref).abs().max() < 1e-5
+    assert taken == ["_dense" if dense else "_sparse"] * TP
+
+
+def spy(method: Any, name: str, taken: list[str]) -> Any:
+    def run(self: Any, *args: Any) -> Any:
+        taken.append(name)
+        return method(self, *args)
+    return run
+
+
+def test_only_tiny_expert_steps_run_dense() -> None:
+    tiny = ParallelExperts(8, 64, 32)  # the built-in tiny model's MoE: dense up to 42 tokens
+    assert tiny.runs_dense(1) and tiny.runs_dense(42) and not tiny.runs_dense(43)
+    with torch.device("meta"):  # Qwen3-Omni-30B-A3B's thinker experts: never, not even one token
+        real = ParallelExperts(128, 2048, 768)
+    assert not real.runs_dense(1)
 
 
 def test_loader_rejects_a_wrong_full_shape() -> None:

@@ -237,9 +237,11 @@ class RecordingBatcher:
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
+        self.inference_mode: set[bool] = set()
 
     def step_batch(self, tasks: list[StageTask]) -> dict:
         self.sizes.append(len(tasks))
+        self.inference_mode.add(torch.is_inference_mode_enabled())
         out: dict = {}
         for task in tasks:
             try:
@@ -267,6 +269,7 @@ async def test_a_batcher_steps_many_requests_per_call():
         assert all(len(r) == 21 for i, r in enumerate(results) if i != 3)
         assert max(batcher.sizes) >= 4, batcher.sizes  # requests shared steps
         assert sum(batcher.sizes) < 8 * 21  # ... so there were fewer calls than request-steps
+        assert batcher.inference_mode == {True}  # steps skip autograd bookkeeping
         assert engine.num_requests == 0
     finally:
         await client.close()
