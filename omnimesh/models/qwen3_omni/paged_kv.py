@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from omnimesh.models.qwen3_omni.parallel_text_model import gqa_attention
 
 
 def block_bytes(config: Any, layers: int, tp: int, block_size: int, dtype: torch.dtype) -> int:
@@ -133,14 +134,13 @@ class PagedBatch:
         out = torch.empty_like(q)  # (1, nh, N, D)
         if self.decode_rows.numel():
             qd = q[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)  # (Bd, nh, 1, D)
-            kd = kp[self.decode_slots].permute(0, 2, 1, 3).repeat_interleave(n_rep, dim=1)  # (Bd, nh, Smax, D)
-            vd = vp[self.decode_slots].permute(0, 2, 1, 3).repeat_interleave(n_rep, dim=1)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=scale)  # (Bd, nh, 1, D)
+            kd = kp[self.decode_slots].permute(0, 2, 1, 3)  # (Bd, nkv, Smax, D)
+            vd = vp[self.decode_slots].permute(0, 2, 1, 3)
+            od = gqa_attention(qd, kd, vd, n_rep, scale, self.decode_mask)  # (Bd, nh, 1, D)
             out[0, :, self.decode_rows] = od[:, :, 0].transpose(0, 1)
         for start, n, slots, mask in self.prefills:
             qp = q[:, :, start:start + n]  # (1, nh, n, D)
-            kk = kp[slots].transpose(0, 1).unsqueeze(0).repeat_interleave(n_rep, dim=1)  # (1, nh, S, D)
-            vv = vp[slots].transpose(0, 1).unsqueeze(0).repeat_interleave(n_rep, dim=1)
-            out[:, :, start:start + n] = F.scaled_dot_product_attention(
-                qp, kk, vv, attn_mask=mask, is_causal=mask is None, scale=scale)
+            kk = kp[slots].transpose(0, 1).unsqueeze(0)  # (1, nkv, S, D)
+            vv = vp[slots].transpose(0, 1).unsqueeze(0)
+            out[:, :, start:start + n] = gqa_attention(qp, kk, vv, n_rep, scale, mask, is_causal=mask is None)
         return out

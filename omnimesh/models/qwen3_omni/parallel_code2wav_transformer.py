@@ -49,7 +49,7 @@ from omnimesh.models.qwen3_omni.parallel_code_predictor import (
     check_supported,
     pipeline_step,
 )
-from omnimesh.models.qwen3_omni.parallel_text_model import ParallelMLP, RMSNorm, _rotate_half
+from omnimesh.models.qwen3_omni.parallel_text_model import ParallelMLP, RMSNorm, _rotate_half, gqa_attention
 from omnimesh.parallel.layers import default_weight_loader
 from omnimesh.parallel.parallel_state import ParallelState, pp_recv, pp_send
 
@@ -157,8 +157,7 @@ def batch_attention(attn: ParallelDenseAttention, x: torch.Tensor, cos: torch.Te
     S = mask.shape[-1]
     k = torch.cat([F.pad(t, (0, 0, 0, S - t.shape[2])) for t in keys])  # (B, nkv/tp, S, D)
     v = torch.cat([F.pad(t, (0, 0, 0, S - t.shape[2])) for t in values])
-    k, v = k.repeat_interleave(attn.n_rep, dim=1), v.repeat_interleave(attn.n_rep, dim=1)  # (B, nh/tp, S, D)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5)  # (B, nh/tp, T, D)
+    o = gqa_attention(q, k, v, attn.n_rep, D**-0.5, mask)  # (B, nh/tp, T, D)
     return attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
 
 

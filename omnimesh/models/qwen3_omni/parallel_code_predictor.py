@@ -37,11 +37,10 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from omnimesh.models.loader import checkpoint_files, iter_tensors
-from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelMLP, RMSNorm, _rotate_half
+from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelMLP, RMSNorm, _rotate_half, gqa_attention
 from omnimesh.parallel.layers import (
     ParallelLMHead,
     QKVParallelLinear,
@@ -157,8 +156,7 @@ class ParallelDenseAttention(nn.Module):
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, T, D)
         q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
         k, v = cache.update(self.layer_idx, k, v)  # (B, nkv/tp, S, D): cached keys + these T
-        k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)  # (B, nh/tp, S, D)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5)  # (B, nh/tp, T, D)
+        o = gqa_attention(q, k, v, self.n_rep, D**-0.5, mask)  # (B, nh/tp, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))  # (B, T, H), all-reduced
 
 
@@ -250,6 +248,7 @@ class ParallelCodePredictor(nn.Module):
                                          for _ in range(n_tables)) if ps.is_last_pp_rank else None
             self.rotary = Rotary1D(config)
         self.windows = [layer_window(config, i) for i in range(self.start, self.end)]
+        self._constants: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, dict[int | None, torch.Tensor | None]]] = {}
 
     def new_cache(self) -> KVCache:
         """A per-request cache for this rank's layers and heads (the predictor restarts it every talker step)."""
@@ -276,12 +275,27 @@ class ParallelCodePredictor(nn.Module):
         if positions.shape != (1, x.shape[1]):
             raise ValueError(f"positions must be (1, T={x.shape[1]}), got {tuple(positions.shape)}")
         T, seen = x.shape[1], cache.get_seq_length()
-        cos, sin = self.rotary(positions.to(x.device), x.dtype)  # (1, T, D) each
-        masks = {w: causal_window_mask(T, seen, seen, w, x.device) for w in set(self.windows)}  # (T, S) | None
+        cos, sin, masks = self._step_constants(positions, seen, x)
         hidden = x  # (1, T, H)
         for layer, window in zip(self.layers, self.windows):
             hidden = layer(hidden, cos, sin, cache, masks[window])  # (1, T, H)
         return self.norm(hidden) if self.norm is not None else hidden
+
+    def _step_constants(self, positions: torch.Tensor, seen: int, x: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, dict[int | None, torch.Tensor | None]]:
+        """cos, sin (1, T, D) and the mask (T, S) | None per window of a step: the predictor restarts at
+        position 0 every talker step, so the same G - 1 steps recur and their constants are made once
+        (~10 small ops a step otherwise). Read-only: the layers never write into them."""
+        key = (tuple(positions.flatten().tolist()), seen, x.dtype, x.device)
+        found = self._constants.get(key)
+        if found is None:
+            T = x.shape[1]
+            cos, sin = self.rotary(positions.to(x.device), x.dtype)  # (1, T, D) each
+            masks = {w: causal_window_mask(T, seen, seen, w, x.device) for w in set(self.windows)}  # (T, S) | None
+            if len(self._constants) >= 4 * self.num_code_groups:  # other positions than a step's: stay bounded
+                self._constants.clear()
+            found = self._constants[key] = (cos, sin, masks)
+        return found
 
     def checkpoint_plan(self, prefix: str) -> CheckpointPlan:
         plan = CheckpointPlan()

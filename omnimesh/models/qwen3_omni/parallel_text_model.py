@@ -99,11 +99,10 @@ class KVCache:
         T = q.shape[2]
         k, v = self.update(layer_idx, k, v)  # (1, nkv, S, D)
         past = k.shape[2] - T  # this layer's cached tokens before this step
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # (1, nh, S, D)
         mask = None  # SDPA's own causal mask covers a prefill from empty and single-token decode
         if T > 1 and past > 0:  # chunked prefill: query i sees keys 0..past+i
             mask = torch.arange(past + T, device=q.device)[None, :] <= torch.arange(past, past + T, device=q.device)[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale)
+        return gqa_attention(q, k, v, n_rep, scale, mask, is_causal=mask is None and T > 1)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.start <= layer_idx < self.end:
@@ -165,6 +164,18 @@ class MRotary(nn.Module):
                 thw[..., idx] = f[dim, ..., idx]
             out.append(torch.cat((thw, thw), dim=-1).to(dtype))  # (1, T, D)
         return out[0], out[1]
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int, scale: float,
+                  mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA of q (B, nh, T, D) over k / v (B, nh / n_rep, S, D), each kv head serving n_rep query heads.
+    On CPU the kernel reads the shared kv heads itself (`enable_gqa`: two fewer copies per call, the same
+    values bit for bit); elsewhere k / v are repeated first, because CUDA's memory-efficient kernel (the
+    one a masked call takes) has no GQA and would fall back to the math kernel."""
+    if n_rep > 1 and q.device.type != "cpu":
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=n_rep > 1 and q.device.type == "cpu")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
