@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gloo_harness import build_tiny, one_thread, with_talker_routers, without_key  # noqa: F401  (one_thread: autouse)
 from transformers import DynamicCache
 
 from omnimesh.models.qwen3_omni.decoder import run_decoder
-from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel
+from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel, gqa_attention
 from omnimesh.models.qwen3_omni.stage_loading import load_config
 from omnimesh.parallel.parallel_state import ParallelState
 
@@ -178,3 +179,17 @@ def test_deepstack_needs_the_visual_mask(model_dir: Path) -> None:
     positions, _ = mrope_positions(4, 99, (1, 1))
     with pytest.raises(ValueError, match="deepstack features given without visual_pos_mask"):
         model(torch.zeros(1, 4, 64), positions, model.new_cache(), deepstack=[torch.zeros(1, 64)])
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gqa_attention_equals_repeated_kv_heads(masked: bool) -> None:
+    """On CPU the kernel reads each kv head for its n_rep query heads itself: the same bits as repeating them."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 4, 5, 16, generator=g), torch.randn(3, 2, 9, 16, generator=g), torch.randn(3, 2, 9, 16, generator=g)
+    mask = torch.rand(3, 1, 5, 9, generator=g) > 0.3 if masked else None
+    if mask is not None:
+        mask[..., 0] = True  # every query sees a key
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask,
+                                          scale=0.25)
+    assert torch.equal(gqa_attention(q, k, v, 2, 0.25, mask), want)
+    assert torch.equal(gqa_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), 1, 0.25, mask), want)
