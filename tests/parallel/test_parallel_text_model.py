@@ -22,7 +22,7 @@ from gloo_harness import build_tiny, one_thread, with_talker_routers, without_ke
 from transformers import DynamicCache
 
 from omnimesh.models.qwen3_omni.decoder import run_decoder
-from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel, gqa_attention
+from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel, apply_rope, gqa_attention, signed_sin
 from omnimesh.models.qwen3_omni.stage_loading import load_config
 from omnimesh.parallel.parallel_state import ParallelState
 
@@ -193,3 +193,15 @@ def test_gqa_attention_equals_repeated_kv_heads(masked: bool) -> None:
                                           scale=0.25)
     assert torch.equal(gqa_attention(q, k, v, 2, 0.25, mask), want)
     assert torch.equal(gqa_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), 1, 0.25, mask), want)
+
+
+def test_apply_rope_is_transformers_rotate_half_bit_for_bit() -> None:
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    cos, sin = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)  # unsqueezes cos / sin at dim 1
+    s = signed_sin(sin).unsqueeze(1)
+    assert torch.equal(apply_rope(q, cos.unsqueeze(1), s), want_q)
+    assert torch.equal(apply_rope(k, cos.unsqueeze(1), s), want_k)

@@ -49,7 +49,7 @@ from omnimesh.models.qwen3_omni.parallel_code_predictor import (
     check_supported,
     pipeline_step,
 )
-from omnimesh.models.qwen3_omni.parallel_text_model import ParallelMLP, RMSNorm, _rotate_half, gqa_attention
+from omnimesh.models.qwen3_omni.parallel_text_model import ParallelMLP, RMSNorm, apply_rope, gqa_attention, signed_sin
 from omnimesh.parallel.layers import default_weight_loader
 from omnimesh.parallel.parallel_state import ParallelState, pp_recv, pp_send
 
@@ -148,7 +148,7 @@ def batch_attention(attn: ParallelDenseAttention, x: torch.Tensor, cos: torch.Te
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh/tp | nkv/tp, T, D)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
-    q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    q, k = apply_rope(q, c, s), apply_rope(k, c, s)  # s: signed_sin
     keys, values = [], []
     for b, (cache, n) in enumerate(zip(caches, lengths)):
         kb, vb = cache.update(attn.layer_idx, k[b:b + 1, :, :n], v[b:b + 1, :, :n])  # (1, nkv/tp, stored_b + n, D)
@@ -213,6 +213,7 @@ class ParallelCode2WavTransformer(nn.Module):
         if len(lengths) != B or not all(1 <= n <= T for n in lengths):
             raise ValueError(f"lengths must be {B} row lengths in 1..{T}, got {lengths}")
         cos, sin = self.rotary(positions.to(x.device), x.dtype)  # (B, T, D) each
+        sin = signed_sin(sin)  # what apply_rope takes
         mask = batch_window_mask([c.get_seq_length() for c in caches], [c.stored_length() for c in caches], T,
                                  self.window, x.device)  # (B, 1, T, S)
         hidden = x  # (B, T, H)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from omnimesh.models.loader import checkpoint_files, iter_tensors
-from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelMLP, RMSNorm, _rotate_half, gqa_attention
+from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelMLP, RMSNorm, apply_rope, gqa_attention, signed_sin
 from omnimesh.parallel.layers import (
     ParallelLMHead,
     QKVParallelLinear,
@@ -154,7 +154,7 @@ class ParallelDenseAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh/tp | nkv/tp, T, D)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, T, D)
-        q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+        q, k = apply_rope(q, c, s), apply_rope(k, c, s)  # s: signed_sin
         k, v = cache.update(self.layer_idx, k, v)  # (B, nkv/tp, S, D): cached keys + these T
         o = gqa_attention(q, k, v, self.n_rep, D**-0.5, mask)  # (B, nh/tp, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))  # (B, T, H), all-reduced
@@ -274,7 +274,7 @@ class ParallelCodePredictor(nn.Module):
             raise ValueError(f"x must be (B, T, {self.hidden_size}), got {tuple(x.shape)}")
         if positions.shape != (1, x.shape[1]):
             raise ValueError(f"positions must be (1, T={x.shape[1]}), got {tuple(positions.shape)}")
-        T, seen = x.shape[1], cache.get_seq_length()
+        seen = cache.get_seq_length()
         cos, sin, masks = self._step_constants(positions, seen, x)
         hidden = x  # (1, T, H)
         for layer, window in zip(self.layers, self.windows):
@@ -283,7 +283,7 @@ class ParallelCodePredictor(nn.Module):
 
     def _step_constants(self, positions: torch.Tensor, seen: int, x: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, dict[int | None, torch.Tensor | None]]:
-        """cos, sin (1, T, D) and the mask (T, S) | None per window of a step: the predictor restarts at
+        """cos, signed_sin (1, T, D) and the mask (T, S) | None per window of a step: the predictor restarts at
         position 0 every talker step, so the same G - 1 steps recur and their constants are made once
         (~10 small ops a step otherwise). Read-only: the layers never write into them."""
         key = (tuple(positions.flatten().tolist()), seen, x.dtype, x.device)
@@ -291,6 +291,7 @@ class ParallelCodePredictor(nn.Module):
         if found is None:
             T = x.shape[1]
             cos, sin = self.rotary(positions.to(x.device), x.dtype)  # (1, T, D) each
+            sin = signed_sin(sin)  # what apply_rope takes
             masks = {w: causal_window_mask(T, seen, seen, w, x.device) for w in set(self.windows)}  # (T, S) | None
             if len(self._constants) >= 4 * self.num_code_groups:  # other positions than a step's: stay bounded
                 self._constants.clear()
