@@ -22,10 +22,11 @@ from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.models.qwen3_omni.lm_engine import LMEngine
 from omnimesh.stage_registry import lm_engine, lm_layout, resolve_dtype
+from omnimesh.transport.frames import StageChunk
 from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling
 from services.llm.thinker_batcher import ThinkerBatcher
-from services.llm.thinker_task import ThinkerTask
+from services.llm.thinker_task import ThinkerTask, merge_token_chunks
 from services.options import count_option
 
 
@@ -51,6 +52,11 @@ class ThinkerHandler:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
                                    pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
                                    device="cuda" if self.layout.backend == "nccl" else "cpu")
+
+    @staticmethod
+    def merge_outputs(chunks: list[StageChunk]) -> StageChunk:
+        """Chunks waiting together in a request's output queue go out as one (see stage_servicer)."""
+        return merge_token_chunks(chunks)
 
     def open(self, msg: stage_pb2.Open) -> ThinkerTask:
         if self.failure.message is not None:

@@ -10,6 +10,8 @@ or max tokens) is never spoken: its chunk has no `token_embeds` and ends the str
 Streaming (`stream_interval`, the stage's --stream-interval; `eager_tokens`, a request option): the first
 `eager_tokens` tokens and the last leave at once, the others every `stream_interval` tokens as one chunk
 (texts joined, `token_ids` (k,) and `token_embeds` (k, H) stacked): fewer messages through the gateway.
+Chunks the stage's writer has not sent yet when the next one comes are merged the same way
+(`ThinkerHandler.merge_outputs`, see stage_servicer), so under load the stream coalesces by itself.
 `min_tokens`: the sampler picks no stop id before that many tokens, and a stop string counts only when it
 completes in the token that reaches min_tokens or a later one (`StopStrings.push(armed=...)`).
 """
@@ -147,11 +149,18 @@ class ThinkerTask(BatchedTask):
                 or len(self.held) >= self.stream_interval):
             return []
         held, self.held = self.held, []
-        if len(held) == 1:
-            return held
-        tensors = dict(held[0].tensors)  # the first token's extras (the talker prompt) stay as they are
-        for name in MERGED:
-            parts = [c.tensors[name] for c in held if name in c.tensors]
-            if parts:
-                tensors[name] = torch.cat(parts)
-        return [StageChunk(tensors=tensors, text="".join(c.text for c in held))]
+        return [merge_token_chunks(held)]
+
+
+def merge_token_chunks(chunks: list[StageChunk]) -> StageChunk:
+    """Consecutive token chunks of one request as ONE chunk: texts joined, `token_ids` (k,) and
+    `token_embeds` (k, H) stacked, the first chunk's other tensors (the talker prompt) kept, final if the
+    last one is. What the talker and the gateway read from it is what they read from the chunks one by one."""
+    if len(chunks) == 1:
+        return chunks[0]
+    tensors = dict(chunks[0].tensors)
+    for name in MERGED:
+        parts = [c.tensors[name] for c in chunks if name in c.tensors]
+        if parts:
+            tensors[name] = torch.cat(parts)
+    return StageChunk(tensors=tensors, text="".join(c.text for c in chunks), final=chunks[-1].final)

@@ -275,3 +275,56 @@ async def test_a_batcher_steps_many_requests_per_call():
         await client.close()
         await server.stop(0)
         await engine.stop()
+
+
+class BurstTask(StageTask):
+    """One step emits five chunks at once (what a stage's queue holds when its writer fell behind)."""
+
+    def feed(self, chunk: StageChunk) -> None:
+        self.fed = True
+
+    def ready(self) -> bool:
+        return getattr(self, "fed", False) and not self.finished
+
+    def step(self) -> list[StageChunk]:
+        self.finished = True
+        return [StageChunk(tensors={"y": torch.tensor([float(i)])}, text="abcde"[i], final=i == 4) for i in range(5)]
+
+
+class BurstHandler:
+    name = "burst"
+
+    def __init__(self, merging: bool) -> None:
+        if merging:
+            self.merge_outputs = lambda chunks: StageChunk(
+                tensors={"y": torch.cat([c.tensors["y"] for c in chunks])}, text="".join(c.text for c in chunks),
+                final=chunks[-1].final)
+
+    def info(self) -> stage_pb2.StageInfo:
+        return stage_pb2.StageInfo(stage="burst")
+
+    def open(self, msg: stage_pb2.Open) -> StageTask:
+        return BurstTask(msg.request_id)
+
+
+@pytest.mark.parametrize("merging", [True, False])
+async def test_queued_chunks_leave_as_one_when_the_handler_merges(merging: bool) -> None:
+    engine = EngineLoop("burst")
+    engine.start()
+    server, _ = make_server([STAGE_SERVICE])
+    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(BurstHandler(merging), engine), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = StageClient("burst", f"127.0.0.1:{port}")
+    try:
+        s = await client.open("r1")
+        await s.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+        out = await collect(s)  # the client checks that seq numbers are contiguous
+        assert "".join(c.text for c in out) == "abcde"
+        assert torch.cat([c.tensors["y"] for c in out]).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert len(out) == (1 if merging else 5) and out[-1].final
+        assert s.done is not None and s.done.finish_reason == "stop"
+    finally:
+        await client.close()
+        await server.stop(0)
+        await engine.stop()
