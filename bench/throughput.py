@@ -39,6 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import process_cpu  # noqa: E402
 from bench.common import (  # noqa: E402
     HFGenerate,
     chat_body,
@@ -119,10 +120,16 @@ def omnimesh_side(model: Path, work: Workload, args: argparse.Namespace, device:
             if r.error:
                 raise RuntimeError(f"omnimesh warm-up request failed: {r.error}")
         out: dict[int, dict[str, Any]] = {}
+        meter = process_cpu.CpuMeter(mesh.proc.pid) if process_cpu.available() else None
         for c in concurrencies:
             n = args.requests or default_requests(c)
             log(f"omnimesh: concurrency {c}, {n} requests")
+            if meter is not None:
+                meter.start()
+            client = time.process_time()
             out[c] = run_mesh(mesh.url, work, c, n, rate)
+            if meter is not None:  # CPU seconds by process over this concurrency's run
+                out[c]["cpu_s"] = {**meter.stop(), "bench client": time.process_time() - client}
             if out[c]["errors"]:
                 log(f"omnimesh: {len(out[c]['errors'])} request(s) failed at c={c}; first: {out[c]['errors'][0]}")
     return rate, out, serve
@@ -282,6 +289,7 @@ def report(machine: dict[str, Any], args: argparse.Namespace, rate: int, mesh: d
               f"{fmt(m['x_sequential_req_per_s'], 12, 2)}x{fmt(m['x_sequential_audio_s_per_s'], 12, 2)}x"
               f"{fmt(m['x_batched_req_per_s'], 10, 2)}x")
     print("(x batched: vs batched generate with batch = c; at c=1 that is sequential generate)")
+    cpu_table(mesh)
     if any(m["without_audio"] for m in mesh.values()):
         print("note: some omnimesh requests finished without any audio delta: "
               + ", ".join(f"c={c}: {m['without_audio']}" for c, m in mesh.items() if m["without_audio"]))
@@ -305,6 +313,24 @@ def report(machine: dict[str, Any], args: argparse.Namespace, rate: int, mesh: d
     else:
         print("n/a   TTFP p50 at c=8 / c=1: not measured (--concurrency needs both 1 and 8)")
     return targets
+
+
+CPU_ROLES = ("encoder", "thinker", "talker", "vocoder", "gateway", "serve", "bench client")
+
+
+def cpu_table(mesh: dict[int, dict[str, Any]]) -> None:
+    """Per concurrency: CPU ms per finished request, by process (see bench/process_cpu.py), and the cores busy."""
+    rows = {c: m for c, m in mesh.items() if m.get("cpu_s") and m["ok"]}
+    if not rows:
+        return
+    print()
+    print("omnimesh CPU per request (ms), by process; cores busy = all of it / wall time")
+    print(f"{'c':>4}" + "".join(f"{r:>14}" for r in CPU_ROLES) + f"{'total':>9}{'cores busy':>12}")
+    for c, m in rows.items():
+        cpu = m["cpu_s"]
+        total = sum(cpu.values())
+        print(f"{c:4}" + "".join(f"{cpu.get(r, 0.0) * 1000 / m['ok']:14.1f}" for r in CPU_ROLES)
+              + f"{total * 1000 / m['ok']:9.1f}{total / m['wall_s']:12.2f}")
 
 
 def _no_nan(x: Any) -> Any:
