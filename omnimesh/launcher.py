@@ -53,6 +53,8 @@ class MeshLauncher:
         argv = ["stage", stage, "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
                 "--stream-interval", str(a.stream_interval)]
+        if a.enforce_eager:
+            argv.append("--enforce-eager")
         cfg = a.stage_configs()[stage]
         argv += ["-tp", str(cfg.tp), "-pp", str(cfg.pp)]
         # the stage's own resolved settings (global flags under its --stage-overrides entry)

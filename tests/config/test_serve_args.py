@@ -146,6 +146,17 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     assert (cfg.pp, cfg.tp, cfg.kv_cache_memory, cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2, 2, 256 * 2**20, 512, 64)
     assert cfg.max_waiting_requests == 3
     assert (cfg.transport, cfg.shm_arena_size) == ("grpc", 64 * 2**20)
+    assert not from_namespace(build_parser().parse_args(thinker)).enforce_eager
+
+
+def test_launcher_passes_enforce_eager_to_every_stage(tmp_path) -> None:
+    from omnimesh.cli import build_parser
+    from omnimesh.config.serve_args import from_namespace
+    from omnimesh.launcher import MeshLauncher
+
+    launcher = MeshLauncher(ServeArgs(enforce_eager=True), tmp_path)
+    for port, stage in enumerate(("encoder", "thinker", "talker", "vocoder")):
+        assert from_namespace(build_parser().parse_args(launcher._stage_argv(stage, 50051 + port))).enforce_eager
 
 
 @pytest.mark.parametrize("text, size", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("2G", 2 * 10**9),
