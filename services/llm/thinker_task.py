@@ -154,13 +154,20 @@ class ThinkerTask(BatchedTask):
 
 def merge_token_chunks(chunks: list[StageChunk]) -> StageChunk:
     """Consecutive token chunks of one request as ONE chunk: texts joined, `token_ids` (k,) and
-    `token_embeds` (k, H) stacked, the first chunk's other tensors (the talker prompt) kept, final if the
-    last one is. What the talker and the gateway read from it is what they read from the chunks one by one."""
+    `token_embeds` (k, H) stacked, any other tensor (the talker prompt, on the stream's first chunk) kept,
+    final if the last one is. What the talker and the gateway read from it is what they read from the
+    chunks one by one; two chunks carrying the same other tensor cannot merge (ValueError)."""
     if len(chunks) == 1:
         return chunks[0]
-    tensors = dict(chunks[0].tensors)
-    for name in MERGED:
-        parts = [c.tensors[name] for c in chunks if name in c.tensors]
-        if parts:
-            tensors[name] = torch.cat(parts)
+    tensors: dict[str, torch.Tensor] = {}
+    stacked: dict[str, list[torch.Tensor]] = {name: [] for name in MERGED}
+    for chunk in chunks:
+        for name, tensor in chunk.tensors.items():
+            if name in stacked:
+                stacked[name].append(tensor)
+            elif name in tensors:
+                raise ValueError(f"two chunks both carry {name!r}: they cannot merge")
+            else:
+                tensors[name] = tensor
+    tensors.update({name: torch.cat(parts) for name, parts in stacked.items() if parts})
     return StageChunk(tensors=tensors, text="".join(c.text for c in chunks), final=chunks[-1].final)
