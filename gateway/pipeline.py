@@ -6,7 +6,8 @@ Data flow for `run(request)`:
   on to the vocoder; vocoder chunks (pcm) go to the client. With `async_chunk` every chunk is forwarded
   the moment it arrives, so the talker and vocoder start before the thinker finishes; without it each
   stage gets its whole input in one final chunk. Text-only requests stop at the thinker.
-Three relay coroutines run concurrently and feed one event queue; the first failure cancels the rest
+Three relay coroutines run concurrently and feed one event queue (deltas of one kind that queued up while
+the front end was busy leave it joined: `merge_ready`); the first failure cancels the rest
 and every open stage stream, and is raised as a `PipelineError` with the HTTP status / gRPC code the
 front ends answer with (a stage that is down: 503 / UNAVAILABLE).
 
@@ -28,6 +29,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+import numpy as np
 import torch
 
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, PipelineError, TextDelta
@@ -191,13 +193,16 @@ class StagePipeline:
                 relays.append(asyncio.create_task(self._relay(talker, vocoder, events, text=False)))
                 relays.append(asyncio.create_task(self._relay(vocoder, None, events, text=False, audio=True)))
             pending = len(relays)
+            held: list[Event | BaseException | None] = []  # taken off the queue while merging, handled next
             while pending:
-                item = await events.get()
+                item = held.pop() if held else await events.get()
                 if item is None:
                     pending -= 1
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    if not events.empty():
+                        item, held = merge_ready(item, events)
                     yield item
             done = thinker.done
             yield Finished(
@@ -295,6 +300,32 @@ class StagePipeline:
         except Exception as exc:  # a relay bug must fail the request, not hang it
             log.exception("relay %s -> %s failed", source.stage, sink.stage if sink else "client")
             events.put_nowait(PipelineError(f"gateway relay failed: {exc}", http_status=500, grpc_code=13, kind="internal_error"))
+
+
+def merge_ready(item: Event, events: asyncio.Queue) -> tuple[Event, list[Event | BaseException | None]]:
+    """`item` joined with the deltas of its kind queued right behind it (texts concatenated, pcm of one
+    rate concatenated) -> (the delta, [the next other queue item, which may be a relay's None] or []). The
+    front end then writes one message where it would write several, when it has fallen behind; nothing
+    waits for it."""
+    if not isinstance(item, (TextDelta, AudioDelta)):
+        return item, []
+    same: list[TextDelta | AudioDelta] = [item]
+    while not events.empty():
+        nxt = events.get_nowait()
+        if type(nxt) is not type(item) or (isinstance(nxt, AudioDelta) and isinstance(item, AudioDelta)
+                                           and nxt.sample_rate != item.sample_rate):
+            return _joined(same), [nxt]
+        same.append(nxt)
+    return _joined(same), []
+
+
+def _joined(deltas: list[TextDelta | AudioDelta]) -> Event:
+    if len(deltas) == 1:
+        return deltas[0]
+    if isinstance(deltas[0], TextDelta):
+        return TextDelta("".join(d.text for d in deltas if isinstance(d, TextDelta)))
+    pcm = [d.pcm for d in deltas if isinstance(d, AudioDelta)]
+    return AudioDelta(pcm=np.concatenate(pcm), sample_rate=deltas[0].sample_rate)
 
 
 # producer -> consumer of every stage edge (the vocoder's pcm is read by the gateway itself)
