@@ -80,7 +80,7 @@ def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:
     else:  # before serving: no request waits on a compile
         started = time.perf_counter()
         if compile_snake(next(code2wav.parameters()).device):
-            log.info("vocoder: SnakeBeta compiled into one kernel in %.1f s (--enforce-eager: eager PyTorch)",
+            log.info("vocoder: SnakeBeta compiled into one kernel in %.1f s (--enforce-eager keeps eager PyTorch)",
                      time.perf_counter() - started)
     cap = args.stage_configs()["vocoder"].max_num_batched_tokens
     return VocoderHandler(code2wav, transformer, model_dir.name, layout, failure, cap)
