@@ -52,7 +52,8 @@ def _check_full(param: nn.Parameter, full: torch.Tensor, expected: tuple[int, ..
 def default_weight_loader(param: nn.Parameter, full: torch.Tensor) -> None:
     """Replicated parameter (norms, router, shared-expert gate): every rank keeps the whole tensor."""
     _check_full(param, full, tuple(param.shape))
-    param.data.copy_(full)
+    with torch.no_grad():  # (not through .data: the copy bumps the version, so tables made from it are remade)
+        param.copy_(full)
 
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:

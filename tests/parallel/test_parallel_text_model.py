@@ -205,3 +205,29 @@ def test_apply_rope_is_transformers_rotate_half_bit_for_bit() -> None:
     s = signed_sin(sin).unsqueeze(1)
     assert torch.equal(apply_rope(q, cos.unsqueeze(1), s), want_q)
     assert torch.equal(apply_rope(k, cos.unsqueeze(1), s), want_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_heads_equals_norming_and_rotating_q_and_k_apart(dtype: torch.dtype) -> None:
+    from omnimesh.models.qwen3_omni.parallel_text_model import RMSNorm, qkv_heads
+    from omnimesh.parallel.layers import default_weight_loader
+
+    g = torch.Generator().manual_seed(4)
+    heads, kv_heads, D, B, T = 4, 2, 16, 2, 3
+    norms = (RMSNorm(D, 1e-6, dtype), RMSNorm(D, 1e-6, dtype))
+    for n in norms:
+        default_weight_loader(n.weight, torch.randn(D, generator=g).to(dtype))
+    qkv = torch.randn(B, T, (heads + 2 * kv_heads) * D, generator=g).to(dtype)
+    cos, sin = torch.randn(B, 1, T, D, generator=g).to(dtype), signed_sin(torch.randn(B, 1, T, D, generator=g)).to(dtype)
+
+    def apart() -> tuple[torch.Tensor, ...]:
+        q, k, v = qkv.split([heads * D, kv_heads * D, kv_heads * D], -1)
+        q = norms[0](q.view(B, T, heads, D)).transpose(1, 2)
+        k = norms[1](k.view(B, T, kv_heads, D)).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(B, T, kv_heads, D).transpose(1, 2)
+
+    for got, want in zip(qkv_heads(qkv, heads, kv_heads, D, norms, cos, sin), apart()):
+        assert torch.equal(got, want)
+    default_weight_loader(norms[1].weight, torch.randn(D, generator=g).to(dtype))  # loaded again: remade
+    for got, want in zip(qkv_heads(qkv, heads, kv_heads, D, norms, cos, sin), apart()):
+        assert torch.equal(got, want)

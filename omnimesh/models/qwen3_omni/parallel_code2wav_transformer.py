@@ -49,7 +49,7 @@ from omnimesh.models.qwen3_omni.parallel_code_predictor import (
     check_supported,
     pipeline_step,
 )
-from omnimesh.models.qwen3_omni.parallel_text_model import ParallelMLP, RMSNorm, apply_rope, gqa_attention, signed_sin
+from omnimesh.models.qwen3_omni.parallel_text_model import ParallelMLP, RMSNorm, gqa_attention, qkv_heads, signed_sin
 from omnimesh.parallel.layers import default_weight_loader
 from omnimesh.parallel.parallel_state import ParallelState, pp_recv, pp_send
 
@@ -142,13 +142,8 @@ def batch_attention(attn: ParallelDenseAttention, x: torch.Tensor, cos: torch.Te
     keys enter its cache. -> (B, T, H), all-reduced over TP."""
     B, T, D = x.shape[0], x.shape[1], attn.head_dim
     proj = attn.qkv_proj
-    q, k, v = proj(x).split([proj.q_size, proj.kv_size, proj.kv_size], -1)
-    q, k, v = q.view(B, T, -1, D), k.view(B, T, -1, D), v.view(B, T, -1, D)  # (B, T, heads/tp, D)
-    if attn.q_norm is not None and attn.k_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh/tp | nkv/tp, T, D)
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
-    q, k = apply_rope(q, c, s), apply_rope(k, c, s)  # s: signed_sin
+    q, k, v = qkv_heads(proj(x), proj.q_size // D, proj.kv_size // D, D, attn.qk_norms,
+                        cos.unsqueeze(1), sin.unsqueeze(1))  # (B, nh/tp | nkv/tp, T, D); sin: signed_sin
     keys, values = [], []
     for b, (cache, n) in enumerate(zip(caches, lengths)):
         kb, vb = cache.update(attn.layer_idx, k[b:b + 1, :, :n], v[b:b + 1, :, :n])  # (1, nkv/tp, stored_b + n, D)

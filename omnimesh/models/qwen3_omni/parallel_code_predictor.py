@@ -40,7 +40,14 @@ import torch
 from torch import nn
 
 from omnimesh.models.loader import checkpoint_files, iter_tensors
-from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelMLP, RMSNorm, apply_rope, gqa_attention, signed_sin
+from omnimesh.models.qwen3_omni.parallel_text_model import (
+    KVCache,
+    ParallelMLP,
+    RMSNorm,
+    gqa_attention,
+    qkv_heads,
+    signed_sin,
+)
 from omnimesh.parallel.layers import (
     ParallelLMHead,
     QKVParallelLinear,
@@ -145,16 +152,15 @@ class ParallelDenseAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.n_rep = heads // kv_heads
 
+    @property
+    def qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
+        return (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
                 mask: torch.Tensor | None) -> torch.Tensor:
         B, T, D = x.shape[0], x.shape[1], self.head_dim  # B: requests at the same positions (batched steps)
-        q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
-        q, k, v = q.view(B, T, -1, D), k.view(B, T, -1, D), v.view(B, T, -1, D)  # (B, T, heads/tp, D)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh/tp | nkv/tp, T, D)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, T, D)
-        q, k = apply_rope(q, c, s), apply_rope(k, c, s)  # s: signed_sin
+        q, k, v = qkv_heads(self.qkv_proj(x), self.qkv_proj.q_size // D, self.qkv_proj.kv_size // D, D, self.qk_norms,
+                            cos.unsqueeze(1), sin.unsqueeze(1))  # (B, nh/tp | nkv/tp, T, D); sin: signed_sin
         k, v = cache.update(self.layer_idx, k, v)  # (B, nkv/tp, S, D): cached keys + these T
         o = gqa_attention(q, k, v, self.n_rep, D**-0.5, mask)  # (B, nh/tp, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))  # (B, T, H), all-reduced

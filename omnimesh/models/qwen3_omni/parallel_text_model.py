@@ -28,6 +28,7 @@ Run the checks: python -m pytest tests/parallel -q
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,44 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` before its weight: `forward(x) == normalize(x) * weight`, bit for bit."""
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, None, self.eps)
+        h = x.to(torch.float32)
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+_QK_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def qkv_heads(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, norms: tuple[RMSNorm, RMSNorm] | None,
+              cos: torch.Tensor, sin_signed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv (B, T, (heads + 2 kv_heads) D), the fused projection -> q (B, heads, T, D), k and v (B, kv_heads, T, D),
+    q and k per-head RMS-normed (`norms` = (q_norm, k_norm), or None) and rotated (`apply_rope`; cos and
+    sin_signed broadcast to (B, 1, T, D)). q and k go through ONE normalisation (each head then scaled by
+    its norm's weight) and ONE rotation: the same bits as norming and rotating them apart, in half the ops."""
+    B, T = qkv.shape[0], qkv.shape[1]
+    h = qkv.view(B, T, heads + 2 * kv_heads, head_dim)
+    qk = h[:, :, :heads + kv_heads]  # (B, T, heads + kv_heads, D)
+    if norms is not None:
+        qk = norms[0].normalize(qk) * _qk_weight(norms, heads, kv_heads)
+    qk = apply_rope(qk.transpose(1, 2), cos, sin_signed)  # (B, heads + kv_heads, T, D)
+    return qk[:, :heads], qk[:, heads:], h[:, :, heads + kv_heads:].transpose(1, 2)
+
+
+def _qk_weight(norms: tuple[RMSNorm, RMSNorm], heads: int, kv_heads: int) -> torch.Tensor:
+    """(heads + kv_heads, D): q_norm's weight for each q head, then k_norm's for each k head; made again
+    when either weight is replaced or changed in place (loading happens after construction)."""
+    q, k = norms[0].weight, norms[1].weight
+    key = (q.data_ptr(), q._version, k.data_ptr(), k._version, heads, kv_heads)
+    cached = _QK_WEIGHTS.get(norms[0])
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            weight = torch.cat([q.expand(heads, -1), k.expand(kv_heads, -1)])
+        cached = _QK_WEIGHTS[norms[0]] = (key, weight)
+    return cached[1]
+
 
 class MRotary(nn.Module):
     """Interleaved M-RoPE (t, h, w sections) as Qwen3OmniMoeThinkerTextRotaryEmbedding computes it."""
@@ -210,12 +249,9 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LMCache) -> torch.Tensor:
         T, D = x.shape[1], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
-        q = self.q_norm(q.view(1, T, -1, D)).transpose(1, 2)  # (1, nh/tp, T, D)
-        k = self.k_norm(k.view(1, T, -1, D)).transpose(1, 2)  # (1, nkv/tp, T, D)
-        v = v.view(1, T, -1, D).transpose(1, 2)  # (1, nkv/tp, T, D)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, T, D)
-        q, k = apply_rope(q, c, s), apply_rope(k, c, s)  # s: signed_sin
+        proj = self.qkv_proj
+        q, k, v = qkv_heads(proj(x), proj.q_size // D, proj.kv_size // D, D, (self.q_norm, self.k_norm),
+                            cos.unsqueeze(1), sin.unsqueeze(1))  # (1, nh/tp | nkv/tp, T, D); sin: signed_sin
         o = cache.attend(self.layer_idx, q, k, v, self.n_rep, D**-0.5)  # (1, nh/tp, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(1, T, -1))  # (1, T, H), all-reduced
 
