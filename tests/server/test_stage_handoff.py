@@ -18,30 +18,18 @@ import torch
 from test_stage_servicer import DoubleHandler
 
 from omnimesh.engine.loop import EngineLoop
-from omnimesh.server.grpc_server import make_server
-from omnimesh.server.stage_server import STAGE_SERVICE
-from omnimesh.server.stage_servicer import StageServicer
 from omnimesh.transport.frames import StageChunk
-from omnimesh.transport.stage_client import StageCallError, StageClient
+from omnimesh.transport.stage_client import StageCallError
 from omnimesh.transport.transport import Transport
-from omnimesh.v1 import stage_pb2_grpc
+from tests.stage_harness import served_stage
 
 
 @pytest.fixture
 async def shm_stage():
-    engine = EngineLoop("double")
-    engine.start()
     transport = Transport("txtest-double", "auto", 4 * 2**20)
-    server, _health = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(DoubleHandler(), engine, transport=transport), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = StageClient("double", f"127.0.0.1:{port}")
     assert transport.arena is not None
-    yield client, transport.arena
-    await client.close()
-    await server.stop(0)
-    await engine.stop()
+    async with served_stage(DoubleHandler(), EngineLoop("double"), transport=transport) as served:
+        yield served.client, transport.arena
     transport.close()
 
 

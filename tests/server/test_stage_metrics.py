@@ -14,12 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.engine.task import StageTask
-from omnimesh.server.grpc_server import make_server
-from omnimesh.server.stage_server import STAGE_SERVICE
-from omnimesh.server.stage_servicer import StageServicer
 from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageCallError, StageClient
-from omnimesh.v1 import stage_pb2, stage_pb2_grpc
+from omnimesh.v1 import stage_pb2
+from tests.stage_harness import served_stage
 
 LABELS = {"stage": "count", "model_name": "tiny"}
 
@@ -71,24 +69,16 @@ class FakeBatcher:
         return dict(self.load)
 
 
-async def _serve(batcher: FakeBatcher | None = None):
+def _serve(batcher: FakeBatcher | None = None):
+    """The count stage with engine metrics, served: `async with _serve() as served`."""
     metrics = EngineMetrics("count", model_name="tiny")
-    engine = EngineLoop("count", batcher=batcher, metrics=metrics)
-    engine.start()
-    server, _ = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(CountHandler(), engine, metrics), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, engine, StageClient("count", f"127.0.0.1:{port}")
+    return served_stage(CountHandler(), EngineLoop("count", batcher=batcher, metrics=metrics), metrics=metrics)
 
 
 @pytest.fixture
 async def stage():
-    server, engine, client = await _serve()
-    yield client, engine
-    await client.close()
-    await server.stop(0)
-    await engine.stop()
+    async with _serve() as served:
+        yield served.client, served.engine
 
 
 async def run(client: StageClient, rid: str, n_prompt: int, **options: str) -> list[StageChunk]:
@@ -167,8 +157,8 @@ async def test_cancelled_request_counts_but_has_no_e2e_latency(stage):
 
 async def test_batcher_stats_are_the_load_gauges():
     batcher = FakeBatcher()
-    server, engine, client = await _serve(batcher)
-    try:
+    async with _serve(batcher) as served:
+        client = served.client
         assert len(await run(client, "r", 3, steps="2")) == 2
         got = samples(await client.metrics())
         assert value(got, "omnimesh:num_requests_running") == 3
@@ -180,23 +170,8 @@ async def test_batcher_stats_are_the_load_gauges():
         got = samples(await client.metrics())
         assert value(got, "omnimesh:num_preemptions_total") == 5
         assert not any(name == "omnimesh:kv_cache_usage_perc" for name, _ in got)
-    finally:
-        await client.close()
-        await server.stop(0)
-        await engine.stop()
 
 
 async def test_servicer_without_metrics_answers_empty_text():
-    engine = EngineLoop("count")
-    engine.start()
-    server, _ = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(CountHandler(), engine), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = StageClient("count", f"127.0.0.1:{port}")
-    try:
-        assert await client.metrics() == ""
-    finally:
-        await client.close()
-        await server.stop(0)
-        await engine.stop()
+    async with served_stage(CountHandler(), EngineLoop("count")) as served:
+        assert await served.client.metrics() == ""

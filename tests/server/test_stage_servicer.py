@@ -15,12 +15,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.task import StageRequestError, StageTask
-from omnimesh.server.grpc_server import make_server
 from omnimesh.server.stage_server import STAGE_SERVICE
-from omnimesh.server.stage_servicer import StageServicer
 from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageCallError, StageClient
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
+from tests.stage_harness import served_stage
 
 
 class DoubleTask(StageTask):
@@ -79,17 +78,9 @@ class DoubleHandler:
 async def stage():
     handler = DoubleHandler()
     engine = EngineLoop("double")
-    engine.start()
-    server, health = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
-    client = StageClient("double", f"127.0.0.1:{port}")
-    yield client, engine, handler, port
-    await client.close()
-    await server.stop(0)
-    await engine.stop()
+    async with served_stage(handler, engine) as served:
+        await served.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        yield served.client, engine, handler, served.port
 
 
 async def collect(stream):
@@ -254,13 +245,8 @@ class RecordingBatcher:
 async def test_a_batcher_steps_many_requests_per_call():
     handler, batcher = DoubleHandler(), RecordingBatcher()
     engine = EngineLoop("double", batcher=batcher)
-    engine.start()
-    server, _ = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = StageClient("double", f"127.0.0.1:{port}")
-    try:
+    async with served_stage(handler, engine) as served:
+        client = served.client
         streams = [await client.open(f"r{i}", options={"steps": "20", "fail": "1" if i == 3 else "0"}) for i in range(8)]
         for s in streams:
             await s.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
@@ -271,10 +257,6 @@ async def test_a_batcher_steps_many_requests_per_call():
         assert sum(batcher.sizes) < 8 * 21  # ... so there were fewer calls than request-steps
         assert batcher.inference_mode == {True}  # steps skip autograd bookkeeping
         assert engine.num_requests == 0
-    finally:
-        await client.close()
-        await server.stop(0)
-        await engine.stop()
 
 
 class BurstTask(StageTask):
@@ -309,22 +291,11 @@ class BurstHandler:
 
 @pytest.mark.parametrize("merging", [True, False])
 async def test_queued_chunks_leave_as_one_when_the_handler_merges(merging: bool) -> None:
-    engine = EngineLoop("burst")
-    engine.start()
-    server, _ = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(BurstHandler(merging), engine), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = StageClient("burst", f"127.0.0.1:{port}")
-    try:
-        s = await client.open("r1")
+    async with served_stage(BurstHandler(merging), EngineLoop("burst")) as served:
+        s = await served.client.open("r1")
         await s.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
         out = await collect(s)  # the client checks that seq numbers are contiguous
         assert "".join(c.text for c in out) == "abcde"
         assert torch.cat([c.tensors["y"] for c in out]).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert len(out) == (1 if merging else 5) and out[-1].final
         assert s.done is not None and s.done.finish_reason == "stop"
-    finally:
-        await client.close()
-        await server.stop(0)
-        await engine.stop()

@@ -16,12 +16,10 @@ import torch
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
-from omnimesh.server.grpc_server import make_server
-from omnimesh.server.stage_server import STAGE_SERVICE
-from omnimesh.server.stage_servicer import StageServicer
 from omnimesh.transport.frames import StageChunk
-from omnimesh.transport.stage_client import StageCallError, StageClient
-from omnimesh.v1 import stage_pb2, stage_pb2_grpc
+from omnimesh.transport.stage_client import StageCallError
+from omnimesh.v1 import stage_pb2
+from tests.stage_harness import served_stage
 from services.encoder.handler import EncoderHandler, build_handler
 
 N_MEL, PATCH_DIM = 128, 3 * 2 * 16 * 16  # the tiny model's num_mel_bins and C * temporal_patch * patch^2
@@ -197,32 +195,25 @@ async def test_batched_through_a_grpc_stage_server(handler: EncoderHandler, coun
     vision_tower.calls.clear()
     audio_tower.gate.clear()  # a step that starts before every request is in waits in the audio tower
     engine = EngineLoop("encoder", batcher=handler.batcher)
-    engine.start()
-    server, _ = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = StageClient("encoder", f"127.0.0.1:{port}")
-    try:
-        rids = [*media, "rows-off"]
-        streams = [await client.open(rid) for rid in rids]
-        for rid, s in zip(rids, streams):
-            await s.send(StageChunk(tensors=media[rid] if rid in media else BAD[rid][0], final=True))
-        await asyncio.sleep(0.2)  # the last inputs reach the engine
-        audio_tower.gate.set()
-        results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
-        bad = results[-1]
-        assert isinstance(bad, StageCallError) and bad.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert "pixel_values must be" in bad.message
-        for rid, chunks in zip(rids[:-1], results[:-1]):
-            assert isinstance(chunks, list) and len(chunks) == 1 and chunks[0].final, rid
-            assert_same(chunks[0].tensors, alone[rid], rid)
-        # at most the first request stepped alone; every other one shared the next step's tower calls
-        assert len(audio_tower.calls) <= 2 and len(vision_tower.calls) <= 2, (audio_tower.calls, vision_tower.calls)
-        assert sum(audio_tower.calls) == 6 and sum(vision_tower.calls) == 5
-        assert engine.num_requests == 0
-    finally:
-        audio_tower.gate.set()
-        await client.close()
-        await server.stop(0)
-        await engine.stop()
+    async with served_stage(handler, engine) as served:
+        try:
+            client = served.client
+            rids = [*media, "rows-off"]
+            streams = [await client.open(rid) for rid in rids]
+            for rid, s in zip(rids, streams):
+                await s.send(StageChunk(tensors=media[rid] if rid in media else BAD[rid][0], final=True))
+            await asyncio.sleep(0.2)  # the last inputs reach the engine
+            audio_tower.gate.set()
+            results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
+            bad = results[-1]
+            assert isinstance(bad, StageCallError) and bad.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "pixel_values must be" in bad.message
+            for rid, chunks in zip(rids[:-1], results[:-1]):
+                assert isinstance(chunks, list) and len(chunks) == 1 and chunks[0].final, rid
+                assert_same(chunks[0].tensors, alone[rid], rid)
+            # at most the first request stepped alone; every other one shared the next step's tower calls
+            assert len(audio_tower.calls) <= 2 and len(vision_tower.calls) <= 2, (audio_tower.calls, vision_tower.calls)
+            assert sum(audio_tower.calls) == 6 and sum(vision_tower.calls) == 5
+            assert engine.num_requests == 0
+        finally:
+            audio_tower.gate.set()  # before the engine stops: a step waiting in the tower ends

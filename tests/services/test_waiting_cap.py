@@ -29,12 +29,10 @@ from gateway.pipeline import stage_error
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.task import StageRequestError
-from omnimesh.server.grpc_server import make_server
-from omnimesh.server.stage_server import STAGE_SERVICE
-from omnimesh.server.stage_servicer import StageServicer
 from omnimesh.transport.frames import StageChunk
-from omnimesh.transport.stage_client import StageCallError, StageClient
-from omnimesh.v1 import stage_pb2, stage_pb2_grpc
+from omnimesh.transport.stage_client import StageCallError
+from omnimesh.v1 import stage_pb2
+from tests.stage_harness import served_stage
 from services.llm.thinker_handler import build_handler as thinker_handler
 from tests.services.test_lm_batching import Driver, assert_drained, open_thinker, prompts, token_ids
 
@@ -113,14 +111,9 @@ async def test_stage_refuses_one_of_three_concurrent_streams(model_dir: Path) ->
     ids = prompts([5, 6, 7], seed=10)
     alone = [solo(handler, p) for p in ids]
     engine = EngineLoop(handler.name, max_inflight=handler.max_inflight_steps, batcher=handler.batcher)
-    engine.start()
-    server, _ = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = StageClient("thinker", f"127.0.0.1:{port}")
     sampling = stage_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    try:
+    async with served_stage(handler, engine) as served:
+        client = served.client
         streams = [await client.open(f"r{i}", sampling) for i in range(3)]
         await asyncio.sleep(0.5)  # every open is admitted or refused before any prompt arrives
         for stream, p in zip(streams, ids):
@@ -139,10 +132,6 @@ async def test_stage_refuses_one_of_three_concurrent_streams(model_dir: Path) ->
         again = await client.open("again", sampling)  # the stage admits once they are done
         await again.send(StageChunk(tensors={"input_ids": ids[i]}, final=True))
         assert token_ids(await asyncio.wait_for(collect(again), 60)) == alone[i]
-    finally:
-        await client.close()
-        await server.stop(0)
-        await engine.stop()
 
 
 def test_the_talker_refuses_past_its_cap_too(model_dir: Path) -> None:
