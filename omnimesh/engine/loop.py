@@ -3,7 +3,7 @@
 Data flow: the servicer `submit`s a task and gets an asyncio queue of `EngineEvent`s; input chunks
 arrive through `feed` and are handed to the task between steps; each pass of the loop gives every ready
 task one `step` (round-robin), so a long request never blocks a short one for more than one step.
-Outputs are numbered per request (seq 0, 1, ...) and put on the request's queue, followed by one
+Outputs are put on the request's queue in order (the servicer numbers them as they leave), followed by one
 `EngineDone` or `EngineFailed`. Steps run on compute threads: one by default; a pipeline-parallel stage
 allows `max_inflight` = pp steps at once, each on its own thread, so every pipeline rank has work.
 
@@ -87,7 +87,6 @@ class _Entry:
     deadline: float  # time.monotonic() value; inf = none
     whole_input: bool  # hold inputs until the final chunk is in (--no-async-chunk)
     inbox: list[StageChunk] = field(default_factory=list)
-    out_seq: int = 0
     inflight: asyncio.Future | None = None  # the step running on a compute thread
     last_step: int = 0  # number of the step that last included it (round-robin: the longest-waiting first)
     timing: RequestTiming | None = None  # metrics only
@@ -325,8 +324,6 @@ class EngineLoop:
                 outputs = [StageChunk()]
             outputs[-1].final = True
         for chunk in outputs:
-            chunk.seq = entry.out_seq
-            entry.out_seq += 1
             entry.queue.put_nowait(chunk)
         if entry.task.finished:
             t = entry.task

@@ -120,7 +120,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         cancelled = True  # until the stream ends the normal way: a caller that cancels gave up on our frames
         merge = getattr(self.handler, "merge_outputs", None)
         held: EngineEvent | None = None  # taken off the queue while merging, handled next
-        sent = 0  # output chunks numbered as they leave (merging joins engine-numbered ones)
+        sent = 0  # output chunks are numbered here, as they leave (after any merging)
         try:
             while True:
                 event = held if held is not None else await queue.get()

@@ -8,8 +8,9 @@ Data flow (`step_batch`, on the engine loop's compute thread), over the ready re
      codes (sent once its chunk is whole) and the group's embedding sum + text entry g is queued as its next
      decoder input;
   4. ONE `LMEngine.step` runs the scheduled decoder rows of all requests; each request that got logits
-     samples its next codec token (greedy requests alike in one go: `Qwen3OmniTalker.sample_next_batch`) (codec EOS or max tokens ends it: the last token gets no group, and the
-     codes still held go out with the request's last chunk).
+     samples its next codec token (greedy requests alike in one go: `Qwen3OmniTalker.sample_next_batch`);
+     codec EOS or max tokens ends it: the last token gets no group, and the codes still held go out with
+     the request's last chunk.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.models.qwen3_omni.lm_engine import LMEngine
 from omnimesh.stage_registry import lm_engine, lm_layout, resolve_dtype
-from omnimesh.transport.frames import StageChunk
 from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling
 from services.llm.thinker_batcher import ThinkerBatcher
@@ -53,10 +52,8 @@ class ThinkerHandler:
                                    pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
                                    device="cuda" if self.layout.backend == "nccl" else "cpu")
 
-    @staticmethod
-    def merge_outputs(chunks: list[StageChunk]) -> StageChunk:
-        """Chunks waiting together in a request's output queue go out as one (see stage_servicer)."""
-        return merge_token_chunks(chunks)
+    # chunks waiting together in a request's output queue go out as one (see stage_servicer)
+    merge_outputs = staticmethod(merge_token_chunks)
 
     def open(self, msg: stage_pb2.Open) -> ThinkerTask:
         if self.failure.message is not None:
