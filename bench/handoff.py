@@ -157,7 +157,7 @@ def serve_source(arena_bytes: int) -> None:
         return enc
 
     Transport.encoder = encoder_with_piece  # type: ignore[method-assign]
-    run_stage(SourceHandler, "127.0.0.1", 0, transport="shm", shm_arena_size=arena_bytes)
+    run_stage(SourceHandler, "127.0.0.1", 0, transport="shm", shm_arena_size=arena_bytes, shm_min_tensor_size=0)
 
 
 class SourceProcess:

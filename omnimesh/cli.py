@@ -131,7 +131,7 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     port = ns.stage_port if ns.stage_port is not None else 50051 + STAGES.index(ns.stage_name)
     cfg = args.stage_configs()[stage]
     run_stage(handler_factory(ns.stage_name, model_dir, args), ns.stage_host, port,
-              transport=cfg.transport, shm_arena_size=cfg.shm_arena_size)
+              transport=cfg.transport, shm_arena_size=cfg.shm_arena_size, shm_min_tensor_size=cfg.shm_min_tensor_size)
     return 0
 
 

@@ -63,6 +63,9 @@ class ServeArgs:
     device: str = _f("auto", "auto, cpu or cuda", "--device")
     transport: str = _f("auto", "where tensors between stages travel: auto (shared memory / CUDA IPC between co-located stages, gRPC frames across hosts), grpc, shm or cuda-ipc", "--transport")
     shm_arena_size: str = _f("256MiB", "shared-memory arena of each stage for co-located hand-offs (0: none)", "--shm-arena-size")
+    shm_min_tensor_size: str = _f("16KiB", "smallest tensor a co-located hand-off passes by shared-memory reference; "
+                                  "smaller ones go inline, where their bytes cost less than a slot's locks "
+                                  "(0: every tensor by reference)", "--shm-min-tensor-size")
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -108,6 +111,7 @@ class ServeArgs:
             kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory, "--kv-cache-memory"),
             transport=self.transport,
             shm_arena_size=parse_size(self.shm_arena_size, "--shm-arena-size"),
+            shm_min_tensor_size=parse_size(self.shm_min_tensor_size, "--shm-min-tensor-size"),
         )
         overrides = parse_stage_overrides(self.stage_overrides)
         return {stage: resolve_stage(model_stage, overrides.get(stage, {}), stage) for stage in STAGES}

@@ -14,6 +14,11 @@ from typing import Any
 STAGES: tuple[str, ...] = ("encoder", "thinker", "talker", "vocoder")
 STAGE_IDS: dict[str, str] = {str(i): name for i, name in enumerate(STAGES)}
 TRANSPORT_CHOICES: tuple[str, ...] = ("auto", "grpc", "shm", "cuda-ipc")
+# below this a CPU tensor goes inline even on a shared-memory edge: a slot's publish, claim and release
+# (byte-range locks) cost the same however small the tensor. `bench/handoff.py --sizes 256B,4KiB,16KiB,
+# 64KiB,256KiB --transports shm,grpc` on the 2-core CPU machine: held 0.64 ms by reference vs 0.54 ms
+# inline up to 64 KiB, shm ahead only from 256 KiB; inline bytes also cross the gateway, so the line is lower
+SHM_MIN_TENSOR_BYTES = 16 * 2**10
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,9 @@ class StageConfig:
         default="auto", metadata={"help": "where the stage's output tensors travel: auto | grpc | shm | cuda-ipc"})
     shm_arena_size: int = field(
         default=256 * 2**20, metadata={"help": "bytes of the stage's shared-memory arena, e.g. '1GiB' (0: none)"})
+    shm_min_tensor_size: int = field(
+        default=SHM_MIN_TENSOR_BYTES, metadata={"help": "smallest output tensor that goes by shared-memory reference on "
+                                                        "a co-located edge; smaller ones go inline, e.g. '16KiB' (0: all)"})
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "num_replicas", "max_num_seqs"):
@@ -62,6 +70,9 @@ class StageConfig:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.transport!r}")
         if not isinstance(self.shm_arena_size, int) or self.shm_arena_size < 0:
             raise ValueError(f"shm_arena_size must be a size in bytes >= 0 (e.g. '256MiB'), got {self.shm_arena_size!r}")
+        if not isinstance(self.shm_min_tensor_size, int) or self.shm_min_tensor_size < 0:
+            raise ValueError(f"shm_min_tensor_size must be a size in bytes >= 0 (e.g. '16KiB'), "
+                             f"got {self.shm_min_tensor_size!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.devices is not None and self.device_list() and len(self.device_list()) != self.pp * self.tp:
@@ -129,8 +140,8 @@ def parse_stage_overrides(text: str | None) -> dict[str, dict[str, Any]]:
                 value = tuple(value)
             if name == "kv_cache_memory" and value is not None:
                 value = parse_bytes(value, f"--stage-overrides[{key!r}].kv_cache_memory")
-            if name == "shm_arena_size":
-                value = parse_size(value, f"--stage-overrides[{key!r}].shm_arena_size")
+            if name in ("shm_arena_size", "shm_min_tensor_size"):
+                value = parse_size(value, f"--stage-overrides[{key!r}].{name}")
             if name == "devices" and value is not None:
                 value = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
             clean[name] = value

@@ -1,9 +1,9 @@
 """Runs one stage as a gRPC service: load the handler (the model part), then serve `Stage` until a signal.
 
 Data flow: `run_stage(factory, host, port)` -> factory() loads weights (progress on the log) -> the
-stage's Transport (its shm arena, per --transport / --shm-arena-size) ->
-EngineLoop + StageServicer (sharing one EngineMetrics, served by the Metrics RPC) on a grpc.aio server
-(uvloop) with health and reflection -> prints
+stage's Transport (its shm arena and which tensors go by reference, per --transport /
+--shm-arena-size / --shm-min-tensor-size) -> EngineLoop + StageServicer (sharing one EngineMetrics,
+served by the Metrics RPC) on a grpc.aio server (uvloop) with health and reflection -> prints
 `omnimesh stage <name> listening on host:port` (the launcher waits for that line or for health).
 """
 
@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 
 from grpc_health.v1 import health_pb2
+
+from omnimesh.config.stage_config import SHM_MIN_TENSOR_BYTES
 
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.metrics import EngineMetrics
@@ -72,7 +74,7 @@ def cpu_threads() -> int:
 
 
 def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, transport: str = "auto",
-              shm_arena_size: int = DEFAULT_ARENA_BYTES) -> None:
+              shm_arena_size: int = DEFAULT_ARENA_BYTES, shm_min_tensor_size: int = SHM_MIN_TENSOR_BYTES) -> None:
     import torch
     import uvloop
 
@@ -81,5 +83,5 @@ def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, tran
     t0 = time.monotonic()
     handler = factory()
     log.info("stage %s loaded in %.1fs", handler.name, time.monotonic() - t0)
-    hand_off = Transport(handler.name, transport, shm_arena_size)  # before serving: a bad setting stops start-up
+    hand_off = Transport(handler.name, transport, shm_arena_size, shm_min_tensor_size)  # before serving: a bad setting stops start-up
     uvloop.run(_serve(handler, host, port, hand_off))

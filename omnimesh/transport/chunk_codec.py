@@ -4,8 +4,9 @@ Role: `ChunkEncoder` turns one StageChunk into one or more `Chunk` parts (all bu
 more=True) for a request's chosen transport:
     grpc      inline bytes; a tensor larger than `piece_bytes` is split into pieces, one per part;
     shm       CPU tensors copied once into the producer's arena, the frame carries the ShmRef (CUDA tensors
-              are copied to the host first); a full arena sends that tensor inline;
-    cuda-ipc  CUDA tensors as IPC handles (no copy at all), CPU tensors as with shm.
+              are copied to the host first); a full arena sends that tensor inline, and so does a CPU
+              tensor under `min_ref_bytes` (--shm-min-tensor-size: a slot's locks cost more than its bytes);
+    cuda-ipc  CUDA tensors as IPC handles (no copy at all, whatever their size), CPU tensors as with shm.
 `ChunkAssembler` is the consumer's half: it collects a chunk's parts (reassembling pieces in order, mapping
 shm slots without copying, opening IPC handles) and returns the StageChunk when the last part is in.
 Every frame is checked (dtype, shape, byte count, piece order) and a mismatch is a FrameError naming the
@@ -49,6 +50,7 @@ class ChunkEncoder:
     request_id: str = ""
     deadline: float = 0.0
     piece_bytes: int = PIECE_BYTES
+    min_ref_bytes: int = 0  # a CPU tensor smaller than this goes inline on a shm / cuda-ipc edge too
 
     def __post_init__(self) -> None:
         if self.mode not in TRANSPORTS:
@@ -95,8 +97,10 @@ class ChunkEncoder:
 
     def _by_reference(self, part: stage_pb2.Chunk, name: str, tensor: torch.Tensor) -> bool:
         """Publish the tensor in shared memory (or by CUDA IPC) and add its frame to `part`; False when it
-        goes inline (grpc, an empty tensor, a full arena)."""
+        goes inline (grpc, an empty tensor, a small CPU tensor, a full arena)."""
         if self.mode == "grpc" or tensor.numel() == 0 or self.publisher is None:
+            return False
+        if tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() < self.min_ref_bytes:
             return False
         dtype = dtype_name(tensor.dtype, frame_where(name, self.request_id))
         if tensor.device.type == "cuda" and self.mode == "cuda-ipc":

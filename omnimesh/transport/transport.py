@@ -54,8 +54,11 @@ def choose_transport(producer: str, preference: str, producer_host: str, device:
 
 
 class Transport(Publisher):
-    def __init__(self, tag: str, preference: str = "auto", arena_bytes: int = DEFAULT_ARENA_BYTES):
+    def __init__(self, tag: str, preference: str = "auto", arena_bytes: int = DEFAULT_ARENA_BYTES,
+                 min_ref_bytes: int = 0):
+        """`min_ref_bytes`: CPU tensors under this size go inline even where the edge is shm / cuda-ipc."""
         self.tag = tag
+        self.min_ref_bytes = min_ref_bytes
         self.host_id = host_id()
         self.reader = RegionReader()
         self.arena: ShmArena | None = None
@@ -81,7 +84,7 @@ class Transport(Publisher):
     def encoder(self, mode: str, request_id: str, deadline: float = 0.0) -> ChunkEncoder:
         if mode in ("", "grpc") or self.arena is None:
             return ChunkEncoder("grpc", None, request_id, deadline)
-        return ChunkEncoder(mode, self, request_id, deadline)
+        return ChunkEncoder(mode, self, request_id, deadline, min_ref_bytes=self.min_ref_bytes)
 
     def assembler(self, request_id: str) -> ChunkAssembler:
         return ChunkAssembler(self.reader, request_id)

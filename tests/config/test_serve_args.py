@@ -123,19 +123,21 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     args = ServeArgs(max_num_seqs=64, kv_cache_memory="1GiB", max_waiting_requests=7,
                      stage_overrides='{"thinker": {"pp": 2, "tp": 2, "devices": "0,1,2,3", "pp_layer_partition": [1, 3],'
                                      ' "kv_cache_memory": "256MiB", "max_num_batched_tokens": 512, "transport": "grpc",'
-                                     ' "shm_arena_size": "64MiB", "max_waiting_requests": 3}, "talker": {"pp": 2}}')
+                                     ' "shm_arena_size": "64MiB", "max_waiting_requests": 3}, "talker": {"pp": 2, '
+                                     '"shm_min_tensor_size": "0"}}')
     launcher = MeshLauncher(args, tmp_path)
     thinker = launcher._stage_argv("thinker", 50052)
     assert thinker[thinker.index("-tp") + 1] == "2" and thinker[thinker.index("-pp") + 1] == "2"
     own = json.loads(thinker[thinker.index("--stage-overrides") + 1])
     assert own == {"thinker": {"pp_layer_partition": [1, 3], "devices": "0,1,2,3", "max_num_seqs": 64,
                                "max_waiting_requests": 3, "gpu_memory_utilization": 0.9, "kv_cache_memory": 256 * 2**20,
-                               "max_num_batched_tokens": 512, "transport": "grpc", "shm_arena_size": 64 * 2**20}}
+                               "max_num_batched_tokens": 512, "transport": "grpc", "shm_arena_size": 64 * 2**20,
+                               "shm_min_tensor_size": 16 * 2**10}}
     talker = launcher._stage_argv("talker", 50053)
     assert talker[talker.index("-pp") + 1] == "2"
     talker_own = json.loads(talker[talker.index("--stage-overrides") + 1])["talker"]
     assert talker_own["kv_cache_memory"] == 2**30 and talker_own["max_waiting_requests"] == 7
-    assert (talker_own["transport"], talker_own["shm_arena_size"]) == ("auto", 256 * 2**20)
+    assert (talker_own["transport"], talker_own["shm_arena_size"], talker_own["shm_min_tensor_size"]) == ("auto", 256 * 2**20, 0)
     encoder = launcher._stage_argv("encoder", 50051)
     assert encoder[encoder.index("-tp") + 1] == "1" and encoder[encoder.index("-pp") + 1] == "1"
     # what the stage process parses back is the stage's resolved config
@@ -145,7 +147,7 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     cfg = from_namespace(build_parser().parse_args(thinker)).stage_configs()["thinker"]
     assert (cfg.pp, cfg.tp, cfg.kv_cache_memory, cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2, 2, 256 * 2**20, 512, 64)
     assert cfg.max_waiting_requests == 3
-    assert (cfg.transport, cfg.shm_arena_size) == ("grpc", 64 * 2**20)
+    assert (cfg.transport, cfg.shm_arena_size, cfg.shm_min_tensor_size) == ("grpc", 64 * 2**20, 16 * 2**10)
     assert not from_namespace(build_parser().parse_args(thinker)).enforce_eager
 
 
@@ -185,6 +187,8 @@ def test_pp_layer_partition_flag() -> None:
 @pytest.mark.parametrize("flags, message", [
     (dict(transport="tcp"), "--transport must be one of auto, grpc, shm, cuda-ipc"),
     (dict(shm_arena_size="lots"), "--shm-arena-size"),
+    (dict(shm_min_tensor_size="-1"), "--shm-min-tensor-size"),
+    (dict(stage_overrides='{"talker": {"shm_min_tensor_size": "tiny"}}'), "shm_min_tensor_size"),
     (dict(stage_overrides='{"thinker": {"transport": "rdma"}}'), "transport must be one of"),
 ])
 def test_transport_flags_are_checked(flags, message) -> None:

@@ -1,9 +1,11 @@
 """Hand-off transports end to end, through real meshes on loopback.
 
-- The session mesh (all stages on this host, `--transport auto`) hands every stage-to-stage tensor over
-  shared memory: /metrics says so per stage, the gateway receives none of those tensors' bytes inline (it
-  relays headers only), the output still equals `transformers` `generate`, and every stage's arena is
+- The session mesh (all stages on this host, `--transport auto`) hands stage-to-stage tensors over shared
+  memory: /metrics says so per stage; tensors under the default --shm-min-tensor-size come inline and the
+  large pcm by reference; the output still equals `transformers` `generate`, and every stage's arena is
   whole again after a finished and a client-cancelled request.
+- With `--shm-min-tensor-size 0` every tensor goes by reference: the gateway receives none of their bytes
+  inline (it relays headers only).
 - A mesh started with `--transport grpc` sends the same tensors inline through the gateway and gives the
   same output.
 """
@@ -77,13 +79,27 @@ def _one_request(url: str, reference, transport: str) -> tuple[dict[str, float],
             _deltas(before, after, "omnimesh:gateway_stage_received_bytes_total"))
 
 
-def test_colocated_stages_pass_only_headers_through_the_gateway(mesh, reference):
+def test_colocated_stages_pass_large_tensors_by_reference_and_small_ones_inline(mesh, reference):
+    """The default --shm-min-tensor-size (16 KiB): the tiny model's features, hidden states and codes are all
+    smaller and come inline; the vocoder's pcm (~200 kB) goes by reference, so only its header is read."""
     described, inline, wire = _one_request(mesh.rest, reference, "shm")
-    for stage in STAGES:
-        assert described[stage] > 0, stage
-        assert inline[stage] == 0, f"{stage}: {inline[stage]} tensor bytes came through the gateway"
-    # what the gateway read from the encoder (features for the thinker) is headers only
-    assert wire["encoder"] < described["encoder"] / 10, (wire, described)
+    for stage in ("encoder", "thinker", "talker"):
+        assert inline[stage] == described[stage] > 0, (stage, described, inline)
+    assert described["vocoder"] > 16 * 2**10 and inline["vocoder"] == 0, (described, inline)
+    assert wire["vocoder"] < described["vocoder"] / 100, (wire, described)
+
+
+def test_with_no_minimum_colocated_stages_pass_only_headers_through_the_gateway(tiny_model_dir, reference):
+    m = start_mesh(tiny_model_dir, "--shm-min-tensor-size", "0")
+    try:
+        described, inline, wire = _one_request(m.rest, reference, "shm")
+        for stage in STAGES:
+            assert described[stage] > 0, stage
+            assert inline[stage] == 0, f"{stage}: {inline[stage]} tensor bytes came through the gateway"
+        # what the gateway read from the encoder (features for the thinker) is headers only
+        assert wire["encoder"] < described["encoder"] / 10, (wire, described)
+    finally:
+        assert m.proc.stop() == 0, m.proc.output()
 
 
 def _arenas_whole(url: str, timeout_s: float = 20.0) -> dict[str, tuple[float, float]]:

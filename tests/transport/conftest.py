@@ -30,8 +30,8 @@ def no_region_left() -> Iterator[None]:
 def make_transport() -> Iterator[Callable[..., Transport]]:
     made: list[Transport] = []
 
-    def make(name: str = "t", preference: str = "shm", arena_bytes: int = 4 * 2**20) -> Transport:
-        t = Transport(f"{TAG}-{name}", preference, arena_bytes)
+    def make(name: str = "t", preference: str = "shm", arena_bytes: int = 4 * 2**20, min_ref_bytes: int = 0) -> Transport:
+        t = Transport(f"{TAG}-{name}", preference, arena_bytes, min_ref_bytes)
         made.append(t)
         return t
 

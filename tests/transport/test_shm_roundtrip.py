@@ -1,7 +1,8 @@
 """Shared-memory round trip: ChunkEncoder("shm") -> wire -> ChunkAssembler gives back equal tensors of every
 dtype and shape (0-dim, empty, non-contiguous); the consumer's tensor is the producer's arena memory (writes
-show through both ways, no copy); empty tensors travel inline; dropping the tensors frees the arena. A full
-arena (or out of slots) falls back to inline bytes, counts the fallback, and works again once freed."""
+show through both ways, no copy); empty tensors travel inline, and so do CPU tensors under the producer's
+--shm-min-tensor-size; dropping the tensors frees the arena. A full arena (or out of slots) falls back to
+inline bytes, counts the fallback, and works again once freed."""
 
 from __future__ import annotations
 
@@ -85,6 +86,25 @@ def test_non_contiguous_and_many_tensors(make_transport) -> None:
     assert chunk is not None
     for name, t in sent.items():
         assert torch.equal(chunk.tensors[name], t), name
+
+
+def test_tensors_under_the_minimum_go_inline(make_transport) -> None:
+    producer = make_transport("min", min_ref_bytes=1024)
+    arena = producer.arena
+    assert arena is not None
+    start = arena.free_bytes()
+    sent = {"small": torch.randn(255), "edge": torch.randn(256), "big": torch.randn(4, 100, dtype=torch.float64)}
+    parts = producer.encoder("shm", "req-min").parts(StageChunk(tensors=sent))  # 1020, 1024 and 3200 bytes
+    assert [(f.name, f.WhichOneof("payload")) for p in parts for f in p.tensors] == [
+        ("small", "data"), ("edge", "shm"), ("big", "shm")]
+    assert arena.live_slots == 2 and arena.fallbacks == 0  # chosen inline, not a fallback
+    chunk = ChunkAssembler(RegionReader(), "req-min").add(over_wire(parts[-1]))
+    assert chunk is not None and all(torch.equal(chunk.tensors[k], v) for k, v in sent.items())
+    del chunk
+    gc.collect()
+    assert arena.free_bytes() == start and arena.live_slots == 0
+    assert [f.WhichOneof("payload") for f in make_transport("min0").encoder("shm", "r").parts(
+        StageChunk(tensors={"small": torch.randn(3)}))[0].tensors] == ["shm"]  # 0: every tensor by reference
 
 
 def test_full_arena_falls_back_inline_and_recovers(make_transport) -> None:
