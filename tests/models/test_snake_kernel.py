@@ -52,6 +52,23 @@ def test_compiled_kernel_equals_transformers_snake(rows: int, length: int) -> No
     assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
 
 
+def test_small_activations_skip_the_compiled_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under EAGER_BELOW elements the compiled call's fixed cost is larger than the math: eager runs."""
+    calls: list[int] = []
+
+    def compiled(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
+        calls.append(x.numel())
+        return snake_kernel.snake_eager(x, alpha, inv_beta)
+
+    monkeypatch.setattr(snake_kernel, "_active", compiled)
+    alpha, inv_beta = torch.ones(1, 8, 1), torch.ones(1, 8, 1)
+    small = torch.randn(1, 8, snake_kernel.EAGER_BELOW // 8 - 1)
+    large = torch.randn(1, 8, snake_kernel.EAGER_BELOW // 8)
+    assert torch.equal(snake_kernel.snake(small, alpha, inv_beta), snake_kernel.snake_eager(small, alpha, inv_beta))
+    snake_kernel.snake(large, alpha, inv_beta)
+    assert calls == [large.numel()]
+
+
 def test_a_failed_compile_leaves_eager_math(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     def broken(*_: object, **__: object) -> object:
         def run(*_: object) -> None:
