@@ -49,7 +49,9 @@ class ServeArgs:
     enforce_eager: bool = _f(False, "eager PyTorch only, as vLLM's flag: no CUDA graphs and no "
                               "torch.compile'd kernels (on CPU the vocoder compiles its SnakeBeta activation at "
                               "start-up unless this is set)", "--enforce-eager", action="store_true")
-    trust_remote_code: bool = _f(False, "allow model code from the model folder", "--trust-remote-code", action="store_true")
+    trust_remote_code: bool = _f(False, "accepted for vLLM compatibility and has no effect: omnimesh runs its own "
+                                  "model code and reads only config, weights and tokenizer files, so no code "
+                                  "from the model folder runs either way", "--trust-remote-code", action="store_true")
     dtype: str = _f("auto", f"weight / activation dtype: {', '.join(DTYPES)} (auto: bfloat16 on CUDA, float32 on CPU)", "--dtype")
     async_chunk: bool = _f(True, "stream chunks to the next stage as soon as they exist", "--async-chunk", action=argparse.BooleanOptionalAction)
     distributed_executor_backend: str = _f("mp", "how a stage starts its ranks: mp (local processes) or ray", "--distributed-executor-backend")
