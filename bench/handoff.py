@@ -23,7 +23,8 @@ in-process memcpy; then the thinker -> talker edge of the real mesh with `--tran
    so load from other processes hits them alike. The first (warm-up) hand-off of each row and size is
    checked bit for bit against the producer's tensor. `--piece-bytes` adds inline rows with other piece
    sizes, `--grpc-option` changes the gRPC options of both processes (experiments).
-2. Mesh. `omnimesh serve` (built-in tiny model unless --model) twice, `--transport grpc` then `shm`;
+2. Mesh. `omnimesh serve` (built-in tiny model unless --model) twice, `--transport grpc` then `shm` (with
+   `--shm-min-tensor-size 0`: every tensor by reference, as the row's name says);
    streamed audio-out chat requests at each concurrency (closed loop). Per transport: requests/s, mean /
    p50 latency, and what the gateway receives from the thinker per request (serialized message bytes and
    the tensor bytes its frames describe), measured by a client that opens the thinker stream exactly as
@@ -393,7 +394,10 @@ def fallbacks(url: str) -> float | None:
 def mesh_side(args: argparse.Namespace, model_dir: Path, concurrencies: list[int], counts: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for transport in ("grpc", "shm"):
-        flags = ["--device", args.device, "--transport", transport, *args.serve_args.split()]
+        # shm: every tensor by reference, however small (the default --shm-min-tensor-size would send the
+        # tiny model's frames inline, and the row would measure grpc twice)
+        flags = ["--device", args.device, "--transport", transport, *(["--shm-min-tensor-size", "0"] if transport == "shm" else []),
+                 *args.serve_args.split()]
         log(f"mesh: starting `omnimesh serve {' '.join(flags)}`")
         t = time.perf_counter()
         with MeshProcess(model_dir, *flags) as mesh:
