@@ -2,8 +2,8 @@
 
 Data flow: the `EngineLoop` calls `request()` on submit and then, on the returned `RequestTiming`,
 `ready()` (first time the request can step), `stepped(t)` (a step that included it started at t),
-`output()` (a step gave it output chunks) and `finished(task, event)`; those become counters and
-histograms in the engine's own `CollectorRegistry`. Load gauges (running / waiting requests, KV-cache
+`output()` (a step gave it output chunks) and `finished(task, event)`, and `step(n, seconds)` per
+engine step; those become counters and histograms in the engine's own `CollectorRegistry`. Load gauges (running / waiting requests, KV-cache
 usage, preemptions) are read at scrape time from a stats source the loop binds with `bind_stats`.
 `render()` -> Prometheus text, served by the stage's `Metrics` RPC; the gateway scrapes every stage and
 joins the texts with `merge_families` (one HELP / TYPE per family, the stages told apart by `stage`).
@@ -32,6 +32,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                10.0, 20.0, 80.0)
+ITERATION_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0)
 
@@ -60,7 +62,14 @@ class EngineMetrics:
                              names, buckets=E2E_BUCKETS, registry=r)
         self.queue = Histogram("omnimesh:request_queue_time_seconds", "Ready (inputs in) to its first step",
                                names, buckets=TTFT_BUCKETS, registry=r)
-        for series in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue):
+        # batching at a glance: how many requests each engine step carried and how long its model call took
+        # (vLLM exports tokens per step as vllm:iteration_tokens_total; a stage step here is per request)
+        self.iteration_requests = Histogram("omnimesh:iteration_requests", "Requests in one engine step",
+                                            names, buckets=ITERATION_BUCKETS, registry=r)
+        self.step_seconds = Histogram("omnimesh:engine_step_seconds", "Wall time of one engine step's model call",
+                                      names, buckets=STEP_BUCKETS, registry=r)
+        for series in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
+                       self.iteration_requests, self.step_seconds):
             series.labels(**self.labels)  # exported (as 0) from the start
         self._stats: Callable[[], Stats] | None = None
         r.register(_LoadCollector(self))
@@ -71,6 +80,11 @@ class EngineMetrics:
 
     def request(self) -> RequestTiming:
         return RequestTiming(self)
+
+    def step(self, requests: int, seconds: float) -> None:
+        """One engine step over `requests` requests took `seconds` (from the loop, on the asyncio thread)."""
+        self.iteration_requests.labels(**self.labels).observe(requests)
+        self.step_seconds.labels(**self.labels).observe(seconds)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -61,8 +61,10 @@ class FakeBatcher:
 
     def __init__(self) -> None:
         self.load = {"running": 3, "waiting": 2, "kv_cache_usage": 0.25, "preemptions": 4}
+        self.batches: list[int] = []  # requests per step_batch call
 
     def step_batch(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
+        self.batches.append(len(tasks))
         return {t.request_id: t.step() for t in tasks}
 
     def stats(self) -> dict:
@@ -124,6 +126,10 @@ async def test_counters_and_histograms_match_what_ran(stage):
     assert value(got, "omnimesh:e2e_request_latency_seconds_bucket", le="+Inf") == 3
     assert 0 < value(got, "omnimesh:e2e_request_latency_seconds_sum") < 30
     assert value(got, "omnimesh:request_queue_time_seconds_count") == 4  # the failed one was stepped too
+    # no batcher: one request per step; steps = 1 + 2 + 3 outputs + the failed one's step
+    assert value(got, "omnimesh:iteration_requests_count") == value(got, "omnimesh:iteration_requests_sum") == 7
+    assert value(got, "omnimesh:iteration_requests_bucket", le="1.0") == 7
+    assert value(got, "omnimesh:engine_step_seconds_count") == 7
     # no batcher: every request in the engine counts as running, none waits; no KV-cache series at all
     assert value(got, "omnimesh:num_requests_running") == 1 and engine.num_requests == 1
     assert value(got, "omnimesh:num_requests_waiting") == 0
@@ -167,6 +173,13 @@ async def test_batcher_stats_are_the_load_gauges():
         assert value(got, "omnimesh:num_preemptions_total") == 4
         assert value(got, "omnimesh:generation_tokens_total") == 2
         batcher.load = {"running": 0, "waiting": 0, "preemptions": 5}  # no KV figure: no KV series
+        await asyncio.gather(*(run(client, f"b{i}", 2, steps="3") for i in range(4)))
+        got = samples(await client.metrics())
+        # one observation per step_batch call, of the requests it carried
+        assert value(got, "omnimesh:iteration_requests_count") == len(batcher.batches)
+        assert value(got, "omnimesh:iteration_requests_sum") == sum(batcher.batches) == 2 + 4 * 3
+        assert value(got, "omnimesh:iteration_requests_bucket", le="1.0") == batcher.batches.count(1)
+        assert value(got, "omnimesh:engine_step_seconds_count") == len(batcher.batches)
         got = samples(await client.metrics())
         assert value(got, "omnimesh:num_preemptions_total") == 5
         assert not any(name == "omnimesh:kv_cache_usage_perc" for name, _ in got)
