@@ -19,7 +19,9 @@ concurrency c runs requests 0..n-1, n = `--requests` (default max(16, 3c): enoug
   the whole call's latency. On CPU it runs with torch's default threads or 1, whichever a short probe
   finds faster (on a shared machine the default can be many times slower); `--hf-threads` fixes it.
 
-Prints both tables, the ratios to sequential (and batched) transformers, and the two targets: throughput
+Prints both tables, the ratios to sequential (and batched) transformers, per concurrency the CPU each
+mesh process spent per request (`bench/process_cpu.py`) and how each stage batched (engine steps per
+request, requests per step, ms per step: `bench/stage_steps.py`, from /metrics), and the two targets: throughput
 at c=16 >= 8x sequential transformers, TTFP p50 at c=8 <= 2x its value at c=1. Not part of the test suite.
 """
 
@@ -39,7 +41,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import process_cpu  # noqa: E402
+from bench import process_cpu, stage_steps  # noqa: E402
 from bench.common import (  # noqa: E402
     HFGenerate,
     chat_body,
@@ -127,9 +129,11 @@ def omnimesh_side(model: Path, work: Workload, args: argparse.Namespace, device:
             if meter is not None:
                 meter.start()
             client = time.process_time()
+            steps = stage_steps.scrape(mesh.url)
             out[c] = run_mesh(mesh.url, work, c, n, rate)
             if meter is not None:  # CPU seconds by process over this concurrency's run
                 out[c]["cpu_s"] = {**meter.stop(), "bench client": time.process_time() - client}
+            out[c]["engine_steps"] = stage_steps.since(steps, stage_steps.scrape(mesh.url))
             if out[c]["errors"]:
                 log(f"omnimesh: {len(out[c]['errors'])} request(s) failed at c={c}; first: {out[c]['errors'][0]}")
     return rate, out, serve
@@ -290,6 +294,7 @@ def report(machine: dict[str, Any], args: argparse.Namespace, rate: int, mesh: d
               f"{fmt(m['x_batched_req_per_s'], 10, 2)}x")
     print("(x batched: vs batched generate with batch = c; at c=1 that is sequential generate)")
     cpu_table(mesh)
+    steps_table(mesh)
     if any(m["without_audio"] for m in mesh.values()):
         print("note: some omnimesh requests finished without any audio delta: "
               + ", ".join(f"c={c}: {m['without_audio']}" for c, m in mesh.items() if m["without_audio"]))
@@ -331,6 +336,23 @@ def cpu_table(mesh: dict[int, dict[str, Any]]) -> None:
         total = sum(cpu.values())
         print(f"{c:4}" + "".join(f"{cpu.get(r, 0.0) * 1000 / m['ok']:14.1f}" for r in CPU_ROLES)
               + f"{total * 1000 / m['ok']:9.1f}{total / m['wall_s']:12.2f}")
+
+
+def steps_table(mesh: dict[int, dict[str, Any]]) -> None:
+    """Per concurrency and stage: engine steps per request, requests per step, ms per step (from /metrics)."""
+    rows = {c: m for c, m in mesh.items() if m.get("engine_steps") and m["ok"]}
+    stages = [s for s in ("encoder", "thinker", "talker", "vocoder") if any(s in m["engine_steps"] for m in rows.values())]
+    if not rows or not stages:
+        return
+    print()
+    print("omnimesh engine steps by stage: steps per request / requests per step / ms per step (wall)")
+    print(f"{'c':>4}" + "".join(f"{s:>22}" for s in stages))
+    for c, m in rows.items():
+        cells = []
+        for s in stages:
+            n, reqs, secs = m["engine_steps"].get(s, (0.0, 0.0, 0.0))
+            cells.append(f"{n / m['ok']:8.1f} /{reqs / n:5.1f} /{secs * 1000 / n:5.1f}" if n else f"{'-':>22}")
+        print(f"{c:4}" + "".join(f"{cell:>22}" for cell in cells))
 
 
 def _no_nan(x: Any) -> Any:
