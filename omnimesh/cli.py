@@ -46,6 +46,16 @@ def _devices(device: str) -> tuple[int, str]:
     return CPU_RANKS_PER_CORE * (os.cpu_count() or 1), f"CPU ranks ({CPU_RANKS_PER_CORE} per core)"
 
 
+def resolve_device(args: ServeArgs) -> ServeArgs:
+    """`--device auto` made concrete once, before anything reads it: cuda when a CUDA device is visible, else
+    cpu (the stages, their dtype and KV-cache defaults and the launcher's stage command lines all read it)."""
+    if args.device != "auto":
+        return args
+    import torch
+
+    return replace(args, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _check_devices(args: ServeArgs, only: str | None = None) -> int | None:
     try:
         available, kind = _devices(args.device)
@@ -96,7 +106,7 @@ def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     try:
-        args = from_namespace(ns)
+        args = resolve_device(from_namespace(ns))
     except ValueError as exc:
         return _fail(str(exc))
     if (rc := _check_devices(args)) is not None:
@@ -116,7 +126,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 def cmd_stage(ns: argparse.Namespace) -> int:
     try:
-        args = from_namespace(ns)
+        args = resolve_device(from_namespace(ns))
         model_dir = _model_dir(args.model)
     except ValueError as exc:
         return _fail(str(exc))
@@ -131,7 +141,8 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     port = ns.stage_port if ns.stage_port is not None else 50051 + STAGES.index(ns.stage_name)
     cfg = args.stage_configs()[stage]
     run_stage(handler_factory(ns.stage_name, model_dir, args), ns.stage_host, port,
-              transport=cfg.transport, shm_arena_size=cfg.shm_arena_size, shm_min_tensor_size=cfg.shm_min_tensor_size)
+              transport=cfg.transport, shm_arena_size=cfg.shm_arena_size, shm_min_tensor_size=cfg.shm_min_tensor_size,
+              nice=cfg.effective_nice(stage, args.device))
     return 0
 
 

@@ -74,10 +74,15 @@ def cpu_threads() -> int:
 
 
 def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, transport: str = "auto",
-              shm_arena_size: int = DEFAULT_ARENA_BYTES, shm_min_tensor_size: int = SHM_MIN_TENSOR_BYTES) -> None:
+              shm_arena_size: int = DEFAULT_ARENA_BYTES, shm_min_tensor_size: int = SHM_MIN_TENSOR_BYTES,
+              nice: int = 0) -> None:
+    """`nice`: lower this process's OS priority by that much first (its rank processes inherit it)."""
     import torch
     import uvloop
 
+    if nice:
+        os.nice(nice)
+        log.info("OS priority lowered by nice %d (the stage's `nice` setting; see --stage-overrides)", nice)
     torch.set_num_threads(cpu_threads())
     tune_malloc()
     t0 = time.monotonic()

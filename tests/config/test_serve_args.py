@@ -189,6 +189,8 @@ def test_pp_layer_partition_flag() -> None:
     (dict(shm_arena_size="lots"), "--shm-arena-size"),
     (dict(shm_min_tensor_size="-1"), "--shm-min-tensor-size"),
     (dict(stage_overrides='{"talker": {"shm_min_tensor_size": "tiny"}}'), "shm_min_tensor_size"),
+    (dict(stage_overrides='{"talker": {"nice": -5}}'), "nice must be a whole number from 0"),
+    (dict(stage_overrides='{"talker": {"nice": 20}}'), "nice must be a whole number from 0"),
     (dict(stage_overrides='{"thinker": {"transport": "rdma"}}'), "transport must be one of"),
 ])
 def test_transport_flags_are_checked(flags, message) -> None:
@@ -201,3 +203,22 @@ def test_transport_flags_resolve_per_stage() -> None:
                      stage_overrides='{"talker": {"transport": "shm", "shm_arena_size": "1GiB"}}').stage_configs()
     assert (cfgs["thinker"].transport, cfgs["thinker"].shm_arena_size) == ("grpc", 0)
     assert (cfgs["talker"].transport, cfgs["talker"].shm_arena_size) == ("shm", 2**30)
+
+
+def test_llm_stages_lower_their_priority_on_cpu_unless_told() -> None:
+    cfgs = ServeArgs(stage_overrides='{"vocoder": {"nice": 5}, "thinker": {"nice": 0}}').stage_configs()
+    assert {s: cfgs[s].effective_nice(s, "cpu") for s in cfgs} == {"encoder": 0, "thinker": 0, "talker": 8, "vocoder": 5}
+    assert {s: cfgs[s].effective_nice(s, "cuda") for s in cfgs} == {"encoder": 0, "thinker": 0, "talker": 0, "vocoder": 5}
+
+
+def test_device_auto_is_resolved_before_the_stages_read_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from omnimesh.cli import resolve_device
+
+    assert resolve_device(ServeArgs(device="cpu")).device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(ServeArgs()).device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device(ServeArgs()).device == "cuda"
+    assert resolve_device(ServeArgs(device="cpu")).device == "cpu"

@@ -134,6 +134,11 @@ def ppid(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def nice(pid: int) -> int:
+    """The process's nice value (field 19 of /proc/<pid>/stat)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped, counts as gone)."""
     try:

@@ -15,13 +15,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from mesh_harness import rank_pids, stage_pid, start_mesh
+from mesh_harness import nice, rank_pids, stage_pid, start_mesh
 from reference import chat_request, png_bytes, sine_wav
 from test_parity import MAX_TOKENS, TALKER_MAX, run_pipeline
 
 from omnimesh.transport.stage_client import StageClient
 
-LAYOUT = '{"encoder": {"pp": 2}, "thinker": {"pp": 2, "tp": 2}, "talker": {"pp": 2}, "vocoder": {"tp": 2}}'
+LAYOUT = '{"encoder": {"pp": 2}, "thinker": {"pp": 2, "tp": 2}, "talker": {"pp": 2}, "vocoder": {"tp": 2, "nice": 3}}'
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,17 @@ def test_stages_report_their_layout(split_mesh) -> None:
     assert len(rank_pids(stage_pid(split_mesh, "vocoder"))) == 1
     assert (info["encoder"].pipeline_parallel_size, info["encoder"].tensor_parallel_size) == (2, 1)
     assert len(rank_pids(stage_pid(split_mesh, "encoder"))) == 1
+
+
+def test_stages_run_at_their_os_priority(split_mesh) -> None:
+    """On CPU the LLM stages take nice +8 by default (per-item stages first on shared cores), the others
+    keep the launcher's priority unless their `nice` is set (the vocoder's is 3 here); ranks inherit it."""
+    base = nice(split_mesh.proc.proc.pid)
+    want = {"encoder": 0, "thinker": 8, "talker": 8, "vocoder": 3}
+    for stage, extra in want.items():
+        pid = stage_pid(split_mesh, stage)
+        expected = min(19, base + extra)
+        assert [nice(p) for p in (pid, *rank_pids(pid))] == [expected] * (1 + len(rank_pids(pid))), stage
 
 
 @pytest.mark.parametrize("media", ["text", "audio+image"])
