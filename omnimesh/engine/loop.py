@@ -290,8 +290,8 @@ class EngineLoop:
             for entry in group:
                 entry.inflight = None
             self._wake.set()
-            if self._metrics is not None:
-                self._metrics.step(len(group), time.monotonic() - started)
+        if self._metrics is not None:  # the requests the step advanced (a batcher may leave some for later)
+            self._metrics.step(len(results), time.monotonic() - started)
         for entry in group:
             rid = entry.task.request_id
             result = results.get(rid)

@@ -64,7 +64,7 @@ class EngineMetrics:
                                names, buckets=TTFT_BUCKETS, registry=r)
         # batching at a glance: how many requests each engine step carried and how long its model call took
         # (vLLM exports tokens per step as vllm:iteration_tokens_total; a stage step here is per request)
-        self.iteration_requests = Histogram("omnimesh:iteration_requests", "Requests in one engine step",
+        self.iteration_requests = Histogram("omnimesh:iteration_requests", "Requests one engine step advanced",
                                             names, buckets=ITERATION_BUCKETS, registry=r)
         self.step_seconds = Histogram("omnimesh:engine_step_seconds", "Wall time of one engine step's model call",
                                       names, buckets=STEP_BUCKETS, registry=r)
@@ -82,7 +82,7 @@ class EngineMetrics:
         return RequestTiming(self)
 
     def step(self, requests: int, seconds: float) -> None:
-        """One engine step over `requests` requests took `seconds` (from the loop, on the asyncio thread)."""
+        """One engine step advanced `requests` requests in `seconds` (from the loop, on the asyncio thread)."""
         self.iteration_requests.labels(**self.labels).observe(requests)
         self.step_seconds.labels(**self.labels).observe(seconds)
 

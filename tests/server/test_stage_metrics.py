@@ -175,7 +175,7 @@ async def test_batcher_stats_are_the_load_gauges():
         batcher.load = {"running": 0, "waiting": 0, "preemptions": 5}  # no KV figure: no KV series
         await asyncio.gather(*(run(client, f"b{i}", 2, steps="3") for i in range(4)))
         got = samples(await client.metrics())
-        # one observation per step_batch call, of the requests it carried
+        # one observation per step_batch call, of the requests it advanced
         assert value(got, "omnimesh:iteration_requests_count") == len(batcher.batches)
         assert value(got, "omnimesh:iteration_requests_sum") == sum(batcher.batches) == 2 + 4 * 3
         assert value(got, "omnimesh:iteration_requests_bucket", le="1.0") == batcher.batches.count(1)
