@@ -23,7 +23,7 @@ SHM_MIN_TENSOR_BYTES = 16 * 2**10
 # open: on cores shared by the stages, the stages whose cost is per item (the vocoder's windows, the
 # encoder's towers, the gateway's messages) run first, and an LLM step, which costs about the same for 1
 # request as for 16, waits and carries more of them. On the 2-core CPU machine, 16 requests in flight:
-# +8-15% requests/s (talker CPU per request 50 -> 37 ms), TTFP unchanged (bench/throughput.py, README)
+# +16% and +8% requests/s in two paired runs, the talker's CPU per request 47 -> 36-38 ms (README)
 LLM_STAGE_NICE_ON_CPU = 8
 LLM_STAGES = ("thinker", "talker")
 

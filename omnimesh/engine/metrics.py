@@ -3,8 +3,9 @@
 Data flow: the `EngineLoop` calls `request()` on submit and then, on the returned `RequestTiming`,
 `ready()` (first time the request can step), `stepped(t)` (a step that included it started at t),
 `output()` (a step gave it output chunks) and `finished(task, event)`, and `step(n, seconds)` per
-engine step; those become counters and histograms in the engine's own `CollectorRegistry`. Load gauges (running / waiting requests, KV-cache
-usage, preemptions) are read at scrape time from a stats source the loop binds with `bind_stats`.
+engine step; those become counters and histograms in the engine's own `CollectorRegistry`. Load gauges
+(running / waiting requests, KV-cache usage, preemptions) are read at scrape time from a stats source the
+loop binds with `bind_stats`.
 `render()` -> Prometheus text, served by the stage's `Metrics` RPC; the gateway scrapes every stage and
 joins the texts with `merge_families` (one HELP / TYPE per family, the stages told apart by `stage`).
 """
@@ -62,7 +63,7 @@ class EngineMetrics:
                              names, buckets=E2E_BUCKETS, registry=r)
         self.queue = Histogram("omnimesh:request_queue_time_seconds", "Ready (inputs in) to its first step",
                                names, buckets=TTFT_BUCKETS, registry=r)
-        # batching at a glance: how many requests each engine step carried and how long its model call took
+        # batching at a glance: how many requests each engine step advanced and how long it took
         # (vLLM exports tokens per step as vllm:iteration_tokens_total; a stage step here is per request)
         self.iteration_requests = Histogram("omnimesh:iteration_requests", "Requests one engine step advanced",
                                             names, buckets=ITERATION_BUCKETS, registry=r)

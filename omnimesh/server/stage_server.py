@@ -18,7 +18,6 @@ from collections.abc import Callable
 from grpc_health.v1 import health_pb2
 
 from omnimesh.config.stage_config import SHM_MIN_TENSOR_BYTES
-
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.proc_utils import tune_malloc
