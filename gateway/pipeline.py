@@ -27,6 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import cast
 
 import grpc
 import numpy as np
@@ -38,6 +39,7 @@ from gateway.stage_sampling import talker_sampling, thinker_sampling
 from omnimesh.transport.chunk_codec import ChunkEncoder
 from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageCallError, StageClient, StageStream
+from omnimesh.queue_runs import take_run
 from omnimesh.transport.transport import choose_transport
 from omnimesh.v1 import stage_pb2
 
@@ -309,14 +311,13 @@ def merge_ready(item: Event, events: asyncio.Queue) -> tuple[Event, list[Event |
     waits for it."""
     if not isinstance(item, (TextDelta, AudioDelta)):
         return item, []
-    same: list[TextDelta | AudioDelta] = [item]
-    while not events.empty():
-        nxt = events.get_nowait()
-        if type(nxt) is not type(item) or (isinstance(nxt, AudioDelta) and isinstance(item, AudioDelta)
-                                           and nxt.sample_rate != item.sample_rate):
-            return _joined(same), [nxt]
-        same.append(nxt)
-    return _joined(same), []
+    same, rest = take_run(item, events, _same_kind)
+    return _joined(same), rest
+
+
+def _same_kind(first: TextDelta | AudioDelta, nxt: object) -> bool:
+    return type(nxt) is type(first) and (not isinstance(first, AudioDelta)
+                                         or cast(AudioDelta, nxt).sample_rate == first.sample_rate)
 
 
 def _joined(deltas: list[TextDelta | AudioDelta]) -> Event:

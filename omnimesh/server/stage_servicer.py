@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
@@ -29,6 +29,7 @@ import grpc
 from omnimesh.engine.loop import EngineDone, EngineEvent, EngineFailed, EngineLoop
 from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.engine.task import StageRequestError, StageTask
+from omnimesh.queue_runs import take_run
 from omnimesh.transport.chunk_codec import TRANSPORTS, ChunkAssembler
 from omnimesh.transport.frames import FrameError, StageChunk
 from omnimesh.transport.transport import Transport
@@ -127,7 +128,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 held = None
                 if isinstance(event, StageChunk):
                     if merge is not None and not queue.empty():
-                        event, held = _coalesce(event, queue, merge)
+                        run, rest = take_run(event, queue, lambda _, nxt: isinstance(nxt, StageChunk))
+                        event, held = merge(run), (rest[0] if rest else None)
                     event.seq, sent = sent, sent + 1
                     try:
                         responses = encoder.responses(event)
@@ -203,18 +205,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             raise
         except grpc.aio.AioRpcError:
             self.engine.cancel(rid)
-
-
-def _coalesce(first: StageChunk, queue: asyncio.Queue, merge: Callable[[list[StageChunk]], StageChunk]
-              ) -> tuple[StageChunk, EngineEvent | None]:
-    """`first` merged with the chunks queued right behind it -> (merged chunk, the event after them or None)."""
-    chunks = [first]
-    while not queue.empty():
-        event = queue.get_nowait()
-        if not isinstance(event, StageChunk):
-            return merge(chunks), event
-        chunks.append(event)
-    return merge(chunks), None
 
 
 async def _drain(request_iterator: AsyncIterator[stage_pb2.StageRequest]) -> None:

@@ -126,26 +126,30 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
-def ppid(pid: int) -> int | None:
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), None once it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def ppid(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
 
 
 def nice(pid: int) -> int:
     """The process's nice value (field 19 of /proc/<pid>/stat)."""
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+    fields = _stat(pid)
+    assert fields is not None, f"process {pid} is gone"
+    return int(fields[16])
 
 
 def alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped, counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def children(launcher_pid: int) -> dict[str, int]:

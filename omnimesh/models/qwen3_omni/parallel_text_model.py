@@ -135,9 +135,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel, bit-identical in fp32
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * self.normalize(x)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """`forward` before its weight: `forward(x) == normalize(x) * weight`, bit for bit."""
