@@ -61,8 +61,8 @@ class MeshLauncher:
         own: dict[str, object] = {"max_num_seqs": cfg.max_num_seqs, "max_waiting_requests": cfg.max_waiting_requests,
                                   "gpu_memory_utilization": cfg.gpu_memory_utilization,
                                   "transport": cfg.transport, "shm_arena_size": cfg.shm_arena_size,
-                                  "shm_min_tensor_size": cfg.shm_min_tensor_size}
-        for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "devices", "nice"):
+                                  "shm_min_tensor_size": cfg.shm_min_tensor_size, "nice": cfg.nice}
+        for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "devices", "bulk_nice"):
             if getattr(cfg, key) is not None:
                 own[key] = getattr(cfg, key)
         if cfg.pp_layer_partition is not None:

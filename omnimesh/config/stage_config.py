@@ -19,13 +19,15 @@ TRANSPORT_CHOICES: tuple[str, ...] = ("auto", "grpc", "shm", "cuda-ipc")
 # 64KiB,256KiB --transports shm,grpc` on the 2-core CPU machine: held 0.64 ms by reference vs 0.54 ms
 # inline up to 64 KiB, shm ahead only from 256 KiB; inline bytes also cross the gateway, so the line is lower
 SHM_MIN_TENSOR_BYTES = 16 * 2**10
-# OS priority (nice increment) of an LLM stage (thinker, talker) on CPU when the stage config leaves it
-# open: on cores shared by the stages, the stages whose cost is per item (the vocoder's windows, the
-# encoder's towers, the gateway's messages) run first, and an LLM step, which costs about the same for 1
-# request as for 16, waits and carries more of them. On the 2-core CPU machine, 16 requests in flight:
-# +16% and +8% requests/s in two paired runs, the talker's CPU per request 47 -> 36-38 ms (README)
-LLM_STAGE_NICE_ON_CPU = 8
-LLM_STAGES = ("thinker", "talker")
+# OS priority (nice increment) of a stage's bulk steps on CPU when the stage config leaves it open: steps in
+# which no request waits for its first output (see EngineLoop). On cores shared by the stages, the first-audio
+# path (a new request's encoder work, prefill and first tokens, first codes, first window; the gateway) runs
+# first, the vocoder's later windows just behind it, LLM steps of running requests last: such a step costs
+# about the same for 1 request as for 16, so one that waits carries more of them. A/B on the 2-core CPU
+# machine against the whole LLM processes at nice +8 (README): TTFP p50 at c=8 -13%, at c=16 -18%, req/s
+# the same. The vocoder's later windows at +14 cut TTFP at c=16 by a further 30% but cost 11% of the req/s:
+# a closed loop of clients waits for the slower last windows, so fewer requests fill the LLM batches
+BULK_NICE_ON_CPU = {"thinker": 19, "talker": 19, "vocoder": 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +55,13 @@ class StageConfig:
         default="auto", metadata={"help": "where the stage's output tensors travel: auto | grpc | shm | cuda-ipc"})
     shm_arena_size: int = field(
         default=256 * 2**20, metadata={"help": "bytes of the stage's shared-memory arena, e.g. '1GiB' (0: none)"})
-    nice: int | None = field(
-        default=None, metadata={"help": "OS priority of the stage's processes as a nice increment, 0 (as started) to "
-                                        "19 (lowest); default: 8 for the thinker and talker on CPU, else 0"})
+    nice: int = field(
+        default=0, metadata={"help": "OS priority of the stage's processes as a nice increment, 0 (as started) to "
+                                     "19 (lowest)"})
+    bulk_nice: int | None = field(
+        default=None, metadata={"help": "how much lower (nice increment, 0-19) the stage's steps run when no request in "
+                                        "them waits for its first output; default on CPU: 19 for the thinker and "
+                                        "talker, 4 for the vocoder, 0 for the encoder; on CUDA 0"})
     shm_min_tensor_size: int = field(
         default=SHM_MIN_TENSOR_BYTES, metadata={"help": "smallest output tensor that goes by shared-memory reference on "
                                                         "a co-located edge; smaller ones go inline, e.g. '16KiB' (0: all)"})
@@ -85,10 +91,13 @@ class StageConfig:
                              f"got {self.shm_min_tensor_size!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.nice is not None and (not isinstance(self.nice, int) or isinstance(self.nice, bool)
-                                      or not 0 <= self.nice <= 19):
+        if not isinstance(self.nice, int) or isinstance(self.nice, bool) or not 0 <= self.nice <= 19:
             raise ValueError(f"nice must be a whole number from 0 (as started) to 19 (lowest priority), got {self.nice!r}; "
                              f"a stage can only lower its own priority")
+        bn = self.bulk_nice
+        if bn is not None and (not isinstance(bn, int) or isinstance(bn, bool) or not 0 <= bn <= 19):
+            raise ValueError(f"bulk_nice must be a whole number from 0 (same priority as the stage's other steps) to 19 "
+                             f"(lowest), got {bn!r}")
         if self.devices is not None and self.device_list() and len(self.device_list()) != self.pp * self.tp:
             raise ValueError(
                 f"devices {self.devices!r} names {len(self.device_list())} devices but pp x tp = "
@@ -100,12 +109,12 @@ class StageConfig:
                     f"pp_layer_partition {list(self.pp_layer_partition)} must list {self.pp} positive layer counts (one per pipeline rank)"
                 )
 
-    def effective_nice(self, stage: str, device: str) -> int:
-        """The nice increment the stage applies at start: its own setting, else LLM_STAGE_NICE_ON_CPU for an
-        LLM stage that is not on CUDA, else 0."""
-        if self.nice is not None:
-            return self.nice
-        return LLM_STAGE_NICE_ON_CPU if stage in LLM_STAGES and device != "cuda" else 0
+    def effective_bulk_nice(self, stage: str, device: str) -> int:
+        """How much lower the stage's bulk steps run: its own setting, else BULK_NICE_ON_CPU for a stage that
+        is not on CUDA (a GPU step's host thread mostly waits for the device), else 0."""
+        if self.bulk_nice is not None:
+            return self.bulk_nice
+        return BULK_NICE_ON_CPU.get(stage, 0) if device != "cuda" else 0
 
     @property
     def world_size(self) -> int:

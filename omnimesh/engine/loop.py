@@ -14,6 +14,14 @@ with whatever is ready then, so new requests never wait for older ones to finish
 the steps itself (`lanes`): the vocoder keeps a second slot for first windows only, so a new request's
 first audio starts beside a long step of other requests' windows instead of after it.
 
+Priorities (`bulk_nice` > 0, on Linux): a step with a request in it that still waits for its first output
+(`StageTask.urgent`: a new prompt, the thinker tokens the talker's first codes need, the talker's first
+codes, the vocoder's first window) runs on a compute thread at the stage's own OS priority; a step without
+one runs on a "bulk" thread that lowered its own priority by `bulk_nice`. On cores shared by the stages a
+new request's first audio then goes ahead of the work of requests already streaming. With one step in
+flight at a time (`max_inflight` 1) the two threads take turns: a lock keeps a step and a request's
+`close` (which frees model state) from ever running at once.
+
 Metrics (optional `EngineMetrics`): each request's `RequestTiming` hears its submit, first readiness,
 first step, every step with output and its end; the load gauges read `_load` (the batcher's `stats()`
 when it has one) at scrape time.
@@ -22,7 +30,9 @@ when it has one) at scrape time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +43,8 @@ import torch
 
 from omnimesh.engine.task import StageRequestError, StageTask
 from omnimesh.parallel.mp_executor import RankFailure
+from omnimesh.engine.bulk_lane import BulkLane
+from omnimesh.proc_utils import name_thread, thread_priority_is_own
 from omnimesh.transport.frames import StageChunk
 
 if TYPE_CHECKING:
@@ -94,19 +106,31 @@ class _Entry:
 
 class EngineLoop:
     def __init__(self, name: str, max_inflight: int = 1, batcher: BatchStepper | None = None,
-                 metrics: EngineMetrics | None = None):
+                 metrics: EngineMetrics | None = None, bulk_nice: int = 0):
         """`max_inflight` > 1 lets that many steps run at once (a pipeline-parallel stage keeps each of its
         pp ranks busy with a different request or batch); one request never has two steps in flight.
         With a `batcher`, each step is one `step_batch` call over many ready requests. `metrics` records
-        latencies, tokens and load."""
+        latencies, tokens and load. `bulk_nice` > 0: steps with no urgent request run that much lower (nice
+        increment) than the others (see the module doc)."""
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if not 0 <= bulk_nice <= 19:
+            raise ValueError(f"bulk_nice must be from 0 to 19, got {bulk_nice}")
         self.name = name
         self._max_inflight = max_inflight
         self._batcher = batcher
         self._entries: dict[str, _Entry] = {}
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix=f"{name}-compute")
+        self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix=f"{name}-compute",
+                                            initializer=name_thread, initargs=(f"{name}-compute",))
+        self._bulk: BulkLane | None = None
+        if bulk_nice and not thread_priority_is_own():
+            log.warning("%s: bulk_nice %d is ignored: per-thread priorities need Linux", name, bulk_nice)
+        elif bulk_nice:
+            self._bulk = BulkLane(name, bulk_nice, max_inflight)
+            log.info("%s: steps in which no request waits for its first output run at nice +%d", name, bulk_nice)
+        # one step at a time across both executors: a close (frees KV blocks) never overlaps a step
+        self._serial = threading.Lock() if max_inflight == 1 and self._bulk is not None else None
         self._runner: asyncio.Task | None = None
         self._closed = False
         self._steps = 0
@@ -133,6 +157,8 @@ class EngineLoop:
         for rid in list(self._entries):
             self._finish(rid, EngineFailed(grpc.StatusCode.UNAVAILABLE, f"stage {self.name} is shutting down"))
         self._executor.shutdown(wait=True, cancel_futures=False)
+        if self._bulk is not None:
+            self._bulk.shutdown()
         self._closed = True
 
     def submit(self, task: StageTask, timeout_s: float | None = None, whole_input: bool = False) -> asyncio.Queue:
@@ -188,10 +214,10 @@ class EngineLoop:
         except RuntimeError:  # the executor already shut down (the stage is stopping): close here
             self._close(task)
 
-    @staticmethod
-    def _close(task: StageTask) -> None:
+    def _close(self, task: StageTask) -> None:
         try:
-            task.close()
+            with self._serial or contextlib.nullcontext():
+                task.close()
         except Exception:
             log.exception("closing request %s failed", task.request_id)
 
@@ -226,6 +252,8 @@ class EngineLoop:
                     ready.append(entry)  # inputs wait in the inbox while a step is in flight
                     if entry.timing is not None:
                         entry.timing.ready()
+            if self._bulk is not None and len(running) >= self._max_inflight and any(e.task.urgent() for e in ready):
+                self._bulk.boost()  # an urgent request waits for the steps in flight: lift the bulk ones
             if not idle:
                 for group in self._groups(ready, self._max_inflight - len(running)):
                     running.add(asyncio.create_task(self._step_group(loop, group)))
@@ -265,7 +293,7 @@ class EngineLoop:
     def _compute(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
         """On a compute thread: one batched step (the stage's batcher) or one task's step, in
         `torch.inference_mode` (no autograd or version-counter bookkeeping: ~15% of a tiny LM step on CPU)."""
-        with torch.inference_mode():
+        with self._serial or contextlib.nullcontext(), torch.inference_mode():
             if self._batcher is not None:
                 return self._batcher.step_batch(tasks)
             task = tasks[0]
@@ -277,7 +305,11 @@ class EngineLoop:
     async def _step_group(self, loop: asyncio.AbstractEventLoop, group: list[_Entry]) -> bool:
         """Run one step over `group`; deliver each request's outputs or error. True if any request progressed."""
         started = time.monotonic()
-        future = loop.run_in_executor(self._executor, self._compute, [e.task for e in group])
+        tasks = [e.task for e in group]
+        if self._bulk is not None and not any(t.urgent() for t in tasks):
+            future = loop.run_in_executor(self._bulk.executor, self._bulk.run, self._compute, tasks)
+        else:
+            future = loop.run_in_executor(self._executor, self._compute, tasks)
         self._steps += 1
         for entry in group:
             entry.inflight = future

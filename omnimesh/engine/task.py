@@ -49,6 +49,12 @@ class StageTask(ABC):
         """Called on the compute thread: do one unit of work (a prefill, a decode step, a window) and
         return the output chunks it produced (the engine numbers them). Set `finished` when done."""
 
+    def urgent(self) -> bool:
+        """Called on the asyncio thread before a step: does the request still wait for its first output (what
+        the client is waiting to see or hear first)? Its steps then run at the stage's own priority, the
+        others lower (the stage's bulk_nice). A stage with no such notion is urgent throughout."""
+        return True
+
     def close(self) -> None:
         """Called once when the request ends for any reason (done, error, cancel), on the compute thread
         after any step in flight: free what it holds (e.g. its KV cache on every rank)."""

@@ -34,11 +34,11 @@ log = logging.getLogger(__name__)
 STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 
 
-async def _serve(handler: StageHandler, host: str, port: int, transport: Transport) -> None:
+async def _serve(handler: StageHandler, host: str, port: int, transport: Transport, bulk_nice: int) -> None:
     metrics = EngineMetrics(handler.name, model_name=handler.info().model)
     register_transport_metrics(metrics.registry, transport, metrics.labels)
     engine = EngineLoop(handler.name, max_inflight=getattr(handler, "max_inflight_steps", 1),
-                        batcher=getattr(handler, "batcher", None), metrics=metrics)
+                        batcher=getattr(handler, "batcher", None), metrics=metrics, bulk_nice=bulk_nice)
     engine.start()
     server, health_servicer = make_server([STAGE_SERVICE])
     stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine, metrics, transport), server)
@@ -74,8 +74,9 @@ def cpu_threads() -> int:
 
 def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, transport: str = "auto",
               shm_arena_size: int = DEFAULT_ARENA_BYTES, shm_min_tensor_size: int = SHM_MIN_TENSOR_BYTES,
-              nice: int = 0) -> None:
-    """`nice`: lower this process's OS priority by that much first (its rank processes inherit it)."""
+              nice: int = 0, bulk_nice: int = 0) -> None:
+    """`nice`: lower this process's OS priority by that much first (its rank processes inherit it);
+    `bulk_nice`: how much lower the steps with no request waiting for its first output run (EngineLoop)."""
     import torch
     import uvloop
 
@@ -88,4 +89,4 @@ def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, tran
     handler = factory()
     log.info("stage %s loaded in %.1fs", handler.name, time.monotonic() - t0)
     hand_off = Transport(handler.name, transport, shm_arena_size, shm_min_tensor_size)  # before serving: a bad setting stops start-up
-    uvloop.run(_serve(handler, host, port, hand_off))
+    uvloop.run(_serve(handler, host, port, hand_off, bulk_nice))

@@ -104,6 +104,10 @@ class TalkerTask(BatchedTask):
         self.held = []
         self.prompt = self.state = None  # the thinker's tensors may be slots of its shm arena: free them now
 
+    def urgent(self) -> bool:
+        """Until its first chunk of codes leaves (the vocoder's first window)."""
+        return self.sent_codes == 0
+
     def ready(self) -> bool:
         if self.state is None:
             return self.text_ended  # nothing to speak: finish on the next pass

@@ -74,6 +74,11 @@ class ThinkerTask(BatchedTask):
     def ready(self) -> bool:
         return self.inputs is not None and not self.finished
 
+    def urgent(self) -> bool:
+        """Until its first `eager_tokens` tokens: the gateway sets them to what the talker's first codes need
+        (1 for a text-only request: its first token)."""
+        return self.completion_tokens < self.eager_tokens
+
     def close(self) -> None:
         super().close()
         self.inputs = self.prompt = None  # the encoder's tensors may be slots of its shm arena: free them now

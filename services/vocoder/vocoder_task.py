@@ -65,6 +65,10 @@ class VocoderTask(StageTask):
         """Its first window has codes to decode: the request still waits for its first audio."""
         return self.completion_tokens == 0 and self.next_window_size() > 0
 
+    def urgent(self) -> bool:
+        """Until its first window is decoded."""
+        return self.completion_tokens == 0
+
     def ready(self) -> bool:
         return self.n_pending >= self.current_window or self.ended
 

@@ -124,7 +124,7 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
                      stage_overrides='{"thinker": {"pp": 2, "tp": 2, "devices": "0,1,2,3", "pp_layer_partition": [1, 3],'
                                      ' "kv_cache_memory": "256MiB", "max_num_batched_tokens": 512, "transport": "grpc",'
                                      ' "shm_arena_size": "64MiB", "max_waiting_requests": 3}, "talker": {"pp": 2, '
-                                     '"shm_min_tensor_size": "0"}}')
+                                     '"shm_min_tensor_size": "0", "bulk_nice": 5}}')
     launcher = MeshLauncher(args, tmp_path)
     thinker = launcher._stage_argv("thinker", 50052)
     assert thinker[thinker.index("-tp") + 1] == "2" and thinker[thinker.index("-pp") + 1] == "2"
@@ -132,12 +132,13 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     assert own == {"thinker": {"pp_layer_partition": [1, 3], "devices": "0,1,2,3", "max_num_seqs": 64,
                                "max_waiting_requests": 3, "gpu_memory_utilization": 0.9, "kv_cache_memory": 256 * 2**20,
                                "max_num_batched_tokens": 512, "transport": "grpc", "shm_arena_size": 64 * 2**20,
-                               "shm_min_tensor_size": 16 * 2**10}}
+                               "shm_min_tensor_size": 16 * 2**10, "nice": 0}}
     talker = launcher._stage_argv("talker", 50053)
     assert talker[talker.index("-pp") + 1] == "2"
     talker_own = json.loads(talker[talker.index("--stage-overrides") + 1])["talker"]
     assert talker_own["kv_cache_memory"] == 2**30 and talker_own["max_waiting_requests"] == 7
     assert (talker_own["transport"], talker_own["shm_arena_size"], talker_own["shm_min_tensor_size"]) == ("auto", 256 * 2**20, 0)
+    assert (talker_own["nice"], talker_own["bulk_nice"]) == (0, 5)
     encoder = launcher._stage_argv("encoder", 50051)
     assert encoder[encoder.index("-tp") + 1] == "1" and encoder[encoder.index("-pp") + 1] == "1"
     # what the stage process parses back is the stage's resolved config
@@ -191,6 +192,8 @@ def test_pp_layer_partition_flag() -> None:
     (dict(stage_overrides='{"talker": {"shm_min_tensor_size": "tiny"}}'), "shm_min_tensor_size"),
     (dict(stage_overrides='{"talker": {"nice": -5}}'), "nice must be a whole number from 0"),
     (dict(stage_overrides='{"talker": {"nice": 20}}'), "nice must be a whole number from 0"),
+    (dict(stage_overrides='{"talker": {"bulk_nice": -1}}'), "bulk_nice must be a whole number from 0"),
+    (dict(stage_overrides='{"vocoder": {"bulk_nice": "low"}}'), "bulk_nice must be a whole number from 0"),
     (dict(stage_overrides='{"thinker": {"transport": "rdma"}}'), "transport must be one of"),
 ])
 def test_transport_flags_are_checked(flags, message) -> None:
@@ -205,10 +208,13 @@ def test_transport_flags_resolve_per_stage() -> None:
     assert (cfgs["talker"].transport, cfgs["talker"].shm_arena_size) == ("shm", 2**30)
 
 
-def test_llm_stages_lower_their_priority_on_cpu_unless_told() -> None:
-    cfgs = ServeArgs(stage_overrides='{"vocoder": {"nice": 5}, "thinker": {"nice": 0}}').stage_configs()
-    assert {s: cfgs[s].effective_nice(s, "cpu") for s in cfgs} == {"encoder": 0, "thinker": 0, "talker": 8, "vocoder": 5}
-    assert {s: cfgs[s].effective_nice(s, "cuda") for s in cfgs} == {"encoder": 0, "thinker": 0, "talker": 0, "vocoder": 5}
+def test_bulk_steps_run_lower_on_cpu_unless_told() -> None:
+    cfgs = ServeArgs(stage_overrides='{"vocoder": {"nice": 5, "bulk_nice": 2}, "thinker": {"bulk_nice": 0}}').stage_configs()
+    assert {s: cfgs[s].nice for s in cfgs} == {"encoder": 0, "thinker": 0, "talker": 0, "vocoder": 5}
+    assert {s: cfgs[s].effective_bulk_nice(s, "cpu") for s in cfgs} == {"encoder": 0, "thinker": 0, "talker": 19,
+                                                                         "vocoder": 2}
+    assert {s: cfgs[s].effective_bulk_nice(s, "cuda") for s in cfgs} == {"encoder": 0, "thinker": 0, "talker": 0,
+                                                                          "vocoder": 2}
 
 
 def test_device_auto_is_resolved_before_the_stages_read_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -146,6 +146,19 @@ def nice(pid: int) -> int:
     return int(fields[16])
 
 
+def thread_nices(pid: int) -> dict[str, set[int]]:
+    """The nice values of a process's threads, by thread name (/proc/<pid>/task/<tid>/stat)."""
+    out: dict[str, set[int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        out.setdefault(name, set()).add(int(text.rsplit(")", 1)[1].split()[16]))
+    return out
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped, counts as gone)."""
     fields = _stat(pid)

@@ -15,13 +15,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from mesh_harness import nice, rank_pids, stage_pid, start_mesh
+from mesh_harness import nice, rank_pids, stage_pid, start_mesh, thread_nices
 from reference import chat_request, png_bytes, sine_wav
 from test_parity import MAX_TOKENS, TALKER_MAX, run_pipeline
 
 from omnimesh.transport.stage_client import StageClient
 
-LAYOUT = '{"encoder": {"pp": 2}, "thinker": {"pp": 2, "tp": 2}, "talker": {"pp": 2}, "vocoder": {"tp": 2, "nice": 3}}'
+LAYOUT = '{"encoder": {"pp": 2}, "thinker": {"pp": 2, "tp": 2}, "talker": {"pp": 2}, "vocoder": {"tp": 2, "nice": 3, "bulk_nice": 14}}'
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +51,22 @@ def test_stages_report_their_layout(split_mesh) -> None:
     assert len(rank_pids(stage_pid(split_mesh, "encoder"))) == 1
 
 
-def test_stages_run_at_their_os_priority(split_mesh) -> None:
-    """On CPU the LLM stages take nice +8 by default (per-item stages first on shared cores), the others
-    keep the launcher's priority unless their `nice` is set (the vocoder's is 3 here); ranks inherit it."""
+def test_stages_run_at_their_os_priority(split_mesh, tiny_model_dir) -> None:
+    """Every stage process keeps the launcher's priority unless its `nice` is set (the vocoder's is 3 here);
+    ranks inherit it. After a request, the thinker's and talker's bulk threads (steps with no request waiting
+    for its first output) run at nice +19 (the default) and the vocoder's at +14 below its own (its
+    `bulk_nice` here); their other compute threads at the stage's own priority; the encoder has none."""
+    req = chat_request("Hello there.", sine_wav(), None, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+    run_pipeline(split_mesh, tiny_model_dir, req, async_chunk=True)
     base = nice(split_mesh.proc.proc.pid)
-    want = {"encoder": 0, "thinker": 8, "talker": 8, "vocoder": 3}
-    for stage, extra in want.items():
+    want = {"encoder": (0, None), "thinker": (0, 19), "talker": (0, 19), "vocoder": (3, 14)}
+    for stage, (extra, bulk) in want.items():
         pid = stage_pid(split_mesh, stage)
         expected = min(19, base + extra)
         assert [nice(p) for p in (pid, *rank_pids(pid))] == [expected] * (1 + len(rank_pids(pid))), stage
+        threads = thread_nices(pid)
+        assert threads[f"{stage}-compute"] == {expected}, (stage, threads)
+        assert threads.get(f"{stage}-bulk") == ({min(19, expected + bulk)} if bulk else None), (stage, threads)
 
 
 @pytest.mark.parametrize("media", ["text", "audio+image"])

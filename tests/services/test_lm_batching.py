@@ -508,6 +508,33 @@ def test_talker_sends_its_codes_in_the_vocoders_windows(model_dir: Path, thinker
             open_talker(handler, thinker_out, "t0", **bad)
 
 
+def test_requests_are_urgent_until_what_the_first_audio_needs_is_out(model_dir: Path, thinker_out: dict) -> None:
+    """`urgent()` (the engine runs such steps at the stage's own OS priority): a thinker request until its
+    `eager_tokens` tokens are out (the gateway sets what the talker's first codes need), a text-only one until
+    its first token; a talker request until its first chunk of codes leaves."""
+    thinker = thinker_handler(model_dir, ServeArgs(max_model_len=128))
+    ids = prompts([7], seed=3)[0]
+    for options, eager in (({"talker_inputs": "1", "eager_tokens": "4"}, 4), ({"talker_inputs": "0"}, 1)):
+        task = open_thinker(thinker, "u", ids, 10, **options)
+        d, flags, tokens = Driver(thinker), [], []
+        d.add(task)
+        while d.live:
+            flags.append(task.urgent())
+            tokens.append(len(token_ids(d.step().get("u", []))))
+        assert sum(tokens) == 10
+        assert flags == [sum(tokens[:i]) < eager for i in range(len(flags))], (flags, tokens)
+        assert flags[0] and not flags[-1]
+    talker = talker_handler(model_dir, ServeArgs(max_model_len=128))
+    task = open_talker(talker, thinker_out, "t0", first_chunk_codes="3", chunk_codes="5")
+    d, flags, sent = Driver(talker), [], []
+    d.add(task)
+    while d.live:
+        flags.append(task.urgent())
+        sent.append(len(d.step().get("t0", [])))
+    first = sent.index(1)  # the step whose output is the first chunk
+    assert flags == [True] * (first + 1) + [False] * (len(flags) - first - 1)
+
+
 def test_stats_while_requests_run(model_dir: Path, thinker_out: dict) -> None:
     handler = thinker_handler(model_dir, ServeArgs(max_model_len=64, kv_cache_memory="1MiB", max_num_seqs=2))
     d = Driver(handler)

@@ -271,6 +271,7 @@ def test_lanes_plan_a_first_window_beside_a_step_in_flight(model: tuple[Any, Any
     tasks["old"].step()  # its first window is done: the next is a later one
     for task in tasks.values():
         task.feed(StageChunk(tensors={"codes": codes["d"][:, 3:20]}))
+    assert not tasks["old"].urgent() and tasks["new"].urgent()  # urgent until its first window is decoded
     lane = VocoderBatcher(first_lane=True)
     ready = [tasks["old"], tasks["new"]]
     assert lane.lanes(ready, free=2, busy=0) == [ready]  # nothing in flight: one step over everything

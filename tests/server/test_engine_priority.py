@@ -1,0 +1,181 @@
+"""EngineLoop priorities (`bulk_nice`, `BulkLane`): a step with a request that still waits for its first
+output (`StageTask.urgent`) runs on a compute thread at the stage's own OS priority; a step without one runs
+on a bulk thread that lowered its own nice value by `bulk_nice` (Linux keeps nice per thread). An urgent
+request that becomes ready while a bulk step holds the only slot lifts that step back (where the OS allows
+raising a priority). With one step in flight at a time, a request's `close` never overlaps a step on the
+other thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from omnimesh.engine.loop import EngineDone, EngineLoop
+from omnimesh.engine.task import StageTask
+from omnimesh.transport.frames import StageChunk
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+
+
+def thread_name() -> str:
+    return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+
+class CountTask(StageTask):
+    """`steps` steps, one output each; urgent for its first `urgent_steps`. Each step records the OS priority
+    and name of the thread it ran on; `hold` (an Event) keeps a step running until it is set."""
+
+    def __init__(self, rid: str, steps: int, urgent_steps: int, hold: threading.Event | None = None):
+        super().__init__(rid)
+        self.left, self.urgent_steps, self.hold = steps, urgent_steps, hold
+        self.seen: list[tuple[int, str]] = []
+        self.spans: list[tuple[float, float]] = []
+        self.closed_at = 0.0
+        self.started = threading.Event()
+        self.held_until: list[int] = []  # per step, the thread's priority when `hold` let it go on
+
+    def feed(self, chunk: StageChunk) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return self.left > 0
+
+    def urgent(self) -> bool:
+        return self.completion_tokens < self.urgent_steps
+
+    def step(self) -> list[StageChunk]:
+        t0 = time.monotonic()
+        self.seen.append((os.getpriority(os.PRIO_PROCESS, 0), thread_name()))
+        self.started.set()
+        if self.hold is not None:
+            assert self.hold.wait(10)
+            self.held_until.append(os.getpriority(os.PRIO_PROCESS, 0))
+        self.left -= 1
+        self.completion_tokens += 1
+        self.finished = self.left == 0
+        self.spans.append((t0, time.monotonic()))
+        return [StageChunk(text=str(self.left))]
+
+    def close(self) -> None:
+        self.closed_at = time.monotonic()
+
+
+async def run_to_end(queue: asyncio.Queue) -> None:
+    while not isinstance(await asyncio.wait_for(queue.get(), 10), EngineDone):
+        pass
+
+
+async def test_steps_without_an_urgent_request_run_lower() -> None:
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    loop = EngineLoop("prio", bulk_nice=5)
+    loop.start()
+    try:
+        task = CountTask("r", steps=4, urgent_steps=2)
+        await run_to_end(loop.submit(task))
+    finally:
+        await loop.stop()
+    assert task.seen == [(base, "prio-compute")] * 2 + [(min(19, base + 5), "prio-bulk")] * 2
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # only the bulk thread lowered itself
+
+
+async def test_without_bulk_nice_every_step_keeps_the_stage_priority() -> None:
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    loop = EngineLoop("flat")
+    loop.start()
+    try:
+        task = CountTask("r", steps=3, urgent_steps=0)
+        await run_to_end(loop.submit(task))
+    finally:
+        await loop.stop()
+    assert task.seen == [(base, "flat-compute")] * 3
+
+
+async def test_a_close_never_overlaps_a_bulk_step() -> None:
+    """One step at a time: a cancelled request's close goes to the urgent thread while a bulk step runs on the
+    other one; it waits for that step to end (close frees model state, e.g. KV blocks)."""
+    hold = threading.Event()
+    loop = EngineLoop("serial", bulk_nice=3)
+    loop.start()
+    try:
+        bulk = CountTask("bulk", steps=1, urgent_steps=0, hold=hold)
+        done = loop.submit(bulk)
+        assert await asyncio.to_thread(bulk.started.wait, 10)
+        idle = CountTask("idle", steps=0, urgent_steps=1)  # never ready: no step of its own
+        loop.submit(idle)
+        loop.cancel("idle")
+        await asyncio.sleep(0.1)
+        assert idle.closed_at == 0.0  # still waiting for the bulk step
+        hold.set()
+        await run_to_end(done)
+        for _ in range(100):
+            if idle.closed_at:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        hold.set()
+        await loop.stop()
+    assert bulk.seen[0][1] == "serial-bulk"
+    assert idle.closed_at >= bulk.spans[0][1]
+
+
+def may_raise_priority() -> bool:
+    """Whether this process may raise a thread's priority again (CAP_SYS_NICE or RLIMIT_NICE)."""
+    result: list[bool] = []
+
+    def probe() -> None:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        if base >= 19:
+            result.append(False)
+            return
+        os.setpriority(os.PRIO_PROCESS, 0, base + 1)
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, base)
+            result.append(True)
+        except PermissionError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+async def test_an_urgent_request_lifts_the_bulk_step_it_waits_for() -> None:
+    if not may_raise_priority():
+        pytest.skip("raising a thread's priority needs CAP_SYS_NICE or RLIMIT_NICE here")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    hold = threading.Event()
+    loop = EngineLoop("lift", bulk_nice=6)
+    loop.start()
+    try:
+        bulk = CountTask("bulk", steps=2, urgent_steps=0, hold=hold)
+        done = loop.submit(bulk)
+        assert await asyncio.to_thread(bulk.started.wait, 10)
+        assert bulk.seen[0] == (min(19, base + 6), "lift-bulk")
+        urgent = CountTask("urgent", steps=1, urgent_steps=1)
+        urgent_done = loop.submit(urgent)  # ready at once: waits for the bulk step (one slot)
+        for _ in range(100):
+            if loop._bulk is not None and loop._bulk.boosts:
+                break
+            await asyncio.sleep(0.01)
+        hold.set()
+        await run_to_end(urgent_done)
+        await run_to_end(done)
+    finally:
+        hold.set()
+        await loop.stop()
+    assert bulk.held_until[0] == base  # lifted while the urgent request waited
+    assert bulk.seen[1] == (min(19, base + 6), "lift-bulk")  # the next bulk step starts low again
+    assert bulk.held_until[1] == min(19, base + 6)
+    assert urgent.seen == [(base, "lift-compute")]
+
+
+def test_bulk_nice_is_checked() -> None:
+    with pytest.raises(ValueError, match="bulk_nice must be from 0 to 19"):
+        EngineLoop("bad", bulk_nice=20)
