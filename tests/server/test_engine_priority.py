@@ -8,10 +8,12 @@ other thread."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -71,41 +73,56 @@ async def run_to_end(queue: asyncio.Queue) -> None:
         pass
 
 
-async def test_steps_without_an_urgent_request_run_lower() -> None:
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    loop = EngineLoop("prio", bulk_nice=5)
+async def run_alone(task: CountTask, name: str, bulk_nice: int = 0) -> CountTask:
+    loop = EngineLoop(name, bulk_nice=bulk_nice)
     loop.start()
     try:
-        task = CountTask("r", steps=4, urgent_steps=2)
         await run_to_end(loop.submit(task))
     finally:
         await loop.stop()
+    return task
+
+
+async def test_steps_without_an_urgent_request_run_lower() -> None:
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    task = await run_alone(CountTask("r", steps=4, urgent_steps=2), "prio", bulk_nice=5)
     assert task.seen == [(base, "prio-compute")] * 2 + [(min(19, base + 5), "prio-bulk")] * 2
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # only the bulk thread lowered itself
 
 
 async def test_without_bulk_nice_every_step_keeps_the_stage_priority() -> None:
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    loop = EngineLoop("flat")
+    task = await run_alone(CountTask("r", steps=3, urgent_steps=0), "flat")
+    assert task.seen == [(base, "flat-compute")] * 3
+
+
+@contextlib.asynccontextmanager
+async def bulk_step_in_flight(name: str, bulk_nice: int, steps: int) -> AsyncIterator[tuple[EngineLoop, CountTask, threading.Event, asyncio.Queue]]:
+    """An engine whose only slot runs a bulk step held open until the yielded Event is set."""
+    hold = threading.Event()
+    loop = EngineLoop(name, bulk_nice=bulk_nice)
     loop.start()
     try:
-        task = CountTask("r", steps=3, urgent_steps=0)
-        await run_to_end(loop.submit(task))
+        bulk = CountTask("bulk", steps=steps, urgent_steps=0, hold=hold)
+        done = loop.submit(bulk)
+        assert await asyncio.to_thread(bulk.started.wait, 10)
+        yield loop, bulk, hold, done
     finally:
+        hold.set()
         await loop.stop()
-    assert task.seen == [(base, "flat-compute")] * 3
+
+
+async def wait_until(condition: Callable[[], object]) -> None:
+    for _ in range(100):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
 
 
 async def test_a_close_never_overlaps_a_bulk_step() -> None:
     """One step at a time: a cancelled request's close goes to the urgent thread while a bulk step runs on the
     other one; it waits for that step to end (close frees model state, e.g. KV blocks)."""
-    hold = threading.Event()
-    loop = EngineLoop("serial", bulk_nice=3)
-    loop.start()
-    try:
-        bulk = CountTask("bulk", steps=1, urgent_steps=0, hold=hold)
-        done = loop.submit(bulk)
-        assert await asyncio.to_thread(bulk.started.wait, 10)
+    async with bulk_step_in_flight("serial", 3, steps=1) as (loop, bulk, hold, done):
         idle = CountTask("idle", steps=0, urgent_steps=1)  # never ready: no step of its own
         loop.submit(idle)
         loop.cancel("idle")
@@ -113,13 +130,7 @@ async def test_a_close_never_overlaps_a_bulk_step() -> None:
         assert idle.closed_at == 0.0  # still waiting for the bulk step
         hold.set()
         await run_to_end(done)
-        for _ in range(100):
-            if idle.closed_at:
-                break
-            await asyncio.sleep(0.01)
-    finally:
-        hold.set()
-        await loop.stop()
+        await wait_until(lambda: idle.closed_at)
     assert bulk.seen[0][1] == "serial-bulk"
     assert idle.closed_at >= bulk.spans[0][1]
 
@@ -150,26 +161,14 @@ async def test_an_urgent_request_lifts_the_bulk_step_it_waits_for() -> None:
     if not may_raise_priority():
         pytest.skip("raising a thread's priority needs CAP_SYS_NICE or RLIMIT_NICE here")
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    hold = threading.Event()
-    loop = EngineLoop("lift", bulk_nice=6)
-    loop.start()
-    try:
-        bulk = CountTask("bulk", steps=2, urgent_steps=0, hold=hold)
-        done = loop.submit(bulk)
-        assert await asyncio.to_thread(bulk.started.wait, 10)
+    async with bulk_step_in_flight("lift", 6, steps=2) as (loop, bulk, hold, done):
         assert bulk.seen[0] == (min(19, base + 6), "lift-bulk")
         urgent = CountTask("urgent", steps=1, urgent_steps=1)
         urgent_done = loop.submit(urgent)  # ready at once: waits for the bulk step (one slot)
-        for _ in range(100):
-            if loop._bulk is not None and loop._bulk.boosts:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: loop._bulk is not None and loop._bulk.boosts)
         hold.set()
         await run_to_end(urgent_done)
         await run_to_end(done)
-    finally:
-        hold.set()
-        await loop.stop()
     assert bulk.held_until[0] == base  # lifted while the urgent request waited
     assert bulk.seen[1] == (min(19, base + 6), "lift-bulk")  # the next bulk step starts low again
     assert bulk.held_until[1] == min(19, base + 6)
