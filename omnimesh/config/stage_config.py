@@ -25,8 +25,9 @@ SHM_MIN_TENSOR_BYTES = 16 * 2**10
 # first, the vocoder's later windows just behind it, LLM steps of running requests last: such a step costs
 # about the same for 1 request as for 16, so one that waits carries more of them. A/B on the 2-core CPU
 # machine against the whole LLM processes at nice +8 (README): TTFP p50 at c=8 -13%, at c=16 -18%, req/s
-# the same. The vocoder's later windows at +14 cut TTFP at c=16 by a further 30% but cost 11% of the req/s:
-# a closed loop of clients waits for the slower last windows, so fewer requests fill the LLM batches
+# the same; at c=32 TTFP -43% but req/s -13% (LLM steps are urgent nearly all the time). The vocoder's later
+# windows at +14 cut TTFP at c=16 by a further 30% but cost 11% of the req/s: a closed loop of clients
+# waits for the slower last windows, so fewer requests fill the LLM batches
 BULK_NICE_ON_CPU = {"thinker": 19, "talker": 19, "vocoder": 4}
 
 
