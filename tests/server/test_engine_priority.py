@@ -178,3 +178,32 @@ async def test_an_urgent_request_lifts_the_bulk_step_it_waits_for() -> None:
 def test_bulk_nice_is_checked() -> None:
     with pytest.raises(ValueError, match="bulk_nice must be from 0 to 19"):
         EngineLoop("bad", bulk_nice=20)
+
+
+def test_a_refused_lift_turns_boosting_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the right to raise a priority (no CAP_SYS_NICE / RLIMIT_NICE), the first refusal turns the
+    boost off: bulk steps then run to their end at their low priority, and nothing fails."""
+    from omnimesh.engine import bulk_lane
+
+    lane = bulk_lane.BulkLane("deny", 4, 1)
+    started, hold = threading.Event(), threading.Event()
+
+    def step() -> int:
+        started.set()
+        assert hold.wait(10)
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    future = lane.executor.submit(lane.run, step)
+    try:
+        assert started.wait(10)
+
+        def refuse(which: int, who: int, value: int) -> None:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(bulk_lane.os, "setpriority", refuse)
+        assert lane.boost() == 0 and not lane.can_boost
+        assert lane.boost() == 0  # no second try
+    finally:
+        hold.set()
+    assert future.result(10) == lane.value
+    lane.shutdown()
