@@ -19,21 +19,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send `sig` to this process when its parent dies (no-op elsewhere)."""
+def _prctl(option: int, arg: int | bytes) -> None:
+    """Linux's prctl(2) on the calling thread or process; a no-op where there is no glibc."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg)
     except OSError:
         pass
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (no-op elsewhere)."""
+    _prctl(PR_SET_PDEATHSIG, sig)
 
 
 def name_thread(name: str) -> None:
     """Give the calling thread an OS name (Linux, 15 bytes at most), so `top -H` and `ps -L` tell the
     threads of a stage apart (no-op elsewhere)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
-    except OSError:
-        pass
+    _prctl(PR_SET_NAME, name.encode()[:15])
 
 
 def thread_priority_is_own() -> bool:

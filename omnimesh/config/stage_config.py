@@ -31,6 +31,11 @@ SHM_MIN_TENSOR_BYTES = 16 * 2**10
 BULK_NICE_ON_CPU = {"thinker": 19, "talker": 19, "vocoder": 4}
 
 
+def _is_nice_increment(value: object) -> bool:
+    """A whole number from 0 (as started) to 19 (the lowest priority)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 19
+
+
 @dataclass(frozen=True, slots=True)
 class StageConfig:
     """How one stage runs. Field docs double as `--stage-overrides` documentation."""
@@ -92,13 +97,12 @@ class StageConfig:
                              f"got {self.shm_min_tensor_size!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if not isinstance(self.nice, int) or isinstance(self.nice, bool) or not 0 <= self.nice <= 19:
+        if not _is_nice_increment(self.nice):
             raise ValueError(f"nice must be a whole number from 0 (as started) to 19 (lowest priority), got {self.nice!r}; "
                              f"a stage can only lower its own priority")
-        bn = self.bulk_nice
-        if bn is not None and (not isinstance(bn, int) or isinstance(bn, bool) or not 0 <= bn <= 19):
+        if self.bulk_nice is not None and not _is_nice_increment(self.bulk_nice):
             raise ValueError(f"bulk_nice must be a whole number from 0 (same priority as the stage's other steps) to 19 "
-                             f"(lowest), got {bn!r}")
+                             f"(lowest), got {self.bulk_nice!r}")
         if self.devices is not None and self.device_list() and len(self.device_list()) != self.pp * self.tp:
             raise ValueError(
                 f"devices {self.devices!r} names {len(self.device_list())} devices but pp x tp = "

@@ -63,7 +63,7 @@ class VocoderTask(StageTask):
     @property
     def first_window_waits(self) -> bool:
         """Its first window has codes to decode: the request still waits for its first audio."""
-        return self.completion_tokens == 0 and self.next_window_size() > 0
+        return self.urgent() and self.next_window_size() > 0
 
     def urgent(self) -> bool:
         """Until its first window is decoded."""

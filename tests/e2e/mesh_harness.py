@@ -126,10 +126,12 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), None once it is gone."""
+def _stat(pid: int, tid: int | None = None) -> list[str] | None:
+    """The fields of /proc/<pid>/stat (or of its thread <tid>) after the command name (state, ppid, ...),
+    None once it is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(path).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
 
@@ -147,15 +149,16 @@ def nice(pid: int) -> int:
 
 
 def thread_nices(pid: int) -> dict[str, set[int]]:
-    """The nice values of a process's threads, by thread name (/proc/<pid>/task/<tid>/stat)."""
+    """The nice values of a process's threads, by thread name."""
     out: dict[str, set[int]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            text = (task / "stat").read_text()
+            name = (task / "comm").read_text().strip()
         except OSError:  # the thread ended
             continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        out.setdefault(name, set()).add(int(text.rsplit(")", 1)[1].split()[16]))
+        fields = _stat(pid, int(task.name))
+        if fields is not None:
+            out.setdefault(name, set()).add(int(fields[16]))
     return out
 
 

@@ -207,3 +207,16 @@ def test_a_refused_lift_turns_boosting_off(monkeypatch: pytest.MonkeyPatch) -> N
         hold.set()
     assert future.result(10) == lane.value
     lane.shutdown()
+
+
+async def test_bulk_nice_is_ignored_where_nice_is_not_per_thread(monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Elsewhere than Linux, lowering "this thread" would lower the whole process: the setting is ignored with
+    a warning, and every step runs at the stage's priority."""
+    from omnimesh.engine import loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "thread_priority_is_own", lambda: False)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    task = await run_alone(CountTask("r", steps=2, urgent_steps=0), "other", bulk_nice=5)
+    assert task.seen == [(base, "other-compute")] * 2
+    assert "bulk_nice 5 is ignored: per-thread priorities need Linux" in caplog.text
