@@ -3,7 +3,8 @@
 
     python bench/throughput.py [--model DIR] [--concurrency 1,4,8,16,32] [--requests N] [--max-tokens 32]
         [--talker-max-tokens 64] [--audio-every K] [--hf-requests N] [--no-hf-batched] [--hf-threads T]
-        [--device auto|cpu|cuda] [--serve-args "--max-num-seqs 64 --kv-cache-memory 2GiB"] [--json out.json]
+        [--device auto|cpu|cuda] [--serve-args "--max-num-seqs 64 --kv-cache-memory 2GiB"] [--rounds N]
+        [--json out.json]
 
 The workload is the same on both sides: requests with a fixed text prompt each (every K-th also carries a
 1 s audio clip with --audio-every K), text + audio out, speaker Ethan, greedy thinker (`--max-tokens`)
@@ -23,7 +24,9 @@ once, and the tail, with fewer than c left in flight, stay a small part of the r
 Prints both tables, the ratios to sequential (and batched) transformers, per concurrency the CPU each
 mesh process spent per request (`bench/process_cpu.py`) and how each stage batched (engine steps per
 request, requests per step, ms per step: `bench/stage_steps.py`, from /metrics), and the two targets: throughput
-at c=16 >= 8x sequential transformers, TTFP p50 at c=8 <= 2x its value at c=1. Not part of the test suite.
+at c=16 >= 8x sequential transformers, TTFP p50 at c=8 <= 2x its value at c=1. With `--rounds N` it measures
+both sides N times, alternating (a fresh mesh each round, `transformers` loaded once), prints each round,
+then judges the targets on their medians (`bench/rounds.py`). Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import process_cpu, stage_steps  # noqa: E402
+from bench import rounds as rounds_summary  # noqa: E402
+from bench.rounds import TARGET_SPEEDUP_C16, TARGET_TTFP_RATIO_C8  # noqa: E402
 from bench.common import (  # noqa: E402
     HFGenerate,
     chat_body,
@@ -56,9 +61,6 @@ from bench.common import (  # noqa: E402
     stream_chat,
 )
 from bench.mesh_process import MeshProcess  # noqa: E402
-
-TARGET_SPEEDUP_C16 = 8.0
-TARGET_TTFP_RATIO_C8 = 2.0
 
 
 def default_requests(c: int) -> int:
@@ -146,47 +148,57 @@ def omnimesh_side(model: Path, work: Workload, args: argparse.Namespace, device:
 # ------------------------------------------------------------------------------------------- transformers
 
 
-def hf_side(model: Path, work: Workload, args: argparse.Namespace, device: str,
-            concurrencies: list[int]) -> dict[str, Any]:
+class HFSide:
+    """`transformers` loaded once (warmed up, its thread count chosen); `hf_side` is one round of it."""
+
+    def __init__(self, model: Path, work: Workload, args: argparse.Namespace, device: str):
+        import torch
+
+        log("transformers: loading")
+        self.work, self.args, self.device = work, args, device
+        self.hf = HFGenerate(model, device)
+        self.inputs: dict[int, Any] = {}
+        self.gen([999])  # warm-up, not counted
+        self.probe: dict[int, float] = {}
+        if args.hf_threads:
+            torch.set_num_threads(args.hf_threads)
+        elif not device.startswith("cuda") and torch.get_num_threads() > 1:
+            # torch's default (every core) can be many times slower than 1 thread when other processes share the
+            # cores (OpenMP threads wait on each other): take whichever is faster here, so the baseline is the
+            # best transformers does on this machine, not a strawman
+            default = torch.get_num_threads()
+            for threads in sorted({default, 1}, reverse=True):
+                torch.set_num_threads(threads)
+                self.gen([998])
+                t = time.perf_counter()
+                self.gen([997])
+                self.gen([996])
+                self.probe[threads] = (time.perf_counter() - t) / 2
+            torch.set_num_threads(min(self.probe, key=self.probe.__getitem__))
+            log("transformers: torch threads " + ", ".join(f"{k}: {v:.3f} s/request" for k, v in self.probe.items())
+                + f"; using {torch.get_num_threads()}")
+        self.threads = torch.get_num_threads()
+
+    def gen(self, batch: list[int]) -> list[tuple[list[int], int]]:
+        work = self.work
+        for i in batch:
+            if i not in self.inputs:
+                self.inputs[i] = self.hf.inputs(prompt(i), work.wav_for(i), max_tokens=work.max_tokens,
+                                                talker_max=work.talker_max)
+        return self.hf.generate([self.inputs[i] for i in batch], max_tokens=work.max_tokens, talker_max=work.talker_max)
+
+
+def hf_side(side: HFSide, args: argparse.Namespace, device: str, concurrencies: list[int]) -> dict[str, Any]:
+    """One round of `transformers`: sequential `generate`, then batched at each c > 1."""
     import torch
 
-    log("transformers: loading")
-    hf = HFGenerate(model, device)
-    inputs: dict[int, Any] = {}
-
-    def inp(i: int) -> Any:
-        if i not in inputs:
-            inputs[i] = hf.inputs(prompt(i), work.wav_for(i), max_tokens=work.max_tokens, talker_max=work.talker_max)
-        return inputs[i]
-
-    def gen(batch: list[int]) -> list[tuple[list[int], int]]:
-        return hf.generate([inp(i) for i in batch], max_tokens=work.max_tokens, talker_max=work.talker_max)
+    hf, gen = side.hf, side.gen
 
     def sync() -> None:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    gen([999])  # warm-up, not counted
-    result: dict[str, Any] = {"threads_probe_s_per_request": {}}
-    if args.hf_threads:
-        torch.set_num_threads(args.hf_threads)
-    elif not device.startswith("cuda") and torch.get_num_threads() > 1:
-        # torch's default (every core) can be many times slower than 1 thread when other processes share the
-        # cores (OpenMP threads wait on each other): take whichever is faster here, so the baseline is the
-        # best transformers does on this machine, not a strawman
-        default = torch.get_num_threads()
-        for threads in sorted({default, 1}, reverse=True):
-            torch.set_num_threads(threads)
-            gen([998])
-            t = time.perf_counter()
-            gen([997])
-            gen([996])
-            result["threads_probe_s_per_request"][threads] = (time.perf_counter() - t) / 2
-        probe = result["threads_probe_s_per_request"]
-        torch.set_num_threads(min(probe, key=probe.get))
-        log("transformers: torch threads " + ", ".join(f"{k}: {v:.3f} s/request" for k, v in probe.items())
-            + f"; using {torch.get_num_threads()}")
-    result["torch_threads"] = torch.get_num_threads()
+    result: dict[str, Any] = {"threads_probe_s_per_request": side.probe, "torch_threads": side.threads}
     log(f"transformers: sequential generate, {args.hf_requests} requests")
     seq_lat: list[float] = []
     seq_samples = 0
@@ -370,6 +382,26 @@ def _no_nan(x: Any) -> Any:
     return x
 
 
+def print_setting(machine: dict[str, Any], args: argparse.Namespace, hf: dict[str, Any], loads: list[float],
+                  model: Path, device: str, rate: int, serve: list[str]) -> None:
+    print(f"machine: {machine['host']}, {machine['cpu_count']} CPUs ({machine['cpus_usable']} usable), "
+          f"{machine['cuda'] or 'no CUDA'}; {machine['platform']}; {machine['date']}")
+    print(f"software: python {machine['python']}, torch {machine['torch']}, transformers {machine['transformers']}, "
+          f"omnimesh commit {machine['commit']}")
+    probe = hf["threads_probe_s_per_request"]
+    print(f"threads: transformers torch {hf['torch_threads']} intra-op"
+          + (" (" + ", ".join(f"{k} thread(s) {v:.3f} s/request" for k, v in probe.items()) + " in a probe)"
+             if probe else "")
+          + f"; each mesh stage {machine['mesh_stage_cpu_threads']} (OMNIMESH_CPU_THREADS="
+          f"{machine['OMNIMESH_CPU_THREADS']}); OMP_NUM_THREADS={machine['OMP_NUM_THREADS']}")
+    print("load average (1 min) at start / after omnimesh / after transformers: "
+          + " / ".join(f"{x:.2f}" for x in loads) + " (other processes on this machine skew both sides)")
+    print(f"model: {model}; device {device}; thinker {args.max_tokens} tokens, talker {args.talker_max_tokens} code "
+          f"groups, greedy, text + audio out at {rate} Hz, speaker Ethan; "
+          + (f"1 request in {args.audio_every} with 1 s audio in" if args.audio_every else "text prompts"))
+    print(f"omnimesh serve flags: {' '.join(serve)}; the bench client shares this machine's CPUs with the mesh")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: the built-in tiny Qwen3-Omni)")
@@ -390,11 +422,16 @@ def main() -> int:
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda, for both sides (default: %(default)s)")
     ap.add_argument("--serve-args", default="", help="extra `omnimesh serve` flags, one string, e.g. "
                     "\"--max-num-seqs 64 --kv-cache-memory 2GiB\"")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure both sides this many times, alternating, and judge the targets on the median "
+                         "(default: %(default)s; on a host whose speed drifts, 3 or more)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
     args = ap.parse_args()
     concurrencies = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
     if not concurrencies or min(concurrencies) < 1 or (args.requests is not None and args.requests < 1):
         ap.error("--concurrency needs whole numbers >= 1, --requests >= 1")
+    if args.rounds < 1:
+        ap.error("--rounds needs a whole number >= 1")
     if args.hf_requests is None:
         args.hf_requests = min(96, max(args.requests or default_requests(c) for c in concurrencies))
     device = resolve_device(args.device)
@@ -403,37 +440,34 @@ def main() -> int:
     machine = machine_info()
     started = time.perf_counter()
 
-    loads = [os.getloadavg()[0]]
-    rate, mesh, serve = omnimesh_side(model, work, args, device, concurrencies)
-    loads.append(os.getloadavg()[0])
-    hf = hf_side(model, work, args, device, concurrencies)
-    loads.append(os.getloadavg()[0])
-    machine["load_average_1min"] = {"start": loads[0], "after_omnimesh": loads[1], "after_transformers": loads[2]}
-
-    print(f"machine: {machine['host']}, {machine['cpu_count']} CPUs ({machine['cpus_usable']} usable), "
-          f"{machine['cuda'] or 'no CUDA'}; {machine['platform']}; {machine['date']}")
-    print(f"software: python {machine['python']}, torch {machine['torch']}, transformers {machine['transformers']}, "
-          f"omnimesh commit {machine['commit']}")
-    probe = hf["threads_probe_s_per_request"]
-    print(f"threads: transformers torch {hf['torch_threads']} intra-op"
-          + (" (" + ", ".join(f"{k} thread(s) {v:.3f} s/request" for k, v in probe.items()) + " in a probe)"
-             if probe else "")
-          + f"; each mesh stage {machine['mesh_stage_cpu_threads']} (OMNIMESH_CPU_THREADS="
-          f"{machine['OMNIMESH_CPU_THREADS']}); OMP_NUM_THREADS={machine['OMP_NUM_THREADS']}")
-    print("load average (1 min) at start / after omnimesh / after transformers: "
-          + " / ".join(f"{x:.2f}" for x in loads) + " (other processes on this machine skew both sides)")
-    print(f"model: {model}; device {device}; thinker {args.max_tokens} tokens, talker {args.talker_max_tokens} code "
-          f"groups, greedy, text + audio out at {rate} Hz, speaker Ethan; "
-          + (f"1 request in {args.audio_every} with 1 s audio in" if args.audio_every else "text prompts"))
-    print(f"omnimesh serve flags: {' '.join(serve)}; the bench client shares this machine's CPUs with the mesh")
-    targets = report(machine, args, rate, mesh, hf)
+    hf_runner = HFSide(model, work, args, device)
+    rounds: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            log(f"round {r + 1} of {args.rounds}")
+        loads = [os.getloadavg()[0]]
+        rate, mesh, serve = omnimesh_side(model, work, args, device, concurrencies)
+        loads.append(os.getloadavg()[0])
+        hf = hf_side(hf_runner, args, device, concurrencies)
+        loads.append(os.getloadavg()[0])
+        print()
+        if args.rounds > 1:
+            print(f"===== round {r + 1} of {args.rounds}")
+        print_setting(machine, args, hf, loads, model, device, rate, serve)
+        targets = report(machine, args, rate, mesh, hf)
+        hf["batched"] = {str(c): b for c, b in hf["batched"].items()}
+        rounds.append({"load_average_1min": {"start": loads[0], "after_omnimesh": loads[1],
+                                             "after_transformers": loads[2]}, "sample_rate": rate,
+                       "transformers": hf, "omnimesh": {str(c): m for c, m in mesh.items()}, "targets": targets})
+    summary = rounds_summary.summarize([r["targets"] for r in rounds])
+    if args.rounds > 1:
+        rounds_summary.print_summary(summary)
     print(f"(whole run {time.perf_counter() - started:.0f} s)")
     if args.json:
-        hf["batched"] = {str(c): b for c, b in hf["batched"].items()}
         doc = {"machine": machine, "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                                                "device": device, "model": str(model), "sample_rate": rate,
-                                                "concurrency": concurrencies, "serve_flags": serve},
-               "transformers": hf, "omnimesh": {str(c): m for c, m in mesh.items()}, "targets": targets}
+                                                "device": device, "model": str(model), "concurrency": concurrencies,
+                                                "serve_flags": serve},
+               "rounds": rounds, "targets": summary}
         args.json.write_text(json.dumps(_no_nan(doc), indent=2) + "\n")
         print(f"results written to {args.json}")
     return 0
