@@ -6,6 +6,11 @@ spent since `start()`, summed per role: the stage a process is (or whose ranks i
 for its nearest ancestor whose command line names `stage <name>`), `gateway`, or `serve` (the launcher).
 A process that ended between the snapshots is missed (its time is gone from /proc). Linux only: elsewhere
 `available()` is False and the benchmarks skip the table.
+
+`waits()` tells how long the threads waited for a core: per role and thread class (`urgent`: a stage's
+"X-compute" threads, where steps with a request waiting for its first output run; `bulk`: its "X-bulk"
+threads; `other`: the rest, event loops and gRPC), the seconds they ran and the seconds they sat runnable on
+a run queue since `start()` (/proc/PID/task/TID/schedstat; empty where the kernel keeps no schedstat).
 """
 
 from __future__ import annotations
@@ -76,15 +81,53 @@ def _tree(root: int) -> dict[int, str]:
     return roles
 
 
+def thread_class(comm: str) -> str:
+    """A thread's class from its OS name (the engine names its compute threads, see EngineLoop)."""
+    if comm.endswith("-compute"):
+        return "urgent"
+    return "bulk" if comm.endswith("-bulk") else "other"
+
+
+def _schedstats(pid: int) -> dict[int, tuple[str, float, float]]:
+    """Every thread of `pid` -> (its class, seconds run, seconds waited runnable); {} when unreadable."""
+    out: dict[int, tuple[str, float, float]] = {}
+    try:
+        tids = [int(t) for t in os.listdir(_PROC / str(pid) / "task")]
+    except OSError:
+        return out
+    for tid in tids:
+        task = _PROC / str(pid) / "task" / str(tid)
+        try:
+            comm = (task / "comm").read_text().strip()
+            run_ns, wait_ns = (task / "schedstat").read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        out[tid] = (thread_class(comm), int(run_ns) / 1e9, int(wait_ns) / 1e9)
+    return out
+
+
 class CpuMeter:
     """CPU seconds per role of `root_pid`'s process tree between `start()` and `stop()`."""
 
     def __init__(self, root_pid: int) -> None:
         self.root = root_pid
         self._start: dict[int, float] = {}
+        self._threads: dict[tuple[int, int], tuple[str, float, float]] = {}
 
     def start(self) -> None:
-        self._start = {pid: st[1] for pid in _tree(self.root) if (st := _stat(pid)) is not None}
+        tree = _tree(self.root)
+        self._start = {pid: st[1] for pid in tree if (st := _stat(pid)) is not None}
+        self._threads = {(pid, tid): v for pid in tree for tid, v in _schedstats(pid).items()}
+
+    def waits(self) -> dict[str, dict[str, tuple[float, float]]]:
+        """role -> thread class -> (seconds run, seconds waited for a core) since `start()`."""
+        out: dict[str, dict[str, tuple[float, float]]] = {}
+        for pid, role in _tree(self.root).items():
+            for tid, (cls, run, wait) in _schedstats(pid).items():
+                _, run0, wait0 = self._threads.get((pid, tid), (cls, 0.0, 0.0))
+                r, w = out.setdefault(role, {}).get(cls, (0.0, 0.0))
+                out[role][cls] = (r + run - run0, w + wait - wait0)
+        return out
 
     def stop(self) -> dict[str, float]:
         spent: dict[str, float] = {}

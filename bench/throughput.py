@@ -22,7 +22,7 @@ once, and the tail, with fewer than c left in flight, stay a small part of the r
   finds faster (on a shared machine the default can be many times slower); `--hf-threads` fixes it.
 
 Prints both tables, the ratios to sequential (and batched) transformers, per concurrency the CPU each
-mesh process spent per request (`bench/process_cpu.py`) and how each stage batched (engine steps per
+mesh process spent per request and how long its threads waited for a core (`bench/process_cpu.py`), how each stage batched (engine steps per
 request, requests per step, ms per step: `bench/stage_steps.py`, from /metrics), and the two targets: throughput
 at c=16 >= 8x sequential transformers, TTFP p50 at c=8 <= 2x its value at c=1. With `--rounds N` it measures
 both sides N times, alternating (a fresh mesh each round, `transformers` loaded once), prints each round,
@@ -137,8 +137,9 @@ def omnimesh_side(model: Path, work: Workload, args: argparse.Namespace, device:
             client = time.process_time()
             steps = stage_steps.scrape(mesh.url)
             out[c] = run_mesh(mesh.url, work, c, n, rate)
-            if meter is not None:  # CPU seconds by process over this concurrency's run
+            if meter is not None:  # CPU seconds by process over this concurrency's run, and the waits for a core
                 out[c]["cpu_s"] = {**meter.stop(), "bench client": time.process_time() - client}
+                out[c]["core_waits_s"] = meter.waits()
             out[c]["engine_steps"] = stage_steps.since(steps, stage_steps.scrape(mesh.url))
             if out[c]["errors"]:
                 log(f"omnimesh: {len(out[c]['errors'])} request(s) failed at c={c}; first: {out[c]['errors'][0]}")
@@ -310,6 +311,7 @@ def report(machine: dict[str, Any], args: argparse.Namespace, rate: int, mesh: d
               f"{fmt(m['x_batched_req_per_s'], 10, 2)}x")
     print("(x batched: vs batched generate with batch = c; at c=1 that is sequential generate)")
     cpu_table(mesh)
+    waits_table(mesh)
     steps_table(mesh)
     if any(m["without_audio"] for m in mesh.values()):
         print("note: some omnimesh requests finished without any audio delta: "
@@ -352,6 +354,27 @@ def cpu_table(mesh: dict[int, dict[str, Any]]) -> None:
         total = sum(cpu.values())
         print(f"{c:4}" + "".join(f"{cpu.get(r, 0.0) * 1000 / m['ok']:14.1f}" for r in CPU_ROLES)
               + f"{total * 1000 / m['ok']:9.1f}{total / m['wall_s']:12.2f}")
+
+
+def waits_table(mesh: dict[int, dict[str, Any]]) -> None:
+    """Per concurrency and process: how long its threads sat runnable waiting for a core, per second they ran
+    (from schedstat): urgent = the compute threads of steps with a request waiting for its first output."""
+    rows = {c: m["core_waits_s"] for c, m in mesh.items() if m.get("core_waits_s")}
+    roles = [r for r in CPU_ROLES if any(r in w for w in rows.values()) and r != "serve"]
+    if not rows or not roles:
+        return
+    classes = ("urgent", "bulk", "other")
+    print()
+    print("omnimesh threads' wait for a core: seconds runnable but not running per second run, by process "
+          "and thread (urgent / bulk / other: event loops, gRPC)")
+    print(f"{'c':>4}" + "".join(f"{r:>20}" for r in roles))
+    for c, waits in rows.items():
+        cells = []
+        for role in roles:
+            got = waits.get(role, {})
+            cells.append(" /".join(f"{got[k][1] / got[k][0]:5.2f}" if got.get(k, (0, 0))[0] > 0.01 else f"{'-':>5}"
+                                   for k in classes))
+        print(f"{c:4}" + "".join(f"{cell:>20}" for cell in cells))
 
 
 def steps_table(mesh: dict[int, dict[str, Any]]) -> None:

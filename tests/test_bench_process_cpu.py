@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,46 @@ def test_cpu_of_a_stage_and_its_ranks_counts_for_the_stage() -> None:
                 break
         assert spent.get("thinker", 0.0) >= 0.8, spent  # the stage's 0.4 s and its rank's 0.4 s
         assert set(spent) <= {"serve", "thinker"}
+    finally:
+        subprocess.run(["pkill", "-KILL", "-s", str(root.pid)], check=False)
+        root.wait()
+
+
+def test_thread_classes_follow_the_engine_thread_names() -> None:
+    assert process_cpu.thread_class("talker-compute") == "urgent"
+    assert process_cpu.thread_class("thinker-bulk") == "bulk"
+    assert [process_cpu.thread_class(n) for n in ("python", "event_engine", "vocoder-compute_0")] == ["other"] * 3
+
+
+NAMED_BURN = ("import ctypes, threading, time\n"
+              "def burn():\n"
+              "    ctypes.CDLL(None).prctl(15, b'thinker-compute', 0, 0, 0)\n"  # PR_SET_NAME: the OS thread name
+              "    t = time.thread_time()\n"
+              "    while time.thread_time() - t < 0.4: pass\n"
+              "threading.Thread(target=burn).start()\n"
+              "time.sleep(30)")
+
+
+@pytest.mark.skipif(not process_cpu.available() or not Path("/proc/self/task").exists()
+                    or not any(Path("/proc/self/task").glob("*/schedstat")), reason="needs /proc schedstat")
+def test_waits_count_a_named_threads_run_time_under_its_stage_and_class() -> None:
+    # serve -> "stage thinker", whose thread named thinker-compute burns 0.4 s of CPU
+    stage = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {NAMED_BURN!r}, 'stage', "
+             "'thinker']); time.sleep(30)")
+    root = subprocess.Popen([sys.executable, "-c", stage], start_new_session=True)
+    try:
+        meter = process_cpu.CpuMeter(root.pid)
+        meter.start()
+        deadline = time.monotonic() + 20
+        waits: dict[str, dict[str, tuple[float, float]]] = {}
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            waits = meter.waits()
+            if waits.get("thinker", {}).get("urgent", (0.0, 0.0))[0] >= 0.35:
+                break
+        run, wait = waits["thinker"]["urgent"]
+        assert 0.35 <= run < 5 and wait >= 0.0, waits
+        assert waits["thinker"].get("other", (0.0, 0.0))[0] < 0.3  # the main thread only sleeps
     finally:
         subprocess.run(["pkill", "-KILL", "-s", str(root.pid)], check=False)
         root.wait()
