@@ -20,7 +20,6 @@ the tiny model folder. What it proves:
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -341,45 +340,6 @@ def test_closing_two_hundred_requests_frees_every_block(model_dir: Path) -> None
     for task in d.live:  # what a cancellation does (EngineLoop closes a cancelled task after its step)
         task.close()
     assert_drained(engine, start)
-
-
-def test_opening_a_request_and_reading_stats_never_wait_for_a_forward(model_dir: Path) -> None:
-    """The stage's event loop calls `admit` (a request's open) and `stats` (the load gauges) while a step runs
-    on a compute thread. With pp = tp = 1 the step's forward runs in this process; it must not hold the
-    state lock, or the loop stalls for the rest of the step (for a bulk step at nice +19 on busy cores, long
-    enough that the loop cannot even lift it). Here the forward blocks until released."""
-    handler = thinker_handler(model_dir, ServeArgs(max_model_len=64))
-    engine = handler.batcher.engine
-    inner = engine.backend.submit
-    in_forward, release = threading.Event(), threading.Event()
-
-    def submit(command: Any) -> Any:
-        if isinstance(command, LMBatch):
-            in_forward.set()
-            assert release.wait(30)
-        return inner(command)
-
-    engine.backend.submit = submit
-    first = open_thinker(handler, "a", prompts([5], seed=3)[0], 3)
-    stepper = threading.Thread(target=handler.batcher.step_batch, args=([first],), daemon=True)
-    stepper.start()
-    opened: list[Any] = []
-    try:
-        assert in_forward.wait(30)
-        caller = threading.Thread(target=lambda: opened.extend(
-            [open_thinker(handler, "b", prompts([4], seed=5)[0], 3), engine.stats()]), daemon=True)
-        caller.start()
-        caller.join(5)
-        assert not caller.is_alive(), "admit / stats waited for the forward in flight"
-        assert opened[1]["running"] == 1  # the request in the forward
-    finally:
-        release.set()
-        stepper.join(30)
-        engine.backend.submit = inner
-    d = Driver(handler)  # both requests then run to the end, and every block comes back
-    d.add(first, opened[0])
-    d.run()
-    assert_drained(engine, engine.allocator.num_blocks)
 
 
 def test_too_small_kv_cache_refuses_to_start(model_dir: Path) -> None:

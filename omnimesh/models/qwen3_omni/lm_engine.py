@@ -101,8 +101,7 @@ class LMEngine:
             raise ValueError(f"max_waiting_requests must be >= 0 (0: never queue), got {max_waiting_requests}")
         self.backend, self.role, self.capture_layer = backend, role, capture_layer
         self.max_waiting_requests = max_waiting_requests
-        self._lock = threading.Lock()  # the requests' state: short holds, never across a forward
-        self._submit = threading.Lock()  # one command into the ranks at a time (and rank 0's part of it)
+        self._lock = threading.Lock()
         self._inflight: set[str] = set()
         self._admitted: set[str] = set()  # requests opened through `admit` and not yet removed
         tokens = max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, block_size)
@@ -174,30 +173,24 @@ class LMEngine:
 
     def step(self, ready: list[str]) -> dict[str, RunOutput]:
         """One batched forward over the scheduled part of the `ready` requests' pending rows. Thread-safe:
-        with pp > 1 the stage steps pp disjoint batches at once. Scheduling and bookkeeping hold the lock;
-        the forward does not: `submit` runs this process's rank of it (all of it with pp = tp = 1), and it
-        holds only `_submit` (every rank gets the commands in one order). So `admit` and `stats`, which the
-        stage's event loop calls, never wait for a forward: a new request's open would otherwise stall the
-        loop (every request's I/O, and the boost that lifts a low-priority bulk step) for the rest of one."""
+        with pp > 1 the stage steps pp disjoint batches at once; scheduling, submitting (in command order)
+        and bookkeeping hold the lock, waiting for the ranks does not."""
         with self._lock:
             runs = self._plan(ready)
             if not runs:
                 return {}
-            command = self._command(runs)
+            future = self.backend.submit(self._command(runs))
             self._inflight.update(seq.sched.rid for seq, _ in runs)
         try:
-            with self._submit:
-                future = self.backend.submit(command)
-            try:
-                result: LMBatchResult = future.result(timeout=self.backend.result_timeout_s)
-            except TimeoutError:
-                raise RankFailure(f"{self.role}: a batched step got no result within "
-                                  f"{self.backend.result_timeout_s:.0f}s") from None
-            with self._lock:
-                return self._apply(runs, result)
-        finally:  # after `_apply`: a request is never schedulable with its last step's rows uncounted
+            result: LMBatchResult = future.result(timeout=self.backend.result_timeout_s)
+        except TimeoutError:
+            raise RankFailure(f"{self.role}: a batched step got no result within "
+                              f"{self.backend.result_timeout_s:.0f}s") from None
+        finally:
             with self._lock:
                 self._inflight.difference_update(seq.sched.rid for seq, _ in runs)
+        with self._lock:
+            return self._apply(runs, result)
 
     def _plan(self, ready: list[str]) -> list[tuple[_Seq, list[InputRun]]]:
         plan, preempted = self.scheduler.schedule({rid for rid in ready if rid in self.seqs}, busy=self._inflight)
