@@ -156,7 +156,7 @@ class HFSide:
         import torch
 
         log("transformers: loading")
-        self.work, self.args, self.device = work, args, device
+        self.work = work
         self.hf = HFGenerate(model, device)
         self.inputs: dict[int, Any] = {}
         self.gen([999])  # warm-up, not counted
