@@ -47,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import process_cpu, stage_steps  # noqa: E402
 from bench import rounds as rounds_summary  # noqa: E402
-from bench.rounds import TARGET_SPEEDUP_C16, TARGET_TTFP_RATIO_C8  # noqa: E402
 from bench.common import (  # noqa: E402
     HFGenerate,
     chat_body,
@@ -321,18 +320,18 @@ def report(machine: dict[str, Any], args: argparse.Namespace, rate: int, mesh: d
     print()
     if 16 in mesh:
         x = mesh[16]["x_sequential_req_per_s"]
-        ok = x >= TARGET_SPEEDUP_C16
-        targets["throughput_c16_x_sequential"] = {"value": x, "target": f">= {TARGET_SPEEDUP_C16:g}", "pass": ok}
+        targets["throughput_c16_x_sequential"] = judged = rounds_summary.judge("throughput_c16_x_sequential", x)
+        ok = judged["pass"]
         print(f"{'PASS' if ok else 'FAIL'}  throughput at c=16: {x:.2f}x sequential transformers "
-              f"({mesh[16]['req_per_s']:.2f} vs {seq['req_per_s']:.2f} req/s; target >= {TARGET_SPEEDUP_C16:g}x)")
+              f"({mesh[16]['req_per_s']:.2f} vs {seq['req_per_s']:.2f} req/s; target {judged['target']}x)")
     else:
         print("n/a   throughput at c=16: not measured (16 not in --concurrency)")
     if 8 in mesh and 1 in mesh:
         y = mesh[8]["ttfp_s"]["p50"] / mesh[1]["ttfp_s"]["p50"]
-        ok = y <= TARGET_TTFP_RATIO_C8
-        targets["ttfp_p50_c8_over_c1"] = {"value": y, "target": f"<= {TARGET_TTFP_RATIO_C8:g}", "pass": ok}
+        targets["ttfp_p50_c8_over_c1"] = judged = rounds_summary.judge("ttfp_p50_c8_over_c1", y)
+        ok = judged["pass"]
         print(f"{'PASS' if ok else 'FAIL'}  TTFP p50 at c=8 / c=1: {y:.2f} ({mesh[8]['ttfp_s']['p50']:.3f} s / "
-              f"{mesh[1]['ttfp_s']['p50']:.3f} s; target <= {TARGET_TTFP_RATIO_C8:g})")
+              f"{mesh[1]['ttfp_s']['p50']:.3f} s; target {judged['target']})")
     else:
         print("n/a   TTFP p50 at c=8 / c=1: not measured (--concurrency needs both 1 and 8)")
     return targets

@@ -46,9 +46,10 @@ def test_thread_classes_follow_the_engine_thread_names() -> None:
     assert [process_cpu.thread_class(n) for n in ("python", "event_engine", "vocoder-compute_0")] == ["other"] * 3
 
 
-NAMED_BURN = ("import ctypes, threading, time\n"
+NAMED_BURN = ("import threading, time\n"
+              "from omnimesh.proc_utils import name_thread\n"
               "def burn():\n"
-              "    ctypes.CDLL(None).prctl(15, b'thinker-compute', 0, 0, 0)\n"  # PR_SET_NAME: the OS thread name
+              "    name_thread('thinker-compute')\n"  # as EngineLoop names its compute threads
               "    t = time.thread_time()\n"
               "    while time.thread_time() - t < 0.4: pass\n"
               "threading.Thread(target=burn).start()\n"

@@ -12,10 +12,17 @@ def _round(x: float | None, ttfp: float | None) -> dict[str, dict[str, object]]:
     """One round's targets as throughput.report() returns them (a target left out was not measured)."""
     out: dict[str, dict[str, object]] = {}
     if x is not None:
-        out["throughput_c16_x_sequential"] = {"value": x, "target": ">= 8", "pass": x >= 8}
+        out["throughput_c16_x_sequential"] = rounds.judge("throughput_c16_x_sequential", x)
     if ttfp is not None:
-        out["ttfp_p50_c8_over_c1"] = {"value": ttfp, "target": "<= 2", "pass": ttfp <= 2}
+        out["ttfp_p50_c8_over_c1"] = rounds.judge("ttfp_p50_c8_over_c1", ttfp)
     return out
+
+
+def test_a_round_is_judged_against_its_bound_the_bound_itself_passing() -> None:
+    assert rounds.judge("throughput_c16_x_sequential", 7.99) == {"value": 7.99, "target": ">= 8", "pass": False}
+    assert rounds.judge("throughput_c16_x_sequential", 8.0)["pass"]
+    assert rounds.judge("ttfp_p50_c8_over_c1", 2.0) == {"value": 2.0, "target": "<= 2", "pass": True}
+    assert not rounds.judge("ttfp_p50_c8_over_c1", 2.01)["pass"]
 
 
 def test_the_verdict_is_the_median_with_every_round_beside_it() -> None:
