@@ -130,6 +130,8 @@ def cmd_stage(ns: argparse.Namespace) -> int:
         model_dir = _model_dir(args.model)
     except ValueError as exc:
         return _fail(str(exc))
+    if (rc := _use_allocator(ns, args.malloc, args.device)) is not None:
+        return rc
     stage = ns.stage_name
     if (rc := _check_devices(args, stage)) is not None or (rc := _check_layout(args, model_dir, only=stage)) is not None:
         return rc
@@ -153,9 +155,25 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
         stages = parse_stage_addresses(ns.stages)
     except ValueError as exc:
         return _fail(str(exc))
+    if (rc := _use_allocator(ns, args.malloc, None)) is not None:
+        return rc
     from gateway.server import run_gateway
 
     return run_gateway(args, model_dir, stages)
+
+
+def _use_allocator(ns: argparse.Namespace, mode: str, device: str | None) -> int | None:
+    """Run on the allocator `--malloc` asks for (omnimesh/allocator.py): this re-executes the process when it
+    must. Only when the command is this process's program, never for an in-process `main([...])` call."""
+    if not ns.own_process:
+        return None
+    from omnimesh.allocator import use_allocator
+
+    try:
+        use_allocator(mode, device)
+    except RuntimeError as exc:
+        return _fail(str(exc))
+    return None
 
 
 def parse_stage_addresses(text: str) -> dict[str, str]:
@@ -214,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.own_process = argv is None  # the command line of this process (not an in-process call)
     setup_logging(ns.log_level)
     return ns.func(ns)
 

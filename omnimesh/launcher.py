@@ -52,7 +52,7 @@ class MeshLauncher:
         a = self.args
         argv = ["stage", stage, "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
-                "--stream-interval", str(a.stream_interval)]
+                "--stream-interval", str(a.stream_interval), "--malloc", a.malloc]
         if a.enforce_eager:
             argv.append("--enforce-eager")
         cfg = a.stage_configs()[stage]
@@ -75,7 +75,7 @@ class MeshLauncher:
         a = self.args
         argv = ["gateway", "--model", str(self.model_dir), "--host", a.host, "--port", str(a.port),
                 "--grpc-port", str(a.grpc_port), "--stages", ",".join(f"{k}={v}" for k, v in stage_addrs.items()),
-                "--async-chunk" if a.async_chunk else "--no-async-chunk"]
+                "--async-chunk" if a.async_chunk else "--no-async-chunk", "--malloc", a.malloc]
         for flag, value in (("--served-model-name", a.served_model_name), ("--max-model-len", a.max_model_len),
                             ("--allowed-media-domains", a.allowed_media_domains)):
             if value is not None:

@@ -53,7 +53,9 @@ def tune_malloc() -> bool:
     """Keep freed message buffers in the heap (glibc): every gRPC message of a tensor stream allocates
     megabytes, and glibc's defaults hand them back to the OS, so each copy pays fresh page faults (inline
     gRPC hand-off ~0.5 GB/s here instead of >1 GB/s). Costs up to MALLOC_TRIM_THRESHOLD of freed memory kept
-    per process. A GLIBC_TUNABLES / MALLOC_*_ environment set by the operator wins. False when not glibc."""
+    per process. A GLIBC_TUNABLES / MALLOC_*_ environment set by the operator wins. False when not glibc.
+    A process re-executed on tcmalloc (`--malloc`, omnimesh/allocator.py) does not allocate through glibc's
+    malloc, so this changes nothing there; tcmalloc keeps freed memory in its own caches."""
     if os.environ.get("GLIBC_TUNABLES") or os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("MALLOC_TRIM_THRESHOLD_"):
         return False
     try:

@@ -13,6 +13,7 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from omnimesh.allocator import MALLOC_CHOICES
 from omnimesh.config.stage_config import STAGES, TRANSPORT_CHOICES, StageConfig, parse_bytes, parse_size, parse_stage_overrides, resolve_stage
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -68,6 +69,9 @@ class ServeArgs:
     shm_min_tensor_size: str = _f("16KiB", "smallest tensor a co-located hand-off passes by shared-memory reference; "
                                   "smaller ones go inline, where their bytes cost less than a slot's locks "
                                   "(0: every tensor by reference)", "--shm-min-tensor-size")
+    malloc: str = _f("auto", "memory allocator of the stage and gateway processes: auto (tcmalloc where it is installed, "
+                     "for the gateway and CPU stages), tcmalloc (required) or system (as started); see "
+                     "omnimesh/allocator.py", "--malloc")
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -96,6 +100,8 @@ class ServeArgs:
             parse_bytes(self.kv_cache_memory, "--kv-cache-memory")
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.transport!r}")
+        if self.malloc not in MALLOC_CHOICES:
+            raise ValueError(f"--malloc must be one of {', '.join(MALLOC_CHOICES)}, got {self.malloc!r}")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be a port number, got {self.master_port}")
         self.stage_configs()  # validates -tp/-pp, utilization, --stage-overrides
@@ -150,7 +156,7 @@ class ServeArgs:
 
 
 GATEWAY_FIELDS = frozenset(
-    {"host", "port", "grpc_port", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len", "trust_remote_code"}
+    {"host", "port", "grpc_port", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len", "trust_remote_code", "malloc"}
 )
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "served_model_name", "async_chunk", "allowed_media_domains"}

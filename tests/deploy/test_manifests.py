@@ -59,6 +59,12 @@ def test_dockerfile_pins_torch_before_the_project() -> None:
     assert text.index("torch==2.13.0") < text.index("pip install --no-cache-dir .")
 
 
+def test_dockerfile_installs_the_tcmalloc_every_process_reexecutes_on() -> None:
+    """`--malloc auto` looks the library up by name (omnimesh/allocator.py): the image must have it."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert "apt-get install -y --no-install-recommends libtcmalloc-minimal4" in text
+
+
 def test_compose_stages_share_one_ipc_namespace() -> None:
     """Shared-memory hand-off needs one /dev/shm: every container joins the encoder's IPC namespace, and it
     has room for every stage's default arena."""

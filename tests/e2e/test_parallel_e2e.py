@@ -15,10 +15,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from mesh_harness import nice, rank_pids, stage_pid, start_mesh, thread_nices
+from mesh_harness import children, nice, rank_pids, stage_pid, start_mesh, thread_nices
 from reference import chat_request, png_bytes, sine_wav
 from test_parity import MAX_TOKENS, TALKER_MAX, run_pipeline
 
+from omnimesh.allocator import find_tcmalloc, loaded
 from omnimesh.transport.stage_client import StageClient
 
 LAYOUT = '{"encoder": {"pp": 2}, "thinker": {"pp": 2, "tp": 2}, "talker": {"pp": 2}, "vocoder": {"tp": 2, "nice": 3, "bulk_nice": 14}}'
@@ -67,6 +68,16 @@ def test_stages_run_at_their_os_priority(split_mesh, tiny_model_dir) -> None:
         threads = thread_nices(pid)
         assert threads[f"{stage}-compute"] == {expected}, (stage, threads)
         assert threads.get(f"{stage}-bulk") == ({min(19, expected + bulk)} if bulk else None), (stage, threads)
+
+
+def test_stages_ranks_and_gateway_run_on_tcmalloc_where_installed(split_mesh) -> None:
+    """`--malloc auto` (the default): every stage process of this CPU mesh, each of its ranks and the gateway
+    re-executed themselves on tcmalloc when it is installed; without it they all stay on glibc's."""
+    want = "tcmalloc" if find_tcmalloc() else "glibc"
+    pids = children(split_mesh.proc.proc.pid)
+    assert set(pids) == {"gateway", "stage encoder", "stage thinker", "stage talker", "stage vocoder"}
+    for role, pid in pids.items():
+        assert [loaded(p) for p in (pid, *rank_pids(pid))] == [want] * (1 + len(rank_pids(pid))), role
 
 
 @pytest.mark.parametrize("media", ["text", "audio+image"])
