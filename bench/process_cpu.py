@@ -81,6 +81,16 @@ def _tree(root: int) -> dict[int, str]:
     return roles
 
 
+def allocators(root_pid: int) -> dict[str, str]:
+    """role -> the malloc its processes run on (`omnimesh.allocator.loaded`; several joined by '+')."""
+    from omnimesh.allocator import loaded
+
+    found: dict[str, set[str]] = {}
+    for pid, role in _tree(root_pid).items():
+        found.setdefault(role, set()).add(loaded(pid))
+    return {role: "+".join(sorted(names)) for role, names in sorted(found.items())}
+
+
 def thread_class(comm: str) -> str:
     """A thread's class from its OS name (the engine names its compute threads, see EngineLoop)."""
     if comm.endswith("-compute"):

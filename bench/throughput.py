@@ -4,7 +4,7 @@
     python bench/throughput.py [--model DIR] [--concurrency 1,4,8,16,32] [--requests N] [--max-tokens 32]
         [--talker-max-tokens 64] [--audio-every K] [--hf-requests N] [--no-hf-batched] [--hf-threads T]
         [--device auto|cpu|cuda] [--serve-args "--max-num-seqs 64 --kv-cache-memory 2GiB"] [--rounds N]
-        [--json out.json]
+        [--malloc auto|tcmalloc|system] [--json out.json]
 
 The workload is the same on both sides: requests with a fixed text prompt each (every K-th also carries a
 1 s audio clip with --audio-every K), text + audio out, speaker Ethan, greedy thinker (`--max-tokens`)
@@ -20,6 +20,8 @@ once, and the tail, with fewer than c left in flight, stay a small part of the r
   c requests per call (left-padded), for each c > 1. `generate` does not stream, so its TTFT and TTFP are
   the whole call's latency. On CPU it runs with torch's default threads or 1, whichever a short probe
   finds faster (on a shared machine the default can be many times slower); `--hf-threads` fixes it.
+- both sides run on the same malloc (`--malloc`, default auto: tcmalloc where installed, as `omnimesh serve`
+  does on CPU): this process re-executes itself on it before `transformers` loads (omnimesh/allocator.py).
 
 Prints both tables, the ratios to sequential (and batched) transformers, per concurrency the CPU each
 mesh process spent per request and how long its threads waited for a core (`bench/process_cpu.py`), how each stage batched (engine steps per
@@ -46,6 +48,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import process_cpu, stage_steps  # noqa: E402
+from omnimesh.allocator import MALLOC_CHOICES, use_allocator  # noqa: E402
 from bench import rounds as rounds_summary  # noqa: E402
 from bench.common import (  # noqa: E402
     HFGenerate,
@@ -115,8 +118,8 @@ def run_mesh(url: str, work: Workload, c: int, n: int, rate: int) -> dict[str, A
 
 
 def omnimesh_side(model: Path, work: Workload, args: argparse.Namespace, device: str,
-                  concurrencies: list[int]) -> tuple[int, dict[int, dict[str, Any]], list[str]]:
-    serve = ["--device", device, *shlex.split(args.serve_args)]
+                  concurrencies: list[int]) -> tuple[int, dict[int, dict[str, Any]], list[str], dict[str, str]]:
+    serve = ["--device", device, "--malloc", args.malloc, *shlex.split(args.serve_args)]
     log(f"omnimesh: starting `omnimesh serve {model} {' '.join(serve)}`")
     t = time.perf_counter()
     with MeshProcess(model, *serve) as mesh:
@@ -127,6 +130,7 @@ def omnimesh_side(model: Path, work: Workload, args: argparse.Namespace, device:
             if r.error:
                 raise RuntimeError(f"omnimesh warm-up request failed: {r.error}")
         out: dict[int, dict[str, Any]] = {}
+        allocs = process_cpu.allocators(mesh.proc.pid) if process_cpu.available() else {}
         meter = process_cpu.CpuMeter(mesh.proc.pid) if process_cpu.available() else None
         for c in concurrencies:
             n = args.requests or default_requests(c)
@@ -142,7 +146,7 @@ def omnimesh_side(model: Path, work: Workload, args: argparse.Namespace, device:
             out[c]["engine_steps"] = stage_steps.since(steps, stage_steps.scrape(mesh.url))
             if out[c]["errors"]:
                 log(f"omnimesh: {len(out[c]['errors'])} request(s) failed at c={c}; first: {out[c]['errors'][0]}")
-    return rate, out, serve
+    return rate, out, serve, allocs
 
 
 # ------------------------------------------------------------------------------------------- transformers
@@ -405,7 +409,7 @@ def _no_nan(x: Any) -> Any:
 
 
 def print_setting(machine: dict[str, Any], args: argparse.Namespace, hf: dict[str, Any], loads: list[float],
-                  model: Path, device: str, rate: int, serve: list[str]) -> None:
+                  model: Path, device: str, rate: int, serve: list[str], allocs: dict[str, str]) -> None:
     print(f"machine: {machine['host']}, {machine['cpu_count']} CPUs ({machine['cpus_usable']} usable), "
           f"{machine['cuda'] or 'no CUDA'}; {machine['platform']}; {machine['date']}")
     print(f"software: python {machine['python']}, torch {machine['torch']}, transformers {machine['transformers']}, "
@@ -416,6 +420,8 @@ def print_setting(machine: dict[str, Any], args: argparse.Namespace, hf: dict[st
              if probe else "")
           + f"; each mesh stage {machine['mesh_stage_cpu_threads']} (OMNIMESH_CPU_THREADS="
           f"{machine['OMNIMESH_CPU_THREADS']}); OMP_NUM_THREADS={machine['OMP_NUM_THREADS']}")
+    print(f"malloc (--malloc {args.malloc}, both sides): transformers {machine['allocator']}; mesh "
+          + (", ".join(f"{role} {name}" for role, name in allocs.items()) or "not read (no /proc)"))
     print("load average (1 min) at start / after omnimesh / after transformers: "
           + " / ".join(f"{x:.2f}" for x in loads) + " (other processes on this machine skew both sides)")
     print(f"model: {model}; device {device}; thinker {args.max_tokens} tokens, talker {args.talker_max_tokens} code "
@@ -442,6 +448,9 @@ def main() -> int:
                     help="torch intra-op threads for transformers (default on CPU: torch's default or 1, whichever "
                          "a short probe finds faster)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda, for both sides (default: %(default)s)")
+    ap.add_argument("--malloc", default="auto", choices=MALLOC_CHOICES,
+                    help="memory allocator of both sides: the mesh's `--malloc`, and this process (where transformers "
+                         "runs) re-executes itself on the same (default: %(default)s: tcmalloc where installed)")
     ap.add_argument("--serve-args", default="", help="extra `omnimesh serve` flags, one string, e.g. "
                     "\"--max-num-seqs 64 --kv-cache-memory 2GiB\"")
     ap.add_argument("--rounds", type=int, default=1,
@@ -457,9 +466,10 @@ def main() -> int:
     if args.hf_requests is None:
         args.hf_requests = min(96, max(args.requests or default_requests(c) for c in concurrencies))
     device = resolve_device(args.device)
+    allocator = use_allocator(args.malloc, device)  # transformers runs on what the mesh runs on (may re-execute)
     model = model_folder(args.model)
     work = Workload(args)
-    machine = machine_info()
+    machine = {**machine_info(), "allocator": allocator}
     started = time.perf_counter()
 
     hf_runner = HFSide(model, work, args, device)
@@ -468,19 +478,20 @@ def main() -> int:
         if args.rounds > 1:
             log(f"round {r + 1} of {args.rounds}")
         loads = [os.getloadavg()[0]]
-        rate, mesh, serve = omnimesh_side(model, work, args, device, concurrencies)
+        rate, mesh, serve, allocs = omnimesh_side(model, work, args, device, concurrencies)
         loads.append(os.getloadavg()[0])
         hf = hf_side(hf_runner, args, device, concurrencies)
         loads.append(os.getloadavg()[0])
         print()
         if args.rounds > 1:
             print(f"===== round {r + 1} of {args.rounds}")
-        print_setting(machine, args, hf, loads, model, device, rate, serve)
+        print_setting(machine, args, hf, loads, model, device, rate, serve, allocs)
         targets = report(machine, args, rate, mesh, hf)
         hf["batched"] = {str(c): b for c, b in hf["batched"].items()}
         rounds.append({"load_average_1min": {"start": loads[0], "after_omnimesh": loads[1],
                                              "after_transformers": loads[2]}, "sample_rate": rate,
-                       "transformers": hf, "omnimesh": {str(c): m for c, m in mesh.items()}, "targets": targets})
+                       "transformers": hf, "omnimesh": {str(c): m for c, m in mesh.items()}, "targets": targets,
+                       "omnimesh_malloc": allocs})
     summary = rounds_summary.summarize([r["targets"] for r in rounds])
     if args.rounds > 1:
         rounds_summary.print_summary(summary)
