@@ -1,11 +1,13 @@
 """End-to-end latency: omnimesh (whole mesh, REST) vs `transformers` generate, same tiny model, same run.
 
     python bench/e2e_latency.py [--model DIR] [--max-tokens 32] [--talker-max-tokens 100] [--concurrency 8]
+        [--malloc auto|tcmalloc|system]
 
 Both sides do the same work: greedy thinker (`--max-tokens`) and talker (`--talker-max-tokens`), speaker
 Ethan, text + audio out. transformers runs one request at a time (its `generate` takes one conversation
 with audio output); omnimesh gets 1 request, then `--concurrency` requests at once. Prints latencies,
-time to first audio chunk (streamed) and the ratios. Not part of the test suite.
+time to first audio chunk (streamed) and the ratios. Both sides run on the same malloc (`--malloc`, as in
+bench/throughput.py). Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import HFGenerate, chat_body, model_folder, percentile, prompt, stream_chat  # noqa: E402
 from bench.mesh_process import MeshProcess  # noqa: E402
+from omnimesh.allocator import MALLOC_CHOICES, use_allocator  # noqa: E402
 
 
 def transformers_latencies(model_dir: Path, n: int, max_tokens: int, talker_max: int) -> list[float]:
@@ -54,12 +57,15 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--talker-max-tokens", type=int, default=100)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--malloc", default="auto", choices=MALLOC_CHOICES,
+                    help="allocator of the mesh and of this process, where transformers runs (default: %(default)s)")
     args = ap.parse_args()
+    allocator = use_allocator(args.malloc, "cpu")  # may re-execute this process on it
     torch.set_num_threads(1)
     model_dir = model_folder(args.model)
     c = args.concurrency
     hf = transformers_latencies(model_dir, c, args.max_tokens, args.talker_max_tokens)
-    with MeshProcess(model_dir) as mesh:
+    with MeshProcess(model_dir, "--malloc", args.malloc) as mesh:
         mesh_request(mesh.url, 0, args.max_tokens, args.talker_max_tokens)  # warm-up
         one = [mesh_request(mesh.url, i, args.max_tokens, args.talker_max_tokens) for i in range(1, 4)]
         t0 = time.perf_counter()
@@ -69,7 +75,8 @@ def main() -> int:
     hf_one = statistics.median(hf)
     mesh_one = statistics.median(x[0] for x in one)
     lat_many = [x[0] for x in many]
-    print(f"model: {model_dir.name}; thinker {args.max_tokens} tokens, talker {args.talker_max_tokens} tokens, greedy, text+audio")
+    print(f"model: {model_dir.name}; thinker {args.max_tokens} tokens, talker {args.talker_max_tokens} tokens, greedy, "
+          f"text+audio; malloc {allocator} (--malloc {args.malloc}, both sides)")
     print(f"{'':34}{'transformers':>14}{'omnimesh':>12}{'ratio':>9}")
     print(f"{'1 request, latency (s)':34}{hf_one:14.3f}{mesh_one:12.3f}{hf_one / mesh_one:8.2f}x")
     print(f"{'1 request, first audio (s)':34}{hf_one:14.3f}{statistics.median(x[1] for x in one):12.3f}"
