@@ -94,9 +94,9 @@ def reexec_with_allocator(mode: str, device: str | None) -> None:
 
 
 
-def use_allocator(mode: str, device: str | None) -> str:
-    """`reexec_with_allocator`, then the allocator this process runs on, logged once at start-up."""
+def use_allocator(mode: str, device: str | None, role: str = "this process") -> str:
+    """`reexec_with_allocator`, then the allocator this process runs on, logged once at start-up as `role`'s."""
     reexec_with_allocator(mode, device)
     name = loaded()
-    log.info("memory allocator: %s (--malloc %s)", name, mode)
+    log.info("%s runs on %s's malloc (--malloc %s)", role, name, mode)
     return name

@@ -130,7 +130,7 @@ def cmd_stage(ns: argparse.Namespace) -> int:
         model_dir = _model_dir(args.model)
     except ValueError as exc:
         return _fail(str(exc))
-    if (rc := _use_allocator(ns, args.malloc, args.device)) is not None:
+    if (rc := _use_allocator(ns, args.malloc, args.device, f"stage {ns.stage_name}")) is not None:
         return rc
     stage = ns.stage_name
     if (rc := _check_devices(args, stage)) is not None or (rc := _check_layout(args, model_dir, only=stage)) is not None:
@@ -155,14 +155,14 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
         stages = parse_stage_addresses(ns.stages)
     except ValueError as exc:
         return _fail(str(exc))
-    if (rc := _use_allocator(ns, args.malloc, None)) is not None:
+    if (rc := _use_allocator(ns, args.malloc, None, "gateway")) is not None:
         return rc
     from gateway.server import run_gateway
 
     return run_gateway(args, model_dir, stages)
 
 
-def _use_allocator(ns: argparse.Namespace, mode: str, device: str | None) -> int | None:
+def _use_allocator(ns: argparse.Namespace, mode: str, device: str | None, role: str) -> int | None:
     """Run on the allocator `--malloc` asks for (omnimesh/allocator.py): this re-executes the process when it
     must. Only when the command is this process's program, never for an in-process `main([...])` call."""
     if not ns.own_process:
@@ -170,7 +170,7 @@ def _use_allocator(ns: argparse.Namespace, mode: str, device: str | None) -> int
     from omnimesh.allocator import use_allocator
 
     try:
-        use_allocator(mode, device)
+        use_allocator(mode, device, role)
     except RuntimeError as exc:
         return _fail(str(exc))
     return None

@@ -96,3 +96,11 @@ def test_the_launcher_passes_malloc_to_every_child(tmp_path) -> None:
     launcher = MeshLauncher(ServeArgs(malloc="system"), tmp_path)
     for argv in (launcher._stage_argv("talker", 50053), launcher._gateway_argv({"thinker": "127.0.0.1:50052"})):
         assert argv[argv.index("--malloc") + 1] == "system"
+
+
+def test_the_start_up_log_names_the_process_and_its_allocator(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(allocator, "reexec_with_allocator", lambda mode, device: None)
+    monkeypatch.setattr(allocator, "loaded", lambda pid="self": "tcmalloc")
+    with caplog.at_level(logging.INFO, logger="omnimesh.allocator"):
+        assert allocator.use_allocator("auto", "cpu", "stage thinker") == "tcmalloc"
+    assert "stage thinker runs on tcmalloc's malloc (--malloc auto)" in caplog.text
