@@ -4,7 +4,7 @@ in-process memcpy; then the thinker -> talker edge of the real mesh with `--tran
     python bench/handoff.py [--sizes 256B,1,16,128] [--reps 7] [--warmup 2] [--threads T] [--skip-mesh]
         [--skip-handoff] [--mesh-requests 16,32] [--concurrency 1,16] [--max-tokens 32]
         [--talker-max-tokens 32] [--device auto] [--transports shm,grpc,cuda-ipc] [--piece-bytes N,...]
-        [--grpc-option KEY=VALUE] [--serve-args "..."] [--json out.json]
+        [--grpc-option KEY=VALUE] [--serve-args "..."] [--malloc auto|tcmalloc|system] [--json out.json]
 
 1. Hand-off. A producer process runs the real stage runner (`run_stage`: StageServicer + EngineLoop +
    its Transport with an shm arena) around a tiny "source" stage whose one step returns a preallocated
@@ -70,6 +70,7 @@ from bench.common import (  # noqa: E402
     stream_chat,
 )
 from bench.mesh_process import MeshProcess  # noqa: E402
+from omnimesh.allocator import MALLOC_CHOICES, use_allocator  # noqa: E402
 from omnimesh.engine.task import StageTask  # noqa: E402
 from omnimesh.proc_utils import tune_malloc  # noqa: E402
 from omnimesh.transport.frames import StageChunk  # noqa: E402
@@ -396,7 +397,7 @@ def mesh_side(args: argparse.Namespace, model_dir: Path, concurrencies: list[int
     for transport in ("grpc", "shm"):
         # shm: every tensor by reference, however small (the default --shm-min-tensor-size would send the
         # tiny model's frames inline, and the row would measure grpc twice)
-        flags = ["--device", args.device, "--transport", transport, *(["--shm-min-tensor-size", "0"] if transport == "shm" else []),
+        flags = ["--device", args.device, "--malloc", args.malloc, "--transport", transport, *(["--shm-min-tensor-size", "0"] if transport == "shm" else []),
                  *args.serve_args.split()]
         log(f"mesh: starting `omnimesh serve {' '.join(flags)}`")
         t = time.perf_counter()
@@ -565,6 +566,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32, help="thinker tokens per request (default: %(default)s)")
     ap.add_argument("--talker-max-tokens", type=int, default=32, help="talker code groups (default: %(default)s)")
     ap.add_argument("--serve-args", default="", help="extra `omnimesh serve` flags, one string")
+    ap.add_argument("--malloc", default="auto", choices=MALLOC_CHOICES,
+                    help="allocator of every process here: this one and the producer it starts re-execute / inherit "
+                         "it, the meshes get it as --malloc (default: %(default)s, what omnimesh runs on)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
     ap.add_argument("--grpc-option", action="append", default=[], metavar="KEY=VALUE",
                     help="experiment: add a gRPC channel / server option in both hand-off processes, e.g. "
@@ -578,6 +582,9 @@ def main() -> int:
     if args.reps < 1 or args.warmup < 1:
         ap.error("--reps and --warmup need at least 1 (the first warm-up hand-off is checked bit for bit)")
     apply_grpc_options(args.grpc_option)
+    if not args.serve_source:  # the producer inherits the consumer's LD_PRELOAD
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        log(f"malloc: {use_allocator(args.malloc, device)} (--malloc {args.malloc}; every process of this bench)")
     if args.serve_source:
         serve_source(args.arena_bytes)
         return 0
