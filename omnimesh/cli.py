@@ -165,7 +165,7 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
 def _use_allocator(ns: argparse.Namespace, mode: str, device: str | None, role: str) -> int | None:
     """Run on the allocator `--malloc` asks for (omnimesh/allocator.py): this re-executes the process when it
     must. Only when the command is this process's program, never for an in-process `main([...])` call."""
-    if not ns.own_process:
+    if not getattr(ns, "own_process", False):  # set by main() for its own command line only
         return None
     from omnimesh.allocator import use_allocator
 
