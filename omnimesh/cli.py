@@ -144,7 +144,8 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     cfg = args.stage_configs()[stage]
     run_stage(handler_factory(ns.stage_name, model_dir, args), ns.stage_host, port,
               transport=cfg.transport, shm_arena_size=cfg.shm_arena_size, shm_min_tensor_size=cfg.shm_min_tensor_size,
-              nice=cfg.nice, bulk_nice=cfg.effective_bulk_nice(stage, args.device))
+              nice=cfg.nice, bulk_nice=cfg.effective_bulk_nice(stage, args.device),
+              yield_steps=cfg.effective_yield_steps(stage))
     return 0
 
 

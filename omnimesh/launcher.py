@@ -62,7 +62,7 @@ class MeshLauncher:
                                   "gpu_memory_utilization": cfg.gpu_memory_utilization,
                                   "transport": cfg.transport, "shm_arena_size": cfg.shm_arena_size,
                                   "shm_min_tensor_size": cfg.shm_min_tensor_size, "nice": cfg.nice}
-        for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "devices", "bulk_nice"):
+        for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "devices", "bulk_nice", "yield_steps"):
             if getattr(cfg, key) is not None:
                 own[key] = getattr(cfg, key)
         if cfg.pp_layer_partition is not None:

@@ -29,6 +29,13 @@ SHM_MIN_TENSOR_BYTES = 16 * 2**10
 # windows at +14 cut TTFP at c=16 by a further 30% but cost 11% of the req/s: a closed loop of clients
 # waits for the slower last windows, so fewer requests fill the LLM batches
 BULK_NICE_ON_CPU = {"thinker": 19, "talker": 19, "vocoder": 4}
+# steps a streaming request of the thinker / talker sits out, at most, while requests waiting for their first
+# output step alone (EngineLoop `yield_steps`). A/B on the 2-core CPU machine against 0 (every step carries
+# every ready request; README), 3 pairs at c = 1 / 8 / 16: 16 gave TTFP p50 at c=8 104-116 vs 122-139 ms, at
+# c=16 128-141 vs 176-193 ms, requests/s at c=16 -3% (within the noise); 4 cut TTFP at c=8 less (114-126 ms):
+# a request's first output takes ~6 steps, and with 4 every fifth of them carries every stream again. At 16
+# a stream still gets a step per ~70 ms here, faster than the 80 ms of audio a talker step makes
+YIELD_STEPS = {"thinker": 16, "talker": 16}
 
 
 def _is_nice_increment(value: object) -> bool:
@@ -68,6 +75,10 @@ class StageConfig:
         default=None, metadata={"help": "how much lower (nice increment, 0-19) the stage's steps run when no request in "
                                         "them waits for its first output; default on CPU: 19 for the thinker and "
                                         "talker, 4 for the vocoder, 0 for the encoder; on CUDA 0"})
+    yield_steps: int | None = field(
+        default=None, metadata={"help": "while requests wait for their first output, they step alone and a streaming "
+                                        "request sits out at most this many steps in a row (0: every step carries "
+                                        "every ready request); default 16 for the thinker and talker, 0 elsewhere"})
     shm_min_tensor_size: int = field(
         default=SHM_MIN_TENSOR_BYTES, metadata={"help": "smallest output tensor that goes by shared-memory reference on "
                                                         "a co-located edge; smaller ones go inline, e.g. '16KiB' (0: all)"})
@@ -103,6 +114,10 @@ class StageConfig:
         if self.bulk_nice is not None and not _is_nice_increment(self.bulk_nice):
             raise ValueError(f"bulk_nice must be a whole number from 0 (same priority as the stage's other steps) to 19 "
                              f"(lowest), got {self.bulk_nice!r}")
+        if self.yield_steps is not None and (not isinstance(self.yield_steps, int) or isinstance(self.yield_steps, bool)
+                                             or self.yield_steps < 0):
+            raise ValueError(f"yield_steps must be a whole number >= 0 (0: every step carries every ready request), "
+                             f"got {self.yield_steps!r}")
         if self.devices is not None and self.device_list() and len(self.device_list()) != self.pp * self.tp:
             raise ValueError(
                 f"devices {self.devices!r} names {len(self.device_list())} devices but pp x tp = "
@@ -120,6 +135,10 @@ class StageConfig:
         if self.bulk_nice is not None:
             return self.bulk_nice
         return BULK_NICE_ON_CPU.get(stage, 0) if device != "cuda" else 0
+
+    def effective_yield_steps(self, stage: str) -> int:
+        """The stage's own `yield_steps`, else YIELD_STEPS (the LLM stages), else 0."""
+        return self.yield_steps if self.yield_steps is not None else YIELD_STEPS.get(stage, 0)
 
     @property
     def world_size(self) -> int:

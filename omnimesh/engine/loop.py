@@ -14,6 +14,13 @@ with whatever is ready then, so new requests never wait for older ones to finish
 the steps itself (`lanes`): the vocoder keeps a second slot for first windows only, so a new request's
 first audio starts beside a long step of other requests' windows instead of after it.
 
+First outputs first (`yield_steps` > 0, a batcher without lanes: the thinker and talker): while some ready
+requests wait for their first output (`StageTask.urgent`) and others already stream, a step carries the
+waiting ones alone: on a CPU (and at small batches on a GPU) a step's cost is mostly fixed per op, so such a
+step takes about what one request costs, and the first audio does not wait for every stream's token. A
+streaming request sits out at most `yield_steps` steps in a row, then rides along with the next one, so a
+stream of new requests never stops the others.
+
 Priorities (`bulk_nice` > 0, on Linux): a step with a request in it that still waits for its first output
 (`StageTask.urgent`: a new prompt, the thinker tokens the talker's first codes need, the talker's first
 codes, the vocoder's first window) runs on a compute thread at the stage's own OS priority; a step without
@@ -106,17 +113,21 @@ class _Entry:
 
 class EngineLoop:
     def __init__(self, name: str, max_inflight: int = 1, batcher: BatchStepper | None = None,
-                 metrics: EngineMetrics | None = None, bulk_nice: int = 0):
+                 metrics: EngineMetrics | None = None, bulk_nice: int = 0, yield_steps: int = 0):
         """`max_inflight` > 1 lets that many steps run at once (a pipeline-parallel stage keeps each of its
         pp ranks busy with a different request or batch); one request never has two steps in flight.
         With a `batcher`, each step is one `step_batch` call over many ready requests. `metrics` records
         latencies, tokens and load. `bulk_nice` > 0: steps with no urgent request run that much lower (nice
-        increment) than the others (see the module doc)."""
+        increment) than the others. `yield_steps` > 0: requests waiting for their first output step alone,
+        and a streaming request sits out at most that many steps in a row (see the module doc)."""
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         if not 0 <= bulk_nice <= 19:
             raise ValueError(f"bulk_nice must be from 0 to 19, got {bulk_nice}")
+        if yield_steps < 0:
+            raise ValueError(f"yield_steps must be >= 0 (0: every step carries every ready request), got {yield_steps}")
         self.name = name
+        self._yield_steps = yield_steps
         self._max_inflight = max_inflight
         self._batcher = batcher
         self._entries: dict[str, _Entry] = {}
@@ -287,8 +298,27 @@ class EngineLoop:
         if plan is not None:
             entry_of = {id(e.task): e for e in ready}
             return [[entry_of[id(t)] for t in group] for group in plan[:slots] if group]
+        if self._yield_steps and lanes is None:
+            first, ready = self._first_outputs(ready)
+            if first:
+                slots -= 1
+                if slots <= 0 or not ready:
+                    return [first]
+                n = min(slots, len(ready))
+                return [first, *(ready[i::n] for i in range(n))]
         n = min(slots, len(ready))
         return [ready[i::n] for i in range(n)]
+
+    def _first_outputs(self, ready: list[_Entry]) -> tuple[list[_Entry], list[_Entry]]:
+        """(the step for the requests waiting for their first output, with the streams that sat out
+        `yield_steps` steps in a row; the other ready requests), or ([], ready) when not all of them are urgent
+        or all are (a plain step then)."""
+        urgent = [e for e in ready if e.task.urgent()]
+        if not urgent or len(urgent) == len(ready):
+            return [], ready
+        due = [e for e in ready if not e.task.urgent() and self._steps - e.last_step >= self._yield_steps]
+        rest = [e for e in ready if not e.task.urgent() and self._steps - e.last_step < self._yield_steps]
+        return urgent + due, rest
 
     def _compute(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
         """On a compute thread: one batched step (the stage's batcher) or one task's step, in

@@ -34,11 +34,13 @@ log = logging.getLogger(__name__)
 STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 
 
-async def _serve(handler: StageHandler, host: str, port: int, transport: Transport, bulk_nice: int) -> None:
+async def _serve(handler: StageHandler, host: str, port: int, transport: Transport, bulk_nice: int,
+                 yield_steps: int) -> None:
     metrics = EngineMetrics(handler.name, model_name=handler.info().model)
     register_transport_metrics(metrics.registry, transport, metrics.labels)
     engine = EngineLoop(handler.name, max_inflight=getattr(handler, "max_inflight_steps", 1),
-                        batcher=getattr(handler, "batcher", None), metrics=metrics, bulk_nice=bulk_nice)
+                        batcher=getattr(handler, "batcher", None), metrics=metrics, bulk_nice=bulk_nice,
+                        yield_steps=yield_steps)
     engine.start()
     server, health_servicer = make_server([STAGE_SERVICE])
     stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine, metrics, transport), server)
@@ -74,9 +76,10 @@ def cpu_threads() -> int:
 
 def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, transport: str = "auto",
               shm_arena_size: int = DEFAULT_ARENA_BYTES, shm_min_tensor_size: int = SHM_MIN_TENSOR_BYTES,
-              nice: int = 0, bulk_nice: int = 0) -> None:
+              nice: int = 0, bulk_nice: int = 0, yield_steps: int = 0) -> None:
     """`nice`: lower this process's OS priority by that much first (its rank processes inherit it);
-    `bulk_nice`: how much lower the steps with no request waiting for its first output run (EngineLoop)."""
+    `bulk_nice`: how much lower the steps with no request waiting for its first output run (EngineLoop).
+    `yield_steps`: how many steps in a row a streaming request sits out for first outputs (EngineLoop)."""
     import torch
     import uvloop
 
@@ -89,4 +92,4 @@ def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, tran
     handler = factory()
     log.info("stage %s loaded in %.1fs", handler.name, time.monotonic() - t0)
     hand_off = Transport(handler.name, transport, shm_arena_size, shm_min_tensor_size)  # before serving: a bad setting stops start-up
-    uvloop.run(_serve(handler, host, port, hand_off, bulk_nice))
+    uvloop.run(_serve(handler, host, port, hand_off, bulk_nice, yield_steps))
