@@ -108,6 +108,7 @@ class _Entry:
     inbox: list[StageChunk] = field(default_factory=list)
     inflight: asyncio.Future | None = None  # the step running on a compute thread
     last_step: int = 0  # number of the step that last included it (round-robin: the longest-waiting first)
+    waits_seat: bool = False  # its last step left it out (the batcher had no room for it): no first-output step alone
     timing: RequestTiming | None = None  # metrics only
 
 
@@ -311,13 +312,14 @@ class EngineLoop:
 
     def _first_outputs(self, ready: list[_Entry]) -> tuple[list[_Entry], list[_Entry]]:
         """(the step for the requests waiting for their first output, with the streams that sat out
-        `yield_steps` steps in a row; the other ready requests), or ([], ready) when not all of them are urgent
-        or all are (a plain step then)."""
-        urgent = [e for e in ready if e.task.urgent()]
+        `yield_steps` steps in a row; the other ready requests), or ([], ready) when none of them is urgent
+        or all are (a plain step then). A request still waiting for a seat counts as a stream here."""
+        urgent = [e for e in ready if e.task.urgent() and not e.waits_seat]
         if not urgent or len(urgent) == len(ready):
             return [], ready
-        due = [e for e in ready if not e.task.urgent() and self._steps - e.last_step >= self._yield_steps]
-        rest = [e for e in ready if not e.task.urgent() and self._steps - e.last_step < self._yield_steps]
+        others = [e for e in ready if not (e.task.urgent() and not e.waits_seat)]
+        due = [e for e in others if self._steps - e.last_step >= self._yield_steps]
+        rest = [e for e in others if self._steps - e.last_step < self._yield_steps]
         return urgent + due, rest
 
     def _compute(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
@@ -333,7 +335,8 @@ class EngineLoop:
                 return {task.request_id: exc}
 
     async def _step_group(self, loop: asyncio.AbstractEventLoop, group: list[_Entry]) -> bool:
-        """Run one step over `group`; deliver each request's outputs or error. True if any request progressed."""
+        """Run one step over `group`; deliver each request's outputs or error. True if any request progressed
+        or one was newly left out (the next pass plans differently, see `waits_seat`)."""
         started = time.monotonic()
         tasks = [e.task for e in group]
         if self._bulk is not None and not any(t.urgent() for t in tasks):
@@ -354,6 +357,14 @@ class EngineLoop:
             self._wake.set()
         if self._metrics is not None:  # the requests the step advanced (a batcher may leave some for later)
             self._metrics.step(len(results), time.monotonic() - started)
+        # a request the batcher left out (no seat: --max-num-seqs, KV blocks) waits for the others to make room,
+        # so it never steps alone for its first output until it progresses again; when one is newly left out
+        # the loop tries again at once (a plain step then carries the requests holding the seats)
+        newly_left_out = False
+        for entry in group:
+            left_out = entry.task.request_id not in results
+            newly_left_out |= left_out and not entry.waits_seat
+            entry.waits_seat = left_out
         for entry in group:
             rid = entry.task.request_id
             result = results.get(rid)
@@ -365,7 +376,7 @@ class EngineLoop:
                 self._finish(rid, self._failure(rid, result))
             else:
                 self._emit(entry, result)
-        return bool(results)
+        return bool(results) or newly_left_out
 
     def _failure(self, rid: str, exc: BaseException) -> EngineFailed:
         if isinstance(exc, StageRequestError):

@@ -54,8 +54,25 @@ class RecordingBatcher:
         return out
 
 
-async def _run(tasks: list[Stream], yield_steps: int) -> list[list[str]]:
-    batcher = RecordingBatcher()
+class SeatedBatcher(RecordingBatcher):
+    """Like a thinker at --max-num-seqs `seats`: steps only the requests holding a seat (first come, first
+    seated); a request without one is left out of the step's results and waits."""
+
+    def __init__(self, seats: int) -> None:
+        super().__init__()
+        self.seats, self.seated = seats, []  # type: list[str]
+
+    def step_batch(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
+        for task in tasks:
+            if task.request_id not in self.seated and len(self.seated) < self.seats:
+                self.seated.append(task.request_id)
+        out = super().step_batch([t for t in tasks if t.request_id in self.seated])
+        self.seated = [rid for rid in self.seated if not any(t.request_id == rid and t.finished for t in tasks)]
+        return out
+
+
+async def _run(tasks: list[Stream], yield_steps: int, batcher: RecordingBatcher | None = None) -> list[list[str]]:
+    batcher = batcher or RecordingBatcher()
     loop = EngineLoop("llm", batcher=batcher, yield_steps=yield_steps)
     queues = [loop.submit(t) for t in tasks]  # all in before the loop's first pass
     loop.start()
@@ -82,6 +99,18 @@ def test_first_outputs_step_alone_and_streams_sit_out_at_most_yield_steps() -> N
             run = 0 if rid in s else run + 1
             longest = max(longest, run)
         assert longest <= 2, (rid, steps)
+
+
+def test_a_first_output_without_a_seat_never_stalls_the_stream_that_holds_it() -> None:
+    """One seat (like --max-num-seqs 1): a streams in it; b arrives waiting for its first output but cannot
+    run alone (no seat). The loop must go on stepping a (b rides along, left out) until a ends and b is
+    seated, instead of retrying b alone or going idle."""
+    tasks = [Stream("a", 40, urgent_steps=0), Stream("b", 3, urgent_steps=3)]
+    batcher = SeatedBatcher(seats=1)
+    batcher.seated.append("a")
+    steps = asyncio.run(_run(tasks, yield_steps=16, batcher=batcher))
+    stepped = [s for s in steps if s]  # the requests each step advanced
+    assert stepped == [["a"]] * 40 + [["b"]] * 3
 
 
 def test_zero_keeps_every_ready_request_in_every_step() -> None:
