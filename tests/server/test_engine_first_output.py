@@ -14,44 +14,18 @@ from omnimesh.config.stage_config import StageConfig
 from omnimesh.engine.loop import EngineDone, EngineLoop
 from omnimesh.engine.task import StageTask
 from omnimesh.transport.frames import StageChunk
-
-
-class Stream(StageTask):
-    """`steps` steps, one output each; waits for its first output (urgent) for its first `urgent_steps`."""
-
-    def __init__(self, rid: str, steps: int, urgent_steps: int):
-        super().__init__(rid)
-        self.left, self.urgent_steps = steps, urgent_steps
-
-    def feed(self, chunk: StageChunk) -> None:
-        pass
-
-    def ready(self) -> bool:
-        return self.left > 0
-
-    def urgent(self) -> bool:
-        return self.completion_tokens < self.urgent_steps
-
-    def step(self) -> list[StageChunk]:  # the batcher steps it
-        raise AssertionError("a batched stage never calls a task's own step")
+from test_engine_priority import CountTask as Stream  # steps, one output each; urgent for its first urgent_steps
 
 
 class RecordingBatcher:
-    """Steps every task it is given by one; records each step's request ids, in order."""
+    """Steps every task it is given by one (its own `step`); records each step's request ids, in order."""
 
     def __init__(self) -> None:
         self.steps: list[list[str]] = []
 
     def step_batch(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
         self.steps.append(sorted(t.request_id for t in tasks))
-        out: dict[str, list[StageChunk] | BaseException] = {}
-        for task in tasks:
-            assert isinstance(task, Stream)
-            task.left -= 1
-            task.completion_tokens += 1
-            task.finished = task.left == 0
-            out[task.request_id] = [StageChunk(text="x")]
-        return out
+        return {task.request_id: task.step() for task in tasks}
 
 
 class SeatedBatcher(RecordingBatcher):
