@@ -6,14 +6,14 @@ few KiB, protobuf messages), so the allocator sits on the hot path. tcmalloc's p
 audio within the noise; `transformers` gains ~11% too: README "Benchmarks"); vLLM's CPU guide preloads it.
 
 A process cannot change its allocator once it runs, so the choice is made at start: `omnimesh stage`,
-`omnimesh gateway` and the benchmark call `reexec_with_allocator` first thing. When the mode asks for
+`omnimesh gateway` and the benchmarks call `use_allocator` before any other work. When the mode asks for
 tcmalloc and the process does not run on it yet, it re-executes itself (same pid, same argv) with the
 library in LD_PRELOAD; the processes it starts later (a stage's rank workers) inherit that. `--malloc`:
   * auto (default): tcmalloc if installed, for the gateway and for stages on CPU; stages on CUDA keep
     glibc's (their host allocations are off the hot path, and tcmalloc is not measured there);
   * tcmalloc: required (the process fails at start, saying what to install, when it is missing);
   * system: whatever the process was started with (an operator's own LD_PRELOAD included).
-Data flow: mode + device -> `wanted` -> `find_tcmalloc` -> LD_PRELOAD + execv -> `loaded()` in the start-up
+Data flow: mode + device -> `wanted` -> `find_tcmalloc` -> LD_PRELOAD + execve -> `loaded()` in the start-up
 log (read from /proc/self/maps, so it reports what really runs).
 """
 
@@ -55,10 +55,15 @@ def loaded(pid: int | str = "self") -> str:
     return "glibc"
 
 
-def wanted(mode: str, device: str | None) -> bool:
-    """Whether a process in `mode` on `device` (None: no model device, the gateway) should run on tcmalloc."""
+def check_mode(mode: str) -> None:
+    """ValueError naming the choices unless `mode` is one of MALLOC_CHOICES (ServeArgs checks --malloc here)."""
     if mode not in MALLOC_CHOICES:
         raise ValueError(f"--malloc must be one of {', '.join(MALLOC_CHOICES)}, got {mode!r}")
+
+
+def wanted(mode: str, device: str | None) -> bool:
+    """Whether a process in `mode` on `device` (None: no model device, the gateway) should run on tcmalloc."""
+    check_mode(mode)
     if mode == "tcmalloc":
         return True
     return mode == "auto" and (device is None or not device.startswith("cuda"))
@@ -91,7 +96,6 @@ def reexec_with_allocator(mode: str, device: str | None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # same interpreter options and argv
-
 
 
 def use_allocator(mode: str, device: str | None, role: str = "this process") -> str:

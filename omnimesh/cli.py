@@ -127,11 +127,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_stage(ns: argparse.Namespace) -> int:
     try:
         args = resolve_device(from_namespace(ns))
+    except ValueError as exc:
+        return _fail(str(exc))
+    # first: a re-executed process redoes everything before it (the tiny model's cache check included)
+    if (rc := _use_allocator(ns, args.malloc, args.device, f"stage {ns.stage_name}")) is not None:
+        return rc
+    try:
         model_dir = _model_dir(args.model)
     except ValueError as exc:
         return _fail(str(exc))
-    if (rc := _use_allocator(ns, args.malloc, args.device, f"stage {ns.stage_name}")) is not None:
-        return rc
     stage = ns.stage_name
     if (rc := _check_devices(args, stage)) is not None or (rc := _check_layout(args, model_dir, only=stage)) is not None:
         return rc
@@ -152,12 +156,15 @@ def cmd_stage(ns: argparse.Namespace) -> int:
 def cmd_gateway(ns: argparse.Namespace) -> int:
     try:
         args = from_namespace(ns)
-        model_dir = _model_dir(args.model)
         stages = parse_stage_addresses(ns.stages)
     except ValueError as exc:
         return _fail(str(exc))
     if (rc := _use_allocator(ns, args.malloc, None, "gateway")) is not None:
         return rc
+    try:
+        model_dir = _model_dir(args.model)
+    except ValueError as exc:
+        return _fail(str(exc))
     from gateway.server import run_gateway
 
     return run_gateway(args, model_dir, stages)

@@ -104,3 +104,18 @@ def test_the_start_up_log_names_the_process_and_its_allocator(monkeypatch, caplo
     with caplog.at_level(logging.INFO, logger="omnimesh.allocator"):
         assert allocator.use_allocator("auto", "cpu", "stage thinker") == "tcmalloc"
     assert "stage thinker runs on tcmalloc's malloc (--malloc auto)" in caplog.text
+
+
+def test_the_cli_fails_at_start_when_tcmalloc_is_required_but_missing(monkeypatch, capsys) -> None:
+    """`omnimesh stage|gateway --malloc tcmalloc` on a host without the library: exit 2 with the install hint,
+    before anything loads (in-process, as the command's own program would run it)."""
+    from omnimesh import cli
+
+    monkeypatch.setattr(allocator, "loaded", lambda pid="self": "glibc")
+    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: None)
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("must not re-execute"))
+    ns = cli.build_parser().parse_args(["gateway", "--stages", "thinker=127.0.0.1:1", "--malloc", "tcmalloc"])
+    ns.own_process = True
+    assert ns.func(ns) == cli.EXIT_USAGE
+    assert "--malloc tcmalloc: the tcmalloc library is not installed; install it with `apt-get install " \
+           "libtcmalloc-minimal4`" in capsys.readouterr().err

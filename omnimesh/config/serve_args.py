@@ -13,7 +13,7 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from omnimesh.allocator import MALLOC_CHOICES
+from omnimesh.allocator import check_mode
 from omnimesh.config.stage_config import STAGES, TRANSPORT_CHOICES, StageConfig, parse_bytes, parse_size, parse_stage_overrides, resolve_stage
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -100,8 +100,7 @@ class ServeArgs:
             parse_bytes(self.kv_cache_memory, "--kv-cache-memory")
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.transport!r}")
-        if self.malloc not in MALLOC_CHOICES:
-            raise ValueError(f"--malloc must be one of {', '.join(MALLOC_CHOICES)}, got {self.malloc!r}")
+        check_mode(self.malloc)
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be a port number, got {self.master_port}")
         self.stage_configs()  # validates -tp/-pp, utilization, --stage-overrides

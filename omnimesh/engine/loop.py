@@ -314,13 +314,16 @@ class EngineLoop:
         """(the step for the requests waiting for their first output, with the streams that sat out
         `yield_steps` steps in a row; the other ready requests), or ([], ready) when none of them is urgent
         or all are (a plain step then). A request still waiting for a seat counts as a stream here."""
-        urgent = [e for e in ready if e.task.urgent() and not e.waits_seat]
-        if not urgent or len(urgent) == len(ready):
+        first: list[_Entry] = []
+        streams: list[_Entry] = []
+        for e in ready:
+            (first if e.task.urgent() and not e.waits_seat else streams).append(e)
+        if not first or not streams:
             return [], ready
-        others = [e for e in ready if not (e.task.urgent() and not e.waits_seat)]
-        due = [e for e in others if self._steps - e.last_step >= self._yield_steps]
-        rest = [e for e in others if self._steps - e.last_step < self._yield_steps]
-        return urgent + due, rest
+        rest: list[_Entry] = []
+        for e in streams:  # a stream that sat out `yield_steps` steps in a row rides along
+            (first if self._steps - e.last_step >= self._yield_steps else rest).append(e)
+        return first, rest
 
     def _compute(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
         """On a compute thread: one batched step (the stage's batcher) or one task's step, in
@@ -357,17 +360,15 @@ class EngineLoop:
             self._wake.set()
         if self._metrics is not None:  # the requests the step advanced (a batcher may leave some for later)
             self._metrics.step(len(results), time.monotonic() - started)
-        # a request the batcher left out (no seat: --max-num-seqs, KV blocks) waits for the others to make room,
-        # so it never steps alone for its first output until it progresses again; when one is newly left out
-        # the loop tries again at once (a plain step then carries the requests holding the seats)
         newly_left_out = False
-        for entry in group:
-            left_out = entry.task.request_id not in results
-            newly_left_out |= left_out and not entry.waits_seat
-            entry.waits_seat = left_out
         for entry in group:
             rid = entry.task.request_id
             result = results.get(rid)
+            # a request the batcher left out (no seat: --max-num-seqs, KV blocks) waits for the others to make
+            # room, so it never steps alone for its first output until it progresses again; when one is newly
+            # left out the loop tries again at once (a plain step then carries the requests holding the seats)
+            newly_left_out |= result is None and not entry.waits_seat
+            entry.waits_seat = result is None
             if result is None or self._entries.get(rid) is not entry:
                 continue  # no progress this step, or cancelled during it (its outputs go nowhere)
             if entry.timing is not None:
