@@ -44,9 +44,10 @@ class ServeArgs:
     max_num_batched_tokens: int | None = _f(None, "most tokens in one engine step (long prompts are chunked)", "--max-num-batched-tokens")
     kv_cache_memory: str | None = _f(None, "KV-cache size per rank of the thinker / talker, e.g. 2GiB (CPU default 4GiB; on CUDA it is what --gpu-memory-utilization leaves after weights and activations)", "--kv-cache-memory")
     block_size: int = _f(16, "tokens per KV-cache block", "--block-size")
-    stream_interval: int = _f(1, "thinker tokens per streamed chunk (text deltas and the talker's inputs), as vLLM's "
-                              "--stream-interval: the tokens the first audio needs and the last token go at once; "
-                              "larger = fewer messages under load, burstier text", "--stream-interval")
+    stream_interval: int = _f(4, "thinker tokens per streamed chunk (text deltas and the talker's inputs), as vLLM's "
+                              "--stream-interval (its default is 1): the first token, the tokens the first audio "
+                              "needs and the last token go at once; larger = fewer messages under load, burstier "
+                              "text; 1 = every token its own delta", "--stream-interval")
     enforce_eager: bool = _f(False, "eager PyTorch only, as vLLM's flag: no CUDA graphs and no "
                               "torch.compile'd kernels (on CPU the vocoder compiles its SnakeBeta activation at "
                               "start-up unless this is set)", "--enforce-eager", action="store_true")

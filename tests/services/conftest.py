@@ -30,4 +30,5 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def thinker(model_dir: Path) -> Any:
     """A roomy thinker stage (default budget, 64 blocks of 16) shared by the solo reference runs."""
-    return thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB"))
+    # one chunk per token (--stream-interval 1, not the CLI default): the tests read the tokens chunk by chunk
+    return thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB", stream_interval=1))

@@ -193,7 +193,7 @@ def test_stream_interval_groups_tokens_after_the_eager_ones(model_dir: Path) -> 
     """--stream-interval 4 with eager_tokens 3: tokens 1..3 leave one by one, then one chunk per 4 tokens and
     the rest with the last; texts, token ids and the talker's token embeddings are exactly those of the
     one-token-per-chunk run, only grouped. A bad eager_tokens is INVALID_ARGUMENT."""
-    one = thinker_handler(model_dir, ServeArgs(max_model_len=128))
+    one = thinker_handler(model_dir, ServeArgs(max_model_len=128, stream_interval=1))
     four = thinker_handler(model_dir, ServeArgs(max_model_len=128, stream_interval=4))
     ids = prompts([6, 9], seed=11)
 
@@ -226,7 +226,7 @@ def test_long_prompt_is_prefilled_in_chunks_without_stalling_a_decode(model_dir:
     assert len(want_short[0]) == 20, "the short request must decode all through the long prefill"
 
     handler = thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB",
-                                                   max_num_batched_tokens=8))
+                                                   max_num_batched_tokens=8, stream_interval=1))
     rec = Recorder(handler.batcher.engine)
     batches = record_batches(handler.batcher.engine)
     d = Driver(handler)
