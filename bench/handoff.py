@@ -582,12 +582,11 @@ def main() -> int:
     if args.reps < 1 or args.warmup < 1:
         ap.error("--reps and --warmup need at least 1 (the first warm-up hand-off is checked bit for bit)")
     apply_grpc_options(args.grpc_option)
-    if not args.serve_source:  # the producer inherits the consumer's LD_PRELOAD
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        log(f"malloc: {use_allocator(args.malloc, device)} (--malloc {args.malloc}; every process of this bench)")
-    if args.serve_source:
+    if args.serve_source:  # the producer: it inherits the consumer's LD_PRELOAD (below)
         serve_source(args.arena_bytes)
         return 0
+    args.device = resolve_device(args.device)
+    log(f"malloc: {use_allocator(args.malloc, args.device)} (--malloc {args.malloc}; every process of this bench)")
 
     from omnimesh.server.stage_server import cpu_threads
 
@@ -610,7 +609,6 @@ def main() -> int:
         counts *= len(concurrencies)
     if len(counts) != len(concurrencies):
         ap.error("--mesh-requests needs one count, or one per --concurrency value")
-    args.device = resolve_device(args.device)
     machine = machine_info()
     machine["cpu_model"] = cpu_model()
     started = time.perf_counter()

@@ -48,7 +48,6 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import process_cpu, stage_steps  # noqa: E402
-from omnimesh.allocator import MALLOC_CHOICES, use_allocator  # noqa: E402
 from bench import rounds as rounds_summary  # noqa: E402
 from bench.common import (  # noqa: E402
     HFGenerate,
@@ -63,6 +62,7 @@ from bench.common import (  # noqa: E402
     stream_chat,
 )
 from bench.mesh_process import MeshProcess  # noqa: E402
+from omnimesh.allocator import MALLOC_CHOICES, use_allocator  # noqa: E402
 
 
 def default_requests(c: int) -> int:
