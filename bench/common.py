@@ -78,6 +78,7 @@ class StreamResult:
     ttft: float = float("nan")  # first non-empty text delta
     ttfp: float = float("nan")  # first audio delta
     audio_samples: int = 0  # pcm16 samples over all audio deltas
+    audio_at: list[tuple[float, int]] = field(default_factory=list)  # (arrival s, pcm16 samples) per audio delta
     text: str = ""
     error: str = ""
     finish_reason: str | None = None
@@ -114,7 +115,9 @@ def stream_chat(url: str, body: dict[str, Any], timeout_s: float = 600.0,
                     if audio.get("data"):
                         if res.ttfp != res.ttfp:
                             res.ttfp = time.perf_counter() - t0
-                        res.audio_samples += len(base64.b64decode(audio["data"])) // 2
+                        n = len(base64.b64decode(audio["data"])) // 2
+                        res.audio_samples += n
+                        res.audio_at.append((time.perf_counter() - t0, n))
                     if choice.get("finish_reason"):
                         res.finish_reason = choice["finish_reason"]
     except httpx.HTTPError as e:
@@ -124,6 +127,17 @@ def stream_chat(url: str, body: dict[str, Any], timeout_s: float = 600.0,
     if not res.error and res.finish_reason is None:
         res.error = "the stream ended without a finish_reason"
     return res
+
+
+def playback_stall(audio_at: list[tuple[float, int]], rate: int) -> float:
+    """Seconds a player that starts at the first audio delta sits silent waiting for the next one (buffer
+    underrun), summed over the stream: the stall a listener hears, 0 when audio always came ahead of playback."""
+    stall = played_until = 0.0
+    for at, samples in audio_at:
+        if at > played_until and played_until:  # the buffer ran dry before this delta came
+            stall += at - played_until
+        played_until = max(played_until, at) + samples / rate
+    return stall
 
 
 def served_sample_rate(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> int:

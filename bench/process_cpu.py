@@ -130,7 +130,8 @@ class CpuMeter:
         self._threads = {(pid, tid): v for pid in tree for tid, v in _schedstats(pid).items()}
 
     def waits(self) -> dict[str, dict[str, tuple[float, float]]]:
-        """role -> thread class -> (seconds run, seconds waited for a core) since `start()`."""
+        """role -> thread class -> (seconds run, seconds waited for a core) since `start()`, over the threads
+        alive now (one that ended has no schedstat left to read; the engine's live as long as their stage)."""
         out: dict[str, dict[str, tuple[float, float]]] = {}
         for pid, role in _tree(self.root).items():
             for tid, (cls, run, wait) in _schedstats(pid).items():

@@ -55,6 +55,7 @@ from bench.common import (  # noqa: E402
     machine_info,
     model_folder,
     percentile,
+    playback_stall,
     prompt,
     resolve_device,
     served_sample_rate,
@@ -106,6 +107,7 @@ def run_mesh(url: str, work: Workload, c: int, n: int, rate: int) -> dict[str, A
         wall = time.perf_counter() - t0
     ok = [r for r in results if not r.error]
     samples = sum(r.audio_samples for r in ok)
+    stalls = [playback_stall(r.audio_at, rate) for r in ok if r.audio_at]
     return {
         "concurrency": c, "requests": n, "ok": len(ok), "errors": [r.error for r in results if r.error],
         "wall_s": wall, "req_per_s": len(ok) / wall, "audio_s": samples / rate, "audio_s_per_s": samples / rate / wall,
@@ -114,6 +116,8 @@ def run_mesh(url: str, work: Workload, c: int, n: int, rate: int) -> dict[str, A
         "ttfp_s": stats([r.ttfp for r in ok if r.ttfp == r.ttfp]),
         "latency_s": stats([r.latency for r in ok]),
         "without_audio": sum(1 for r in ok if r.ttfp != r.ttfp),
+        "stall_s": stats(stalls),
+        "stalled": sum(1 for x in stalls if x > 0),
     }
 
 
@@ -313,6 +317,7 @@ def report(machine: dict[str, Any], args: argparse.Namespace, rate: int, mesh: d
               f"{fmt(m['x_sequential_req_per_s'], 12, 2)}x{fmt(m['x_sequential_audio_s_per_s'], 12, 2)}x"
               f"{fmt(m['x_batched_req_per_s'], 10, 2)}x")
     print("(x batched: vs batched generate with batch = c; at c=1 that is sequential generate)")
+    stall_table(mesh)
     cpu_table(mesh)
     waits_table(mesh)
     steps_table(mesh)
@@ -342,6 +347,17 @@ def report(machine: dict[str, Any], args: argparse.Namespace, rate: int, mesh: d
 
 
 CPU_ROLES = ("encoder", "thinker", "talker", "vocoder", "gateway", "serve", "bench client")
+
+
+def stall_table(mesh: dict[int, dict[str, Any]]) -> None:
+    """How the streamed audio plays: a player that starts at the first audio delta, and the silences it
+    hears when the next delta comes after the audio it holds has run out (bench/common.playback_stall)."""
+    print()
+    print("omnimesh audio playback from the first delta: requests with a stall (buffer ran dry), stall per request")
+    print(f"{'c':>4}{'stalled':>9}{'of':>5}{'stall p50 s':>13}{'p95 s':>8}")
+    for c, m in mesh.items():
+        with_audio = m["ok"] - m["without_audio"]
+        print(f"{c:4}{m['stalled']:9}{with_audio:5}{fmt(m['stall_s']['p50'], 13)}{fmt(m['stall_s']['p95'], 8)}")
 
 
 def cpu_table(mesh: dict[int, dict[str, Any]]) -> None:

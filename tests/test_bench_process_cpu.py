@@ -52,7 +52,9 @@ NAMED_BURN = ("import threading, time\n"
               "    name_thread('thinker-compute')\n"  # as EngineLoop names its compute threads
               "    t = time.thread_time()\n"
               "    while time.thread_time() - t < 0.4: pass\n"
-              "threading.Thread(target=burn).start()\n"
+              # the meter reads live threads only (as the engine's, which live as long as the stage): stay
+              "    time.sleep(30)\n"
+              "threading.Thread(target=burn, daemon=True).start()\n"
               "time.sleep(30)")
 
 

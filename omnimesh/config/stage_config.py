@@ -22,13 +22,14 @@ SHM_MIN_TENSOR_BYTES = 16 * 2**10
 # OS priority (nice increment) of a stage's bulk steps on CPU when the stage config leaves it open: steps in
 # which no request waits for its first output (see EngineLoop). On cores shared by the stages, the first-audio
 # path (a new request's encoder work, prefill and first tokens, first codes, first window; the gateway) runs
-# first, the vocoder's later windows just behind it, LLM steps of running requests last: such a step costs
+# first, the vocoder's later windows behind it, LLM steps of running requests last: such a step costs
 # about the same for 1 request as for 16, so one that waits carries more of them. A/B on the 2-core CPU
 # machine against the whole LLM processes at nice +8 (README): TTFP p50 at c=8 -13%, at c=16 -18%, req/s
 # the same; at c=32 TTFP -43% but req/s -13% (LLM steps are urgent nearly all the time). The vocoder's later
-# windows at +14 cut TTFP at c=16 by a further 30% but cost 11% of the req/s: a closed loop of clients
-# waits for the slower last windows, so fewer requests fill the LLM batches
-BULK_NICE_ON_CPU = {"thinker": 19, "talker": 19, "vocoder": 4}
+# windows at +14 instead of +4 (8 paired runs of 32 / 128 / 256 requests at c = 1 / 8 / 16, commit c8afa05):
+# TTFP p50 at c=8 75-102 ms (median 85) against 94-111 (96), at c=16 93-111 against 104-139 ms; requests/s
+# at c=16 16.5-17.6 (median 17.2) against 16.5-18.9 (17.6), within the noise; playback stalls the same
+BULK_NICE_ON_CPU = {"thinker": 19, "talker": 19, "vocoder": 14}
 # steps a streaming request of the thinker / talker sits out, at most, while requests waiting for their first
 # output step alone (EngineLoop `yield_steps`). A/B on the 2-core CPU machine against 0 (every step carries
 # every ready request; README), 3 pairs at c = 1 / 8 / 16: 16 gave TTFP p50 at c=8 104-116 vs 122-139 ms, at
