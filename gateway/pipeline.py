@@ -36,6 +36,7 @@ import torch
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, PipelineError, TextDelta
 from gateway.prompt import PromptInputs
 from gateway.stage_sampling import talker_sampling, thinker_sampling
+from omnimesh.models.qwen3_omni.code_windows import windows_text
 from omnimesh.transport.chunk_codec import ChunkEncoder
 from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageCallError, StageClient, StageStream
@@ -110,11 +111,12 @@ class StagePipeline:
             if name == "vocoder" and info.window_codes > 0:
                 # the vocoder decodes nothing before a window is whole: the talker sends each window's codes as
                 # one chunk instead of one message per code group, and no audio comes later for it
-                first = info.first_window_codes or info.window_codes
-                self.talker_options = {"chunk_codes": str(info.window_codes), "first_chunk_codes": str(first)}
+                windows = tuple(info.window_schedule) or (info.first_window_codes or info.window_codes,
+                                                          info.window_codes)
+                self.talker_options = {"chunk_schedule": windows_text(windows)}
                 # the talker's first window of codes reads the thinker's first `first` + 1 tokens: those leave
                 # the thinker one by one whatever its --stream-interval, so the first audio never waits
-                self.eager_tokens = first + 1
+                self.eager_tokens = windows[0] + 1
             infos[name] = info
         self._choose_transports(infos)
 

@@ -52,7 +52,7 @@ class MeshLauncher:
         a = self.args
         argv = ["stage", stage, "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
-                "--stream-interval", str(a.stream_interval), "--malloc", a.malloc]
+                "--stream-interval", str(a.stream_interval), "--audio-windows", a.audio_windows, "--malloc", a.malloc]
         if a.enforce_eager:
             argv.append("--enforce-eager")
         cfg = a.stage_configs()[stage]

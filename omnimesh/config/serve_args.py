@@ -15,6 +15,7 @@ from typing import Any
 
 from omnimesh.allocator import check_mode
 from omnimesh.config.stage_config import STAGES, TRANSPORT_CHOICES, StageConfig, parse_bytes, parse_size, parse_stage_overrides, resolve_stage
+from omnimesh.models.qwen3_omni.code_windows import DEFAULT_WINDOWS, parse_windows, windows_text
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -48,6 +49,13 @@ class ServeArgs:
                               "--stream-interval (its default is 1): the first token, the tokens the first audio "
                               "needs and the last token go at once; larger = fewer messages under load, burstier "
                               "text; 1 = every token its own delta", "--stream-interval")
+    audio_windows: str = _f(windows_text(DEFAULT_WINDOWS),
+                            "codec codes per vocoder decode, window by window, the last entry repeating (a code is "
+                            "80 ms of audio on Qwen3-Omni): the first audio leaves after the first window, and "
+                            "each later window must be made while the audio before it plays. 5,25: 5 codes first, "
+                            "then 2 s at a time (the next 25 must come at 5x real time or playback runs dry); "
+                            "5,10,20,25: doubling, smooth playback from real time on, one more decode per request",
+                            "--audio-windows")
     enforce_eager: bool = _f(False, "eager PyTorch only, as vLLM's flag: no CUDA graphs and no "
                               "torch.compile'd kernels (on CPU the vocoder compiles its SnakeBeta activation at "
                               "start-up unless this is set)", "--enforce-eager", action="store_true")
@@ -95,6 +103,7 @@ class ServeArgs:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1 token, got {self.stream_interval}")
+        parse_windows(self.audio_windows)
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"--block-size must be in 1..1024 tokens, got {self.block_size} (16 is the usual value)")
         if self.kv_cache_memory is not None:

@@ -1,8 +1,9 @@
 """The talker stage service (services/llm, role talker): loads the talker + code predictor and opens a
 TalkerTask per request; sampling defaults are the ones `generate` uses for the talker.
 
-Run: `omnimesh stage talker --model DIR --port 50053`. Options: `speaker`; `first_chunk_codes` / `chunk_codes`
-(code groups per output chunk, default 1: the gateway sets the vocoder's decode windows, see TalkerTask).
+Run: `omnimesh stage talker --model DIR --port 50053`. Options: `speaker`; `chunk_schedule` (code groups per
+output chunk, a code_windows schedule such as 5,25; default 1: the gateway sets the vocoder's decode
+windows, see TalkerTask), or `first_chunk_codes` / `chunk_codes` for a schedule of those two.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import grpc
 
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.task import StageRequestError
+from omnimesh.models.qwen3_omni.code_windows import parse_windows
 from omnimesh.models.qwen3_omni.sampling import talker_sampling_params
 from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_talker
 from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker
@@ -55,10 +57,13 @@ class TalkerHandler:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"talker: {self.failure.message}")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
         speaker = msg.options.get("speaker") or self.speakers[0]
-        chunk = count_option(msg, "chunk_codes", 1)
-        first = count_option(msg, "first_chunk_codes", chunk)
+        if "chunk_schedule" in msg.options:
+            chunks = parse_windows(msg.options["chunk_schedule"], "option chunk_schedule")
+        else:
+            chunk = count_option(msg, "chunk_codes", 1)
+            chunks = (count_option(msg, "first_chunk_codes", chunk), chunk)
         task = TalkerTask(msg.request_id, self.talker, speaker, params, max_model_len=self.max_model_len,
-                          batcher=self.batcher, chunk_codes=chunk, first_chunk_codes=first)
+                          batcher=self.batcher, chunks=chunks)
         if self.batcher is not None:
             self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
         return task

@@ -8,10 +8,11 @@ c_g is sampled; once text entry g is known the code predictor (one call for all 
 the residual codes, the group [c_g, r1..] joins the request's outgoing codes and the group's summed
 embedding + text entry g becomes the next decoder input. A thinker that spoke nothing gives no audio.
 
-Output chunking (`first_chunk_codes`, then `chunk_codes` groups per chunk; default 1 = every group at once):
-the gateway sets them to the vocoder's decode windows, which cannot start before a window is whole anyway,
-so the codes of a window travel as one `codes` (num_code_groups, n) chunk instead of n messages through the
-gateway, with no later audio. The last chunk carries what is left when the request ends.
+Output chunking (`chunks`, a code_windows schedule: groups per chunk, the last entry repeating; default 1 =
+every group at once): the gateway sets it to the vocoder's decode windows, which cannot start before a
+window is whole anyway, so the codes of a window travel as one `codes` (num_code_groups, n) chunk instead
+of n messages through the gateway, with no later audio. The last chunk carries what is left when the
+request ends.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import replace
 import torch
 
 from omnimesh.engine.task import BatchedTask
+from omnimesh.models.qwen3_omni.code_windows import window_size
 from omnimesh.models.qwen3_omni.edges import talker_prompt_from_tensors
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
 from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerState
@@ -32,8 +34,7 @@ EDGE = "thinker -> talker"
 
 class TalkerTask(BatchedTask):
     def __init__(self, request_id: str, talker: Qwen3OmniTalker, speaker: str, params: SamplingParams,
-                 *, max_model_len: int = 0, batcher: object = None, chunk_codes: int = 1,
-                 first_chunk_codes: int | None = None):
+                 *, max_model_len: int = 0, batcher: object = None, chunks: tuple[int, ...] = (1,)):
         super().__init__(request_id, batcher)
         if speaker.lower() not in talker.speakers:
             raise ValueError(f"unknown speaker {speaker!r}; valid speakers: {', '.join(sorted(talker.speakers))}")
@@ -46,12 +47,12 @@ class TalkerTask(BatchedTask):
         self.text_ended = False
         self.queued = False  # the prefill went to the engine
         self.awaiting = False  # an input row is in the engine: wait for its logits before predicting again
-        if chunk_codes < 1 or (first_chunk_codes is not None and first_chunk_codes < 1):
-            raise ValueError(f"codes per chunk must be >= 1, got {first_chunk_codes} then {chunk_codes}")
-        self.chunk_codes = chunk_codes
-        self.first_chunk_codes = first_chunk_codes or chunk_codes
+        if not chunks or min(chunks) < 1:
+            raise ValueError(f"codes per chunk must be >= 1, got {chunks}")
+        self.chunks = chunks
         self.held: list[torch.Tensor] = []  # code groups (G, 1) not sent yet
         self.sent_codes = 0
+        self.sent_chunks = 0
 
     def feed(self, chunk: StageChunk) -> None:
         if self.text_ended:
@@ -87,7 +88,7 @@ class TalkerTask(BatchedTask):
     def add_group(self, group: torch.Tensor) -> list[StageChunk]:
         """A new code group (G,): the chunk to send once the current chunk is whole, else nothing yet."""
         self.held.append(group.view(-1, 1))
-        size = self.first_chunk_codes if self.sent_codes == 0 else self.chunk_codes
+        size = window_size(self.sent_chunks, self.chunks)
         return self.flush() if len(self.held) >= size else []
 
     def flush(self) -> list[StageChunk]:
@@ -96,6 +97,7 @@ class TalkerTask(BatchedTask):
             return []
         codes = torch.cat(self.held, dim=1) if len(self.held) > 1 else self.held[0]
         self.sent_codes += codes.shape[1]
+        self.sent_chunks += 1
         self.held = []
         return [StageChunk(tensors={"codes": codes})]
 

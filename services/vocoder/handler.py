@@ -1,9 +1,10 @@
 """The vocoder stage service: loads code2wav, opens a VocoderTask per request and steps all ready
 requests together through its `batcher` (a `VocoderBatcher`: one model call per engine step).
 
-Run: `omnimesh stage vocoder --model DIR --port 50054`. Option `window` (codes per decode, default 25 =
-2 s of audio on Qwen3-Omni) trades latency against per-call overhead; option `first_window` (default 5,
-at most `window`) is the first decode's, so the first audio leaves after 5 codes instead of 25. Any
+Run: `omnimesh stage vocoder --model DIR --port 50054`. `--audio-windows` (default 5,25: the first decode
+takes 5 codes, so the first audio leaves early, then 25 = 2 s of audio on Qwen3-Omni at a time; see
+code_windows) is the stage's schedule, advertised in Info so that the talker chunks its codes to match.
+Per request, option `windows` (a schedule) or `window` / `first_window` (at most `window`) override it. Any
 windows, and any batch a request shares a step with, give the same samples (to float rounding, ~1e-7).
 The stage's max_num_batched_tokens caps the codes decoded in one step (default: no cap). On CPU the
 SnakeBeta activations run as one compiled kernel (snake_kernel; compiled at start-up, a few seconds);
@@ -23,6 +24,7 @@ from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.task import StageRequestError
 from omnimesh.models.qwen3_omni.code2wav import CPU_CONV_ROWS
 from omnimesh.models.qwen3_omni.code2wav_shard import Code2WavTransformerBackend
+from omnimesh.models.qwen3_omni.code_windows import DEFAULT_WINDOWS, parse_windows
 from omnimesh.models.qwen3_omni.snake_kernel import compile_snake, use_eager
 from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_code2wav
 from omnimesh.server.stage_failure import StageFailure
@@ -35,16 +37,16 @@ from services.vocoder.vocoder_task import VocoderTask
 log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
-DEFAULT_WINDOW = 25
-DEFAULT_FIRST_WINDOW = 5
 
 
 class VocoderHandler:
     name = "vocoder"
 
     def __init__(self, code2wav: Qwen3OmniMoeCode2Wav, transformer: Code2WavTransformerBackend, model_name: str,
-                 layout: LMLayout, failure: StageFailure, max_codes_per_step: int | None = None):
+                 layout: LMLayout, failure: StageFailure, max_codes_per_step: int | None = None,
+                 windows: tuple[int, ...] = DEFAULT_WINDOWS):
         self.code2wav = code2wav
+        self.windows = windows
         self.transformer = transformer
         self.model_name = model_name
         self.layout = layout
@@ -61,14 +63,19 @@ class VocoderHandler:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
                                    pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
                                    device="cuda" if self.layout.backend == "nccl" else "cpu", sample_rate=SAMPLE_RATE,
-                                   window_codes=DEFAULT_WINDOW, first_window_codes=DEFAULT_FIRST_WINDOW)
+                                   window_codes=self.windows[-1], first_window_codes=self.windows[0],
+                                   window_schedule=self.windows)
 
     def open(self, msg: stage_pb2.Open) -> VocoderTask:
         if self.failure.message is not None:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"vocoder: {self.failure.message}")
-        window = count_option(msg, "window", DEFAULT_WINDOW)
-        first = min(count_option(msg, "first_window", DEFAULT_FIRST_WINDOW), window)
-        return VocoderTask(msg.request_id, self.code2wav, window, self.transformer, first_window=first)
+        windows = self.windows
+        if "windows" in msg.options:
+            windows = parse_windows(msg.options["windows"], "option windows")
+        elif "window" in msg.options or "first_window" in msg.options:
+            window = count_option(msg, "window", windows[-1])
+            windows = (min(count_option(msg, "first_window", windows[0]), window), window)
+        return VocoderTask(msg.request_id, self.code2wav, windows[-1], self.transformer, windows=windows)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:
@@ -83,4 +90,5 @@ def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:
             log.info("vocoder: SnakeBeta compiled into one kernel in %.1f s (--enforce-eager keeps eager PyTorch)",
                      time.perf_counter() - started)
     cap = args.stage_configs()["vocoder"].max_num_batched_tokens
-    return VocoderHandler(code2wav, transformer, model_dir.name, layout, failure, cap)
+    return VocoderHandler(code2wav, transformer, model_dir.name, layout, failure, cap,
+                          parse_windows(args.audio_windows))

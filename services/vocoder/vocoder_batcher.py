@@ -3,7 +3,7 @@ ready request.
 
 Data flow (one `step_batch`, on the engine's compute thread):
     per request (errors stay with that request): take its next window of codes (Q, n_b) off its queue
-        (`VocoderTask.take_window`; windows start at multiples of `window`, as when it runs alone) and
+        (`VocoderTask.take_window`; windows start at the schedule's offsets, as when it runs alone) and
         embed it (`Code2WavStreamer.prepare`)
     all at once: `decode_windows` -> ONE pre-transformer call over (B, T, H), right-padded (on the stage's
         pp x tp ranks, one KV cache per request) and ONE conv-stack call over each request's [kept left

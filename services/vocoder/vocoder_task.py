@@ -1,12 +1,13 @@
 """VocoderTask: one request in the vocoder stage — codec code groups in, 24 kHz audio chunks out.
 
 Data flow: `codes` (Q, n) chunks are queued by `feed`; the request is ready when a whole window waits
-(`first_window` codes for the first, `window` after it: the first audio comes out after a few codes), or the
-input ended. An engine step takes exactly one window off the queue (`take_window`),
+(its window schedule, code_windows: `first_window` codes for the first, `window` after it, or any list such
+as 5, 10, 20, 25; the first audio comes out after a few codes), or the input ended. An engine step takes
+exactly one window off the queue (`take_window`),
 decodes it through the request's `Code2WavStreamer` (left context + look-ahead handled there, so the
 concatenated stream equals one-piece decoding) and emits `pcm` (samples,) float32 (`emit`). Windows always
-start at 0, `first_window`, `first_window + window`, ..., whatever the timing of the input, so a request's
-chunks are the same run to run. The stage steps all its ready requests together (`VocoderBatcher`, one model call per step); `step`
+start at the schedule's offsets (0, 5, 30, 55, ... for 5, 25) whatever the timing of the input, so a
+request's chunks are the same run to run. The stage steps all its ready requests together (`VocoderBatcher`, one model call per step); `step`
 is that same code for this request alone. Alone, a request's audio is bit-identical run to run; in a batch
 it equals that to float rounding (~1e-7: batched conv kernels round differently).
 """
@@ -19,6 +20,7 @@ import torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from omnimesh.engine.task import StageTask
+from omnimesh.models.qwen3_omni.code_windows import window_size
 from omnimesh.models.qwen3_omni.code2wav import Code2WavStreamer
 from omnimesh.models.qwen3_omni.edges import require
 from omnimesh.transport.frames import StageChunk
@@ -29,12 +31,15 @@ EDGE = "talker -> vocoder"
 
 class VocoderTask(StageTask):
     def __init__(self, request_id: str, code2wav: Qwen3OmniMoeCode2Wav, window: int, transformer: Any = None,
-                 first_window: int | None = None):
+                 first_window: int | None = None, windows: tuple[int, ...] | None = None):
+        """`windows`: the whole schedule (code_windows); without it, `first_window` (default `window`) then
+        `window`."""
         super().__init__(request_id)
         # windowing is done here, per engine step; the pre-transformer runs on the stage's ranks
         self.streamer = Code2WavStreamer(code2wav, window=1, transformer=transformer)
-        self.window = window
-        self.first_window = first_window or window  # a short first window: the first audio sooner
+        # a short first window: the first audio sooner
+        self.windows = windows or (first_window or window, window)
+        self.taken = 0  # windows taken so far
         self.codebook = int(code2wav.config.codebook_size)  # type: ignore[union-attr]
         self.pending: list[torch.Tensor] = []
         self.n_pending = 0
@@ -57,8 +62,8 @@ class VocoderTask(StageTask):
 
     @property
     def current_window(self) -> int:
-        """Codes in the next full window: `first_window` for the first, `window` after it."""
-        return self.first_window if self.completion_tokens == 0 else self.window
+        """Codes in the next full window: the schedule's entry for it."""
+        return window_size(self.taken, self.windows)
 
     @property
     def first_window_waits(self) -> bool:
@@ -84,6 +89,7 @@ class VocoderTask(StageTask):
         self.pending = [rest] if rest.shape[1] else []
         self.n_pending = rest.shape[1]
         self.completion_tokens += take
+        self.taken += take > 0
         return codes[:, :take]
 
     def emit(self, pcm: torch.Tensor) -> list[StageChunk]:

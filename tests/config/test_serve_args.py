@@ -77,6 +77,7 @@ def test_valid_but_unsupported_settings_are_listed() -> None:
         ({"num_nodes": 2, "node_rank": 2}, r"--node-rank must be in \[0, --num-nodes\)"),
         ({"max_waiting_requests": -1}, r"--max-waiting-requests must be >= 0"),
         ({"stream_interval": 0}, r"--stream-interval must be >= 1 token"),
+        ({"audio_windows": "5,0"}, r"--audio-windows must be 1 to 32 comma-separated whole numbers of codes >= 1"),
         ({"stage_overrides": '{"talker": {"max_waiting_requests": -2}}'},
          r"stage talker: max_waiting_requests must be a whole number >= 0"),
     ],
@@ -120,7 +121,7 @@ def test_cli_checks_the_layout_against_the_model(tmp_path) -> None:
 def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     from omnimesh.launcher import MeshLauncher
 
-    args = ServeArgs(max_num_seqs=64, kv_cache_memory="1GiB", max_waiting_requests=7,
+    args = ServeArgs(max_num_seqs=64, kv_cache_memory="1GiB", max_waiting_requests=7, audio_windows="4,8,16",
                      stage_overrides='{"thinker": {"pp": 2, "tp": 2, "devices": "0,1,2,3", "pp_layer_partition": [1, 3],'
                                      ' "kv_cache_memory": "256MiB", "max_num_batched_tokens": 512, "transport": "grpc",'
                                      ' "shm_arena_size": "64MiB", "max_waiting_requests": 3}, "talker": {"pp": 2, '
@@ -141,6 +142,8 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     assert (talker_own["nice"], talker_own["bulk_nice"]) == (0, 5)
     encoder = launcher._stage_argv("encoder", 50051)
     assert encoder[encoder.index("-tp") + 1] == "1" and encoder[encoder.index("-pp") + 1] == "1"
+    vocoder = launcher._stage_argv("vocoder", 50054)
+    assert vocoder[vocoder.index("--audio-windows") + 1] == "4,8,16"
     # what the stage process parses back is the stage's resolved config
     from omnimesh.cli import build_parser
     from omnimesh.config.serve_args import from_namespace

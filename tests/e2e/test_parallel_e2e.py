@@ -1,6 +1,8 @@
 """The mesh with every stage split over ranks — encoder pp=2, thinker pp=2 x tp=2 (4 processes), talker
 pp=2, vocoder tp=2 — answers exactly like `transformers` generate (and so like the pp = tp = 1 mesh): text
-token for token, audio within 1e-4. A thinker rank killed mid-request fails that request promptly with 503, the thinker goes
+token for token, audio within 1e-4. It also runs a vocoder window schedule other than the default
+(`--audio-windows 2,3,6`): the vocoder advertises it, the talker chunks its codes to match, and the audio is
+still exact. A thinker rank killed mid-request fails that request promptly with 503, the thinker goes
 NOT_SERVING and the gateway's /health names it; nothing hangs. This module runs its own mesh."""
 
 from __future__ import annotations
@@ -17,17 +19,21 @@ import numpy as np
 import pytest
 from mesh_harness import children, nice, rank_pids, stage_pid, start_mesh, thread_nices
 from reference import chat_request, png_bytes, sine_wav
+from test_handoff_e2e import _deltas, _metrics
 from test_parity import MAX_TOKENS, TALKER_MAX, run_pipeline
 
 from omnimesh.allocator import find_tcmalloc, loaded
+from omnimesh.models.qwen3_omni.code_windows import window_size
 from omnimesh.transport.stage_client import StageClient
 
 LAYOUT = '{"encoder": {"pp": 2}, "thinker": {"pp": 2, "tp": 2}, "talker": {"pp": 2}, "vocoder": {"tp": 2, "nice": 3, "bulk_nice": 14}}'
+WINDOWS = (2, 3, 6)
+SAMPLES_PER_CODE = 1920  # the tiny code2wav's upsampling
 
 
 @pytest.fixture(scope="module")
 def split_mesh(tiny_model_dir: Path):
-    mesh = start_mesh(tiny_model_dir, "--stage-overrides", LAYOUT)
+    mesh = start_mesh(tiny_model_dir, "--stage-overrides", LAYOUT, "--audio-windows", ",".join(map(str, WINDOWS)))
     yield mesh
     mesh.proc.stop()
 
@@ -50,6 +56,8 @@ def test_stages_report_their_layout(split_mesh) -> None:
     assert len(rank_pids(stage_pid(split_mesh, "vocoder"))) == 1
     assert (info["encoder"].pipeline_parallel_size, info["encoder"].tensor_parallel_size) == (2, 1)
     assert len(rank_pids(stage_pid(split_mesh, "encoder"))) == 1
+    voc = info["vocoder"]
+    assert (tuple(voc.window_schedule), voc.first_window_codes, voc.window_codes) == (WINDOWS, 2, 6)
 
 
 def test_stages_run_at_their_os_priority(split_mesh, tiny_model_dir) -> None:
@@ -85,10 +93,16 @@ def test_split_mesh_equals_generate(split_mesh, tiny_model_dir, reference, media
     wav, png = (sine_wav(), png_bytes()) if media == "audio+image" else (None, None)
     req = chat_request("Tell me about the sea.", wav, png, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
     ref = reference.generate(req, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+    before = _metrics(split_mesh.rest)
     text, audio, finished = run_pipeline(split_mesh, tiny_model_dir, req, async_chunk=True)
+    talker_chunks = _deltas(before, _metrics(split_mesh.rest), "omnimesh:inter_token_latency_seconds_count")["talker"] + 1
     assert text == ref.text and finished.completion_tokens == len(ref.token_ids)
     assert audio.shape == ref.audio.shape
     np.testing.assert_allclose(audio, ref.audio, atol=1e-4, rtol=0)
+    codes, windows = len(ref.audio) // SAMPLES_PER_CODE, []
+    while sum(windows) < codes:  # the talker's chunks follow the vocoder's schedule: 2, 3, 6, 6, ...
+        windows.append(window_size(len(windows), WINDOWS))
+    assert codes > sum(WINDOWS) and talker_chunks == len(windows), (codes, talker_chunks)
 
 
 def test_thinker_rank_killed_mid_request(split_mesh) -> None:

@@ -503,6 +503,19 @@ def test_talker_sends_its_codes_in_the_vocoders_windows(model_dir: Path, thinker
             expected.append(n - sum(expected))
         assert sizes == expected, (rid, sizes)
     assert chunked.steps == per_group.steps  # held codes never delay the end of a request
+    scheduled = Driver(handler)  # a whole schedule (the gateway passes the vocoder's --audio-windows)
+    scheduled.add(*(open_talker(handler, thinker_out, f"t{i}", chunk_schedule="2,3,4") for i in range(4)))
+    got = scheduled.run()
+    for i in range(4):
+        rid = f"t{i}"
+        n, sizes = codes(want[rid]).shape[1], [c.tensors["codes"].shape[1] for c in got[rid]]
+        assert torch.equal(codes(got[rid]), codes(want[rid])), rid
+        expected = [2, 3] + [4] * max(0, (n - 5) // 4)
+        if sum(expected) < n:
+            expected.append(n - sum(expected))
+        assert n > 9 and sizes == expected, (rid, sizes)
+    with pytest.raises(ValueError, match="option chunk_schedule must be"):
+        open_talker(handler, thinker_out, "t0", chunk_schedule="2,x")
     for bad in ({"chunk_codes": "0"}, {"first_chunk_codes": "x"}, {"chunk_codes": "-2"}):
         with pytest.raises(ValueError, match="whole number of codes"):
             open_talker(handler, thinker_out, "t0", **bad)

@@ -110,13 +110,23 @@ def test_vocoder_checks_codes_and_streams_windows(handlers: dict, model_dir: Pat
             taken.append(task.next_window_size())
             pieces += [c.tensors["pcm"] for c in task.step()]
     assert task.finished and taken[:3] == [3, 10, 10], taken  # the first window is short, the rest full
-    assert _open(voc, options={"window": "4"}).first_window == 4  # never longer than the window
+    assert _open(voc, options={"window": "4"}).windows == (4, 4)  # the first never longer than the window
+    assert _open(voc).windows == (5, 25)  # the stage's --audio-windows
+    with pytest.raises(ValueError, match="option windows must be 1 to 32 comma-separated whole numbers"):
+        _open(voc, options={"windows": "3,0"})
+    doubling, taken2, pieces2 = _open(voc, options={"windows": "3,6,12"}), [], []
+    doubling.feed(StageChunk(tensors={"codes": codes}, final=True))
+    while not doubling.finished:
+        taken2.append(doubling.next_window_size())
+        pieces2 += [c.tensors["pcm"] for c in doubling.step()]
+    assert taken2 == [3, 6, 12, 9], taken2  # the schedule, its last entry repeating, then what is left
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     reference = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).code2wav.eval()
     with torch.no_grad():
         whole = reference(codes.unsqueeze(0)).view(-1)
     torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat(pieces2), whole, atol=1e-5, rtol=0)
 
 
 def test_encoder_requires_masks_and_grids(handlers: dict) -> None:
