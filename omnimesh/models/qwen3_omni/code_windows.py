@@ -20,8 +20,8 @@ def parse_windows(text: str, what: str = "--audio-windows") -> tuple[int, ...]:
     """'5,10,20,25' -> (5, 10, 20, 25); ValueError naming `what` unless every entry is a whole number >= 1."""
     parts = [p.strip() for p in str(text).split(",")]
     if not parts or len(parts) > MAX_ENTRIES or not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise ValueError(f"{what} must be 1 to {MAX_ENTRIES} comma-separated whole numbers of codes >= 1, the "
-                         f"first window's first and the last repeating (e.g. 5,25 or 5,10,20,25), got {text!r}")
+        raise ValueError(f"{what} must be 1 to {MAX_ENTRIES} comma-separated whole numbers of codes >= 1, one per "
+                         f"window from the first, the last one repeating (e.g. 5,25 or 5,10,20,25), got {text!r}")
     return tuple(int(p) for p in parts)
 
 
