@@ -51,7 +51,6 @@ class TalkerTask(BatchedTask):
             raise ValueError(f"codes per chunk must be >= 1, got {chunks}")
         self.chunks = chunks
         self.held: list[torch.Tensor] = []  # code groups (G, 1) not sent yet
-        self.sent_codes = 0
         self.sent_chunks = 0
 
     def feed(self, chunk: StageChunk) -> None:
@@ -96,7 +95,6 @@ class TalkerTask(BatchedTask):
         if not self.held:
             return []
         codes = torch.cat(self.held, dim=1) if len(self.held) > 1 else self.held[0]
-        self.sent_codes += codes.shape[1]
         self.sent_chunks += 1
         self.held = []
         return [StageChunk(tensors={"codes": codes})]
@@ -108,7 +106,7 @@ class TalkerTask(BatchedTask):
 
     def urgent(self) -> bool:
         """Until its first chunk of codes leaves (the vocoder's first window)."""
-        return self.sent_codes == 0
+        return self.sent_chunks == 0
 
     def ready(self) -> bool:
         if self.state is None:

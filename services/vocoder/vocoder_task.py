@@ -1,8 +1,8 @@
 """VocoderTask: one request in the vocoder stage — codec code groups in, 24 kHz audio chunks out.
 
 Data flow: `codes` (Q, n) chunks are queued by `feed`; the request is ready when a whole window waits
-(its window schedule, code_windows: `first_window` codes for the first, `window` after it, or any list such
-as 5, 10, 20, 25; the first audio comes out after a few codes), or the input ended. An engine step takes
+(its window schedule, code_windows: 5 codes for the first, 25 after it by default, or any list such as
+5, 10, 20, 25; the first audio comes out after a few codes), or the input ended. An engine step takes
 exactly one window off the queue (`take_window`),
 decodes it through the request's `Code2WavStreamer` (left context + look-ahead handled there, so the
 concatenated stream equals one-piece decoding) and emits `pcm` (samples,) float32 (`emit`). Windows always
@@ -30,15 +30,14 @@ EDGE = "talker -> vocoder"
 
 
 class VocoderTask(StageTask):
-    def __init__(self, request_id: str, code2wav: Qwen3OmniMoeCode2Wav, window: int, transformer: Any = None,
-                 first_window: int | None = None, windows: tuple[int, ...] | None = None):
-        """`windows`: the whole schedule (code_windows); without it, `first_window` (default `window`) then
-        `window`."""
+    def __init__(self, request_id: str, code2wav: Qwen3OmniMoeCode2Wav, windows: tuple[int, ...],
+                 transformer: Any = None):
+        """`windows`: the decode-window schedule (code_windows), e.g. (5, 25): a short first window, the
+        first audio sooner."""
         super().__init__(request_id)
         # windowing is done here, per engine step; the pre-transformer runs on the stage's ranks
         self.streamer = Code2WavStreamer(code2wav, window=1, transformer=transformer)
-        # a short first window: the first audio sooner
-        self.windows = windows or (first_window or window, window)
+        self.windows = windows
         self.taken = 0  # windows taken so far
         self.codebook = int(code2wav.config.codebook_size)  # type: ignore[union-attr]
         self.pending: list[torch.Tensor] = []

@@ -94,7 +94,7 @@ def drive(model: tuple[Any, Any], codes: dict[str, torch.Tensor], step: Step,
     """The engine's schedule: at step s every request that joined gets its next input chunk, then every ready
     request is stepped by `step`. -> per request its pcm pieces (or the exception that ended it)."""
     c2w, backend = model
-    tasks = {rid: VocoderTask(rid, c2w, WINDOW, backend) for rid in codes}
+    tasks = {rid: VocoderTask(rid, c2w, (WINDOW,), backend) for rid in codes}
     prepare(tasks)
     inputs = {rid: chunks_of(c) for rid, c in codes.items()}
     out: dict[str, Any] = {rid: [] for rid in codes}
@@ -188,7 +188,7 @@ def test_the_pre_transformer_is_audible(model: tuple[Any, Any], codes: dict[str,
     """Decoding f's codes after a forgotten history (fresh cache, same positions) changes the audio by far
     more than the tolerance: the comparisons above would see a mask that leaks or drops keys."""
     c2w, backend = model
-    task = VocoderTask("x", c2w, 80, backend)
+    task = VocoderTask("x", c2w, (80,), backend)
     task.feed(StageChunk(tensors={"codes": codes["f"]}, final=True))
     task.step()  # codes 0..79
     task.streamer.close()  # forget the history only (task.close() would end the request)
@@ -216,7 +216,7 @@ def test_a_bad_request_fails_alone(model: tuple[Any, Any], codes: dict[str, torc
 
 def test_max_codes_leaves_requests_for_the_next_step(model: tuple[Any, Any], codes: dict[str, torch.Tensor]) -> None:
     c2w, backend = model
-    tasks = [VocoderTask(rid, c2w, WINDOW, backend) for rid in ("x", "y", "z")]
+    tasks = [VocoderTask(rid, c2w, (WINDOW,), backend) for rid in ("x", "y", "z")]
     for task, n in zip(tasks, (12, 10, 4)):
         task.feed(StageChunk(tensors={"codes": codes["f"][:, :n]}, final=True))
     result = VocoderBatcher(max_codes=15).step_batch(list(tasks))
@@ -232,7 +232,7 @@ async def test_engine_loop_runs_the_batcher(model: tuple[Any, Any], codes: dict[
     loop = EngineLoop("vocoder", batcher=VocoderBatcher())
     loop.start()
     try:
-        queues = {rid: loop.submit(VocoderTask(rid, c2w, WINDOW, backend)) for rid in ("b", "c", "e")}
+        queues = {rid: loop.submit(VocoderTask(rid, c2w, (WINDOW,), backend)) for rid in ("b", "c", "e")}
         for rid in queues:
             for chunk in chunks_of(codes[rid]):
                 loop.feed(rid, chunk)
@@ -266,7 +266,7 @@ def test_pipeline_parallel_batch_equals_single_rank(model_dir: Path, model: tupl
 
 def test_lanes_plan_a_first_window_beside_a_step_in_flight(model: tuple[Any, Any], codes: dict[str, torch.Tensor]) -> None:
     c2w, backend = model
-    tasks = {rid: VocoderTask(rid, c2w, WINDOW, backend, first_window=3) for rid in ("old", "new")}
+    tasks = {rid: VocoderTask(rid, c2w, (3, WINDOW), backend) for rid in ("old", "new")}
     tasks["old"].feed(StageChunk(tensors={"codes": codes["d"][:, :3]}))
     tasks["old"].step()  # its first window is done: the next is a later one
     for task in tasks.values():
@@ -293,10 +293,10 @@ async def test_a_first_window_does_not_wait_for_a_long_step(model: tuple[Any, An
     loop.start()
     arrived: dict[str, float] = {}
     try:
-        long_q = loop.submit(VocoderTask("f", c2w, 80, backend, first_window=80))
+        long_q = loop.submit(VocoderTask("f", c2w, (80,), backend))
         loop.feed("f", StageChunk(tensors={"codes": codes["f"]}, final=True))  # one 80-code window, then 3
         await asyncio.sleep(0.02)  # its long step is running
-        new_q = loop.submit(VocoderTask("c", c2w, WINDOW, backend, first_window=2))
+        new_q = loop.submit(VocoderTask("c", c2w, (2, WINDOW), backend))
         loop.feed("c", StageChunk(tensors={"codes": codes["c"]}, final=True))
 
         async def collect(rid: str, queue: asyncio.Queue) -> torch.Tensor:
