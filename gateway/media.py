@@ -253,7 +253,10 @@ def decode_image(data: bytes, *, max_pixels: int, param: str) -> ImagePart:
         img = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
         raise too_large(f"{param}: image too large to decode ({e})", param) from None
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except UnidentifiedImageError:  # its message names a BytesIO object, nothing the client sent
+        raise invalid_request(f"{param}: could not decode the image: {len(data)} bytes in no image format "
+                              f"this server reads (PNG, JPEG, WebP, GIF, BMP, ...)", param) from None
+    except (OSError, ValueError) as e:
         raise invalid_request(f"{param}: could not decode the image ({e})", param) from None
     w, h = img.size
     if w * h > max_pixels:
