@@ -4,7 +4,9 @@ Data flow: pick ports -> start the four stage processes (`omnimesh stage NAME ..
 answers gRPC health (bounded; a stage that exits during start-up is reported by name with its exit
 code) -> start the gateway process pointed at them -> wait for its /health -> print where it listens
 -> watch the children: a stage that dies is reported by name (the gateway answers 503 for requests
-that need it, and its /health says which stage is down); the gateway dying ends the mesh.
+that need it, and its /health says which stage is down) and started again on its port after a backoff
+(1, 2, 4 ... 30 s), at most `--stage-restarts` times in 10 minutes; one more exit, or the gateway dying,
+ends the mesh with code 1, so that an outer supervisor (systemd, Kubernetes) takes over.
 Ctrl-C / SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period). Children get
 PR_SET_PDEATHSIG, so they die with the launcher even if it is killed outright.
 """
@@ -25,6 +27,9 @@ from omnimesh.proc_utils import die_with_parent, free_port
 
 START_TIMEOUT_S = 600.0
 STOP_GRACE_S = 10.0
+RESTART_WINDOW_S = 600.0  # --stage-restarts counts the restarts within this
+MAX_RESTART_BACKOFF_S = 30.0
+POLL_S = 0.5
 
 
 @dataclass
@@ -32,6 +37,16 @@ class Child:
     name: str
     proc: subprocess.Popen
     address: str
+    argv: list[str]
+
+
+@dataclass
+class Restarts:
+    """One stage's restart bookkeeping in `_watch`."""
+
+    times: list[float]  # monotonic times of its restarts, the last RESTART_WINDOW_S only
+    due: float | None = None  # when the pending restart runs; None: none pending
+    starting: bool = False  # restarted, not yet serving
 
 
 class MeshLauncher:
@@ -42,9 +57,7 @@ class MeshLauncher:
         self._stopping = False
 
     def _spawn(self, name: str, argv: list[str], address: str) -> Child:
-        cmd = [sys.executable, "-m", "omnimesh.cli", *argv]
-        proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
-        child = Child(name, proc, address)
+        child = Child(name, _popen(argv), address, argv)
         self.children.append(child)
         return child
 
@@ -128,23 +141,53 @@ class MeshLauncher:
         return self._watch()
 
     def _watch(self) -> int:
-        reported: set[str] = set()
+        state = {child.name: Restarts([]) for child in self.children if child.name != "gateway"}
         while not self._stopping:
+            now = time.monotonic()
             for child in self.children:
                 code = child.proc.poll()
-                if code is None or child.name in reported:
-                    continue
-                reported.add(child.name)
                 if child.name == "gateway":
-                    print(f"omnimesh: the gateway exited with code {code}; stopping the mesh", file=sys.stderr, flush=True)
-                    return 1
-                print(
-                    f"omnimesh: stage {child.name} (pid {child.proc.pid}) exited with code {code}; "
-                    f"requests that need it fail with 503 until it is restarted",
-                    file=sys.stderr, flush=True,
-                )
-            time.sleep(0.5)
+                    if code is not None:
+                        print(f"omnimesh: the gateway exited with code {code}; stopping the mesh", file=sys.stderr, flush=True)
+                        return 1
+                    continue
+                st = state[child.name]
+                if code is None:
+                    if st.starting and _grpc_serving(child.address):
+                        st.starting = False
+                        print(f"omnimesh: stage {child.name} (pid {child.proc.pid}) is serving again", file=sys.stderr, flush=True)
+                    continue
+                if st.due is None:
+                    if not self._schedule_restart(child, code, st, now):
+                        return 1
+                elif now >= st.due:
+                    st.due, st.starting = None, True
+                    st.times.append(now)
+                    child.proc = _popen(child.argv)
+                    print(f"omnimesh: stage {child.name} restarted (pid {child.proc.pid})", file=sys.stderr, flush=True)
+            time.sleep(POLL_S)
         return 0
+
+    def _schedule_restart(self, child: Child, code: int, st: Restarts, now: float) -> bool:
+        """Report a stage that exited and plan its restart; False when it may not restart (stop the mesh)."""
+        limit = self.args.stage_restarts
+        st.times = [t for t in st.times if now - t < RESTART_WINDOW_S]
+        said = f"omnimesh: stage {child.name} (pid {child.proc.pid}) exited with code {code}"
+        if limit == 0:
+            st.due = float("inf")  # reported once, never restarted
+            print(f"{said}; requests that need it fail with 503 (--stage-restarts 0: it is not restarted)",
+                  file=sys.stderr, flush=True)
+            return True
+        if len(st.times) >= limit:
+            print(f"{said} after {len(st.times)} restart(s) in the last {RESTART_WINDOW_S / 60:.0f} minutes "
+                  f"(--stage-restarts {limit}); stopping the mesh (see the stage's log above)", file=sys.stderr, flush=True)
+            return False
+        delay = min(MAX_RESTART_BACKOFF_S, 2.0 ** len(st.times))
+        st.due, st.starting = now + delay, False
+        print(f"{said}; restarting it in {delay:.0f}s (restart {len(st.times) + 1} of at most {limit} in "
+              f"{RESTART_WINDOW_S / 60:.0f} minutes); requests that need it fail with 503 until it serves again",
+              file=sys.stderr, flush=True)
+        return True
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stopping = True
@@ -162,6 +205,10 @@ class MeshLauncher:
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
+
+
+def _popen(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "omnimesh.cli", *argv], preexec_fn=die_with_parent)
 
 
 def _client_host(host: str) -> str:

@@ -31,6 +31,9 @@ class ServeArgs:
     port: int = _f(8000, "gateway REST port (OpenAI-compatible API, /metrics, /health)", "--port")
     grpc_port: int = _f(8001, "gateway gRPC port (omnimesh.v1.Omni)", "--grpc-port")
     stage_base_port: int = _f(50051, "first port of the stage services (encoder, thinker, talker, vocoder); 0 = any free port", "--stage-base-port")
+    stage_restarts: int = _f(3, "times `omnimesh serve` restarts a stage process that exits on its own, within 10 minutes "
+                             "(backoff 1, 2, 4 ... 30 s); one more exit stops the whole mesh with code 1, for an outer "
+                             "supervisor; 0: a dead stage stays down (requests that need it get 503)", "--stage-restarts")
     served_model_name: str | None = _f(None, "model name clients use; default: the folder name", "--served-model-name")
     tensor_parallel_size: int = _f(1, "tensor-parallel ranks per model stage", "-tp", "--tensor-parallel-size")
     pipeline_parallel_size: int = _f(1, "pipeline-parallel ranks per model stage", "-pp", "--pipeline-parallel-size")
@@ -88,6 +91,8 @@ class ServeArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be a port number 1-65535, got {getattr(self, name)}")
         if not 0 <= self.stage_base_port < 65536 - len(STAGES):
             raise ValueError(f"--stage-base-port must leave room for {len(STAGES)} ports below 65536, got {self.stage_base_port}")
+        if self.stage_restarts < 0:
+            raise ValueError(f"--stage-restarts must be >= 0 (0: never restart a stage), got {self.stage_restarts}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -168,7 +173,8 @@ GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len", "trust_remote_code", "malloc"}
 )
 STAGE_EXCLUDED = frozenset(
-    {"model", "host", "port", "grpc_port", "stage_base_port", "served_model_name", "async_chunk", "allowed_media_domains"}
+    {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "served_model_name", "async_chunk",
+     "allowed_media_domains"}
 )
 
 

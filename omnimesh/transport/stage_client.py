@@ -154,6 +154,10 @@ class StageStream:
 
 
 PROCESS_METHOD = "/omnimesh.v1.Stage/Process"
+# gRPC's default reconnect backoff grows to 120 s; a stage that comes back (restarted by `omnimesh serve`, or by
+# its orchestrator) is found again within ~2 s instead
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 def _counted(data: bytes) -> tuple[int, stage_pb2.StageResponse]:
@@ -165,7 +169,7 @@ class StageClient:
         self.stage = stage
         self.address = address
         self.transport = transport if transport is not None else Transport(f"client-{stage}", "grpc")
-        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS + RECONNECT_OPTIONS)
         self._stub = stage_pb2_grpc.StageStub(self._channel)
         self._process = self._channel.stream_stream(  # Process, with each response's wire size kept
             PROCESS_METHOD, request_serializer=stage_pb2.StageRequest.SerializeToString, response_deserializer=_counted)

@@ -32,6 +32,8 @@ def test_compose_wires_every_stage() -> None:
         assert host in services, f"gateway points at unknown service {host}"
         assert parser.parse_args(services[host]["command"]).stage_port == int(port)
         assert services["gateway"]["depends_on"][host]["condition"] == "service_healthy"
+    for name, service in services.items():  # Docker restarts a process that dies, as `omnimesh serve` does
+        assert service.get("restart") == "unless-stopped", name
 
 
 def test_k8s_services_match_deployments() -> None:

@@ -1,11 +1,13 @@
 """A stage dying under load, and a stage that cannot start, on a mesh of this module's own (never the shared
 `mesh`, so killing processes cannot break other tests).
 
-Killing the talker mid-request: the requests that need it fail promptly with 503 (an SSE `error` event then
-`[DONE]` for a stream that already started), nothing hangs, the gateway keeps serving what does not need
-the talker, `/health` names the stage that is down, the launcher reports it, and SIGTERM still stops the
-whole mesh cleanly. A checkpoint missing a talker weight makes `omnimesh serve` fail at start-up, naming the
-stage and the key. Every wait is bounded."""
+Killing the talker mid-request (with `--stage-restarts 0`, so it stays down): the requests that need it fail
+promptly with 503 (an SSE `error` event then `[DONE]` for a stream that already started), nothing hangs, the
+gateway keeps serving what does not need the talker, `/health` names the stage that is down, the launcher
+reports it, and SIGTERM still stops the whole mesh cleanly. Killing the vocoder with restarts on: the launcher
+starts it again on its port, the gateway finds it, and the same request gets the same audio; one exit more
+than `--stage-restarts` allows stops the mesh with code 1. A checkpoint missing a talker weight makes
+`omnimesh serve` fail at start-up, naming the stage and the key. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def _openai_error(r: httpx.Response, status: int) -> dict:
 
 @pytest.fixture(scope="module")
 def own_mesh(tiny_model_dir: Path):
-    m = start_mesh(tiny_model_dir, "--allowed-media-domains", ALLOWED_DOMAIN)
+    m = start_mesh(tiny_model_dir, "--allowed-media-domains", ALLOWED_DOMAIN, "--stage-restarts", "0")
     try:
         yield m
     finally:
@@ -153,8 +155,9 @@ def test_talker_killed_mid_request(own_mesh):
         "a failed stream must not claim to have finished"
     assert stream_result["ended"] - killed < FAIL_WITHIN_S
 
-    # the launcher names the dead stage
-    mesh.proc.wait_for_line(rf"stage talker \(pid {talker_pid}\) exited", timeout_s=FAIL_WITHIN_S)
+    # the launcher names the dead stage, and says it stays down
+    mesh.proc.wait_for_line(rf"stage talker \(pid {talker_pid}\) exited with code -9; requests that need it fail "
+                            rf"with 503 \(--stage-restarts 0: it is not restarted\)", timeout_s=FAIL_WITHIN_S)
 
     # the gateway stays up: /health says which stage is down
     t0 = time.monotonic()
@@ -196,6 +199,52 @@ def test_talker_killed_mid_request(own_mesh):
         time.sleep(0.1)
     left = {name: pid for name, pid in stage_pids.items() if _alive(pid)}
     assert not left, f"children left running after the launcher exited: {left}"
+
+
+def test_a_dead_stage_is_restarted_until_the_limit(tiny_model_dir: Path):
+    mesh = start_mesh(tiny_model_dir, "--stage-restarts", "1")
+    try:
+        url = f"{mesh.rest}/v1/chat/completions"
+        body = _body("Sing a song.", "chelsie", talker_max=30)
+
+        def audio() -> str:
+            r = httpx.post(url, json=body, timeout=TIMEOUT_S)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["audio"]["data"]
+
+        before = audio()
+        first = _stage_pid(mesh, "vocoder")
+        os.kill(first, signal.SIGKILL)
+        mesh.proc.wait_for_line(rf"stage vocoder \(pid {first}\) exited with code -9; restarting it in 1s \(restart 1 "
+                                r"of at most 1 in 10 minutes\)", timeout_s=FAIL_WITHIN_S)
+        second = int(mesh.proc.wait_for_line(r"stage vocoder restarted \(pid (\d+)\)", timeout_s=FAIL_WITHIN_S).group(1))
+        assert second != first and _stage_pid(mesh, "vocoder") == second  # on the same port (stage_pid checks)
+        mesh.proc.wait_for_line(rf"stage vocoder \(pid {second}\) is serving again", timeout_s=START_FAIL_WITHIN_S)
+        deadline = time.monotonic() + FAIL_WITHIN_S  # the gateway's channel reconnects within ~2 s
+        while (health := httpx.get(f"{mesh.rest}/health", timeout=TIMEOUT_S)).status_code != 200:
+            assert time.monotonic() < deadline, f"the gateway did not find the restarted vocoder: {health.text}"
+            time.sleep(0.2)
+        assert audio() == before, "the restarted vocoder must give the same audio for the same greedy request"
+
+        # a second exit within 10 minutes is one more than --stage-restarts 1 allows: the mesh stops, code 1
+        others = {name: pid for name, pid in _children(mesh.proc.proc.pid).items() if name != "stage vocoder"}
+        os.kill(second, signal.SIGKILL)
+        try:
+            code = mesh.proc.proc.wait(timeout=STOP_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"omnimesh serve did not stop after the restart limit:\n{mesh.proc.output()}")
+        assert code == 1, mesh.proc.output()
+        said = re.compile(rf"stage vocoder \(pid {second}\) exited with code -9 after 1 restart\(s\) in the last 10 "
+                          r"minutes \(--stage-restarts 1\); stopping the mesh")
+        deadline = time.monotonic() + 5.0  # the output pump drains what the launcher wrote before it exited
+        while not any(said.search(line) for line in mesh.proc.lines):
+            assert time.monotonic() < deadline, mesh.proc.output()
+            time.sleep(0.1)
+        while any(_alive(pid) for pid in others.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in others.values()), others
+    finally:
+        mesh.proc.stop()
 
 
 def test_missing_weight_fails_start_up(tiny_model_dir: Path, tmp_path: Path):
