@@ -3,7 +3,8 @@ pp=2, vocoder tp=2 — answers exactly like `transformers` generate (and so like
 token for token, audio within 1e-4. It also runs a vocoder window schedule other than the default
 (`--audio-windows 2,3,6`): the vocoder advertises it, the talker chunks its codes to match, and the audio is
 still exact. A thinker rank killed mid-request fails that request promptly with 503, the thinker goes
-NOT_SERVING and the gateway's /health names it; nothing hangs. This module runs its own mesh."""
+NOT_SERVING and the gateway's /health names it; nothing hangs; `omnimesh serve` then restarts the thinker
+(all its ranks) and it answers as before. This module runs its own mesh."""
 
 from __future__ import annotations
 
@@ -116,7 +117,12 @@ def test_thinker_rank_killed_mid_request(split_mesh) -> None:
         r = httpx.post(f"{split_mesh.rest}/v1/chat/completions", json=body, timeout=120)
         result.update(status=r.status_code, body=r.json(), seconds=time.monotonic() - t0)
 
-    victim = rank_pids(stage_pid(split_mesh, "thinker"))[-1]
+    hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    before = httpx.post(f"{split_mesh.rest}/v1/chat/completions", json=hi, timeout=30)
+    assert before.status_code == 200, before.text
+    thinker = stage_pid(split_mesh, "thinker")
+    ranks = rank_pids(thinker)
+    victim = ranks[-1]
     thread = threading.Thread(target=long_request)
     thread.start()
     time.sleep(1.5)  # the request is decoding
@@ -130,6 +136,20 @@ def test_thinker_rank_killed_mid_request(split_mesh) -> None:
     assert time.monotonic() - killed_at < 30
     health = httpx.get(f"{split_mesh.rest}/health", timeout=10)
     assert health.status_code == 503 and "thinker" in health.json()["down"]
-    again = httpx.post(f"{split_mesh.rest}/v1/chat/completions", timeout=30,
-                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    again = httpx.post(f"{split_mesh.rest}/v1/chat/completions", timeout=30, json=hi)
     assert again.status_code == 503 and "thinker" in again.json()["error"]["message"], again.text
+
+    # the launcher reads NOT_SERVING, stops the thinker and starts it again with all its ranks (the next
+    # restart is >= 1 s after the kill, so the checks above always saw it down); then it answers as before
+    split_mesh.proc.wait_for_line(rf"stage thinker \(pid {thinker}\) reports NOT_SERVING", timeout_s=30)
+    split_mesh.proc.wait_for_line(rf"stage thinker \(pid {thinker}\) exited with code -?\d+; restarting it",
+                                  timeout_s=30)
+    split_mesh.proc.wait_for_line(r"stage thinker \(pid \d+\) is serving again", timeout_s=180)
+    assert len(rank_pids(stage_pid(split_mesh, "thinker"))) == len(ranks) == 3
+    deadline = time.monotonic() + 15
+    while httpx.get(f"{split_mesh.rest}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the gateway did not find the restarted thinker"
+        time.sleep(0.2)
+    after = httpx.post(f"{split_mesh.rest}/v1/chat/completions", json=hi, timeout=30)
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
