@@ -25,7 +25,9 @@ Priorities (`bulk_nice` > 0, on Linux): a step with a request in it that still w
 (`StageTask.urgent`: a new prompt, the thinker tokens the talker's first codes need, the talker's first
 codes, the vocoder's first window) runs on a compute thread at the stage's own OS priority; a step without
 one runs on a "bulk" thread that lowered its own priority by `bulk_nice`. On cores shared by the stages a
-new request's first audio then goes ahead of the work of requests already streaming. With one step in
+new request's first audio then goes ahead of the work of requests already streaming. A request whose
+playback deadline is near (`StageTask.behind`: the audio a client already has runs out soon) also keeps its
+steps at the stage's priority, without stepping alone. With one step in
 flight at a time (`max_inflight` 1) the two threads take turns: a lock keeps a step and a request's
 `close` (which frees model state) from ever running at once.
 
@@ -264,7 +266,7 @@ class EngineLoop:
                     ready.append(entry)  # inputs wait in the inbox while a step is in flight
                     if entry.timing is not None:
                         entry.timing.ready()
-            if self._bulk is not None and len(running) >= self._max_inflight and any(e.task.urgent() for e in ready):
+            if self._bulk is not None and len(running) >= self._max_inflight and any(_pressing(e.task) for e in ready):
                 self._bulk.boost()  # an urgent request waits for the steps in flight: lift the bulk ones
             if not idle:
                 for group in self._groups(ready, self._max_inflight - len(running)):
@@ -342,7 +344,7 @@ class EngineLoop:
         or one was newly left out (the next pass plans differently, see `waits_seat`)."""
         started = time.monotonic()
         tasks = [e.task for e in group]
-        if self._bulk is not None and not any(t.urgent() for t in tasks):
+        if self._bulk is not None and not any(_pressing(t) for t in tasks):
             future = loop.run_in_executor(self._bulk.executor, self._bulk.run, self._compute, tasks)
         else:
             future = loop.run_in_executor(self._executor, self._compute, tasks)
@@ -404,3 +406,9 @@ class EngineLoop:
         if entry.task.finished:
             t = entry.task
             self._finish(rid, EngineDone(t.finish_reason, t.prompt_tokens, t.completion_tokens))
+
+
+def _pressing(task: StageTask) -> bool:
+    """A step with this task runs at the stage's own priority: it waits for its first output, or its
+    playback deadline is near."""
+    return task.urgent() or task.behind()

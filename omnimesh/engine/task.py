@@ -55,6 +55,12 @@ class StageTask(ABC):
         others lower (the stage's bulk_nice). A stage with no such notion is urgent throughout."""
         return True
 
+    def behind(self) -> bool:
+        """Called on the asyncio thread before a step: is the request's output due soon (the audio a client
+        already has runs out within a margin)? Its steps then run at the stage's own priority like an urgent
+        request's, but it does not step alone. False for a stage with no such notion."""
+        return False
+
     def close(self) -> None:
         """Called once when the request ends for any reason (done, error, cancel), on the compute thread
         after any step in flight: free what it holds (e.g. its KV cache on every rank)."""

@@ -75,7 +75,7 @@ class VocoderHandler:
         elif "window" in msg.options or "first_window" in msg.options:
             window = count_option(msg, "window", windows[-1])
             windows = (min(count_option(msg, "first_window", windows[0]), window), window)
-        return VocoderTask(msg.request_id, self.code2wav, windows, self.transformer)
+        return VocoderTask(msg.request_id, self.code2wav, windows, self.transformer, SAMPLE_RATE)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:

@@ -18,7 +18,8 @@ upsamples 1920x and falls out of cache), and a short step lets a new request's f
 First windows go first: when a request waits for its first audio, a step takes only first windows (not
 twice in a row); and with two compute slots (the CPU stage, in-process) a first window starts in a step of
 its own beside a step in flight (`lanes`): on two cores the short first window no longer waits for a
-long step of other requests' windows. Steps on different slots touch disjoint requests: each has its own
+long step of other requests' windows; when no first window waits, that lane takes the windows whose
+playback deadline is near (`VocoderTask.behind`). Steps on different slots touch disjoint requests: each has its own
 conv state and pre-transformer cache, and the modules are only read.
 """
 
@@ -84,8 +85,10 @@ class VocoderBatcher:
             return []
         if busy == 0:
             return [tasks]
-        first = [t for t in tasks if cast("VocoderTask", t).first_window_waits]
-        return [first] if first else []
+        vocoder_tasks = cast("list[VocoderTask]", tasks)
+        first: list[StageTask] = [t for t in vocoder_tasks if t.first_window_waits]
+        lane = first or [t for t in vocoder_tasks if t.behind()]  # else those whose playback deadline is near
+        return [lane] if lane else []
 
     def step_batch(self, tasks: list[StageTask]) -> StepResult:
         ready = cast("list[VocoderTask]", tasks)

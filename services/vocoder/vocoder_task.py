@@ -10,10 +10,16 @@ start at the schedule's offsets (0, 5, 30, 55, ... for 5, 25) whatever the timin
 request's chunks are the same run to run. The stage steps all its ready requests together (`VocoderBatcher`, one model call per step); `step`
 is that same code for this request alone. Alone, a request's audio is bit-identical run to run; in a batch
 it equals that to float rounding (~1e-7: batched conv kernels round differently).
+
+Priority on shared cores (steps at the stage's own priority, the rest at its `bulk_nice`): a request is
+urgent until its first window is decoded, and `behind` whenever a client that started playing at its first
+audio has less than `PLAYBACK_MARGIN_S` of audio left: its playback deadline is near, so its window must not
+wait behind other requests' windows that are seconds ahead of real time.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -27,14 +33,18 @@ from omnimesh.transport.frames import StageChunk
 from services.vocoder.vocoder_batcher import step_windows
 
 EDGE = "talker -> vocoder"
+PLAYBACK_MARGIN_S = 0.3  # `behind` when a client playing since the first audio has less than this left
 
 
 class VocoderTask(StageTask):
     def __init__(self, request_id: str, code2wav: Qwen3OmniMoeCode2Wav, windows: tuple[int, ...],
-                 transformer: Any = None):
+                 transformer: Any = None, sample_rate: int = 24000):
         """`windows`: the decode-window schedule (code_windows), e.g. (5, 25): a short first window, the
-        first audio sooner."""
+        first audio sooner. `sample_rate`: of the audio out (the playback clock of `audio_left`)."""
         super().__init__(request_id)
+        self.sample_rate = sample_rate
+        self.first_audio_at: float | None = None  # monotonic time the first samples were emitted
+        self.samples_out = 0
         # windowing is done here, per engine step; the pre-transformer runs on the stage's ranks
         self.streamer = Code2WavStreamer(code2wav, window=1, transformer=transformer)
         self.windows = windows
@@ -67,11 +77,22 @@ class VocoderTask(StageTask):
     @property
     def first_window_waits(self) -> bool:
         """Its first window has codes to decode: the request still waits for its first audio."""
-        return self.urgent() and self.next_window_size() > 0
+        return self.completion_tokens == 0 and self.next_window_size() > 0
 
     def urgent(self) -> bool:
         """Until its first window is decoded."""
         return self.completion_tokens == 0
+
+    def behind(self) -> bool:
+        """Its playback deadline is near: less than `PLAYBACK_MARGIN_S` of audio left (`audio_left`)."""
+        return self.audio_left() < PLAYBACK_MARGIN_S
+
+    def audio_left(self) -> float:
+        """Seconds of audio a client that started playing at the first output still has buffered (inf before
+        any audio); below 0 it has run dry."""
+        if self.first_audio_at is None:
+            return float("inf")
+        return self.samples_out / self.sample_rate - (time.monotonic() - self.first_audio_at)
 
     def ready(self) -> bool:
         return self.n_pending >= self.current_window or self.ended
@@ -95,6 +116,10 @@ class VocoderTask(StageTask):
         """The step's output for its decoded samples (k,); the step that empties an ended queue finishes."""
         if self.ended and not self.pending:
             self.finished = True
+        if pcm.numel():
+            if self.first_audio_at is None:
+                self.first_audio_at = time.monotonic()
+            self.samples_out += pcm.numel()
         return [StageChunk(tensors={"pcm": pcm.to(torch.float32)})] if pcm.numel() or self.finished else []
 
     def step(self) -> list[StageChunk]:

@@ -14,6 +14,7 @@ from omnimesh.config.stage_config import StageConfig
 from omnimesh.engine.loop import EngineDone, EngineLoop
 from omnimesh.engine.task import StageTask
 from omnimesh.transport.frames import StageChunk
+from test_engine_priority import BehindTask  # never urgent; behind (its playback deadline near) at given steps
 from test_engine_priority import CountTask as Stream  # steps, one output each; urgent for its first urgent_steps
 
 
@@ -95,6 +96,13 @@ def test_zero_keeps_every_ready_request_in_every_step() -> None:
 def test_when_every_ready_request_is_urgent_the_step_is_a_plain_one() -> None:
     tasks = [Stream("a", 2, urgent_steps=2), Stream("b", 2, urgent_steps=2)]
     assert asyncio.run(_run(tasks, yield_steps=4)) == [["a", "b"]] * 2
+
+
+def test_a_request_whose_deadline_is_near_does_not_step_alone() -> None:
+    """Only a first output steps alone; a request that is behind (`StageTask.behind`) rides in the plain step,
+    beside the others (its step runs at the stage's priority: test_engine_priority)."""
+    tasks = [BehindTask("a", 3, behind_at={0, 1, 2}), Stream("b", 3, urgent_steps=0)]
+    assert asyncio.run(_run(tasks, yield_steps=4)) == [["a", "b"]] * 3
 
 
 def test_a_negative_yield_steps_is_refused() -> None:

@@ -90,6 +90,24 @@ async def test_steps_without_an_urgent_request_run_lower() -> None:
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # only the bulk thread lowered itself
 
 
+class BehindTask(CountTask):
+    """Never urgent after its first step; `behind` (its playback deadline near) for the steps in `behind_at`."""
+
+    def __init__(self, rid: str, steps: int, behind_at: set[int]):
+        super().__init__(rid, steps, urgent_steps=0)
+        self.behind_at = behind_at
+
+    def behind(self) -> bool:
+        return self.completion_tokens in self.behind_at
+
+
+async def test_a_request_whose_deadline_is_near_steps_at_the_stage_priority() -> None:
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    task = await run_alone(BehindTask("r", steps=4, behind_at={1, 2}), "due", bulk_nice=5)
+    low = (min(19, base + 5), "due-bulk")
+    assert task.seen == [low, (base, "due-compute"), (base, "due-compute"), low]
+
+
 async def test_without_bulk_nice_every_step_keeps_the_stage_priority() -> None:
     base = os.getpriority(os.PRIO_PROCESS, 0)
     task = await run_alone(CountTask("r", steps=3, urgent_steps=0), "flat")

@@ -271,13 +271,23 @@ def test_lanes_plan_a_first_window_beside_a_step_in_flight(model: tuple[Any, Any
     tasks["old"].step()  # its first window is done: the next is a later one
     for task in tasks.values():
         task.feed(StageChunk(tensors={"codes": codes["d"][:, 3:20]}))
-    assert not tasks["old"].urgent() and tasks["new"].urgent()  # urgent until its first window is decoded
+    old, new = tasks["old"], tasks["new"]
+    assert not old.urgent() and new.urgent()  # urgent until its first window is decoded
+    assert old.samples_out == 3 * 1920 - 555 and old.first_audio_at is not None  # the playback clock started
+    assert new.audio_left() == float("inf") and not new.behind()  # no audio yet: no playback deadline
+    old.samples_out = 10 * 24000  # as if 10 s of its audio were out: far from its playback deadline
+    assert not old.behind()
     lane = VocoderBatcher(first_lane=True)
-    ready = [tasks["old"], tasks["new"]]
+    ready = [old, new]
     assert lane.lanes(ready, free=2, busy=0) == [ready]  # nothing in flight: one step over everything
-    assert lane.lanes(ready, free=1, busy=1) == [[tasks["new"]]]  # beside a step: first windows only
-    assert lane.lanes([tasks["old"]], free=1, busy=1) == []
+    assert lane.lanes(ready, free=1, busy=1) == [[new]]  # beside a step: first windows only
+    assert lane.lanes([old], free=1, busy=1) == []
     assert lane.lanes(ready, free=0, busy=2) == []
+    # 0.217 s of audio out and 0.1 s of it played: 0.117 s left, under the margin: its deadline is near
+    old.samples_out, old.first_audio_at = 3 * 1920 - 555, time.monotonic() - 0.1
+    assert old.behind() and not old.urgent() and 0.05 < old.audio_left() < 0.118
+    assert lane.lanes([old], free=1, busy=1) == [[old]]  # so it gets the lane beside the step in flight
+    assert lane.lanes(ready, free=1, busy=1) == [[new]]  # first windows still go first
     plain = VocoderBatcher()  # no lane (a pipeline-parallel stage): the engine's own share per free slot
     assert plain.lanes(ready, free=2, busy=0) is None
     for task in tasks.values():
