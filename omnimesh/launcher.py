@@ -157,7 +157,7 @@ class MeshLauncher:
                     continue
                 st = state[child.name]
                 if code is None:
-                    if now - st.checked >= HEALTH_EVERY_S or st.starting:
+                    if self.args.stage_restarts and (now - st.checked >= HEALTH_EVERY_S or st.starting):
                         st.checked = now
                         self._check_health(child, st)
                     continue
@@ -178,7 +178,7 @@ class MeshLauncher:
             if status == "SERVING":
                 st.starting = False
                 print(f"omnimesh: stage {child.name} (pid {child.proc.pid}) is serving again", file=sys.stderr, flush=True)
-        elif status == "NOT_SERVING" and self.args.stage_restarts > 0:  # a rank died; the stage says so in its log
+        elif status == "NOT_SERVING":  # a rank died; the stage says so in its log
             print(f"omnimesh: stage {child.name} (pid {child.proc.pid}) reports NOT_SERVING (see its log above); "
                   f"stopping it", file=sys.stderr, flush=True)
             child.proc.terminate()

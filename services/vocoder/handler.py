@@ -32,11 +32,9 @@ from omnimesh.stage_registry import lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
 from services.options import count_option
 from services.vocoder.vocoder_batcher import VocoderBatcher
-from services.vocoder.vocoder_task import VocoderTask
+from services.vocoder.vocoder_task import SAMPLE_RATE, VocoderTask
 
 log = logging.getLogger(__name__)
-
-SAMPLE_RATE = 24000
 
 
 class VocoderHandler:
@@ -75,7 +73,7 @@ class VocoderHandler:
         elif "window" in msg.options or "first_window" in msg.options:
             window = count_option(msg, "window", windows[-1])
             windows = (min(count_option(msg, "first_window", windows[0]), window), window)
-        return VocoderTask(msg.request_id, self.code2wav, windows, self.transformer, SAMPLE_RATE)
+        return VocoderTask(msg.request_id, self.code2wav, windows, self.transformer)
 
 
 def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:

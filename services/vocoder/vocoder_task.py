@@ -33,12 +33,13 @@ from omnimesh.transport.frames import StageChunk
 from services.vocoder.vocoder_batcher import step_windows
 
 EDGE = "talker -> vocoder"
+SAMPLE_RATE = 24000  # Hz of Qwen3-Omni's code2wav output (not in its config)
 PLAYBACK_MARGIN_S = 0.3  # `behind` when a client playing since the first audio has less than this left
 
 
 class VocoderTask(StageTask):
     def __init__(self, request_id: str, code2wav: Qwen3OmniMoeCode2Wav, windows: tuple[int, ...],
-                 transformer: Any = None, sample_rate: int = 24000):
+                 transformer: Any = None, sample_rate: int = SAMPLE_RATE):
         """`windows`: the decode-window schedule (code_windows), e.g. (5, 25): a short first window, the
         first audio sooner. `sample_rate`: of the audio out (the playback clock of `audio_left`)."""
         super().__init__(request_id)
