@@ -21,4 +21,6 @@ if ! (ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null) | grep -q libtcm
     echo "setup: tcmalloc is not installed; omnimesh will run on glibc's malloc (install libtcmalloc-minimal4 for faster CPU serving)"
   fi
 fi
+# the fused CPU kernels (omnimesh/csrc, ~10 s with g++): built now so no stage waits for them at its first start
+python -m omnimesh.kernels.cpu_kernels
 python -c "import torch, transformers, grpc, fastapi; print(f'omnimesh env ready: torch {torch.__version__}, transformers {transformers.__version__}')"

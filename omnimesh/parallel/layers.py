@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnimesh.kernels import cpu_kernels
 from omnimesh.parallel.parallel_state import ParallelState, tp_all_gather, tp_all_reduce
 
 
@@ -286,8 +287,13 @@ class ParallelExperts(nn.Module):
         (what remains is one sum of k terms, in another order when k > 2: float rounding only)."""
         weights = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)  # (N, E)
         weights.scatter_(1, top_k_index, top_k_weights.to(x.dtype))
-        gate, up = torch.matmul(x, self.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # 2 x (E, N, I/tp)
-        y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))  # (E, N, H)
+        gate_up = torch.matmul(x, self.gate_up.transpose(1, 2))  # (E, N, 2 I/tp)
+        if cpu_kernels.use(gate_up):
+            act = cpu_kernels.ops().silu_mul(gate_up)  # (E, N, I/tp)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)  # 2 x (E, N, I/tp)
+            act = F.silu(gate) * up
+        y = torch.bmm(act, self.down.transpose(1, 2))  # (E, N, H)
         return (y * weights.t().unsqueeze(-1)).sum(0)  # (N, H)
 
     def _sparse(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

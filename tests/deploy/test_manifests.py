@@ -78,3 +78,19 @@ def test_compose_stages_share_one_ipc_namespace() -> None:
         if name != "encoder":
             assert services[name]["ipc"] == "service:encoder", name
     assert parse_bytes(services["encoder"]["shm_size"].upper().replace("GB", "GiB")) >= len(STAGES) * StageConfig().shm_arena_size
+
+
+def test_dockerfile_builds_the_cpu_kernels_with_a_compiler_it_installs() -> None:
+    """The fused CPU kernels build with g++ (omnimesh/kernels/cpu_kernels.py); without it every stage would run
+    eager PyTorch ops and warn."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert "libtcmalloc-minimal4 g++" in text
+    assert text.index("pip install --no-cache-dir .") < text.index("RUN python -m omnimesh.kernels.cpu_kernels")
+
+
+def test_the_kernel_source_ships_in_the_package() -> None:
+    import tomllib
+
+    project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())
+    assert "csrc/*.cpp" in project["tool"]["setuptools"]["package-data"]["omnimesh"]
+    assert any(dep.startswith("ninja") for dep in project["project"]["dependencies"])

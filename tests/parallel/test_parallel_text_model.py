@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from gloo_harness import build_tiny, one_thread, with_talker_routers, without_key  # noqa: F401  (one_thread: autouse)
 from transformers import DynamicCache
 
+from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni.decoder import run_decoder
 from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel, apply_rope, gqa_attention, signed_sin
 from omnimesh.models.qwen3_omni.stage_loading import load_config
@@ -226,8 +227,9 @@ def test_qkv_heads_equals_norming_and_rotating_q_and_k_apart(dtype: torch.dtype)
         k = norms[1](k.view(B, T, kv_heads, D)).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(B, T, kv_heads, D).transpose(1, 2)
 
-    for got, want in zip(qkv_heads(qkv, heads, kv_heads, D, norms, cos, sin), apart()):
-        assert torch.equal(got, want)
-    default_weight_loader(norms[1].weight, torch.randn(D, generator=g).to(dtype))  # loaded again: remade
-    for got, want in zip(qkv_heads(qkv, heads, kv_heads, D, norms, cos, sin), apart()):
-        assert torch.equal(got, want)
+    with cpu_kernels.disabled():  # the eager path's claim (the fused CPU kernel: tests/kernels, within rounding)
+        for got, want in zip(qkv_heads(qkv, heads, kv_heads, D, norms, cos, sin), apart()):
+            assert torch.equal(got, want)
+        default_weight_loader(norms[1].weight, torch.randn(D, generator=g).to(dtype))  # loaded again: remade
+        for got, want in zip(qkv_heads(qkv, heads, kv_heads, D, norms, cos, sin), apart()):
+            assert torch.equal(got, want)

@@ -10,7 +10,8 @@ Data flow for one batched step on one rank (N packed tokens of B requests, see p
     per layer: q (1, nh, N, D), k/v (1, nkv, N, D) -> PagedBatch.attend
         -> k/v written to their slots (slot = block * block_size + offset)
         -> requests with one new token (decodes): their keys gathered into a padded (Bd, nkv, Smax, D),
-           one SDPA call with a key-padding mask
+           one SDPA call with a key-padding mask; on CPU (float32) one kernel call instead writes every new
+           key and attends each decode over its own slots in the pool (`cpu_kernels.paged_decode`)
         -> requests with several new tokens (prefill chunks): one SDPA each, causal over past + chunk
         -> o (1, nh, N, D) in packed order
 Pool memory per rank: 2 x layers x num_blocks x block_size x (n_kv_heads / tp) x head_dim x dtype size.
@@ -24,7 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni.parallel_text_model import gqa_attention
+
+PAGED_KERNEL_KEYS = 16384  # the CPU kernel's limit on a decode's keys (its softmax is not vectorised; SDPA beyond)
 
 
 def block_bytes(config: Any, layers: int, tp: int, block_size: int, dtype: torch.dtype) -> int:
@@ -50,6 +54,7 @@ class BatchLayout:
     decode_rows: torch.Tensor  # (Bd,) packed rows of the one-token requests
     decode_slots: torch.Tensor  # (Bd, Smax) their keys' slots, padded with slot 0
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, Smax) bool; None when no request is padded
+    decode_lens: torch.Tensor  # (Bd,) int64 keys of each one-token request (the CPU kernel reads these)
     prefills: tuple[PrefillSlice, ...]
 
     @classmethod
@@ -91,7 +96,7 @@ class BatchLayout:
         return cls(num_tokens=row,
                    write_slots=torch.from_numpy(np.concatenate(write)) if write else torch.zeros(0, dtype=torch.long),
                    decode_rows=torch.tensor(dec_rows, dtype=torch.long), decode_slots=torch.from_numpy(padded),
-                   decode_mask=mask, prefills=tuple(prefills))
+                   decode_mask=mask, decode_lens=torch.from_numpy(lengths), prefills=tuple(prefills))
 
 
 class PagedKVPool:
@@ -120,8 +125,12 @@ class PagedBatch:
         self.decode_rows = layout.decode_rows.to(device)
         self.decode_slots = layout.decode_slots.to(device)
         self.decode_mask = None if layout.decode_mask is None else layout.decode_mask.to(device)
+        self.decode_lens = layout.decode_lens
         self.prefills = [(p.start, p.n, p.slots.to(device), None if p.mask is None else p.mask.to(device))
                          for p in layout.prefills]
+        smax = layout.decode_slots.shape[1] if layout.decode_slots.dim() == 2 else 0
+        # the CPU kernel writes every new key and attends each decode over its own slots (no padded gather)
+        self.fused = bool(pool.k) and smax <= PAGED_KERNEL_KEYS and cpu_kernels.use(pool.k[0], numel=0)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int,
                scale: float) -> torch.Tensor:
@@ -129,6 +138,12 @@ class PagedBatch:
         if not self.pool.start <= layer_idx < self.pool.end:
             raise ValueError(f"layer {layer_idx} is not in this pool's range [{self.pool.start}, {self.pool.end})")
         kp, vp = self.pool.k[layer_idx - self.pool.start], self.pool.v[layer_idx - self.pool.start]
+        if self.fused and q.dtype == kp.dtype:
+            out = q.new_empty(q.shape)  # (1, nh, N, D) contiguous; the kernel fills the decode rows
+            cpu_kernels.ops().paged_decode(q, k, v, kp, vp, self.write_slots, self.decode_rows, self.decode_slots,
+                                           self.decode_lens, scale, out)
+            self._prefill(q, kp, vp, n_rep, scale, out)
+            return out
         kp.index_copy_(0, self.write_slots, k[0].transpose(0, 1))  # (N, nkv, D) into their slots
         vp.index_copy_(0, self.write_slots, v[0].transpose(0, 1))
         out = torch.empty_like(q)  # (1, nh, N, D)
@@ -138,9 +153,14 @@ class PagedBatch:
             vd = vp[self.decode_slots].permute(0, 2, 1, 3)
             od = gqa_attention(qd, kd, vd, n_rep, scale, self.decode_mask)  # (Bd, nh, 1, D)
             out[0, :, self.decode_rows] = od[:, :, 0].transpose(0, 1)
+        self._prefill(q, kp, vp, n_rep, scale, out)
+        return out
+
+    def _prefill(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, n_rep: int, scale: float,
+                 out: torch.Tensor) -> None:
+        """The prefill chunks' rows of `out`, each over its slots (written already), one SDPA per chunk."""
         for start, n, slots, mask in self.prefills:
             qp = q[:, :, start:start + n]  # (1, nh, n, D)
             kk = kp[slots].transpose(0, 1).unsqueeze(0)  # (1, nkv, S, D)
             vv = vp[slots].transpose(0, 1).unsqueeze(0)
             out[:, :, start:start + n] = gqa_attention(qp, kk, vv, n_rep, scale, mask, is_causal=mask is None)
-        return out

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni.parallel_code_predictor import (
     CheckpointPlan,
     ParallelDenseAttention,
@@ -181,6 +182,7 @@ class ParallelCode2WavTransformer(nn.Module):
         check_code2wav_layout(config, 1, ps.tp_size)
         self.start, self.end = check_layer_range(config.num_hidden_layers, ps, layer_range)
         self.config, self.ps, self.dtype = config, ps, dtype
+        cpu_kernels.prepare(ps.device)  # fused CPU kernels for the small per-token ops (built once per machine)
         self.hidden_size, self.window = int(config.hidden_size), int(config.sliding_window)
         with torch.device(ps.device):
             self.layers = nn.ModuleList(ParallelCode2WavLayer(config, i, ps, dtype) for i in range(self.start, self.end))

@@ -39,6 +39,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
+from omnimesh.kernels import cpu_kernels
 from omnimesh.models.loader import checkpoint_files, iter_tensors
 from omnimesh.models.qwen3_omni.parallel_text_model import (
     KVCache,
@@ -47,6 +48,7 @@ from omnimesh.models.qwen3_omni.parallel_text_model import (
     gqa_attention,
     qkv_heads,
     signed_sin,
+    small_attention,
 )
 from omnimesh.parallel.layers import (
     ParallelLMHead,
@@ -151,6 +153,7 @@ class ParallelDenseAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.n_rep = heads // kv_heads
+        self.window = layer_window(config, layer_idx)
 
     @property
     def qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
@@ -162,7 +165,11 @@ class ParallelDenseAttention(nn.Module):
         q, k, v = qkv_heads(self.qkv_proj(x), self.qkv_proj.q_size // D, self.qkv_proj.kv_size // D, D, self.qk_norms,
                             cos.unsqueeze(1), sin.unsqueeze(1))  # (B, nh/tp | nkv/tp, T, D); sin: signed_sin
         k, v = cache.update(self.layer_idx, k, v)  # (B, nkv/tp, S, D): cached keys + these T
-        o = gqa_attention(q, k, v, self.n_rep, D**-0.5, mask)  # (B, nh/tp, T, D)
+        S = k.shape[2]
+        if isinstance(cache, KVCache) and small_attention(q, T, S):  # every key kept: query t at S - T + t
+            o = cpu_kernels.ops().attention(q, k, v, S - T, 0, self.window or 0, D**-0.5)  # `mask`'s rule
+        else:
+            o = gqa_attention(q, k, v, self.n_rep, D**-0.5, mask)  # (B, nh/tp, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))  # (B, T, H), all-reduced
 
 
@@ -238,6 +245,7 @@ class ParallelCodePredictor(nn.Module):
         check_dense_layout(config, 1, ps.tp_size)
         self.start, self.end = check_layer_range(config.num_hidden_layers, ps, layer_range)
         self.config, self.ps, self.dtype, self.vocab_parallel = config, ps, dtype, vocab_parallel
+        cpu_kernels.prepare(ps.device)  # fused CPU kernels for the small per-token ops (built once per machine)
         self.hidden_size, self.num_code_groups = int(config.hidden_size), int(config.num_code_groups)
         if self.num_code_groups < 2:
             raise ValueError(f"num_code_groups={self.num_code_groups} leaves no residual code to predict (needs >= 2)")

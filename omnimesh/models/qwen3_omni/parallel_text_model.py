@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnimesh.kernels import cpu_kernels
 from omnimesh.models.loader import checkpoint_files, iter_tensors
 from omnimesh.parallel.layers import (
     MergedColumnParallelLinear,
@@ -100,6 +101,8 @@ class KVCache:
         T = q.shape[2]
         k, v = self.update(layer_idx, k, v)  # (1, nkv, S, D)
         past = k.shape[2] - T  # this layer's cached tokens before this step
+        if small_attention(q, T, k.shape[2]):
+            return cpu_kernels.ops().attention(q, k, v, past, 0, 0, scale)  # query t at past + t: causal
         mask = None  # SDPA's own causal mask covers a prefill from empty and single-token decode
         if T > 1 and past > 0:  # chunked prefill: query i sees keys 0..past+i
             mask = torch.arange(past + T, device=q.device)[None, :] <= torch.arange(past, past + T, device=q.device)[:, None]
@@ -133,8 +136,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.use(x) and self.weight.dtype == torch.float32:
+            return cpu_kernels.ops().rms_norm(x, self.weight, self.eps)  # one pass per row (5 aten ops eager)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel, bit-identical in fp32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # bit-identical to transformers in fp32
         return self.weight * self.normalize(x)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,8 +158,14 @@ def qkv_heads(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, norms
     """qkv (B, T, (heads + 2 kv_heads) D), the fused projection -> q (B, heads, T, D), k and v (B, kv_heads, T, D),
     q and k per-head RMS-normed (`norms` = (q_norm, k_norm), or None) and rotated (`apply_rope`; cos and
     sin_signed broadcast to (B, 1, T, D)). q and k go through ONE normalisation (each head then scaled by
-    its norm's weight) and ONE rotation: the same bits as norming and rotating them apart, in half the ops."""
+    its norm's weight) and ONE rotation: the same bits as norming and rotating them apart, in half the ops.
+    On CPU (float32) all of it is one kernel (`cpu_kernels`: q, k, v come back contiguous)."""
     B, T = qkv.shape[0], qkv.shape[1]
+    if cpu_kernels.use(qkv) and cos.dtype == torch.float32:
+        qw, kw = (norms[0].weight, norms[1].weight) if norms is not None else (None, None)
+        tables = cos.reshape(-1, T, head_dim), sin_signed.reshape(-1, T, head_dim)  # (1 | B, T, D)
+        return cpu_kernels.ops().qk_norm_rope(qkv, heads, kv_heads, head_dim, qw, kw,
+                                              norms[0].eps if norms is not None else 0.0, *tables)
     h = qkv.view(B, T, heads + 2 * kv_heads, head_dim)
     qk = h[:, :, :heads + kv_heads]  # (B, T, heads + kv_heads, D)
     if norms is not None:
@@ -201,6 +212,23 @@ class MRotary(nn.Module):
                 thw[..., idx] = f[dim, ..., idx]
             out.append(torch.cat((thw, thw), dim=-1).to(dtype))  # (1, T, D)
         return out[0], out[1]
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (3, 1, T) -> cos, signed_sin (1, T, D): what `qkv_heads` takes (one kernel on CPU)."""
+        if dtype == torch.float32 and positions.device.type == "cpu" and cpu_kernels.use(self.inv_freq):
+            return cpu_kernels.ops().mrope(positions.reshape(3, -1).float(), self.inv_freq, self.mrope_section[1],
+                                           self.mrope_section[2])
+        cos, sin = self(positions, dtype)
+        return cos, signed_sin(sin)
+
+
+SMALL_ATTENTION = 4096  # queries x keys per head up to which the CPU attention kernel runs (decode, tiny steps)
+
+
+def small_attention(q: torch.Tensor, T: int, S: int) -> bool:
+    """Whether T queries of q (float32, CPU) over S keys go to `cpu_kernels`' attention instead of SDPA (whose
+    flash kernel costs ~15 us a call at any size, and wins on long ones: it vectorises the softmax)."""
+    return T * S <= SMALL_ATTENTION and cpu_kernels.use(q)
 
 
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int, scale: float,
@@ -264,8 +292,18 @@ class ParallelMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, reduce_results=reduce, **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x (..., I/tp)
+        gate_up = self.gate_up_proj(x)  # (..., 2 I/tp)
+        if cpu_kernels.use(gate_up):
+            return self.down_proj(cpu_kernels.ops().silu_mul(gate_up))  # (..., H)
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x (..., I/tp)
         return self.down_proj(F.silu(gate) * up)  # (..., H)
+
+
+# The fused MoE kernel's limit (multiply-adds of a step's routed + shared experts), where one thread's per-token
+# loops (weights read per token) stop beating aten's GEMMs plus their per-op cost. Measured on the tiny model
+# (1 thread): fused 12 / 22 / 53 us at 1 / 16 / 64 tokens against aten's 33 / 61 / 148; a real checkpoint's one
+# token (128 experts of 2048 x 768, top-8: ~38M) never qualifies
+FUSED_MOE_MACS = 1 << 21
 
 
 class ParallelSparseMoe(nn.Module):
@@ -291,6 +329,12 @@ class ParallelSparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         h = x.reshape(-1, shape[-1])  # (N, H)
+        if self.fused(h):
+            shared = self.shared_expert
+            out = cpu_kernels.ops().moe(h, self.router, self.experts.gate_up, self.experts.down, self.top_k,
+                                        bool(self.norm_topk), None if shared is None else shared.gate_up_proj.weight,
+                                        None if shared is None else shared.down_proj.weight, self.shared_expert_gate)
+            return tp_all_reduce(out, self.ps).reshape(shape)  # (N, H) partial over TP, like the path below
         logits = F.linear(h, self.router)  # (N, E)
         probs = F.softmax(logits, dim=-1, dtype=torch.float)  # (N, E)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
@@ -301,6 +345,14 @@ class ParallelSparseMoe(nn.Module):
             # sigmoid(gate) * sum_r(partial_r) == sum_r(sigmoid(gate) * partial_r): still one all-reduce
             out = out + torch.sigmoid(F.linear(h, self.shared_expert_gate)) * self.shared_expert(h)
         return tp_all_reduce(out, self.ps).reshape(shape)  # (1, T, H)
+
+    def fused(self, h: torch.Tensor) -> bool:
+        """Whether this step's N tokens go to the CPU MoE kernel (router, top-k, experts, shared expert in one
+        call): float32 CPU, and few enough multiply-adds (`FUSED_MOE_MACS`) that one thread's loops beat aten's
+        GEMMs plus their per-op cost."""
+        experts = self.experts
+        macs = h.shape[0] * (self.top_k + (self.shared_expert is not None)) * 3 * experts.inter_per_rank * h.shape[1]
+        return macs <= FUSED_MOE_MACS and cpu_kernels.use(h)
 
 
 class ParallelDecoderLayer(nn.Module):
@@ -335,6 +387,7 @@ class ParallelTextModel(nn.Module):
             raise ValueError(f"pipeline rank {ps.pp_rank} of {ps.pp_size} got layer_range {layer_range}: the first "
                              f"rank must start at 0 and the last must end at {n}; use partition_layers({n}, {ps.pp_size})")
         self.config, self.ps, self.is_talker = config, ps, is_talker
+        cpu_kernels.prepare(ps.device)  # fused CPU kernels for the small per-token ops (built once per machine)
         self.start, self.end, self.num_layers = start, end, n
         tp: dict[str, Any] = {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "ps": ps, "params_dtype": dtype}
         with torch.device(ps.device):
@@ -380,8 +433,7 @@ class ParallelTextModel(nn.Module):
         # (3, 1, T) t/h/w rows; row 0 of a (4, 1, T) (text positions) only shapes transformers' mask, and for
         # unpadded requests it equals the cache positions, which is what the caches' causal masks are built from
         mrope = position_ids[-3:]
-        cos, sin = self.rotary(mrope.to(x.device), x.dtype)  # (1, T, D) each
-        sin = signed_sin(sin)  # what apply_rope takes
+        cos, sin = self.rotary.tables(mrope.to(x.device), x.dtype)  # (1, T, D) each; sin: signed_sin
         hidden = x  # (1, T, H)
         captured = hidden if capture_layer == 0 and self.start == 0 else None
         for idx, layer in zip(range(self.start, self.end), self.layers):
