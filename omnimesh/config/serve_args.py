@@ -59,9 +59,10 @@ class ServeArgs:
                             "then 2 s at a time (the next 25 must come at 5x real time or playback runs dry); "
                             "5,10,20,25: doubling, smooth playback from real time on, one more decode per request",
                             "--audio-windows")
-    enforce_eager: bool = _f(False, "eager PyTorch only, as vLLM's flag: no CUDA graphs and no "
-                              "torch.compile'd kernels (on CPU the vocoder compiles its SnakeBeta activation at "
-                              "start-up unless this is set)", "--enforce-eager", action="store_true")
+    enforce_eager: bool = _f(False, "no CUDA graphs and no torch.compile'd kernels, as vLLM's flag (with "
+                              "omnimesh's fused CPU kernels off, OMNIMESH_CPU_KERNELS=0, the vocoder compiles its "
+                              "SnakeBeta activation at start-up unless this is set; the fused kernels are ops, "
+                              "not compiled graphs, and run either way)", "--enforce-eager", action="store_true")
     trust_remote_code: bool = _f(False, "accepted for vLLM compatibility and has no effect: omnimesh runs its own "
                                   "model code and reads only config, weights and tokenizer files, so no code "
                                   "from the model folder runs either way", "--trust-remote-code", action="store_true")

@@ -11,14 +11,17 @@
 //   paged_decode   writes a step's new k / v into the paged pool and attends each one-token request
 //                  over its own slots (no gather of the keys into a padded batch)
 //   silu_mul       silu(x[..., :I]) * x[..., I:]
+//   snake          the vocoder's SnakeBeta, x + inv_beta * sin(alpha x)^2 per channel (Sleef's vectorised sin)
 //   moe            router softmax -> top-k (at::topk itself, so ties break as transformers') -> the
 //                  routed experts (+ a sigmoid-gated shared expert) token by token
 // Data flow: omnimesh/kernels/cpu_kernels.py builds this file once per machine (torch.utils.cpp_extension,
 // cached) and the model layers call torch.ops.omnimesh.* for float32 CPU tensors of small steps; everything
 // else (CUDA, other dtypes, large steps where aten's vectorised and threaded kernels win) stays on aten.
-// Every kernel is single-threaded and works row by row, so a row's result does not depend on the batch
-// it is in. Values equal the eager formulas up to float rounding (tests/kernels).
+// Every kernel works row by row (a row's result does not depend on the batch it is in); a large call spreads
+// its rows over the process's intra-op threads (at::parallel_for), a small one runs inline on the calling
+// thread. Values equal the eager formulas up to float rounding (tests/kernels).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -27,6 +30,7 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#include <sleef.h>  // ships with torch (torch/include); libtorch_cpu exports its vectorised sin
 #endif
 
 namespace {
@@ -61,6 +65,10 @@ inline void gemv(const float* W, const float* x, int64_t rows, int64_t cols, flo
   for (int64_t r = 0; r < rows; ++r) y[r] = dot(W + r * cols, x, cols);
 }
 
+// rows per task of at::parallel_for for rows of `per_row` floats of work: a small step runs inline on the calling
+// thread (no pool hand-off), a large one spreads over the process's intra-op threads (torch.set_num_threads)
+inline int64_t grain(int64_t per_row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, per_row)); }
+
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
 inline float inv_rms(const float* x, int64_t n, float eps) {
@@ -93,16 +101,18 @@ at::Tensor rms_norm(const at::Tensor& x_in, const c10::optional<at::Tensor>& wei
   const float* wp = w.defined() ? w.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  for (int64_t i = 0; i < N; ++i) {
-    const float* r = xp + i * H;
-    float* o = op + i * H;
-    const float inv = inv_rms(r, H, e);
-    if (wp) {
-      for (int64_t j = 0; j < H; ++j) o[j] = (r[j] * inv) * wp[j];
-    } else {
-      for (int64_t j = 0; j < H; ++j) o[j] = r[j] * inv;
+  at::parallel_for(0, N, grain(H), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* r = xp + i * H;
+      float* o = op + i * H;
+      const float inv = inv_rms(r, H, e);
+      if (wp) {
+        for (int64_t j = 0; j < H; ++j) o[j] = (r[j] * inv) * wp[j];
+      } else {
+        for (int64_t j = 0; j < H; ++j) o[j] = r[j] * inv;
+      }
     }
-  }
+  });
   return out;
 }
 
@@ -145,10 +155,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope(
   float* vp = v.data_ptr<float>();
   const float e = static_cast<float>(eps);
   const int64_t half = D / 2;
-  std::vector<float> y(D);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t cb = cs.size(0) == 1 ? 0 : b;
-    for (int64_t t = 0; t < T; ++t) {
+  at::parallel_for(0, B * T, grain(W), [&](int64_t begin, int64_t end) {
+    std::vector<float> y(D);
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T, t = bt % T, cb = cs.size(0) == 1 ? 0 : b;
       const float* row = src + (b * T + t) * W;
       const float* c = cp + (cb * T + t) * D;
       const float* s = sp + (cb * T + t) * D;
@@ -171,7 +181,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope(
         std::copy(x, x + D, vp + ((b * kv_heads + hh) * T + t) * D);
       }
     }
-  }
+  });
   return {q, k, v};
 }
 
@@ -247,12 +257,13 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  std::vector<const float*> ks(S), vs(S);
-  std::vector<float> p;
   const float sc = static_cast<float>(scale);
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t g = 0; g < kv; ++g) {
-      for (int64_t t = 0; t < T; ++t) {
+  at::parallel_for(0, B * kv * T, grain(rep * S * D), [&](int64_t begin, int64_t end) {
+    std::vector<const float*> ks(S), vs(S);
+    std::vector<float> p;
+    for (int64_t bgt = begin; bgt < end; ++bgt) {
+      const int64_t b = bgt / (kv * T), g = bgt / T % kv, t = bgt % T;
+      {
         const int64_t qpos = q_start + t;
         int64_t n = 0;
         for (int64_t j = 0; j < S; ++j) {
@@ -267,7 +278,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
           attend_row(qp + ((b * h + hh) * T + t) * D, D, n, ks.data(), vs.data(), sc, op + ((b * h + hh) * T + t) * D, p);
       }
     }
-  }
+  });
   return out;
 }
 
@@ -312,24 +323,28 @@ void paged_decode(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  std::vector<const float*> ks(Smax), vs(Smax);
-  std::vector<float> p;
+  for (int64_t i = 0; i < Bd; ++i) {  // every index checked before any thread reads the pool
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < N && lp[i] >= 1 && lp[i] <= Smax, "omnimesh kernel: decode row ", i,
+                " (packed row ", rp[i], ", ", lp[i], " keys) is outside the step");
+    for (int64_t j = 0; j < lp[i]; ++j)
+      TORCH_CHECK(sp[i * Smax + j] >= 0 && sp[i * Smax + j] < num_slots, "omnimesh kernel: slot ", sp[i * Smax + j],
+                  " is outside the pool's ", num_slots);
+  }
   const float sc = static_cast<float>(scale);
-  for (int64_t i = 0; i < Bd; ++i) {
-    const int64_t r = rp[i], n = lp[i];
-    TORCH_CHECK(r >= 0 && r < N && n >= 1 && n <= Smax, "omnimesh kernel: decode row ", i, " (packed row ", r,
-                ", ", n, " keys) is outside the step");
-    for (int64_t g = 0; g < kv; ++g) {
+  at::parallel_for(0, Bd * kv, grain(rep * Smax * D), [&](int64_t begin, int64_t end) {
+    std::vector<const float*> ks(Smax), vs(Smax);
+    std::vector<float> p;
+    for (int64_t ig = begin; ig < end; ++ig) {
+      const int64_t i = ig / kv, g = ig % kv, r = rp[i], n = lp[i];
       for (int64_t j = 0; j < n; ++j) {
         const int64_t s = sp[i * Smax + j];
-        TORCH_CHECK(s >= 0 && s < num_slots, "omnimesh kernel: slot ", s, " is outside the pool's ", num_slots);
         ks[j] = kpp + (s * kv + g) * D;
         vs[j] = vpp + (s * kv + g) * D;
       }
       for (int64_t hh = g * rep; hh < (g + 1) * rep; ++hh)
         attend_row(qp + (hh * N + r) * D, D, n, ks.data(), vs.data(), sc, op + (hh * N + r) * D, p);
     }
-  }
+  });
 }
 
 at::Tensor silu_mul(const at::Tensor& x_in) {
@@ -342,12 +357,14 @@ at::Tensor silu_mul(const at::Tensor& x_in) {
   at::Tensor out = at::empty(sizes, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < N; ++i) {
-    const float* g = xp + i * W;
-    const float* u = g + I;
-    float* o = op + i * I;
-    for (int64_t j = 0; j < I; ++j) o[j] = silu(g[j]) * u[j];
-  }
+  at::parallel_for(0, N, grain(W), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* g = xp + i * W;
+      const float* u = g + I;
+      float* o = op + i * I;
+      for (int64_t j = 0; j < I; ++j) o[j] = silu(g[j]) * u[j];
+    }
+  });
   return out;
 }
 
@@ -402,29 +419,78 @@ at::Tensor moe(const at::Tensor& h_in, const at::Tensor& router_in, const at::Te
   const float* dp = down.data_ptr<float>();
   at::Tensor out = at::zeros({N, H}, h.options());
   float* op = out.data_ptr<float>();
-  std::vector<float> gu(std::max(I2, Is2)), act(std::max(I2, Is2) / 2), y(H);
-  for (int64_t n = 0; n < N; ++n) {
-    const float* x = hp + n * H;
-    float* o = op + n * H;
-    float wsum = 0.f;
-    for (int64_t j = 0; j < top_k; ++j) wsum += twp[n * top_k + j];
-    for (int64_t j = 0; j < top_k; ++j) {
-      const float w = norm_topk ? twp[n * top_k + j] / wsum : twp[n * top_k + j];
-      const int64_t e = tip[n * top_k + j];
-      gemv(gup + e * I2 * H, x, I2, H, gu.data());
-      for (int64_t i = 0; i < I; ++i) act[i] = silu(gu[i]) * gu[I + i];
-      gemv(dp + e * H * I, act.data(), H, I, y.data());
-      for (int64_t d = 0; d < H; ++d) o[d] += y[d] * w;
+  const int64_t token_macs = (top_k * 3 * I + (shared ? 3 * Is2 / 2 : 0)) * H;
+  at::parallel_for(0, N, grain(token_macs), [&](int64_t begin, int64_t end) {
+    std::vector<float> gu(std::max(I2, Is2)), act(std::max(I2, Is2) / 2), y(H);
+    for (int64_t n = begin; n < end; ++n) {
+      const float* x = hp + n * H;
+      float* o = op + n * H;
+      float wsum = 0.f;
+      for (int64_t j = 0; j < top_k; ++j) wsum += twp[n * top_k + j];
+      for (int64_t j = 0; j < top_k; ++j) {
+        const float w = norm_topk ? twp[n * top_k + j] / wsum : twp[n * top_k + j];
+        const int64_t e = tip[n * top_k + j];
+        gemv(gup + e * I2 * H, x, I2, H, gu.data());
+        for (int64_t i = 0; i < I; ++i) act[i] = silu(gu[i]) * gu[I + i];
+        gemv(dp + e * H * I, act.data(), H, I, y.data());
+        for (int64_t d = 0; d < H; ++d) o[d] += y[d] * w;
+      }
+      if (shared) {
+        const int64_t Is = Is2 / 2;
+        const float g = 1.0f / (1.0f + std::exp(-dot(sgate.data_ptr<float>(), x, H)));
+        gemv(sgu.data_ptr<float>(), x, Is2, H, gu.data());
+        for (int64_t i = 0; i < Is; ++i) act[i] = silu(gu[i]) * gu[Is + i];
+        gemv(sdown.data_ptr<float>(), act.data(), H, Is, y.data());
+        for (int64_t d = 0; d < H; ++d) o[d] += g * y[d];
+      }
     }
-    if (shared) {
-      const int64_t Is = Is2 / 2;
-      const float g = 1.0f / (1.0f + std::exp(-dot(sgate.data_ptr<float>(), x, H)));
-      gemv(sgu.data_ptr<float>(), x, Is2, H, gu.data());
-      for (int64_t i = 0; i < Is; ++i) act[i] = silu(gu[i]) * gu[Is + i];
-      gemv(sdown.data_ptr<float>(), act.data(), H, Is, y.data());
-      for (int64_t d = 0; d < H; ++d) o[d] += g * y[d];
+  });
+  return out;
+}
+
+// SnakeBeta of x (B, C, T): x + inv_beta[c] * sin(alpha[c] * x)^2, alpha = exp(a), inv_beta = 1 / (exp(b) + eps)
+// made by the caller once per module. The sine is Sleef's 3.5-ulp one, as inductor's kernels use.
+at::Tensor snake(const at::Tensor& x_in, const at::Tensor& alpha_in, const at::Tensor& inv_beta_in) {
+  check_cpu_f32(x_in, "x");
+  check_cpu_f32(alpha_in, "alpha");
+  check_cpu_f32(inv_beta_in, "inv_beta");
+  TORCH_CHECK(x_in.dim() == 3, "omnimesh kernel: snake takes x (B, C, T), got ", x_in.sizes());
+  const at::Tensor x = x_in.contiguous(), alpha = alpha_in.contiguous(), inv_beta = inv_beta_in.contiguous();
+  const int64_t B = x.size(0), C = x.size(1), T = x.size(2);
+  TORCH_CHECK(alpha.numel() == C && inv_beta.numel() == C, "omnimesh kernel: snake needs one alpha and inv_beta per "
+              "channel (", C, "), got ", alpha.numel(), " and ", inv_beta.numel());
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* ap = alpha.data_ptr<float>();
+  const float* bp = inv_beta.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * C, grain(T), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float a = ap[r % C], ib = bp[r % C];
+      const float* xr = xp + r * T;
+      float* o = op + r * T;
+      int64_t t = 0;
+#if defined(__AVX512F__)
+      const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(ib);
+      for (; t + 16 <= T; t += 16) {
+        const __m512 v = _mm512_loadu_ps(xr + t);
+        const __m512 sn = Sleef_sinf16_u35(_mm512_mul_ps(v, va));
+        _mm512_storeu_ps(o + t, _mm512_add_ps(v, _mm512_mul_ps(vb, _mm512_mul_ps(sn, sn))));
+      }
+#elif defined(__AVX2__)
+      const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(ib);
+      for (; t + 8 <= T; t += 8) {
+        const __m256 v = _mm256_loadu_ps(xr + t);
+        const __m256 sn = Sleef_sinf8_u35(_mm256_mul_ps(v, va));
+        _mm256_storeu_ps(o + t, _mm256_add_ps(v, _mm256_mul_ps(vb, _mm256_mul_ps(sn, sn))));
+      }
+#endif
+      for (; t < T; ++t) {
+        const float sn = std::sin(xr[t] * a);
+        o[t] = xr[t] + ib * (sn * sn);
+      }
     }
-  }
+  });
   return out;
 }
 
@@ -439,6 +505,7 @@ TORCH_LIBRARY(omnimesh, m) {
   m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_slots, "
         "Tensor rows, Tensor slots, Tensor lens, float scale, Tensor(c!) out) -> ()");
   m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("snake(Tensor x, Tensor alpha, Tensor inv_beta) -> Tensor");
   m.def("moe(Tensor h, Tensor router, Tensor gate_up, Tensor down, int top_k, bool norm_topk, Tensor? shared_gate_up, "
         "Tensor? shared_down, Tensor? shared_gate) -> Tensor");
 }
@@ -450,5 +517,6 @@ TORCH_LIBRARY_IMPL(omnimesh, CPU, m) {
   m.impl("attention", &attention);
   m.impl("paged_decode", &paged_decode);
   m.impl("silu_mul", &silu_mul);
+  m.impl("snake", &snake);
   m.impl("moe", &moe);
 }

@@ -6,10 +6,11 @@ over a small or paged cache, silu * up, a small MoE step). This module compiles 
 with `torch.utils.cpp_extension` (g++ and ninja; ~10 s) into the omnimesh cache, keyed by the source, torch
 and the CPU's instruction set, and loads it into every process that runs a model on the CPU.
 
-Data flow: a model layer built for a CPU device calls `load()` (the first call builds or loads, later calls
-return at once) and, per call, `use(x)` decides whether the kernel takes this tensor (CPU, float32, small
-enough that one thread beats aten's vectorised, threaded kernels: `small`); otherwise the layer runs its
-eager PyTorch code, which stays the reference (tests/kernels compare both).
+Data flow: a model layer built for a CPU device calls `prepare(device)` (the first call builds or loads,
+later calls return at once) and, per call, `use(x)` says whether the kernels take this tensor (loaded, CPU,
+float32; the attention, paged-decode and MoE layers add a size limit past which aten's algorithm wins);
+otherwise the layer runs its eager PyTorch code, which stays the reference (tests/kernels compare both).
+A kernel spreads a large call over the process's intra-op threads and runs a small one inline.
 
 `OMNIMESH_CPU_KERNELS`: `auto` (default: build, and on failure warn once and run eager), `0` (never: eager
 PyTorch), `1` (required: a failed build is an error). `python -m omnimesh.kernels.cpu_kernels` builds ahead
@@ -37,12 +38,9 @@ log = logging.getLogger(__name__)
 
 ENV = "OMNIMESH_CPU_KERNELS"
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_kernels.cpp"
-# above this many elements aten's threaded, vectorised kernels can beat one thread of ours (when the process
-# runs more than one torch thread; omnimesh's CPU stages run one each, see stage_server)
-SMALL_NUMEL = 1 << 18
-
 _state: str | None = None  # None: not tried; "loaded"; else why not
-ready = False  # the kernels are loaded in this process (what `use` reads)
+ready = False  # the kernels are loaded in this process and not `disabled` (what `use` reads)
+_off = 0  # `disabled` blocks open
 
 
 class KernelsUnavailable(RuntimeError):
@@ -106,8 +104,8 @@ def load() -> bool:
                     "Install g++ and ninja (pip install ninja) to build them, or set %s=0 to silence this",
                     _state, ENV)
         return False
-    _state, ready = "loaded", True
-    return True
+    _state, ready = "loaded", _off == 0
+    return ready
 
 
 def _load() -> None:
@@ -151,22 +149,24 @@ def ops() -> torch._ops._OpNamespace:
     return torch.ops.omnimesh
 
 
-def use(x: torch.Tensor, numel: int | None = None) -> bool:
-    """Whether a kernel takes `x`: loaded, a float32 CPU tensor, and small enough (`numel`, default x's; any
-    size when the process runs one torch thread, as omnimesh's CPU stages do)."""
-    return ready and x.dtype is torch.float32 and x.device.type == "cpu" and (
-        (x.numel() if numel is None else numel) <= SMALL_NUMEL or torch.get_num_threads() == 1)
+def use(x: torch.Tensor) -> bool:
+    """Whether a kernel takes `x`: the kernels are loaded and `x` is a float32 CPU tensor. (Each layer adds
+    its own size rule where aten's algorithm wins on large inputs: attention, the paged decode, the MoE.)"""
+    return ready and x.dtype is torch.float32 and x.device.type == "cpu"
 
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Eager PyTorch inside the block, loaded or not (tests: the reference the kernels are checked against)."""
-    global ready
-    was, ready = ready, False
+    """Eager PyTorch inside the block, loaded or not (tests: the reference the kernels are checked against);
+    `load` and `prepare` say False inside it."""
+    global ready, _off
+    _off += 1
+    ready = False
     try:
         yield
     finally:
-        ready = was
+        _off -= 1
+        ready = _off == 0 and _state == "loaded"
 
 
 def main() -> int:

@@ -7,8 +7,8 @@ code_windows) is the stage's schedule, advertised in Info so that the talker chu
 Per request, option `windows` (a schedule) or `window` / `first_window` (at most `window`) override it. Any
 windows, and any batch a request shares a step with, give the same samples (to float rounding, ~1e-7).
 The stage's max_num_batched_tokens caps the codes decoded in one step (default: no cap). On CPU the
-SnakeBeta activations run as one compiled kernel (snake_kernel; compiled at start-up, a few seconds);
-`--enforce-eager` keeps eager PyTorch.
+SnakeBeta activations run as one kernel (snake_kernel): omnimesh's fused CPU kernel, or, with those off
+(OMNIMESH_CPU_KERNELS=0), a torch.compile'd one made at start-up (a few seconds) unless `--enforce-eager`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.task import StageRequestError
+from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni.code2wav import CPU_CONV_ROWS
 from omnimesh.models.qwen3_omni.code2wav_shard import Code2WavTransformerBackend
 from omnimesh.models.qwen3_omni.code_windows import DEFAULT_WINDOWS, parse_windows
@@ -80,7 +81,9 @@ def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:
     failure = StageFailure()
     layout = lm_layout(args, "vocoder", failure)
     code2wav, transformer = load_code2wav(model_dir, resolve_dtype(args), layout)
-    if args.enforce_eager:
+    if cpu_kernels.prepare(next(code2wav.parameters()).device):
+        log.info("vocoder: SnakeBeta runs as omnimesh's fused CPU kernel")
+    elif args.enforce_eager:
         use_eager()
     else:  # before serving: no request waits on a compile
         started = time.perf_counter()

@@ -288,3 +288,25 @@ def test_a_machine_that_cannot_build_runs_eager_or_stops_when_they_are_required(
     assert "omnimesh CPU kernels unavailable" in auto.stderr and "Install g++ and ninja" in auto.stderr
     required = probe({**env, cpu_kernels.ENV: "1"})
     assert "error KernelsUnavailable" in required.stdout and "install g++ and ninja" in required.stdout
+
+
+def test_large_calls_spread_over_threads_with_the_same_values(kernels: Any) -> None:
+    """Rows are independent, so a call split over two intra-op threads gives the bits of one thread; an error
+    raised on a worker thread reaches the caller."""
+    from tests.models.qwen3_omni_fixtures import torch_threads
+
+    g = gen(12)
+    x, w = torch.randn(4096, 64, generator=g), torch.randn(64, generator=g)
+    act = 3 * torch.randn(2, 16, 40000, generator=g)
+    alpha, inv_beta = torch.rand(1, 16, 1, generator=g) + 0.5, torch.rand(1, 16, 1, generator=g)
+    q, k = torch.randn(64, 4, 3, 16, generator=g), torch.randn(64, 2, 9, 16, generator=g)
+    calls = [lambda: kernels.rms_norm(x, w, 1e-6), lambda: kernels.snake(act, alpha, inv_beta),
+             lambda: kernels.silu_mul(x), lambda: kernels.attention(q, k, k, 6, 0, 0, 0.25)]
+    with torch_threads(1):
+        one = [f() for f in calls]
+    with torch_threads(2):
+        two = [f() for f in calls]
+        with pytest.raises(RuntimeError, match="sees no key"):
+            kernels.attention(q, k, k, 0, 4, 0, 0.25)  # keys start after the first queries: an error on a worker
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from qwen3_omni_fixtures import audible_code2wav, torch_threads
 
+from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni import snake_kernel
 from omnimesh.models.qwen3_omni.code2wav import Code2WavStreamer, stream_decode
 
@@ -24,15 +25,21 @@ def one_thread():  # type: ignore[no-untyped-def]
         yield
 
 
-@pytest.fixture(scope="module", params=["eager", "compiled"], autouse=True)
+@pytest.fixture(scope="module", params=["eager", "compiled", "fused"], autouse=True)
 def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test runs with eager SnakeBeta math and with the vocoder stage's compiled kernel."""
+    """Every test runs with eager PyTorch math (SnakeBeta and the pre-transformer's ops), with the compiled
+    SnakeBeta kernel, and with omnimesh's fused CPU kernels (what a vocoder stage runs on CPU)."""
     before = snake_kernel._active
-    if request.param == "compiled":
-        assert snake_kernel.compile_snake("cpu")
-    else:
-        snake_kernel.use_eager()
-    yield request.param
+    if request.param == "fused":
+        assert cpu_kernels.load()
+        yield request.param
+        return
+    with cpu_kernels.disabled():
+        if request.param == "compiled":
+            assert snake_kernel.compile_snake("cpu")
+        else:
+            snake_kernel.use_eager()
+        yield request.param
     snake_kernel._active = before
 
 
@@ -125,8 +132,8 @@ def test_snake_with_its_constants_made_once_equals_transformers(kernel: str) -> 
 
     from omnimesh.models.qwen3_omni.streaming_convs import _snake
 
-    if kernel == "compiled":
-        pytest.skip("bit-identity is the eager kernel's (the compiled one: test_snake_kernel)")
+    if kernel != "eager":
+        pytest.skip("bit-identity is the eager kernel's (the others: test_snake_kernel)")
     m = Qwen3OmniMoeSnakeBeta(8)
     x = torch.randn(2, 8, 100, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -130,7 +130,7 @@ class PagedBatch:
                          for p in layout.prefills]
         smax = layout.decode_slots.shape[1] if layout.decode_slots.dim() == 2 else 0
         # the CPU kernel writes every new key and attends each decode over its own slots (no padded gather)
-        self.fused = bool(pool.k) and smax <= PAGED_KERNEL_KEYS and cpu_kernels.use(pool.k[0], numel=0)
+        self.fused = bool(pool.k) and smax <= PAGED_KERNEL_KEYS and cpu_kernels.use(pool.k[0])
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int,
                scale: float) -> torch.Tensor:

@@ -1,20 +1,23 @@
-"""SnakeBeta's elementwise math, x + inv_beta * sin(x * alpha)^2, as ONE compiled kernel on CPU.
+"""SnakeBeta's elementwise math, x + inv_beta * sin(x * alpha)^2, as ONE kernel on CPU.
 
 Role: the vocoder's activation (every `SnakeBeta` of code2wav's decoder, called by `streaming_convs`).
-Eager PyTorch runs the formula as four passes over the activations, and on CPU aten's `sin` is not
-vectorised: at the decoder's last blocks (n codes x 1920 samples per row) the activations cost more than
-the convs around them. Measured on this project's CPU machine (one thread, AVX512), a (2, 16, 96000)
-activation: eager 19 ms, of which `sin` 16 ms; compiled 1.4 ms. Inductor fuses the four ops into one
-vectorised loop; the values differ from the eager formula by float rounding only (max 4.8e-7 measured on
-activations up to ~5), so the stream stays within the 1e-5 of one-piece decoding its tests hold it to.
-A compiled call has a fixed cost (its guards and wrappers, ~25 us here) that eager does not: activations
-under `EAGER_BELOW` elements run eager (measured: (4, 32, 50) eager 17 us, compiled 30 us; (4, 32, 400)
-eager 90 us, compiled 50 us).
+Eager PyTorch runs the formula as four passes over the activations; at the decoder's last blocks (n codes x
+1920 samples per row) the activations cost about what the convs around them do. Three ways to run it, the
+first available wins:
+  1. omnimesh's fused CPU kernel (`cpu_kernels`, `torch.ops.omnimesh.snake`: one pass, Sleef's vectorised sine,
+     ~2 us fixed cost a call). Measured on this project's CPU machine (one thread, AVX-512): (1, 4, 47499)
+     35 us against 54 compiled and 257 eager; (1, 32, 800) 6 us against 22 and 34; (1, 32, 7) 2.1 us
+     against 17.5 and 5.1;
+  2. a `torch.compile`d kernel (inductor fuses the four ops; ~25 us of guards and wrappers a call, so
+     activations under `EAGER_BELOW` elements run eager), when the fused kernels are off
+     (OMNIMESH_CPU_KERNELS=0): the vocoder stage compiles it at start-up unless `--enforce-eager`;
+  3. the eager formula (CUDA, not measured there; no C++ compiler; `--enforce-eager` without the kernels).
+The values differ from the eager formula by float rounding only (max ~1e-6 on activations up to ~10), so the
+stream stays within the 1e-5 of one-piece decoding its tests hold it to.
 
-Data flow: the vocoder stage calls `compile_snake(device)` once at start-up (before it serves; dynamic
-shapes, warmed for one row and several, so no request waits on a compile) unless `--enforce-eager`;
-`snake(x (B, C, T), alpha (1, C, 1), inv_beta (1, C, 1))` then runs the compiled kernel. Without that call,
-on CUDA (not measured there) or when compiling fails (no C++ compiler: logged once), it is the eager formula.
+Data flow: `snake(x (B, C, T), alpha (1, C, 1), inv_beta (1, C, 1))` picks the kernel per call; the vocoder
+stage calls `compile_snake(device)` once at start-up (dynamic shapes, warmed for one row and several, so no
+request waits on a compile) only when the fused kernel is not loaded.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import logging
 from collections.abc import Callable
 
 import torch
+
+from omnimesh.kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +42,10 @@ _active: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = sn
 
 
 def snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
-    """x (B, C, T), alpha / inv_beta (1, C, 1) -> (B, C, T) with the kernel this process uses (eager for
-    small activations)."""
+    """x (B, C, T), alpha / inv_beta (1, C, 1) -> (B, C, T) with the kernel this process uses: the fused CPU
+    kernel, else the compiled one (eager for small activations), else eager."""
+    if cpu_kernels.use(x):
+        return cpu_kernels.ops().snake(x, alpha, inv_beta)
     if x.numel() < EAGER_BELOW:
         return snake_eager(x, alpha, inv_beta)
     return _active(x, alpha, inv_beta)
