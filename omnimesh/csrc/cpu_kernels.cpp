@@ -11,6 +11,8 @@
 //   paged_decode   writes a step's new k / v into the paged pool and attends each one-token request
 //                  over its own slots (no gather of the keys into a padded batch)
 //   silu_mul       silu(x[..., :I]) * x[..., I:]
+//   greedy_pick    greedy sampling of B rows at once: repetition penalty over each row's history, suppressed
+//                  ids at -inf, argmax (the first maximum, as torch.argmax)
 //   snake          the vocoder's SnakeBeta, x + inv_beta * sin(alpha x)^2 per channel (Sleef's vectorised sin)
 //   moe            router softmax -> top-k (at::topk itself, so ties break as transformers') -> the
 //                  routed experts (+ a sigmoid-gated shared expert) token by token
@@ -494,6 +496,65 @@ at::Tensor snake(const at::Tensor& x_in, const at::Tensor& alpha_in, const at::T
   return out;
 }
 
+// logits (B, V); row b's penalty history is history[offsets[b] : offsets[b + 1]] (ids >= V ignored); every id
+// seen once or more is divided (> 0) or multiplied (< 0) by `penalty` once (RepetitionPenaltyLogitsProcessor);
+// ids where `suppress` (V,) is true score -inf; -> (B,) the argmax of each row (its first maximum)
+at::Tensor greedy_pick(const at::Tensor& logits_in, const at::Tensor& history, const at::Tensor& offsets,
+                       double penalty, const c10::optional<at::Tensor>& suppress_in) {
+  check_cpu_f32(logits_in, "logits");
+  check_index(history, "history");
+  check_index(offsets, "offsets");
+  TORCH_CHECK(logits_in.dim() == 2, "omnimesh kernel: greedy_pick takes logits (B, V), got ", logits_in.sizes());
+  const at::Tensor logits = logits_in.contiguous();
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(offsets.numel() == B + 1, "omnimesh kernel: greedy_pick needs B + 1 = ", B + 1, " offsets, got ",
+              offsets.numel());
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[B] == history.numel(), "omnimesh kernel: greedy_pick offsets must run from 0 to the "
+              "history's ", history.numel(), " ids");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(off[b] <= off[b + 1], "omnimesh kernel: greedy_pick offsets must not decrease");
+  const bool* sup = nullptr;
+  at::Tensor suppress;
+  if (suppress_in.has_value()) {
+    suppress = suppress_in->contiguous();
+    TORCH_CHECK(suppress.scalar_type() == at::kBool && suppress.numel() == V, "omnimesh kernel: greedy_pick suppress "
+                "must be a bool mask of the ", V, " ids");
+    sup = suppress.data_ptr<bool>();
+  }
+  const float* lp = logits.data_ptr<float>();
+  const int64_t* hp = history.data_ptr<int64_t>();
+  const float p = static_cast<float>(penalty);
+  at::Tensor out = at::empty({B}, history.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  std::vector<float> row(V);
+  std::vector<char> seen(V);
+  for (int64_t b = 0; b < B; ++b) {
+    std::copy(lp + b * V, lp + (b + 1) * V, row.begin());
+    if (penalty != 1.0) {
+      std::fill(seen.begin(), seen.end(), 0);
+      for (int64_t i = off[b]; i < off[b + 1]; ++i) {
+        const int64_t id = hp[i];
+        if (id < 0 || id >= V || seen[id]) continue;
+        seen[id] = 1;
+        row[id] = row[id] < 0 ? row[id] * p : row[id] / p;
+      }
+    }
+    int64_t best = -1;
+    float top = -INFINITY;
+    for (int64_t v = 0; v < V; ++v) {
+      const float x = (sup && sup[v]) ? -INFINITY : row[v];
+      if (best < 0 || x > top || (std::isnan(x) && !std::isnan(top))) {
+        best = v;
+        top = x;
+      }
+      if (std::isnan(top)) break;  // torch.argmax: a NaN is the maximum, its first occurrence
+    }
+    op[b] = best;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(omnimesh, m) {
@@ -506,6 +567,7 @@ TORCH_LIBRARY(omnimesh, m) {
         "Tensor rows, Tensor slots, Tensor lens, float scale, Tensor(c!) out) -> ()");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("snake(Tensor x, Tensor alpha, Tensor inv_beta) -> Tensor");
+  m.def("greedy_pick(Tensor logits, Tensor history, Tensor offsets, float penalty, Tensor? suppress) -> Tensor");
   m.def("moe(Tensor h, Tensor router, Tensor gate_up, Tensor down, int top_k, bool norm_topk, Tensor? shared_gate_up, "
         "Tensor? shared_down, Tensor? shared_gate) -> Tensor");
 }
@@ -518,5 +580,6 @@ TORCH_LIBRARY_IMPL(omnimesh, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("silu_mul", &silu_mul);
   m.impl("snake", &snake);
+  m.impl("greedy_pick", &greedy_pick);
   m.impl("moe", &moe);
 }

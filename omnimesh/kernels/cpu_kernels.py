@@ -2,7 +2,8 @@
 
 Role: on CPU a small decoder step is mostly fixed per-op cost, so the model layers hand their small per-token
 work to a handful of C++ kernels (`torch.ops.omnimesh.*`: RMSNorm, q/k norm + RoPE, M-RoPE tables, attention
-over a small or paged cache, silu * up, a small MoE step). This module compiles that file once per machine
+over a small or paged cache, silu * up, a small MoE step, greedy sampling with a repetition penalty, and the
+vocoder's SnakeBeta). This module compiles that file once per machine
 with `torch.utils.cpp_extension` (g++ and ninja; ~10 s) into the omnimesh cache, keyed by the source, torch
 and the CPU's instruction set, and loads it into every process that runs a model on the CPU.
 

@@ -310,3 +310,36 @@ def test_large_calls_spread_over_threads_with_the_same_values(kernels: Any) -> N
             kernels.attention(q, k, k, 0, 4, 0, 0.25)  # keys start after the first queries: an error on a worker
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+def test_greedy_pick_equals_the_eager_greedy_batch() -> None:
+    """Penalty over each row's history (ids past the vocabulary ignored), suppressed ids, ties and a NaN: the
+    kernel picks what the eager ops pick, row by row."""
+    from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams, greedy_batch
+
+    g = gen(13)
+    for trial in range(120):
+        B, V = 5, 300
+        logits = torch.randn(B, V, generator=g)
+        if trial % 3 == 0:
+            logits = logits.round(decimals=1)  # many ties: the first maximum wins
+        if trial % 7 == 0:
+            logits[1, 17] = float("nan")  # torch.argmax: the NaN
+        histories = [torch.randint(0, V + 20, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g).tolist()
+                     for _ in range(B)]
+        params = SamplingParams(temperature=0.0, repetition_penalty=1.05 if trial % 2 else 1.0,
+                                suppress_tokens=(3, 7, 250) if trial % 5 == 0 else ())
+        fused = greedy_batch([Sampler(params) for _ in range(B)], logits, histories)
+        with cpu_kernels.disabled():
+            eager_ids = greedy_batch([Sampler(params) for _ in range(B)], logits, histories)
+        assert fused == eager_ids, trial
+
+
+def test_greedy_pick_refuses_offsets_that_do_not_cover_the_history(kernels: Any) -> None:
+    logits, history = torch.zeros(2, 8), torch.tensor([1, 2, 3])
+    with pytest.raises(RuntimeError, match="needs B \\+ 1 = 3 offsets"):
+        kernels.greedy_pick(logits, history, torch.tensor([0, 3]), 1.1, None)
+    with pytest.raises(RuntimeError, match="offsets must run from 0 to the history's 3 ids"):
+        kernels.greedy_pick(logits, history, torch.tensor([0, 1, 2]), 1.1, None)
+    with pytest.raises(RuntimeError, match="suppress must be a bool mask of the 8 ids"):
+        kernels.greedy_pick(logits, history, torch.tensor([0, 1, 3]), 1.1, torch.zeros(4, dtype=torch.bool))

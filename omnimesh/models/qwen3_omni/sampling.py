@@ -25,12 +25,15 @@ The `*_sampling_params` functions give the defaults `Qwen3OmniMoeForConditionalG
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
+
+from omnimesh.kernels import cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,16 @@ def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[
                and s.params.suppress_tokens == first.suppress_tokens
                and not (s._min_stop is not None and s.num_sampled < s.params.min_tokens) for s in samplers):
         return None
+    if cpu_kernels.use(logits):  # the same arithmetic in one call (no per-request tensors)
+        lengths = [len(h) for h in histories]
+        history = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.long)  # (sum n_b,)
+        offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long)  # (B + 1,)
+        V = logits.shape[-1]
+        suppress = _suppress_mask(first.suppress_tokens, V, "cpu") if first.suppress_tokens else None
+        tokens = cpu_kernels.ops().greedy_pick(logits, history, offsets, first.repetition_penalty, suppress).tolist()
+        for s in samplers:
+            s.num_sampled += 1
+        return tokens
     scores = logits.to(torch.float32)  # (B, V)
     V = scores.shape[-1]
     if first.repetition_penalty != 1.0:
