@@ -95,12 +95,13 @@ class TalkerBatcher:
                 chunks.extend(task.flush())
 
     def _predict(self, tasks: list[TalkerTask], out: dict[str, list[StageChunk] | BaseException]) -> None:
-        prefix, params = self.talker.predict_prefixes([cast(TalkerState, t.state) for t in tasks])  # (B, 2, H)
+        states = [cast(TalkerState, t.state) for t in tasks]
+        prefix, params = self.talker.predict_prefixes(states)  # (B, 2, H)
         results = self.predict_batch(prefix, tuple(params))
-        for task, (residuals, codec_sum) in zip(tasks, results):
-            assert task.state is not None
-            group, row, positions = self.talker.after_predict(task.state, residuals, codec_sum)
-            self.engine.feed(task.request_id, InputRun(row, positions))
+        sums = torch.cat([codec_sum for _, codec_sum in results])  # (B, 1, H)
+        groups, rows, positions = self.talker.after_predict(states, [codes for codes, _ in results], sums)
+        for b, task in enumerate(tasks):
+            self.engine.feed(task.request_id, InputRun(rows[b:b + 1], positions[:, b:b + 1]))  # (1, H), (4, 1)
             task.awaiting = True
-            task.completion_tokens = len(task.state.codes)
-            out[task.request_id] = task.add_group(group)
+            task.completion_tokens = len(states[b].codes)
+            out[task.request_id] = task.add_group(groups[b])

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omnimesh.kernels import cpu_kernels
@@ -268,11 +269,16 @@ class ParallelCodePredictor(nn.Module):
         """A per-request cache for this rank's layers and heads (the predictor restarts it every talker step)."""
         return KVCache((self.start, self.end))
 
-    def embed_codes(self, group: int, ids: torch.Tensor) -> torch.Tensor:
-        """ids (...,) of residual code group+1 -> `codec_embedding[group]` rows (..., H); first pp rank only."""
+    def embed_codes(self, group: int, ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        """ids (...,) of residual code group+1 -> `codec_embedding[group]` rows (..., H); first pp rank only.
+        `checked`: the ids are known to lie in the table (picked from its own head), so no range check."""
         if self.codec_embedding is None:
             raise ValueError(f"pipeline rank {self.ps.pp_rank} holds no codec embedding (only the first rank does)")
-        return cast(VocabParallelEmbedding, self.codec_embedding[group])(ids.to(self.ps.device))
+        table = cast(VocabParallelEmbedding, self.codec_embedding[group])
+        ids = ids.to(self.ps.device)
+        if checked and table.tp_size == 1:
+            return F.embedding(ids, table.weight)  # (..., H)
+        return table(ids)
 
     def compute_logits(self, group: int, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H) -> `lm_head[group]` logits (..., V); last pp rank only (all TP ranks when vocab-parallel)."""
@@ -380,6 +386,17 @@ class ResidualCodes:
     hidden: tuple[torch.Tensor, ...]  # per step the final-normed hidden, (B, 2, H) then (B, 1, H); last pp rank
 
 
+_POSITIONS: dict[int, torch.Tensor] = {}
+
+
+def _positions(j: int) -> torch.Tensor:
+    """Residual step j's positions (1, T): (0, 1) for j = 0 (the prefix), else (1 + j,); made once, read-only."""
+    found = _POSITIONS.get(j)
+    if found is None:
+        found = _POSITIONS[j] = torch.arange(2).view(1, 2) if j == 0 else torch.tensor([[1 + j]])
+    return found
+
+
 def greedy(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits, dim=-1).item())
 
@@ -425,20 +442,26 @@ def predict_residuals(model: ParallelCodePredictor, prefix: torch.Tensor | None,
     cache = model.new_cache()
     codes: list[list[int]] = [[] for _ in range(batch)]
     hiddens: list[torch.Tensor] = []
+    all_greedy = len(greedy_rows) == batch
     for j in range(model.num_code_groups - 1):
-        positions = torch.arange(2).view(1, 2) if j == 0 else torch.tensor([[1 + j]])  # (1, T)
+        positions = _positions(j)  # (1, T)
         hidden = pipeline_step(model, x, positions, cache, batch)  # (B, T, H)
-        tokens = torch.zeros(batch, dtype=torch.long)  # CPU: crosses the gloo group
+        tokens = None
         if ps.is_last_pp_rank:
             hiddens.append(hidden)
             logits = model.compute_logits(j, hidden[:, -1])  # (B, V)
             if ps.rank == ps.last_pp_rank_driver:
-                tokens = torch.tensor(_pick(picks, logits, greedy_rows), dtype=torch.long)
-        cpu_broadcast(tokens, ps.last_pp_rank_driver, ps)
+                tokens = (torch.argmax(logits, dim=-1).cpu() if all_greedy  # (B,) the same ids as _pick's
+                          else torch.tensor(_pick(picks, logits, greedy_rows), dtype=torch.long))
+        if tokens is None or tokens.dtype != torch.long:
+            tokens = torch.zeros(batch, dtype=torch.long) if tokens is None else tokens.long()
+        cpu_broadcast(tokens, ps.last_pp_rank_driver, ps)  # CPU: crosses the gloo group
         for b, token in enumerate(tokens.tolist()):
             codes[b].append(token)
         if ps.is_first_pp_rank:
-            x = model.embed_codes(j, tokens.view(batch, 1))  # (B, 1, H): next step's input, and part of the sum
+            # (B, 1, H): next step's input, and part of the sum; the ids are argmaxes over the head's own
+            # vocabulary (or a sampler's pick from it), so the lookup skips the range check of user input
+            x = model.embed_codes(j, tokens.view(batch, 1), checked=True)
             embeds.append(x)
     codec_sum = torch.cat(embeds, dim=1).sum(1, keepdim=True) if ps.is_first_pp_rank else None  # (B, 1, H)
     return ResidualCodes(codes=tuple(tuple(c) for c in codes), codec_sum=codec_sum, hidden=tuple(hiddens))

@@ -239,16 +239,23 @@ class Qwen3OmniTalker:
         hidden = torch.cat([cast(torch.Tensor, s.last_hidden) for s in states])  # (B, 1, H)
         return torch.cat([hidden, first], dim=1), params
 
-    def after_predict(self, state: TalkerState, residuals: list[int], codec_sum: torch.Tensor
+    def after_predict(self, states: list[TalkerState], residuals: list[list[int]], codec_sums: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (code group (G,), next decoder input (1, H), its positions (4, 1))."""
-        g = state.steps_done
-        text = state.text[g] if g < len(state.text) else state.tts_pad  # (H,)
-        state.steps_done += 1
-        positions = decode_positions(state.seq_len, state.rope_delta)[:, 0]  # (4, 1)
-        state.seq_len += 1
-        group = torch.tensor([state.codes[-1], *residuals], dtype=torch.long)  # (G,)
-        return group, (codec_sum.view(1, -1) + text.view(1, -1)), positions
+        """The code predictor ran for B requests: -> (code groups (B, G), next decoder inputs (B, H) = each
+        group's summed embedding + its text entry, their positions (4, B)), made in one op each (row b is what
+        request b alone gives, element for element)."""
+        texts, groups, positions = [], [], []
+        for state, codes in zip(states, residuals):
+            g = state.steps_done
+            texts.append(state.text[g] if g < len(state.text) else state.tts_pad)  # (H,)
+            state.steps_done += 1
+            p = float(state.seq_len + state.rope_delta)
+            positions.append((float(state.seq_len), p, p, p))  # as decode_positions: text row, then t / h / w
+            state.seq_len += 1
+            groups.append((state.codes[-1], *codes))
+        rows = codec_sums.view(len(states), -1) + torch.stack(texts)  # (B, H)
+        return (torch.tensor(groups, dtype=torch.long), rows,
+                torch.tensor(positions, dtype=torch.float32).t())  # (B, G), (B, H), (4, B)
 
     def sample_next(self, state: TalkerState, logits: torch.Tensor, last_hidden: torch.Tensor) -> None:
         """The decoder's output for the latest input: sample the next codec token (c0 of the next group)."""
