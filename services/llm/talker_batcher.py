@@ -11,6 +11,11 @@ Data flow (`step_batch`, on the engine loop's compute thread), over the ready re
      samples its next codec token (greedy requests alike in one go: `Qwen3OmniTalker.sample_next_batch`);
      codec EOS or max tokens ends it: the last token gets no group, and the codes still held go out with
      the request's last chunk.
+First outputs in one call (`first_output_rounds`, default 1 here; the stage's config sets 8): while every
+request of the step still waits for its first chunk of codes (`TalkerTask.urgent`) and has the text its next
+group reads, the call runs steps 3-4 again itself, up to that many rounds in all, instead of returning to the
+engine loop between them: a new request's first window of codes comes out of one call once its text is in.
+The codes are those of round-by-round steps.
 """
 
 from __future__ import annotations
@@ -27,17 +32,38 @@ from services.llm.talker_task import TalkerTask
 
 
 class TalkerBatcher:
-    def __init__(self, talker: Qwen3OmniTalker, engine: LMEngine, predict_batch: Any):
-        """`predict_batch(prefix (B, 2, H), params tuple) -> [(codes, codec_sum (1, 1, H))]`."""
+    def __init__(self, talker: Qwen3OmniTalker, engine: LMEngine, predict_batch: Any, first_output_rounds: int = 1):
+        """`predict_batch(prefix (B, 2, H), params tuple) -> [(codes, codec_sum (1, 1, H))]`;
+        `first_output_rounds`: see the module doc."""
+        if first_output_rounds < 1:
+            raise ValueError(f"first_output_rounds must be >= 1, got {first_output_rounds}")
         self.talker = talker
         self.engine = engine
         self.predict_batch = predict_batch
+        self.first_output_rounds = first_output_rounds
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
     def step_batch(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
         out: dict[str, list[StageChunk] | BaseException] = {}
+        for _ in range(self.first_output_rounds):
+            live = self._round(tasks, out)
+            if not self._another_round(live, out):
+                break
+            tasks = list(live.values())
+        return out
+
+    def _another_round(self, live: dict[str, TalkerTask], out: dict[str, list[StageChunk] | BaseException]) -> bool:
+        """Every request of the step still waits for its first chunk, got its codec token this round and has
+        the text its next code group reads: the next round can run in this call."""
+        return bool(live) and all(
+            isinstance(out.get(rid), list) and task.urgent() and not task.finished and not task.awaiting
+            and task.state is not None and self.talker.needs_predict(task.state) for rid, task in live.items())
+
+    def _round(self, tasks: list[StageTask], out: dict[str, list[StageChunk] | BaseException]) -> dict[str, TalkerTask]:
+        """One model round over `tasks` (prefills queued, one code-predictor call, one decoder step, sampling),
+        its chunks added to `out`; -> the requests that took part (not finished before it)."""
         live: dict[str, TalkerTask] = {}
         predict: list[TalkerTask] = []
         for task in tasks:
@@ -46,7 +72,7 @@ class TalkerBatcher:
             state = task.state
             if state is None:  # the thinker spoke nothing
                 task.finished = True
-                out[task.request_id] = []
+                out.setdefault(task.request_id, [])
                 continue
             live[task.request_id] = task
             if not task.queued:
@@ -64,7 +90,7 @@ class TalkerBatcher:
             if result.logits is not None:
                 sampled.append((live[rid], result))
         self._sample(sampled, out)
-        return out
+        return live
 
     def _sample(self, sampled: list[tuple[TalkerTask, Any]], out: dict[str, list[StageChunk] | BaseException]) -> None:
         """Each request that got logits samples its next codec token: all in one go when they can
@@ -104,4 +130,6 @@ class TalkerBatcher:
             self.engine.feed(task.request_id, InputRun(rows[b:b + 1], positions[:, b:b + 1]))  # (1, H), (4, 1)
             task.awaiting = True
             task.completion_tokens = len(states[b].codes)
-            out[task.request_id] = task.add_group(groups[b])
+            chunks = out.setdefault(task.request_id, [])
+            if isinstance(chunks, list):
+                chunks.extend(task.add_group(groups[b]))

@@ -34,11 +34,13 @@ class TalkerHandler:
     name = "talker"
 
     def __init__(self, talker: Qwen3OmniTalker, model_name: str, layout: LMLayout, failure: StageFailure,
-                 engine: LMEngine | None = None, max_model_len: int = 0):
-        """`engine` None: a handler that only validates requests (tests); the stage always has one."""
+                 engine: LMEngine | None = None, max_model_len: int = 0, first_output_rounds: int = 1):
+        """`engine` None: a handler that only validates requests (tests); the stage always has one.
+        `first_output_rounds`: see TalkerBatcher."""
         self.layout = layout
         self.max_model_len = max_model_len
-        self.batcher = TalkerBatcher(talker, engine, talker.backend.predict_batch) if engine is not None else None  # type: ignore[attr-defined]
+        self.batcher = (TalkerBatcher(talker, engine, talker.backend.predict_batch,  # type: ignore[attr-defined]
+                                      first_output_rounds) if engine is not None else None)
         self.failure = failure
         self.max_inflight_steps = layout.pp  # one request per pipeline rank at a time
         self.talker = talker
@@ -76,4 +78,5 @@ def build_handler(model_dir: Path, args: ServeArgs) -> TalkerHandler:
     # the talker's own context (prompt rows + codec tokens): its model limit, not the thinker's --max-model-len
     max_len = int(talker.config.talker_config.text_config.max_position_embeddings)  # type: ignore[union-attr]
     engine = lm_engine(talker.backend, "talker", args, max_len)
-    return TalkerHandler(talker, model_dir.name, layout, failure, engine, max_len)
+    rounds = args.stage_configs()["talker"].effective_first_output_rounds("talker")
+    return TalkerHandler(talker, model_dir.name, layout, failure, engine, max_len, rounds)

@@ -6,6 +6,13 @@ prompt prepared (`ThinkerTask.prompt_run`; bad media fail that request alone) an
 chunks) as one batched forward over the stage's pp x tp ranks; each request that got logits samples its
 next token (`ThinkerTask.on_output`), whose row is queued for the next step. Requests the scheduler left
 out this step (budget, seats, KV blocks) are simply not in the result: they stay ready.
+
+First outputs in one call (`first_output_rounds`, default 1 here; the stage's config sets 8): when every
+request of the step already has its first token and still waits for its first outputs (its eager tokens,
+`ThinkerTask.urgent`), the call runs the next rounds itself, up to that many in all, instead of returning
+to the engine loop between them; their chunks leave together at the end (the servicer merges them into one
+message). The tokens are those of round-by-round steps. The first token (the prefill round) always leaves
+at once: the talker starts its own prefill on it.
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ from services.llm.thinker_task import ThinkerTask
 
 
 class ThinkerBatcher:
-    def __init__(self, engine: LMEngine):
+    def __init__(self, engine: LMEngine, first_output_rounds: int = 1):
+        if first_output_rounds < 1:
+            raise ValueError(f"first_output_rounds must be >= 1, got {first_output_rounds}")
         self.engine = engine
+        self.first_output_rounds = first_output_rounds
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
@@ -38,14 +48,27 @@ class ThinkerBatcher:
                 self.engine.feed(task.request_id, run)
                 task.on_close.append(self.engine.remove)
             ready[task.request_id] = task
-        for rid, result in self.engine.step(list(ready)).items():
-            task = ready[rid]
-            try:
-                chunks, next_run = task.on_output(result)
-            except Exception as exc:  # this request's sampling / detokenizing failed: it alone ends
-                out[rid] = exc
-                continue
-            if next_run is not None:
-                self.engine.feed(rid, next_run)
-            out[rid] = chunks
+        for _ in range(self.first_output_rounds):
+            results = self.engine.step(list(ready))
+            for rid, result in results.items():
+                task = ready[rid]
+                try:
+                    chunks, next_run = task.on_output(result)
+                except Exception as exc:  # this request's sampling / detokenizing failed: it alone ends
+                    out[rid] = exc
+                    continue
+                if next_run is not None:
+                    self.engine.feed(rid, next_run)
+                done = out.get(rid)
+                out[rid] = done + chunks if isinstance(done, list) else chunks
+            if not self._another_round(ready, results, out):
+                break
         return out
+
+    @staticmethod
+    def _another_round(ready: dict[str, ThinkerTask], results: dict, out: dict) -> bool:
+        """Every request of the step ran this round, got a token that was not its first, and still waits for
+        its first outputs: the next round can run in this call."""
+        return len(results) == len(ready) and all(
+            isinstance(out.get(rid), list) and results[rid].logits is not None and not task.finished
+            and task.completion_tokens >= 2 and task.urgent() for rid, task in ready.items())

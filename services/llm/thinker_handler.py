@@ -34,10 +34,11 @@ class ThinkerHandler:
 
     def __init__(self, thinker: Qwen3OmniThinker, tokenizer: object, generation_config: GenerationConfig | None,
                  model_name: str, max_model_len: int, layout: LMLayout, failure: StageFailure,
-                 engine: LMEngine | None = None, stream_interval: int = 1):
-        """`engine` None: a handler that only validates requests (tests); the stage always has one."""
+                 engine: LMEngine | None = None, stream_interval: int = 1, first_output_rounds: int = 1):
+        """`engine` None: a handler that only validates requests (tests); the stage always has one.
+        `first_output_rounds`: see ThinkerBatcher."""
         self.layout = layout
-        self.batcher = ThinkerBatcher(engine) if engine is not None else None
+        self.batcher = ThinkerBatcher(engine, first_output_rounds) if engine is not None else None
         self.failure = failure
         self.max_inflight_steps = layout.pp  # one request per pipeline rank at a time
         self.thinker = thinker
@@ -84,4 +85,5 @@ def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings {limit}")
     engine = lm_engine(thinker.backend, "thinker", args, max_len, capture_layer=thinker.accept_hidden_layer)
     return ThinkerHandler(thinker, tokenizer, gen, model_dir.name, max_len, layout, failure, engine,
-                          stream_interval=args.stream_interval)
+                          stream_interval=args.stream_interval,
+                          first_output_rounds=cfg.effective_first_output_rounds("thinker"))

@@ -1,5 +1,6 @@
 """`--stream-interval` through the shared mesh, at its default (4): the thinker sends its tokens in groups (after
-the ones the talker's first audio needs), and the answer is still exactly `generate`'s — text, and audio
+the ones the talker's first audio needs, which come out of one engine step after the first token:
+first_output_rounds), and the answer is still exactly `generate`'s — text, and audio
 within pcm16 rounding — non-streaming and streaming; the text a streaming client sees arrives in fewer
 deltas.
 """
@@ -14,10 +15,13 @@ from test_handoff_e2e import PROMPT, _deltas, _metrics, _request_matches_referen
 from test_parity import _rest_body
 
 from omnimesh.config.serve_args import ServeArgs
+from omnimesh.config.stage_config import StageConfig
 
 
 INTERVAL = ServeArgs().stream_interval  # the mesh below starts without the flag
 EAGER = 6  # the vocoder's first window (5 codes) + 1: the tokens the talker's first audio reads
+# the first token leaves alone; the other eager tokens come out of calls of up to this many rounds each
+ROUNDS = StageConfig().effective_first_output_rounds("thinker")
 
 
 def test_grouped_thinker_output_equals_generate(mesh, reference):
@@ -30,7 +34,7 @@ def test_grouped_thinker_output_equals_generate(mesh, reference):
     plain, tokens = r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"]
     outputs = _deltas(before, after, "omnimesh:inter_token_latency_seconds_count")["thinker"] + 1
     assert tokens > EAGER
-    assert outputs == EAGER + -(-(tokens - EAGER) // INTERVAL), (tokens, outputs)
+    assert outputs == 1 + -(-(EAGER - 1) // ROUNDS) + -(-(tokens - EAGER) // INTERVAL), (tokens, outputs)
 
     deltas, text = 0, ""
     body = _rest_body(PROMPT, sine_wav(), png_bytes(), True)

@@ -484,8 +484,9 @@ def test_a_talker_sampling_failure_ends_only_its_request(model_dir: Path, thinke
 def test_talker_sends_its_codes_in_the_vocoders_windows(model_dir: Path, thinker_out: dict) -> None:
     """chunk_codes / first_chunk_codes (the gateway sets the vocoder's windows): the same codes, in chunks of
     the first size, then the steady size, the rest with the final chunk; each chunk leaves in the step that
-    made its last group. Bad sizes are INVALID_ARGUMENT (ValueError)."""
-    handler = talker_handler(model_dir, ServeArgs(max_model_len=128))
+    made its last group. Bad sizes are INVALID_ARGUMENT (ValueError). (One model round per step, so the step
+    counts compare: with first_output_rounds a first chunk of several groups comes out of fewer steps.)"""
+    handler = talker_handler(model_dir, ServeArgs(max_model_len=128, stage_overrides='{"talker": {"first_output_rounds": 1}}'))
     per_group = Driver(handler)
     per_group.add(*(open_talker(handler, thinker_out, f"t{i}") for i in range(4)))
     want = per_group.run()
