@@ -1,5 +1,5 @@
-"""GPU path (skipped without CUDA): an NCCL process group of one rank, and the thinker's LM shard on a CUDA
-device giving the CPU's greedy tokens. Run on a lent GPU machine with `python -m pytest -m gpu`."""
+"""GPU path (skipped without CUDA): an NCCL process group of one rank, the thinker's LM shard on a CUDA
+device giving the CPU's greedy tokens, and its KV cache sized from `--gpu-memory-utilization`. Run on a lent GPU machine with `python -m pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnimesh.models.qwen3_omni.lm_shard import LMShard, LMShardSpec, LMStep
+from omnimesh.models.qwen3_omni.lm_shard import LMInitCache, LMShard, LMShardSpec, LMStep
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.parallel.mp_executor import free_port
 from omnimesh.parallel.parallel_state import ParallelState, destroy_parallel_state, init_parallel_state
@@ -39,3 +39,18 @@ def test_thinker_shard_on_cuda_matches_cpu(tmp_path: Path) -> None:
     assert a is not None and b is not None
     assert int(a.logits.argmax()) == int(b.logits.argmax())
     torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_cache_on_cuda_takes_what_the_utilization_leaves(tmp_path: Path) -> None:
+    """The pool fits in `utilization x total - used - a profiled step's activations`; a utilization below
+    what the device already uses is refused with a message naming the flag."""
+    folder = build_tiny_qwen3_omni(tmp_path / "tiny")
+    shard = LMShard(LMShardSpec(folder, "thinker"), ParallelState.single("cuda"))
+    free, total = torch.cuda.mem_get_info()
+    room = 64 * 2**20
+    utilization = min(1.0, (total - free + room) / total)
+    blocks = shard.execute(LMInitCache(16, None, utilization, profile_tokens=256))
+    assert blocks >= 1 and shard.pool is not None
+    assert 0 < shard.pool.nbytes() <= room
+    with pytest.raises(ValueError, match="no room for a KV cache.*--gpu-memory-utilization"):
+        shard.execute(LMInitCache(16, None, (total - free) / total / 2, profile_tokens=256))
