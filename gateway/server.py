@@ -21,7 +21,7 @@ from gateway.pipeline import StagePipeline
 from gateway.prompt import PromptBuilder
 from gateway.rest import create_app
 from omnimesh.config.serve_args import ServeArgs
-from omnimesh.proc_utils import tune_malloc
+from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
 from omnimesh.server.grpc_server import bind
 from omnimesh.transport.stage_client import StageClient
 from omnimesh.transport.transport import Transport
@@ -57,6 +57,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     grpc_server, _health = await create_grpc_server(pipeline, served_model_names=pipeline.served_models)
     bind(grpc_server, args.host, args.grpc_port)
     await grpc_server.start()
+    log.info("gateway: %d start-up objects frozen out of the garbage collector's scans", freeze_startup_heap())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

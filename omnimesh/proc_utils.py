@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import socket
@@ -64,3 +65,16 @@ def tune_malloc() -> bool:
             libc.mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
     except (OSError, AttributeError):
         return False
+
+
+def freeze_startup_heap() -> int:
+    """Once a server has loaded what it keeps for its whole life (imports, model modules, tokenizer,
+    processor): collect once, then move every surviving object into Python's permanent generation
+    (`gc.freeze`), so that no later collection scans them. A stage or gateway process holds ~400k tracked
+    objects after start-up, and a full collection over them takes ~0.2 s on this CPU, with the GIL held:
+    every thread of the process (the event loop, the steps) stops for it, once every few minutes under load.
+    After the freeze a collection scans only what serving made. Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2
 from omnimesh.config.stage_config import SHM_MIN_TENSOR_BYTES
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.metrics import EngineMetrics
-from omnimesh.proc_utils import tune_malloc
+from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
 from omnimesh.server.grpc_server import bind, make_server, serve_forever
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.server.stage_servicer import StageHandler, StageServicer
@@ -92,4 +92,6 @@ def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, tran
     handler = factory()
     log.info("stage %s loaded in %.1fs", handler.name, time.monotonic() - t0)
     hand_off = Transport(handler.name, transport, shm_arena_size, shm_min_tensor_size)  # before serving: a bad setting stops start-up
+    log.info("stage %s: %d start-up objects frozen out of the garbage collector's scans", handler.name,
+             freeze_startup_heap())
     uvloop.run(_serve(handler, host, port, hand_off, bulk_nice, yield_steps))
