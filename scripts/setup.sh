@@ -21,6 +21,14 @@ if ! (ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null) | grep -q libtcm
     echo "setup: tcmalloc is not installed; omnimesh will run on glibc's malloc (install libtcmalloc-minimal4 for faster CPU serving)"
   fi
 fi
-# the fused CPU kernels (omnimesh/csrc, ~10 s with g++): built now so no stage waits for them at its first start
+# the fused CPU kernels (omnimesh/csrc, ~10 s with g++): built now so no stage waits for them at its first start.
+# Without a C++ compiler the stages run eager PyTorch (slower on small steps) and the kernel tests fail: install one.
+if ! command -v "${CXX:-c++}" >/dev/null && ! command -v g++ >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq g++ >/dev/null) || echo "setup: could not install g++"
+  else
+    echo "setup: no C++ compiler (g++); omnimesh's fused CPU kernels cannot be built (install g++)"
+  fi
+fi
 python -m omnimesh.kernels.cpu_kernels
 python -c "import torch, transformers, grpc, fastapi; print(f'omnimesh env ready: torch {torch.__version__}, transformers {transformers.__version__}')"

@@ -40,8 +40,8 @@ YIELD_STEPS = {"thinker": 16, "talker": 16}
 # model rounds one compute call of the thinker / talker may run while every request in it waits for its first
 # output (a thinker's eager tokens after its first, a talker's first chunk of codes): no trip through the
 # engine loop, the servicer, the gateway and the next stage between the rounds, which on shared cores cost
-# more than a round. Paired runs on the 2-core CPU machine (one mesh, 8 against 1 alternating every 6 s,
-# 4 pairs; README): TTFP p50 at c=8 59.5 vs 74.3 ms, CPU per request at c=8 -14%, at c=1 and c=16 the same
+# more than a round. Paired runs on the 2-core CPU machine (one mesh, 8 against 1 alternating every 8 s;
+# README): TTFP p50 at c=8 78.8 vs 92.3 ms (5 pairs), at c=1 45.5 vs 50.0 ms, c=16 20.1 vs 18.9 req/s (4 pairs)
 FIRST_OUTPUT_ROUNDS = {"thinker": 8, "talker": 8}
 
 

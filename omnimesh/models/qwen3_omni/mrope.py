@@ -112,6 +112,12 @@ def prompt_positions(
 
 def decode_positions(seq_len: int, rope_delta: int, device: torch.device | None = None) -> torch.Tensor:
     """Positions of the token appended at cache length `seq_len`: (4, 1, 1) float32."""
-    pos = torch.tensor([seq_len, seq_len + rope_delta, seq_len + rope_delta, seq_len + rope_delta],
-                       dtype=torch.float32, device=device)  # (4,)
-    return pos.view(4, 1, 1)
+    return decode_positions_batch([seq_len], [rope_delta], device).view(4, 1, 1)
+
+
+def decode_positions_batch(seq_lens: list[int], rope_deltas: list[int], device: torch.device | None = None
+                           ) -> torch.Tensor:
+    """`decode_positions` of B requests in one tensor: (4, B) float32, column b for request b (text row =
+    seq_len, then t / h / w = seq_len + rope_delta)."""
+    rows = [(n, n + d, n + d, n + d) for n, d in zip(seq_lens, rope_deltas)]
+    return torch.tensor(rows, dtype=torch.float32, device=device).t()  # (4, B)

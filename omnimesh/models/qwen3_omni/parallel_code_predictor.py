@@ -453,8 +453,8 @@ def predict_residuals(model: ParallelCodePredictor, prefix: torch.Tensor | None,
             if ps.rank == ps.last_pp_rank_driver:
                 tokens = (torch.argmax(logits, dim=-1).cpu() if all_greedy  # (B,) the same ids as _pick's
                           else torch.tensor(_pick(picks, logits, greedy_rows), dtype=torch.long))
-        if tokens is None or tokens.dtype != torch.long:
-            tokens = torch.zeros(batch, dtype=torch.long) if tokens is None else tokens.long()
+        if tokens is None:  # a rank that does not pick: the broadcast fills it
+            tokens = torch.zeros(batch, dtype=torch.long)
         cpu_broadcast(tokens, ps.last_pp_rank_driver, ps)  # CPU: crosses the gloo group
         for b, token in enumerate(tokens.tolist()):
             codes[b].append(token)

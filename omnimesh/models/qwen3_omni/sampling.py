@@ -158,18 +158,17 @@ def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[
                and s.params.suppress_tokens == first.suppress_tokens
                and not (s._min_stop is not None and s.num_sampled < s.params.min_tokens) for s in samplers):
         return None
+    V = logits.shape[-1]
     if cpu_kernels.use(logits):  # the same arithmetic in one call (no per-request tensors)
         lengths = [len(h) for h in histories]
         history = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.long)  # (sum n_b,)
         offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long)  # (B + 1,)
-        V = logits.shape[-1]
         suppress = _suppress_mask(first.suppress_tokens, V, "cpu") if first.suppress_tokens else None
         tokens = cpu_kernels.ops().greedy_pick(logits, history, offsets, first.repetition_penalty, suppress).tolist()
         for s in samplers:
             s.num_sampled += 1
         return tokens
     scores = logits.to(torch.float32)  # (B, V)
-    V = scores.shape[-1]
     if first.repetition_penalty != 1.0:
         rows = torch.repeat_interleave(torch.arange(len(histories)), torch.tensor([len(h) for h in histories]))
         cols = torch.tensor([i for h in histories for i in h], dtype=torch.long, device=scores.device)  # (sum n_b,)

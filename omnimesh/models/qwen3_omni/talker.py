@@ -38,7 +38,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 
 from omnimesh.models.qwen3_omni.decoder import run_code_predictor
 from omnimesh.models.qwen3_omni.lm_backend import HFBackend, LMBackend
-from omnimesh.models.qwen3_omni.mrope import MropeSpec, decode_positions, prompt_positions
+from omnimesh.models.qwen3_omni.mrope import MropeSpec, decode_positions, decode_positions_batch, prompt_positions
 from omnimesh.models.qwen3_omni.sampling import (
     Sampler,
     SamplingParams,
@@ -244,18 +244,16 @@ class Qwen3OmniTalker:
         """The code predictor ran for B requests: -> (code groups (B, G), next decoder inputs (B, H) = each
         group's summed embedding + its text entry, their positions (4, B)), made in one op each (row b is what
         request b alone gives, element for element)."""
-        texts, groups, positions = [], [], []
+        texts, groups = [], []
+        positions = decode_positions_batch([s.seq_len for s in states], [s.rope_delta for s in states])  # (4, B)
         for state, codes in zip(states, residuals):
             g = state.steps_done
             texts.append(state.text[g] if g < len(state.text) else state.tts_pad)  # (H,)
             state.steps_done += 1
-            p = float(state.seq_len + state.rope_delta)
-            positions.append((float(state.seq_len), p, p, p))  # as decode_positions: text row, then t / h / w
             state.seq_len += 1
             groups.append((state.codes[-1], *codes))
         rows = codec_sums.view(len(states), -1) + torch.stack(texts)  # (B, H)
-        return (torch.tensor(groups, dtype=torch.long), rows,
-                torch.tensor(positions, dtype=torch.float32).t())  # (B, G), (B, H), (4, B)
+        return torch.tensor(groups, dtype=torch.long), rows, positions  # (B, G), (B, H), (4, B)
 
     def sample_next(self, state: TalkerState, logits: torch.Tensor, last_hidden: torch.Tensor) -> None:
         """The decoder's output for the latest input: sample the next codec token (c0 of the next group)."""
