@@ -31,6 +31,13 @@ steps at the stage's priority, without stepping alone. With one step in
 flight at a time (`max_inflight` 1) the two threads take turns: a lock keeps a step and a request's
 `close` (which frees model state) from ever running at once.
 
+Urgent steps overtake (`preempt`, a stage in one process with `max_inflight` 2): a step with a pressing request
+in it starts at once beside a bulk step in flight, and the bulk step waits at its model's next checkpoint
+(between decoder layers, code-predictor steps, conv blocks; `StepGate`) until no pressing step runs, for at
+most `StepGate.max_pause_s` per step. Without a batcher that plans its own `lanes` (the thinker, the talker),
+the engine keeps the second slot for such steps: a step's worth of requests when nothing is in flight, a
+step of the pressing ones beside a bulk step, nothing beside a pressing one (the next joins it when it ends).
+
 Metrics (optional `EngineMetrics`): each request's `RequestTiming` hears its submit, first readiness,
 first step, every step with output and its end; the load gauges read `_load` (the batcher's `stats()`
 when it has one) at scrape time.
@@ -53,6 +60,7 @@ import torch
 from omnimesh.engine.task import StageRequestError, StageTask
 from omnimesh.parallel.mp_executor import RankFailure
 from omnimesh.engine.bulk_lane import BulkLane
+from omnimesh.engine.step_gate import StepGate
 from omnimesh.proc_utils import name_thread, thread_priority_is_own
 from omnimesh.transport.frames import StageChunk
 
@@ -116,20 +124,27 @@ class _Entry:
 
 class EngineLoop:
     def __init__(self, name: str, max_inflight: int = 1, batcher: BatchStepper | None = None,
-                 metrics: EngineMetrics | None = None, bulk_nice: int = 0, yield_steps: int = 0):
+                 metrics: EngineMetrics | None = None, bulk_nice: int = 0, yield_steps: int = 0,
+                 preempt: bool = False):
         """`max_inflight` > 1 lets that many steps run at once (a pipeline-parallel stage keeps each of its
         pp ranks busy with a different request or batch); one request never has two steps in flight.
         With a `batcher`, each step is one `step_batch` call over many ready requests. `metrics` records
         latencies, tokens and load. `bulk_nice` > 0: steps with no urgent request run that much lower (nice
         increment) than the others. `yield_steps` > 0: requests waiting for their first output step alone,
-        and a streaming request sits out at most that many steps in a row (see the module doc)."""
+        and a streaming request sits out at most that many steps in a row (see the module doc). `preempt` (a
+        stage in one process, `max_inflight` 2): urgent steps overtake bulk ones (see the module doc)."""
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         if not 0 <= bulk_nice <= 19:
             raise ValueError(f"bulk_nice must be from 0 to 19, got {bulk_nice}")
         if yield_steps < 0:
             raise ValueError(f"yield_steps must be >= 0 (0: every step carries every ready request), got {yield_steps}")
+        if preempt and max_inflight != 2:
+            raise ValueError("preempt needs max_inflight 2 (a slot for bulk steps, one for urgent ones)")
         self.name = name
+        self._gate = StepGate() if preempt else None
+        self._lane = preempt and getattr(batcher, "lanes", None) is None  # the engine plans the urgent slot
+        self._pressing_inflight = 0  # steps in flight with a pressing request in them
         self._yield_steps = yield_steps
         self._max_inflight = max_inflight
         self._batcher = batcher
@@ -266,10 +281,11 @@ class EngineLoop:
                     ready.append(entry)  # inputs wait in the inbox while a step is in flight
                     if entry.timing is not None:
                         entry.timing.ready()
-            if self._bulk is not None and len(running) >= self._max_inflight and any(_pressing(e.task) for e in ready):
+            if (self._bulk is not None and self._gate is None and len(running) >= self._max_inflight
+                    and any(_pressing(e.task) for e in ready)):
                 self._bulk.boost()  # an urgent request waits for the steps in flight: lift the bulk ones
             if not idle:
-                for group in self._groups(ready, self._max_inflight - len(running)):
+                for group in self._plan(ready, len(running)):
                     running.add(asyncio.create_task(self._step_group(loop, group)))
             # hold no request past its end while waiting: a cancelled one must free its tensors (and the shared
             # memory slots under them) now, not at the next wake-up
@@ -285,6 +301,19 @@ class EngineLoop:
                 idle = not any(t.result() for t in finished)
             elif waits[0] in done:
                 idle = False
+
+    def _plan(self, ready: list[_Entry], running: int) -> list[list[_Entry]]:
+        """The steps to start now, with `running` steps in flight. With the engine's urgent slot (`preempt`, a
+        batcher without lanes): a step's worth as usual when none is in flight; beside a bulk step, a step of
+        the pressing requests (the bulk one pauses for it); else nothing."""
+        if not self._lane:
+            return self._groups(ready, self._max_inflight - running)
+        if not running:
+            return self._groups(ready, 1)
+        if running > 1 or self._pressing_inflight:
+            return []
+        lane = sorted((e for e in ready if _pressing(e.task) and not e.waits_seat), key=lambda e: e.last_step)
+        return [lane] if lane else []
 
     def _groups(self, ready: list[_Entry], slots: int) -> list[list[_Entry]]:
         """Split the ready requests over the free compute slots: one request per slot without a batcher;
@@ -327,10 +356,12 @@ class EngineLoop:
             (first if self._steps - e.last_step >= self._yield_steps else rest).append(e)
         return first, rest
 
-    def _compute(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
+    def _compute(self, tasks: list[StageTask], pressing: bool = True) -> dict[str, list[StageChunk] | BaseException]:
         """On a compute thread: one batched step (the stage's batcher) or one task's step, in
         `torch.inference_mode` (no autograd or version-counter bookkeeping: ~15% of a tiny LM step on CPU)."""
-        with self._serial or contextlib.nullcontext(), torch.inference_mode():
+        gate = self._gate
+        around = contextlib.nullcontext() if gate is None else gate.urgent() if pressing else gate.bulk()
+        with self._serial or contextlib.nullcontext(), around, torch.inference_mode():
             if self._batcher is not None:
                 return self._batcher.step_batch(tasks)
             task = tasks[0]
@@ -344,10 +375,12 @@ class EngineLoop:
         or one was newly left out (the next pass plans differently, see `waits_seat`)."""
         started = time.monotonic()
         tasks = [e.task for e in group]
-        if self._bulk is not None and not any(_pressing(t) for t in tasks):
-            future = loop.run_in_executor(self._bulk.executor, self._bulk.run, self._compute, tasks)
+        pressing = any(_pressing(t) for t in tasks)
+        if self._bulk is not None and not pressing:
+            future = loop.run_in_executor(self._bulk.executor, self._bulk.run, self._compute, tasks, False)
         else:
-            future = loop.run_in_executor(self._executor, self._compute, tasks)
+            future = loop.run_in_executor(self._executor, self._compute, tasks, pressing)
+        self._pressing_inflight += pressing
         self._steps += 1
         for entry in group:
             entry.inflight = future
@@ -357,6 +390,7 @@ class EngineLoop:
         except Exception as exc:  # the batch as a whole failed (a rank died, a model bug): every request in it
             results = {e.task.request_id: exc for e in group}
         finally:
+            self._pressing_inflight -= pressing
             for entry in group:
                 entry.inflight = None
             self._wake.set()

@@ -40,7 +40,7 @@ async def _serve(handler: StageHandler, host: str, port: int, transport: Transpo
     register_transport_metrics(metrics.registry, transport, metrics.labels)
     engine = EngineLoop(handler.name, max_inflight=getattr(handler, "max_inflight_steps", 1),
                         batcher=getattr(handler, "batcher", None), metrics=metrics, bulk_nice=bulk_nice,
-                        yield_steps=yield_steps)
+                        yield_steps=yield_steps, preempt=getattr(handler, "preempt", False))
     engine.start()
     server, health_servicer = make_server([STAGE_SERVICE])
     stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine, metrics, transport), server)

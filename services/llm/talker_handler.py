@@ -42,7 +42,10 @@ class TalkerHandler:
         self.batcher = (TalkerBatcher(talker, engine, talker.backend.predict_batch,  # type: ignore[attr-defined]
                                       first_output_rounds) if engine is not None else None)
         self.failure = failure
-        self.max_inflight_steps = layout.pp  # one request per pipeline rank at a time
+        # one request per pipeline rank at a time; in one process on CPU a second slot where a step of first
+        # outputs starts at once beside a bulk step, which pauses for it (EngineLoop `preempt`, StepGate)
+        self.preempt = layout.pp * layout.tp == 1 and layout.backend != "nccl"
+        self.max_inflight_steps = 2 if self.preempt else layout.pp
         self.talker = talker
         self.defaults = talker_sampling_params(talker.config)
         self.model_name = model_name

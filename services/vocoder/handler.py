@@ -54,6 +54,7 @@ class VocoderHandler:
         # VocoderBatcher.lanes: two threads, disjoint requests, read-only modules)
         in_process_cpu = layout.pp * layout.tp == 1 and layout.backend != "nccl"
         self.max_inflight_steps = 2 if in_process_cpu else layout.pp
+        self.preempt = in_process_cpu  # a bulk step pauses while a first-lane step runs (StepGate)
         # on CPU a step decodes at most CPU_CONV_ROWS windows (see VocoderBatcher); on CUDA all ready ones
         self.batcher = VocoderBatcher(max_codes_per_step, CPU_CONV_ROWS if layout.backend != "nccl" else None,
                                       first_lane=in_process_cpu)

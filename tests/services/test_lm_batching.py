@@ -3,6 +3,8 @@ the tiny model folder. What it proves:
 
 - batched == solo: 16 thinker requests of different prompt lengths stepped together give exactly the tokens
   each gives alone, and they really ran in shared steps (one engine step for all 16 at once);
+- two steps at once in one process (the first-output lane): disjoint requests stepped by two threads through
+  one engine give their solo tokens, with overlapping forwards;
 - chunked prefill: with a token budget of 8 a 40-token prompt is prefilled over several steps (no LMBatch
   above 8 tokens) and gives the same tokens as unchunked; a request already decoding gets a token
   on every one of those steps;
@@ -20,6 +22,9 @@ the tiny model folder. What it proves:
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -141,16 +146,17 @@ def assert_same_run(got: tuple[list[int], torch.Tensor], want: tuple[list[int], 
 
 
 def record_batches(engine: Any) -> list[LMBatch]:
-    """Wrap the backend's submit: the returned list gets every LMBatch command the engine sends."""
+    """Wrap the backend's submit and run: the returned list gets every LMBatch command the engine sends."""
     batches: list[LMBatch] = []
-    inner = engine.backend.submit
 
-    def submit(command: Any) -> Any:
-        if isinstance(command, LMBatch):
-            batches.append(command)
-        return inner(command)
+    def wrap(inner: Any) -> Any:
+        def call(command: Any) -> Any:
+            if isinstance(command, LMBatch):
+                batches.append(command)
+            return inner(command)
+        return call
 
-    engine.backend.submit = submit
+    engine.backend.submit, engine.backend.run = wrap(engine.backend.submit), wrap(engine.backend.run)
     return batches
 
 
@@ -186,6 +192,41 @@ def test_sixteen_batched_requests_equal_their_solo_runs(model_dir: Path, thinker
         assert_same_run((token_ids(chunks[f"r{i}"]), rec.stacked(f"r{i}")), want, f"r{i} (prompt {lengths[i]} tokens)")
     assert rec.sizes[0] == 16  # one step held all 16 requests (their prefills), and so did the decodes after it
     assert len(rec.sizes) < sum(len(a[0]) for a in alone) / 4  # far fewer steps than tokens
+    assert_drained(engine, engine.allocator.num_blocks)
+
+
+def test_two_steps_at_once_in_one_process_equal_their_solo_runs(model_dir: Path, thinker: Any) -> None:
+    """In one process (pp = tp = 1) a step of first outputs runs beside a bulk step (EngineLoop `preempt`):
+    two threads stepping disjoint requests through one engine at once give each request its solo tokens and
+    logits, their forwards really overlap, and every block comes back."""
+    lengths = [5, 30, 9, 17]
+    ids = prompts(lengths, seed=5)
+    alone = [solo(thinker, p, 10) for p in ids]
+    handler = thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB", stream_interval=1))
+    assert handler.preempt and handler.max_inflight_steps == 2  # the CPU stage in one process gets the lane
+    engine = handler.batcher.engine
+    rec = Recorder(engine)
+    inner, both_in, spans = engine.backend.run, threading.Barrier(2, timeout=10), []
+
+    def run(command: Any) -> Any:  # the first forward of each thread waits for the other's: they overlap
+        if isinstance(command, LMBatch) and not any(s[0] == threading.get_ident() for s in spans):
+            both_in.wait()
+        started = time.monotonic()
+        try:
+            return inner(command)
+        finally:
+            spans.append((threading.get_ident(), started, time.monotonic()))
+
+    engine.backend.run = run
+    drivers = [Driver(handler), Driver(handler)]
+    for i, p in enumerate(ids):
+        drivers[i % 2].add(open_thinker(handler, f"r{i}", p, 10))
+    with ThreadPoolExecutor(2) as pool:
+        chunks = [f.result(60) for f in [pool.submit(d.run) for d in drivers]]
+    for i, want in enumerate(alone):
+        assert_same_run((token_ids(chunks[i % 2][f"r{i}"]), rec.stacked(f"r{i}")), want, f"r{i}")
+    a, b = ([s for s in spans if s[0] == t] for t in {s[0] for s in spans})
+    assert any(x[1] < y[2] and y[1] < x[2] for x in a for y in b), "the two threads' forwards never overlapped"
     assert_drained(engine, engine.allocator.num_blocks)
 
 

@@ -102,6 +102,15 @@ class ShardedBackend:
     def open(self) -> int:
         return next(self._ids)
 
+    @property
+    def in_process(self) -> bool:
+        """pp = tp = 1: commands run in the calling thread (`run`), with no rank processes to keep in order."""
+        return self.executor is None
+
+    def run(self, command: Any) -> Any:
+        """An in-process stage: run `command` in the calling thread -> its result."""
+        return self._run(command)
+
     def submit(self, command: Any) -> Future:
         """Run `command` on every rank; the future resolves with the owner's result. With an executor this
         returns once rank 0's part is done, so another thread can submit the next pipeline micro-batch."""

@@ -179,10 +179,12 @@ class LMEngine:
             runs = self._plan(ready)
             if not runs:
                 return {}
-            future = self.backend.submit(self._command(runs))
+            command = self._command(runs)
+            future = None if self.backend.in_process else self.backend.submit(command)
             self._inflight.update(seq.sched.rid for seq, _ in runs)
         try:
-            result: LMBatchResult = future.result(timeout=self.backend.result_timeout_s)
+            result: LMBatchResult = (self.backend.run(command) if future is None
+                                     else future.result(timeout=self.backend.result_timeout_s))
         except TimeoutError:
             raise RankFailure(f"{self.role}: a batched step got no result within "
                               f"{self.backend.result_timeout_s:.0f}s") from None

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnimesh.engine.step_gate import checkpoint
 from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni.parallel_code_predictor import (
     CheckpointPlan,
@@ -215,6 +216,7 @@ class ParallelCode2WavTransformer(nn.Module):
                                  self.window, x.device)  # (B, 1, T, S)
         hidden = x  # (B, T, H)
         for layer in self.layers:
+            checkpoint()
             hidden = layer(hidden, cos, sin, caches, lengths, mask)  # (B, T, H)
         return self.norm(hidden) if self.norm is not None else hidden
 

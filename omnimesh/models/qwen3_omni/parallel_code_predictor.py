@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnimesh.engine.step_gate import checkpoint
 from omnimesh.kernels import cpu_kernels
 from omnimesh.models.loader import checkpoint_files, iter_tensors
 from omnimesh.models.qwen3_omni.parallel_text_model import (
@@ -298,6 +299,7 @@ class ParallelCodePredictor(nn.Module):
         cos, sin, masks = self._step_constants(positions, seen, x)
         hidden = x  # (1, T, H)
         for layer, window in zip(self.layers, self.windows):
+            checkpoint()
             hidden = layer(hidden, cos, sin, cache, masks[window])  # (1, T, H)
         return self.norm(hidden) if self.norm is not None else hidden
 

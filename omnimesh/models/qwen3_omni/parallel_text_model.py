@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnimesh.engine.step_gate import checkpoint
 from omnimesh.kernels import cpu_kernels
 from omnimesh.models.loader import checkpoint_files, iter_tensors
 from omnimesh.parallel.layers import (
@@ -437,6 +438,7 @@ class ParallelTextModel(nn.Module):
         hidden = x  # (1, T, H)
         captured = hidden if capture_layer == 0 and self.start == 0 else None
         for idx, layer in zip(range(self.start, self.end), self.layers):
+            checkpoint()
             hidden = layer(hidden, cos, sin, cache)  # (1, T, H)
             if capture_layer == idx + 1 and capture_layer < self.num_layers:
                 captured = hidden

@@ -40,6 +40,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeSnakeBeta,
 )
 
+from omnimesh.engine.step_gate import checkpoint
 from omnimesh.models.qwen3_omni.snake_kernel import snake
 
 
@@ -161,8 +162,10 @@ def run_stream(code2wav: Any, frames: Sequence[torch.Tensor], states: Sequence[C
     batch = _Batch(states, lengths)
     for blocks in code2wav.upsample:
         for block in blocks:
+            checkpoint()
             x = batch.module(block, x)
     for block in code2wav.decoder:
+        checkpoint()
         x = batch.module(block, x)
     wav = x.clamp(min=-1, max=1)[:, 0]  # (B, samples)
     for s in states:
