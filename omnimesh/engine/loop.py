@@ -356,8 +356,9 @@ class EngineLoop:
             (first if self._steps - e.last_step >= self._yield_steps else rest).append(e)
         return first, rest
 
-    def _compute(self, tasks: list[StageTask], pressing: bool = True) -> dict[str, list[StageChunk] | BaseException]:
-        """On a compute thread: one batched step (the stage's batcher) or one task's step, in
+    def _compute(self, tasks: list[StageTask], pressing: bool) -> dict[str, list[StageChunk] | BaseException]:
+        """On a compute thread: one batched step (the stage's batcher) or one task's step (`pressing`: an urgent
+        one, which gated bulk steps pause for), in
         `torch.inference_mode` (no autograd or version-counter bookkeeping: ~15% of a tiny LM step on CPU)."""
         gate = self._gate
         around = contextlib.nullcontext() if gate is None else gate.urgent() if pressing else gate.bulk()

@@ -26,7 +26,7 @@ class StepGate:
         self.max_pause_s = max_pause_s
         self._cond = threading.Condition()
         self._urgent = 0  # urgent steps running now
-        self.pauses = 0  # checkpoints at which a bulk step waited (for tests and logs)
+        self.pauses = 0  # checkpoints at which a bulk step waited
 
     @contextmanager
     def urgent(self) -> Iterator[None]:

@@ -42,7 +42,7 @@ class ThinkerHandler:
         self.failure = failure
         # one request per pipeline rank at a time; in one process on CPU a second slot where a step of first
         # outputs starts at once beside a bulk step, which pauses for it (EngineLoop `preempt`, StepGate)
-        self.preempt = layout.pp * layout.tp == 1 and layout.backend != "nccl"
+        self.preempt = layout.in_process_cpu
         self.max_inflight_steps = 2 if self.preempt else layout.pp
         self.thinker = thinker
         self.tokenizer = tokenizer

@@ -52,7 +52,7 @@ class VocoderHandler:
         self.failure = failure
         # one batch per pipeline rank at a time; in-process on CPU a second slot for first windows (see
         # VocoderBatcher.lanes: two threads, disjoint requests, read-only modules)
-        in_process_cpu = layout.pp * layout.tp == 1 and layout.backend != "nccl"
+        in_process_cpu = layout.in_process_cpu
         self.max_inflight_steps = 2 if in_process_cpu else layout.pp
         self.preempt = in_process_cpu  # a bulk step pauses while a first-lane step runs (StepGate)
         # on CPU a step decodes at most CPU_CONV_ROWS windows (see VocoderBatcher); on CUDA all ready ones

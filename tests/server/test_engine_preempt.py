@@ -71,6 +71,19 @@ def test_checkpoints_outside_a_gated_bulk_step_never_wait() -> None:
     assert time.monotonic() - started < 0.5 and gate.pauses == 0
 
 
+def test_an_urgent_step_that_fails_lets_the_bulk_step_go_on() -> None:
+    gate = StepGate(max_pause_s=5.0)
+    marks: list[float] = []
+    bulk = threading.Thread(target=_bulk_step, args=(gate, 5, marks))
+    with pytest.raises(RuntimeError, match="model bug"), gate.urgent():
+        bulk.start()
+        while gate.pauses == 0:  # the bulk step waits at its first checkpoint
+            time.sleep(0.001)
+        raise RuntimeError("model bug")
+    bulk.join(2)
+    assert not bulk.is_alive() and len(marks) == 5  # resumed at once, long before its 5 s budget
+
+
 def test_a_negative_pause_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="max_pause_s"):
         StepGate(max_pause_s=-1)

@@ -79,6 +79,11 @@ class LMLayout:
     devices: tuple[str, ...] = ()  # per rank, e.g. ("cuda:2", "cuda:3"); () = rank r on cuda:r (or CPU)
     timeout_s: float = 120.0  # rendezvous, start-up and every collective
 
+    @property
+    def in_process_cpu(self) -> bool:
+        """One rank, this process, on CPU: the stage's steps may share it (EngineLoop `preempt`, lanes)."""
+        return self.pp * self.tp == 1 and self.backend != "nccl"
+
     def executor_args(self) -> dict[str, Any]:
         """What `MpExecutor` takes from this layout (used only when pp x tp > 1)."""
         return {"backend": self.backend, "master_addr": self.master_addr, "master_port": self.master_port,
