@@ -16,6 +16,9 @@
 //   snake          the vocoder's SnakeBeta, x + inv_beta * sin(alpha x)^2 per channel (Sleef's vectorised sin)
 //   moe            router softmax -> top-k (at::topk itself, so ties break as transformers') -> the
 //                  routed experts (+ a sigmoid-gated shared expert) token by token
+//   dense_layer    a whole dense decoder layer (the code predictor's) over a small contiguous cache: the kernels
+//                  above and aten's linear in one call, no Python between them
+//   decode_layer   the same for a decoder layer of a decode-only batched step over the paged pool (LM stages)
 // Data flow: omnimesh/kernels/cpu_kernels.py builds this file once per machine (torch.utils.cpp_extension,
 // cached) and the model layers call torch.ops.omnimesh.* for float32 CPU tensors of small steps; everything
 // else (CUDA, other dtypes, large steps where aten's vectorised and threaded kernels win) stays on aten.
@@ -555,6 +558,63 @@ at::Tensor greedy_pick(const at::Tensor& logits_in, const at::Tensor& history, c
   return out;
 }
 
+// One dense pre-norm decoder layer over a small contiguous cache (the talker's code predictor), composed of the
+// kernels above and aten's linear in the order the Python layer calls them (the same values bit for bit): no
+// Python between its 11 ops. past_k / past_v (B, kv, S0, D) or none; returns y (B, T, H) and the keys / values
+// (B, kv, S0 + T, D) the cache keeps. The caller checks the attention is small (T x S) and the layer has no
+// bias and one tensor-parallel rank.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_layer(
+    const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& q_norm,
+    const c10::optional<at::Tensor>& k_norm, double qk_eps, const at::Tensor& cos, const at::Tensor& sin,
+    const c10::optional<at::Tensor>& past_k, const c10::optional<at::Tensor>& past_v, const at::Tensor& o_w,
+    const at::Tensor& ln2, const at::Tensor& gate_up_w, const at::Tensor& down_w, double eps, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, int64_t window, double scale) {
+  check_cpu_f32(x, "x");
+  TORCH_CHECK(x.dim() == 3, "omnimesh kernel: dense_layer takes x (B, T, H), got ", x.sizes());
+  TORCH_CHECK(past_k.has_value() == past_v.has_value(), "omnimesh kernel: give both past keys and values or none");
+  const int64_t B = x.size(0), T = x.size(1);
+  auto [q, k, v] = qk_norm_rope(at::linear(rms_norm(x, ln1, eps), qkv_w), heads, kv_heads, head_dim, q_norm, k_norm,
+                                qk_eps, cos, sin);
+  if (past_k.has_value()) {
+    k = at::cat({*past_k, k}, 2);
+    v = at::cat({*past_v, v}, 2);
+  }
+  const int64_t S = k.size(2);
+  at::Tensor o = attention(q, k, v, S - T, 0, window, scale);
+  at::Tensor h = x + at::linear(o.transpose(1, 2).reshape({B, T, -1}), o_w);
+  at::Tensor y = h + at::linear(silu_mul(at::linear(rms_norm(h, ln2, eps), gate_up_w)), down_w);
+  return {y, k, v};
+}
+
+// One decoder layer of a decode-only batched step (the thinker's and talker's LM: every request one new token),
+// composed like `dense_layer`: rms_norm, linear, qk_norm_rope, paged_decode into the pools, linear, then the
+// MoE kernel (router given: gate_up / down are the experts') or the dense silu MLP (gate_up / down its
+// weights), each residual added as the Python layer adds it (the same values bit for bit). x (1, N, H).
+at::Tensor decode_layer(
+    const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& q_norm,
+    const c10::optional<at::Tensor>& k_norm, double qk_eps, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& write_slots, const at::Tensor& rows,
+    const at::Tensor& slots, const at::Tensor& lens, double scale, const at::Tensor& o_w, const at::Tensor& ln2,
+    double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, const c10::optional<at::Tensor>& router,
+    const at::Tensor& gate_up, const at::Tensor& down, int64_t top_k, bool norm_topk,
+    const c10::optional<at::Tensor>& shared_gate_up, const c10::optional<at::Tensor>& shared_down,
+    const c10::optional<at::Tensor>& shared_gate) {
+  check_cpu_f32(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "omnimesh kernel: decode_layer takes x (1, N, H), got ", x.sizes());
+  const int64_t T = x.size(1);
+  auto [q, k, v] = qk_norm_rope(at::linear(rms_norm(x, ln1, eps), qkv_w), heads, kv_heads, head_dim, q_norm, k_norm,
+                                qk_eps, cos, sin);
+  at::Tensor o = at::empty(q.sizes(), q.options());
+  paged_decode(q, k, v, k_pool, v_pool, write_slots, rows, slots, lens, scale, o);
+  at::Tensor h = x + at::linear(o.transpose(1, 2).reshape({1, T, -1}), o_w);
+  at::Tensor n2 = rms_norm(h, ln2, eps);
+  at::Tensor mlp = router.has_value()
+      ? moe(n2.reshape({-1, n2.size(-1)}), *router, gate_up, down, top_k, norm_topk, shared_gate_up, shared_down,
+            shared_gate).reshape(n2.sizes())
+      : at::linear(silu_mul(at::linear(n2, gate_up)), down);
+  return h + mlp;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(omnimesh, m) {
@@ -570,6 +630,14 @@ TORCH_LIBRARY(omnimesh, m) {
   m.def("greedy_pick(Tensor logits, Tensor history, Tensor offsets, float penalty, Tensor? suppress) -> Tensor");
   m.def("moe(Tensor h, Tensor router, Tensor gate_up, Tensor down, int top_k, bool norm_topk, Tensor? shared_gate_up, "
         "Tensor? shared_down, Tensor? shared_gate) -> Tensor");
+  m.def("dense_layer(Tensor x, Tensor ln1, Tensor qkv_w, Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor cos, "
+        "Tensor sin, Tensor? past_k, Tensor? past_v, Tensor o_w, Tensor ln2, Tensor gate_up_w, Tensor down_w, "
+        "float eps, int heads, int kv_heads, int head_dim, int window, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("decode_layer(Tensor x, Tensor ln1, Tensor qkv_w, Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor cos, "
+        "Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_slots, Tensor rows, Tensor slots, Tensor lens, "
+        "float scale, Tensor o_w, Tensor ln2, float eps, int heads, int kv_heads, int head_dim, Tensor? router, "
+        "Tensor gate_up, Tensor down, int top_k, bool norm_topk, Tensor? shared_gate_up, Tensor? shared_down, "
+        "Tensor? shared_gate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(omnimesh, CPU, m) {
@@ -582,4 +650,6 @@ TORCH_LIBRARY_IMPL(omnimesh, CPU, m) {
   m.impl("snake", &snake);
   m.impl("greedy_pick", &greedy_pick);
   m.impl("moe", &moe);
+  m.impl("dense_layer", &dense_layer);
+  m.impl("decode_layer", &decode_layer);
 }

@@ -132,6 +132,17 @@ class PagedBatch:
         # the CPU kernel writes every new key and attends each decode over its own slots (no padded gather)
         self.fused = bool(pool.k) and smax <= PAGED_KERNEL_KEYS and cpu_kernels.use(pool.k[0])
 
+    def decode_only(self, layer_idx: int) -> tuple[torch.Tensor, ...] | None:
+        """For a fused decoder layer (`ParallelDecoderLayer._fused`): the layer's pools and this step's slots, in
+        `cpu_kernels.paged_decode`'s order, when every request has one new token and that kernel takes them (float32
+        pools); else None (`attend` then runs)."""
+        if not self.fused or self.prefills or not self.pool.start <= layer_idx < self.pool.end:
+            return None
+        kp, vp = self.pool.k[layer_idx - self.pool.start], self.pool.v[layer_idx - self.pool.start]
+        if kp.dtype != torch.float32:
+            return None
+        return kp, vp, self.write_slots, self.decode_rows, self.decode_slots, self.decode_lens
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int,
                scale: float) -> torch.Tensor:
         """q (1, nh, N, D), k/v (1, nkv, N, D) of the packed tokens -> attention output (1, nh, N, D)."""

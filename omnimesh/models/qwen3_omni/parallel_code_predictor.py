@@ -25,6 +25,7 @@ Data flow (one talker step of one request; every rank of the stage runs `predict
         -> first rank: x = codec_embedding[j](r_{j+1}) (1, 1, H) for the next step
     -> ResidualCodes(codes r_1..r_{G-1}, codec_sum (1, 1, H) on the first rank, hidden per step on the last)
 The generic `pipeline_step` and the dense attention here are reused by `parallel_code2wav_transformer.py`.
+On CPU (float32, one TP rank) each layer of a step is ONE fused kernel call (`ParallelCodePredictorLayer._fused`).
 
 Run the checks: python -m pytest tests/parallel/test_parallel_code_predictor.py -q
 """
@@ -230,11 +231,39 @@ class ParallelCodePredictorLayer(nn.Module):
         self.self_attn = ParallelDenseAttention(config, layer_idx, ps, dtype, qk_norm=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = ParallelMLP(config.hidden_size, config.intermediate_size, ps, dtype, reduce=True)
+        attn, D, self.layer_idx = self.self_attn, self.self_attn.head_dim, layer_idx
+        # one rank, float32, no biases, one eps: `cpu_kernels`' dense_layer can run the whole layer in one call
+        self.fusable = (ps.tp_size == 1 and dtype == torch.float32 and attn.qkv_proj.bias is None
+                        and attn.o_proj.bias is None and self.input_layernorm.eps == self.post_attention_layernorm.eps)
+        norms = attn.qk_norms
+        # its arguments, read once (nn.Module's attribute lookups cost more than the kernel's Python call); the
+        # loader copies weights into these same parameters, so the references stay right
+        self._attn_args = (self.input_layernorm.weight, attn.qkv_proj.weight, norms[0].weight if norms else None,
+                           norms[1].weight if norms else None, norms[0].eps if norms else 0.0)
+        self._mlp_args = (attn.o_proj.weight, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight,
+                          self.mlp.down_proj.weight, self.input_layernorm.eps, attn.qkv_proj.q_size // D,
+                          attn.qkv_proj.kv_size // D, D, attn.window or 0, D**-0.5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
                 mask: torch.Tensor | None) -> torch.Tensor:
+        if self.fusable and isinstance(cache, KVCache) and cpu_kernels.use(x) and cos.dtype == torch.float32:
+            fused = self._fused(x, cos, sin, cache)
+            if fused is not None:
+                return fused
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)  # (1, T, H)
         return x + self.mlp(self.post_attention_layernorm(x))  # (1, T, H)
+
+    def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """The layer as ONE kernel call (float32 CPU, a small attention): the ops `forward` runs, in its order, with
+        its values bit for bit, without the Python between them. None where the attention is not small: `forward`
+        runs it op by op."""
+        past_k, past_v = cache.history(self.layer_idx)
+        T = x.shape[1]
+        if not small_attention(x, T, T + (0 if past_k is None else past_k.shape[2])):
+            return None
+        y, k, v = cpu_kernels.ops().dense_layer(x, *self._attn_args, cos, sin, past_k, past_v, *self._mlp_args)
+        cache.keep(self.layer_idx, k, v)
+        return y  # (B, T, H)
 
 
 class ParallelCodePredictor(nn.Module):

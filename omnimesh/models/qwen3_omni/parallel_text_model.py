@@ -22,6 +22,8 @@ Data flow (one step of one request on one rank):
         -> final norm (last rank) -> StageOutput(hidden (1, T, H), captured (1, T, H) | None)
     last pp rank:   compute_logits(hidden[:, -1]) -> (1, V) all-gathered over TP
 `pipeline_step` runs that across pipeline ranks (what crosses a boundary is documented there).
+On CPU (float32, one TP rank) a decode-only batched step runs each layer as ONE fused kernel call
+(`ParallelDecoderLayer._fused`: the same ops in the same order, bit for bit, without the Python between them).
 
 Run the checks: python -m pytest tests/parallel -q
 """
@@ -110,13 +112,26 @@ class KVCache:
         return gqa_attention(q, k, v, n_rep, scale, mask, is_causal=mask is None and T > 1)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.start <= layer_idx < self.end:
-            raise ValueError(f"layer {layer_idx} is not in this cache's range [{self.start}, {self.end})")
-        i = layer_idx - self.start
+        i = self._index(layer_idx)
         old_k, old_v = self._k[i], self._v[i]
         self._k[i] = k if old_k is None else torch.cat([old_k, k], dim=2)  # (1, n_kv, S, D)
         self._v[i] = v if old_v is None else torch.cat([old_v, v], dim=2)
         return self._k[i], self._v[i]  # type: ignore[return-value]
+
+    def history(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's keys and values so far (1, n_kv/tp, S, D), None before its first step."""
+        i = self._index(layer_idx)
+        return self._k[i], self._v[i]
+
+    def keep(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace the layer's history with k / v (its old history + this step's, made by a fused layer)."""
+        i = self._index(layer_idx)
+        self._k[i], self._v[i] = k, v
+
+    def _index(self, layer_idx: int) -> int:
+        if not self.start <= layer_idx < self.end:
+            raise ValueError(f"layer {layer_idx} is not in this cache's range [{self.start}, {self.end})")
+        return layer_idx - self.start
 
 
 class LMCache(Protocol):
@@ -351,9 +366,13 @@ class ParallelSparseMoe(nn.Module):
         """Whether this step's N tokens go to the CPU MoE kernel (router, top-k, experts, shared expert in one
         call): float32 CPU, and few enough multiply-adds (`FUSED_MOE_MACS`) that one thread's loops beat aten's
         GEMMs plus their per-op cost."""
+        return self.fits(h.shape[0]) and cpu_kernels.use(h)
+
+    def fits(self, tokens: int) -> bool:
+        """Whether `tokens` tokens are few enough multiply-adds for the CPU MoE kernel (`fused`'s size rule)."""
         experts = self.experts
-        macs = h.shape[0] * (self.top_k + (self.shared_expert is not None)) * 3 * experts.inter_per_rank * h.shape[1]
-        return macs <= FUSED_MOE_MACS and cpu_kernels.use(h)
+        macs = tokens * (self.top_k + (self.shared_expert is not None)) * 3 * experts.inter_per_rank * experts.hidden_size
+        return macs <= FUSED_MOE_MACS
 
 
 class ParallelDecoderLayer(nn.Module):
@@ -366,10 +385,44 @@ class ParallelDecoderLayer(nn.Module):
                                and (layer_idx + 1) % config.decoder_sparse_step == 0)
         self.mlp: nn.Module = (ParallelSparseMoe(config, ps, dtype, shared=is_talker) if sparse
                                else ParallelMLP(config.hidden_size, config.intermediate_size, ps, dtype, reduce=True))
+        attn, D, self.layer_idx = self.self_attn, self.self_attn.head_dim, layer_idx
+        # one rank, float32, no biases, one eps: a decode-only batched step can run the whole layer as ONE
+        # kernel call (`cpu_kernels`' decode_layer), its arguments read once here (the loader copies weights
+        # into these same parameters)
+        self.fusable = (ps.tp_size == 1 and dtype == torch.float32 and attn.qkv_proj.bias is None
+                        and attn.o_proj.bias is None and self.input_layernorm.eps == self.post_attention_layernorm.eps)
+        self._attn_args = (self.input_layernorm.weight, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight,
+                           attn.q_norm.eps)
+        self._o_args = (D**-0.5, attn.o_proj.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+                        attn.qkv_proj.q_size // D, attn.qkv_proj.kv_size // D, D)
+        mlp = self.mlp
+        if isinstance(mlp, ParallelSparseMoe):
+            shared = mlp.shared_expert
+            self._mlp_args: tuple[Any, ...] = (
+                mlp.router, mlp.experts.gate_up, mlp.experts.down, mlp.top_k, bool(mlp.norm_topk),
+                None if shared is None else shared.gate_up_proj.weight,
+                None if shared is None else shared.down_proj.weight, mlp.shared_expert_gate)
+        else:
+            self._mlp_args = (None, cast(ParallelMLP, mlp).gate_up_proj.weight, cast(ParallelMLP, mlp).down_proj.weight,
+                              0, False, None, None, None)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LMCache) -> torch.Tensor:
+        if self.fusable and cpu_kernels.use(x) and cos.dtype == torch.float32:
+            fused = self._fused(x, cos, sin, cache)
+            if fused is not None:
+                return fused
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)  # (1, T, H)
         return x + self.mlp(self.post_attention_layernorm(x))  # (1, T, H)
+
+    def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LMCache) -> torch.Tensor | None:
+        """A decode-only batched step's layer as ONE kernel call: the ops `forward` runs (paged decode, the MoE
+        kernel or the silu MLP), in its order, with its values bit for bit, without the Python between them.
+        None where `forward` runs it op by op: a request's own cache, prefill rows, a MoE too big for its kernel."""
+        decode_only = getattr(cache, "decode_only", None)  # PagedBatch (paged_kv.py) has it, KVCache does not
+        pools = decode_only(self.layer_idx) if decode_only is not None else None
+        if pools is None or (isinstance(self.mlp, ParallelSparseMoe) and not self.mlp.fits(x.shape[1])):
+            return None
+        return cpu_kernels.ops().decode_layer(x, *self._attn_args, cos, sin, *pools, *self._o_args, *self._mlp_args)
 
 
 class ParallelTextModel(nn.Module):
