@@ -558,6 +558,28 @@ at::Tensor greedy_pick(const at::Tensor& logits_in, const at::Tensor& history, c
   return out;
 }
 
+// The pieces a whole layer (`dense_layer`, `decode_layer`) shares, in the Python layers' order of ops:
+// q, k, v of x (rms_norm, the fused qkv linear, qk_norm_rope) ...
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_qkv(
+    const at::Tensor& x, const at::Tensor& ln1, double eps, const at::Tensor& qkv_w,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double qk_eps,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  check_cpu_f32(x, "x");
+  TORCH_CHECK(x.dim() == 3, "omnimesh kernel: a fused layer takes x (B, T, H), got ", x.sizes());
+  return qk_norm_rope(at::linear(rms_norm(x, ln1, eps), qkv_w), heads, kv_heads, head_dim, q_norm, k_norm, qk_eps,
+                      cos, sin);
+}
+
+// ... the attention output o (B, h, T, D) through o_proj onto the residual x ...
+at::Tensor attention_residual(const at::Tensor& x, const at::Tensor& o, const at::Tensor& o_w) {
+  return x + at::linear(o.transpose(1, 2).reshape({x.size(0), x.size(1), -1}), o_w);
+}
+
+// ... and the dense silu MLP of the post-attention norm (what ParallelMLP computes).
+at::Tensor dense_mlp(const at::Tensor& n2, const at::Tensor& gate_up_w, const at::Tensor& down_w) {
+  return at::linear(silu_mul(at::linear(n2, gate_up_w)), down_w);
+}
+
 // One dense pre-norm decoder layer over a small contiguous cache (the talker's code predictor), composed of the
 // kernels above and aten's linear in the order the Python layer calls them (the same values bit for bit): no
 // Python between its 11 ops. past_k / past_v (B, kv, S0, D) or none; returns y (B, T, H) and the keys / values
@@ -569,21 +591,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_layer(
     const c10::optional<at::Tensor>& past_k, const c10::optional<at::Tensor>& past_v, const at::Tensor& o_w,
     const at::Tensor& ln2, const at::Tensor& gate_up_w, const at::Tensor& down_w, double eps, int64_t heads,
     int64_t kv_heads, int64_t head_dim, int64_t window, double scale) {
-  check_cpu_f32(x, "x");
-  TORCH_CHECK(x.dim() == 3, "omnimesh kernel: dense_layer takes x (B, T, H), got ", x.sizes());
   TORCH_CHECK(past_k.has_value() == past_v.has_value(), "omnimesh kernel: give both past keys and values or none");
-  const int64_t B = x.size(0), T = x.size(1);
-  auto [q, k, v] = qk_norm_rope(at::linear(rms_norm(x, ln1, eps), qkv_w), heads, kv_heads, head_dim, q_norm, k_norm,
-                                qk_eps, cos, sin);
+  auto [q, k, v] = layer_qkv(x, ln1, eps, qkv_w, q_norm, k_norm, qk_eps, cos, sin, heads, kv_heads, head_dim);
   if (past_k.has_value()) {
     k = at::cat({*past_k, k}, 2);
     v = at::cat({*past_v, v}, 2);
   }
-  const int64_t S = k.size(2);
-  at::Tensor o = attention(q, k, v, S - T, 0, window, scale);
-  at::Tensor h = x + at::linear(o.transpose(1, 2).reshape({B, T, -1}), o_w);
-  at::Tensor y = h + at::linear(silu_mul(at::linear(rms_norm(h, ln2, eps), gate_up_w)), down_w);
-  return {y, k, v};
+  const int64_t S = k.size(2), T = x.size(1);
+  at::Tensor h = attention_residual(x, attention(q, k, v, S - T, 0, window, scale), o_w);
+  return {h + dense_mlp(rms_norm(h, ln2, eps), gate_up_w, down_w), k, v};
 }
 
 // One decoder layer of a decode-only batched step (the thinker's and talker's LM: every request one new token),
@@ -599,19 +615,16 @@ at::Tensor decode_layer(
     const at::Tensor& gate_up, const at::Tensor& down, int64_t top_k, bool norm_topk,
     const c10::optional<at::Tensor>& shared_gate_up, const c10::optional<at::Tensor>& shared_down,
     const c10::optional<at::Tensor>& shared_gate) {
-  check_cpu_f32(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "omnimesh kernel: decode_layer takes x (1, N, H), got ", x.sizes());
-  const int64_t T = x.size(1);
-  auto [q, k, v] = qk_norm_rope(at::linear(rms_norm(x, ln1, eps), qkv_w), heads, kv_heads, head_dim, q_norm, k_norm,
-                                qk_eps, cos, sin);
+  auto [q, k, v] = layer_qkv(x, ln1, eps, qkv_w, q_norm, k_norm, qk_eps, cos, sin, heads, kv_heads, head_dim);
   at::Tensor o = at::empty(q.sizes(), q.options());
   paged_decode(q, k, v, k_pool, v_pool, write_slots, rows, slots, lens, scale, o);
-  at::Tensor h = x + at::linear(o.transpose(1, 2).reshape({1, T, -1}), o_w);
+  at::Tensor h = attention_residual(x, o, o_w);
   at::Tensor n2 = rms_norm(h, ln2, eps);
   at::Tensor mlp = router.has_value()
       ? moe(n2.reshape({-1, n2.size(-1)}), *router, gate_up, down, top_k, norm_topk, shared_gate_up, shared_down,
             shared_gate).reshape(n2.sizes())
-      : at::linear(silu_mul(at::linear(n2, gate_up)), down);
+      : dense_mlp(n2, gate_up, down);
   return h + mlp;
 }
 

@@ -8,7 +8,9 @@ What it proves:
   op-by-op layer (the fused call says None);
 - the code predictor's layer over its per-step cache (2 tokens, then 1 and 1; full causal and a sliding
   window) gives the same output and cache bit for bit, and the whole predictor the same codes, hidden states
-  and codec sum.
+  and codec sum;
+- layers with tp > 1, another dtype, a bias or two norm eps are not fused, and the ops refuse bad inputs with
+  errors that name them.
 
 Run: python -m pytest tests/kernels/test_fused_layers.py -q
 """
@@ -16,6 +18,7 @@ Run: python -m pytest tests/kernels/test_fused_layers.py -q
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import pytest
@@ -24,7 +27,12 @@ import torch
 from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni import parallel_code_predictor as pcp
 from omnimesh.models.qwen3_omni.paged_kv import BatchLayout, PagedBatch, PagedKVPool
-from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelDecoderLayer, ParallelSparseMoe
+from omnimesh.models.qwen3_omni.parallel_text_model import (
+    KVCache,
+    ParallelDecoderLayer,
+    ParallelSparseMoe,
+    fusable_layer,
+)
 from omnimesh.models.qwen3_omni.tiny_config import tiny_qwen3_omni_config
 from omnimesh.parallel.parallel_state import ParallelState
 
@@ -159,3 +167,45 @@ def test_the_whole_code_predictor_gives_the_same_codes_fused() -> None:
     assert got.codes == want.codes
     assert all(torch.equal(a, b) for a, b in zip(got.hidden, want.hidden))
     assert want.codec_sum is not None and got.codec_sum is not None and torch.equal(got.codec_sum, want.codec_sum)
+
+
+def test_only_one_rank_float32_unbiased_layers_with_one_eps_are_fused() -> None:
+    layer = decoder_layer("thinker")
+    attn, ln1, ln2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    one = ParallelState.single()
+    assert layer.fusable and fusable_layer(one, torch.float32, attn, ln1, ln2)
+    two_ranks = types.SimpleNamespace(tp_size=2)  # what the rule reads of a tp = 2 rank's state
+    assert not fusable_layer(two_ranks, torch.float32, attn, ln1, ln2)  # type: ignore[arg-type]
+    assert not fusable_layer(one, torch.bfloat16, attn, ln1, ln2)
+    other_eps = copy.copy(ln2)
+    other_eps.eps = ln1.eps * 10
+    assert not fusable_layer(one, torch.float32, attn, ln1, other_eps)
+    biased = copy.copy(attn)
+    biased.qkv_proj = copy.copy(attn.qkv_proj)
+    biased.qkv_proj.bias = torch.nn.Parameter(torch.zeros(1))
+    assert not fusable_layer(one, torch.float32, biased, ln1, ln2)
+
+
+def test_the_layer_ops_refuse_bad_inputs_with_errors_that_name_them() -> None:
+    ops = cpu_kernels.ops()
+    layer = randomized(pcp.ParallelCodePredictorLayer(predictor_config(None), 0, ParallelState.single(), torch.float32), 12)
+    x, D = torch.zeros(2, 1, 64), layer.self_attn.head_dim
+    cos = sin = torch.zeros(1, 1, D)
+    past = torch.zeros(2, 2, 3, D)
+    with pytest.raises(RuntimeError, match="give both past keys and values or none"):
+        ops.dense_layer(x, *layer._attn_args, cos, sin, past, None, *layer._mlp_args)
+    with pytest.raises(RuntimeError, match=r"a fused layer takes x \(B, T, H\)"):
+        ops.dense_layer(x[0], *layer._attn_args, cos, sin, None, None, *layer._mlp_args)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        ops.dense_layer(x.double(), *layer._attn_args, cos, sin, None, None, *layer._mlp_args)
+    lm = decoder_layer("talker")
+    pool, _ = pools(lm, seed=13)
+    batch = PagedBatch(pool, BatchLayout.build(DECODES, BLOCK))
+    args = batch.decode_only(0)
+    assert args is not None
+    xs, cs, sn = step_inputs(lm, len(DECODES), seed=14)
+    with pytest.raises(RuntimeError, match=r"decode_layer takes x \(1, N, H\)"):
+        ops.decode_layer(xs.expand(2, -1, -1), *lm._attn_args, cs, sn, *args, *lm._o_args, *lm._mlp_args)
+    with pytest.raises(RuntimeError, match="write slot 99 is outside the pool's 64"):
+        bad = (*args[:2], torch.tensor([99, 0, 1]), *args[3:])
+        ops.decode_layer(xs, *lm._attn_args, cs, sn, *bad, *lm._o_args, *lm._mlp_args)

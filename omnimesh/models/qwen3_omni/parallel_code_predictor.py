@@ -48,6 +48,7 @@ from omnimesh.models.qwen3_omni.parallel_text_model import (
     KVCache,
     ParallelMLP,
     RMSNorm,
+    fusable_layer,
     gqa_attention,
     qkv_heads,
     signed_sin,
@@ -232,9 +233,8 @@ class ParallelCodePredictorLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = ParallelMLP(config.hidden_size, config.intermediate_size, ps, dtype, reduce=True)
         attn, D, self.layer_idx = self.self_attn, self.self_attn.head_dim, layer_idx
-        # one rank, float32, no biases, one eps: `cpu_kernels`' dense_layer can run the whole layer in one call
-        self.fusable = (ps.tp_size == 1 and dtype == torch.float32 and attn.qkv_proj.bias is None
-                        and attn.o_proj.bias is None and self.input_layernorm.eps == self.post_attention_layernorm.eps)
+        # `cpu_kernels`' dense_layer can run the whole layer in one call
+        self.fusable = fusable_layer(ps, dtype, attn, self.input_layernorm, self.post_attention_layernorm)
         norms = attn.qk_norms
         # its arguments, read once (nn.Module's attribute lookups cost more than the kernel's Python call); the
         # loader copies weights into these same parameters, so the references stay right

@@ -375,6 +375,13 @@ class ParallelSparseMoe(nn.Module):
         return macs <= FUSED_MOE_MACS
 
 
+def fusable_layer(ps: ParallelState, dtype: torch.dtype, attn: Any, ln1: RMSNorm, ln2: RMSNorm) -> bool:
+    """Whether `cpu_kernels`' whole-layer ops (dense_layer, decode_layer) can run a layer with attention `attn` and
+    norms ln1 / ln2: one TP rank (no collective inside), float32, no q/k/v or o bias, one eps for both norms."""
+    return (ps.tp_size == 1 and dtype == torch.float32 and attn.qkv_proj.bias is None and attn.o_proj.bias is None
+            and ln1.eps == ln2.eps)
+
+
 class ParallelDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, ps: ParallelState, dtype: torch.dtype, is_talker: bool) -> None:
         super().__init__()
@@ -386,11 +393,9 @@ class ParallelDecoderLayer(nn.Module):
         self.mlp: nn.Module = (ParallelSparseMoe(config, ps, dtype, shared=is_talker) if sparse
                                else ParallelMLP(config.hidden_size, config.intermediate_size, ps, dtype, reduce=True))
         attn, D, self.layer_idx = self.self_attn, self.self_attn.head_dim, layer_idx
-        # one rank, float32, no biases, one eps: a decode-only batched step can run the whole layer as ONE
-        # kernel call (`cpu_kernels`' decode_layer), its arguments read once here (the loader copies weights
-        # into these same parameters)
-        self.fusable = (ps.tp_size == 1 and dtype == torch.float32 and attn.qkv_proj.bias is None
-                        and attn.o_proj.bias is None and self.input_layernorm.eps == self.post_attention_layernorm.eps)
+        # a decode-only batched step can run the whole layer as ONE kernel call (`cpu_kernels`' decode_layer),
+        # its arguments read once here (the loader copies weights into these same parameters)
+        self.fusable = fusable_layer(ps, dtype, attn, self.input_layernorm, self.post_attention_layernorm)
         self._attn_args = (self.input_layernorm.weight, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight,
                            attn.q_norm.eps)
         self._o_args = (D**-0.5, attn.o_proj.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
