@@ -1,38 +1,51 @@
-"""How each stage batched during a benchmark run: engine steps, requests per step and step time, per stage.
+"""How each stage batched during a benchmark run: engine steps, requests per step and step time, per stage,
+and the steps first outputs waited for.
 
 Role: the benchmarks' view of batching (a CPU-bound run's per-request cost falls as steps carry more
-requests). `scrape(url)` reads the gateway's /metrics (every stage's `omnimesh:iteration_requests` and
-`omnimesh:engine_step_seconds` histograms) -> per stage (steps, request-steps, step seconds);
-`since(before, after)` is what one run added. Stages without engine steps in the run are left out.
+requests) and of what time to first audio is made of. `scrape(url)` reads the gateway's /metrics (every
+stage's `omnimesh:iteration_requests`, `omnimesh:engine_step_seconds` and
+`omnimesh:first_output_step_seconds` histograms) -> per stage a `StageSteps`; `since(before, after)` is
+what one run added. Stages without engine steps in the run are left out.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import httpx
 
 from omnimesh.engine.metrics import parse_exposition
 
-Steps = dict[str, tuple[float, float, float]]  # stage -> (steps, requests summed over steps, seconds)
+
+class StageSteps(NamedTuple):
+    steps: float = 0.0  # engine steps
+    requests: float = 0.0  # requests advanced, summed over the steps
+    seconds: float = 0.0  # wall time of the steps
+    first_steps: float = 0.0  # steps with a request in them that waited for its first output
+    first_seconds: float = 0.0  # their wall time
+
+
+Steps = dict[str, StageSteps]
+
+_FIELDS = {
+    ("omnimesh:iteration_requests", "_count"): "steps",
+    ("omnimesh:iteration_requests", "_sum"): "requests",
+    ("omnimesh:engine_step_seconds", "_sum"): "seconds",
+    ("omnimesh:first_output_step_seconds", "_count"): "first_steps",
+    ("omnimesh:first_output_step_seconds", "_sum"): "first_seconds",
+}
 
 
 def parse(text: str) -> Steps:
-    """Prometheus text (the gateway's /metrics) -> per stage (steps, request-steps, step seconds)."""
-    out: dict[str, list[float]] = {}
+    """Prometheus text (the gateway's /metrics) -> per stage its `StageSteps`."""
+    out: dict[str, dict[str, float]] = {}
     for fam in parse_exposition(text):
-        if fam.name not in ("omnimesh:iteration_requests", "omnimesh:engine_step_seconds"):
-            continue
         for s in fam.samples:
             stage = s.labels.get("stage")
-            if stage is None:
-                continue
-            row = out.setdefault(stage, [0.0, 0.0, 0.0])
-            if fam.name == "omnimesh:iteration_requests" and s.name.endswith("_count"):
-                row[0] = s.value
-            elif fam.name == "omnimesh:iteration_requests" and s.name.endswith("_sum"):
-                row[1] = s.value
-            elif fam.name == "omnimesh:engine_step_seconds" and s.name.endswith("_sum"):
-                row[2] = s.value
-    return {stage: (r[0], r[1], r[2]) for stage, r in out.items()}
+            field = _FIELDS.get((fam.name, s.name[len(fam.name):]))
+            if stage is not None and field is not None:
+                out.setdefault(stage, {})[field] = s.value
+    return {stage: StageSteps(**fields) for stage, fields in out.items()}
 
 
 def scrape(url: str) -> Steps:
@@ -42,8 +55,8 @@ def scrape(url: str) -> Steps:
 def since(before: Steps, after: Steps) -> Steps:
     """What the run between two scrapes added, per stage that stepped in it."""
     out: Steps = {}
-    for stage, (n, reqs, secs) in after.items():
-        n0, r0, s0 = before.get(stage, (0.0, 0.0, 0.0))
-        if n - n0 > 0:
-            out[stage] = (n - n0, reqs - r0, secs - s0)
+    for stage, now in after.items():
+        then = before.get(stage, StageSteps())
+        if now.steps - then.steps > 0:
+            out[stage] = StageSteps(*(a - b for a, b in zip(now, then)))
     return out

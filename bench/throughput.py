@@ -25,7 +25,8 @@ once, and the tail, with fewer than c left in flight, stay a small part of the r
 
 Prints both tables, the ratios to sequential (and batched) transformers, per concurrency the CPU each
 mesh process spent per request and how long its threads waited for a core (`bench/process_cpu.py`), how each stage batched (engine steps per
-request, requests per step, ms per step: `bench/stage_steps.py`, from /metrics), and the two targets: throughput
+request, requests per step, ms per step; and per request the steps that its first output waited for, with
+their ms per step: `bench/stage_steps.py`, from /metrics), and the two targets: throughput
 at c=16 >= 8x sequential transformers, TTFP p50 at c=8 <= 2x its value at c=1. With `--rounds N` it measures
 both sides N times, alternating (a fresh mesh each round, `transformers` loaded once), prints each round,
 then judges the targets on their medians (`bench/rounds.py`). Not part of the test suite.
@@ -39,6 +40,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import process_cpu, stage_steps  # noqa: E402
+from bench.stage_steps import StageSteps  # noqa: E402
 from bench import rounds as rounds_summary  # noqa: E402
 from bench.common import (  # noqa: E402
     HFGenerate,
@@ -397,20 +400,27 @@ def waits_table(mesh: dict[int, dict[str, Any]]) -> None:
 
 
 def steps_table(mesh: dict[int, dict[str, Any]]) -> None:
-    """Per concurrency and stage: engine steps per request, requests per step, ms per step (from /metrics)."""
+    """Per concurrency and stage: engine steps per request, requests per step, ms per step; then the steps
+    that carried a request waiting for its first output, per request, and their ms per step (from /metrics)."""
     rows = {c: m for c, m in mesh.items() if m.get("engine_steps") and m["ok"]}
     stages = [s for s in ("encoder", "thinker", "talker", "vocoder") if any(s in m["engine_steps"] for m in rows.values())]
     if not rows or not stages:
         return
+
+    def table(title: str, cell: Callable[[StageSteps, int], str]) -> None:
+        print(title)
+        print(f"{'c':>4}" + "".join(f"{s:>22}" for s in stages))
+        for c, m in rows.items():
+            steps = [StageSteps(*m["engine_steps"].get(s, StageSteps())) for s in stages]
+            print(f"{c:4}" + "".join(f"{cell(st, m['ok']):>22}" for st in steps))
+
     print()
-    print("omnimesh engine steps by stage: steps per request / requests per step / ms per step (wall)")
-    print(f"{'c':>4}" + "".join(f"{s:>22}" for s in stages))
-    for c, m in rows.items():
-        cells = []
-        for s in stages:
-            n, reqs, secs = m["engine_steps"].get(s, (0.0, 0.0, 0.0))
-            cells.append(f"{n / m['ok']:8.1f} /{reqs / n:5.1f} /{secs * 1000 / n:5.1f}" if n else f"{'-':>22}")
-        print(f"{c:4}" + "".join(f"{cell:>22}" for cell in cells))
+    table("omnimesh engine steps by stage: steps per request / requests per step / ms per step (wall)",
+          lambda st, ok: f"{st.steps / ok:8.1f} /{st.requests / st.steps:5.1f} /{st.seconds * 1000 / st.steps:5.1f}"
+          if st.steps else "-")
+    table("the steps that carried a request still waiting for its first output: per request / ms per step (wall)",
+          lambda st, ok: f"{st.first_steps / ok:8.1f} /{st.first_seconds * 1000 / st.first_steps:5.1f}"
+          if st.first_steps else "-")
 
 
 def _no_nan(x: Any) -> Any:

@@ -39,8 +39,9 @@ the engine keeps the second slot for such steps: a step's worth of requests when
 step of the pressing ones beside a bulk step, nothing beside a pressing one (the next joins it when it ends).
 
 Metrics (optional `EngineMetrics`): each request's `RequestTiming` hears its submit, first readiness,
-first step, every step with output and its end; the load gauges read `_load` (the batcher's `stats()`
-when it has one) at scrape time.
+first step, every step with output and its end; each step gives its size and wall time, and whether a
+request in it waited for its first output; the load gauges read `_load` (the batcher's `stats()` when it
+has one) at scrape time.
 """
 
 from __future__ import annotations
@@ -377,6 +378,7 @@ class EngineLoop:
         started = time.monotonic()
         tasks = [e.task for e in group]
         pressing = any(_pressing(t) for t in tasks)
+        first_output = self._metrics is not None and any(t.urgent() for t in tasks)
         if self._bulk is not None and not pressing:
             future = loop.run_in_executor(self._bulk.executor, self._bulk.run, self._compute, tasks, False)
         else:
@@ -396,7 +398,7 @@ class EngineLoop:
                 entry.inflight = None
             self._wake.set()
         if self._metrics is not None:  # the requests the step advanced (a batcher may leave some for later)
-            self._metrics.step(len(results), time.monotonic() - started)
+            self._metrics.step(len(results), time.monotonic() - started, first_output)
         newly_left_out = False
         for entry in group:
             rid = entry.task.request_id

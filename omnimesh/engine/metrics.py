@@ -69,8 +69,14 @@ class EngineMetrics:
                                             names, buckets=ITERATION_BUCKETS, registry=r)
         self.step_seconds = Histogram("omnimesh:engine_step_seconds", "Wall time of one engine step's model call",
                                       names, buckets=STEP_BUCKETS, registry=r)
+        # the part of those steps that time to first output is made of: steps with a request in them that
+        # still waited for its first output (StageTask.urgent), and their wall time
+        self.first_output_step_seconds = Histogram(
+            "omnimesh:first_output_step_seconds",
+            "Wall time of an engine step that carried a request waiting for its first output", names,
+            buckets=STEP_BUCKETS, registry=r)
         for series in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
-                       self.iteration_requests, self.step_seconds):
+                       self.iteration_requests, self.step_seconds, self.first_output_step_seconds):
             series.labels(**self.labels)  # exported (as 0) from the start
         self._stats: Callable[[], Stats] | None = None
         r.register(_LoadCollector(self))
@@ -82,10 +88,13 @@ class EngineMetrics:
     def request(self) -> RequestTiming:
         return RequestTiming(self)
 
-    def step(self, requests: int, seconds: float) -> None:
-        """One engine step advanced `requests` requests in `seconds` (from the loop, on the asyncio thread)."""
+    def step(self, requests: int, seconds: float, first_output: bool = False) -> None:
+        """One engine step advanced `requests` requests in `seconds` (from the loop, on the asyncio thread);
+        `first_output`: a request in it waited for its first output when it started."""
         self.iteration_requests.labels(**self.labels).observe(requests)
         self.step_seconds.labels(**self.labels).observe(seconds)
+        if first_output:
+            self.first_output_step_seconds.labels(**self.labels).observe(seconds)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

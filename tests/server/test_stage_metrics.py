@@ -35,6 +35,9 @@ class CountTask(StageTask):
     def ready(self) -> bool:
         return self.fed
 
+    def urgent(self) -> bool:
+        return self.completion_tokens == 0  # until its first output
+
     def step(self) -> list[StageChunk]:
         if self.fail:
             raise RuntimeError("boom")
@@ -130,6 +133,10 @@ async def test_counters_and_histograms_match_what_ran(stage):
     assert value(got, "omnimesh:iteration_requests_count") == value(got, "omnimesh:iteration_requests_sum") == 7
     assert value(got, "omnimesh:iteration_requests_bucket", le="1.0") == 7
     assert value(got, "omnimesh:engine_step_seconds_count") == 7
+    # the steps a request waited in for its first output: the first of a, b and c, and f's only one
+    assert value(got, "omnimesh:first_output_step_seconds_count") == 4
+    assert 4 * 0.002 <= value(got, "omnimesh:first_output_step_seconds_sum") < value(
+        got, "omnimesh:engine_step_seconds_sum")
     # no batcher: every request in the engine counts as running, none waits; no KV-cache series at all
     assert value(got, "omnimesh:num_requests_running") == 1 and engine.num_requests == 1
     assert value(got, "omnimesh:num_requests_waiting") == 0
