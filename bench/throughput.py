@@ -50,7 +50,6 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import process_cpu, stage_steps  # noqa: E402
-from bench.stage_steps import StageSteps  # noqa: E402
 from bench import rounds as rounds_summary  # noqa: E402
 from bench.common import (  # noqa: E402
     HFGenerate,
@@ -407,11 +406,11 @@ def steps_table(mesh: dict[int, dict[str, Any]]) -> None:
     if not rows or not stages:
         return
 
-    def table(title: str, cell: Callable[[StageSteps, int], str]) -> None:
+    def table(title: str, cell: Callable[[stage_steps.StageSteps, int], str]) -> None:
         print(title)
         print(f"{'c':>4}" + "".join(f"{s:>22}" for s in stages))
         for c, m in rows.items():
-            steps = [StageSteps(*m["engine_steps"].get(s, StageSteps())) for s in stages]
+            steps = [m["engine_steps"].get(s, stage_steps.StageSteps()) for s in stages]
             print(f"{c:4}" + "".join(f"{cell(st, m['ok']):>22}" for st in steps))
 
     print()

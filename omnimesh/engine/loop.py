@@ -377,8 +377,8 @@ class EngineLoop:
         or one was newly left out (the next pass plans differently, see `waits_seat`)."""
         started = time.monotonic()
         tasks = [e.task for e in group]
-        pressing = any(_pressing(t) for t in tasks)
-        first_output = self._metrics is not None and any(t.urgent() for t in tasks)
+        first_output = any(t.urgent() for t in tasks)  # a request in it waits for its first output
+        pressing = first_output or any(t.behind() for t in tasks)  # = any(_pressing(t)), urgent() asked once
         if self._bulk is not None and not pressing:
             future = loop.run_in_executor(self._bulk.executor, self._bulk.run, self._compute, tasks, False)
         else:
