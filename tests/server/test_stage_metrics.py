@@ -135,7 +135,8 @@ async def test_counters_and_histograms_match_what_ran(stage):
     assert value(got, "omnimesh:engine_step_seconds_count") == 7
     # the steps a request waited in for its first output: the first of a, b and c, and f's only one
     assert value(got, "omnimesh:first_output_step_seconds_count") == 4
-    assert 4 * 0.002 <= value(got, "omnimesh:first_output_step_seconds_sum") < value(
+    # three of them sleep 2 ms (f fails before it sleeps); together they are a part of all steps' time
+    assert 3 * 0.002 <= value(got, "omnimesh:first_output_step_seconds_sum") < value(
         got, "omnimesh:engine_step_seconds_sum")
     # no batcher: every request in the engine counts as running, none waits; no KV-cache series at all
     assert value(got, "omnimesh:num_requests_running") == 1 and engine.num_requests == 1
