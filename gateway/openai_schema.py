@@ -20,6 +20,7 @@ only for the thinker), and `audio_url` content parts.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -207,12 +208,29 @@ def _message(err: Any) -> str:  # a pydantic ErrorDetails
     return msg
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape: maybe half a pair
+
+
+def _valid_unicode(obj: Any) -> bool:
+    """Every string of the parsed body is encodable text (JSON lets `\\ud800` stand alone; UTF-8 cannot)."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
     """Raw body -> validated request; malformed JSON and every schema violation -> 400."""
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise invalid_request(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise invalid_request("request body is not valid JSON here: its arrays / objects nest too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw) and not _valid_unicode(obj):
+        raise invalid_request("request body has a string with an unpaired UTF-16 surrogate escape (e.g. \\ud800): "
+                              "not valid Unicode text")
     if not isinstance(obj, dict):
         raise invalid_request(f"request body must be a JSON object, got {type(obj).__name__}")
     try:

@@ -288,6 +288,8 @@ def _user(*parts: dict) -> list[dict]:
 @pytest.mark.parametrize(("body", "status", "param", "needle"), [
     (b'{"messages": [', 400, None, "not valid JSON"),
     (b'[1, 2]', 400, None, "JSON object"),
+    (b'{"messages": ' + b'[' * 100000 + b']' * 100000 + b'}', 400, None, "nest too deeply"),
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None, "unpaired UTF-16 surrogate"),
     ({"model": "tiny-omni"}, 400, "messages", "Field required"),
     ({"messages": []}, 400, "messages", "at least 1"),
     ({"messages": "hi"}, 400, "messages", "list"),
