@@ -26,6 +26,9 @@ from PIL import Image, UnidentifiedImageError
 from gateway.events import AudioPart, ImagePart, PipelineError
 
 TARGET_SAMPLE_RATE = 16_000  # what the Qwen-Omni audio towers (Whisper features) expect
+# the shortest clip the feature extractor can frame: one 25 ms STFT window (n_fft 400 at 16 kHz; its reflect
+# padding needs more than n_fft / 2 samples, so shorter clips fail inside the processor)
+MIN_AUDIO_SAMPLES = 400
 SUPPORTED_INPUT_AUDIO_FORMATS: tuple[str, ...] = ("wav",)
 
 _GRPC_INVALID_ARGUMENT = 3
@@ -243,7 +246,12 @@ def wav_to_audio_part(data: bytes, *, max_seconds: float, param: str) -> AudioPa
     """WAV bytes -> 16 kHz mono float32 `AudioPart` (CPU-bound: call it off the event loop)."""
     samples, rate = decode_wav(data, max_seconds=max_seconds, param=param)  # (frames, channels)
     mono = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
-    return AudioPart(waveform=resample(mono, rate, TARGET_SAMPLE_RATE), sample_rate=TARGET_SAMPLE_RATE)
+    waveform = resample(mono, rate, TARGET_SAMPLE_RATE)
+    if waveform.size < MIN_AUDIO_SAMPLES:
+        raise invalid_request(
+            f"{param}: the audio is {samples.shape[0]} samples at {rate} Hz ({samples.shape[0] / rate:.4f} s); at "
+            f"least {MIN_AUDIO_SAMPLES / TARGET_SAMPLE_RATE:g} s is needed (one feature window)", param)
+    return AudioPart(waveform=waveform, sample_rate=TARGET_SAMPLE_RATE)
 
 
 # ------------------------------------------------------------------------------------------- images

@@ -87,6 +87,15 @@ def test_bad_wav_files_are_400(data: bytes, needle: str) -> None:
     assert e.value.http_status == 400 and e.value.param == "input_audio"
 
 
+@pytest.mark.parametrize(("frames", "rate"), [(0, 16_000), (1, 16_000), (399, 16_000), (100, 8_000)])
+def test_audio_shorter_than_one_feature_window_is_400(frames: int, rate: int) -> None:
+    # the processor's STFT (n_fft 400, reflect-padded) cannot frame it: a 400, not a crash in the processor
+    with pytest.raises(PipelineError, match=r"at least 0\.025 s is needed") as e:
+        wav_to_audio_part(pcm16_wav(np.zeros((frames, 1)), rate), max_seconds=10, param="input_audio")
+    assert e.value.http_status == 400 and e.value.param == "input_audio"
+    assert wav_to_audio_part(pcm16_wav(np.zeros((400, 1)), 16_000), max_seconds=10, param="a").waveform.size == 400
+
+
 def test_too_long_audio_is_413_before_decoding() -> None:
     with pytest.raises(PipelineError, match=r"2\.0 s long; the limit is 1 s") as e:
         decode_wav(pcm16_wav(np.zeros((32_000, 1)), 16_000), max_seconds=1.0)
