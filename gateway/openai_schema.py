@@ -208,7 +208,11 @@ def _message(err: Any) -> str:  # a pydantic ErrorDetails
     return msg
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape: maybe half a pair
+# a high-surrogate escape not followed by a low one, or a low one not after a high one: maybe half a pair (an
+# escaped backslash before "ud800" also matches; `_valid_unicode` decides). Pairs, as in every emoji that a
+# client's json.dumps writes as \ud83d\ude00, never match, so they cost no second pass over the body
+_LONE_SURROGATE_ESCAPE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]")
 
 
 def _valid_unicode(obj: Any) -> bool:
@@ -228,7 +232,7 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
         raise invalid_request(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise invalid_request("request body is not valid JSON here: its arrays / objects nest too deeply") from None
-    if _SURROGATE_ESCAPE.search(raw) and not _valid_unicode(obj):
+    if _LONE_SURROGATE_ESCAPE.search(raw) and not _valid_unicode(obj):
         raise invalid_request("request body has a string with an unpaired UTF-16 surrogate escape (e.g. \\ud800): "
                               "not valid Unicode text")
     if not isinstance(obj, dict):

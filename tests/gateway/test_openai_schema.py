@@ -87,7 +87,7 @@ def test_stream_chunk_dump_drops_unset_fields_but_keeps_finish_reason() -> None:
 def test_surrogate_pairs_pass_and_lone_halves_are_400() -> None:
     pair = parse_chat_request(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00 hi"}]}')
     assert pair.messages[0].content[0].text == "\U0001F600 hi"
-    for lone in (b"\\ud800", b"\\udfff x", b"x \\uDC00"):
+    for lone in (b"\\ud800", b"\\udfff x", b"x \\uDC00", b"\\ud83d\\ude00\\ud800"):
         with pytest.raises(PipelineError, match="unpaired UTF-16 surrogate") as err:
             parse_chat_request(b'{"messages": [{"role": "user", "content": "' + lone + b'"}]}')
         assert err.value.http_status == 400
