@@ -18,6 +18,7 @@ large as the REST body limit are accepted (gRPC's default is 4 MiB). Inside a ru
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -55,6 +56,19 @@ from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
 log = logging.getLogger(__name__)
 OMNI_SERVICE_NAME = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name  # "omnimesh.v1.Omni"
 _ROLES = ("system", "user", "assistant")
+MAX_REQUEST_ID_CHARS = 256
+# a client's request id names the request in every stage, log line and metric exemplar: printable ASCII, no spaces
+_REQUEST_ID = re.compile(r"[!-~]+")
+
+
+def check_request_id(rid: str) -> str:
+    """A client-given request id, checked (INVALID_ARGUMENT naming the rule it breaks)."""
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise invalid_request(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}", "request_id")
+    if not _REQUEST_ID.fullmatch(rid):
+        raise invalid_request("request_id: only printable ASCII without spaces or control characters is allowed",
+                              "request_id")
+    return rid
 
 
 def grpc_server_options(limits: InputLimits) -> list[tuple[str, int]]:
@@ -97,6 +111,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
     async def build(self, req: omni_pb2.GenerateRequest) -> ChatRequest:
         """`GenerateRequest` -> `ChatRequest`; any problem is a `PipelineError` (INVALID_ARGUMENT / NOT_FOUND)."""
         model = resolve_model(req.model or None, self.served_model_names)
+        rid = check_request_id(req.request_id) if req.request_id else f"omni-{uuid.uuid4().hex}"
         modalities = normalize_modalities(list(req.modalities) or None, default=("text", "audio"))
         voice = None
         if "audio" in modalities or req.voice:
@@ -140,7 +155,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             messages.append(ChatMessage(role=m.role, content=tuple(parts)))  # type: ignore[arg-type]
         self.loader.check_totals(audio_seconds, n_items)
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
-        return ChatRequest(request_id=req.request_id or f"omni-{uuid.uuid4().hex}", model=pipeline_model,
+        return ChatRequest(request_id=rid, model=pipeline_model,
                            messages=tuple(messages), modalities=modalities,
                            voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages)
 

@@ -24,6 +24,7 @@ inline (0 on a shared-memory edge).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +51,7 @@ _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
@@ -89,6 +91,7 @@ class StagePipeline:
         self.tensor_bytes: dict[str, int] = dict.fromkeys(stages, 0)
         self.inline_bytes: dict[str, int] = dict.fromkeys(stages, 0)
         self._background: set[asyncio.Task] = set()
+        self._in_flight: set[str] = set()  # request ids running here: each names its state in every stage
 
     async def connect(self, timeout_s: float = 60.0) -> None:
         """Read each stage's Info (voices, sample rate), waiting up to `timeout_s` for them to come up."""
@@ -163,6 +166,24 @@ class StagePipeline:
                 f"unknown voice {request.voice!r}; available: {', '.join(self.voices)}",
                 http_status=400, grpc_code=grpc.StatusCode.INVALID_ARGUMENT.value[0], kind="invalid_request_error", param="audio.voice",
             )
+        rid = request.request_id
+        if rid in self._in_flight:
+            # a second request under one id would share the first one's state in the stages, and its failure
+            # would hand back the first one's frames (`_release`): refused before it touches a stage
+            raise PipelineError(
+                f"request_id {rid!r} is already in flight on this gateway; give each request its own id",
+                http_status=409, grpc_code=grpc.StatusCode.ALREADY_EXISTS.value[0], kind="conflict_error",
+                param="request_id",
+            )
+        self._in_flight.add(rid)
+        try:
+            async with contextlib.aclosing(self._run(request, want_audio, voice)) as events:
+                async for event in events:  # closing `run` closes this: the stages hear of the cancel at once
+                    yield event
+        finally:
+            self._in_flight.discard(rid)
+
+    async def _run(self, request: ChatRequest, want_audio: bool, voice: str) -> AsyncIterator[Event]:
         prompt = await asyncio.to_thread(self.prepare, request)
         rid = request.request_id
         deadline = time.time() + self.request_timeout_s
@@ -217,6 +238,10 @@ class StagePipeline:
             ok = True
         except StageCallError as exc:
             raise stage_error(exc) from exc
+        except PipelineError as exc:
+            if exc.grpc_code == grpc.StatusCode.ALREADY_EXISTS.value[0]:
+                ok = True  # the id is another gateway's request in that stage: its frames are not ours to release
+            raise
         finally:
             for task in relays:
                 task.cancel()

@@ -316,6 +316,46 @@ def test_grpc_unknown_voice_is_invalid_argument(mesh):
     assert all(v in responses[0].error.message.lower() for v in VOICES), responses[0].error.message
 
 
+def test_grpc_duplicate_request_id_in_flight_is_already_exists(mesh):
+    """A second request under the id of one still running is refused before it reaches a stage; the first
+    one's answer is untouched (equal to the same request run alone), and the id is free again after it."""
+    def run(req: omni_pb2.GenerateRequest) -> list[omni_pb2.GenerateResponse]:
+        with grpc.insecure_channel(mesh.grpc) as ch:
+            return list(omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=TIMEOUT_S))
+
+    def answer(responses: list[omni_pb2.GenerateResponse]) -> tuple[str, bytes, omni_pb2.GenerateResponse]:
+        """text, pcm and done: how the deltas were cut depends on timing, what they carry does not"""
+        text = "".join(r.text_delta for r in responses if r.WhichOneof("kind") == "text_delta")
+        pcm = b"".join(r.audio.pcm16 for r in responses if r.WhichOneof("kind") == "audio")
+        return text, pcm, responses[-1]
+
+    alone = answer(run(_grpc_request()))  # the answer without a collision (greedy: the same every time)
+    req = _grpc_request()
+    req.request_id = "client-id-7"
+    with grpc.insecure_channel(mesh.grpc) as ch:
+        first = omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=TIMEOUT_S)
+        head = next(first)  # the first request is in flight once its first message is out
+        second = run(req)
+        rest = list(first)
+    assert [r.WhichOneof("kind") for r in second] == ["error"], second
+    assert second[0].error.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+    assert "client-id-7" in second[0].error.message and "in flight" in second[0].error.message
+    assert answer([head, *rest]) == alone
+    assert answer(run(req)) == alone
+
+
+@pytest.mark.parametrize(("rid", "needle"), [("r" * 257, "at most 256 characters"),
+                                              ("two words", "printable ASCII"), ("a\nb", "printable ASCII")])
+def test_grpc_bad_request_id_is_invalid_argument(mesh, rid, needle):
+    req = _grpc_request()
+    req.request_id = rid
+    with grpc.insecure_channel(mesh.grpc) as ch:
+        responses = list(omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=TIMEOUT_S))
+    assert [r.WhichOneof("kind") for r in responses] == ["error"]
+    assert responses[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert needle in responses[0].error.message
+
+
 # ------------------------------------------------------------------------------------------- error paths
 def test_malformed_json_is_400(mesh):
     err = _openai_error(_post(mesh, content=b'{"model": "tiny-qwen3-omni", "messages": ['), 400)
