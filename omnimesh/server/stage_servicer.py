@@ -194,6 +194,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     except FrameError as exc:
                         fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                         continue
+                    except MemoryError:
+                        sizes = ", ".join(f"{f.name!r} {list(f.shape)} {f.dtype}" for f in msg.chunk.tensors)
+                        fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"request {rid}: input chunk {msg.chunk.seq} declares tensors larger than "
+                             f"{self.handler.name} can allocate ({sizes})")
+                        continue
                     if chunk is None:
                         continue  # more parts of this chunk follow
                     expected += 1
@@ -205,6 +211,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             raise
         except grpc.aio.AioRpcError:
             self.engine.cancel(rid)
+        except Exception as exc:  # a reader that dies silently would leave the request waiting for its deadline
+            log.exception("%s: reading the input of request %s failed", self.handler.name, rid)
+            self.engine.fail(rid, grpc.StatusCode.INTERNAL, f"{self.handler.name}: reading input failed: {exc!r}")
 
 
 async def _drain(request_iterator: AsyncIterator[stage_pb2.StageRequest]) -> None:

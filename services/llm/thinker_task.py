@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 
 from omnimesh.engine.task import BatchedTask
-from omnimesh.models.qwen3_omni.edges import require, talker_prompt_to_tensors
+from omnimesh.models.qwen3_omni.edges import require_ids, talker_prompt_to_tensors
 from omnimesh.models.qwen3_omni.lm_engine import InputRun, RunOutput
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
 from omnimesh.models.qwen3_omni.thinker import PreparedPrompt, Qwen3OmniThinker
@@ -60,7 +60,10 @@ class ThinkerTask(BatchedTask):
             raise ValueError(f"{EDGE}: the thinker takes its whole prompt in one chunk")
         if not chunk.final:
             raise ValueError(f"{EDGE}: send the prompt as one final chunk")
-        ids = require(chunk.tensors, "input_ids", EDGE).view(-1).long()
+        ids = require_ids(chunk.tensors, "input_ids", EDGE)
+        if ids.dim() not in (1, 2) or (ids.dim() == 2 and ids.shape[0] != 1):
+            raise ValueError(f"{EDGE}: input_ids must be one sequence, (n,) or (1, n), got {tuple(ids.shape)}")
+        ids = ids.view(-1)
         if ids.numel() == 0:
             raise ValueError(f"{EDGE}: input_ids is empty")
         if ids.numel() >= self.max_model_len:

@@ -28,7 +28,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 from omnimesh.engine.task import StageTask
 from omnimesh.models.qwen3_omni.code_windows import window_size
 from omnimesh.models.qwen3_omni.code2wav import Code2WavStreamer
-from omnimesh.models.qwen3_omni.edges import require
+from omnimesh.models.qwen3_omni.edges import require_ids
 from omnimesh.transport.frames import StageChunk
 from services.vocoder.vocoder_batcher import step_windows
 
@@ -61,7 +61,7 @@ class VocoderTask(StageTask):
 
     def feed(self, chunk: StageChunk) -> None:
         if "codes" in chunk.tensors:
-            codes = require(chunk.tensors, "codes", EDGE).long()
+            codes = require_ids(chunk.tensors, "codes", EDGE)
             if codes.dim() != 2 or codes.shape[0] != self.streamer.num_quantizers:
                 raise ValueError(f"{EDGE}: codes must be ({self.streamer.num_quantizers}, n), got {tuple(codes.shape)}")
             if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.codebook):

@@ -131,6 +131,25 @@ async def test_bad_input_and_failing_step_fail_only_their_request(stage):
     assert out[0].tensors["y"].tolist() == [2.0]
 
 
+async def test_a_frame_larger_than_memory_is_resource_exhausted(stage):
+    """A header that declares more bytes than the process can allocate fails its request with a message,
+    at once (not a reader that dies and leaves the request waiting for its deadline); others go on."""
+    from omnimesh.v1 import tensor_pb2
+
+    client, engine, _, _ = stage
+    s = await client.open("huge")
+    frame = tensor_pb2.TensorFrame(name="x", dtype="float32", shape=[1, 10**15], data=b"\0" * 8)
+    await s.send_part(stage_pb2.Chunk(final=True, tensors=[frame]))
+    with pytest.raises(StageCallError) as err:
+        await asyncio.wait_for(collect(s), 10)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than double can allocate" in err.value.message and "[1, 1000000000000000]" in err.value.message
+    good = await client.open("after-huge")
+    await good.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+    assert (await collect(good))[0].tensors["y"].tolist() == [2.0]
+    assert engine.num_requests == 0
+
+
 async def test_writes_after_the_answer_still_yield_the_stages_error(stage):
     """The stage answers (refuses at `open`, or fails mid-request) while the caller is still writing: the
     writes succeed and the reader gets the stage's own error, not gRPC's INTERNAL for a closed stream."""

@@ -60,6 +60,14 @@ def test_thinker_rejects_bad_prompts(handlers: dict) -> None:
     bad = stage_pb2.SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match="top_p must be in"):
         _open(th, sampling=bad)
+    with pytest.raises(ValueError, match="input_ids must be integer ids, got float32"):
+        _open(th).feed(StageChunk(tensors={"input_ids": torch.ones(1, 3)}, final=True))
+    for shape in ((2, 3), (1, 1, 3)):  # a batch of prompts, or one with an extra axis, is not one request
+        with pytest.raises(ValueError, match=r"input_ids must be one sequence, \(n,\) or \(1, n\)"):
+            _open(th).feed(StageChunk(tensors={"input_ids": torch.ones(shape, dtype=torch.long)}, final=True))
+    for field in ("temperature", "top_p", "repetition_penalty"):  # NaN passes every < / > range check
+        with pytest.raises(ValueError, match=f"{field} must be a finite number, got nan"):
+            _open(th, sampling=stage_pb2.SamplingParams(**{field: float("nan")}))
 
 
 def test_thinker_caps_output_at_max_model_len(handlers: dict, model_dir: Path) -> None:
@@ -95,6 +103,8 @@ def test_vocoder_checks_codes_and_streams_windows(handlers: dict, model_dir: Pat
     voc = handlers["vocoder"]
     with pytest.raises(ValueError, match=r"codes must be in \[0, 256\)"):
         _open(voc).feed(StageChunk(tensors={"codes": torch.full((4, 2), 300)}))
+    with pytest.raises(ValueError, match="codes must be integer ids, got float32"):
+        _open(voc).feed(StageChunk(tensors={"codes": torch.zeros(4, 2)}))
     with pytest.raises(ValueError, match=r"codes must be \(4, n\)"):
         _open(voc).feed(StageChunk(tensors={"codes": torch.zeros(3, 2, dtype=torch.long)}))
     with pytest.raises(ValueError, match="window must be a whole number"):

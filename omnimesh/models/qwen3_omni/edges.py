@@ -26,6 +26,14 @@ def require(tensors: dict[str, torch.Tensor], name: str, edge: str) -> torch.Ten
     return tensors[name]
 
 
+def require_ids(tensors: dict[str, torch.Tensor], name: str, edge: str) -> torch.Tensor:
+    """`require` for token / code ids: an integer tensor (a float or bool one is the producer's bug), as int64."""
+    ids = require(tensors, name, edge)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{edge}: {name} must be integer ids, got {str(ids.dtype).removeprefix('torch.')}")
+    return ids.long()
+
+
 def talker_prompt_to_tensors(prompt: TalkerPrompt) -> dict[str, torch.Tensor]:
     out = {
         "prompt_ids": prompt.input_ids,
@@ -43,7 +51,7 @@ def talker_prompt_to_tensors(prompt: TalkerPrompt) -> dict[str, torch.Tensor]:
 def talker_prompt_from_tensors(tensors: dict[str, torch.Tensor]) -> TalkerPrompt:
     edge = "thinker -> talker"
     return TalkerPrompt(
-        input_ids=require(tensors, "prompt_ids", edge).long(),
+        input_ids=require_ids(tensors, "prompt_ids", edge),
         prompt_embeds=require(tensors, "prompt_embeds", edge),
         multimodal_hidden=require(tensors, "multimodal_hidden", edge),
         tts_embeds=require(tensors, "tts_embeds", edge),

@@ -105,7 +105,8 @@ class Qwen3OmniEncoder:
         n_patches = int(grid.prod(-1).sum())
         if pixel_values.shape != (n_patches, patch_dim) or not pixel_values.is_floating_point():
             raise ValueError(
-                f"pixel_values must be floating point (sum(t*h*w)={n_patches}, C*tp*p*p={patch_dim}) for "
+                f"pixel_values must be a floating-point tensor of shape (sum(t*h*w), C*tp*p*p) = ({n_patches}, "
+                f"{patch_dim}) for "
                 f"image_grid_thw {grid.tolist()}, got {tuple(pixel_values.shape)} {pixel_values.dtype}"
             )
         return grid

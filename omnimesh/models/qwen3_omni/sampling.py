@@ -24,6 +24,8 @@ The `*_sampling_params` functions give the defaults `Qwen3OmniMoeForConditionalG
 
 from __future__ import annotations
 
+import math
+
 import functools
 import itertools
 from dataclasses import dataclass, replace
@@ -58,6 +60,9 @@ class SamplingParams:
     vocab_size: int = 0  # ids the head can produce (0 = unknown); bounds the caller's stop_token_ids
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
