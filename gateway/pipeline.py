@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import cast
 
 import grpc
@@ -183,7 +183,7 @@ class StagePipeline:
         finally:
             self._in_flight.discard(rid)
 
-    async def _run(self, request: ChatRequest, want_audio: bool, voice: str) -> AsyncIterator[Event]:
+    async def _run(self, request: ChatRequest, want_audio: bool, voice: str) -> AsyncGenerator[Event, None]:
         prompt = await asyncio.to_thread(self.prepare, request)
         rid = request.request_id
         deadline = time.time() + self.request_timeout_s

@@ -344,6 +344,52 @@ def test_grpc_duplicate_request_id_in_flight_is_already_exists(mesh):
     assert answer(run(req)) == alone
 
 
+def test_an_id_another_gateway_runs_is_refused_by_the_stage(mesh, tiny_model_dir):
+    """Two gateways over one set of stages: the second one's request under an id the first has in flight is
+    refused by the stage (ALREADY_EXISTS, 409 in REST) and leaves the first one's request whole."""
+    import asyncio
+
+    from gateway.events import ChatMessage, ChatRequest, PipelineError, SamplingOverrides, TextPart
+    from gateway.pipeline import StagePipeline
+    from gateway.prompt import PromptBuilder
+    from omnimesh.transport.stage_client import StageClient
+
+    async def both() -> tuple[list, list, PipelineError | None]:
+        clients = {name: StageClient(name, addr) for name, addr in mesh.stages.items()}
+        try:
+            pipe = StagePipeline(clients, PromptBuilder(tiny_model_dir, max_model_len=4096), served_models=("tiny",))
+            await pipe.connect(timeout_s=30)  # before the first request starts: it is surely in flight below
+            chat = ChatRequest(request_id="shared-id", model="tiny", modalities=("text", "audio"), voice="ethan",
+                               messages=(ChatMessage("user", (TextPart(PROMPT),)),),
+                               sampling=SamplingOverrides(temperature=0.0, max_tokens=MAX_TOKENS))
+            async with grpc.aio.insecure_channel(mesh.grpc) as ch:
+                stub = omni_pb2_grpc.OmniStub(ch)
+                alone = [r async for r in stub.Generate(_grpc_request(), timeout=TIMEOUT_S)]
+                req = _grpc_request()
+                req.request_id = "shared-id"
+                first = stub.Generate(req, timeout=TIMEOUT_S)
+                got = [await first.read()]  # its first text: every stage has it open (or about to)
+                err = None
+                try:
+                    async for _ in pipe.run(chat):
+                        pass
+                except PipelineError as e:
+                    err = e
+                while (r := await first.read()) is not grpc.aio.EOF:
+                    got.append(r)
+            return alone, got, err
+        finally:
+            for c in clients.values():
+                await c.close()
+
+    alone, got, err = asyncio.run(both())
+    assert err is not None and err.grpc_code == grpc.StatusCode.ALREADY_EXISTS.value[0] and err.http_status == 409
+    assert "shared-id" in err.message and "already running" in err.message
+    assert got[-1].WhichOneof("kind") == "done"
+    assert "".join(r.text_delta for r in got) == "".join(r.text_delta for r in alone)
+    assert b"".join(r.audio.pcm16 for r in got) == b"".join(r.audio.pcm16 for r in alone)
+
+
 @pytest.mark.parametrize(("rid", "needle"), [("r" * 257, "at most 256 characters"),
                                               ("two words", "printable ASCII"), ("a\nb", "printable ASCII")])
 def test_grpc_bad_request_id_is_invalid_argument(mesh, rid, needle):
