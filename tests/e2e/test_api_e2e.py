@@ -346,7 +346,8 @@ def test_grpc_duplicate_request_id_in_flight_is_already_exists(mesh):
 
 def test_an_id_another_gateway_runs_is_refused_by_the_stage(mesh, tiny_model_dir):
     """Two gateways over one set of stages: the second one's request under an id the first has in flight is
-    refused by the stage (ALREADY_EXISTS, 409 in REST) and leaves the first one's request whole."""
+    refused by the stage (ALREADY_EXISTS, 409 in REST), hands back no frames under that id (they are the first
+    one's), and leaves the first one's request whole."""
     import asyncio
 
     from gateway.events import ChatMessage, ChatRequest, PipelineError, SamplingOverrides, TextPart
@@ -359,6 +360,8 @@ def test_an_id_another_gateway_runs_is_refused_by_the_stage(mesh, tiny_model_dir
         try:
             pipe = StagePipeline(clients, PromptBuilder(tiny_model_dir, max_model_len=4096), served_models=("tiny",))
             await pipe.connect(timeout_s=30)  # before the first request starts: it is surely in flight below
+            released: list[str] = []
+            pipe._release = lambda rid, stages: released.append(rid)  # type: ignore[method-assign]
             chat = ChatRequest(request_id="shared-id", model="tiny", modalities=("text", "audio"), voice="ethan",
                                messages=(ChatMessage("user", (TextPart(PROMPT),)),),
                                sampling=SamplingOverrides(temperature=0.0, max_tokens=MAX_TOKENS))
@@ -377,6 +380,7 @@ def test_an_id_another_gateway_runs_is_refused_by_the_stage(mesh, tiny_model_dir
                     err = e
                 while (r := await first.read()) is not grpc.aio.EOF:
                     got.append(r)
+            assert released == [], "the refused request handed back frames of an id that is not its own"
             return alone, got, err
         finally:
             for c in clients.values():

@@ -24,10 +24,9 @@ The `*_sampling_params` functions give the defaults `Qwen3OmniMoeForConditionalG
 
 from __future__ import annotations
 
-import math
-
 import functools
 import itertools
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
