@@ -8,11 +8,13 @@ next token (`ThinkerTask.on_output`), whose row is queued for the next step. Req
 out this step (budget, seats, KV blocks) are simply not in the result: they stay ready.
 
 First outputs in one call (`first_output_rounds`, default 1 here; the stage's config sets 8): when every
-request of the step already has its first token and still waits for its first outputs (its eager tokens,
+request of the step got a token this round and still waits for its first outputs (its eager tokens,
 `ThinkerTask.urgent`), the call runs the next rounds itself, up to that many in all, instead of returning
 to the engine loop between them; their chunks leave together at the end (the servicer merges them into one
-message). The tokens are those of round-by-round steps. The first token (the prefill round) always leaves
-at once: the talker starts its own prefill on it.
+message). The tokens are those of round-by-round steps. That includes the prefill's round: a request whose
+talker's first window reads 6 tokens gets all 6 from its prefill's call, so the talker receives them in one
+message and runs its prefill and its first window in one call too (a text-only request has 1 eager token:
+its first token leaves at once).
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ class ThinkerBatcher:
 
     @staticmethod
     def _another_round(ready: dict[str, ThinkerTask], results: dict, out: dict) -> bool:
-        """Every request of the step ran this round, got a token that was not its first, and still waits for
-        its first outputs: the next round can run in this call."""
+        """Every request of the step ran this round, got a token (a prefill's last chunk included) and still
+        waits for its first outputs: the next round can run in this call."""
         return len(results) == len(ready) and all(
             isinstance(out.get(rid), list) and results[rid].logits is not None and not task.finished
-            and task.completion_tokens >= 2 and task.urgent() for rid, task in ready.items())
+            and task.urgent() for rid, task in ready.items())

@@ -20,7 +20,7 @@ from omnimesh.config.stage_config import StageConfig
 
 INTERVAL = ServeArgs().stream_interval  # the mesh below starts without the flag
 EAGER = 6  # the vocoder's first window (5 codes) + 1: the tokens the talker's first audio reads
-# the first token leaves alone; the other eager tokens come out of calls of up to this many rounds each
+# the eager tokens, the first one included, come out of calls of up to this many rounds each
 ROUNDS = StageConfig().effective_first_output_rounds("thinker")
 
 
@@ -34,7 +34,7 @@ def test_grouped_thinker_output_equals_generate(mesh, reference):
     plain, tokens = r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"]
     outputs = _deltas(before, after, "omnimesh:inter_token_latency_seconds_count")["thinker"] + 1
     assert tokens > EAGER
-    assert outputs == 1 + -(-(EAGER - 1) // ROUNDS) + -(-(tokens - EAGER) // INTERVAL), (tokens, outputs)
+    assert outputs == -(-EAGER // ROUNDS) + -(-(tokens - EAGER) // INTERVAL), (tokens, outputs)
 
     deltas, text = 0, ""
     body = _rest_body(PROMPT, sine_wav(), png_bytes(), True)

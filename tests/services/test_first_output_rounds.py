@@ -2,9 +2,9 @@
 of the step waits for its first output, with the same tokens and codes as one round per call.
 
 What it proves, in-process on the tiny model:
-- thinker: the first token leaves alone (the prefill's call), then the rest of the eager tokens come out of
-  ONE call, bounded by first_output_rounds; a step with a request past its eager tokens runs one round;
-  every token equals the one-round-per-call run;
+- thinker: the eager tokens, the first one included, come out of the prefill's call, bounded by
+  first_output_rounds; a step with a request past its eager tokens runs one round; a text-only request's
+  first token leaves alone; every token equals the one-round-per-call run;
 - talker: a new request's whole first window of codes comes out of its first call when its text is in;
   the codes equal the one-round-per-call run;
 - the setting: defaults (8 for the thinker and talker), --stage-overrides reaches the batchers, bad values
@@ -51,10 +51,19 @@ def test_the_thinker_runs_its_eager_tokens_in_one_call(model_dir: Path) -> None:
         runs[n] = (per_call, {rid: token_ids(chunks) for rid, chunks in d.chunks.items()})
     assert runs[1][1] == runs[3][1] == runs[8][1]  # the same tokens however many rounds a call runs
     assert all(len(t) == 12 for t in runs[8][1].values())
-    # one round per call: a token each; 8: the first token alone, then tokens 2..6 in one call, then one a call
+    # one round per call: a token each; 8: tokens 1..6 in the prefill's call, then one a call
     assert runs[1][0] == [[1]] * 12
-    assert runs[8][0][:3] == [[1], [5], [1]] and len(runs[8][0]) == 12 - 4
-    assert runs[3][0][:4] == [[1], [3], [2], [1]]  # bounded: 3 rounds, then the last 2 eager tokens
+    assert runs[8][0][:2] == [[6], [1]] and len(runs[8][0]) == 12 - 5
+    assert runs[3][0][:3] == [[3], [3], [1]] and len(runs[3][0]) == 12 - 4  # bounded: 3 rounds a call
+
+
+def test_a_text_only_first_token_leaves_alone(model_dir: Path) -> None:
+    handler = thinker_handler(model_dir, rounds(8, stream_interval=1))
+    d = Driver(handler)
+    d.add(*(open_thinker(handler, f"t{i}", p, 6) for i, p in enumerate(chat(prompts([4, 7], seed=6)))))
+    with torch.inference_mode():
+        first = d.step()
+    assert {rid: len(token_ids(chunks)) for rid, chunks in first.items()} == {"t0": 1, "t1": 1}
 
 
 def test_a_thinker_step_with_a_streaming_request_runs_one_round(model_dir: Path) -> None:
@@ -63,8 +72,8 @@ def test_a_thinker_step_with_a_streaming_request_runs_one_round(model_dir: Path)
     d = Driver(handler)
     d.add(open_thinker(handler, "old", a, 20, talker_inputs="1", eager_tokens="2"))
     with torch.inference_mode():
+        d.step()  # "old" gets its 2 eager tokens from its prefill's call: it streams now
         d.step()
-        d.step()  # "old" has its 2 eager tokens: it streams now
         d.add(open_thinker(handler, "new", b, 20, talker_inputs="1", eager_tokens="6"))
         d.step()  # the prefill of "new" beside a decode of "old"
         got = d.step()  # "new" is still urgent, "old" is not: one round
