@@ -216,6 +216,16 @@ class VisionOutput:
     image_embeds: torch.Tensor | None  # (N / m^2, out_hidden) on the last rank, else None
 
 
+def per_image(merger: nn.Module, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`merger` on each image's patches (N, hidden) -> (N / m^2, out_hidden). A merger has a handful of rows
+    per image, and MKL picks another GEMM kernel (another order of its sums) for a few rows than for many: one
+    call over a batch's images would round an image differently from its own request's call (~3e-8, seen on
+    Xeons with AVX-512). Per image, a batch gives every request what it gets alone."""
+    if len(rows) == 1:
+        return merger(hidden)
+    return torch.cat([merger(part) for part in hidden.split(rows)])
+
+
 class ParallelVisionTower(nn.Module):
     """One rank's part of the vision tower (`thinker_config.vision_config`)."""
 
@@ -265,8 +275,13 @@ class ParallelVisionTower(nn.Module):
         cfg = self.config
         # Conv3d with kernel = stride over one patch is one GEMM over its flattened (C, T, P, P) values; as a
         # linear it also stays out of cuDNN's TF32 convolutions (~1e-3 off in fp32 on an H200 by default)
+        # one GEMM per image: MKL blocks the long C*T*P*P sums by the shape of the whole GEMM, so rows of one
+        # GEMM over a batch's images can round differently from the same rows alone (K=1536 on a Xeon with
+        # AVX-512: 70 of 99 row ranges of 200-1200-row GEMMs); per image, a batch equals each request alone
         x = pixel_values.to(self.ps.device, self.dtype)  # (N, C*T*P*P), flattened (C, T, P, P)
-        x = F.linear(x, self.patch_weight.view(cfg.hidden_size, -1), self.patch_bias)  # (N, hidden)
+        weight = self.patch_weight.view(cfg.hidden_size, -1)
+        rows = batch.grid_thw.prod(-1).tolist()
+        x = torch.cat([F.linear(part, weight, self.patch_bias) for part in x.split(rows)])  # (N, hidden)
         idx, w = position_interpolation(batch.grid_thw, self.side, cfg.spatial_merge_size)  # (N, 4), (N, 4)
         pos = (F.embedding(idx, self.pos_embed) * w[:, :, None]).sum(1)  # (N, hidden)
         return x + pos.to(x.dtype)
@@ -278,11 +293,12 @@ class ParallelVisionTower(nn.Module):
             raise ValueError(f"hidden must be (N={batch.n_patches}, hidden_size={self.config.hidden_size}), "
                              f"got {tuple(hidden.shape)}")
         deepstack: list[torch.Tensor] = []
+        rows = batch.grid_thw.prod(-1).tolist()  # patches per image
         for idx, block in zip(range(self.start, self.end), self.blocks):
             hidden = block(hidden, batch)  # (N, hidden)
             if str(idx) in self.deepstack_mergers:
-                deepstack.append(self.deepstack_mergers[str(idx)](hidden))  # (N / m^2, out_hidden)
-        embeds = self.merger(hidden) if self.merger is not None else None  # (N / m^2, out_hidden)
+                deepstack.append(per_image(self.deepstack_mergers[str(idx)], hidden, rows))  # (N / m^2, out_hidden)
+        embeds = per_image(self.merger, hidden, rows) if self.merger is not None else None  # (N / m^2, out_hidden)
         return VisionOutput(hidden=hidden, deepstack=deepstack, image_embeds=embeds)
 
     def checkpoint_plan(self, prefix: str) -> Plan:
