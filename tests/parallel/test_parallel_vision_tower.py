@@ -11,7 +11,8 @@ Checks: pp = tp = 1 vs `Qwen3OmniMoeForConditionalGeneration.from_pretrained(...
 gloo ranks spawned by tests/parallel/gloo_harness.py, equal pp = tp = 1 within 1e-4 on every TP rank of the
 last pipeline rank. Each rank's parameter bytes are <= 1.1 x total / (pp*tp) + its named replicated parts,
 and each rank reads only its own blocks and mergers. A tp that does not divide the heads is a ValueError
-naming the numbers.
+naming the numbers. A batch of images (the encoder stage's batching) gives each image, bit for bit, what
+it gets alone: its mergers run one GEMM per image (`per_image`).
 
 Run: python -m pytest tests/parallel/test_parallel_vision_tower.py -q
 """
@@ -38,6 +39,7 @@ from gloo_harness import (  # one_thread: autouse here
 from omnimesh.models.qwen3_omni.parallel_vision_tower import (
     ParallelVisionTower,
     check_vision_layout,
+    per_image,
     vision_pipeline_step,
 )
 from omnimesh.parallel.parallel_state import ParallelState
@@ -135,3 +137,28 @@ def test_tp_that_does_not_divide_the_heads_is_refused(model_dir: Path) -> None:
         ParallelVisionTower(config, fake_tp3(), (0, 2))  # fails before using the state
     with pytest.raises(ValueError, match=r"pp=3 exceeds the model's 2 layers"):
         check_vision_layout(config, 3, 1)
+
+
+def test_a_batch_of_images_equals_each_image_alone_bit_for_bit(model_dir: Path) -> None:
+    """Grids of 16 to 320 patches, so one GEMM over the batch has other shapes than each image's own."""
+    config = vision_config(model_dir)
+    ps = ParallelState.single()
+    tower = ParallelVisionTower(config, ps, (0, config.depth))
+    tower.load_weights(model_dir)
+    grids = [[1, 4, 4], [1, 8, 10], [1, 12, 12], [1, 16, 20], [2, 6, 8]]
+    gen = torch.Generator().manual_seed(9)
+    pixels = [torch.randn(t * h * w, 3 * 2 * 16 * 16, generator=gen) for t, h, w in grids]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        together = vision_pipeline_step(tower, torch.cat(pixels), torch.tensor(grids))
+        alone = [vision_pipeline_step(tower, p, torch.tensor([g])) for p, g in zip(pixels, grids)]
+    finally:
+        torch.set_num_threads(before)
+    assert together.image_embeds is not None
+    assert torch.equal(together.image_embeds, torch.cat([a.image_embeds for a in alone]))
+    for i, feature in enumerate(together.deepstack):
+        assert torch.equal(feature, torch.cat([a.deepstack[i] for a in alone]))
+    # per_image itself: the same rows whether the batch has one image or several
+    x = torch.arange(12.0).view(6, 2)
+    assert torch.equal(per_image(lambda part: part * 2, x, [2, 4]), x * 2)

@@ -27,6 +27,7 @@ Run the checks: python -m pytest tests/parallel/test_parallel_vision_tower.py -q
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -75,6 +76,7 @@ class VisionBatch:
     sin: torch.Tensor  # (N, head_dim) float32
     n_patches: int  # N = sum t*h*w
     n_tokens: int  # N / merge^2: rows of image_embeds and of each deepstack feature
+    rows: list[int]  # t*h*w of each image: its patches' rows (the mergers split by them: `per_image`)
 
 
 def merge_order_rows_cols(grid_thw: torch.Tensor, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +138,7 @@ def vision_batch(config: Any, grid_thw: torch.Tensor) -> VisionBatch:
         out.append(torch.cat([hw, hw], dim=-1))  # (N, D)
     n = int(cu_seqlens[-1])
     return VisionBatch(grid_thw=grid, cu_seqlens=cu_seqlens, cos=out[0], sin=out[1], n_patches=n,
-                       n_tokens=n // m**2)
+                       n_tokens=n // m**2, rows=grid.prod(-1).tolist())
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -216,14 +218,17 @@ class VisionOutput:
     image_embeds: torch.Tensor | None  # (N / m^2, out_hidden) on the last rank, else None
 
 
-def per_image(merger: nn.Module, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """`merger` on each image's patches (N, hidden) -> (N / m^2, out_hidden). A merger has a handful of rows
-    per image, and MKL picks another GEMM kernel (another order of its sums) for a few rows than for many: one
-    call over a batch's images would round an image differently from its own request's call (~3e-8, seen on
-    Xeons with AVX-512). Per image, a batch gives every request what it gets alone."""
+def per_image(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`fn` (a merger: GEMMs over rows) on each image's rows of x (N, ...) apart, the results concatenated.
+    MKL picks its GEMM kernel, and with it the order of each row's sums, by the whole GEMM's shape, and a
+    merger has only a few rows per image: one call over a batch's images rounded a 4-row image ~3e-8 away
+    from its own request's call on a Xeon with AVX-512. Per image, a batch gives every request what it gets
+    alone, at the price of one call (and on tp > 1 one all-reduce) per image. The patch embedding and the
+    blocks (many rows per image) stay one batched call: exact there on the hosts tested
+    (tests/parallel/test_parallel_vision_tower.py)."""
     if len(rows) == 1:
-        return merger(hidden)
-    return torch.cat([merger(part) for part in hidden.split(rows)])
+        return fn(x)
+    return torch.cat([fn(part) for part in x.split(rows)])
 
 
 class ParallelVisionTower(nn.Module):
@@ -275,13 +280,8 @@ class ParallelVisionTower(nn.Module):
         cfg = self.config
         # Conv3d with kernel = stride over one patch is one GEMM over its flattened (C, T, P, P) values; as a
         # linear it also stays out of cuDNN's TF32 convolutions (~1e-3 off in fp32 on an H200 by default)
-        # one GEMM per image: MKL blocks the long C*T*P*P sums by the shape of the whole GEMM, so rows of one
-        # GEMM over a batch's images can round differently from the same rows alone (K=1536 on a Xeon with
-        # AVX-512: 70 of 99 row ranges of 200-1200-row GEMMs); per image, a batch equals each request alone
         x = pixel_values.to(self.ps.device, self.dtype)  # (N, C*T*P*P), flattened (C, T, P, P)
-        weight = self.patch_weight.view(cfg.hidden_size, -1)
-        rows = batch.grid_thw.prod(-1).tolist()
-        x = torch.cat([F.linear(part, weight, self.patch_bias) for part in x.split(rows)])  # (N, hidden)
+        x = F.linear(x, self.patch_weight.view(cfg.hidden_size, -1), self.patch_bias)  # (N, hidden)
         idx, w = position_interpolation(batch.grid_thw, self.side, cfg.spatial_merge_size)  # (N, 4), (N, 4)
         pos = (F.embedding(idx, self.pos_embed) * w[:, :, None]).sum(1)  # (N, hidden)
         return x + pos.to(x.dtype)
@@ -293,12 +293,11 @@ class ParallelVisionTower(nn.Module):
             raise ValueError(f"hidden must be (N={batch.n_patches}, hidden_size={self.config.hidden_size}), "
                              f"got {tuple(hidden.shape)}")
         deepstack: list[torch.Tensor] = []
-        rows = batch.grid_thw.prod(-1).tolist()  # patches per image
         for idx, block in zip(range(self.start, self.end), self.blocks):
             hidden = block(hidden, batch)  # (N, hidden)
             if str(idx) in self.deepstack_mergers:
-                deepstack.append(per_image(self.deepstack_mergers[str(idx)], hidden, rows))  # (N / m^2, out_hidden)
-        embeds = per_image(self.merger, hidden, rows) if self.merger is not None else None  # (N / m^2, out_hidden)
+                deepstack.append(per_image(self.deepstack_mergers[str(idx)], hidden, batch.rows))  # (N / m^2, out_hidden)
+        embeds = per_image(self.merger, hidden, batch.rows) if self.merger is not None else None  # (N / m^2, out_hidden)
         return VisionOutput(hidden=hidden, deepstack=deepstack, image_embeds=embeds)
 
     def checkpoint_plan(self, prefix: str) -> Plan:
