@@ -148,17 +148,13 @@ def test_a_batch_of_images_equals_each_image_alone_bit_for_bit(model_dir: Path) 
     grids = [[1, 4, 4], [1, 8, 10], [1, 12, 12], [1, 16, 20], [2, 6, 8]]
     gen = torch.Generator().manual_seed(9)
     pixels = [torch.randn(t * h * w, 3 * 2 * 16 * 16, generator=gen) for t, h, w in grids]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        together = vision_pipeline_step(tower, torch.cat(pixels), torch.tensor(grids))
-        alone = [vision_pipeline_step(tower, p, torch.tensor([g])) for p, g in zip(pixels, grids)]
-    finally:
-        torch.set_num_threads(before)
+    together = vision_pipeline_step(tower, torch.cat(pixels), torch.tensor(grids))  # one thread: `one_thread`
+    alone = [vision_pipeline_step(tower, p, torch.tensor([g])) for p, g in zip(pixels, grids)]
     assert together.image_embeds is not None
     assert torch.equal(together.image_embeds, torch.cat([a.image_embeds for a in alone]))
     for i, feature in enumerate(together.deepstack):
         assert torch.equal(feature, torch.cat([a.deepstack[i] for a in alone]))
-    # per_image itself: the same rows whether the batch has one image or several
+    # per_image itself: fn sees each image's rows apart (a fn that reads its first row shows the split)
     x = torch.arange(12.0).view(6, 2)
-    assert torch.equal(per_image(lambda part: part * 2, x, [2, 4]), x * 2)
+    assert torch.equal(per_image(lambda part: part - part[0], x, [2, 4]), torch.cat([x[:2] - x[0], x[2:] - x[2]]))
+    assert torch.equal(per_image(lambda part: part - part[0], x, [6]), x - x[0])
