@@ -88,7 +88,8 @@ def _overrides(p: stage_pb2.SamplingParams, param: str) -> SamplingOverrides:
                           repetition_penalty=opt("repetition_penalty"),
                           stop_token_ids=tuple(p.stop_token_ids) or None, stop=tuple(p.stop) or None,
                           min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
-                          include_stop_str_in_output=opt("include_stop_str_in_output"))  # type: ignore[arg-type]
+                          include_stop_str_in_output=opt("include_stop_str_in_output"),  # type: ignore[arg-type]
+                          presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"))
     check_sampling(s, param)
     return s
 

@@ -7,19 +7,22 @@ the pydantic models below and serialised with `dump`.
 
 Defaults chosen to match OpenAI: `modalities` defaults to ["text"] (no audio unless asked for); when
 "audio" is asked for without an `audio` object the pipeline's default voice and "wav" are used. Unknown
-top-level fields are accepted and ignored (clients send many), except ones whose silent omission would
-change the answer: `n` > 1, `logprobs`, `top_logprobs`, non-empty `tools`.
+top-level fields are accepted and ignored (clients send many; each is named once in the log), except ones
+whose silent omission would change the answer (`refuse_unsupported`): `n` > 1, `logprobs`, `top_logprobs`,
+`tools` / `functions`, `logit_bias`, a `response_format` other than text, and vLLM's `min_p`, `ignore_eos`,
+beam search, guided decoding and the like, at any value but their neutral one.
 Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate, whatever `audio.format`
 says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `message.audio.data`.
 `stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does.
-Extensions: `top_k`, `repetition_penalty`, `stop_token_ids`, `min_tokens`, `include_stop_str_in_output`
-(as in vLLM), `stage_params` (per stage sampling, the same keys; `stop` and `include_stop_str_in_output`
+OpenAI's `presence_penalty` / `frequency_penalty` work as in vLLM. Extensions: `top_k`, `repetition_penalty`,
+`stop_token_ids`, `min_tokens`, `include_stop_str_in_output` (as in vLLM), `stage_params` (per stage sampling, the same keys; `stop` and `include_stop_str_in_output`
 only for the thinker), and `audio_url` content parts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
@@ -29,6 +32,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from gateway.audio_encoding import OUTPUT_AUDIO_FORMATS
 from gateway.events import PipelineError, SamplingOverrides
 from gateway.media import invalid_request
+
+logger = logging.getLogger(__name__)
 
 STAGE_NAMES: tuple[str, ...] = ("thinker", "talker")
 CONTENT_PART_TYPES: tuple[str, ...] = ("text", "image_url", "input_audio", "audio_url")
@@ -123,14 +128,19 @@ class StageSampling(_Strict):
     stop: StopList | None = None
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     def overrides(self) -> SamplingOverrides:
-        return SamplingOverrides(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                 seed=self.seed, max_tokens=self.max_tokens,
-                                 repetition_penalty=self.repetition_penalty,
-                                 stop_token_ids=_tuple(self.stop_token_ids), stop=_tuple(self.stop),
-                                 min_tokens=self.min_tokens,
-                                 include_stop_str_in_output=self.include_stop_str_in_output)
+        return _overrides(self, self.max_tokens)
+
+
+def _overrides(s: StageSampling | ChatCompletionRequest, max_tokens: int | None) -> SamplingOverrides:
+    return SamplingOverrides(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                             max_tokens=max_tokens, repetition_penalty=s.repetition_penalty,
+                             stop_token_ids=_tuple(s.stop_token_ids), stop=_tuple(s.stop),
+                             min_tokens=s.min_tokens, include_stop_str_in_output=s.include_stop_str_in_output,
+                             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
 
 
 class StageParams(_Strict):
@@ -157,39 +167,68 @@ class ChatCompletionRequest(_Strict):
     stop: StopList | None = None
     min_tokens: int | None = None  # vLLM's: no stop (EOS, stop ids, stop strings) before this many tokens
     include_stop_str_in_output: bool | None = None  # vLLM's: the matched stop string ends the text
+    presence_penalty: float | None = None  # OpenAI's, [-2, 2], over the generated tokens (vLLM's arithmetic)
+    frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stage_params: StageParams | None = None
-    # Accepted only at the values that mean "nothing special":
+    # Accepted only at the values that mean "nothing special" (`refuse_unsupported`):
     n: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-
-    @model_validator(mode="after")
-    def _unsupported(self) -> ChatCompletionRequest:
-        if self.n is not None and self.n != 1:
-            raise ValueError(f"n={self.n} is not supported; only n=1 (one choice per request)")
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs / top_logprobs are not supported")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        return self
+    functions: list[Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def sampling(self) -> SamplingOverrides:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return SamplingOverrides(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                 seed=self.seed, max_tokens=max_tokens,
-                                 repetition_penalty=self.repetition_penalty,
-                                 stop_token_ids=_tuple(self.stop_token_ids), stop=_tuple(self.stop),
-                                 min_tokens=self.min_tokens,
-                                 include_stop_str_in_output=self.include_stop_str_in_output)
+        return _overrides(self, max_tokens)
 
     def stage_overrides(self) -> dict[str, SamplingOverrides]:
         if self.stage_params is None:
             return {}
         return {name: s.overrides() for name in STAGE_NAMES
                 if (s := getattr(self.stage_params, name)) is not None}
+
+
+# Fields OpenAI or vLLM define that omnimesh does not implement, each with the test that its value asks for
+# nothing (then it is accepted and changes nothing): anything else would silently change the answer -> 400
+_NEUTRAL: dict[str, Any] = {
+    "n": lambda v: v is None or v == 1,
+    "logprobs": lambda v: not v, "top_logprobs": lambda v: not v, "prompt_logprobs": lambda v: v is None,
+    "tools": lambda v: not v, "functions": lambda v: not v, "logit_bias": lambda v: not v,
+    "response_format": lambda v: v is None or v.get("type") in (None, "text"),
+    "tool_choice": lambda v: v in (None, "none", "auto"),  # a named / required tool: there are none
+    # vLLM's extra sampling / decoding parameters
+    "min_p": lambda v: not v, "ignore_eos": lambda v: not v, "best_of": lambda v: v is None or v == 1,
+    "use_beam_search": lambda v: not v, "allowed_token_ids": lambda v: not v, "bad_words": lambda v: not v,
+    "echo": lambda v: not v, "structured_outputs": lambda v: v is None, "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None, "guided_choice": lambda v: v is None, "guided_grammar": lambda v: v is None,
+}
+_WHY: dict[str, str] = {
+    "n": "only n=1 (one choice per request)", "response_format": "structured outputs are not available; "
+    "use {\"type\": \"text\"} or leave it out",
+}
+# OpenAI fields that only label, store or route a request (nothing here to honour): never logged
+_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction"})
+_ignored_logged: set[str] = set()  # unknown top-level fields already named in the log (once each)
+
+
+def refuse_unsupported(req: ChatCompletionRequest) -> None:
+    """A 400 naming the first field set to a value omnimesh cannot honour (`_NEUTRAL`); other unknown
+    top-level fields are ignored, as vLLM does, and named once in the log so a typo can be found."""
+    extra = req.model_extra or {}
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(req, name, None) if name in type(req).model_fields else extra.get(name)
+        if not neutral(value):
+            shown = json.dumps(value)[:80]
+            why = _WHY.get(name, "omnimesh does not implement it; leave it out")
+            raise invalid_request(f"{name}: {shown} is not supported; {why}", name)
+    fresh = sorted(set(extra) - set(_NEUTRAL) - _HARMLESS - _ignored_logged)
+    if fresh:
+        _ignored_logged.update(fresh)
+        logger.warning("request fields ignored (not part of omnimesh's API; each named once): %s", ", ".join(fresh))
 
 
 def _path(loc: tuple[int | str, ...]) -> str:
@@ -232,13 +271,14 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
         raise invalid_request(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise invalid_request("request body is not valid JSON here: its arrays / objects nest too deeply") from None
-    if _LONE_SURROGATE_ESCAPE.search(raw) and not _valid_unicode(obj):
-        raise invalid_request("request body has a string with an unpaired UTF-16 surrogate escape (e.g. \\ud800): "
-                              "not valid Unicode text")
+    # json.loads decodes bytes with "surrogatepass", so a surrogate's UTF-8-style bytes (ED A0..BF ..) get in too
+    if (_LONE_SURROGATE_ESCAPE.search(raw) or b"\xed" in raw) and not _valid_unicode(obj):
+        raise invalid_request("request body has a string with an unpaired UTF-16 surrogate (an escape such as "
+                              "\\ud800, or its bytes): not valid Unicode text")
     if not isinstance(obj, dict):
         raise invalid_request(f"request body must be a JSON object, got {type(obj).__name__}")
     try:
-        return ChatCompletionRequest.model_validate(obj)
+        req = ChatCompletionRequest.model_validate(obj)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         first = _path(tuple(errors[0]["loc"])) or None
@@ -246,6 +286,8 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
         if len(errors) > 5:
             text += f"; ... ({len(errors) - 5} more)"
         raise invalid_request(text, first) from None
+    refuse_unsupported(req)
+    return req
 
 
 # ------------------------------------------------------------------------- checks shared with gRPC
@@ -274,6 +316,10 @@ def check_sampling(s: SamplingOverrides, param: str) -> None:
         problems.append(("min_tokens", f"must be <= max_tokens ({s.max_tokens}), got {s.min_tokens}"))
     if s.repetition_penalty is not None and not s.repetition_penalty > 0.0:
         problems.append(("repetition_penalty", f"must be > 0, got {s.repetition_penalty}"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if value is not None and not -2.0 <= value <= 2.0:
+            problems.append((name, f"must be in [-2, 2] (0 disables it), got {value}"))
     if s.seed is not None and not -(2**63) <= s.seed < 2**63:
         problems.append(("seed", f"must fit in a signed 64-bit integer, got {s.seed}"))
     for i, t in enumerate(s.stop_token_ids or ()):

@@ -1,8 +1,8 @@
 """Client sampling settings -> the SamplingParams each stage receives.
 
 Rules (see README "The API"): every top-level field (temperature, top_p, top_k, seed, max_tokens,
-min_tokens, repetition_penalty, stop_token_ids, stop, include_stop_str_in_output) applies to the
-thinker; `stage_params[stage]` overrides per stage, field by field (a stage's list replaces the
+min_tokens, repetition_penalty, presence_penalty, frequency_penalty, stop_token_ids, stop,
+include_stop_str_in_output) applies to the thinker; `stage_params[stage]` overrides per stage, field by field (a stage's list replaces the
 top-level list); a top-level `temperature: 0` makes EVERY stage greedy (a stage's own explicit
 temperature still wins) and a top-level seed seeds the talker too. Stop ids / strings and min_tokens
 never pass from the thinker to the talker (other vocab, no text, codes rather than text tokens). Unset
@@ -38,6 +38,10 @@ def _to_proto(s: SamplingOverrides) -> stage_pb2.SamplingParams:
         msg.min_tokens = s.min_tokens
     if s.include_stop_str_in_output is not None:
         msg.include_stop_str_in_output = s.include_stop_str_in_output
+    if s.presence_penalty is not None:
+        msg.presence_penalty = s.presence_penalty
+    if s.frequency_penalty is not None:
+        msg.frequency_penalty = s.frequency_penalty
     return msg
 
 

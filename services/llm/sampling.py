@@ -24,7 +24,7 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
         return defaults
     changes: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "min_tokens",
-                 "include_stop_str_in_output"):
+                 "include_stop_str_in_output", "presence_penalty", "frequency_penalty"):
         if msg.HasField(name):
             changes[name] = getattr(msg, name)
     if msg.stop_token_ids:

@@ -86,9 +86,10 @@ class ReferenceModel:
 
     @torch.no_grad()
     def generate(self, req: ChatRequest, *, max_tokens: int, talker_max: int, speaker: str = "Ethan",
-                 audio: bool = True) -> Reference:
+                 audio: bool = True, **generate_kwargs: object) -> Reference:
+        """`generate_kwargs` go to `generate` as they are (e.g. `thinker_logits_processor=...`)."""
         p = self.prompts(req)
-        kwargs: dict = {}
+        kwargs: dict = dict(generate_kwargs)
         if p.input_features is not None:
             kwargs["input_features"] = p.input_features
             kwargs["feature_attention_mask"] = p.feature_attention_mask

@@ -546,7 +546,7 @@ def test_inline_image_is_accepted(mesh):
 
 def test_n_2_is_400(mesh):
     err = _openai_error(_post(mesh, _body(n=2)), 400)
-    assert "n=2" in err["message"]
+    assert err["param"] == "n" and "only n=1" in err["message"]
 
 
 def test_unknown_route_is_openai_shaped_404(mesh):

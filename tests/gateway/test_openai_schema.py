@@ -37,9 +37,20 @@ def test_max_completion_tokens_wins_and_ints_are_floats() -> None:
     ({"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed", "integer"),
     ({"messages": [{"role": "user", "content": "x"}], "stage_params": {"talker": {"temperature": "0"}}},
      "stage_params.talker.temperature", "number"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, None, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "logprobs: true is not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop", "valid list"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, None, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "only n=1"),
+    ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format",
+     "structured outputs are not available"),
+    ({"messages": [{"role": "user", "content": "x"}], "min_p": 0.1}, "min_p", "min_p: 0.1 is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "ignore_eos": True}, "ignore_eos", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a"]}, "guided_choice", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": "1"}, "presence_penalty", "number"),
     ({"messages": [{"role": "user", "content": "x"}], "modalities": []}, "modalities", "at least 1"),
 ])
 def test_schema_errors_name_the_field(obj: dict, param: str | None, needle: str) -> None:
@@ -49,12 +60,34 @@ def test_schema_errors_name_the_field(obj: dict, param: str | None, needle: str)
     assert e.value.param == param and needle in e.value.message
 
 
+def test_neutral_values_of_unsupported_fields_pass_and_penalties_reach_the_overrides() -> None:
+    """What clients send by default (n 1, logprobs false, an empty logit_bias, text response_format, vLLM's
+    min_p 0 ...) asks for nothing omnimesh lacks: accepted. presence / frequency penalties are carried."""
+    body = parse({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": False, "top_logprobs": 0,
+                  "tools": [], "functions": [], "logit_bias": {}, "response_format": {"type": "text"}, "min_p": 0,
+                  "ignore_eos": False, "best_of": 1, "use_beam_search": False, "echo": False, "tool_choice": "none",
+                  "presence_penalty": 0.5, "frequency_penalty": -1,
+                  "stage_params": {"talker": {"frequency_penalty": 0.25}}})
+    assert body.sampling() == SamplingOverrides(presence_penalty=0.5, frequency_penalty=-1.0)  # type: ignore[attr-defined]
+    assert body.stage_overrides() == {"talker": SamplingOverrides(frequency_penalty=0.25)}  # type: ignore[attr-defined]
+
+
+def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="gateway.openai_schema"):
+        for _ in range(3):
+            parse({"messages": [{"role": "user", "content": "x"}], "zz_unknown_knob": 1, "user": "u"})
+    named = [r.getMessage() for r in caplog.records if "zz_unknown_knob" in r.getMessage()]
+    assert len(named) == 1 and "ignored" in named[0]
+    assert not any("user" in r.getMessage() for r in caplog.records)  # OpenAI's own labels are not news
+
+
 def test_check_sampling_ranges() -> None:
     check_sampling(SamplingOverrides(temperature=0.0, top_p=1.0, top_k=1, max_tokens=1, repetition_penalty=1.0), "")
     for s, field in [(SamplingOverrides(temperature=-0.1), "temperature"), (SamplingOverrides(top_p=1.5), "top_p"),
                      (SamplingOverrides(max_tokens=0), "max_tokens"),
                      (SamplingOverrides(repetition_penalty=0.0), "repetition_penalty"),
-                     (SamplingOverrides(seed=2**63), "seed")]:
+                     (SamplingOverrides(seed=2**63), "seed"), (SamplingOverrides(presence_penalty=-2.5), "presence_penalty"),
+                     (SamplingOverrides(frequency_penalty=float("nan")), "frequency_penalty")]:
         with pytest.raises(PipelineError) as e:
             check_sampling(s, "stage_params.talker")
         assert e.value.param == f"stage_params.talker.{field}"
@@ -87,7 +120,10 @@ def test_stream_chunk_dump_drops_unset_fields_but_keeps_finish_reason() -> None:
 def test_surrogate_pairs_pass_and_lone_halves_are_400() -> None:
     pair = parse_chat_request(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00 hi"}]}')
     assert pair.messages[0].content[0].text == "\U0001F600 hi"
-    for lone in (b"\\ud800", b"\\udfff x", b"x \\uDC00", b"\\ud83d\\ude00\\ud800"):
+    hangul = parse_chat_request('{"messages": [{"role": "user", "content": "\ud55c"}]}'.encode())  # bytes ED 95 9C
+    assert hangul.messages[0].content[0].text == "\ud55c"
+    for lone in (b"\\ud800", b"\\udfff x", b"x \\uDC00", b"\\ud83d\\ude00\\ud800",
+                 "\ud800".encode("utf-8", "surrogatepass")):  # a surrogate's bytes (json.loads lets them in)
         with pytest.raises(PipelineError, match="unpaired UTF-16 surrogate") as err:
             parse_chat_request(b'{"messages": [{"role": "user", "content": "' + lone + b'"}]}')
         assert err.value.http_status == 400

@@ -125,7 +125,7 @@ def test_sampling_stage_params_and_media_reach_the_pipeline(rest_server: RestSer
     r = post(rest_server, body)
     assert r.status_code == 200, r.text
     req = pipeline.requests[-1]
-    assert req.sampling == SamplingOverrides(temperature=0.0, top_p=0.9, seed=3, max_tokens=50)
+    assert req.sampling == SamplingOverrides(temperature=0.0, top_p=0.9, seed=3, max_tokens=50, frequency_penalty=0.0)
     assert req.stage_params == {"talker": SamplingOverrides(temperature=0.0, top_k=10, max_tokens=200,
                                                             repetition_penalty=1.05)}
     system, user = req.messages
@@ -299,7 +299,11 @@ def _user(*parts: dict) -> list[dict]:
     ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "'user'"),
     ({"messages": USER_HI, "temperature": 3}, 400, "temperature", "[0, 2]"),
     ({"messages": USER_HI, "top_p": 0}, 400, "top_p", "(0, 1]"),
-    ({"messages": USER_HI, "n": 2}, 400, None, "n=2"),
+    ({"messages": USER_HI, "n": 2}, 400, "n", "only n=1"),
+    ({"messages": USER_HI, "response_format": {"type": "json_schema"}}, 400, "response_format", "structured outputs"),
+    ({"messages": USER_HI, "frequency_penalty": 2.5}, 400, "frequency_penalty", "[-2, 2]"),
+    ({"messages": USER_HI, "stage_params": {"talker": {"presence_penalty": -3}}}, 400,
+     "stage_params.talker.presence_penalty", "[-2, 2]"),
     ({"messages": USER_HI, "modalities": ["image"]}, 400, "modalities[0]", "'text' or 'audio'"),
     ({"messages": USER_HI, "model": "gpt-4o"}, 404, "model", "gpt-4o"),
     ({"messages": USER_HI, "modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, 400, "audio.voice", "Chelsie"),

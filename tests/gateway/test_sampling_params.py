@@ -1,6 +1,6 @@
 """Sampling parameters per stage through both front ends (REST on uvicorn, gRPC Omni): each field reaches
 the right stage's wire `SamplingParams` (top level = thinker, `stage_params` per stage, stop ids / strings /
-min_tokens / include_stop_str_in_output never inherited by the talker), and bad values are a 400 /
+min_tokens / include_stop_str_in_output / the frequency and presence penalties never inherited by the talker), and bad values are a 400 /
 INVALID_ARGUMENT naming the parameter (min_tokens also against the thinker's max_tokens across levels)."""
 
 from __future__ import annotations
@@ -84,6 +84,24 @@ def test_rest_min_tokens_and_include_stop_str(rest_server: RestServer, pipeline:
     assert post(rest_server, {}).status_code == 200
     plain = thinker_sampling(pipeline.requests[-1])
     assert not plain.HasField("min_tokens") and not plain.HasField("include_stop_str_in_output")
+
+
+def test_penalties_reach_each_stage_rest_and_grpc(rest_server: RestServer, grpc_server: GrpcServer,
+                                                  pipeline: ScriptedPipeline) -> None:
+    r = post(rest_server, {"presence_penalty": 0.5, "frequency_penalty": -1.5,
+                           "stage_params": {"talker": {"frequency_penalty": 0.25}}})
+    assert r.status_code == 200, r.text
+    thinker, talker = wire(pipeline.requests[-1])
+    assert (thinker.presence_penalty, thinker.frequency_penalty) == (0.5, -1.5)
+    assert talker.frequency_penalty == 0.25 and not talker.HasField("presence_penalty")
+    out = generate(grpc_server, sampling=stage_pb2.SamplingParams(presence_penalty=1.0),
+                   stage_params={"talker": stage_pb2.SamplingParams(presence_penalty=-0.5)})
+    assert out[-1].WhichOneof("kind") == "done", out
+    thinker, talker = wire(pipeline.requests[-1])
+    assert thinker.presence_penalty == 1.0 and not thinker.HasField("frequency_penalty")
+    assert talker.presence_penalty == -0.5
+    bad = generate(grpc_server, sampling=stage_pb2.SamplingParams(frequency_penalty=2.5))
+    assert bad[0].error.code == INVALID_ARGUMENT and "sampling.frequency_penalty: must be in [-2, 2]" in bad[0].error.message
 
 
 def test_openai_client_extra_body(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:

@@ -1,5 +1,5 @@
 """`Sampler` follows transformers' logits processors: penalty, min new tokens, suppression, temperature,
-top-k, top-p, seeds.
+top-k, top-p, seeds; OpenAI's frequency / presence penalties (which transformers lacks) follow vLLM's formula.
 
 Run: python -m pytest tests/models/test_sampling.py -q
 """
@@ -137,6 +137,10 @@ def test_invalid_params() -> None:
         SamplingParams(max_tokens=8, min_tokens=9)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=-1)
+    with pytest.raises(ValueError, match=r"presence_penalty must be in \[-2, 2\]"):
+        SamplingParams(presence_penalty=2.5)
+    with pytest.raises(ValueError, match="frequency_penalty must be a finite number"):
+        SamplingParams(frequency_penalty=float("nan"))
     SamplingParams(max_tokens=8, min_tokens=8)  # every token then: the request ends by length
 
 
@@ -202,7 +206,38 @@ def test_greedy_batch_picks_what_each_sampler_would() -> None:
     assert greedy_batch(samplers, logits.clone(), [h.tolist() for h in histories]) == want
     assert all(s.num_sampled == 1 for s in samplers)
     for odd in (replace(params, temperature=0.7), replace(params, repetition_penalty=1.1),
-                replace(params, suppress_tokens=()), replace(params, min_tokens=3)):
+                replace(params, suppress_tokens=()), replace(params, min_tokens=3),
+                replace(params, presence_penalty=0.5), replace(params, frequency_penalty=-0.5)):
         mixed = [Sampler(params), Sampler(odd)]
         assert greedy_batch(mixed, logits[:2], [h.tolist() for h in histories[:2]]) is None
         assert all(s.num_sampled == 0 for s in mixed)
+
+
+def test_frequency_and_presence_penalties_follow_vllm() -> None:
+    """Each generated id loses frequency * count + presence (vLLM's `apply_penalties`), after the repetition
+    penalty over the whole history; the prompt's ids get no frequency / presence penalty, and ids past the
+    head are ignored. Greedy and sampled picks see the same scores; both penalties 0 is the plain sampler."""
+    raw = logits(8)
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.7, presence_penalty=-0.3)
+    sampler = Sampler(params)
+    prompt = [5, 6]
+    history = list(prompt)
+    counts: dict[int, int] = {}
+    for _ in range(12):
+        expected = RepetitionPenaltyLogitsProcessor(1.2)(torch.tensor([history]), raw.view(1, -1).clone())[0]
+        for t, c in counts.items():
+            expected[t] -= 0.7 * c - 0.3
+        assert torch.allclose(sampler.process(raw, torch.tensor(history)), expected, rtol=0, atol=1e-6)
+        token = sampler.sample(raw, torch.tensor(history))
+        assert token == int(expected.argmax())
+        counts[token] = counts.get(token, 0) + 1
+        history.append(token)
+    assert len(counts) > 1  # the penalty moved greedy off its favourite
+    sampler._generated[10_000] = 3  # an id past the head (cannot come from this head): skipped, no error
+    sampler.process(raw, torch.tensor(history))
+    plain, zero = Sampler(SamplingParams(temperature=0.9, seed=2)), Sampler(
+        SamplingParams(temperature=0.9, seed=2, frequency_penalty=0.0, presence_penalty=0.0))
+    assert [plain.sample(raw) for _ in range(20)] == [zero.sample(raw) for _ in range(20)] and not zero._generated
+    repeated = Sampler(SamplingParams(temperature=0.9, seed=2, frequency_penalty=2.0))
+    picks = [repeated.sample(raw) for _ in range(40)]
+    assert len(set(picks)) > len(set([plain.sample(raw) for _ in range(40)]))  # spread over more ids

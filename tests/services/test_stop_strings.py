@@ -144,6 +144,17 @@ def test_merge_min_tokens_and_include_stop_str() -> None:
         merge_sampling(thinker, wire(min_tokens=-1))
 
 
+def test_merge_penalties() -> None:
+    """presence / frequency penalties pass through as set (0 when unset); the stage bounds them to [-2, 2]
+    itself, so a caller that skips the gateway gets the same refusal."""
+    thinker = thinker_sampling_params(tiny_qwen3_omni_config())
+    assert (thinker.presence_penalty, thinker.frequency_penalty) == (0.0, 0.0) and not thinker.output_penalties
+    got = merge_sampling(thinker, wire(presence_penalty=0.5, frequency_penalty=-1.0))
+    assert (got.presence_penalty, got.frequency_penalty) == (0.5, -1.0) and got.output_penalties
+    with pytest.raises(ValueError, match=r"frequency_penalty must be in \[-2, 2\]"):
+        merge_sampling(thinker, wire(frequency_penalty=3.0))
+
+
 @pytest.mark.parametrize("bad", [[THINKER_VOCAB], [3, -1], [2**40]])
 def test_merge_refuses_ids_outside_the_vocab(bad: list[int]) -> None:
     thinker = thinker_sampling_params(tiny_qwen3_omni_config())

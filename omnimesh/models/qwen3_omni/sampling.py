@@ -4,7 +4,8 @@ Role: the thinker, the talker and the code predictor each pick tokens through a 
 (it owns the request's seeded `torch.Generator`). The order of operations is the order in which
 `GenerationMixin._get_logits_processor` stacks its processors for the options used here:
 
-    logits (V,) -> repetition penalty (over `history`) -> min new tokens (stop ids -inf while fewer than
+    logits (V,) -> repetition penalty (over `history`) -> frequency / presence penalties (over the tokens
+                   this Sampler picked) -> min new tokens (stop ids -inf while fewer than
                    `min_tokens` were sampled) -> suppress tokens (-inf)
                 -> [sampling only] temperature -> top-k -> top-p -> softmax -> multinomial(generator)
                 -> [greedy]       argmax
@@ -12,7 +13,10 @@ Role: the thinker, the talker and the code predictor each pick tokens through a 
 `temperature == 0` means greedy (`do_sample=False`): transformers then skips temperature / top-k / top-p
 but still applies the repetition penalty and suppressed tokens, and so does this file. `min_tokens` is
 `generate`'s `min_new_tokens` (`MinNewTokensLengthLogitsProcessor`, over every stop id, the EOS included);
-0 (the default) changes nothing. The Sampler counts the tokens it picked, so it is made before a request's
+0 (the default) changes nothing. `frequency_penalty` / `presence_penalty` are OpenAI's (transformers has
+none; the arithmetic is vLLM's): each id's score loses `frequency_penalty` per time the request generated
+it plus `presence_penalty` once if it generated it at all — generated tokens only, never the prompt; 0 (the
+default) changes nothing. The Sampler counts the tokens it picked, so it is made before a request's
 first token and used once per token.
 
 What `history` holds is the caller's choice and mirrors `generate`: the thinker is called with `input_ids`,
@@ -56,10 +60,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings on the detokenized text (thinker; see services/llm/detokenizer.py)
     include_stop_str_in_output: bool = False  # the matched stop string ends the text instead of being cut
     min_tokens: int = 0  # stop ids are suppressed (-inf) until this many tokens were sampled
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this once for every id generated so far
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this per time an id was generated so far
     vocab_size: int = 0  # ids the head can produce (0 = unknown); bounds the caller's stop_token_ids
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
@@ -72,6 +78,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}; 1.0 disables it")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}; "
                              f"lower min_tokens or raise max_tokens")
@@ -79,6 +88,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def output_penalties(self) -> bool:
+        """Whether the frequency / presence penalties change anything (they need the generated ids)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 class Sampler:
@@ -106,6 +120,7 @@ class Sampler:
             if params.min_tokens and params.stop_token_ids else None
         )
         self.num_sampled = 0  # tokens picked so far by `sample` (what min_tokens counts)
+        self._generated: dict[int, int] = {}  # id -> times picked; kept only when the output penalties are on
 
     def process(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
         """The processed scores (V,) the next token is picked from (penalty, min_tokens, suppression, and the
@@ -114,6 +129,8 @@ class Sampler:
         scores = logits.to(torch.float32)  # (V,)
         if p.repetition_penalty != 1.0 and history is not None and history.numel() > 0:
             scores = apply_repetition_penalty(scores, history, p.repetition_penalty)
+        if self._generated:
+            scores = apply_output_penalties(scores, self._generated, p.frequency_penalty, p.presence_penalty)
         if self._min_stop is not None and self.num_sampled < p.min_tokens:
             ids = self._min_stop.to(scores.device)
             scores = scores.index_fill(0, ids[ids < scores.shape[-1]], -float("inf"))  # (V,)
@@ -136,11 +153,15 @@ class Sampler:
     def sample(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> int:
         """One token id from `logits` (V,), given the tokens `history` (n,) the penalty looks at."""
         scores = self.process(logits, history)  # (V,)
-        self.num_sampled += 1
         if self.params.greedy:
-            return int(torch.argmax(scores, dim=-1).item())
-        probs = torch.softmax(scores.view(1, -1), dim=-1)  # (1, V)
-        return int(torch.multinomial(probs, num_samples=1, generator=self.generator).item())
+            token = int(torch.argmax(scores, dim=-1).item())
+        else:
+            probs = torch.softmax(scores.view(1, -1), dim=-1)  # (1, V)
+            token = int(torch.multinomial(probs, num_samples=1, generator=self.generator).item())
+        self.num_sampled += 1
+        if self.params.output_penalties:
+            self._generated[token] = self._generated.get(token, 0) + 1
+        return token
 
     def is_stop(self, token_id: int) -> bool:
         return token_id in self.params.stop_token_ids
@@ -156,9 +177,11 @@ def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[
     """`sample` for B greedy requests at once: logits (B, V), per request its penalty history (ids) -> ids,
     each what its own `sample` would pick (the same per-element arithmetic, one op per step instead of a
     dozen per request). None when the batch does not qualify (a request samples, holds stop ids back for
-    min_tokens now, or the requests differ in penalty or suppressed tokens): the caller samples one by one."""
+    min_tokens now, has frequency / presence penalties, or the requests differ in penalty or suppressed
+    tokens): the caller samples one by one."""
     first = samplers[0].params
-    if not all(s.params.greedy and s.params.repetition_penalty == first.repetition_penalty
+    if not all(s.params.greedy and not s.params.output_penalties
+               and s.params.repetition_penalty == first.repetition_penalty
                and s.params.suppress_tokens == first.suppress_tokens
                and not (s._min_stop is not None and s.num_sampled < s.params.min_tokens) for s in samplers):
         return None
@@ -196,6 +219,16 @@ def apply_repetition_penalty(scores: torch.Tensor, history: torch.Tensor, penalt
     picked = scores.gather(0, ids)  # (u,)
     picked = torch.where(picked < 0, picked * penalty, picked / penalty)  # (u,)
     return scores.scatter(0, ids, picked)  # (V,)
+
+
+def apply_output_penalties(scores: torch.Tensor, generated: dict[int, int], frequency: float,
+                           presence: float) -> torch.Tensor:
+    """OpenAI's penalties as vLLM applies them: score[id] -= frequency * count + presence, over the ids the
+    request generated (`generated`: id -> count; ids past the head cannot be generated and are ignored)."""
+    ids = torch.tensor(list(generated), dtype=torch.long, device=scores.device)  # (u,)
+    counts = torch.tensor(list(generated.values()), dtype=torch.float32, device=scores.device)  # (u,)
+    keep = ids < scores.shape[-1]
+    return scores.index_add(0, ids[keep], -(frequency * counts[keep] + presence))  # (V,)
 
 
 def apply_top_k(scores: torch.Tensor, top_k: int) -> torch.Tensor:
