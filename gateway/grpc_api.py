@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
 from gateway.audio_encoding import pcm16_bytes
+from gateway.auth import ApiKeyInterceptor
 from gateway.events import (
     AudioDelta,
     AudioPart,
@@ -207,10 +208,13 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
 
 async def create_grpc_server(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
-                             limits: InputLimits | None = None) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
-    """A `grpc.aio` server (not yet bound or started) serving Omni + health ("" and Omni SERVING) + reflection."""
+                             limits: InputLimits | None = None,
+                             api_keys: tuple[str, ...] = ()) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+    """A `grpc.aio` server (not yet bound or started) serving Omni + health ("" and Omni SERVING) + reflection;
+    with `api_keys`, Omni calls need one of them (`gateway/auth.py`)."""
     limits = limits or InputLimits()
-    server, health = make_server([OMNI_SERVICE_NAME], options=grpc_server_options(limits))
+    server, health = make_server([OMNI_SERVICE_NAME], options=grpc_server_options(limits),
+                                 interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else ())
     omni_pb2_grpc.add_OmniServicer_to_server(
         OmniServicer(pipeline, served_model_names=served_model_names, limits=limits), server)
     for name in ("", OMNI_SERVICE_NAME):

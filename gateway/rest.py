@@ -10,7 +10,7 @@ status even for `stream: true`; an error after that is sent as `data: {"error": 
 typed fields) are 400, as OpenAI answers, not FastAPI's 422. A 429 (a stage refused the request because
 `--max-waiting-requests` requests already wait there) carries `Retry-After: 1`.
 
-Also: `GET /v1/models`, `GET /health` (200 / 503 naming the stages down), `GET /metrics` (Prometheus
+Also: `GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), `GET /health` (200 / 503 naming the stages down), `GET /metrics` (Prometheus
 text, `omnimesh:` prefix): the gateway's own series (a per-app registry; no `stage` label) followed by
 every stage's, scraped over the Stage `Metrics` RPC at each request and merged into one family per name
 (stage series carry `stage="thinker"` etc.; a stage that does not answer is left out and
@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway.audio_encoding import OutputAudioFormat, encode_audio, pcm16_bytes
+from gateway.auth import ApiKeyMiddleware
 from gateway.events import (
     AudioDelta,
     AudioPart,
@@ -388,6 +389,18 @@ class RestGateway:
         cards = [ModelCard(id=n, created=self.created) for n in self.served_model_names]
         return JSONResponse(dump(ModelList(data=cards)))
 
+    async def model(self, request: Request) -> Response:
+        """OpenAI's `GET /v1/models/{model}` (the SDK's `models.retrieve`); an unknown name is its 404."""
+        started = time.perf_counter()
+        name = request.path_params["model"]
+        try:
+            resolve_model(name or "\0", self.served_model_names)  # an empty name is no name, not "the first"
+        except PipelineError as e:
+            self._finish("models", e.http_status, started)
+            return _error(e)
+        self._finish("models", 200, started)
+        return JSONResponse(dump(ModelCard(id=name, created=self.created)))
+
     async def health(self, request: Request) -> Response:
         try:
             stages = await asyncio.wait_for(self.pipeline.health(), HEALTH_TIMEOUT_S)
@@ -488,11 +501,11 @@ async def _close(events: AsyncIterator[Event]) -> None:
 def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                allowed_media_domains: frozenset[str] = frozenset(), limits: InputLimits | None = None,
                media_transport: object | None = None,
-               stage_metrics: Mapping[str, MetricsSource] | None = None) -> FastAPI:
+               stage_metrics: Mapping[str, MetricsSource] | None = None, api_keys: tuple[str, ...] = ()) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
     ask for; `allowed_media_domains` the hosts http(s) media may come from (empty = none);
     `media_transport` an `httpx.AsyncBaseTransport` for tests; `stage_metrics` the stages whose series
-    /metrics adds (by stage name)."""
+    /metrics adds (by stage name); `api_keys` the keys /v1 routes need (empty: none, `gateway/auth.py`)."""
     names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
@@ -500,8 +513,11 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     gw = RestGateway(pipeline, names, loader, stage_metrics)
     app = FastAPI(title="omnimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
+    if api_keys:  # /v1 needs one of them; /health and /metrics stay open (gateway/auth.py)
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys)  # type: ignore[arg-type]
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", gw.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", gw.model, methods=["GET"])
     app.add_api_route("/health", gw.health, methods=["GET"])
     app.add_api_route("/metrics", gw.metrics_text, methods=["GET"])
 

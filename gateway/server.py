@@ -16,6 +16,7 @@ from pathlib import Path
 
 import uvicorn
 
+from gateway.auth import parse_api_keys
 from gateway.grpc_api import create_grpc_server
 from gateway.pipeline import StagePipeline
 from gateway.prompt import PromptBuilder
@@ -38,7 +39,7 @@ def model_max_len(model_dir: Path) -> int:
 
 
 def build_pipeline(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> StagePipeline:
-    name = args.served_model_name or model_dir.name
+    name = args.model_name(model_dir)
     builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir))
     transport = Transport("gateway", "grpc")  # the gateway reads shm frames (the vocoder's pcm), never writes any
     clients = {stage: StageClient(stage, addr, transport) for stage, addr in stage_addrs.items()}
@@ -49,12 +50,16 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     pipeline = build_pipeline(args, model_dir, stage_addrs)
     await pipeline.connect()
     domains = frozenset(d.strip() for d in (args.allowed_media_domains or "").split(",") if d.strip())
+    keys = parse_api_keys(args.api_key)
+    if keys:
+        log.info("gateway: an API key is required on /v1 and the gRPC Omni service (%d key%s accepted)",
+                 len(keys), "" if len(keys) == 1 else "s")
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains,
-                     stage_metrics=pipeline.stages)
+                     stage_metrics=pipeline.stages, api_keys=keys)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", loop="none", lifespan="off")
     rest = uvicorn.Server(config)
     rest.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # we own the signals
-    grpc_server, _health = await create_grpc_server(pipeline, served_model_names=pipeline.served_models)
+    grpc_server, _health = await create_grpc_server(pipeline, served_model_names=pipeline.served_models, api_keys=keys)
     bind(grpc_server, args.host, args.grpc_port)
     await grpc_server.start()
     log.info("gateway: %d start-up objects frozen out of the garbage collector's scans", freeze_startup_heap())
@@ -78,7 +83,7 @@ def run_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -
     tune_malloc()
     try:
         uvloop.run(serve_gateway(args, model_dir, stage_addrs))
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # ValueError: a bad $OMNIMESH_API_KEY
         print(f"omnimesh gateway: error: {exc}", flush=True)
         return 1
     return 0

@@ -16,6 +16,7 @@ PR_SET_PDEATHSIG, so they die with the launcher even if it is killed outright.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ class Child:
     proc: subprocess.Popen
     address: str
     argv: list[str]
+    env: dict[str, str] | None = None  # extra environment (secrets stay off the command line)
 
 
 @dataclass
@@ -60,8 +62,8 @@ class MeshLauncher:
         self.children: list[Child] = []
         self._stopping = False
 
-    def _spawn(self, name: str, argv: list[str], address: str) -> Child:
-        child = Child(name, _popen(argv), address, argv)
+    def _spawn(self, name: str, argv: list[str], address: str, env: dict[str, str] | None = None) -> Child:
+        child = Child(name, _popen(argv, env), address, argv, env)
         self.children.append(child)
         return child
 
@@ -72,6 +74,8 @@ class MeshLauncher:
                 "--stream-interval", str(a.stream_interval), "--audio-windows", a.audio_windows, "--malloc", a.malloc]
         if a.enforce_eager:
             argv.append("--enforce-eager")
+        if a.served_model_name is not None:  # the stage's metrics carry it as model_name
+            argv += ["--served-model-name", a.served_model_name]
         cfg = a.stage_configs()[stage]
         argv += ["-tp", str(cfg.tp), "-pp", str(cfg.pp)]
         # the stage's own resolved settings (global flags under its --stage-overrides entry)
@@ -98,6 +102,12 @@ class MeshLauncher:
             if value is not None:
                 argv += [flag, str(value)]
         return argv
+
+    def _gateway_env(self) -> dict[str, str] | None:
+        """--api-key reaches the gateway in its environment, not on a command line that `ps` shows."""
+        from gateway.auth import ENV_VAR
+
+        return None if self.args.api_key is None else {ENV_VAR: self.args.api_key}
 
     def _wait_ready(self, child: Child, probe, what: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -133,7 +143,7 @@ class MeshLauncher:
             stage_children.append(self._spawn(stage, self._stage_argv(stage, port), addrs[stage]))
         for child in stage_children:
             self._wait_ready(child, lambda c=child: _grpc_serving(c.address), "gRPC health")
-        gw = self._spawn("gateway", self._gateway_argv(addrs), f"{self.args.host}:{self.args.port}")
+        gw = self._spawn("gateway", self._gateway_argv(addrs), f"{self.args.host}:{self.args.port}", self._gateway_env())
         health_url = f"http://{_client_host(self.args.host)}:{self.args.port}/health"
         self._wait_ready(gw, lambda: _http_ok(health_url), f"GET {health_url}")
         print(
@@ -167,7 +177,7 @@ class MeshLauncher:
                 elif now >= st.due:
                     st.due, st.starting = None, True
                     st.times.append(now)
-                    child.proc = _popen(child.argv)
+                    child.proc = _popen(child.argv, child.env)
                     print(f"omnimesh: stage {child.name} restarted (pid {child.proc.pid})", file=sys.stderr, flush=True)
             time.sleep(POLL_S)
         return 0
@@ -227,8 +237,9 @@ class MeshLauncher:
                 child.proc.wait()
 
 
-def _popen(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "omnimesh.cli", *argv], preexec_fn=die_with_parent)
+def _popen(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "omnimesh.cli", *argv], preexec_fn=die_with_parent,
+                            env=None if env is None else {**os.environ, **env})
 
 
 def _client_host(host: str) -> str:

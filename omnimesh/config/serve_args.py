@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from omnimesh.allocator import check_mode
@@ -34,7 +35,12 @@ class ServeArgs:
     stage_restarts: int = _f(3, "times `omnimesh serve` restarts a stage process that exits on its own, within 10 minutes "
                              "(backoff 1, 2, 4 ... 30 s); one more exit stops the whole mesh with code 1, for an outer "
                              "supervisor; 0: a dead stage stays down (requests that need it get 503)", "--stage-restarts")
-    served_model_name: str | None = _f(None, "model name clients use; default: the folder name", "--served-model-name")
+    api_key: str | None = _f(None, "clients must send 'Authorization: Bearer <key>' (gRPC: authorization metadata) on "
+                             "/v1 and the Omni service; several keys comma-separated; /health and /metrics stay "
+                             "open; default: $OMNIMESH_API_KEY, else none (prefer the variable: a flag shows in ps)",
+                             "--api-key")
+    served_model_name: str | None = _f(None, "model name clients use, and the model_name label of every stage's metrics; "
+                                       "default: the folder name", "--served-model-name")
     tensor_parallel_size: int = _f(1, "tensor-parallel ranks per model stage", "-tp", "--tensor-parallel-size")
     pipeline_parallel_size: int = _f(1, "pipeline-parallel ranks per model stage", "-pp", "--pipeline-parallel-size")
     pp_layer_partition: str | None = _f(None, "layers per pipeline rank, e.g. 3,5 (default: even, extra layers to the middle ranks)", "--pp-layer-partition")
@@ -117,9 +123,17 @@ class ServeArgs:
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.transport!r}")
         check_mode(self.malloc)
+        if self.api_key is not None:
+            from gateway.auth import parse_api_keys
+
+            parse_api_keys(self.api_key)
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be a port number, got {self.master_port}")
         self.stage_configs()  # validates -tp/-pp, utilization, --stage-overrides
+
+    def model_name(self, model_dir: Path) -> str:
+        """The name clients use and metrics carry: --served-model-name, else the model folder's name."""
+        return self.served_model_name or model_dir.name
 
     def stage_configs(self) -> dict[str, StageConfig]:
         model_stage = StageConfig(
@@ -171,10 +185,10 @@ class ServeArgs:
 
 
 GATEWAY_FIELDS = frozenset(
-    {"host", "port", "grpc_port", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len", "trust_remote_code", "malloc"}
+    {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len", "trust_remote_code", "malloc"}
 )
 STAGE_EXCLUDED = frozenset(
-    {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "served_model_name", "async_chunk",
+    {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "api_key", "async_chunk",
      "allowed_media_domains"}
 )
 

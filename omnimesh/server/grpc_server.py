@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,10 +30,11 @@ class BindError(RuntimeError):
 
 
 def make_server(
-    service_names: Iterable[str], options: list[tuple[str, int]] | None = None
+    service_names: Iterable[str], options: list[tuple[str, int]] | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A grpc.aio server with `grpc.health.v1` and reflection (listing `service_names`) registered."""
-    server = grpc.aio.server(options=options if options is not None else GRPC_OPTIONS)
+    server = grpc.aio.server(options=options if options is not None else GRPC_OPTIONS, interceptors=interceptors or None)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]

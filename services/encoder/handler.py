@@ -48,4 +48,4 @@ class EncoderHandler:
 def build_handler(model_dir: Path, args: ServeArgs) -> EncoderHandler:
     failure = StageFailure()
     layout = lm_layout(args, "encoder", failure)
-    return EncoderHandler(load_encoder(model_dir, resolve_dtype(args), layout), model_dir.name, layout, failure)
+    return EncoderHandler(load_encoder(model_dir, resolve_dtype(args), layout), args.model_name(model_dir), layout, failure)

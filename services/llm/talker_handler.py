@@ -82,4 +82,4 @@ def build_handler(model_dir: Path, args: ServeArgs) -> TalkerHandler:
     max_len = int(talker.config.talker_config.text_config.max_position_embeddings)  # type: ignore[union-attr]
     engine = lm_engine(talker.backend, "talker", args, max_len)
     rounds = args.stage_configs()["talker"].effective_first_output_rounds("talker")
-    return TalkerHandler(talker, model_dir.name, layout, failure, engine, max_len, rounds)
+    return TalkerHandler(talker, args.model_name(model_dir), layout, failure, engine, max_len, rounds)

@@ -87,6 +87,6 @@ def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
     if max_len > limit:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings {limit}")
     engine = lm_engine(thinker.backend, "thinker", args, max_len, capture_layer=thinker.accept_hidden_layer)
-    return ThinkerHandler(thinker, tokenizer, gen, model_dir.name, max_len, layout, failure, engine,
+    return ThinkerHandler(thinker, tokenizer, gen, args.model_name(model_dir), max_len, layout, failure, engine,
                           stream_interval=args.stream_interval,
                           first_output_rounds=cfg.effective_first_output_rounds("thinker"))

@@ -92,5 +92,5 @@ def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:
             log.info("vocoder: SnakeBeta compiled into one kernel in %.1f s (--enforce-eager keeps eager PyTorch)",
                      time.perf_counter() - started)
     cap = args.stage_configs()["vocoder"].max_num_batched_tokens
-    return VocoderHandler(code2wav, transformer, model_dir.name, layout, failure, cap,
+    return VocoderHandler(code2wav, transformer, args.model_name(model_dir), layout, failure, cap,
                           parse_windows(args.audio_windows))

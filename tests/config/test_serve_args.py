@@ -166,6 +166,21 @@ def test_launcher_passes_enforce_eager_to_every_stage(tmp_path) -> None:
         assert from_namespace(build_parser().parse_args(launcher._stage_argv(stage, 50051 + port))).enforce_eager
 
 
+def test_every_stage_labels_its_metrics_with_the_served_model_name(tmp_path) -> None:
+    """vLLM's model_name label is the name clients use: the launcher hands --served-model-name to every
+    stage (a stage started alone takes the flag itself), and without it every process uses the folder name."""
+    from omnimesh.cli import build_parser
+    from omnimesh.config.serve_args import from_namespace
+    from omnimesh.launcher import MeshLauncher
+
+    named, plain = MeshLauncher(ServeArgs(served_model_name="omni"), tmp_path), MeshLauncher(ServeArgs(), tmp_path)
+    for port, stage in enumerate(("encoder", "thinker", "talker", "vocoder")):
+        args = from_namespace(build_parser().parse_args(named._stage_argv(stage, 50051 + port)))
+        assert args.model_name(tmp_path) == "omni"
+        assert from_namespace(build_parser().parse_args(plain._stage_argv(stage, 50051 + port))).model_name(
+            tmp_path) == tmp_path.name
+
+
 @pytest.mark.parametrize("text, size", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("2G", 2 * 10**9),
                                         ("1000", 1000), (4096, 4096), ("1.5 GiB", int(1.5 * 2**30))])
 def test_sizes_parse(text, size) -> None:

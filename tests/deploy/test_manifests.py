@@ -56,6 +56,20 @@ def test_k8s_services_match_deployments() -> None:
         assert container["readinessProbe"]["grpc"]["port"] == int(port)
 
 
+def test_the_gateway_takes_its_api_key_from_the_environment() -> None:
+    """Both manifests hand --api-key over as OMNIMESH_API_KEY (k8s: from an optional Secret; compose: from
+    the host's environment, empty = none), never on the command line."""
+    from gateway.auth import ENV_VAR
+
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "omnimesh.yaml").read_text()) if d]
+    gw = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "omnimesh-gateway")
+    container = gw["spec"]["template"]["spec"]["containers"][0]
+    (env,) = [e for e in container["env"] if e["name"] == ENV_VAR]
+    assert env["valueFrom"]["secretKeyRef"]["optional"] is True and "--api-key" not in container["args"]
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["gateway"]
+    assert compose["environment"][ENV_VAR] == "${" + ENV_VAR + ":-}" and "--api-key" not in compose["command"]
+
+
 def test_dockerfile_pins_torch_before_the_project() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     assert text.index("torch==2.13.0") < text.index("pip install --no-cache-dir .")

@@ -200,6 +200,7 @@ def test_models_lists_the_folder_name(mesh):
     assert [m["id"] for m in body["data"]] == [MODEL]
     assert all(m["object"] == "model" for m in body["data"])
     assert [m.id for m in _client(mesh).models.list()] == [MODEL]
+    assert _client(mesh).models.retrieve(MODEL).id == MODEL
 
 
 def test_health_reports_every_stage(mesh):
@@ -229,6 +230,9 @@ def test_metrics_count_requests(mesh):
     assert _counter(after, "omnimesh:requests_total", endpoint="chat", status="404") >= 1
     assert _counter(after, "omnimesh:generation_tokens_total") == tokens0 + r.json()["usage"]["completion_tokens"]
     assert "omnimesh:requests_running" in after
+    # every stage's series carry vLLM's model_name label: the name clients use
+    names = set(re.findall(r'^omnimesh:\S+\{[^}]*model_name="([^"]+)"', after, re.MULTILINE))
+    assert names == {MODEL}, names
 
 
 # --------------------------------------------------------------------------------------------- gRPC API

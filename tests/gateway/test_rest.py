@@ -370,6 +370,18 @@ def test_models_list(rest_server: RestServer) -> None:
     assert [m.id for m in _client(rest_server).models.list()] == ["tiny-omni", "omni-alias"]
 
 
+def test_models_retrieve_one(rest_server: RestServer) -> None:
+    """OpenAI's `GET /v1/models/{model}`: the served card, or its 404 naming what is served."""
+    client = _client(rest_server)
+    assert (client.models.retrieve("omni-alias").id, client.models.retrieve("omni-alias").owned_by) == (
+        "omni-alias", "omnimesh")
+    with pytest.raises(openai.NotFoundError, match="served models: tiny-omni, omni-alias"):
+        client.models.retrieve("gpt-4o")
+    for path in ("/v1/models/org/tiny-omni", "/v1/models/"):
+        r = httpx.get(f"{rest_server.base_url}{path}", timeout=10)
+        assert_error_shape(r, 404)
+
+
 def test_health_names_the_stage_that_is_down(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
     r = httpx.get(f"{rest_server.base_url}/health", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok"
