@@ -9,7 +9,8 @@ that need it, and its /health says which stage is down) and started again on its
 ends the mesh with code 1, so that an outer supervisor (systemd, Kubernetes) takes over. A stage that stays
 up but reports NOT_SERVING (one of its ranks died) is stopped and restarted the same way, as a Kubernetes
 liveness probe would.
-Ctrl-C / SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period). Children get
+Ctrl-C / SIGTERM stops the gateway first (it finishes the requests in flight while the stages still
+serve them), then the stages (SIGTERM, then SIGKILL after a grace period each). Children get
 PR_SET_PDEATHSIG, so they die with the launcher even if it is killed outright.
 """
 
@@ -224,17 +225,21 @@ class MeshLauncher:
         raise KeyboardInterrupt
 
     def stop(self) -> None:
+        """The gateway first: it stops taking requests and finishes the streams in flight (within the grace
+        period) while every stage still serves them; then the stages, which end their own calls."""
         self._stopping = True
-        for child in reversed(self.children):
-            if child.proc.poll() is None:
-                child.proc.terminate()
-        deadline = time.monotonic() + STOP_GRACE_S
-        for child in self.children:
-            try:
-                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
+        gateways = [c for c in self.children if c.name == "gateway"]
+        for group in (gateways, [c for c in self.children if c.name != "gateway"]):
+            for child in group:
+                if child.proc.poll() is None:
+                    child.proc.terminate()
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in group:
+                try:
+                    child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
 
 
 def _popen(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
