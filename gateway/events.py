@@ -49,7 +49,7 @@ class SamplingOverrides:
     `stop_token_ids` add to the stage's own EOS (the stage checks them against its vocab); `stop` holds
     stop strings for the thinker's text (the talker has no text and refuses them), and
     `include_stop_str_in_output` keeps the matched one in it. `min_tokens`: no stop before that many tokens.
-`presence_penalty` / `frequency_penalty`: OpenAI's, over the stage's generated tokens.
+    `presence_penalty` / `frequency_penalty`: OpenAI's, over the stage's generated tokens.
     """
 
     temperature: float | None = None

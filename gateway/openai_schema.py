@@ -15,8 +15,9 @@ Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate,
 says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `message.audio.data`.
 `stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does.
 OpenAI's `presence_penalty` / `frequency_penalty` work as in vLLM. Extensions: `top_k`, `repetition_penalty`,
-`stop_token_ids`, `min_tokens`, `include_stop_str_in_output` (as in vLLM), `stage_params` (per stage sampling, the same keys; `stop` and `include_stop_str_in_output`
-only for the thinker), and `audio_url` content parts.
+`stop_token_ids`, `min_tokens`, `include_stop_str_in_output` (as in vLLM), `stage_params` (per stage
+sampling, the same keys; `stop` and `include_stop_str_in_output` only for the thinker), and `audio_url`
+content parts.
 """
 
 from __future__ import annotations
@@ -361,9 +362,14 @@ def resolve_model(requested: str | None, served_names: tuple[str, ...]) -> str:
     if requested is None or requested == "":
         return served_names[0]
     if requested not in served_names:
-        raise PipelineError(f"The model '{requested}' does not exist; served models: {', '.join(served_names)}",
-                            http_status=404, grpc_code=5, kind="not_found_error", param="model")
+        raise unknown_model(requested, served_names)
     return requested
+
+
+def unknown_model(requested: str, served_names: tuple[str, ...]) -> PipelineError:
+    """OpenAI's 404 for a model name this server does not serve."""
+    return PipelineError(f"The model '{requested}' does not exist; served models: {', '.join(served_names)}",
+                         http_status=404, grpc_code=5, kind="not_found_error", param="model")
 
 
 def resolve_voice(requested: str | None, voices: tuple[str, ...], default: str, param: str) -> str:

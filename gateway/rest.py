@@ -10,7 +10,8 @@ status even for `stream: true`; an error after that is sent as `data: {"error": 
 typed fields) are 400, as OpenAI answers, not FastAPI's 422. A 429 (a stage refused the request because
 `--max-waiting-requests` requests already wait there) carries `Retry-After: 1`.
 
-Also: `GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), `GET /health` (200 / 503 naming the stages down), `GET /metrics` (Prometheus
+Also: `GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), `GET /health` (200 / 503
+naming the stages down), `GET /metrics` (Prometheus
 text, `omnimesh:` prefix): the gateway's own series (a per-app registry; no `stage` label) followed by
 every stage's, scraped over the Stage `Metrics` RPC at each request and merged into one family per name
 (stage series carry `stage="thinker"` etc.; a stage that does not answer is left out and
@@ -76,6 +77,7 @@ from gateway.openai_schema import (
     normalize_modalities,
     parse_chat_request,
     resolve_model,
+    unknown_model,
     resolve_voice,
 )
 from omnimesh.engine.metrics import merge_families, parse_exposition
@@ -393,11 +395,9 @@ class RestGateway:
         """OpenAI's `GET /v1/models/{model}` (the SDK's `models.retrieve`); an unknown name is its 404."""
         started = time.perf_counter()
         name = request.path_params["model"]
-        try:
-            resolve_model(name or "\0", self.served_model_names)  # an empty name is no name, not "the first"
-        except PipelineError as e:
-            self._finish("models", e.http_status, started)
-            return _error(e)
+        if name not in self.served_model_names:  # "" too: no name here is not "the first" as in a chat body
+            self._finish("models", 404, started)
+            return _error(unknown_model(name, self.served_model_names))
         self._finish("models", 200, started)
         return JSONResponse(dump(ModelCard(id=name, created=self.created)))
 

@@ -47,10 +47,10 @@ def build_pipeline(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]
 
 
 async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> None:
+    keys = parse_api_keys(args.api_key)  # first: a bad $OMNIMESH_API_KEY stops us before any stage is dialled
     pipeline = build_pipeline(args, model_dir, stage_addrs)
     await pipeline.connect()
     domains = frozenset(d.strip() for d in (args.allowed_media_domains or "").split(",") if d.strip())
-    keys = parse_api_keys(args.api_key)
     if keys:
         log.info("gateway: an API key is required on /v1 and the gRPC Omni service (%d key%s accepted)",
                  len(keys), "" if len(keys) == 1 else "s")

@@ -2,8 +2,8 @@
 
 Rules (see README "The API"): every top-level field (temperature, top_p, top_k, seed, max_tokens,
 min_tokens, repetition_penalty, presence_penalty, frequency_penalty, stop_token_ids, stop,
-include_stop_str_in_output) applies to the thinker; `stage_params[stage]` overrides per stage, field by field (a stage's list replaces the
-top-level list); a top-level `temperature: 0` makes EVERY stage greedy (a stage's own explicit
+include_stop_str_in_output) applies to the thinker; `stage_params[stage]` overrides per stage, field by
+field (a stage's list replaces the top-level list); a top-level `temperature: 0` makes EVERY stage greedy (a stage's own explicit
 temperature still wins) and a top-level seed seeds the talker too. Stop ids / strings and min_tokens
 never pass from the thinker to the talker (other vocab, no text, codes rather than text tokens). Unset
 fields stay unset, so each stage falls back to the defaults `transformers` generate uses for that model;

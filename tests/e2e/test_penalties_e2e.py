@@ -18,8 +18,6 @@ from reference import chat_request
 from test_parity import MAX_TOKENS, TALKER_MAX, run_pipeline
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from gateway.events import SamplingOverrides
-
 PROMPT = "Tell me about the sea."
 THINKER = {"frequency_penalty": 1.5, "presence_penalty": 0.5}
 TALKER = {"frequency_penalty": 1.0, "presence_penalty": -0.25}
@@ -76,8 +74,3 @@ def test_penalties_out_of_range_are_400(mesh):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param and "[-2, 2]" in r.json()["error"]["message"]
 
-
-def test_unset_penalties_stay_unset() -> None:
-    """The plain request carries no penalty at all: the stage keeps the `generate` defaults (and greedy_batch)."""
-    req = _request(penalised=False)
-    assert req.sampling == SamplingOverrides(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -37,8 +37,5 @@ def rest_server(shared_pipeline: ScriptedPipeline) -> Iterator[RestServer]:
 
 @pytest.fixture(scope="session")
 def grpc_server(shared_pipeline: ScriptedPipeline) -> Iterator[GrpcServer]:
-    server = GrpcServer(shared_pipeline, limits=TEST_LIMITS).start()
-    try:
+    with GrpcServer(shared_pipeline, limits=TEST_LIMITS) as server:
         yield server
-    finally:
-        server.stop()

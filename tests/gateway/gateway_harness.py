@@ -162,6 +162,12 @@ class GrpcServer:
             raise RuntimeError(f"the gRPC server thread did not stop within {timeout_s} s")
         self.loop.close()
 
+    def __enter__(self) -> GrpcServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"

@@ -31,11 +31,8 @@ def locked_rest(shared_pipeline: ScriptedPipeline) -> Iterator[RestServer]:
 
 @pytest.fixture(scope="module")
 def locked_grpc(shared_pipeline: ScriptedPipeline) -> Iterator[GrpcServer]:
-    server = GrpcServer(shared_pipeline, api_keys=KEYS).start()
-    try:
+    with GrpcServer(shared_pipeline, api_keys=KEYS) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_parse_keys_flag_env_and_rotation() -> None:
@@ -90,7 +87,7 @@ def test_openai_client_with_and_without_the_key(locked_rest: RestServer, pipelin
 def _generate(server: GrpcServer, metadata: tuple = ()) -> list[omni_pb2.GenerateResponse]:
     msg = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text="hi")])
     req = omni_pb2.GenerateRequest(model="tiny-omni", messages=[msg], modalities=["text"])
-    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+    with grpc.insecure_channel(server.target) as ch:
         return list(omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=10, metadata=metadata))
 
 
@@ -99,15 +96,27 @@ def test_grpc_needs_a_key_for_omni_only(locked_grpc: GrpcServer, pipeline: Scrip
         with pytest.raises(grpc.RpcError) as err:
             _generate(locked_grpc, metadata)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and needle in err.value.details()
-        with grpc.insecure_channel(f"127.0.0.1:{locked_grpc.port}") as ch, pytest.raises(grpc.RpcError) as err:
+        with grpc.insecure_channel(locked_grpc.target) as ch, pytest.raises(grpc.RpcError) as err:
             omni_pb2_grpc.OmniStub(ch).ListModels(omni_pb2.ListModelsRequest(), timeout=10, metadata=metadata)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert pipeline.requests == []
     out = _generate(locked_grpc, (("authorization", "Bearer sk-new"),))
     assert out[-1].WhichOneof("kind") == "done" and len(pipeline.requests) == 1
-    with grpc.insecure_channel(f"127.0.0.1:{locked_grpc.port}") as ch:  # probes need no key
+    with grpc.insecure_channel(locked_grpc.target) as ch:  # probes need no key
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
     assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_gateway_with_an_empty_env_key_exits_at_once(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A $OMNIMESH_API_KEY of only commas is an error exit before any model file is read or stage dialled
+    (tmp_path holds no model at all)."""
+    from gateway.server import run_gateway
+    from omnimesh.config.serve_args import ServeArgs
+
+    monkeypatch.setenv(ENV_VAR, " , ")
+    assert run_gateway(ServeArgs(), tmp_path, {"thinker": "127.0.0.1:1"}) == 1
+    assert "holds no key" in capsys.readouterr().out
 
 
 def test_launcher_hands_the_key_over_in_the_environment(tmp_path) -> None:
