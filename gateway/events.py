@@ -8,6 +8,7 @@ Only IPC-free, typed dataclasses here.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -97,6 +98,10 @@ class Finished:
 
 Event = TextDelta | AudioDelta | Finished
 
+MAX_REQUEST_ID_CHARS = 256
+# a client's request id names the request in every stage, log line and metric exemplar: printable ASCII, no spaces
+_REQUEST_ID = re.compile(r"[!-~]+")
+
 
 class PipelineError(Exception):
     """A request failed. `http_status` / `grpc_code` say how the front ends answer; `kind` is the
@@ -126,3 +131,16 @@ class Pipeline(Protocol):
     async def health(self) -> dict[str, bool]:
         """Stage name -> serving."""
         ...
+
+
+def check_request_id(rid: str, param: str = "request_id") -> str:
+    """A client-given request id (gRPC `request_id`, REST `X-Request-Id`), checked: a 400 / INVALID_ARGUMENT
+    naming the rule it breaks."""
+    why = None
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        why = f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}"
+    elif not _REQUEST_ID.fullmatch(rid):
+        why = "only printable ASCII without spaces or control characters is allowed"
+    if why is not None:
+        raise PipelineError(f"{param}: {why}", http_status=400, grpc_code=3, kind="invalid_request_error", param=param)
+    return rid

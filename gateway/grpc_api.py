@@ -18,7 +18,6 @@ large as the REST body limit are accepted (gRPC's default is 4 MiB). Inside a ru
 from __future__ import annotations
 
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -41,6 +40,7 @@ from gateway.events import (
     SamplingOverrides,
     TextDelta,
     TextPart,
+    check_request_id,
 )
 from gateway.media import InputLimits, MediaLoader, invalid_request
 from gateway.openai_schema import (
@@ -57,21 +57,6 @@ from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
 log = logging.getLogger(__name__)
 OMNI_SERVICE_NAME = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name  # "omnimesh.v1.Omni"
 _ROLES = ("system", "user", "assistant")
-MAX_REQUEST_ID_CHARS = 256
-# a client's request id names the request in every stage, log line and metric exemplar: printable ASCII, no spaces
-_REQUEST_ID = re.compile(r"[!-~]+")
-
-
-def check_request_id(rid: str) -> str:
-    """A client-given request id, checked (INVALID_ARGUMENT naming the rule it breaks)."""
-    if len(rid) > MAX_REQUEST_ID_CHARS:
-        raise invalid_request(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}", "request_id")
-    if not _REQUEST_ID.fullmatch(rid):
-        raise invalid_request("request_id: only printable ASCII without spaces or control characters is allowed",
-                              "request_id")
-    return rid
-
-
 def grpc_server_options(limits: InputLimits) -> list[tuple[str, int]]:
     """Server options so a request may be as large as the REST body limit (gRPC's default is 4 MiB)."""
     return [("grpc.max_receive_message_length", limits.max_request_bytes),

@@ -8,7 +8,8 @@ status even for `stream: true`; an error after that is sent as `data: {"error": 
 `data: [DONE]`, never as a silently truncated stream. Every error body is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`; schema violations (malformed JSON, missing or wrongly
 typed fields) are 400, as OpenAI answers, not FastAPI's 422. A 429 (a stage refused the request because
-`--max-waiting-requests` requests already wait there) carries `Retry-After: 1`.
+`--max-waiting-requests` requests already wait there) carries `Retry-After: 1`. A client's `X-Request-Id` header names the request (`chatcmpl-<id>`, the id every stage
+logs); chat responses carry that id back in `X-Request-Id`.
 
 Also: `GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), `GET /health` (200 / 503
 naming the stages down), `GET /metrics` (Prometheus
@@ -54,7 +55,9 @@ from gateway.events import (
     PipelineError,
     TextDelta,
     TextPart,
+    check_request_id,
 )
+from gateway.http_front import HttpFront
 from gateway.media import InputLimits, MediaLoader, invalid_request, too_large
 from gateway.openai_schema import (
     ChatCompletion,
@@ -208,9 +211,11 @@ class RestGateway:
         self.created = int(time.time())
 
     # ------------------------------------------------------------------------------ request building
-    async def build(self, body: ChatCompletionRequest) -> _Call:
-        """Validated body -> `_Call` (media decoded, model / voice / sampling checked)."""
+    async def build(self, body: ChatCompletionRequest, client_id: str | None = None) -> _Call:
+        """Validated body -> `_Call` (media decoded, model / voice / sampling checked). `client_id` (the
+        `X-Request-Id` header, as vLLM reads it) names the request in every stage: `chatcmpl-<id>`."""
         model = resolve_model(body.model, self.served_model_names)
+        suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
         sampling = body.sampling()
         check_sampling(sampling, "")
         stages = body.stage_overrides()
@@ -229,7 +234,7 @@ class RestGateway:
         # an alias from --served-model-name runs the pipeline's own model
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
         request = ChatRequest(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}", model=pipeline_model, messages=tuple(messages),
+            request_id=f"chatcmpl-{suffix}", model=pipeline_model, messages=tuple(messages),
             modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
             stage_params=stages)
         audio_format: Literal["wav", "pcm16"] | None = None
@@ -267,7 +272,7 @@ class RestGateway:
         streaming = False
         try:
             body = parse_chat_request(await _read_body(request, self.loader.limits.max_request_bytes))
-            call = await self.build(body)
+            call = await self.build(body, request.headers.get("x-request-id"))
             call.started = started
             events = aiter(self.pipeline.run(call.request))
             try:
@@ -339,7 +344,7 @@ class RestGateway:
                               choices=[Choice(message=message, finish_reason=finished.finish_reason)],
                               usage=_usage(finished))
         self._finish("chat", 200, call.started)
-        return JSONResponse(dump(body))
+        return JSONResponse(dump(body), headers={"X-Request-Id": call.request.request_id})
 
     async def _stream(self, call: _Call, first: Event, stream: _Stream) -> AsyncIterator[bytes]:
         rid, audio_id = call.request.request_id, f"audio_{uuid.uuid4().hex}"
@@ -501,11 +506,13 @@ async def _close(events: AsyncIterator[Event]) -> None:
 def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                allowed_media_domains: frozenset[str] = frozenset(), limits: InputLimits | None = None,
                media_transport: object | None = None,
-               stage_metrics: Mapping[str, MetricsSource] | None = None, api_keys: tuple[str, ...] = ()) -> FastAPI:
+               stage_metrics: Mapping[str, MetricsSource] | None = None, api_keys: tuple[str, ...] = (),
+               front: HttpFront | None = None) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
     ask for; `allowed_media_domains` the hosts http(s) media may come from (empty = none);
     `media_transport` an `httpx.AsyncBaseTransport` for tests; `stage_metrics` the stages whose series
-    /metrics adds (by stage name); `api_keys` the keys /v1 routes need (empty: none, `gateway/auth.py`)."""
+    /metrics adds (by stage name); `api_keys` the keys /v1 routes need (empty: none, `gateway/auth.py`);
+    `front` CORS and X-Request-Id (`gateway/http_front.py`), outside the key check."""
     names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
@@ -515,6 +522,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     app.state.gateway = gw
     if api_keys:  # /v1 needs one of them; /health and /metrics stay open (gateway/auth.py)
         app.add_middleware(ApiKeyMiddleware, keys=api_keys)  # type: ignore[arg-type]
+    if front is not None:
+        front.install(app)
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", gw.models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", gw.model, methods=["GET"])

@@ -2,7 +2,8 @@
 
 Data flow: load the tokenizer + processor from the model folder -> StageClients for the given stage
 addresses -> StagePipeline.connect() (reads voices / sample rate from the stages, bounded wait) ->
-serve REST on --host:--port and gRPC on --host:--grpc-port until SIGTERM / SIGINT. REST /metrics also
+serve REST on --host:--port and gRPC on --host:--grpc-port (TLS, CORS, access log: gateway/http_front.py)
+until SIGTERM / SIGINT. REST /metrics also
 scrapes every stage's Metrics RPC through the same clients.
 """
 
@@ -18,6 +19,7 @@ import uvicorn
 
 from gateway.auth import parse_api_keys
 from gateway.grpc_api import create_grpc_server
+from gateway.http_front import HttpFront
 from gateway.pipeline import StagePipeline
 from gateway.prompt import PromptBuilder
 from gateway.rest import create_app
@@ -48,6 +50,7 @@ def build_pipeline(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]
 
 async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> None:
     keys = parse_api_keys(args.api_key)  # first: a bad $OMNIMESH_API_KEY stops us before any stage is dialled
+    front = HttpFront.from_args(args)  # and an unreadable --ssl-keyfile
     pipeline = build_pipeline(args, model_dir, stage_addrs)
     await pipeline.connect()
     domains = frozenset(d.strip() for d in (args.allowed_media_domains or "").split(",") if d.strip())
@@ -55,12 +58,14 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
         log.info("gateway: an API key is required on /v1 and the gRPC Omni service (%d key%s accepted)",
                  len(keys), "" if len(keys) == 1 else "s")
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains,
-                     stage_metrics=pipeline.stages, api_keys=keys)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", loop="none", lifespan="off")
+                     stage_metrics=pipeline.stages, api_keys=keys, front=front)
+    if (described := front.describe()) is not None:
+        log.info("%s", described)
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="none", lifespan="off", **front.uvicorn_kwargs())
     rest = uvicorn.Server(config)
     rest.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # we own the signals
     grpc_server, _health = await create_grpc_server(pipeline, served_model_names=pipeline.served_models, api_keys=keys)
-    bind(grpc_server, args.host, args.grpc_port)
+    bind(grpc_server, args.host, args.grpc_port, front.grpc_credentials())
     await grpc_server.start()
     log.info("gateway: %d start-up objects frozen out of the garbage collector's scans", freeze_startup_heap())
     stop = asyncio.Event()
@@ -68,7 +73,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     rest_task = asyncio.create_task(rest.serve())
-    print(f"omnimesh gateway listening: REST http://{args.host}:{args.port}/v1 , gRPC {args.host}:{args.grpc_port}", flush=True)
+    print(f"omnimesh gateway listening: REST {front.scheme}://{args.host}:{args.port}/v1 , gRPC {args.host}:{args.grpc_port}", flush=True)
     done, _ = await asyncio.wait([rest_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if rest_task in done and (failure := rest_task.exception()) is not None:
         raise failure
@@ -83,7 +88,7 @@ def run_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -
     tune_malloc()
     try:
         uvloop.run(serve_gateway(args, model_dir, stage_addrs))
-    except (RuntimeError, ValueError) as exc:  # ValueError: a bad $OMNIMESH_API_KEY
+    except (RuntimeError, ValueError) as exc:  # ValueError: a bad $OMNIMESH_API_KEY or TLS file
         print(f"omnimesh gateway: error: {exc}", flush=True)
         return 1
     return 0

@@ -2,7 +2,8 @@
 
 Data flow: pick ports -> start the four stage processes (`omnimesh stage NAME ...`) -> wait until each
 answers gRPC health (bounded; a stage that exits during start-up is reported by name with its exit
-code) -> start the gateway process pointed at them -> wait for its /health -> print where it listens
+code) -> start the gateway process pointed at them (with the HTTP front flags: CORS, TLS, logs) -> wait
+for its /health -> print where it listens
 -> watch the children: a stage that dies is reported by name (the gateway answers 503 for requests
 that need it, and its /health says which stage is down) and started again on its port after a backoff
 (1, 2, 4 ... 30 s), at most `--stage-restarts` times in 10 minutes; one more exit, or the gateway dying,
@@ -19,13 +20,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from omnimesh.config.serve_args import ServeArgs
+from omnimesh.config.serve_args import HTTP_FRONT_FIELDS, ServeArgs
 from omnimesh.config.stage_config import STAGES
 from omnimesh.proc_utils import die_with_parent, free_port
 
@@ -102,13 +105,24 @@ class MeshLauncher:
                             ("--allowed-media-domains", a.allowed_media_domains)):
             if value is not None:
                 argv += [flag, str(value)]
-        return argv
+        return argv + front_argv(a)
 
     def _gateway_env(self) -> dict[str, str] | None:
         """--api-key reaches the gateway in its environment, not on a command line that `ps` shows."""
         from gateway.auth import ENV_VAR
 
         return None if self.args.api_key is None else {ENV_VAR: self.args.api_key}
+
+    def _gateway_probe(self) -> tuple[Callable[[], bool], str]:
+        """Ready = its /health answers 200 (over TLS: not checking the certificate of our own child). Under
+        mutual TLS (--ssl-cert-reqs 2) /health needs a client certificate the launcher lacks; the port then
+        tells, since the gateway listens only once it has reached every stage."""
+        a = self.args
+        host = _client_host(a.host)
+        if a.ssl_cert_reqs == 2:
+            return lambda: _port_open(host, a.port), f"a TCP connection to {host}:{a.port} (mutual TLS)"
+        url = f"{'https' if a.ssl_keyfile else 'http'}://{host}:{a.port}/health"
+        return lambda: _http_ok(url), f"GET {url}"
 
     def _wait_ready(self, child: Child, probe, what: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -145,10 +159,10 @@ class MeshLauncher:
         for child in stage_children:
             self._wait_ready(child, lambda c=child: _grpc_serving(c.address), "gRPC health")
         gw = self._spawn("gateway", self._gateway_argv(addrs), f"{self.args.host}:{self.args.port}", self._gateway_env())
-        health_url = f"http://{_client_host(self.args.host)}:{self.args.port}/health"
-        self._wait_ready(gw, lambda: _http_ok(health_url), f"GET {health_url}")
+        self._wait_ready(gw, *self._gateway_probe())
+        scheme = "https" if self.args.ssl_keyfile else "http"
         print(
-            f"omnimesh serving {self.model_dir} — REST http://{self.args.host}:{self.args.port}/v1 , "
+            f"omnimesh serving {self.model_dir} — REST {scheme}://{self.args.host}:{self.args.port}/v1 , "
             f"gRPC {self.args.host}:{self.args.grpc_port} , stages "
             + ", ".join(f"{k}@{v}" for k, v in addrs.items()),
             flush=True,
@@ -272,6 +286,26 @@ def _http_ok(url: str) -> bool:
     import httpx
 
     try:
-        return httpx.get(url, timeout=1.0).status_code == 200
+        return httpx.get(url, timeout=1.0, verify=False).status_code == 200  # noqa: S501  # our child, on loopback
     except httpx.HTTPError:
         return False
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def front_argv(args: ServeArgs) -> list[str]:
+    """The gateway's HTTP front flags (CORS, TLS, logs) that differ from their defaults, as argv."""
+    out: list[str] = []
+    for f in fields(ServeArgs):
+        value = getattr(args, f.name)
+        if f.name not in HTTP_FRONT_FIELDS or value == f.default:
+            continue
+        flag = f.metadata["flags"][0]
+        out += [flag] if value is True else [flag, str(value)]
+    return out

@@ -41,6 +41,29 @@ class ServeArgs:
                              "--api-key")
     served_model_name: str | None = _f(None, "model name clients use, and the model_name label of every stage's metrics; "
                                        "default: the folder name", "--served-model-name")
+    allowed_origins: str | None = _f(None, "CORS: origins web pages may call the REST API from, a JSON list as vLLM's "
+                                     "('[\"https://app.example\"]') or comma-separated, * for any; default: none, no "
+                                     "CORS headers (only same-origin pages; vLLM allows every origin)", "--allowed-origins")
+    allowed_methods: str | None = _f(None, "CORS: methods other origins may use (with --allowed-origins; default: all)",
+                                     "--allowed-methods")
+    allowed_headers: str | None = _f(None, "CORS: request headers other origins may send (with --allowed-origins; "
+                                     "default: all)", "--allowed-headers")
+    allow_credentials: bool = _f(False, "CORS: let the listed origins send cookies and HTTP auth (not with * origins)",
+                                 "--allow-credentials", action="store_true")
+    ssl_keyfile: str | None = _f(None, "TLS: PEM private key; with --ssl-certfile the REST and gRPC fronts serve "
+                                 "https / TLS (the stages' own ports stay plaintext: keep them on a private network)",
+                                 "--ssl-keyfile")
+    ssl_certfile: str | None = _f(None, "TLS: PEM certificate chain for --ssl-keyfile", "--ssl-certfile")
+    ssl_ca_certs: str | None = _f(None, "TLS: PEM CA certificates that client certificates are checked against",
+                                  "--ssl-ca-certs")
+    ssl_cert_reqs: int = _f(0, "TLS: client certificates, as Python's ssl.CERT_*: 0 none, 1 optional (REST; gRPC does "
+                            "not ask), 2 required (mutual TLS on REST and gRPC)", "--ssl-cert-reqs")
+    enable_request_id_headers: bool = _f(False, "every REST response carries X-Request-Id: the request's own, else a "
+                                         "fresh id", "--enable-request-id-headers", action="store_true")
+    disable_uvicorn_access_log: bool = _f(False, "no access-log line per REST request (method, path, status)",
+                                          "--disable-uvicorn-access-log", action="store_true")
+    uvicorn_log_level: str = _f("info", "log level of the REST server (uvicorn): critical, error, warning, info "
+                                "(start-up and access lines), debug, trace", "--uvicorn-log-level")
     tensor_parallel_size: int = _f(1, "tensor-parallel ranks per model stage", "-tp", "--tensor-parallel-size")
     pipeline_parallel_size: int = _f(1, "pipeline-parallel ranks per model stage", "-pp", "--pipeline-parallel-size")
     pp_layer_partition: str | None = _f(None, "layers per pipeline rank, e.g. 3,5 (default: even, extra layers to the middle ranks)", "--pp-layer-partition")
@@ -127,6 +150,9 @@ class ServeArgs:
             from gateway.auth import parse_api_keys
 
             parse_api_keys(self.api_key)
+        from gateway.http_front import check_front_args
+
+        check_front_args(self)
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be a port number, got {self.master_port}")
         self.stage_configs()  # validates -tp/-pp, utilization, --stage-overrides
@@ -184,13 +210,18 @@ class ServeArgs:
         return out
 
 
+HTTP_FRONT_FIELDS = frozenset(
+    {"allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "ssl_keyfile", "ssl_certfile",
+     "ssl_ca_certs", "ssl_cert_reqs", "enable_request_id_headers", "disable_uvicorn_access_log", "uvicorn_log_level"}
+)  # gateway/http_front.py
 GATEWAY_FIELDS = frozenset(
-    {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len", "trust_remote_code", "malloc"}
-)
+    {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
+     "trust_remote_code", "malloc"}
+) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "api_key", "async_chunk",
      "allowed_media_domains"}
-)
+) | HTTP_FRONT_FIELDS
 
 
 def parse_partition(text: str | None) -> tuple[int, ...] | None:

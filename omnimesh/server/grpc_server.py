@@ -42,9 +42,11 @@ def make_server(
     return server, health_servicer
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listen on host:port, with TLS when `credentials` are given; the port bound (0 is any free one)."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         raise BindError(f"cannot listen on {host}:{port}: {exc} (is the port in use? pick another with --port)") from exc
     if bound == 0:

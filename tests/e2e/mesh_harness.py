@@ -92,18 +92,20 @@ def start_mesh(model_dir: Path, *extra: str) -> Mesh:
     return Mesh(proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", stages)
 
 
-def start_gateway(model_dir: Path, stages: dict[str, str], *extra: str) -> tuple[Proc, str]:
+def start_gateway(model_dir: Path, stages: dict[str, str], *extra: str, **client: object) -> tuple[Proc, str]:
+    """A second `omnimesh gateway` on these stages; its base URL (https with --ssl-keyfile). `client`: httpx
+    options the readiness probe needs (verify=, cert= under TLS)."""
     port = free_port()
     spec = ",".join(f"{k}={v}" for k, v in stages.items())
     proc = Proc(["gateway", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                  "--grpc-port", str(free_port()), "--stages", spec, *extra])
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if '--ssl-keyfile' in extra else 'http'}://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {proc.proc.returncode}:\n{proc.output()}")
         try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code in (200, 503):
+            if httpx.get(f"{url}/health", timeout=1.0, **client).status_code in (200, 503):  # type: ignore[arg-type]
                 return proc, url
         except httpx.HTTPError:
             pass
