@@ -8,6 +8,8 @@ at once, so one can be rotated without downtime) ->
   runs; `/health` and `/metrics` stay open, as in vLLM, for probes and Prometheus;
 - gRPC: `ApiKeyInterceptor` does the same for `omnimesh.v1.Omni` methods from the `authorization`
   metadata (UNAUTHENTICATED); `grpc.health.v1` and reflection stay open.
+/tokenize and /detokenize need the key too (vLLM leaves them open, but they decode a body's media);
+/version stays open.
 Keys are compared in constant time (`hmac.compare_digest`); no key set means no check at all (and neither
 piece is installed). The launcher hands the key to the gateway process in its environment, never on a
 command line that `ps` shows.
@@ -25,6 +27,8 @@ import grpc
 
 ENV_VAR = "OMNIMESH_API_KEY"
 PROTECTED_GRPC_PREFIX = "/omnimesh.v1.Omni/"
+# the OpenAI routes, and vLLM's /tokenize and /detokenize (they run the processor on a body's media)
+PROTECTED_PATH_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 _MISSING = "missing API key: send the header 'Authorization: Bearer <key>' (the server runs with --api-key)"
 _WRONG = "invalid API key"
 
@@ -61,14 +65,14 @@ ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict]], Callable[[dic
 
 
 class ApiKeyMiddleware:
-    """ASGI: `/v1/...` needs `Authorization: Bearer <key>`; everything else passes as it is."""
+    """ASGI: `/v1/...`, /tokenize and /detokenize need `Authorization: Bearer <key>`; the rest passes as it is."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         self.app, self.keys = app, keys
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PATH_PREFIXES):
             await self.app(scope, receive, send)
             return
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)

@@ -26,7 +26,7 @@ import json
 import logging
 import re
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -40,28 +40,28 @@ STAGE_NAMES: tuple[str, ...] = ("thinker", "talker")
 CONTENT_PART_TYPES: tuple[str, ...] = ("text", "image_url", "input_audio", "audio_url")
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
     """Strict types (a "1" is not an int), unknown keys ignored."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
 # -------------------------------------------------------------------------------------------- request
-class ImageURL(_Strict):
+class ImageURL(StrictBody):
     url: str
     detail: str | None = None  # accepted, unused
 
 
-class InputAudio(_Strict):
+class InputAudio(StrictBody):
     data: str  # base64 file bytes
     format: str  # checked by the media loader so the error names the supported formats
 
 
-class AudioURL(_Strict):
+class AudioURL(StrictBody):
     url: str
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictBody):
     """One part of a message; exactly the field named by `type` must be present."""
 
     type: str
@@ -80,7 +80,7 @@ class ContentPart(_Strict):
         return self
 
 
-class Message(_Strict):
+class Message(StrictBody):
     role: Literal["system", "developer", "user", "assistant"]  # developer = system (newer OpenAI name)
     content: list[ContentPart]
 
@@ -90,7 +90,7 @@ class Message(_Strict):
         return [{"type": "text", "text": v}] if isinstance(v, str) else v
 
 
-class AudioOutput(_Strict):
+class AudioOutput(StrictBody):
     voice: str | None = None
     format: str = "wav"
 
@@ -103,7 +103,7 @@ class AudioOutput(_Strict):
         return v
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
@@ -115,7 +115,7 @@ def _tuple(v: list[Any] | None) -> tuple[Any, ...] | None:
     return None if v is None else tuple(v)
 
 
-class StageSampling(_Strict):
+class StageSampling(StrictBody):
     """Per-stage overrides; unknown keys are errors (a typo must not be silently ignored)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -144,13 +144,13 @@ def _overrides(s: StageSampling | ChatCompletionRequest, max_tokens: int | None)
                              presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
 
 
-class StageParams(_Strict):
+class StageParams(StrictBody):
     model_config = ConfigDict(strict=True, extra="forbid")
     thinker: StageSampling | None = None
     talker: StageSampling | None = None
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(StrictBody):
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None  # None = the first served model name (as vLLM does)
@@ -264,8 +264,8 @@ def _valid_unicode(obj: Any) -> bool:
     return True
 
 
-def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
-    """Raw body -> validated request; malformed JSON and every schema violation -> 400."""
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Raw body -> a JSON object; malformed JSON, unpaired surrogates and non-objects -> 400."""
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -278,8 +278,16 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
                               "\\ud800, or its bytes): not valid Unicode text")
     if not isinstance(obj, dict):
         raise invalid_request(f"request body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+def validate_body(model: type[BodyT], obj: dict[str, Any]) -> BodyT:
+    """A JSON object -> `model`; every schema violation a 400 naming the dotted path of the first."""
     try:
-        req = ChatCompletionRequest.model_validate(obj)
+        return model.model_validate(obj)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         first = _path(tuple(errors[0]["loc"])) or None
@@ -287,6 +295,11 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
         if len(errors) > 5:
             text += f"; ... ({len(errors) - 5} more)"
         raise invalid_request(text, first) from None
+
+
+def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
+    """Raw body -> validated request; malformed JSON and every schema violation -> 400."""
+    req = validate_body(ChatCompletionRequest, parse_json_object(raw))
     refuse_unsupported(req)
     return req
 

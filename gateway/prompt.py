@@ -13,7 +13,8 @@ The audio fields keep the processor's leading clip axis (one row per clip, zero-
 the mask marks real frames): each clip's audio-token count depends on its own length, so several clips
 cannot share one (n_mel, T) row; this is exactly what the thinker's `get_audio_features` takes. Problems
 with the request (no user message, prompt too long, a template the messages break) are 400
-`PipelineError`s. CPU-bound: call it off the event loop (`await asyncio.to_thread(builder, request)`).
+`PipelineError`s. `chat_template` (vLLM's --chat-template, `load_chat_template`) replaces the model's
+template; it is tried on a probe conversation at start-up. `encode` gives /tokenize the same ids. CPU-bound: call it off the event loop (`await asyncio.to_thread(builder, request)`).
 
     builder = PromptBuilder(model_dir, max_model_len=4096)   # or PromptBuilder(processor, ...)
     inputs = builder(chat_request)                            # = builder.build(chat_request)
@@ -21,6 +22,7 @@ with the request (no user message, prompt too long, a template the messages brea
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,8 @@ import torch
 
 from gateway.events import AudioPart, ChatMessage, ChatRequest, ImagePart, TextPart
 from gateway.media import TARGET_SAMPLE_RATE, invalid_request, resample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +96,7 @@ class PromptBuilder:
     `omnimesh.models.qwen3_omni.processor.load_processor`) or an already built processor.
     """
 
-    def __init__(self, source: str | Path | Any, *, max_model_len: int) -> None:
+    def __init__(self, source: str | Path | Any, *, max_model_len: int, chat_template: str | None = None) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         if isinstance(source, (str, Path)):
@@ -101,24 +105,29 @@ class PromptBuilder:
             source = load_processor(source)
         self.processor = source
         self.max_model_len = max_model_len
+        self.chat_template = chat_template  # None: the model's own (tokenizer_config / chat_template.jinja)
+        if chat_template is not None:
+            check_chat_template(self)
 
     def __call__(self, request: ChatRequest) -> PromptInputs:
         return self.build(request)
 
-    def render(self, request: ChatRequest) -> tuple[str, Conversation]:
+    def render(self, request: ChatRequest, add_generation_prompt: bool = True) -> tuple[str, Conversation]:
         """The prompt text (one placeholder per media item) and the media, in prompt order."""
         if not any(m.role == "user" for m in request.messages):
             raise invalid_request("messages: at least one user message is required", "messages")
         conv = render_conversation(request.messages)
         try:
             text = self.processor.tokenizer.apply_chat_template(conv.messages, tokenize=False,
-                                                                add_generation_prompt=True)
+                                                                add_generation_prompt=add_generation_prompt,
+                                                                chat_template=self.chat_template)
         except Exception as e:  # jinja's raise_exception / TemplateError: the messages break the template
-            raise invalid_request(f"messages: the model's chat template rejected them: {e}", "messages") from None
+            whose = "the model's" if self.chat_template is None else "the --chat-template"
+            raise invalid_request(f"messages: {whose} chat template rejected them: {e}", "messages") from None
         return str(text), conv
 
-    def build(self, request: ChatRequest) -> PromptInputs:
-        text, conv = self.render(request)
+    def _process(self, text: str, conv: Conversation) -> tuple[torch.Tensor, Any]:
+        """Prompt text + media -> input_ids (L,) (placeholders expanded) and the processor's batch."""
         try:
             batch = self.processor(text=[text], audio=conv.audio or None, images=conv.images or None,
                                    return_tensors="pt")
@@ -128,7 +137,15 @@ class PromptBuilder:
         if ids is None or ids.ndim != 2 or ids.shape[0] != 1:
             raise RuntimeError(f"the processor returned input_ids of shape {getattr(ids, 'shape', None)}, "
                                "expected (1, L) for one prompt")
-        input_ids = ids[0]  # (L,)
+        return ids[0], batch  # (L,)
+
+    def encode(self, request: ChatRequest, add_generation_prompt: bool = True) -> torch.Tensor:
+        """The prompt's token ids (L,) as the thinker would get them, without the length checks (/tokenize)."""
+        return self._process(*self.render(request, add_generation_prompt))[0]
+
+    def build(self, request: ChatRequest) -> PromptInputs:
+        text, conv = self.render(request)
+        input_ids, batch = self._process(text, conv)
         n = int(input_ids.shape[0])
         if n >= self.max_model_len:
             raise invalid_request(
@@ -151,3 +168,36 @@ class PromptBuilder:
             image_grid_thw=_tensor(batch.get("image_grid_thw"), torch.int64) if has_images else None,
             prompt_tokens=n,
         )
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a Jinja file's path, or the template itself (anything with `{{` or `{%`)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value}: cannot read it as UTF-8 text ({exc})") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not an inline Jinja template (no '{{{{' or '{{%')")
+
+
+_PROBE = (ChatMessage("system", (TextPart("s"),)),
+          ChatMessage("user", (TextPart("t"), AudioPart(np.zeros(1600, np.float32), TARGET_SAMPLE_RATE))))
+
+
+def check_chat_template(builder: PromptBuilder) -> None:
+    """At start-up: the template renders a system + user message (else ValueError naming the flag) and
+    keeps media parts as placeholders (else a warning: requests with audio or images would be 400s)."""
+    conv = render_conversation(_PROBE)
+    try:
+        text = builder.processor.tokenizer.apply_chat_template(conv.messages, tokenize=False, add_generation_prompt=True,
+                                                               chat_template=builder.chat_template)
+    except Exception as exc:  # jinja's TemplateSyntaxError / UndefinedError / raise_exception
+        raise ValueError(f"--chat-template does not render a system + user message: {type(exc).__name__}: {exc}") from None
+    pad = getattr(builder.processor, "audio_token", "<|audio_pad|>")
+    if str(text).count(pad) != 1:
+        log.warning("--chat-template: a user message with one audio part renders %d %s placeholders, not 1; "
+                    "requests with audio or images will be refused (see the model's own template)",
+                    str(text).count(pad), pad)

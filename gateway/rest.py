@@ -11,7 +11,8 @@ typed fields) are 400, as OpenAI answers, not FastAPI's 422. A 429 (a stage refu
 `--max-waiting-requests` requests already wait there) carries `Retry-After: 1`. A client's `X-Request-Id` header names the request (`chatcmpl-<id>`, the id every stage
 logs); chat responses carry that id back in `X-Request-Id`.
 
-Also: `GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), `GET /health` (200 / 503
+Also: `GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), vLLM's `POST /tokenize` and
+`/detokenize` (`gateway/tokenize_api.py`), `GET /version`, `GET /health` (200 / 503
 naming the stages down), `GET /metrics` (Prometheus
 text, `omnimesh:` prefix): the gateway's own series (a per-app registry; no `stage` label) followed by
 every stage's, scraped over the Stage `Metrics` RPC at each request and merged into one family per name
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.metadata
 import json
 import logging
 import time
@@ -57,8 +59,11 @@ from gateway.events import (
     TextPart,
     check_request_id,
 )
+from gateway.http_errors import error_json, internal_error, read_body
 from gateway.http_front import HttpFront
-from gateway.media import InputLimits, MediaLoader, invalid_request, too_large
+from gateway.media import InputLimits, MediaLoader, invalid_request
+from gateway.prompt import PromptBuilder
+from gateway.tokenize_api import TokenizeRoutes
 from gateway.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -86,9 +91,9 @@ from gateway.openai_schema import (
 from omnimesh.engine.metrics import merge_families, parse_exposition
 
 log = logging.getLogger(__name__)
+VERSION = importlib.metadata.version("omnimesh")
 HEALTH_TIMEOUT_S = 5.0
 STAGE_SCRAPE_TIMEOUT_S = 2.0  # a stage slower than this to answer /metrics is left out of that scrape
-RETRY_AFTER_S = 1  # the Retry-After of a 429: queues drain as requests finish, so soon is worth a try
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -167,34 +172,11 @@ class _Call:
     first_audio: bool = False
 
 
-def _error(err: PipelineError) -> JSONResponse:
-    # 429 (a stage's queue is full: --max-waiting-requests) says when to try again, as rate limiters do
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.http_status == 429 else None
-    return JSONResponse(dump(error_response(err)), status_code=err.http_status, headers=headers)
-
-
-def _internal(e: BaseException) -> PipelineError:
-    return PipelineError(f"internal error: {type(e).__name__}: {e}", http_status=500, grpc_code=13,
-                         kind="server_error")
-
-
 def _sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
 _DONE = b"data: [DONE]\n\n"
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large(f"request body is {int(declared)} bytes; the limit is {limit}")
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise too_large(f"request body is larger than the limit of {limit} bytes")
-    return bytes(buf)
 
 
 class RestGateway:
@@ -227,14 +209,11 @@ class RestGateway:
         if "audio" in modalities or (body.audio is not None and body.audio.voice):
             voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline.voices,
                                   self.pipeline.default_voice, "audio.voice")
-        messages = [await self._message(i, m) for i, m in enumerate(body.messages)]
-        audio = [p for m in messages for p in m.content if isinstance(p, AudioPart)]
-        n_items = sum(isinstance(p, (AudioPart, ImagePart)) for m in messages for p in m.content)
-        self.loader.check_totals(sum(a.waveform.size / a.sample_rate for a in audio), n_items)
+        messages = await self.chat_messages(body.messages)
         # an alias from --served-model-name runs the pipeline's own model
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
         request = ChatRequest(
-            request_id=f"chatcmpl-{suffix}", model=pipeline_model, messages=tuple(messages),
+            request_id=f"chatcmpl-{suffix}", model=pipeline_model, messages=messages,
             modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
             stage_params=stages)
         audio_format: Literal["wav", "pcm16"] | None = None
@@ -243,6 +222,14 @@ class RestGateway:
         return _Call(request=request, model=model, stream=body.stream,
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter())
+
+    async def chat_messages(self, messages: list[Message]) -> tuple[ChatMessage, ...]:
+        """The body's messages, media decoded, the request-wide media limits checked (chat and /tokenize)."""
+        out = tuple([await self._message(i, m) for i, m in enumerate(messages)])
+        audio = [p for m in out for p in m.content if isinstance(p, AudioPart)]
+        n_items = sum(isinstance(p, (AudioPart, ImagePart)) for m in out for p in m.content)
+        self.loader.check_totals(sum(a.waveform.size / a.sample_rate for a in audio), n_items)
+        return out
 
     async def _message(self, i: int, m: Message) -> ChatMessage:
         parts: list[ContentPart] = []
@@ -271,14 +258,14 @@ class RestGateway:
         m.running.inc()
         streaming = False
         try:
-            body = parse_chat_request(await _read_body(request, self.loader.limits.max_request_bytes))
+            body = parse_chat_request(await read_body(request, self.loader.limits.max_request_bytes))
             call = await self.build(body, request.headers.get("x-request-id"))
             call.started = started
             events = aiter(self.pipeline.run(call.request))
             try:
                 first = await anext(events)
             except StopAsyncIteration:
-                raise _internal(RuntimeError("the pipeline ended without a Finished event")) from None
+                raise internal_error(RuntimeError("the pipeline ended without a Finished event")) from None
             except BaseException:
                 await _close(events)
                 raise
@@ -289,11 +276,11 @@ class RestGateway:
             return await self._complete(call, first, events)
         except PipelineError as e:
             self._finish("chat", e.http_status, started)
-            return _error(e)
+            return error_json(e)
         except Exception as e:  # a bug, not the client's fault: say so, keep serving
             log.exception("chat completion failed")
             self._finish("chat", 500, started)
-            return _error(_internal(e))
+            return error_json(internal_error(e))
         finally:
             if not streaming:
                 m.running.dec()
@@ -332,7 +319,7 @@ class RestGateway:
         finally:
             await _close(events)
         if finished is None:
-            raise _internal(RuntimeError("the pipeline ended without a Finished event"))
+            raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
         transcript = "".join(text)
         message = ResponseMessage(content=transcript)
         if call.audio_format is not None:
@@ -375,7 +362,7 @@ class RestGateway:
                                                             choices=[], usage=_usage(ev))))
                     break
             if not finished:
-                raise _internal(RuntimeError("the pipeline ended without a Finished event"))
+                raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
             yield _DONE
             status = 200
         except PipelineError as e:
@@ -385,7 +372,7 @@ class RestGateway:
         except Exception as e:
             log.exception("chat completion stream failed")
             status = 500
-            yield _sse(dump(error_response(_internal(e))))
+            yield _sse(dump(error_response(internal_error(e))))
             yield _DONE
         finally:
             stream.settle(status)  # bookkeeping first: the await below may be cancelled
@@ -402,9 +389,12 @@ class RestGateway:
         name = request.path_params["model"]
         if name not in self.served_model_names:  # "" too: no name here is not "the first" as in a chat body
             self._finish("models", 404, started)
-            return _error(unknown_model(name, self.served_model_names))
+            return error_json(unknown_model(name, self.served_model_names))
         self._finish("models", 200, started)
         return JSONResponse(dump(ModelCard(id=name, created=self.created)))
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": VERSION})
 
     async def health(self, request: Request) -> Response:
         try:
@@ -507,12 +497,13 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
                allowed_media_domains: frozenset[str] = frozenset(), limits: InputLimits | None = None,
                media_transport: object | None = None,
                stage_metrics: Mapping[str, MetricsSource] | None = None, api_keys: tuple[str, ...] = (),
-               front: HttpFront | None = None) -> FastAPI:
+               front: HttpFront | None = None, prompts: PromptBuilder | None = None) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
     ask for; `allowed_media_domains` the hosts http(s) media may come from (empty = none);
     `media_transport` an `httpx.AsyncBaseTransport` for tests; `stage_metrics` the stages whose series
     /metrics adds (by stage name); `api_keys` the keys /v1 routes need (empty: none, `gateway/auth.py`);
-    `front` CORS and X-Request-Id (`gateway/http_front.py`), outside the key check."""
+    `front` CORS and X-Request-Id (`gateway/http_front.py`), outside the key check; `prompts` the pipeline's
+    prompt builder, for /tokenize and /detokenize (`gateway/tokenize_api.py`; without it they are 404s)."""
     names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
@@ -527,6 +518,11 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", gw.models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", gw.model, methods=["GET"])
+    if prompts is not None:
+        routes = TokenizeRoutes(gw, prompts)
+        app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
+    app.add_api_route("/version", gw.version, methods=["GET"])
     app.add_api_route("/health", gw.health, methods=["GET"])
     app.add_api_route("/metrics", gw.metrics_text, methods=["GET"])
 
@@ -534,6 +530,6 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return _error(PipelineError(message, http_status=exc.status_code, grpc_code=12, kind=kind))
+        return error_json(PipelineError(message, http_status=exc.status_code, grpc_code=12, kind=kind))
 
     return app

@@ -21,7 +21,7 @@ from gateway.auth import parse_api_keys
 from gateway.grpc_api import create_grpc_server
 from gateway.http_front import HttpFront
 from gateway.pipeline import StagePipeline
-from gateway.prompt import PromptBuilder
+from gateway.prompt import PromptBuilder, load_chat_template
 from gateway.rest import create_app
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
@@ -42,7 +42,10 @@ def model_max_len(model_dir: Path) -> int:
 
 def build_pipeline(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> StagePipeline:
     name = args.model_name(model_dir)
-    builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir))
+    template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir), chat_template=template)
+    if template is not None:
+        log.info("gateway: chat template from --chat-template (%d characters) instead of the model's", len(template))
     transport = Transport("gateway", "grpc")  # the gateway reads shm frames (the vocoder's pcm), never writes any
     clients = {stage: StageClient(stage, addr, transport) for stage, addr in stage_addrs.items()}
     return StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk)
@@ -58,7 +61,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
         log.info("gateway: an API key is required on /v1 and the gRPC Omni service (%d key%s accepted)",
                  len(keys), "" if len(keys) == 1 else "s")
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains,
-                     stage_metrics=pipeline.stages, api_keys=keys, front=front)
+                     stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=pipeline.prepare if isinstance(pipeline.prepare, PromptBuilder) else None)
     if (described := front.describe()) is not None:
         log.info("%s", described)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="none", lifespan="off", **front.uvicorn_kwargs())

@@ -102,7 +102,7 @@ class MeshLauncher:
                 "--grpc-port", str(a.grpc_port), "--stages", ",".join(f"{k}={v}" for k, v in stage_addrs.items()),
                 "--async-chunk" if a.async_chunk else "--no-async-chunk", "--malloc", a.malloc]
         for flag, value in (("--served-model-name", a.served_model_name), ("--max-model-len", a.max_model_len),
-                            ("--allowed-media-domains", a.allowed_media_domains)):
+                            ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template)):
             if value is not None:
                 argv += [flag, str(value)]
         return argv + front_argv(a)

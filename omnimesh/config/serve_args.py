@@ -64,6 +64,8 @@ class ServeArgs:
                                           "--disable-uvicorn-access-log", action="store_true")
     uvicorn_log_level: str = _f("info", "log level of the REST server (uvicorn): critical, error, warning, info "
                                 "(start-up and access lines), debug, trace", "--uvicorn-log-level")
+    chat_template: str | None = _f(None, "Jinja chat template to use instead of the model's: a file path or the template "
+                                   "itself (checked at start-up on a system + user message)", "--chat-template")
     tensor_parallel_size: int = _f(1, "tensor-parallel ranks per model stage", "-tp", "--tensor-parallel-size")
     pipeline_parallel_size: int = _f(1, "pipeline-parallel ranks per model stage", "-pp", "--pipeline-parallel-size")
     pp_layer_partition: str | None = _f(None, "layers per pipeline rank, e.g. 3,5 (default: even, extra layers to the middle ranks)", "--pp-layer-partition")
@@ -150,6 +152,10 @@ class ServeArgs:
             from gateway.auth import parse_api_keys
 
             parse_api_keys(self.api_key)
+        if self.chat_template is not None:
+            from gateway.prompt import load_chat_template
+
+            load_chat_template(self.chat_template)
         from gateway.http_front import check_front_args
 
         check_front_args(self)
@@ -216,11 +222,11 @@ HTTP_FRONT_FIELDS = frozenset(
 )  # gateway/http_front.py
 GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
-     "trust_remote_code", "malloc"}
+     "trust_remote_code", "malloc", "chat_template"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "api_key", "async_chunk",
-     "allowed_media_domains"}
+     "allowed_media_domains", "chat_template"}
 ) | HTTP_FRONT_FIELDS
 
 

@@ -1,0 +1,40 @@
+"""What every REST route shares: the size-capped body read and OpenAI's error response.
+
+`read_body(request, limit)` -> the body bytes (413 as soon as it is over the limit, from Content-Length or
+while streaming in); `error_json(PipelineError)` -> `{"error": {message, type, param, code}}` with the
+error's HTTP status (a 429 carries `Retry-After`); `internal_error(exc)` -> the 500 for a bug.
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from gateway.events import PipelineError
+from gateway.media import too_large
+from gateway.openai_schema import dump, error_response
+
+RETRY_AFTER_S = 1  # the Retry-After of a 429: queues drain as requests finish, so soon is worth a try
+
+
+def error_json(err: PipelineError) -> JSONResponse:
+    # 429 (a stage's queue is full: --max-waiting-requests) says when to try again, as rate limiters do
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.http_status == 429 else None
+    return JSONResponse(dump(error_response(err)), status_code=err.http_status, headers=headers)
+
+
+def internal_error(e: BaseException) -> PipelineError:
+    return PipelineError(f"internal error: {type(e).__name__}: {e}", http_status=500, grpc_code=13,
+                         kind="server_error")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(f"request body is {int(declared)} bytes; the limit is {limit}")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise too_large(f"request body is larger than the limit of {limit} bytes")
+    return bytes(buf)

@@ -1,0 +1,105 @@
+"""vLLM's /tokenize and /detokenize (gateway/tokenize_api.py) on the tiny model's real tokenizer and
+processor: messages give exactly the ids a chat's prompt gets (audio placeholders expanded), a prompt
+the tokenizer's own ids; detokenize inverts tokenize; wrong bodies, unknown models and ids outside the
+vocabulary are 400 / 404 naming the field; with --api-key both need the key, /version does not."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from gateway_harness import RestServer, ScriptedPipeline
+from test_rest import wav_file
+
+from gateway.events import AudioPart, ChatMessage, ChatRequest, TextPart
+from gateway.media import decode_wav
+from gateway.prompt import PromptBuilder
+from gateway.rest import VERSION, create_app
+from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+
+KEY = "sk-tok"
+
+
+@pytest.fixture(scope="module")
+def builder(tmp_path_factory: pytest.TempPathFactory) -> PromptBuilder:
+    return PromptBuilder(build_tiny_qwen3_omni(Path(tmp_path_factory.mktemp("tiny")) / "qwen3-omni"), max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def server(shared_pipeline: ScriptedPipeline, builder: PromptBuilder) -> Iterator[RestServer]:
+    with RestServer(create_app(shared_pipeline, served_model_names=("tiny-omni",), prompts=builder)) as s:
+        yield s
+
+
+def post(server: RestServer, path: str, body: object, **kw: object) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=30, **kw)  # type: ignore[arg-type]
+
+
+def test_messages_are_tokenized_as_the_chat_prompt(server: RestServer, builder: PromptBuilder) -> None:
+    wav = wav_file(0.5)
+    body = {"model": "tiny-omni", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                     {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(),
+                                                                             "format": "wav"}}]}]}
+    r = post(server, "/tokenize", body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    wave, rate = decode_wav(wav, max_seconds=5)
+    chat = ChatRequest(request_id="x", model="m", messages=(
+        ChatMessage("system", (TextPart("be brief"),)),
+        ChatMessage("user", (TextPart("what is this?"), AudioPart(wave, rate)))))
+    expected = builder.build(chat)
+    assert got["tokens"] == expected.input_ids.tolist() and got["count"] == expected.prompt_tokens
+    assert got["max_model_len"] == 512 and got["token_strs"] is None
+    assert got["tokens"].count(builder.processor.tokenizer.convert_tokens_to_ids("<|audio_pad|>")) > 1  # expanded
+    bare = post(server, "/tokenize", {**body, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == got["tokens"][:bare["count"]] and bare["count"] < got["count"]
+
+
+def test_prompt_tokens_strs_and_detokenize_round_trip(server: RestServer, builder: PromptBuilder) -> None:
+    text = "Hello, omni world!"
+    r = post(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert r["tokens"] == list(builder.processor.tokenizer(text)["input_ids"]) and r["count"] == len(r["tokens"])
+    assert r["token_strs"] == builder.processor.tokenizer.convert_ids_to_tokens(r["tokens"])
+    back = post(server, "/detokenize", {"model": "tiny-omni", "tokens": r["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), [
+    ("/tokenize", {}, 400, "give exactly one of messages"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400, "exactly one"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True}, 400,
+     "applies to prompt only"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "assistant", "content": "a"}]}, 400, "at least one user message"),
+    ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "gpt-4"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens[1]: 1000000000 is not a token id"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
+    ("/detokenize", {"tokens": ["a"]}, 400, "tokens[0]"),
+    ("/detokenize", {}, 400, "tokens"),
+])
+def test_bad_bodies(server: RestServer, path: str, body: dict, status: int, needle: str) -> None:
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_not_json_and_version(server: RestServer) -> None:
+    r = httpx.post(f"{server.base_url}/tokenize", content=b"{nope", timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.base_url}/version", timeout=10).json() == {"version": VERSION}
+
+
+def test_key_needed_except_for_version(shared_pipeline: ScriptedPipeline, builder: PromptBuilder,
+                                       rest_server: RestServer) -> None:
+    app = create_app(shared_pipeline, served_model_names=("tiny-omni",), prompts=builder, api_keys=(KEY,))
+    with RestServer(app) as locked:
+        for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
+            assert post(locked, path, body).status_code == 401
+            assert post(locked, path, body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert httpx.get(f"{locked.base_url}/version", timeout=10).status_code == 200
+    assert post(rest_server, "/tokenize", {"prompt": "a"}).status_code == 404  # an app without a prompt builder
