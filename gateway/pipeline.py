@@ -36,6 +36,7 @@ import torch
 
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, PipelineError, TextDelta
 from gateway.prompt import PromptInputs
+from gateway.request_log import RequestLog
 from gateway.stage_sampling import talker_sampling, thinker_sampling
 from omnimesh.models.qwen3_omni.code_windows import windows_text
 from omnimesh.transport.chunk_codec import ChunkEncoder
@@ -72,6 +73,7 @@ class StagePipeline:
         served_models: tuple[str, ...],
         async_chunk: bool = True,
         request_timeout_s: float = 600.0,
+        request_log: RequestLog | None = None,
     ):
         missing = {"thinker"} - set(stages)
         if missing:
@@ -81,6 +83,7 @@ class StagePipeline:
         self.served_models = served_models
         self.async_chunk = async_chunk
         self.request_timeout_s = request_timeout_s
+        self.request_log = request_log  # --enable-log-requests
         self.voices: tuple[str, ...] = ()
         self.default_voice = ""
         self.sample_rate = 24000
@@ -176,15 +179,27 @@ class StagePipeline:
                 param="request_id",
             )
         self._in_flight.add(rid)
+        started, done, error = time.monotonic(), None, None
         try:
             async with contextlib.aclosing(self._run(request, want_audio, voice)) as events:
                 async for event in events:  # closing `run` closes this: the stages hear of the cancel at once
+                    if isinstance(event, Finished):
+                        done = event
                     yield event
+        except (GeneratorExit, asyncio.CancelledError):
+            raise  # the client went away: logged as cancelled
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             self._in_flight.discard(rid)
+            if self.request_log is not None:
+                self.request_log.finished(rid, time.monotonic() - started, done, error)
 
     async def _run(self, request: ChatRequest, want_audio: bool, voice: str) -> AsyncGenerator[Event, None]:
         prompt = await asyncio.to_thread(self.prepare, request)
+        if self.request_log is not None:
+            self.request_log.received(request, int(prompt.input_ids.numel()))
         rid = request.request_id
         deadline = time.time() + self.request_timeout_s
         streams: list[StageStream] = []

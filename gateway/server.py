@@ -22,6 +22,7 @@ from gateway.grpc_api import create_grpc_server
 from gateway.http_front import HttpFront
 from gateway.pipeline import StagePipeline
 from gateway.prompt import PromptBuilder, load_chat_template
+from gateway.request_log import RequestLog
 from gateway.rest import create_app
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
@@ -48,7 +49,8 @@ def build_pipeline(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]
         log.info("gateway: chat template from --chat-template (%d characters) instead of the model's", len(template))
     transport = Transport("gateway", "grpc")  # the gateway reads shm frames (the vocoder's pcm), never writes any
     clients = {stage: StageClient(stage, addr, transport) for stage, addr in stage_addrs.items()}
-    return StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk)
+    request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
+    return StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk, request_log=request_log)
 
 
 async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> None:

@@ -149,7 +149,7 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     run_stage(handler_factory(ns.stage_name, model_dir, args), ns.stage_host, port,
               transport=cfg.transport, shm_arena_size=cfg.shm_arena_size, shm_min_tensor_size=cfg.shm_min_tensor_size,
               nice=cfg.nice, bulk_nice=cfg.effective_bulk_nice(stage, args.device),
-              yield_steps=cfg.effective_yield_steps(stage))
+              yield_steps=cfg.effective_yield_steps(stage), log_stats=not args.disable_log_stats)
     return 0
 
 

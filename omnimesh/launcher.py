@@ -78,6 +78,8 @@ class MeshLauncher:
                 "--stream-interval", str(a.stream_interval), "--audio-windows", a.audio_windows, "--malloc", a.malloc]
         if a.enforce_eager:
             argv.append("--enforce-eager")
+        if a.disable_log_stats:
+            argv.append("--disable-log-stats")
         if a.served_model_name is not None:  # the stage's metrics carry it as model_name
             argv += ["--served-model-name", a.served_model_name]
         cfg = a.stage_configs()[stage]
@@ -102,9 +104,12 @@ class MeshLauncher:
                 "--grpc-port", str(a.grpc_port), "--stages", ",".join(f"{k}={v}" for k, v in stage_addrs.items()),
                 "--async-chunk" if a.async_chunk else "--no-async-chunk", "--malloc", a.malloc]
         for flag, value in (("--served-model-name", a.served_model_name), ("--max-model-len", a.max_model_len),
-                            ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template)):
+                            ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template),
+                            ("--max-log-len", a.max_log_len)):
             if value is not None:
                 argv += [flag, str(value)]
+        if a.enable_log_requests:
+            argv.append("--enable-log-requests")
         return argv + front_argv(a)
 
     def _gateway_env(self) -> dict[str, str] | None:

@@ -66,6 +66,16 @@ class ServeArgs:
                                 "(start-up and access lines), debug, trace", "--uvicorn-log-level")
     chat_template: str | None = _f(None, "Jinja chat template to use instead of the model's: a file path or the template "
                                    "itself (checked at start-up on a system + user message)", "--chat-template")
+    enable_log_requests: bool = _f(False, "log every request at the gateway (as vLLM's): its id, prompt text, token "
+                                   "count, media and sampling when it arrives, and how it ended (finish reason, "
+                                   "tokens, seconds; cancelled; the error); off by default, prompts are users' data",
+                                   "--enable-log-requests", action="store_true")
+    max_log_len: int | None = _f(None, "with --enable-log-requests: the most prompt characters a line shows (default: all)",
+                                 "--max-log-len")
+    disable_log_stats: bool = _f(False, "no periodic load line from the stages (as vLLM's: every 10 s while a stage has "
+                                 "work, throughput, running / waiting requests, KV-cache usage; "
+                                 "OMNIMESH_LOG_STATS_INTERVAL sets the seconds)", "--disable-log-stats",
+                                 action="store_true")
     tensor_parallel_size: int = _f(1, "tensor-parallel ranks per model stage", "-tp", "--tensor-parallel-size")
     pipeline_parallel_size: int = _f(1, "pipeline-parallel ranks per model stage", "-pp", "--pipeline-parallel-size")
     pp_layer_partition: str | None = _f(None, "layers per pipeline rank, e.g. 3,5 (default: even, extra layers to the middle ranks)", "--pp-layer-partition")
@@ -152,6 +162,12 @@ class ServeArgs:
             from gateway.auth import parse_api_keys
 
             parse_api_keys(self.api_key)
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0 characters, got {self.max_log_len}")
+        if not self.disable_log_stats:
+            from omnimesh.engine.stat_logger import interval_from_env
+
+            interval_from_env()
         if self.chat_template is not None:
             from gateway.prompt import load_chat_template
 
@@ -222,11 +238,11 @@ HTTP_FRONT_FIELDS = frozenset(
 )  # gateway/http_front.py
 GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
-     "trust_remote_code", "malloc", "chat_template"}
+     "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "api_key", "async_chunk",
-     "allowed_media_domains", "chat_template"}
+     "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len"}
 ) | HTTP_FRONT_FIELDS
 
 

@@ -80,10 +80,16 @@ class EngineMetrics:
             series.labels(**self.labels)  # exported (as 0) from the start
         self._stats: Callable[[], Stats] | None = None
         r.register(_LoadCollector(self))
+        # plain running totals beside the counters, for the periodic log line (omnimesh/engine/stat_logger.py)
+        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "failed": 0}
 
     def bind_stats(self, source: Callable[[], Stats]) -> None:
         """Where the load gauges come from (called at scrape time, on the asyncio thread)."""
         self._stats = source
+
+    def load(self) -> Stats:
+        """The bound stats source's values now ({} when none is bound)."""
+        return self._stats() if self._stats is not None else {}
 
     def request(self) -> RequestTiming:
         return RequestTiming(self)
@@ -133,8 +139,12 @@ class RequestTiming:
         m, labels = self.m, self.m.labels
         m.prompt_tokens.labels(**labels).inc(max(0, task.prompt_tokens))
         m.generation_tokens.labels(**labels).inc(max(0, task.completion_tokens))
+        m.totals["prompt_tokens"] += max(0, task.prompt_tokens)
+        m.totals["generation_tokens"] += max(0, task.completion_tokens)
+        m.totals["finished"] += 1
         code = getattr(event, "code", None)  # EngineFailed
         if code is not None:
+            m.totals["failed"] += 1
             m.failure.labels(**labels, code=code.name).inc()
             return
         reason = getattr(event, "finish_reason", "stop")
@@ -153,7 +163,7 @@ class _LoadCollector(Collector):
         if self.m._stats is None:
             return []
         try:
-            stats = self.m._stats()
+            stats = self.m.load()
         except Exception:
             log.exception("stage %s: reading the engine stats failed", self.m.stage)
             return []

@@ -4,7 +4,8 @@ Data flow: `run_stage(factory, host, port)` -> factory() loads weights (progress
 stage's Transport (its shm arena and which tensors go by reference, per --transport /
 --shm-arena-size / --shm-min-tensor-size) -> EngineLoop + StageServicer (sharing one EngineMetrics,
 served by the Metrics RPC) on a grpc.aio server (uvloop) with health and reflection -> prints
-`omnimesh stage <name> listening on host:port` (the launcher waits for that line or for health).
+`omnimesh stage <name> listening on host:port` (the launcher waits for that line or for health) -> every
+10 s while it has work, a load line (StatLogger, vLLM's; off with --disable-log-stats).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2
 from omnimesh.config.stage_config import SHM_MIN_TENSOR_BYTES
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.metrics import EngineMetrics
+from omnimesh.engine.stat_logger import StatLogger, interval_from_env
 from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
 from omnimesh.server.grpc_server import bind, make_server, serve_forever
 from omnimesh.server.stage_failure import StageFailure
@@ -35,7 +37,7 @@ STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 
 
 async def _serve(handler: StageHandler, host: str, port: int, transport: Transport, bulk_nice: int,
-                 yield_steps: int) -> None:
+                 yield_steps: int, log_stats: bool = True) -> None:
     metrics = EngineMetrics(handler.name, model_name=handler.info().model)
     register_transport_metrics(metrics.registry, transport, metrics.labels)
     engine = EngineLoop(handler.name, max_inflight=getattr(handler, "max_inflight_steps", 1),
@@ -57,9 +59,12 @@ async def _serve(handler: StageHandler, host: str, port: int, transport: Transpo
 
         failure.listen(not_serving)
     print(f"omnimesh stage {handler.name} listening on {host}:{bound}", flush=True)
+    stats = asyncio.get_running_loop().create_task(StatLogger(metrics, interval_from_env()).run()) if log_stats else None
     try:
         await serve_forever(server, health_servicer, [STAGE_SERVICE], on_stop=engine.stop)
     finally:
+        if stats is not None:
+            stats.cancel()
         transport.close()
 
 
@@ -76,10 +81,11 @@ def cpu_threads() -> int:
 
 def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, transport: str = "auto",
               shm_arena_size: int = DEFAULT_ARENA_BYTES, shm_min_tensor_size: int = SHM_MIN_TENSOR_BYTES,
-              nice: int = 0, bulk_nice: int = 0, yield_steps: int = 0) -> None:
+              nice: int = 0, bulk_nice: int = 0, yield_steps: int = 0, log_stats: bool = True) -> None:
     """`nice`: lower this process's OS priority by that much first (its rank processes inherit it);
     `bulk_nice`: how much lower the steps with no request waiting for its first output run (EngineLoop).
-    `yield_steps`: how many steps in a row a streaming request sits out for first outputs (EngineLoop)."""
+    `yield_steps`: how many steps in a row a streaming request sits out for first outputs (EngineLoop).
+    `log_stats`: the periodic load line (omnimesh/engine/stat_logger.py; off with --disable-log-stats)."""
     import torch
     import uvloop
 
@@ -94,4 +100,4 @@ def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, tran
     hand_off = Transport(handler.name, transport, shm_arena_size, shm_min_tensor_size)  # before serving: a bad setting stops start-up
     log.info("stage %s: %d start-up objects frozen out of the garbage collector's scans", handler.name,
              freeze_startup_heap())
-    uvloop.run(_serve(handler, host, port, hand_off, bulk_nice, yield_steps))
+    uvloop.run(_serve(handler, host, port, hand_off, bulk_nice, yield_steps, log_stats))

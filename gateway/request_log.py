@@ -1,0 +1,56 @@
+"""Per-request log lines, as vLLM's `--enable-log-requests` (off by default: prompts are the users' data).
+
+Data flow: `StagePipeline.run` -> `RequestLog.received(request, prompt_tokens)` once the prompt is built
+(`Received request chatcmpl-..: model=.., modalities=text+audio, voice=.., prompt='..' (31 tokens, 1 audio,
+0 images), sampling=temperature=0 max_tokens=8, stage_params=talker: top_k=10`) -> `finished(...)` when
+the request ends, however it ends (`Finished request ..: length, 31 prompt + 8 completion tokens in
+0.412 s`; `cancelled` when the client went away; `failed (503): ..` with the error). `--max-log-len N`
+keeps the first N characters of the prompt text (vLLM's flag; default: all of it). The REST and gRPC
+fronts share the pipeline, so both are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+
+from gateway.events import AudioPart, ChatRequest, Finished, ImagePart, PipelineError, SamplingOverrides, TextPart
+
+log = logging.getLogger(__name__)
+
+
+def _sampling(s: SamplingOverrides) -> str:
+    """The fields the client set, `name=value` (None = the stage's default: left out)."""
+    set_ = [(f.name, getattr(s, f.name)) for f in fields(s) if getattr(s, f.name) is not None]
+    return " ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in set_) or "defaults"
+
+
+class RequestLog:
+    def __init__(self, max_log_len: int | None = None) -> None:
+        self.max_log_len = max_log_len
+
+    def received(self, request: ChatRequest, prompt_tokens: int) -> None:
+        parts = [p for m in request.messages for p in m.content]
+        text = "\n".join(f"{m.role}: " + " ".join(p.text for p in m.content if isinstance(p, TextPart))
+                         for m in request.messages)
+        if self.max_log_len is not None and len(text) > self.max_log_len:
+            text = text[:self.max_log_len] + f"... ({len(text) - self.max_log_len} more characters)"
+        stages = "; ".join(f"{name}: {_sampling(s)}" for name, s in request.stage_params.items()) or "none"
+        log.info("Received request %s: model=%s, modalities=%s, voice=%s, prompt=%r (%d tokens, %d audio, "
+                 "%d images), sampling=%s, stage_params=%s", request.request_id, request.model,
+                 "+".join(request.modalities), request.voice, text, prompt_tokens,
+                 sum(isinstance(p, AudioPart) for p in parts), sum(isinstance(p, ImagePart) for p in parts),
+                 _sampling(request.sampling), stages)
+
+    def finished(self, request_id: str, seconds: float, done: Finished | None, error: BaseException | None) -> None:
+        if done is not None:
+            log.info("Finished request %s: %s, %d prompt + %d completion tokens in %.3f s", request_id,
+                     done.finish_reason, done.prompt_tokens, done.completion_tokens, seconds)
+        elif isinstance(error, PipelineError):
+            log.info("Finished request %s: failed (%d): %s, after %.3f s", request_id, error.http_status,
+                     error.message, seconds)
+        elif error is not None:
+            log.info("Finished request %s: failed: %s: %s, after %.3f s", request_id, type(error).__name__, error,
+                     seconds)
+        else:
+            log.info("Finished request %s: cancelled (the client stopped reading) after %.3f s", request_id, seconds)

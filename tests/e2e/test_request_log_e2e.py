@@ -1,0 +1,42 @@
+"""`--enable-log-requests` / `--max-log-len` in a real `omnimesh gateway` on the shared mesh's stages: a
+request that completes logs a `Received` line (id, model, prompt cut to --max-log-len, token count,
+sampling, stage_params) and a `Finished` line with its finish reason and tokens; one refused after
+arriving logs its status and error; a stream the client drops logs `cancelled`. The shared mesh (flag
+off) logs no such line."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+from mesh_harness import start_gateway
+
+BODY = {"model": "tiny-qwen3-omni", "messages": [{"role": "user", "content": "Tell me about the sea, please."}],
+        "max_tokens": 8, "temperature": 0, "stage_params": {"talker": {"top_k": 10}}}
+
+
+def test_requests_are_logged_when_asked(mesh, tiny_model_dir) -> None:
+    proc, url = start_gateway(tiny_model_dir, mesh.stages, "--enable-log-requests", "--max-log-len", "12")
+    try:
+        r = httpx.post(f"{url}/v1/chat/completions", json=BODY, headers={"X-Request-Id": "log-1"}, timeout=60)
+        assert r.status_code == 200, r.text
+        n = r.json()["usage"]["prompt_tokens"]
+        got = proc.wait_for_line(r"Received request chatcmpl-log-1: (.*)$", timeout_s=10).group(1)
+        assert got == (f"model=tiny-qwen3-omni, modalities=text, voice=None, prompt='user: Tell m... (24 more "
+                       f"characters)' ({n} tokens, 0 audio, 0 images), sampling=temperature=0.0 max_tokens=8, "
+                       f"stage_params=talker: top_k=10"), got
+        proc.wait_for_line(rf"Finished request chatcmpl-log-1: length, {n} prompt \+ 8 completion tokens in "
+                           r"[\d.]+ s", timeout_s=10)
+        long = {**BODY, "max_tokens": 10**6}
+        assert httpx.post(f"{url}/v1/chat/completions", json=long, headers={"X-Request-Id": "log-2"},
+                          timeout=60).status_code == 400
+        proc.wait_for_line(r"Finished request chatcmpl-log-2: failed \(400\): the prompt is \d+ tokens", timeout_s=10)
+        stream = {**BODY, "stream": True, "max_tokens": 2000, "min_tokens": 2000}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=stream, headers={"X-Request-Id": "log-3"},
+                          timeout=60) as s:
+            assert s.status_code == 200
+            next(s.iter_lines())
+        proc.wait_for_line(r"Finished request chatcmpl-log-3: cancelled \(the client stopped reading\)", timeout_s=20)
+    finally:
+        assert proc.stop() == 0, proc.output()
+    assert not any(re.search(r"(Received|Finished) request", line) for line in mesh.proc.lines)
