@@ -11,7 +11,7 @@ typed fields) are 400, as OpenAI answers, not FastAPI's 422. A 429 (a stage refu
 `--max-waiting-requests` requests already wait there) carries `Retry-After: 1`. A client's `X-Request-Id` header names the request (`chatcmpl-<id>`, the id every stage
 logs); chat responses carry that id back in `X-Request-Id`.
 
-Also: `GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), vLLM's `POST /tokenize` and
+Also: OpenAI's `POST /v1/audio/transcriptions` / `translations` (`gateway/transcription_api.py`), `GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), vLLM's `POST /tokenize` and
 `/detokenize` (`gateway/tokenize_api.py`), `GET /version`, `GET /health` (200 / 503
 naming the stages down), `GET /metrics` (Prometheus
 text, `omnimesh:` prefix): the gateway's own series (a per-app registry; no `stage` label) followed by
@@ -64,6 +64,7 @@ from gateway.http_front import HttpFront
 from gateway.media import InputLimits, MediaLoader, invalid_request
 from gateway.prompt import PromptBuilder
 from gateway.tokenize_api import TokenizeRoutes
+from gateway.transcription_api import TranscriptionRoutes
 from gateway.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -516,6 +517,9 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     if front is not None:
         front.install(app)
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
+    audio = TranscriptionRoutes(gw)
+    app.add_api_route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"])
+    app.add_api_route("/v1/audio/translations", audio.translations, methods=["POST"])
     app.add_api_route("/v1/models", gw.models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", gw.model, methods=["GET"])
     if prompts is not None:

@@ -1,0 +1,31 @@
+"""/v1/audio/transcriptions through the shared mesh: its text is exactly what a greedy, text-only chat
+completion with the same user message (the WAV as input_audio, then the instruction) answers, and
+`usage` counts the same tokens; the openai SDK gets that text too."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import openai
+from reference import sine_wav
+
+from gateway.transcription_api import instruction
+
+
+def test_transcription_equals_the_chat_with_that_message(mesh) -> None:
+    wav = sine_wav(1.0)
+    r = httpx.post(f"{mesh.rest}/v1/audio/transcriptions", timeout=120,
+                   data={"model": "tiny-qwen3-omni", "language": "en"}, files={"file": ("a.wav", wav, "audio/wav")})
+    assert r.status_code == 200, r.text
+    content = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+               {"type": "text", "text": instruction("transcribe", "en", None)}]
+    chat = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=120, json={
+        "model": "tiny-qwen3-omni", "messages": [{"role": "user", "content": content}], "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    assert r.json()["text"] == chat.json()["choices"][0]["message"]["content"] != ""
+    assert r.json()["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+    assert r.json()["usage"]["output_tokens"] == chat.json()["usage"]["completion_tokens"]
+    client = openai.OpenAI(base_url=f"{mesh.rest}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert client.audio.transcriptions.create(model="tiny-qwen3-omni", file=("a.wav", wav),
+                                              language="en").text == r.json()["text"]

@@ -1,0 +1,89 @@
+"""OpenAI's /v1/audio/transcriptions and /translations (gateway/transcription_api.py) on the scripted
+pipeline: the form becomes one text-only user message [the audio, the instruction with its hints],
+greedy by default; json and text answers; the openai SDK's `audio.transcriptions.create` works; bad
+forms, formats that need timestamps, streaming, a missing or non-WAV file, an unknown model and
+oversized bodies or audio are 4xx naming the field; the key is needed under --api-key."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from gateway_harness import RestServer, ScriptedPipeline
+from test_rest import wav_file
+
+from gateway.events import AudioPart, TextPart
+from gateway.rest import create_app
+
+
+def post(server: RestServer, path: str = "/v1/audio/transcriptions", *, wav: bytes | None = None,
+         **fields: str) -> httpx.Response:
+    files = {"file": ("speech.wav", wav if wav is not None else wav_file(0.5), "audio/wav")}
+    return httpx.post(f"{server.base_url}{path}", data={"model": "tiny-omni", **fields}, files=files, timeout=30)
+
+
+def test_transcription_is_one_text_only_chat(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r = post(rest_server, language="en", prompt="Omnimesh")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"text": "Hello world", "usage": {"type": "tokens", "input_tokens": 7, "output_tokens": 2,
+                                                         "total_tokens": 9}}
+    req = pipeline.requests[-1]
+    assert req.modalities == ("text",) and req.sampling.temperature == 0.0 and req.request_id.startswith("trsc-")
+    (msg,) = req.messages
+    audio, ask = msg.content
+    assert msg.role == "user" and isinstance(audio, AudioPart) and audio.sample_rate == 16_000
+    assert audio.waveform.size == 8000
+    assert isinstance(ask, TextPart) and ask.text == ("The audio is in the language with ISO-639-1 code 'en'. "
+                                                      "Transcribe the audio into text. Context (names and "
+                                                      "spellings to follow): Omnimesh")
+
+
+def test_translation_text_format_and_temperature(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r = post(rest_server, "/v1/audio/translations", response_format="text", temperature="0.4")
+    assert r.status_code == 200 and r.text == "Hello world" and r.headers["content-type"].startswith("text/plain")
+    req = pipeline.requests[-1]
+    assert req.messages[0].content[1].text == "Translate the audio into English text."  # type: ignore[union-attr]
+    assert req.sampling.temperature == 0.4
+
+
+def test_the_openai_sdk(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    client = openai.OpenAI(base_url=f"{rest_server.base_url}/v1", api_key="unused", max_retries=0)
+    out = client.audio.transcriptions.create(model="tiny-omni", file=("a.wav", wav_file(0.5)))
+    assert out.text == "Hello world"
+
+
+@pytest.mark.parametrize(("fields", "status", "needle"), [
+    ({"response_format": "srt"}, 400, "needs timestamps"),
+    ({"response_format": "yaml"}, 400, "is not one of json, text"),
+    ({"stream": "true"}, 400, "stream: not supported"),
+    ({"timestamp_granularities[]": "word"}, 400, "timestamp_granularities[]"),
+    ({"temperature": "hot"}, 400, "is not a number"),
+    ({"temperature": "1.5"}, 400, "in [0, 1]"),
+    ({"model": "whisper-1"}, 404, "whisper-1"),
+])
+def test_bad_fields(rest_server: RestServer, pipeline: ScriptedPipeline, fields: dict, status: int, needle: str) -> None:
+    r = post(rest_server, **fields)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+    assert not pipeline.requests  # refused before the pipeline
+
+
+def test_bad_files_and_bodies(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    url = f"{rest_server.base_url}/v1/audio/transcriptions"
+    r = post(rest_server, wav=b"ID3 not a wav")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file", r.text
+    r = httpx.post(url, data={"model": "tiny-omni"}, files={"other": ("x", b"1")}, timeout=10)
+    assert r.status_code == 400 and "file: the audio file (WAV) is required" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"file": "x"}, timeout=10)
+    assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"]
+    r = httpx.post(url, content=b"--x\r\nnonsense", headers={"content-type": "multipart/form-data; boundary=x"},
+                   timeout=10)
+    assert r.status_code == 400, r.text
+    assert post(rest_server, wav=wav_file(6.0)).status_code == 413  # over the 5 s of the test limits
+    assert post(rest_server, wav=b"\0" * 1_100_000).status_code == 413  # over the body limit
+    assert not pipeline.requests
+
+
+def test_needs_the_key(shared_pipeline: ScriptedPipeline) -> None:
+    with RestServer(create_app(shared_pipeline, served_model_names=("tiny-omni",), api_keys=("k",))) as s:
+        assert post(s).status_code == 401
