@@ -8,10 +8,12 @@ status even for `stream: true`; an error after that is sent as `data: {"error": 
 `data: [DONE]`, never as a silently truncated stream. Every error body is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`; schema violations (malformed JSON, missing or wrongly
 typed fields) are 400, as OpenAI answers, not FastAPI's 422. A 429 (a stage refused the request because
-`--max-waiting-requests` requests already wait there) carries `Retry-After: 1`. A client's `X-Request-Id` header names the request (`chatcmpl-<id>`, the id every stage
-logs); chat responses carry that id back in `X-Request-Id`.
+`--max-waiting-requests` requests already wait there) carries `Retry-After: 1`. A client's `X-Request-Id`
+header names the request (`chatcmpl-<id>`, the id every stage logs); chat responses carry that id back in
+`X-Request-Id`.
 
-Also: OpenAI's `POST /v1/audio/transcriptions` / `translations` (`gateway/transcription_api.py`), `GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), vLLM's `POST /tokenize` and
+Also: OpenAI's `POST /v1/audio/transcriptions` / `translations` (`gateway/transcription_api.py`),
+`GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), vLLM's `POST /tokenize` and
 `/detokenize` (`gateway/tokenize_api.py`), `GET /version`, `GET /health` (200 / 503
 naming the stages down), `GET /metrics` (Prometheus
 text, `omnimesh:` prefix): the gateway's own series (a per-app registry; no `stage` label) followed by
@@ -62,9 +64,6 @@ from gateway.events import (
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.http_front import HttpFront
 from gateway.media import InputLimits, MediaLoader, invalid_request
-from gateway.prompt import PromptBuilder
-from gateway.tokenize_api import TokenizeRoutes
-from gateway.transcription_api import TranscriptionRoutes
 from gateway.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -89,6 +88,9 @@ from gateway.openai_schema import (
     unknown_model,
     resolve_voice,
 )
+from gateway.prompt import PromptBuilder
+from gateway.tokenize_api import TokenizeRoutes
+from gateway.transcription_api import TranscriptionRoutes
 from omnimesh.engine.metrics import merge_families, parse_exposition
 
 log = logging.getLogger(__name__)

@@ -3,8 +3,7 @@
 Data flow: load the tokenizer + processor from the model folder -> StageClients for the given stage
 addresses -> StagePipeline.connect() (reads voices / sample rate from the stages, bounded wait) ->
 serve REST on --host:--port and gRPC on --host:--grpc-port (TLS, CORS, access log: gateway/http_front.py)
-until SIGTERM / SIGINT. REST /metrics also
-scrapes every stage's Metrics RPC through the same clients.
+until SIGTERM / SIGINT. REST /metrics also scrapes every stage's Metrics RPC through the same clients.
 """
 
 from __future__ import annotations
@@ -62,8 +61,9 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     if keys:
         log.info("gateway: an API key is required on /v1 and the gRPC Omni service (%d key%s accepted)",
                  len(keys), "" if len(keys) == 1 else "s")
+    prompts = pipeline.prepare if isinstance(pipeline.prepare, PromptBuilder) else None  # /tokenize
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains,
-                     stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=pipeline.prepare if isinstance(pipeline.prepare, PromptBuilder) else None)
+                     stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=prompts)
     if (described := front.describe()) is not None:
         log.info("%s", described)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="none", lifespan="off", **front.uvicorn_kwargs())
