@@ -481,6 +481,7 @@ class ModelCard(_Out):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "omnimesh"
+    max_model_len: int | None = None  # vLLM's card carries it (clients read the context length from it)
 
 
 class ModelList(_Out):

@@ -186,8 +186,9 @@ class RestGateway:
     """The route handlers of one app; `create_app` wires them."""
 
     def __init__(self, pipeline: Pipeline, served_model_names: tuple[str, ...], loader: MediaLoader,
-                 stage_metrics: Mapping[str, MetricsSource] | None = None) -> None:
+                 stage_metrics: Mapping[str, MetricsSource] | None = None, max_model_len: int | None = None) -> None:
         self.pipeline = pipeline
+        self.max_model_len = max_model_len  # on the model cards, when the prompt builder is known
         self.stage_metrics = dict(stage_metrics or {})
         self.served_model_names = served_model_names
         self.loader = loader
@@ -383,8 +384,8 @@ class RestGateway:
 
     async def models(self, request: Request) -> Response:
         self._finish("models", 200, time.perf_counter())
-        cards = [ModelCard(id=n, created=self.created) for n in self.served_model_names]
-        return JSONResponse(dump(ModelList(data=cards)))
+        cards = [self._card(n) for n in self.served_model_names]
+        return JSONResponse(dump(ModelList(data=cards), drop_none=True))
 
     async def model(self, request: Request) -> Response:
         """OpenAI's `GET /v1/models/{model}` (the SDK's `models.retrieve`); an unknown name is its 404."""
@@ -394,7 +395,10 @@ class RestGateway:
             self._finish("models", 404, started)
             return error_json(unknown_model(name, self.served_model_names))
         self._finish("models", 200, started)
-        return JSONResponse(dump(ModelCard(id=name, created=self.created)))
+        return JSONResponse(dump(self._card(name), drop_none=True))
+
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VERSION})
@@ -511,7 +515,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
     loader = MediaLoader(limits or InputLimits(), allowed_media_domains, transport=media_transport)  # type: ignore[arg-type]
-    gw = RestGateway(pipeline, names, loader, stage_metrics)
+    gw = RestGateway(pipeline, names, loader, stage_metrics, prompts.max_model_len if prompts is not None else None)
     app = FastAPI(title="omnimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     if api_keys:  # /v1 needs one of them; /health and /metrics stay open (gateway/auth.py)

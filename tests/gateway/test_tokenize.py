@@ -88,6 +88,13 @@ def test_bad_bodies(server: RestServer, path: str, body: dict, status: int, need
     assert needle in r.json()["error"]["message"]
 
 
+def test_model_cards_carry_max_model_len(server: RestServer, rest_server: RestServer) -> None:
+    (card,) = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"]
+    assert card["id"] == "tiny-omni" and card["max_model_len"] == 512
+    assert httpx.get(f"{server.base_url}/v1/models/tiny-omni", timeout=10).json()["max_model_len"] == 512
+    assert "max_model_len" not in httpx.get(f"{rest_server.base_url}/v1/models", timeout=10).json()["data"][0]
+
+
 def test_not_json_and_version(server: RestServer) -> None:
     r = httpx.post(f"{server.base_url}/tokenize", content=b"{nope", timeout=10)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
