@@ -1,7 +1,7 @@
 """OpenAI's `POST /v1/audio/transcriptions` and `/v1/audio/translations` on the thinker (speech in, text out).
 
 Data flow: multipart form (size-capped as every body: `file` a WAV, `model`, optional `language`,
-`prompt`, `response_format` json | text, `temperature`) -> one user message [the audio, an instruction
+`prompt`, `response_format` json | text, `temperature`, vLLM's `max_completion_tokens`) -> one user message [the audio, an instruction
 ("Transcribe the audio into text." / "Translate the audio into English text.", with the language and the
 prompt as hints)] -> the same pipeline a text-only chat runs (greedy unless `temperature` says otherwise,
 the thinker's own stop) -> `{"text", "usage"}` (json) or the bare text (text). A chat completion with that
@@ -63,6 +63,15 @@ def _temperature(text: str | None) -> float:
     return value
 
 
+def _max_tokens(text: str | None) -> int | None:
+    """vLLM's `max_completion_tokens` form field; None: the thinker's own limit."""
+    if text is None or text == "":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise invalid_request(f"max_completion_tokens: must be a whole number >= 1, got {text!r}", "max_completion_tokens")
+    return int(text)
+
+
 class TranscriptionRoutes:
     """The two handlers on one `RestGateway` (its pipeline, media loader, model names and metrics)."""
 
@@ -119,7 +128,8 @@ class TranscriptionRoutes:
                                   "use json or text", "response_format")
         if fmt not in ("json", "text"):
             raise invalid_request(f"response_format: {fmt!r} is not one of json, text", "response_format")
-        sampling = SamplingOverrides(temperature=_temperature(_field(form, "temperature")))
+        sampling = SamplingOverrides(temperature=_temperature(_field(form, "temperature")),
+                                     max_tokens=_max_tokens(_field(form, "max_completion_tokens")))
         check_sampling(sampling, "")
         audio = await self.gw.loader.audio_from_wav(await upload.read(), "file")
         self.gw.loader.check_totals(audio.waveform.size / audio.sample_rate, 1)

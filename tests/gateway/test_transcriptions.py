@@ -39,11 +39,12 @@ def test_transcription_is_one_text_only_chat(rest_server: RestServer, pipeline: 
 
 
 def test_translation_text_format_and_temperature(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
-    r = post(rest_server, "/v1/audio/translations", response_format="text", temperature="0.4")
+    r = post(rest_server, "/v1/audio/translations", response_format="text", temperature="0.4",
+             max_completion_tokens="12")
     assert r.status_code == 200 and r.text == "Hello world" and r.headers["content-type"].startswith("text/plain")
     req = pipeline.requests[-1]
     assert req.messages[0].content[1].text == "Translate the audio into English text."  # type: ignore[union-attr]
-    assert req.sampling.temperature == 0.4
+    assert req.sampling.temperature == 0.4 and req.sampling.max_tokens == 12
 
 
 def test_the_openai_sdk(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
@@ -60,6 +61,8 @@ def test_the_openai_sdk(rest_server: RestServer, pipeline: ScriptedPipeline) -> 
     ({"temperature": "hot"}, 400, "is not a number"),
     ({"temperature": "1.5"}, 400, "in [0, 1]"),
     ({"model": "whisper-1"}, 404, "whisper-1"),
+    ({"max_completion_tokens": "0"}, 400, "max_completion_tokens: must be a whole number >= 1"),
+    ({"max_completion_tokens": "many"}, 400, "max_completion_tokens"),
 ])
 def test_bad_fields(rest_server: RestServer, pipeline: ScriptedPipeline, fields: dict, status: int, needle: str) -> None:
     r = post(rest_server, **fields)
