@@ -107,22 +107,30 @@ class PipelineError(Exception):
     """A request failed. `http_status` / `grpc_code` say how the front ends answer; `kind` is the
     OpenAI error `type` (invalid_request_error, not_found_error, service_unavailable, ...)."""
 
-    def __init__(self, message: str, *, http_status: int, grpc_code: int, kind: str, param: str | None = None):
+    def __init__(self, message: str, *, http_status: int, grpc_code: int, kind: str, param: str | None = None,
+                 stage: str | None = None):
         super().__init__(message)
         self.message = message
         self.http_status = http_status
         self.grpc_code = grpc_code
         self.kind = kind
         self.param = param
+        self.stage = stage  # the stage whose answer this is (None: the gateway's own)
 
 
 class Pipeline(Protocol):
     """What the front ends need from the stage chain."""
 
     served_models: tuple[str, ...]
-    voices: tuple[str, ...]
-    default_voice: str
-    sample_rate: int
+
+    @property
+    def voices(self) -> tuple[str, ...]: ...
+
+    @property
+    def default_voice(self) -> str: ...
+
+    @property
+    def sample_rate(self) -> int: ...
 
     def run(self, request: ChatRequest) -> AsyncIterator[Event]:
         """Yield the request's events in order; raise PipelineError on failure."""

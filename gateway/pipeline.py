@@ -1,7 +1,8 @@
 """StagePipeline: chains encoder -> thinker -> talker -> vocoder for one request over the Stage RPC.
 
 Data flow for `run(request)`:
-  prepare (chat template + processor, in a thread) -> encoder (only with audio/images) -> thinker;
+  prepare (chat template + processor, in a thread) -> one replica of each stage the request needs
+  (`StageMesh.plan`, gateway/stage_mesh.py) -> encoder (only with audio/images) -> thinker;
   thinker chunks: text deltas go to the client, tensors go on to the talker; talker chunks (codes) go
   on to the vocoder; vocoder chunks (pcm) go to the client. With `async_chunk` every chunk is forwarded
   the moment it arrives, so the talker and vocoder start before the thinker finishes; without it each
@@ -9,12 +10,14 @@ Data flow for `run(request)`:
 Three relay coroutines run concurrently and feed one event queue (deltas of one kind that queued up while
 the front end was busy leave it joined: `merge_ready`); the first failure cancels the rest
 and every open stage stream, and is raised as a `PipelineError` with the HTTP status / gRPC code the
-front ends answer with (a stage that is down: 503 / UNAVAILABLE).
+front ends answer with (a stage that is down: 503 / UNAVAILABLE). A replica that is unreachable or full
+(UNAVAILABLE / RESOURCE_EXHAUSTED) before the client got anything has the request run again on another
+replica of its stage (`_attempts`); after that the error reaches the client.
 
 The gateway stays on the control path: stage-to-stage tensors pass through as the producer wrote them
-(`parts()` -> `send_part`), never decoded here. `connect()` picks each producer's output transport from
-both ends' Info (`choose_transport`): between co-located stages the frames are shared-memory (or CUDA
-IPC) references, so only headers cross the gateway; across hosts they are inline pieces. A request that
+(`parts()` -> `send_part`), never decoded here. Each producer replica's output transport comes from both
+ends' Info (`StageMesh.mode`): between co-located replicas the frames are shared-memory (or CUDA IPC)
+references, so only headers cross the gateway; across hosts they are inline pieces. A request that
 fails or is cancelled tells every producer that used shared memory to take back the frames nobody
 claimed (`StageClient.release`). `received_bytes` / `tensor_bytes` / `inline_bytes` count, per stage,
 what the gateway read off the wire, the tensor bytes those frames described, and how many of them came
@@ -27,7 +30,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import grpc
@@ -36,14 +40,14 @@ import torch
 
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, PipelineError, TextDelta
 from gateway.prompt import PromptInputs
+from gateway.replicas import RETRY_CODES, Lease, Replica
+from gateway.stage_mesh import REPLICA_GRACE_S, StageMesh
 from gateway.request_log import RequestLog
 from gateway.stage_sampling import talker_sampling, thinker_sampling
-from omnimesh.models.qwen3_omni.code_windows import windows_text
 from omnimesh.transport.chunk_codec import ChunkEncoder
 from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageCallError, StageClient, StageStream
 from omnimesh.queue_runs import take_run
-from omnimesh.transport.transport import choose_transport
 from omnimesh.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
@@ -61,13 +65,22 @@ _HTTP = {
 
 def stage_error(exc: StageCallError) -> PipelineError:
     status, kind = _HTTP.get(exc.code, (500, "internal_error"))
-    return PipelineError(exc.message, http_status=status, grpc_code=exc.code.value[0], kind=kind)
+    return PipelineError(exc.message, http_status=status, grpc_code=exc.code.value[0], kind=kind, stage=exc.stage)
+
+
+@dataclass(slots=True)
+class _Leg:
+    """One stage's part in one attempt at a request: its stream, the replica it runs on, its output transport."""
+
+    stream: StageStream
+    replica: Replica
+    transport: str
 
 
 class StagePipeline:
     def __init__(
         self,
-        stages: dict[str, StageClient],
+        stages: Mapping[str, StageClient | Sequence[StageClient]],
         prepare: Callable[[ChatRequest], PromptInputs],
         *,
         served_models: tuple[str, ...],
@@ -78,92 +91,47 @@ class StagePipeline:
         missing = {"thinker"} - set(stages)
         if missing:
             raise ValueError(f"the gateway needs at least a thinker stage; missing: {sorted(missing)}")
-        self.stages = stages
+        self.mesh = StageMesh(stages)
+        self.stages = self.mesh.stages
         self.prepare = prepare
         self.served_models = served_models
         self.async_chunk = async_chunk
         self.request_timeout_s = request_timeout_s
         self.request_log = request_log  # --enable-log-requests
-        self.voices: tuple[str, ...] = ()
-        self.default_voice = ""
-        self.sample_rate = 24000
-        self.talker_options: dict[str, str] = {}  # the talker's output chunks = the vocoder's decode windows
-        self.eager_tokens = 1  # thinker tokens sent one by one before --stream-interval applies
-        self.output_transport: dict[str, str] = {name: "grpc" for name in stages}
+        self.output_transport = self.mesh.output_transport  # each stage's, for /metrics
         self.received_bytes: dict[str, int] = dict.fromkeys(stages, 0)
         self.tensor_bytes: dict[str, int] = dict.fromkeys(stages, 0)
         self.inline_bytes: dict[str, int] = dict.fromkeys(stages, 0)
-        self._background: set[asyncio.Task] = set()
         self._in_flight: set[str] = set()  # request ids running here: each names its state in every stage
 
-    async def connect(self, timeout_s: float = 60.0) -> None:
-        """Read each stage's Info (voices, sample rate), waiting up to `timeout_s` for them to come up."""
-        deadline = time.monotonic() + timeout_s
-        infos: dict[str, stage_pb2.StageInfo] = {}
-        for name, client in self.stages.items():
-            while True:
-                try:
-                    info = await client.info(timeout_s=2.0)
-                    break
-                except StageCallError as exc:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"stage {name} at {client.address} did not answer within {timeout_s:.0f}s: {exc.message}") from exc
-                    await asyncio.sleep(0.5)
-            if name == "talker":
-                self.voices = tuple(info.speakers)
-                self.default_voice = info.speakers[0] if info.speakers else ""
-            if name == "vocoder" and info.sample_rate:
-                self.sample_rate = info.sample_rate
-            if name == "vocoder" and info.window_codes > 0:
-                # the vocoder decodes nothing before a window is whole: the talker sends each window's codes as
-                # one chunk instead of one message per code group, and no audio comes later for it
-                windows = tuple(info.window_schedule) or (info.first_window_codes or info.window_codes,
-                                                          info.window_codes)
-                self.talker_options = {"chunk_schedule": windows_text(windows)}
-                # the talker's first window of codes reads the thinker's first `first` + 1 tokens: those leave
-                # the thinker one by one whatever its --stream-interval, so the first audio never waits
-                self.eager_tokens = windows[0] + 1
-            infos[name] = info
-        self._choose_transports(infos)
+    @property
+    def voices(self) -> tuple[str, ...]:
+        return self.mesh.voices
 
-    def _choose_transports(self, infos: dict[str, stage_pb2.StageInfo]) -> None:
-        """Each producer's output transport, from its own setting and both ends' host ids."""
-        own_host = self.stages["thinker"].transport.host_id
-        for producer, consumer in EDGES:
-            info = infos.get(producer)
-            if info is None:
-                continue
-            if consumer == "gateway":
-                consumer_host = own_host
-            elif consumer in infos:
-                consumer_host = infos[consumer].host_id
-            else:
-                continue  # no consumer stage: this stage's tensors go nowhere
-            try:
-                mode = choose_transport(producer, info.transport or "grpc", info.host_id, info.device, consumer,
-                                        consumer_host)
-            except ValueError as exc:
-                raise RuntimeError(str(exc)) from exc
-            self.output_transport[producer] = mode
-            log.info("edge %s -> %s: %s", producer, consumer, mode)
+    @property
+    def default_voice(self) -> str:
+        return self.mesh.default_voice
+
+    @property
+    def sample_rate(self) -> int:
+        return self.mesh.sample_rate
+
+    async def connect(self, timeout_s: float = 60.0, late_grace_s: float = REPLICA_GRACE_S) -> None:
+        """Find the stages (StageMesh.connect): bounded wait for a replica of each."""
+        await self.mesh.connect(timeout_s, late_grace_s)
 
     async def health(self) -> dict[str, bool]:
-        names = list(self.stages)
-        states = await asyncio.gather(*(self.stages[n].serving() for n in names))
-        return dict(zip(names, states))
+        return await self.mesh.health()
 
-    def _client(self, name: str) -> StageClient:
-        client = self.stages.get(name)
-        if client is None:
-            raise PipelineError(
-                f"this gateway has no {name} stage (start it and pass --stages {name}=HOST:PORT)",
-                http_status=503, grpc_code=grpc.StatusCode.UNAVAILABLE.value[0], kind="service_unavailable",
-            )
-        return client
+    async def health_detail(self) -> dict[str, dict[str, bool]]:
+        return await self.mesh.health_detail()
+
+    async def close(self) -> None:
+        await self.mesh.close()
 
     async def run(self, request: ChatRequest) -> AsyncIterator[Event]:
         want_audio = "audio" in request.modalities
-        voice = (request.voice or self.default_voice).lower()
+        voice = (request.voice or self.mesh.default_voice).lower()
         if want_audio and voice not in self.voices:
             raise PipelineError(
                 f"unknown voice {request.voice!r}; available: {', '.join(self.voices)}",
@@ -181,7 +149,10 @@ class StagePipeline:
         self._in_flight.add(rid)
         started, done, error = time.monotonic(), None, None
         try:
-            async with contextlib.aclosing(self._run(request, want_audio, voice)) as events:
+            prompt = await asyncio.to_thread(self.prepare, request)
+            if self.request_log is not None:
+                self.request_log.received(request, int(prompt.input_ids.numel()))
+            async with contextlib.aclosing(self._attempts(request, prompt, want_audio, voice)) as events:
                 async for event in events:  # closing `run` closes this: the stages hear of the cancel at once
                     if isinstance(event, Finished):
                         done = event
@@ -196,38 +167,74 @@ class StagePipeline:
             if self.request_log is not None:
                 self.request_log.finished(rid, time.monotonic() - started, done, error)
 
-    async def _run(self, request: ChatRequest, want_audio: bool, voice: str) -> AsyncGenerator[Event, None]:
-        prompt = await asyncio.to_thread(self.prepare, request)
-        if self.request_log is not None:
-            self.request_log.received(request, int(prompt.input_ids.numel()))
-        rid = request.request_id
+    async def _attempts(self, request: ChatRequest, prompt: PromptInputs, want_audio: bool,
+                        voice: str) -> AsyncGenerator[Event, None]:
+        """Run the request on one replica of each stage; when a replica is unreachable or full
+        (UNAVAILABLE / RESOURCE_EXHAUSTED) before the client got anything, run it again on another one of
+        that stage (under a new id in the stages: `ID#1`, ...) — once per replica, at most."""
+        tried: dict[str, set[int]] = {}
+        attempt = 0
+        while True:
+            plan = self.mesh.plan(bool(_encoder_inputs(prompt)), want_audio, tried)
+            sent = ok = False
+            try:
+                sid = request.request_id if attempt == 0 else f"{request.request_id}#{attempt}"
+                async with contextlib.aclosing(self._run(request, sid, prompt, want_audio, voice, plan)) as events:
+                    async for event in events:
+                        sent = True
+                        yield event
+                ok = True
+                return
+            except PipelineError as exc:
+                lease = plan.get(exc.stage) if exc.stage is not None else None
+                if lease is None or exc.grpc_code not in RETRY_CODES:
+                    raise
+                rs = self.stages[lease.replica.stage]
+                rs.mark_down(lease.replica, exc.message)
+                tried.setdefault(rs.stage, set()).add(lease.replica.index)
+                if sent or len(tried[rs.stage]) >= len(rs.known()):
+                    raise
+                log.warning("request %s: %s; running it again on another %s replica", request.request_id,
+                            exc.message, rs.stage)
+                attempt += 1
+            finally:
+                for lease in plan.values():
+                    lease.done(ok)
+
+    async def _run(self, request: ChatRequest, rid: str, prompt: PromptInputs, want_audio: bool, voice: str,
+                   plan: dict[str, Lease]) -> AsyncGenerator[Event, None]:
         deadline = time.time() + self.request_timeout_s
-        streams: list[StageStream] = []
+        legs: list[_Leg] = []
         events: asyncio.Queue = asyncio.Queue()
         relays: list[asyncio.Task] = []
         ok = False
         try:
-            features = await self._encode(rid, prompt, deadline, streams)
-            out = self.output_transport
-            thinker = await self._client("thinker").open(
+            features = await self._encode(rid, prompt, deadline, plan, legs)
+            thinker_replica = plan["thinker"].replica
+            out = self.mesh.mode(thinker_replica, plan["talker"].replica.host, "talker") if want_audio else "grpc"
+            thinker = await thinker_replica.client.open(
                 rid, thinker_sampling(request),
-                {"talker_inputs": "1" if want_audio else "0", "eager_tokens": str(self.eager_tokens if want_audio else 1)},
-                deadline,
-                transport=out["thinker"] if want_audio else "grpc",
+                {"talker_inputs": "1" if want_audio else "0",
+                 "eager_tokens": str(self.mesh.eager_tokens if want_audio else 1)},
+                deadline, transport=out,
             )
-            streams.append(thinker)
+            legs.append(_Leg(thinker, thinker_replica, out))
             await self._send_prompt(thinker, prompt, features)
             talker = vocoder = None
             if want_audio:
                 whole = not self.async_chunk
-                talker = await self._client("talker").open(
-                    rid, talker_sampling(request), {"speaker": voice, **self.talker_options}, deadline, whole_input=whole,
-                    transport=out["talker"],
+                replica = plan["talker"].replica
+                out = self.mesh.mode(replica, plan["vocoder"].replica.host, "vocoder")
+                talker = await replica.client.open(
+                    rid, talker_sampling(request), {"speaker": voice, **self.mesh.talker_options}, deadline,
+                    whole_input=whole,
+                    transport=out,
                 )
-                streams.append(talker)
-                vocoder = await self._client("vocoder").open(rid, None, {}, deadline, whole_input=whole,
-                                                             transport=out["vocoder"])
-                streams.append(vocoder)
+                legs.append(_Leg(talker, replica, out))
+                replica = plan["vocoder"].replica
+                out = self.mesh.mode(replica, self.mesh.host_id, "gateway")
+                vocoder = await replica.client.open(rid, None, {}, deadline, whole_input=whole, transport=out)
+                legs.append(_Leg(vocoder, replica, out))
             relays.append(asyncio.create_task(self._relay(thinker, talker, events, text=True)))
             if talker is not None and vocoder is not None:
                 relays.append(asyncio.create_task(self._relay(talker, vocoder, events, text=False)))
@@ -260,29 +267,26 @@ class StagePipeline:
         finally:
             for task in relays:
                 task.cancel()
-            for stream in streams:
-                await stream.cancel()
-                self.received_bytes[stream.stage] += stream.received_bytes
-                self.tensor_bytes[stream.stage] += stream.tensor_bytes
-                self.inline_bytes[stream.stage] += stream.inline_bytes
+            for leg in legs:
+                await leg.stream.cancel()
+                self.received_bytes[leg.stream.stage] += leg.stream.received_bytes
+                self.tensor_bytes[leg.stream.stage] += leg.stream.tensor_bytes
+                self.inline_bytes[leg.stream.stage] += leg.stream.inline_bytes
             if not ok:
-                self._release(rid, [s.stage for s in streams])
+                self._release(rid, legs)
 
-    def _release(self, rid: str, stages: list[str]) -> None:
+    def _release(self, rid: str, legs: list[_Leg]) -> None:
         """A failed or cancelled request: producers that used shared memory take back its unclaimed frames
         (in the background: this runs while the request's own task may be cancelled)."""
-        for name in stages:
-            if self.output_transport.get(name, "grpc") == "grpc":
-                continue
-            task = asyncio.get_running_loop().create_task(self._release_one(name, rid))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        for leg in legs:
+            if leg.transport != "grpc":
+                self.mesh.spawn(self._release_one(leg.replica, rid))
 
-    async def _release_one(self, name: str, rid: str) -> None:
+    async def _release_one(self, replica: Replica, rid: str) -> None:
         try:
-            await self.stages[name].release(rid)
+            await replica.client.release(rid)
         except StageCallError as exc:  # the stage's own deadline sweep frees them later
-            log.warning("release of request %s at %s failed: %s", rid, name, exc.message)
+            log.warning("release of request %s at %s failed: %s", rid, replica.label, exc.message)
 
     async def _send_prompt(self, thinker: StageStream, prompt: PromptInputs, features: list[stage_pb2.Chunk]) -> None:
         """The thinker's one input chunk: the prompt ids (inline) + the encoder's output parts as they came."""
@@ -303,19 +307,16 @@ class StagePipeline:
         for part in parts:
             await thinker.send_part(part)
 
-    async def _encode(self, rid: str, prompt: PromptInputs, deadline: float, streams: list[StageStream]) -> list[stage_pb2.Chunk]:
+    async def _encode(self, rid: str, prompt: PromptInputs, deadline: float, plan: dict[str, Lease],
+                      legs: list[_Leg]) -> list[stage_pb2.Chunk]:
         """Run the encoder when the prompt has audio or images -> its output parts (passed on unread)."""
-        tensors: dict[str, torch.Tensor] = {}
-        if prompt.input_features is not None and prompt.feature_attention_mask is not None:
-            tensors["input_features"] = prompt.input_features
-            tensors["feature_attention_mask"] = prompt.feature_attention_mask
-        if prompt.pixel_values is not None and prompt.image_grid_thw is not None:
-            tensors["pixel_values"] = prompt.pixel_values
-            tensors["image_grid_thw"] = prompt.image_grid_thw
+        tensors = _encoder_inputs(prompt)
         if not tensors:
             return []
-        encoder = await self._client("encoder").open(rid, None, {}, deadline, transport=self.output_transport["encoder"])
-        streams.append(encoder)
+        replica = plan["encoder"].replica
+        out = self.mesh.mode(replica, plan["thinker"].replica.host, "thinker")
+        encoder = await replica.client.open(rid, None, {}, deadline, transport=out)
+        legs.append(_Leg(encoder, replica, out))
         await encoder.send(StageChunk(tensors=tensors, final=True))
         return [part async for part in encoder.parts()]
 
@@ -332,7 +333,7 @@ class StagePipeline:
                     chunk = source.assemble(part)
                     if chunk is not None and "pcm" in chunk.tensors and chunk.tensors["pcm"].numel():
                         pcm = chunk.tensors["pcm"].to(torch.float32).numpy()
-                        events.put_nowait(AudioDelta(pcm=pcm, sample_rate=self.sample_rate))
+                        events.put_nowait(AudioDelta(pcm=pcm, sample_rate=self.mesh.sample_rate))
                 if sink is not None:
                     # without async_chunk the sink was opened with whole_input: it buffers until the final chunk
                     await sink.send_part(part)
@@ -371,5 +372,14 @@ def _joined(deltas: list[TextDelta | AudioDelta]) -> Event:
     return AudioDelta(pcm=np.concatenate(pcm), sample_rate=deltas[0].sample_rate)
 
 
-# producer -> consumer of every stage edge (the vocoder's pcm is read by the gateway itself)
-EDGES = (("encoder", "thinker"), ("thinker", "talker"), ("talker", "vocoder"), ("vocoder", "gateway"))
+def _encoder_inputs(prompt: PromptInputs) -> dict[str, torch.Tensor]:
+    """What the encoder reads from a prompt; empty when it has neither audio nor images."""
+    tensors: dict[str, torch.Tensor] = {}
+    if prompt.input_features is not None and prompt.feature_attention_mask is not None:
+        tensors["input_features"] = prompt.input_features
+        tensors["feature_attention_mask"] = prompt.feature_attention_mask
+    if prompt.pixel_values is not None and prompt.image_grid_thw is not None:
+        tensors["pixel_values"] = prompt.pixel_values
+        tensors["image_grid_thw"] = prompt.image_grid_thw
+    return tensors
+

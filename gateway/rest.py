@@ -17,9 +17,9 @@ Also: OpenAI's `POST /v1/audio/transcriptions` / `translations` (`gateway/transc
 `/detokenize` (`gateway/tokenize_api.py`), `GET /version`, `GET /health` (200 / 503
 naming the stages down), `GET /metrics` (Prometheus
 text, `omnimesh:` prefix): the gateway's own series (a per-app registry; no `stage` label) followed by
-every stage's, scraped over the Stage `Metrics` RPC at each request and merged into one family per name
-(stage series carry `stage="thinker"` etc.; a stage that does not answer is left out and
-`omnimesh:stage_scrape_up{stage}` says 0). Run: `uvicorn.Server(uvicorn.Config(create_app(p), ...))`.
+every stage replica's, scraped over the Stage `Metrics` RPC at each request and merged into one family per
+name (stage series carry `stage="thinker"` and `replica="0"` etc.; a replica that does not answer is left
+out and `omnimesh:stage_scrape_up{stage,replica}` says 0: gateway/stage_scrape.py). Run: `uvicorn.Server(uvicorn.Config(create_app(p), ...))`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -91,6 +91,7 @@ from gateway.openai_schema import (
 from gateway.prompt import PromptBuilder
 from gateway.tokenize_api import TokenizeRoutes
 from gateway.transcription_api import TranscriptionRoutes
+from gateway.stage_scrape import StageSources, scrape_stages
 from omnimesh.engine.metrics import merge_families, parse_exposition
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,8 @@ class RestMetrics:
         self.prompt_tokens = Counter("omnimesh:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("omnimesh:generation_tokens", "Text tokens generated", registry=r)
         self.running = Gauge("omnimesh:requests_running", "Chat requests in flight", registry=r)
-        self.scrape_up = Gauge("omnimesh:stage_scrape_up", "1 when the stage answered the last /metrics scrape",
-                               ["stage"], registry=r)
+        self.scrape_up = Gauge("omnimesh:stage_scrape_up", "1 when the stage replica answered the last /metrics "
+                               "scrape", ["stage", "replica"], registry=r)
 
 
 class _HandOffCollector(Collector):
@@ -154,12 +155,6 @@ class _HandOffCollector(Collector):
         return [wire, frames, inlined, edge]
 
 
-class MetricsSource(Protocol):
-    """A stage whose metrics /metrics includes (a `StageClient`)."""
-
-    async def metrics(self, timeout_s: float = ...) -> str: ...
-
-
 @dataclass(slots=True)
 class _Call:
     """One chat completion in flight: what the response needs besides the events."""
@@ -186,7 +181,7 @@ class RestGateway:
     """The route handlers of one app; `create_app` wires them."""
 
     def __init__(self, pipeline: Pipeline, served_model_names: tuple[str, ...], loader: MediaLoader,
-                 stage_metrics: Mapping[str, MetricsSource] | None = None, max_model_len: int | None = None) -> None:
+                 stage_metrics: StageSources | None = None, max_model_len: int | None = None) -> None:
         self.pipeline = pipeline
         self.max_model_len = max_model_len  # on the model cards, when the prompt builder is known
         self.stage_metrics = dict(stage_metrics or {})
@@ -404,8 +399,15 @@ class RestGateway:
         return JSONResponse({"version": VERSION})
 
     async def health(self, request: Request) -> Response:
+        """200 while every stage has a replica serving (a replica down is named in `replicas` / `message`),
+        else 503 naming the stages down."""
+        detail_of = getattr(self.pipeline, "health_detail", None)  # per replica, where the pipeline has them
         try:
-            stages = await asyncio.wait_for(self.pipeline.health(), HEALTH_TIMEOUT_S)
+            if detail_of is not None:
+                replicas = await asyncio.wait_for(detail_of(), HEALTH_TIMEOUT_S)
+                stages = {name: any(states.values()) for name, states in replicas.items()}
+            else:
+                replicas, stages = None, await asyncio.wait_for(self.pipeline.health(), HEALTH_TIMEOUT_S)
         except TimeoutError:
             return JSONResponse({"status": "unavailable", "stages": {}, "down": [],
                                  "message": f"the health check took longer than {HEALTH_TIMEOUT_S:g} s"}, 503)
@@ -413,29 +415,22 @@ class RestGateway:
             return JSONResponse({"status": "unavailable", "stages": {}, "down": [],
                                  "message": f"the health check failed: {type(e).__name__}: {e}"}, 503)
         down = [name for name, ok in stages.items() if not ok]
+        body: dict[str, object] = {"status": "unavailable" if down else "ok", "stages": stages, "down": down}
+        if replicas is not None:
+            body["replicas"] = replicas
+            lagging = [f"{name} {addr}" for name, states in replicas.items() if stages[name]
+                       for addr, ok in states.items() if not ok]
+            if lagging:
+                body["message"] = f"replica(s) not serving (their stages still serve): {', '.join(lagging)}"
         if down:
-            return JSONResponse({"status": "unavailable", "stages": stages, "down": down,
-                                 "message": f"stage(s) not serving: {', '.join(down)}"}, 503)
-        return JSONResponse({"status": "ok", "stages": stages, "down": []})
+            body["message"] = f"stage(s) not serving: {', '.join(down)}"
+            return JSONResponse(body, 503)
+        return JSONResponse(body)
 
     async def metrics_text(self, request: Request) -> Response:
-        names = list(self.stage_metrics)
-        scraped = await asyncio.gather(*(self._scrape(n) for n in names))
-        for name, families in zip(names, scraped):
-            self.metrics.scrape_up.labels(stage=name).set(0 if families is None else 1)
+        scraped = await scrape_stages(self.stage_metrics, self.metrics.scrape_up, STAGE_SCRAPE_TIMEOUT_S)
         own = parse_exposition(generate_latest(self.metrics.registry).decode())  # `_created` as in the stages'
-        text = merge_families([own, *(f for f in scraped if f is not None)])
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
-
-    async def _scrape(self, name: str) -> list[Metric] | None:
-        """One stage's metric families; None when it does not answer in time or answers garbage."""
-        try:
-            text = await asyncio.wait_for(self.stage_metrics[name].metrics(timeout_s=STAGE_SCRAPE_TIMEOUT_S),
-                                          STAGE_SCRAPE_TIMEOUT_S + 0.5)
-            return parse_exposition(text)
-        except Exception as e:
-            log.debug("scraping the metrics of stage %s failed: %s", name, e)
-            return None
+        return Response(merge_families([own, *scraped]), media_type=CONTENT_TYPE_LATEST)
 
 
 class _Stream:
@@ -503,7 +498,7 @@ async def _close(events: AsyncIterator[Event]) -> None:
 def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                allowed_media_domains: frozenset[str] = frozenset(), limits: InputLimits | None = None,
                media_transport: object | None = None,
-               stage_metrics: Mapping[str, MetricsSource] | None = None, api_keys: tuple[str, ...] = (),
+               stage_metrics: StageSources | None = None, api_keys: tuple[str, ...] = (),
                front: HttpFront | None = None, prompts: PromptBuilder | None = None) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
     ask for; `allowed_media_domains` the hosts http(s) media may come from (empty = none);

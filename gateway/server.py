@@ -1,7 +1,8 @@
 """`omnimesh gateway`: the REST (FastAPI/uvicorn) and gRPC (omnimesh.v1.Omni) fronts on one event loop.
 
 Data flow: load the tokenizer + processor from the model folder -> StageClients for the given stage
-addresses -> StagePipeline.connect() (reads voices / sample rate from the stages, bounded wait) ->
+addresses (several for a stage with replicas: gateway/replicas.py) -> StagePipeline.connect() (reads voices /
+sample rate from the stages, bounded wait) ->
 serve REST on --host:--port and gRPC on --host:--grpc-port (TLS, CORS, access log: gateway/http_front.py)
 until SIGTERM / SIGINT. REST /metrics also scrapes every stage's Metrics RPC through the same clients.
 """
@@ -22,6 +23,7 @@ from gateway.http_front import HttpFront
 from gateway.pipeline import StagePipeline
 from gateway.prompt import PromptBuilder, load_chat_template
 from gateway.request_log import RequestLog
+from gateway.stage_discovery import StageDiscovery, parse_dns_target
 from gateway.rest import create_app
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
@@ -40,22 +42,35 @@ def model_max_len(model_dir: Path) -> int:
     return int(config.get_text_config().max_position_embeddings)
 
 
-def build_pipeline(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> StagePipeline:
+def build_pipeline(args: ServeArgs, model_dir: Path,
+                   stage_addrs: dict[str, list[str]]) -> tuple[StagePipeline, StageDiscovery | None]:
+    """The stage chain over the given addresses, and the DNS lookups of the stages named dns:///HOST:PORT
+    (None when every stage has fixed addresses; such a stage starts with no replica)."""
     name = args.model_name(model_dir)
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir), chat_template=template)
     if template is not None:
         log.info("gateway: chat template from --chat-template (%d characters) instead of the model's", len(template))
     transport = Transport("gateway", "grpc")  # the gateway reads shm frames (the vocoder's pcm), never writes any
-    clients = {stage: StageClient(stage, addr, transport) for stage, addr in stage_addrs.items()}
+
+    def client(stage: str, address: str) -> StageClient:
+        return StageClient(stage, address, transport)
+
+    targets = {stage: t for stage, addrs in stage_addrs.items() for a in addrs if (t := parse_dns_target(a)) is not None}
+    clients = {stage: [client(stage, a) for a in addrs if stage not in targets] for stage, addrs in stage_addrs.items()}
     request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
-    return StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk, request_log=request_log)
+    pipeline = StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk,
+                             request_log=request_log)
+    discovery = StageDiscovery(targets, pipeline.stages, client, args.stage_dns_refresh) if targets else None
+    return pipeline, discovery
 
 
-async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> None:
+async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, list[str]]) -> None:
     keys = parse_api_keys(args.api_key)  # first: a bad $OMNIMESH_API_KEY stops us before any stage is dialled
     front = HttpFront.from_args(args)  # and an unreadable --ssl-keyfile
-    pipeline = build_pipeline(args, model_dir, stage_addrs)
+    pipeline, discovery = build_pipeline(args, model_dir, stage_addrs)
+    if discovery is not None:
+        discovery.start()  # before connect(): it waits for each stage's first replica
     await pipeline.connect()
     domains = frozenset(d.strip() for d in (args.allowed_media_domains or "").split(",") if d.strip())
     if keys:
@@ -85,9 +100,12 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     rest.should_exit = True
     await asyncio.gather(rest_task, return_exceptions=True)
     await grpc_server.stop(5.0)
+    if discovery is not None:
+        await discovery.stop()
+    await pipeline.close()
 
 
-def run_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, str]) -> int:
+def run_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, list[str]]) -> int:
     import uvloop
 
     tune_malloc()

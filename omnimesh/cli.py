@@ -141,6 +141,10 @@ def cmd_stage(ns: argparse.Namespace) -> int:
         return rc
     if (rc := _check_supported(args, stage)) is not None:
         return rc
+    if (replicas := args.stage_configs()[stage].num_replicas) > 1:
+        return _fail(f"num_replicas = {replicas} for stage {stage}: one `omnimesh stage` process is one replica; start "
+                     f"it {replicas} times on ports of their own and name each in the gateway's --stages "
+                     f"({stage}=HOST:PORT,{stage}=HOST:PORT2,...), or let `omnimesh serve` start them")
     from omnimesh.server.stage_server import run_stage
     from omnimesh.stage_registry import handler_factory
 
@@ -184,13 +188,23 @@ def _use_allocator(ns: argparse.Namespace, mode: str, device: str | None, role: 
     return None
 
 
-def parse_stage_addresses(text: str) -> dict[str, str]:
-    out: dict[str, str] = {}
+def parse_stage_addresses(text: str) -> dict[str, list[str]]:
+    """`NAME=HOST:PORT,...` -> each stage's addresses; a name given again adds a replica of that stage, and
+    `NAME=dns:///HOST:PORT` (alone for its stage) makes every address HOST resolves to a replica."""
+    from gateway.stage_discovery import parse_dns_target
+
+    out: dict[str, list[str]] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         name, sep, addr = item.partition("=")
         if not sep or name not in STAGES or ":" not in addr:
             raise ValueError(f"--stages: {item!r} must look like NAME=HOST:PORT with NAME one of {', '.join(STAGES)}")
-        out[name] = addr
+        if addr in out.get(name, []):
+            raise ValueError(f"--stages names {name}={addr} twice; each replica needs its own address")
+        out.setdefault(name, []).append(addr)
+        if parse_dns_target(addr) is not None and len(out[name]) > 1 or any(
+                parse_dns_target(a) is not None for a in out[name][:-1]):
+            raise ValueError(f"--stages: stage {name} is named by DNS ({name}=dns:///HOST:PORT); give it alone, "
+                             f"without other addresses")
     if "thinker" not in out:
         raise ValueError("--stages must name at least the thinker, e.g. thinker=127.0.0.1:50052")
     return out
@@ -226,7 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     gw = sub.add_parser("gateway", help="start the gateway against running stages")
     add_arguments(gw, only=GATEWAY_FIELDS)
     gw.add_argument("--model", default=None, help="model folder: tokenizer and processor (default: the built-in tiny model)")
-    gw.add_argument("--stages", required=True, help="NAME=HOST:PORT,... for encoder, thinker, talker, vocoder")
+    gw.add_argument("--stages", required=True, help="NAME=HOST:PORT,... for encoder, thinker, talker, vocoder; "
+                    "name a stage again for each of its replicas (vocoder=A:P,vocoder=B:P), or once by a DNS name "
+                    "whose every address is a replica (vocoder=dns:///omnimesh-vocoder:50054, a Kubernetes headless "
+                    "Service); each request goes to the least busy replica")
     gw.set_defaults(func=cmd_gateway)
 
     tiny = sub.add_parser("make-tiny", help="write the built-in tiny random-weight model folder")

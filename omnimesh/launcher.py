@@ -1,6 +1,8 @@
 """MeshLauncher: `omnimesh serve` — every stage and the gateway as child processes of one command.
 
-Data flow: pick ports -> start the four stage processes (`omnimesh stage NAME ...`) -> wait until each
+Data flow: pick ports -> start the stage processes (`omnimesh stage NAME ...`; a stage with `num_replicas`
+N in --stage-overrides runs as N processes, `NAME#0` ... `NAME#N-1`, each on its own port and its own slice
+of the stage's `devices`, all handed to the gateway, which balances requests over them) -> wait until each
 answers gRPC health (bounded; a stage that exits during start-up is reported by name with its exit
 code) -> start the gateway process pointed at them (with the HTTP front flags: CORS, TLS, logs) -> wait
 for its /health -> print where it listens
@@ -29,7 +31,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from omnimesh.config.serve_args import HTTP_FRONT_FIELDS, ServeArgs
-from omnimesh.config.stage_config import STAGES
 from omnimesh.proc_utils import die_with_parent, free_port
 
 START_TIMEOUT_S = 600.0
@@ -71,7 +72,7 @@ class MeshLauncher:
         self.children.append(child)
         return child
 
-    def _stage_argv(self, stage: str, port: int) -> list[str]:
+    def _stage_argv(self, stage: str, port: int, replica: int = 0) -> list[str]:
         a = self.args
         argv = ["stage", stage, "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
@@ -89,19 +90,22 @@ class MeshLauncher:
                                   "gpu_memory_utilization": cfg.gpu_memory_utilization,
                                   "transport": cfg.transport, "shm_arena_size": cfg.shm_arena_size,
                                   "shm_min_tensor_size": cfg.shm_min_tensor_size, "nice": cfg.nice}
-        for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "devices", "bulk_nice", "yield_steps"):
+        for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "bulk_nice", "yield_steps"):
             if getattr(cfg, key) is not None:
                 own[key] = getattr(cfg, key)
+        if devices := cfg.replica_devices(replica):  # each replica on its own slice of the stage's devices
+            own["devices"] = ",".join(devices)
         if cfg.pp_layer_partition is not None:
             own["pp_layer_partition"] = list(cfg.pp_layer_partition)
         if own:
             argv += ["--stage-overrides", json.dumps({stage: own})]
         return argv
 
-    def _gateway_argv(self, stage_addrs: dict[str, str]) -> list[str]:
+    def _gateway_argv(self, stage_addrs: dict[str, list[str]]) -> list[str]:
         a = self.args
+        stages = ",".join(f"{k}={v}" for k, addrs in stage_addrs.items() for v in addrs)  # a replica: its name again
         argv = ["gateway", "--model", str(self.model_dir), "--host", a.host, "--port", str(a.port),
-                "--grpc-port", str(a.grpc_port), "--stages", ",".join(f"{k}={v}" for k, v in stage_addrs.items()),
+                "--grpc-port", str(a.grpc_port), "--stages", stages,
                 "--async-chunk" if a.async_chunk else "--no-async-chunk", "--malloc", a.malloc]
         for flag, value in (("--served-model-name", a.served_model_name), ("--max-model-len", a.max_model_len),
                             ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template),
@@ -155,12 +159,12 @@ class MeshLauncher:
 
     def _run(self) -> int:
         base = self.args.stage_base_port
-        addrs: dict[str, str] = {}
-        stage_children = []
-        for i, stage in enumerate(STAGES):
-            port = base + i if base else free_port()
-            addrs[stage] = f"127.0.0.1:{port}"
-            stage_children.append(self._spawn(stage, self._stage_argv(stage, port), addrs[stage]))
+        addrs: dict[str, list[str]] = {}
+        stage_children: list[Child] = []
+        for stage, replica, name in stage_processes(self.args):
+            port = base + len(stage_children) if base else free_port()
+            addrs.setdefault(stage, []).append(f"127.0.0.1:{port}")
+            stage_children.append(self._spawn(name, self._stage_argv(stage, port, replica), addrs[stage][-1]))
         for child in stage_children:
             self._wait_ready(child, lambda c=child: _grpc_serving(c.address), "gRPC health")
         gw = self._spawn("gateway", self._gateway_argv(addrs), f"{self.args.host}:{self.args.port}", self._gateway_env())
@@ -169,7 +173,7 @@ class MeshLauncher:
         print(
             f"omnimesh serving {self.model_dir} — REST {scheme}://{self.args.host}:{self.args.port}/v1 , "
             f"gRPC {self.args.host}:{self.args.grpc_port} , stages "
-            + ", ".join(f"{k}@{v}" for k, v in addrs.items()),
+            + ", ".join(f"{c.name}@{c.address}" for c in stage_children),
             flush=True,
         )
         return self._watch()
@@ -259,6 +263,16 @@ class MeshLauncher:
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
                     child.proc.wait()
+
+
+def stage_processes(args: ServeArgs) -> list[tuple[str, int, str]]:
+    """(stage, replica, the name logs use) of every stage process, in start order (and port order under
+    --stage-base-port): `vocoder` alone, or `vocoder#0`, `vocoder#1` with two replicas."""
+    out = []
+    for stage, cfg in args.stage_configs().items():
+        for k in range(cfg.num_replicas):
+            out.append((stage, k, stage if cfg.num_replicas == 1 else f"{stage}#{k}"))
+    return out
 
 
 def _popen(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -31,7 +31,12 @@ class ServeArgs:
     host: str = _f("0.0.0.0", "address the gateway listens on", "--host")
     port: int = _f(8000, "gateway REST port (OpenAI-compatible API, /metrics, /health)", "--port")
     grpc_port: int = _f(8001, "gateway gRPC port (omnimesh.v1.Omni)", "--grpc-port")
-    stage_base_port: int = _f(50051, "first port of the stage services (encoder, thinker, talker, vocoder); 0 = any free port", "--stage-base-port")
+    stage_base_port: int = _f(50051, "first port of the stage services (encoder, thinker, talker, vocoder; a stage "
+                              "with replicas takes one port per replica, in that order); 0 = any free port",
+                              "--stage-base-port")
+    stage_dns_refresh: float = _f(10.0, "seconds between DNS lookups of the stages the gateway's --stages names as "
+                                  "dns:///HOST:PORT (each address one replica; new ones join, gone ones retire)",
+                                  "--stage-dns-refresh")
     stage_restarts: int = _f(3, "times `omnimesh serve` restarts a stage process that exits on its own, within 10 minutes "
                              "(backoff 1, 2, 4 ... 30 s); one more exit stops the whole mesh with code 1, for an outer "
                              "supervisor; 0: a dead stage stays down (requests that need it get 503)", "--stage-restarts")
@@ -131,8 +136,8 @@ class ServeArgs:
         for name in ("port", "grpc_port"):
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"--{name.replace('_', '-')} must be a port number 1-65535, got {getattr(self, name)}")
-        if not 0 <= self.stage_base_port < 65536 - len(STAGES):
-            raise ValueError(f"--stage-base-port must leave room for {len(STAGES)} ports below 65536, got {self.stage_base_port}")
+        if not self.stage_dns_refresh > 0:
+            raise ValueError(f"--stage-dns-refresh must be > 0 seconds, got {self.stage_dns_refresh}")
         if self.stage_restarts < 0:
             raise ValueError(f"--stage-restarts must be >= 0 (0: never restart a stage), got {self.stage_restarts}")
         if self.dtype not in DTYPES:
@@ -177,7 +182,10 @@ class ServeArgs:
         check_front_args(self)
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be a port number, got {self.master_port}")
-        self.stage_configs()  # validates -tp/-pp, utilization, --stage-overrides
+        processes = sum(cfg.num_replicas for cfg in self.stage_configs().values())  # validates -tp/-pp, --stage-overrides
+        if not 0 <= self.stage_base_port <= 65536 - processes:
+            raise ValueError(f"--stage-base-port must leave room for {processes} stage ports (one per stage replica) "
+                             f"below 65536, got {self.stage_base_port}")
 
     def model_name(self, model_dir: Path) -> str:
         """The name clients use and metrics carry: --served-model-name, else the model folder's name."""
@@ -220,11 +228,6 @@ class ServeArgs:
     def unsupported(self, only: str | None = None) -> list[str]:
         """Valid settings this version cannot run yet (each says what would be needed)."""
         out = []
-        for stage, cfg in self.stage_configs().items():
-            if only is not None and stage != only:
-                continue
-            if cfg.num_replicas > 1:
-                out.append(f"stage {stage}: num_replicas = {cfg.num_replicas} (replicas are not implemented yet)")
         if self.distributed_executor_backend == "ray":
             out.append("--distributed-executor-backend ray is not implemented yet (use mp)")
         if self.num_nodes > 1:
@@ -238,10 +241,11 @@ HTTP_FRONT_FIELDS = frozenset(
 )  # gateway/http_front.py
 GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
+     "stage_dns_refresh",
      "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
-    {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "api_key", "async_chunk",
+    {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len"}
 ) | HTTP_FRONT_FIELDS
 

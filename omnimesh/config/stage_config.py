@@ -57,7 +57,9 @@ class StageConfig:
     pp: int = field(default=1, metadata={"help": "pipeline-parallel ranks (contiguous layer ranges)"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel ranks (sharded weight matrices)"})
     devices: str | None = field(default=None, metadata={"help": "comma-separated device ids, e.g. '0,1'"})
-    num_replicas: int = field(default=1, metadata={"help": "independent copies of the stage"})
+    num_replicas: int = field(default=1, metadata={
+        "help": "independent copies of the stage under `omnimesh serve`, each with pp x tp ranks of its own; the "
+                "gateway sends each request to the least busy one"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of each device the stage may take"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests the stage runs at once"})
     max_waiting_requests: int = field(default=256, metadata={
@@ -132,10 +134,16 @@ class StageConfig:
         rounds = self.first_output_rounds
         if rounds is not None and (not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1):
             raise ValueError(f"first_output_rounds must be a whole number >= 1 (1: one model round per step), got {rounds!r}")
-        if self.devices is not None and self.device_list() and len(self.device_list()) != self.pp * self.tp:
+        if self.devices is not None and self.device_list() and len(self.device_list()) != self.world_size * self.num_replicas:
+            if self.num_replicas == 1:
+                raise ValueError(
+                    f"devices {self.devices!r} names {len(self.device_list())} devices but pp x tp = "
+                    f"{self.pp} x {self.tp} = {self.pp * self.tp}; give exactly pp x tp devices"
+                )
             raise ValueError(
-                f"devices {self.devices!r} names {len(self.device_list())} devices but pp x tp = "
-                f"{self.pp} x {self.tp} = {self.pp * self.tp}; give exactly pp x tp devices"
+                f"devices {self.devices!r} names {len(self.device_list())} devices but pp x tp x num_replicas = "
+                f"{self.pp} x {self.tp} x {self.num_replicas} = {self.world_size * self.num_replicas}; give exactly "
+                f"pp x tp devices per replica (replica k takes the k-th group of pp x tp)"
             )
         if self.pp_layer_partition is not None:
             if len(self.pp_layer_partition) != self.pp or any(n < 1 for n in self.pp_layer_partition):
@@ -161,6 +169,11 @@ class StageConfig:
     @property
     def world_size(self) -> int:
         return self.pp * self.tp
+
+    def replica_devices(self, replica: int) -> list[str]:
+        """The devices of replica `replica` (0-based): its group of pp x tp in `devices`; [] when none are given."""
+        devices = self.device_list()
+        return devices[replica * self.world_size:(replica + 1) * self.world_size]
 
     def device_list(self) -> list[str]:
         if not self.devices:

@@ -226,5 +226,11 @@ class StageClient:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
+    def unreachable(self) -> bool:
+        """True while gRPC cannot connect to the stage (its channel is in TRANSIENT_FAILURE, between reconnect
+        attempts); an idle channel starts connecting, so the next look can tell."""
+        state = self._channel.get_state(try_to_connect=True)
+        return state == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
     async def close(self) -> None:
         await self._channel.close()

@@ -64,8 +64,24 @@ def test_valid_but_unsupported_settings_are_listed() -> None:
     args = ServeArgs(stage_overrides='{"thinker": {"pp": 2}, "encoder": {"num_replicas": 2}}',
                      distributed_executor_backend="ray")
     text = "\n".join(args.unsupported())
-    assert "stage encoder: num_replicas = 2" in text and "ray is not implemented" in text
-    assert "stage thinker" not in text  # every stage runs pp x tp > 1
+    assert "ray is not implemented" in text
+    assert "stage" not in text  # every stage runs pp x tp > 1, and replicas
+
+
+def test_replicas_take_their_own_group_of_devices() -> None:
+    cfg = ServeArgs(stage_overrides='{"vocoder": {"tp": 2, "num_replicas": 2, "devices": "0,1,2,3"}}').stage_configs()
+    assert [cfg["vocoder"].replica_devices(k) for k in (0, 1)] == [["0", "1"], ["2", "3"]]
+    assert cfg["thinker"].replica_devices(0) == []  # none given: the default placement
+    with pytest.raises(ValueError, match=r"names 2 devices but pp x tp x num_replicas = 1 x 2 x 2 = 4; give exactly"):
+        ServeArgs(stage_overrides='{"vocoder": {"tp": 2, "num_replicas": 2, "devices": "0,1"}}')
+    with pytest.raises(ValueError, match=r"num_replicas must be a whole number >= 1, got 0"):
+        ServeArgs(stage_overrides='{"vocoder": {"replicas": 0}}')
+
+
+def test_stage_base_port_leaves_room_for_every_replica() -> None:
+    ServeArgs(stage_base_port=65532)  # four stages: 65532..65535
+    with pytest.raises(ValueError, match=r"room for 6 stage ports \(one per stage replica\) below 65536, got 65532"):
+        ServeArgs(stage_base_port=65532, stage_overrides='{"vocoder": {"num_replicas": 3}}')
 
 
 @pytest.mark.parametrize(
@@ -154,6 +170,36 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     assert cfg.max_waiting_requests == 3
     assert (cfg.transport, cfg.shm_arena_size, cfg.shm_min_tensor_size) == ("grpc", 64 * 2**20, 16 * 2**10)
     assert not from_namespace(build_parser().parse_args(thinker)).enforce_eager
+
+
+def test_launcher_starts_every_replica_on_its_own_port_and_devices(tmp_path) -> None:
+    from omnimesh.cli import parse_stage_addresses
+    from omnimesh.launcher import MeshLauncher, stage_processes
+
+    args = ServeArgs(stage_overrides='{"vocoder": {"tp": 2, "num_replicas": 2, "devices": "0,1,2,3"}, '
+                                     '"talker": {"replicas": 2}}')
+    assert stage_processes(args) == [("encoder", 0, "encoder"), ("thinker", 0, "thinker"), ("talker", 0, "talker#0"),
+                                     ("talker", 1, "talker#1"), ("vocoder", 0, "vocoder#0"), ("vocoder", 1, "vocoder#1")]
+    launcher = MeshLauncher(args, tmp_path)
+    for replica, devices in ((0, "0,1"), (1, "2,3")):
+        argv = launcher._stage_argv("vocoder", 50055 + replica, replica)
+        assert argv[argv.index("--port") + 1] == str(50055 + replica)
+        own = json.loads(argv[argv.index("--stage-overrides") + 1])["vocoder"]
+        assert own["devices"] == devices and "num_replicas" not in own  # each process is one replica
+    gateway = launcher._gateway_argv({"thinker": ["127.0.0.1:1"], "talker": ["127.0.0.1:2", "127.0.0.1:3"]})
+    assert parse_stage_addresses(gateway[gateway.index("--stages") + 1]) == {
+        "thinker": ["127.0.0.1:1"], "talker": ["127.0.0.1:2", "127.0.0.1:3"]}
+    with pytest.raises(ValueError, match=r"--stages names talker=127.0.0.1:2 twice"):
+        parse_stage_addresses("thinker=127.0.0.1:1,talker=127.0.0.1:2,talker=127.0.0.1:2")
+
+
+def test_a_stage_process_is_one_replica(tmp_path) -> None:
+    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+
+    model = build_tiny_qwen3_omni(tmp_path / "tiny")
+    out = _cli("stage", "vocoder", "--model", str(model), "--device", "cpu", "--stage-overrides",
+               '{"vocoder": {"num_replicas": 2}}')
+    assert out.returncode == 2 and "one `omnimesh stage` process is one replica; start it 2 times" in out.stderr
 
 
 def test_launcher_passes_enforce_eager_to_every_stage(tmp_path) -> None:

@@ -5,14 +5,24 @@ from pathlib import Path
 
 import yaml
 
+from gateway.stage_discovery import parse_dns_target
 from omnimesh.cli import build_parser, parse_stage_addresses
 from omnimesh.config.stage_config import STAGES
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
-def _gateway_stages(args: list[str]) -> dict[str, str]:
-    return parse_stage_addresses(args[args.index("--stages") + 1])
+def _gateway_stages(args: list[str]) -> list[tuple[str, str, int]]:
+    """(stage, host, port) for every address the gateway is given; every stage is named by DNS (dns:///HOST:PORT,
+    each address of HOST one replica), so that scaling a stage's service scales the stage."""
+    out = []
+    for stage, addrs in parse_stage_addresses(args[args.index("--stages") + 1]).items():
+        for addr in addrs:
+            target = parse_dns_target(addr)
+            assert target is not None, f"{stage}={addr}: name the stage by DNS so that its replicas are found"
+            out.append((stage, target.host, target.port))
+    assert {stage for stage, _, _ in out} == set(STAGES)
+    return out
 
 
 def test_compose_wires_every_stage() -> None:
@@ -27,8 +37,7 @@ def test_compose_wires_every_stage() -> None:
         assert services[name]["environment"]["STAGE_PORT"] == str(ns.stage_port)
     gw = services["gateway"]["command"]
     parser.parse_args(gw)
-    for stage, addr in _gateway_stages(gw).items():
-        host, port = addr.split(":")
+    for stage, host, port in _gateway_stages(gw):
         assert host in services, f"gateway points at unknown service {host}"
         assert parser.parse_args(services[host]["command"]).stage_port == int(port)
         assert services["gateway"]["depends_on"][host]["condition"] == "service_healthy"
@@ -44,10 +53,10 @@ def test_k8s_services_match_deployments() -> None:
     parser = build_parser()
     gw_args = deployments["omnimesh-gateway"]["spec"]["template"]["spec"]["containers"][0]["args"]
     parser.parse_args(gw_args)
-    for stage, addr in _gateway_stages(gw_args).items():
-        svc_name, port = addr.split(":")
+    for stage, svc_name, port in _gateway_stages(gw_args):
         svc = services[svc_name]
         assert int(port) in [p["port"] for p in svc["spec"]["ports"]]
+        assert svc["spec"]["clusterIP"] == "None", f"{svc_name}: headless, so its DNS name lists every pod"
         dep = deployments[svc_name]
         assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
         container = dep["spec"]["template"]["spec"]["containers"][0]

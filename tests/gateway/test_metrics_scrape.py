@@ -1,7 +1,7 @@
 """The gateway's /metrics with stages: its own series followed by every stage's, scraped over the Stage
-`Metrics` RPC. Two real stages (EngineLoop + EngineMetrics + StageServicer on 127.0.0.1 gRPC servers), a
-third stage address where nothing listens, and the REST app driven in-process (httpx ASGI transport) on
-the same event loop as the stages' StageClients."""
+`Metrics` RPC. Real stages (EngineLoop + EngineMetrics + StageServicer on 127.0.0.1 gRPC servers: a thinker
+and two talker replicas), a vocoder address where nothing listens, and the REST app driven in-process (httpx
+ASGI transport) on the same event loop as the stages' StageClients."""
 
 from __future__ import annotations
 
@@ -73,9 +73,10 @@ def _free_port() -> int:
 
 @pytest.fixture
 async def stages():
-    """{"thinker", "talker"} served for real, "vocoder" at a port where nothing listens."""
+    """{"thinker": [one replica], "talker": [two replicas]} served for real, "vocoder" at a port where nothing
+    listens."""
     running, clients = [], {}
-    for name in ("thinker", "talker"):
+    for name in ("thinker", "talker", "talker"):
         metrics = EngineMetrics(name)
         engine = EngineLoop(name, metrics=metrics)
         engine.start()
@@ -84,11 +85,12 @@ async def stages():
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         running.append((server, engine))
-        clients[name] = StageClient(name, f"127.0.0.1:{port}")
-    clients["vocoder"] = StageClient("vocoder", f"127.0.0.1:{_free_port()}")
+        clients.setdefault(name, []).append(StageClient(name, f"127.0.0.1:{port}"))
+    clients["vocoder"] = [StageClient("vocoder", f"127.0.0.1:{_free_port()}")]
     yield clients
-    for client in clients.values():
-        await client.close()
+    for replicas in clients.values():
+        for client in replicas:
+            await client.close()
     for server, engine in running:
         await server.stop(0)
         await engine.stop()
@@ -112,7 +114,7 @@ def _by_name(text: str) -> dict[str, list]:
 
 
 async def test_metrics_has_gateway_and_stage_series_and_skips_a_down_stage(stages):
-    thinker = await stages["thinker"].open("r1")
+    thinker = await stages["thinker"][0].open("r1")
     await thinker.send(StageChunk(tensors={"ids": torch.zeros(6, dtype=torch.long)}, final=True))
     assert [c.text async for c in thinker] == ["x"]
     app = create_app(ScriptedPipeline(), stage_metrics=stages)
@@ -128,19 +130,21 @@ async def test_metrics_has_gateway_and_stage_series_and_skips_a_down_stage(stage
     assert value("omnimesh:requests", "omnimesh:requests_total", endpoint="chat", status="200") == 1
     assert value("omnimesh:requests_running", "omnimesh:requests_running") == 0
     assert value("omnimesh:time_to_first_audio_seconds", "omnimesh:time_to_first_audio_seconds_count") == 0
-    # one family, gateway and stage series side by side, told apart by `stage`
+    # one family, gateway and stage series side by side, told apart by `stage` and `replica`
     gen = "omnimesh:generation_tokens"
     assert value(gen, gen + "_total") == 2  # the scripted pipeline's completion tokens
-    assert value(gen, gen + "_total", stage="thinker") == 1
-    assert value(gen, gen + "_total", stage="talker") == 0
-    assert value("omnimesh:prompt_tokens", "omnimesh:prompt_tokens_total", stage="thinker") == 6
+    assert value(gen, gen + "_total", stage="thinker", replica="0") == 1
+    assert value(gen, gen + "_total", stage="talker", replica="0") == 0
+    assert value(gen, gen + "_total", stage="talker", replica="1") == 0  # the second replica: its own series
+    assert value("omnimesh:prompt_tokens", "omnimesh:prompt_tokens_total", stage="thinker", replica="0") == 6
     ttft = "omnimesh:time_to_first_token_seconds"
-    assert value(ttft, ttft + "_count") == 1 and value(ttft, ttft + "_count", stage="thinker") == 1
-    for stage in ("thinker", "talker"):
-        assert value("omnimesh:num_requests_running", "omnimesh:num_requests_running", stage=stage) == 0
-        assert value("omnimesh:stage_scrape_up", "omnimesh:stage_scrape_up", stage=stage) == 1
+    assert value(ttft, ttft + "_count") == 1 and value(ttft, ttft + "_count", stage="thinker", replica="0") == 1
+    for stage, replica in (("thinker", "0"), ("talker", "0"), ("talker", "1")):
+        assert value("omnimesh:num_requests_running", "omnimesh:num_requests_running", stage=stage,
+                     replica=replica) == 0
+        assert value("omnimesh:stage_scrape_up", "omnimesh:stage_scrape_up", stage=stage, replica=replica) == 1
     # the stage that is down: skipped, and said so
-    assert value("omnimesh:stage_scrape_up", "omnimesh:stage_scrape_up", stage="vocoder") == 0
+    assert value("omnimesh:stage_scrape_up", "omnimesh:stage_scrape_up", stage="vocoder", replica="0") == 0
     assert not [s for f in fams.values() for s in f
                 if s.labels.get("stage") == "vocoder" and s.name != "omnimesh:stage_scrape_up"]
 
