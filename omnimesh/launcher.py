@@ -229,7 +229,7 @@ class MeshLauncher:
         said = f"omnimesh: stage {child.name} (pid {child.proc.pid}) exited with code {code}"
         if limit == 0:
             st.due = float("inf")  # reported once, never restarted
-            print(f"{said}; requests that need it fail with 503 (--stage-restarts 0: it is not restarted)",
+            print(f"{said}; {_meanwhile(child)} (--stage-restarts 0: it is not restarted)",
                   file=sys.stderr, flush=True)
             return True
         if len(st.times) >= limit:
@@ -239,7 +239,7 @@ class MeshLauncher:
         delay = min(MAX_RESTART_BACKOFF_S, 2.0 ** len(st.times))
         st.due, st.starting = now + delay, False
         print(f"{said}; restarting it in {delay:.0f}s (restart {len(st.times) + 1} of at most {limit} in "
-              f"{RESTART_WINDOW_S / 60:.0f} minutes); requests that need it fail with 503 until it serves again",
+              f"{RESTART_WINDOW_S / 60:.0f} minutes); {_meanwhile(child)} until it serves again",
               file=sys.stderr, flush=True)
         return True
 
@@ -273,6 +273,13 @@ def stage_processes(args: ServeArgs) -> list[tuple[str, int, str]]:
         for k in range(cfg.num_replicas):
             out.append((stage, k, stage if cfg.num_replicas == 1 else f"{stage}#{k}"))
     return out
+
+
+def _meanwhile(child: Child) -> str:
+    """What a stage process being down means for requests: a replica's go to its stage's other replicas."""
+    if "#" in child.name:
+        return "the gateway sends its requests to the stage's other replicas"
+    return "requests that need it fail with 503"
 
 
 def _popen(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

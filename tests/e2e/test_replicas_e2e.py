@@ -111,7 +111,9 @@ def test_a_killed_replica_costs_no_request_and_comes_back(replica_mesh, expected
     if not body["replicas"]["talker"][address]:  # not restarted yet (it takes seconds to load)
         assert health.status_code == 200 and body["down"] == [], body
         assert f"talker {address}" in body["message"], body
-    replica_mesh.proc.wait_for_line(rf"stage talker#1 \(pid {pid}\) exited with code -9; restarting it", timeout_s=30)
+    replica_mesh.proc.wait_for_line(rf"stage talker#1 \(pid {pid}\) exited with code -9; restarting it in 1s .*; "
+                                    r"the gateway sends its requests to the stage's other replicas until it serves "
+                                    r"again", timeout_s=30)
     replica_mesh.proc.wait_for_line(r"stage talker#1 \(pid \d+\) is serving again", timeout_s=TIMEOUT_S)
     after = _served(replica_mesh.rest)
     assert after[("talker", "0")] - before[("talker", "0")] == len(PROMPTS)
