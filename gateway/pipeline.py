@@ -103,6 +103,9 @@ class StagePipeline:
         self.tensor_bytes: dict[str, int] = dict.fromkeys(stages, 0)
         self.inline_bytes: dict[str, int] = dict.fromkeys(stages, 0)
         self._in_flight: set[str] = set()  # request ids running here: each names its state in every stage
+        # ids of ended requests whose frames the stages are still taking back (`_release`): a new request under
+        # one of them would have its own frames taken back too, so the id stays taken until that is done
+        self._releasing: dict[str, int] = {}
 
     @property
     def voices(self) -> tuple[str, ...]:
@@ -138,7 +141,7 @@ class StagePipeline:
                 http_status=400, grpc_code=grpc.StatusCode.INVALID_ARGUMENT.value[0], kind="invalid_request_error", param="audio.voice",
             )
         rid = request.request_id
-        if rid in self._in_flight:
+        if rid in self._in_flight or rid in self._releasing:
             # a second request under one id would share the first one's state in the stages, and its failure
             # would hand back the first one's frames (`_release`): refused before it touches a stage
             raise PipelineError(
@@ -273,20 +276,27 @@ class StagePipeline:
                 self.tensor_bytes[leg.stream.stage] += leg.stream.tensor_bytes
                 self.inline_bytes[leg.stream.stage] += leg.stream.inline_bytes
             if not ok:
-                self._release(rid, legs)
+                self._release(request.request_id, rid, legs)
 
-    def _release(self, rid: str, legs: list[_Leg]) -> None:
-        """A failed or cancelled request: producers that used shared memory take back its unclaimed frames
-        (in the background: this runs while the request's own task may be cancelled)."""
+    def _release(self, owner: str, rid: str, legs: list[_Leg]) -> None:
+        """A failed or cancelled request (`owner`, the client's id; `rid`, the attempt's id in the stages):
+        producers that used shared memory take back its unclaimed frames (in the background: this runs while
+        the request's own task may be cancelled)."""
         for leg in legs:
             if leg.transport != "grpc":
-                self.mesh.spawn(self._release_one(leg.replica, rid))
+                self._releasing[owner] = self._releasing.get(owner, 0) + 1
+                self.mesh.spawn(self._release_one(owner, leg.replica, rid))
 
-    async def _release_one(self, replica: Replica, rid: str) -> None:
+    async def _release_one(self, owner: str, replica: Replica, rid: str) -> None:
         try:
             await replica.client.release(rid)
         except StageCallError as exc:  # the stage's own deadline sweep frees them later
             log.warning("release of request %s at %s failed: %s", rid, replica.label, exc.message)
+        finally:
+            if (left := self._releasing[owner] - 1) > 0:
+                self._releasing[owner] = left
+            else:
+                del self._releasing[owner]
 
     async def _send_prompt(self, thinker: StageStream, prompt: PromptInputs, features: list[stage_pb2.Chunk]) -> None:
         """The thinker's one input chunk: the prompt ids (inline) + the encoder's output parts as they came."""

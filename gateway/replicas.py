@@ -1,16 +1,18 @@
 """ReplicaSet: one stage's replicas as the gateway sees them, and which one takes a new request.
 
 A stage can run as several independent copies (`--stage-overrides '{"vocoder": {"num_replicas": 2}}'`
-under `omnimesh serve`, or the gateway's `--stages vocoder=A,vocoder=B` for stages started on their own).
+under `omnimesh serve`, the gateway's `--stages vocoder=A,vocoder=B` for stages started on their own, or
+`vocoder=dns:///NAME:PORT`, whose addresses come and go: gateway/stage_discovery.py).
 Every request talks to exactly one replica of each stage it needs — the stages keep per-request state,
 and a producer's shared-memory frames are handed back to the replica that wrote them — so the gateway
 balances per request, not per RPC (gRPC's own round_robin would split one request's calls).
 
-Data flow: `StagePipeline.connect()` reads every replica's Info (`adopt`; replicas of one stage must agree
-on what they serve: `agrees_with`); a replica that does not answer at start-up is adopted later by
-`refresh()`. For each request `pick()` leases the replica with the fewest requests in flight from this
-gateway, ties going round-robin and then to a replica on the `near` host (a co-located consumer gets its
-tensors through shared memory); `Lease.done()` returns it. A replica whose call failed with UNAVAILABLE
+Data flow: `StageMesh.connect()` reads every replica's Info (`refresh` -> `adopt`; replicas of one stage
+must agree on what they serve, SHARED_INFO_FIELDS); a replica that does not answer at start-up is adopted
+later, by the mesh's upkeep. For each request `pick()` leases the replica with the fewest requests in
+flight from this gateway, ties going to one on the `near` host (a co-located consumer gets its tensors
+through shared memory), then round-robin; `Lease.done()` returns it. A retired replica (gone from DNS) gets
+no new requests and is dropped by `prune()` once none holds it. A replica whose call failed with UNAVAILABLE
 or RESOURCE_EXHAUSTED is passed over for a backoff (0.5 s, doubling to 30 s; `mark_down`), and so is one
 whose channel is in TRANSIENT_FAILURE (gRPC cannot reach it); when every replica looks down the pick
 takes one anyway, so the request fails with the stage's own answer instead of a guess.

@@ -8,6 +8,8 @@ whenever it is ready. All model compute happens in `step`, on the loop's compute
 
 from __future__ import annotations
 
+import itertools
+
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -66,13 +68,22 @@ class StageTask(ABC):
         after any step in flight: free what it holds (e.g. its KV cache on every rank)."""
 
 
+_TASK_SERIAL = itertools.count()
+
+
 class BatchedTask(StageTask):
     """A task its stage steps through a `BatchStepper` (continuous batching): `step` is a batch of one
-    through that batcher, and `close` runs the callbacks the batcher registered (freeing KV blocks)."""
+    through that batcher, and `close` runs the callbacks the batcher registered (freeing KV blocks).
+
+    `key` names this task's state in the batcher's engine: unique per task, not per request id. A request
+    cancelled and sent again under the same id is a new task while the old one's close (which frees its
+    KV blocks, on the compute thread after any step in flight) may still be queued: keyed by the id, that
+    close would free the new task's state, or the new task would run on the old one's."""
 
     def __init__(self, request_id: str, batcher: object = None):
         super().__init__(request_id)
         self.batcher = batcher
+        self.key = f"{request_id}~{next(_TASK_SERIAL)}"
         self.on_close: list[Callable[[str], None]] = []
 
     def step(self) -> list[StageChunk]:
@@ -85,5 +96,5 @@ class BatchedTask(StageTask):
 
     def close(self) -> None:
         for callback in self.on_close:
-            callback(self.request_id)
+            callback(self.key)
         self.on_close.clear()

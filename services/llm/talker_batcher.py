@@ -58,12 +58,12 @@ class TalkerBatcher:
         """Every request of the step still waits for its first chunk, got its codec token this round and has
         the text its next code group reads: the next round can run in this call."""
         return bool(live) and all(
-            isinstance(out.get(rid), list) and task.urgent() and not task.finished and not task.awaiting
-            and task.state is not None and self.talker.needs_predict(task.state) for rid, task in live.items())
+            isinstance(out.get(task.request_id), list) and task.urgent() and not task.finished and not task.awaiting
+            and task.state is not None and self.talker.needs_predict(task.state) for task in live.values())
 
     def _round(self, tasks: list[StageTask], out: dict[str, list[StageChunk] | BaseException]) -> dict[str, TalkerTask]:
         """One model round over `tasks` (prefills queued, one code-predictor call, one decoder step, sampling),
-        its chunks added to `out`; -> the requests that took part (not finished before it)."""
+        its chunks added to `out`; -> the requests that took part (not finished before it), by task key."""
         live: dict[str, TalkerTask] = {}
         predict: list[TalkerTask] = []
         for task in tasks:
@@ -74,10 +74,10 @@ class TalkerBatcher:
                 task.finished = True
                 out.setdefault(task.request_id, [])
                 continue
-            live[task.request_id] = task
+            live[task.key] = task  # the engine knows tasks by key, not request id (BatchedTask)
             if not task.queued:
                 embeds, positions = self.talker.prefill_input(state)
-                self.engine.feed(task.request_id, InputRun(embeds, positions))
+                self.engine.feed(task.key, InputRun(embeds, positions))
                 task.queued = task.awaiting = True
                 task.on_close.append(self.engine.remove)
             elif not task.awaiting and self.talker.needs_predict(state):
@@ -85,10 +85,10 @@ class TalkerBatcher:
         if predict:
             self._predict(predict, out)
         sampled: list[tuple[TalkerTask, Any]] = []
-        for rid, result in self.engine.step([rid for rid, t in live.items() if t.awaiting]).items():
-            out.setdefault(rid, [])
+        for key, result in self.engine.step([key for key, t in live.items() if t.awaiting]).items():
+            out.setdefault(live[key].request_id, [])
             if result.logits is not None:
-                sampled.append((live[rid], result))
+                sampled.append((live[key], result))
         self._sample(sampled, out)
         return live
 
@@ -127,7 +127,7 @@ class TalkerBatcher:
         sums = torch.cat([codec_sum for _, codec_sum in results])  # (B, 1, H)
         groups, rows, positions = self.talker.after_predict(states, [codes for codes, _ in results], sums)
         for b, task in enumerate(tasks):
-            self.engine.feed(task.request_id, InputRun(rows[b:b + 1], positions[:, b:b + 1]))  # (1, H), (4, 1)
+            self.engine.feed(task.key, InputRun(rows[b:b + 1], positions[:, b:b + 1]))  # (1, H), (4, 1)
             task.awaiting = True
             task.completion_tokens = len(states[b].codes)
             chunks = out.setdefault(task.request_id, [])

@@ -36,31 +36,33 @@ class ThinkerBatcher:
         return self.engine.stats()
 
     def step_batch(self, tasks: list[StageTask]) -> dict[str, list[StageChunk] | BaseException]:
+        """-> each request's chunks (or its failure), by request id; the engine knows tasks by `key`."""
         out: dict[str, list[StageChunk] | BaseException] = {}
-        ready: dict[str, ThinkerTask] = {}
+        ready: dict[str, ThinkerTask] = {}  # by task key
         for task in tasks:
             if not isinstance(task, ThinkerTask):
                 raise TypeError(f"the thinker batcher got a {type(task).__name__}")
-            if not self.engine.has(task.request_id):
+            if not self.engine.has(task.key):
                 try:
                     run = task.prompt_run()
                 except ValueError as exc:
                     out[task.request_id] = exc
                     continue
-                self.engine.feed(task.request_id, run)
+                self.engine.feed(task.key, run)
                 task.on_close.append(self.engine.remove)
-            ready[task.request_id] = task
+            ready[task.key] = task
         for _ in range(self.first_output_rounds):
             results = self.engine.step(list(ready))
-            for rid, result in results.items():
-                task = ready[rid]
+            for key, result in results.items():
+                task = ready[key]
+                rid = task.request_id
                 try:
                     chunks, next_run = task.on_output(result)
                 except Exception as exc:  # this request's sampling / detokenizing failed: it alone ends
                     out[rid] = exc
                     continue
                 if next_run is not None:
-                    self.engine.feed(rid, next_run)
+                    self.engine.feed(key, next_run)
                 done = out.get(rid)
                 out[rid] = done + chunks if isinstance(done, list) else chunks
             if not self._another_round(ready, results, out):
@@ -72,5 +74,5 @@ class ThinkerBatcher:
         """Every request of the step ran this round, got a token (a prefill's last chunk included) and still
         waits for its first outputs: the next round can run in this call."""
         return len(results) == len(ready) and all(
-            isinstance(out.get(rid), list) and results[rid].logits is not None and not task.finished
-            and task.urgent() for rid, task in ready.items())
+            isinstance(out.get(task.request_id), list) and results[key].logits is not None and not task.finished
+            and task.urgent() for key, task in ready.items())

@@ -260,3 +260,36 @@ async def test_a_replica_that_fails_after_output_reached_the_client_is_not_retri
         assert good.opened == []  # the client had text already: running it again would repeat it
         assert await _answer(pipe, "r1") == "good1 good2 "  # `bad` is passed over for its backoff
         await pipe.close()
+
+
+async def test_an_id_stays_taken_until_its_frames_are_taken_back() -> None:
+    """A failed request's shared-memory frames are handed back in the background (Release); a new request
+    under its id meanwhile would have its own frames taken back too, so it is a 409 until that is done."""
+    from gateway.pipeline import _Leg
+    from gateway.replicas import Replica
+
+    a = WordThinker("a")
+    async with served_stage(a, EngineLoop("thinker")) as sa:
+        pipe = await _pipeline(_client(sa))
+        gate = asyncio.Event()
+
+        class SlowRelease:
+            address = "h:1"
+
+            async def release(self, request_id: str, timeout_s: float = 2.0) -> int:
+                await gate.wait()
+                return 1
+
+        leg = _Leg(stream=None, replica=Replica("talker", 0, SlowRelease()), transport="shm")  # type: ignore[arg-type]
+        pipe._release("again", "again#1", [leg])
+        await asyncio.sleep(0)
+        with pytest.raises(PipelineError) as err:
+            await _answer(pipe, "again")
+        assert err.value.http_status == 409
+        gate.set()
+        for _ in range(100):
+            if "again" not in pipe._releasing:
+                break
+            await asyncio.sleep(0.01)
+        assert await _answer(pipe, "again") == "a1 a2 "
+        await pipe.close()

@@ -116,9 +116,9 @@ class Recorder:
     def step(self, ready: list[str]) -> Any:
         out = self.inner(ready)
         self.sizes.append(len(out))
-        for rid, result in out.items():
-            if result.logits is not None:
-                self.logits.setdefault(rid, []).append(result.logits.clone())
+        for key, result in out.items():
+            if result.logits is not None:  # the engine knows a task by its key, `request_id~serial`
+                self.logits.setdefault(key.rsplit("~", 1)[0], []).append(result.logits.clone())
         return out
 
     def stop(self) -> None:
@@ -192,6 +192,29 @@ def test_sixteen_batched_requests_equal_their_solo_runs(model_dir: Path, thinker
         assert_same_run((token_ids(chunks[f"r{i}"]), rec.stacked(f"r{i}")), want, f"r{i} (prompt {lengths[i]} tokens)")
     assert rec.sizes[0] == 16  # one step held all 16 requests (their prefills), and so did the decodes after it
     assert len(rec.sizes) < sum(len(a[0]) for a in alone) / 4  # far fewer steps than tokens
+    assert_drained(engine, engine.allocator.num_blocks)
+
+
+def test_a_request_id_sent_again_before_the_old_tasks_close_runs_on_its_own_state(model_dir: Path,
+                                                                                  thinker: Any) -> None:
+    """A request cancelled mid-run and sent again at once under its id: the engine loop drops the old task
+    at once but closes it (freeing its KV blocks) later, on the compute thread after any step in flight. The
+    new task must get a prefill and blocks of its own, and the old close must not free them (keyed by the
+    request id, the new task skipped its prefill and failed 'logits before the prompt was prepared')."""
+    ids = prompts([9, 14])
+    want = solo(thinker, ids[1], 10)
+    handler = thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB"))
+    engine = handler.batcher.engine
+    rec = Recorder(engine)
+    old = open_thinker(handler, "same", ids[0], 10)
+    handler.batcher.step_batch([old])  # its prefill: it holds blocks now
+    new = open_thinker(handler, "same", ids[1], 10)  # the old one's close has not run yet
+    d = Driver(handler)
+    d.add(new)
+    d.step()
+    old.close()  # late, as the compute thread runs it after the step in flight
+    chunks = d.run()
+    assert_same_run((token_ids(chunks["same"]), rec.stacked("same")[1:]), want, "the id sent again")
     assert_drained(engine, engine.allocator.num_blocks)
 
 

@@ -125,7 +125,7 @@ class LMEngine:
         """Called by the stage handler's `open` with the new task, before the engine loop gets it: raises
         StageRequestError(RESOURCE_EXHAUSTED) when taking it would leave more than `max_waiting_requests`
         requests waiting beyond the free seats; else counts it until its task closes (the close calls `remove`)."""
-        rid = task.request_id
+        rid = task.key  # this task's, not its request id's: see BatchedTask
         with self._lock:
             idle, free = self._queue()
             limit = self.max_waiting_requests
