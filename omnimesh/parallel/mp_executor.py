@@ -18,10 +18,17 @@ failed with a message naming the rank, its pid and exit code, and calls `on_fail
 NOT_SERVING). Commands after that raise `RankFailure` at once; a command in flight fails when the
 collective notices the dead peer, or at the process-group timeout — never an unbounded hang. Workers get
 PR_SET_PDEATHSIG, so they die with the server even when it is killed outright.
+
+Several hosts (`nodes`, --num-nodes N): the driver is node 0 and spawns only its own ranks 1..L-1 (L =
+world / N); node R's ranks [R*L, (R+1)*L) run headless there (omnimesh/parallel/headless_ranks.py) and take
+the same commands over the same process group. Before any rank starts, node 0 hosts the handshake and then
+watches the other nodes' heartbeats (omnimesh/parallel/node_rendezvous.py): a node that dies or leaves fails
+the stage like a dead local rank, and a clean shutdown (also at interpreter exit) tells them to exit 0.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import multiprocessing as mp
@@ -40,8 +47,9 @@ import torch
 import torch.distributed as dist
 
 from omnimesh.log_setup import setup_logging
-from omnimesh.proc_utils import die_with_parent, free_port
+from omnimesh.parallel.node_rendezvous import NodeHost, NodeSpec
 from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
+from omnimesh.proc_utils import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +76,11 @@ class Rendezvous:
     master_port: int
     backend: str  # "gloo" on CPU, "nccl" on CUDA
     timeout_s: float
-    devices: tuple[str, ...] = ()  # device per rank, e.g. ("cuda:2", "cuda:3"); () = the default placement
+    devices: tuple[str, ...] = ()  # device per rank of a host, e.g. ("cuda:2", "cuda:3"); () = the default placement
 
     def device(self, rank: int) -> str | None:
-        return self.devices[rank] if self.devices else None
+        """Global rank -> its device: ranks of one host take `devices` in order (every host has the same list)."""
+        return self.devices[rank % len(self.devices)] if self.devices else None
 
 
 def _send_obj(obj: Any, dst: int, group: Any) -> list[Any]:
@@ -116,7 +125,11 @@ def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: Program
     owner = ps.last_pp_rank_driver
     sends: list[Any] = []
     while True:
-        command = _recv_obj(0, ps.cpu_group)
+        try:
+            command = _recv_obj(0, ps.cpu_group)
+        except (RuntimeError, dist.DistError) as exc:  # the driver (rank 0) or its host went away
+            log.error("rank %d: lost the stage's driver (rank 0): %s", rank, str(exc).splitlines()[0])
+            raise SystemExit(1) from None
         if command == _STOP:
             if rank == owner:
                 for work, _ in _send_obj(_STOP, 0, results):  # releases the driver's receiver thread
@@ -180,12 +193,20 @@ class MpExecutor:
     def __init__(self, pp: int, tp: int, factory: ProgramFactory, *, backend: str = "gloo",
                  master_addr: str = "127.0.0.1", master_port: int | None = None, timeout_s: float = 60.0,
                  threads_per_rank: int = 1, on_failure: Callable[[str], None] | None = None,
-                 devices: tuple[str, ...] = ()):
+                 devices: tuple[str, ...] = (), nodes: NodeSpec | None = None):
         if pp < 1 or tp < 1:
             raise ValueError(f"pp and tp must be >= 1, got pp={pp}, tp={tp}")
-        if devices and len(devices) != pp * tp:
-            raise ValueError(f"{len(devices)} devices given for pp x tp = {pp} x {tp} = {pp * tp} ranks; give one per rank")
+        num_nodes = nodes.num_nodes if nodes is not None else 1
+        if (pp * tp) % num_nodes or (nodes is not None and nodes.node_rank != 0):
+            raise ValueError(f"the driver is node 0 of a stage whose pp x tp = {pp} x {tp} = {pp * tp} ranks divide "
+                             f"evenly over its {num_nodes} nodes")
         self.pp, self.tp, self.world = pp, tp, pp * tp
+        self.local_world = self.world // num_nodes  # ranks 0..local_world-1 are this host's
+        if devices and len(devices) != self.local_world:
+            raise ValueError(f"{len(devices)} devices given for the {self.local_world} ranks on this host (pp x tp = "
+                             f"{pp} x {tp} over {num_nodes} host(s)); give one per rank")
+        self.nodes = nodes
+        self.node_host: NodeHost | None = None
         self.factory = factory
         self.rdzv = Rendezvous(master_addr, master_port or free_port(master_addr), backend, timeout_s, tuple(devices))
         self.threads = threads_per_rank
@@ -201,10 +222,15 @@ class MpExecutor:
         self._results: Any = None
 
     def start(self) -> None:
-        """Spawn ranks 1..N-1, join the rendezvous as rank 0, build every rank's program (bounded wait)."""
+        """Spawn ranks 1..N-1 (this host's, after the other hosts' handshake), join the rendezvous as rank 0,
+        build every rank's program (bounded wait)."""
+        if self.nodes is not None:  # before any rank starts: a disagreement fails here, on every node
+            self.node_host = NodeHost(self.rdzv.master_addr, self.rdzv.master_port, self.nodes, self.pp, self.tp,
+                                      self.rdzv.backend)
+            self.node_host.handshake()
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
-        for rank in range(1, self.world):
+        for rank in range(1, self.local_world):
             proc = ctx.Process(target=_worker_main, name=f"omnimesh-rank{rank}", daemon=True,
                                args=(rank, self.pp, self.tp, self.rdzv, self.factory, self.threads, ready,
                                      logging.getLogger().getEffectiveLevel()))
@@ -216,14 +242,22 @@ class MpExecutor:
             self._results = _result_group(self.ps)
             self.program = self.factory(self.ps)
             self._wait_ready(ready)
-        except BaseException:
+            if self.node_host is not None:
+                self.node_host.wait_ready(time.monotonic() + self.rdzv.timeout_s)
+        except BaseException as exc:
+            if self.node_host is not None:
+                self.node_host.failed(f"node 0 could not start its ranks: {type(exc).__name__}: {exc}")
             self.shutdown()
             raise
         threading.Thread(target=self._monitor, name="omnimesh-rank-monitor", daemon=True).start()
+        if self.node_host is not None:
+            self.node_host.watch(self._fail)
+            atexit.register(self.shutdown)  # the other nodes hear a clean stop, not a lost driver
         if self.ps.last_pp_rank_driver != 0:
             threading.Thread(target=self._receive_results, name="omnimesh-rank-results", daemon=True).start()
-        log.info("stage ranks up: pp=%d tp=%d world=%d (rendezvous %s:%d, %s)", self.pp, self.tp, self.world,
-                 self.rdzv.master_addr, self.rdzv.master_port, self.rdzv.backend)
+        log.info("stage ranks up: pp=%d tp=%d world=%d%s (rendezvous %s:%d, %s)", self.pp, self.tp, self.world,
+                 f" over {self.nodes.num_nodes} nodes" if self.nodes else "", self.rdzv.master_addr,
+                 self.rdzv.master_port, self.rdzv.backend)
 
     def _wait_ready(self, ready: Any) -> None:
         pending = set(self.procs)
@@ -258,6 +292,8 @@ class MpExecutor:
         if self.failure is None:
             self.failure = message
             log.error("stage rank failure: %s", message)
+            if self.node_host is not None:
+                self.node_host.failed(message)
             if self.on_failure is not None:
                 self.on_failure(message)
         while self._waiting:
@@ -274,7 +310,9 @@ class MpExecutor:
             except Exception as exc:
                 if not self._stopping:
                     time.sleep(0.5)  # let the monitor name a dead rank if that is what happened
-                    self._fail(self.failure or f"the result channel failed: {type(exc).__name__}: {exc}")
+                    where = f"rank {owner}" + (f" on node {owner // self.local_world}" if self.nodes else "")
+                    self._fail(self.failure or f"the result channel from {where} failed: {type(exc).__name__}: "
+                                               f"{str(exc).splitlines()[0]}")
                 return
             if result == _STOP:
                 return
@@ -331,6 +369,8 @@ class MpExecutor:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
+        if self.node_host is not None:
+            self.node_host.stopping()
         if self.ps is not None and self.failure is None and self.world > 1:
             try:
                 with self._lock:
