@@ -45,8 +45,8 @@ def run_headless(factory: ProgramFactory, pp: int, tp: int, rdzv: Rendezvous, sp
     """Join node 0's stage with this host's ranks and serve its commands until it ends; the exit status."""
     per = pp * tp // spec.num_nodes
     ranks = range(spec.node_rank * per, (spec.node_rank + 1) * per)
-    log.info("headless node %d of %d for stage %s: ranks %d..%d of pp=%d x tp=%d (%s); rendezvous %s:%d",
-             spec.node_rank, spec.num_nodes, spec.stage, ranks[0], ranks[-1], pp, tp, rdzv.backend,
+    log.info("headless node %d of %d for stage %s: ranks %s of pp=%d x tp=%d (%s); rendezvous %s:%d",
+             spec.node_rank, spec.num_nodes, spec.stage, list(ranks), pp, tp, rdzv.backend,
              rdzv.master_addr, rdzv.master_port)
     try:
         member = NodeMember(rdzv.master_addr, rdzv.master_port, spec, pp, tp, rdzv.backend)
@@ -100,11 +100,12 @@ class _Supervisor:
             exited = {rank: p.exitcode for rank, p in self.procs.items() if p.exitcode is not None}
             if exited and all(code == 0 for code in exited.values()) and len(exited) == len(self.procs):
                 log.info("%s: node 0 shut the stage down; all ranks ended", self.where)
+                self.member.left()
                 return 0
             try:
                 state = self.member.beat()
             except NodeLost as exc:
-                return self._lost(exc)
+                return self._wait_ranks("node 0 ended", lost=exc)
             if state == "stopping":
                 return self._wait_ranks("node 0 shut the stage down", lost=None)
             if state.startswith("failed: "):
@@ -140,17 +141,16 @@ class _Supervisor:
             log.info("%s: ranks %s ready; serving node 0's commands", self.where, sorted(self.procs))
         return None
 
-    def _lost(self, exc: NodeLost) -> int:
-        """Node 0's store is gone: after a clean stop the ranks end by themselves (exit 0); else it died."""
-        return self._wait_ranks("node 0 ended", lost=exc)
-
     def _wait_ranks(self, why: str, lost: NodeLost | None) -> int:
+        """Node 0 stopped (`lost` None) or its store is gone: after a clean stop the ranks end by themselves (got
+        STOP: exit 0); ranks still running after STOP_GRACE_S, or failed ones, after a loss: it died."""
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline and any(p.is_alive() for p in self.procs.values()):
             time.sleep(0.1)
         codes = {rank: p.exitcode for rank, p in self.procs.items()}
         if lost is None:  # node 0 said "stopping": whatever the ranks did on the way out, a clean stop
             log.info("%s: %s; ranks ended with %s", self.where, why, codes)
+            self.member.left()
             return 0
         if all(code == 0 for code in codes.values()):
             log.info("%s: node 0 shut the stage down; all ranks ended", self.where)

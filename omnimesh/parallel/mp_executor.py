@@ -385,6 +385,8 @@ class MpExecutor:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        if self.node_host is not None and self.failure is None:
+            self.node_host.wait_left(max(1.0, deadline - time.monotonic()))
         if self.ps is not None and dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -11,13 +11,15 @@ HEARTBEAT_TIMEOUT_S even while the stage idles, and node 0's end (a clean stop o
 
 Data flow (keys under "omnimesh/nodes/"):
     node R>0  NodeMember()       reach A:P (bounded) -> add("joined") = i -> set("join/i", view) -> wait "verdict/i"
+                                 -> set "heard/i" (a refusing node 0 waits for that before it exits)
     node 0    NodeHost()         listen on P -> handshake(): read join/1.. until N-1 distinct agreeing nodes, a
                                  disagreement or the deadline -> set "verdict/i" ("" = ok, else the error) for each
     node R>0  ready(error)       once its ranks built their programs: set "ready/R" ("" or what failed)
     node 0    wait_ready()       every ready/R (bounded)
     serving   node R>0 add("beat/R") every HEARTBEAT_S and reads "state"; node 0's watch thread checks that each
               beat/R advances, reads "failed/R" and refuses late joiners; node 0 sets "state" to "stopping" (a clean
-              shutdown: the others exit 0) or "failed: <why>" (they exit non-zero)
+              shutdown: the others set "left/R" once their ranks ended and exit 0; node 0 waits for that, bounded)
+              or "failed: <why>" (they exit non-zero)
 Run: through `omnimesh stage NAME --num-nodes N --node-rank R ...` (node 0: MpExecutor; R>0:
 omnimesh/parallel/headless_ranks.py). tests/parallel/test_node_rendezvous.py drives both ends in one process.
 """
@@ -46,6 +48,7 @@ PREFIX = "omnimesh/nodes"
 HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT_S = 15.0  # a node silent this long is gone (its host, its process or the network to it)
 POLL_S = 0.1
+VERDICT_READ_S = 5.0  # how long a refusing node 0 waits for the refused nodes to read why
 COMPARED = ("stage", "pp", "tp", "num_nodes", "model", "dtype", "backend", "partition")
 SAME_FLAGS = ("Start every node of a stage with the same stage, -pp, -tp, --num-nodes, model, --dtype and device, "
               "each with its own --node-rank")
@@ -199,9 +202,14 @@ class NodeHost:
             self.store.set(f"verdict/{index}", "")
 
     def _refuse(self, indices: list[int], message: str) -> None:
+        """Every joined node hears `message` (this process may exit right after: wait, bounded, until they read
+        it), then raise it here."""
         for index in indices:
             self.store.set(f"verdict/{index}", message)
         self.failed(message)
+        deadline = time.monotonic() + VERDICT_READ_S
+        while time.monotonic() < deadline and not all(self.store.check([f"heard/{i}"]) for i in indices):
+            time.sleep(POLL_S)
         raise RendezvousError(message)
 
     def wait_ready(self, deadline: float) -> None:
@@ -264,6 +272,16 @@ class NodeHost:
         if not self._failed:
             self._set_state("stopping")
 
+    def wait_left(self, timeout_s: float) -> None:
+        """After a clean stop: wait (bounded) until every other node says its ranks ended, so none of them finds
+        this store gone first (a node that does still exits 0 once its ranks end; this only keeps it quiet)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline and not all(self.store.check([f"left/{r}"]) for r in self.members):
+                time.sleep(POLL_S)
+        except dist.DistError:
+            pass
+
     def _set_state(self, state: str) -> None:
         try:
             self.store.set("state", state)
@@ -287,6 +305,7 @@ class NodeMember:
         try:
             self.store.wait([f"verdict/{index}"], timedelta(seconds=self.spec.timeout_s))
             verdict = self.store.get(f"verdict/{index}").decode()
+            self.store.set(f"heard/{index}", "")
         except dist.DistError as exc:
             raise RendezvousError(f"node 0 at {self.addr}:{self.port} gave no verdict within "
                                   f"{self.spec.timeout_s:.0f}s ({exc})") from None
@@ -310,7 +329,14 @@ class NodeMember:
 
     def fail(self, message: str) -> None:
         """Tell node 0 why this node's part of the stage ended (best effort: node 0 may be gone)."""
+        self._set(f"failed/{self.spec.node_rank}", message)
+
+    def left(self) -> None:
+        """Tell node 0 this node's ranks ended after its stop (best effort)."""
+        self._set(f"left/{self.spec.node_rank}", "")
+
+    def _set(self, key: str, value: str) -> None:
         try:
-            self.store.set(f"failed/{self.spec.node_rank}", message)
+            self.store.set(key, value)
         except dist.DistError:
             pass
