@@ -30,6 +30,7 @@ from pathlib import Path
 
 from omnimesh.config.serve_args import HTTP_FRONT_FIELDS, ServeArgs
 from omnimesh.config.stage_config import STAGES
+from omnimesh.node_launcher import node_argv
 from omnimesh.proc_utils import die_with_parent, free_port
 
 START_TIMEOUT_S = 600.0
@@ -96,7 +97,7 @@ class MeshLauncher:
             own["pp_layer_partition"] = list(cfg.pp_layer_partition)
         if own:
             argv += ["--stage-overrides", json.dumps({stage: own})]
-        return argv
+        return argv + node_argv(a, stage)  # a stage spread over --num-nodes hosts: its rendezvous flags
 
     def _gateway_argv(self, stage_addrs: dict[str, str]) -> list[str]:
         a = self.args
