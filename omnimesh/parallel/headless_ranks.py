@@ -2,7 +2,7 @@
 
 Role: what `omnimesh stage NAME --num-nodes N --node-rank R` runs on hosts R > 0: no gRPC server, no engine,
 only this host's L = pp x tp / N ranks of the stage. They join node 0's process group and execute the driver's
-commands exactly as node 0's own worker ranks do (`mp_executor._worker_main`: the command protocol is all
+commands exactly as node 0's own worker ranks do (`rank_worker.worker_main`: the command protocol is all
 torch.distributed, so it crosses hosts).
 
 Data flow:
@@ -27,7 +27,7 @@ import signal
 import time
 from typing import Any
 
-from omnimesh.parallel.mp_executor import ProgramFactory, Rendezvous, _worker_main
+from omnimesh.parallel.rank_worker import ProgramFactory, Rendezvous, worker_main
 from omnimesh.parallel.node_rendezvous import HEARTBEAT_S, NodeLost, NodeMember, NodeSpec, RendezvousError
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def run_headless(factory: ProgramFactory, pp: int, tp: int, rdzv: Rendezvous, sp
     log.info("stage %s: node 0 accepted node %d; starting its ranks", spec.stage, spec.node_rank)
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
-    procs = {rank: ctx.Process(target=_worker_main, name=f"omnimesh-rank{rank}", daemon=True,
+    procs = {rank: ctx.Process(target=worker_main, name=f"omnimesh-rank{rank}", daemon=True,
                                args=(rank, pp, tp, rdzv, factory, threads, ready, logging.getLogger().getEffectiveLevel()))
              for rank in ranks}
     for proc in procs.values():

@@ -1,8 +1,8 @@
 """MpExecutor: runs one stage's pp x tp ranks as local processes and drives them from the server.
 
-Rank 0 lives in the stage's server process (the driver); ranks 1..N-1 are spawned processes. Every
-rank builds its `RankProgram` once (its layers, its shard) from the same picklable factory, then all
-ranks run the same commands in lock-step:
+Rank 0 lives in the stage's server process (the driver); ranks 1..N-1 are spawned processes (what each
+runs: omnimesh/parallel/rank_worker.py). Every rank builds its `RankProgram` once (its layers, its shard)
+from the same picklable factory, then all ranks run the same commands in lock-step:
 
     driver: submit(cmd) --cmd to every rank (non-blocking sends, gloo metadata group)--> program.execute(cmd)
             ranks exchange activations between themselves (send/recv, all-reduce on the device group)
@@ -34,120 +34,31 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import pickle
-import signal
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from omnimesh.log_setup import setup_logging
 from omnimesh.parallel.node_rendezvous import NodeHost, NodeSpec
 from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
-from omnimesh.proc_utils import die_with_parent, free_port
+from omnimesh.parallel.rank_worker import (  # noqa: F401 - RankProgram: part of this module's interface
+    STOP,
+    ProgramFactory,
+    RankFailure,
+    RankProgram,
+    Rendezvous,
+    prune_sends,
+    recv_obj,
+    result_group,
+    send_obj,
+    worker_main,
+)
+from omnimesh.proc_utils import free_port
 
 log = logging.getLogger(__name__)
-
-_STOP = "__omnimesh_stop__"
-
-
-class RankFailure(RuntimeError):
-    """A rank of the stage died, or a command failed on some rank."""
-
-
-class RankProgram(Protocol):
-    """What one rank runs. Built once per rank by the factory; `execute` is called with the same command on
-    every rank, in the same order, and returns the result on the rank that owns it (None elsewhere)."""
-
-    def execute(self, command: Any) -> Any: ...
-
-
-ProgramFactory = Callable[[ParallelState], RankProgram]
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    master_addr: str
-    master_port: int
-    backend: str  # "gloo" on CPU, "nccl" on CUDA
-    timeout_s: float
-    devices: tuple[str, ...] = ()  # device per rank of a host, e.g. ("cuda:2", "cuda:3"); () = the default placement
-
-    def device(self, rank: int) -> str | None:
-        """Global rank -> its device: ranks of one host take `devices` in order (every host has the same list)."""
-        return self.devices[rank % len(self.devices)] if self.devices else None
-
-
-def _send_obj(obj: Any, dst: int, group: Any) -> list[Any]:
-    """Non-blocking: pickled `obj` to `dst` as (size, bytes); returns (Work, tensor) pairs to keep alive."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    return [(dist.isend(size, dst, group=group), size), (dist.isend(data, dst, group=group), data)]
-
-
-def _recv_obj(src: int, group: Any) -> Any:
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, src, group=group)
-    return pickle.loads(data.numpy().tobytes())
-
-
-def _prune(sends: list[Any]) -> list[Any]:
-    return [(w, t) for w, t in sends if not w.is_completed()]
-
-
-def _result_group(ps: ParallelState) -> Any:
-    """A gloo group of rank 0 and the result owner (every rank must create it, in the same order)."""
-    owner = ps.last_pp_rank_driver
-    return dist.new_group([0, owner], backend="gloo") if owner != 0 else None
-
-
-def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
-                 ready: Any, log_level: int = logging.INFO) -> None:
-    die_with_parent(signal.SIGKILL)
-    setup_logging(logging.getLevelName(log_level))
-    torch.set_num_threads(threads)
-    try:
-        ps = init_parallel_state(pp, tp, rank, rdzv.master_addr, rdzv.master_port, rdzv.backend, rdzv.timeout_s,
-                                 device=rdzv.device(rank))
-        results = _result_group(ps)
-        program = factory(ps)
-    except Exception as exc:  # report start-up failures to the driver, then exit non-zero
-        ready.put((rank, f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from exc
-    ready.put((rank, None))
-    owner = ps.last_pp_rank_driver
-    sends: list[Any] = []
-    while True:
-        try:
-            command = _recv_obj(0, ps.cpu_group)
-        except (RuntimeError, dist.DistError) as exc:  # the driver (rank 0) or its host went away
-            log.error("rank %d: lost the stage's driver (rank 0): %s", rank, str(exc).splitlines()[0])
-            raise SystemExit(1) from None
-        if command == _STOP:
-            if rank == owner:
-                for work, _ in _send_obj(_STOP, 0, results):  # releases the driver's receiver thread
-                    work.wait()
-            break
-        try:
-            with torch.inference_mode():  # as the driver's engine thread runs its part
-                result: Any = program.execute(command)
-        except (RuntimeError, dist.DistError):
-            raise  # a collective broke: this rank is out of step for good
-        except Exception as exc:  # raised alike on every rank, before any collective
-            result = RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}")
-        if rank == owner:
-            sends = _prune(sends) + _send_obj(result, 0, results)
-    for work, _ in sends:
-        work.wait()
-    dist.destroy_process_group()
-
 
 class _Pending:
     """One submitted command: resolved once rank 0's part is done AND the owner's result has arrived
@@ -231,7 +142,7 @@ class MpExecutor:
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
         for rank in range(1, self.local_world):
-            proc = ctx.Process(target=_worker_main, name=f"omnimesh-rank{rank}", daemon=True,
+            proc = ctx.Process(target=worker_main, name=f"omnimesh-rank{rank}", daemon=True,
                                args=(rank, self.pp, self.tp, self.rdzv, self.factory, self.threads, ready,
                                      logging.getLogger().getEffectiveLevel()))
             proc.start()
@@ -239,7 +150,7 @@ class MpExecutor:
         try:
             self.ps = init_parallel_state(self.pp, self.tp, 0, self.rdzv.master_addr, self.rdzv.master_port,
                                           self.rdzv.backend, self.rdzv.timeout_s, device=self.rdzv.device(0))
-            self._results = _result_group(self.ps)
+            self._results = result_group(self.ps)
             self.program = self.factory(self.ps)
             self._wait_ready(ready)
             if self.node_host is not None:
@@ -306,7 +217,7 @@ class MpExecutor:
         owner = self.ps.last_pp_rank_driver
         while True:
             try:
-                result = _recv_obj(owner, self._results)
+                result = recv_obj(owner, self._results)
             except Exception as exc:
                 if not self._stopping:
                     time.sleep(0.5)  # let the monitor name a dead rank if that is what happened
@@ -314,7 +225,7 @@ class MpExecutor:
                     self._fail(self.failure or f"the result channel from {where} failed: {type(exc).__name__}: "
                                                f"{str(exc).splitlines()[0]}")
                 return
-            if result == _STOP:
+            if result == STOP:
                 return
             if not self._waiting:
                 self._fail("a result arrived that no command was waiting for")
@@ -340,9 +251,9 @@ class MpExecutor:
             local_error: Exception | None = None
             result: Any = None
             try:
-                self._sends = _prune(self._sends)
+                self._sends = prune_sends(self._sends)
                 for rank in range(1, self.world):
-                    self._sends += _send_obj(command, rank, self.ps.cpu_group)
+                    self._sends += send_obj(command, rank, self.ps.cpu_group)
                 try:
                     result = self.program.execute(command)
                 except (RuntimeError, dist.DistError):
@@ -375,7 +286,7 @@ class MpExecutor:
             try:
                 with self._lock:
                     for rank in range(1, self.world):
-                        for work, _ in _send_obj(_STOP, rank, self.ps.cpu_group):
+                        for work, _ in send_obj(STOP, rank, self.ps.cpu_group):
                             work.wait()
             except Exception:
                 pass
