@@ -19,8 +19,11 @@ node 1 the same with `--node-rank 1` (see MULTINODE_README.md).
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -67,7 +70,7 @@ def check_nodes(args: ServeArgs, only: str | None = None) -> list[str]:
     elif not spread_stages(args):
         raise ValueError(f"--num-nodes {args.num_nodes}: no stage has more than one rank to spread over the hosts "
                          f"(pp x tp = 1 for every stage); give -pp/-tp or a stage's pp/tp in --stage-overrides")
-    advice = []
+    advice = [line] if (line := gloo_address_advice(args.master_addr)) else []
     for stage, cfg in cfgs.items():
         per = cfg.ranks_per_node
         if cfg.num_nodes > 1 and per % cfg.tp:
@@ -78,10 +81,32 @@ def check_nodes(args: ServeArgs, only: str | None = None) -> list[str]:
     return advice
 
 
+def _loopback_only(host: str) -> bool:
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addrs) and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addrs)
+
+
+def gloo_address_advice(master_addr: str) -> str | None:
+    """gloo (the stages' command channel, and every collective on CPU) tells the other hosts the address this
+    host's name resolves to; a name that resolves only to loopback (Debian's 127.0.1.1 in /etc/hosts) makes
+    them connect to themselves, and the start fails at the process-group timeout. Nodes on one host (a
+    loopback --master-addr) are fine."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or _loopback_only(master_addr):
+        return None
+    name = socket.gethostname()
+    if not _loopback_only(name):
+        return None
+    return (f"this host's name {name!r} resolves only to a loopback address, which gloo would give the other hosts "
+            f"(they could not connect back); set GLOO_SOCKET_IFNAME to the interface that reaches {master_addr} "
+            f"(e.g. GLOO_SOCKET_IFNAME=eth0; on CUDA also NCCL_SOCKET_IFNAME), or map the name to that address in "
+            f"/etc/hosts")
+
+
 def run_headless_stage(stage: str, model_dir: Path, args: ServeArgs) -> int:
     """`omnimesh stage NAME --node-rank R>0`: this host's ranks of the stage until node 0 ends it."""
-    import os
-
     from omnimesh.parallel.headless_ranks import run_headless
     from omnimesh.parallel.mp_executor import Rendezvous
     from omnimesh.server.stage_failure import StageFailure
