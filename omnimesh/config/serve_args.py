@@ -191,6 +191,7 @@ class ServeArgs:
                              f"rendezvous port on node 0 (with `omnimesh serve`, stage i uses --master-port + i)")
         if not self.rendezvous_timeout > 0:
             raise ValueError(f"--rendezvous-timeout must be > 0 seconds, got {self.rendezvous_timeout}")
+        self._check_global_spread()
         self.stage_configs()  # validates -tp/-pp, utilization, --stage-overrides
 
     def model_name(self, model_dir: Path) -> str:
@@ -215,6 +216,19 @@ class ServeArgs:
         overrides = parse_stage_overrides(self.stage_overrides)
         return {stage: resolve_stage(model_stage, self._spread(model_stage, overrides.get(stage, {}), stage), stage)
                 for stage in STAGES}
+
+    def _check_global_spread(self) -> None:
+        """-pp x -tp that some stage takes as they are must divide over --num-nodes (said once, for the flags,
+        rather than for the first such stage)."""
+        pp, tp, n = self.pipeline_parallel_size, self.tensor_parallel_size, self.num_nodes
+        if n == 1 or pp * tp == 1 or (pp * tp) % n == 0:
+            return
+        overrides = parse_stage_overrides(self.stage_overrides)
+        if any(not {"pp", "tp", "num_nodes"} & set(overrides.get(stage, {})) for stage in STAGES):
+            raise ValueError(f"-pp {pp} x -tp {tp} = {pp * tp} ranks cannot be spread evenly over --num-nodes {n} hosts "
+                             f"(each host runs pp x tp / num_nodes consecutive ranks); make pp x tp a multiple of {n} "
+                             f"(e.g. -pp {n} with tp inside a host), or keep a stage on node 0 with num_nodes 1 in "
+                             f"--stage-overrides")
 
     def _spread(self, model_stage: StageConfig, own: dict[str, Any], stage: str) -> dict[str, Any]:
         """The stage's overrides with its num_nodes: --num-nodes for a stage of more than one rank, 1 (node 0) for

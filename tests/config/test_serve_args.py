@@ -265,8 +265,10 @@ def test_num_nodes_spreads_every_stage_of_more_than_one_rank() -> None:
     "kwargs, message",
     [
         ({"num_nodes": 2, "master_port": 29500, "pipeline_parallel_size": 3},
-         r"stage encoder: pp x tp = 3 x 1 = 3 ranks cannot be spread evenly over num_nodes = 2 hosts .* make pp x tp "
-         r"a multiple of 2"),
+         r"^-pp 3 x -tp 1 = 3 ranks cannot be spread evenly over --num-nodes 2 hosts .* make pp x tp a multiple of 2"),
+        ({"num_nodes": 2, "master_port": 29500, "pipeline_parallel_size": 2,
+          "stage_overrides": '{"talker": {"pp": 3}}'},
+         r"stage talker: pp x tp = 3 x 1 = 3 ranks cannot be spread evenly over num_nodes = 2 hosts"),
         ({"num_nodes": 2, "pipeline_parallel_size": 2}, r"--num-nodes 2 needs --master-port"),
         ({"num_nodes": 2, "master_port": 29500, "pipeline_parallel_size": 2,
           "stage_overrides": '{"thinker": {"num_nodes": 3}}'},
@@ -286,7 +288,7 @@ def test_num_nodes_errors_name_the_numbers(kwargs: dict, message: str) -> None:
 def test_cli_num_nodes_errors_exit_2_before_anything_loads() -> None:
     uneven = _cli("stage", "thinker", "-pp", "3", "--num-nodes", "2", "--node-rank", "1", "--master-port", "29500")
     assert uneven.returncode == 2, uneven.stderr
-    assert "pp x tp = 3 x 1 = 3 ranks cannot be spread evenly over num_nodes = 2 hosts" in uneven.stderr
+    assert "-pp 3 x -tp 1 = 3 ranks cannot be spread evenly over --num-nodes 2 hosts" in uneven.stderr
     single = _cli("stage", "thinker", "--num-nodes", "2", "--master-port", "29500", "--device", "cpu")
     assert single.returncode == 2 and "stage thinker: pp x tp = 1 x 1 = 1 rank(s) cannot span --num-nodes 2" in single.stderr
     nothing = _cli("serve", "--num-nodes", "2", "--master-port", "29500", "--device", "cpu")
