@@ -48,15 +48,16 @@ def run_headless(factory: ProgramFactory, pp: int, tp: int, rdzv: Rendezvous, sp
     log.info("headless node %d of %d for stage %s: ranks %s of pp=%d x tp=%d (%s); rendezvous %s:%d",
              spec.node_rank, spec.num_nodes, spec.stage, list(ranks), pp, tp, rdzv.backend,
              rdzv.master_addr, rdzv.master_port)
+    where = f"stage {spec.stage}, node {spec.node_rank}"
     try:
         member = NodeMember(rdzv.master_addr, rdzv.master_port, spec, pp, tp, rdzv.backend)
     except RendezvousError as exc:
-        log.error("stage %s, node %d: %s", spec.stage, spec.node_rank, exc)
+        log.error("%s: %s", where, exc)
         return EXIT_NO_NODE0
     try:
         member.handshake()
-    except RendezvousError as exc:
-        log.error("stage %s, node %d: %s", spec.stage, spec.node_rank, exc)
+    except RendezvousError as exc:  # node 0's verdict, as node 0 prints it
+        log.error("%s: %s", where, str(exc).removeprefix(f"stage {spec.stage}: "))
         return 1
     log.info("stage %s: node 0 accepted node %d; starting its ranks", spec.stage, spec.node_rank)
     ctx = mp.get_context("spawn")

@@ -95,9 +95,10 @@ def test_nodes_that_disagree_fail_at_the_rendezvous(tiny_model_dir) -> None:
     node1 = _node(tiny_model_dir, 1, master, "-pp", "4")  # 4 ranks over 2 nodes: valid alone, not with node 0
     try:
         assert _exit_code(node0, 90) == 1 and _exit_code(node1, 90) == 1
+        assert "omnimesh: error: stage thinker: the nodes disagree at the rendezvous" in node0.output()
+        assert "stage thinker, node 1: the nodes disagree at the rendezvous" in node1.output()
         for proc in (node0, node1):
             text = proc.output()
-            assert "stage thinker: the nodes disagree at the rendezvous" in text, text
             assert "pp: node 0 (" in text and "has 2, node 1 (" in text and "has 4" in text, text
     finally:
         node0.stop()
