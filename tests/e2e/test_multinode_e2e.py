@@ -5,9 +5,9 @@ pipeline rank per host) and tp = 2 (a TP pair across the hosts: advice, still ex
 through a gateway exactly like `transformers` generate. Node 0 stopped with SIGTERM ends node 1 with 0; node 0
 killed outright ends node 1 non-zero, saying it lost node 0, within a bound. Nodes that disagree on pp both fail
 at the rendezvous naming the values; a node whose master does not answer and a node 0 whose other node never
-comes fail within --rendezvous-timeout. `omnimesh serve --num-nodes 2` on both nodes: node 0 runs the mesh and
-the gateway, node 1 only the thinker's headless ranks, and the answer is again the reference's. Every wait is
-bounded. This module runs its own processes (never the shared `mesh`)."""
+comes fail within --rendezvous-timeout. `omnimesh serve --num-nodes 2` on both nodes, every stage split over
+them: node 0 runs the mesh and the gateway, node 1 only the stages' headless ranks, and text and audio are again
+the reference's. Every wait is bounded. This module runs its own processes (never the shared `mesh`)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from mesh_harness import Proc, children, free_port, start_gateway, start_mesh
-from reference import chat_request
-from test_parity import MAX_TOKENS
+from reference import chat_request, png_bytes, sine_wav
+from test_parity import MAX_TOKENS, TALKER_MAX, run_pipeline
 
 PROMPT = "Tell me about the sea."
+SERVE_LAYOUT = '{"encoder": {"pp": 2}, "thinker": {"pp": 2}, "talker": {"pp": 2}, "vocoder": {"tp": 2}}'
 EXIT_WITHIN_S = 45.0  # a headless node's end after node 0's (process start-up included on a busy host)
 
 
@@ -120,25 +122,33 @@ def test_a_missing_master_or_node_fails_within_the_rendezvous_timeout(tiny_model
         alone.stop()
 
 
-def test_serve_over_two_nodes(tiny_model_dir, expected) -> None:
-    """Node 1 first (it waits for node 0), then node 0's whole mesh; only the thinker spans the nodes."""
+def test_serve_over_two_nodes(tiny_model_dir, reference) -> None:
+    """Node 1 first (it waits for node 0), then node 0's whole mesh; every stage spans both nodes, each on its own
+    rendezvous port (--master-port + stage index); text and audio (from audio + image input) equal generate's."""
     base = free_port()
     spread = ("--num-nodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(base),
-              "--stage-overrides", '{"thinker": {"pp": 2}}', "--rendezvous-timeout", "90")
+              "--stage-overrides", SERVE_LAYOUT, "--rendezvous-timeout", "90")
     node1 = Proc(["serve", str(tiny_model_dir), "--node-rank", "1", *spread])
     mesh = None
     try:
         mesh = start_mesh(tiny_model_dir, "--node-rank", "0", *spread)
-        node1.wait_for_line(rf"node 1 of 2: headless ranks of thinker \(rendezvous 127.0.0.1:{base + 1}\); no gateway")
-        answer = _chat(mesh.rest)
-        assert answer["choices"][0]["message"]["content"] == expected[0]
-        assert set(children(node1.proc.pid)) == {"stage thinker"}  # no gateway, no other stage on node 1
-        assert set(children(mesh.proc.proc.pid)) == {"gateway", "stage encoder", "stage thinker", "stage talker",
-                                                     "stage vocoder"}
+        node1.wait_for_line(rf"node 1 of 2: headless ranks of encoder \(rendezvous 127.0.0.1:{base}\), thinker "
+                            rf"\(rendezvous 127.0.0.1:{base + 1}\), talker .*:{base + 2}\), vocoder .*:{base + 3}\); "
+                            r"no gateway here")
+        req = chat_request(PROMPT, sine_wav(), png_bytes(), max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+        ref = reference.generate(req, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+        text, audio, finished = run_pipeline(mesh, tiny_model_dir, req, async_chunk=True)
+        assert text == ref.text and finished.completion_tokens == len(ref.token_ids)
+        assert audio.shape == ref.audio.shape and audio.size > 0
+        np.testing.assert_allclose(audio, ref.audio, atol=1e-4, rtol=0)
+        stages = {"stage encoder", "stage thinker", "stage talker", "stage vocoder"}
+        assert set(children(node1.proc.pid)) == stages  # headless stage processes only: no gateway on node 1
+        assert set(children(mesh.proc.proc.pid)) == stages | {"gateway"}
         assert mesh.proc.stop() == 0
         mesh = None
-        # node 1's thinker ranks end with node 0's stop (code 0), and it waits for the thinker's next start
-        node1.wait_for_line(r"node 0 stopped stage thinker; waiting up to 90s for its next start", timeout_s=60)
+        # node 1's ranks end with node 0's stop (code 0), and it waits for each stage's next start
+        for stage in ("encoder", "thinker", "talker", "vocoder"):
+            node1.wait_for_line(rf"node 0 stopped stage {stage}; waiting up to 90s for its next start", timeout_s=60)
         assert node1.stop() == 0
     finally:
         if mesh is not None:
