@@ -109,13 +109,29 @@ def disagreements(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
             for key in COMPARED if mine.get(key) != theirs.get(key)]
 
 
+def _check_own_address(addr: str) -> None:
+    """Node 0 listens at --master-addr and its own ranks connect there: it must be an address of this host."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(sockaddr)
+    except OSError as exc:
+        raise RendezvousError(f"--master-addr {addr} is not an address of node 0 itself ({exc}): node 0 listens for "
+                              f"the stage's rendezvous there and its own ranks connect to it; give this host's "
+                              f"address, the one the other nodes reach it at") from None
+
+
 def _listen(addr: str, port: int, timeout_s: float) -> TCPStore:
+    _check_own_address(addr)
     try:  # multi_tenant: torch's tcp:// rendezvous of rank 0 (this process) then reuses this server
         return TCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
                         timeout=timedelta(seconds=timeout_s))
     except dist.DistError as exc:
-        raise RendezvousError(f"node 0 could not listen for the stage's rendezvous on port {port} ({exc}); another "
-                              f"process holds it: choose another --master-port") from None
+        first = str(exc).splitlines()[0]
+        if "EADDRINUSE" in first or "address already in use" in first:
+            raise RendezvousError(f"node 0 could not listen for the stage's rendezvous on port {port} ({first}); "
+                                  f"another process holds it: choose another --master-port") from None
+        raise RendezvousError(f"node 0 could not open the stage's rendezvous at {addr}:{port} ({first})") from None
 
 
 def _reach(addr: str, port: int, timeout_s: float) -> TCPStore:

@@ -1,8 +1,8 @@
 """The multi-node handshake and liveness watch, both ends in this process over a real TCPStore on 127.0.0.1
 (no process group, no model): agreeing nodes meet; a disagreement (pp, num_nodes, model), a --node-rank claimed
-twice, a node that never comes, an unreachable master and a taken port are errors on every node within the
-bound, naming the values and the nodes; after start-up a silent or failed node reaches node 0's `on_failure`, and
-node 0's stop reaches the others."""
+twice, a node that never comes, an unreachable master, a taken port and a --master-addr that is not node 0's own
+are errors on every node within the bound, naming the values and the nodes; after start-up a silent or failed
+node reaches node 0's `on_failure`, and node 0's stop reaches the others."""
 
 from __future__ import annotations
 
@@ -129,6 +129,14 @@ def test_a_taken_port_is_an_error_at_node_0() -> None:
         with pytest.raises(RendezvousError, match=rf"node 0 could not listen .* on port {port} .* choose another "
                                                   r"--master-port"):
             NodeHost(ADDR, port, _spec(0), 2, 1, "gloo")
+
+
+def test_a_master_addr_that_is_not_node_0s_own_is_an_error_at_once() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"--master-addr 192.0.2.7 is not an address of node 0 itself .*give "
+                                              r"this host's address"):
+        NodeHost("192.0.2.7", free_port(), _spec(0), 2, 1, "gloo")  # TEST-NET-1: never this host's
+    assert time.monotonic() - t0 < 2
 
 
 def test_a_late_node_is_refused_after_the_handshake() -> None:
