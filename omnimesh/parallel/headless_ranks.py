@@ -49,39 +49,44 @@ def run_headless(factory: ProgramFactory, pp: int, tp: int, rdzv: Rendezvous, sp
              spec.node_rank, spec.num_nodes, spec.stage, list(ranks), pp, tp, rdzv.backend,
              rdzv.master_addr, rdzv.master_port)
     where = f"stage {spec.stage}, node {spec.node_rank}"
-    try:
-        member = NodeMember(rdzv.master_addr, rdzv.master_port, spec, pp, tp, rdzv.backend)
-    except RendezvousError as exc:
-        log.error("%s: %s", where, exc)
-        return EXIT_NO_NODE0
-    try:
-        member.handshake()
-    except RendezvousError as exc:  # node 0's verdict, as node 0 prints it
-        log.error("%s: %s", where, str(exc).removeprefix(f"stage {spec.stage}: "))
-        return 1
-    log.info("stage %s: node 0 accepted node %d; starting its ranks", spec.stage, spec.node_rank)
-    ctx = mp.get_context("spawn")
-    ready = ctx.Queue()
-    procs = {rank: ctx.Process(target=worker_main, name=f"omnimesh-rank{rank}", daemon=True,
-                               args=(rank, pp, tp, rdzv, factory, threads, ready, logging.getLogger().getEffectiveLevel()))
-             for rank in ranks}
-    for proc in procs.values():
-        proc.start()
 
     def on_signal(signum: int, frame: object) -> None:
         raise _Stop(signal.Signals(signum).name)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    member: NodeMember | None = None
+    procs: dict[int, Any] = {}
     try:
+        try:
+            member = NodeMember(rdzv.master_addr, rdzv.master_port, spec, pp, tp, rdzv.backend)
+        except RendezvousError as exc:
+            log.error("%s: %s", where, exc)
+            return EXIT_NO_NODE0
+        try:
+            member.handshake()
+        except RendezvousError as exc:  # node 0's verdict, as node 0 prints it
+            log.error("%s: %s", where, str(exc).removeprefix(f"stage {spec.stage}: "))
+            return 1
+        log.info("stage %s: node 0 accepted node %d; starting its ranks", spec.stage, spec.node_rank)
+        ctx = mp.get_context("spawn")
+        ready = ctx.Queue()
+        level = logging.getLogger().getEffectiveLevel()
+        for rank in ranks:
+            procs[rank] = ctx.Process(target=worker_main, name=f"omnimesh-rank{rank}", daemon=True,
+                                      args=(rank, pp, tp, rdzv, factory, threads, ready, level))
+            procs[rank].start()
         return _Supervisor(member, procs, ready, spec, rdzv.timeout_s).run()
     except _Stop as stop:
-        member.fail(f"its headless process was stopped ({stop})")
-        log.info("stage %s, node %d: stopped by %s; its ranks end", spec.stage, spec.node_rank, stop)
+        if member is not None:
+            member.fail(f"its headless process was stopped ({stop})")
+        log.info("%s: stopped by %s; its ranks end", where, stop)
         return 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for proc in procs.values():
+            if proc.pid is None:  # never started
+                continue
             if proc.is_alive():
                 proc.kill()
             proc.join(timeout=5)
