@@ -318,13 +318,18 @@ class NodeMember:
         """Join and wait (bounded) for node 0's verdict; RendezvousError with node 0's message on a refusal."""
         index = self.store.add("joined", 1)
         self.store.set(f"join/{index}", json.dumps(self.view))
-        try:
-            self.store.wait([f"verdict/{index}"], timedelta(seconds=self.spec.timeout_s))
+        deadline = time.monotonic() + self.spec.timeout_s
+        try:  # polled, not one long store.wait: a signal to this process is handled meanwhile
+            while not self.store.check([f"verdict/{index}"]):
+                if time.monotonic() > deadline:
+                    raise RendezvousError(f"node 0 at {self.addr}:{self.port} gave no verdict within "
+                                          f"{self.spec.timeout_s:.0f}s")
+                time.sleep(POLL_S)
             verdict = self.store.get(f"verdict/{index}").decode()
             self.store.set(f"heard/{index}", "")
         except dist.DistError as exc:
-            raise RendezvousError(f"node 0 at {self.addr}:{self.port} gave no verdict within "
-                                  f"{self.spec.timeout_s:.0f}s ({exc})") from None
+            raise RendezvousError(f"node 0 at {self.addr}:{self.port} stopped answering during the handshake "
+                                  f"({str(exc).splitlines()[0]})") from None
         if verdict:
             raise RendezvousError(verdict)
         # from now on a silent node 0 is noticed within HEARTBEAT_TIMEOUT_S (each store call waits at most that)
