@@ -138,12 +138,13 @@ class HeadlessNode:
         self.args, self.model_dir = args, model_dir
         self.children: dict[str, _Child] = {}
         self.where = f"node {args.node_rank} of {args.num_nodes}"
+        self.stopping = False  # SIGTERM / SIGINT
 
     def run(self) -> int:
         from omnimesh.launcher import MeshLauncher, _popen
 
         def on_signal(signum: int, frame: object) -> None:
-            raise KeyboardInterrupt
+            self.stopping = True  # noted, not raised: an exception inside a fork hook (spawning) would be lost
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
@@ -156,8 +157,6 @@ class HeadlessNode:
             _say(f"{self.where}: headless ranks of " + ", ".join(
                 f"{s} (rendezvous {self.args.master_addr}:{p})" for s, p in ports.items()) + "; no gateway here")
             return self._watch(_popen)
-        except KeyboardInterrupt:
-            return 0
         finally:
             self._stop()
 
@@ -167,8 +166,13 @@ class HeadlessNode:
 
         limit = self.args.stage_restarts
         while self.children:
+            if self.stopping:
+                _say(f"{self.where}: stopping its headless stages")
+                return 0
             now = time.monotonic()
             for stage, child in list(self.children.items()):
+                if self.stopping:  # the signal reached the children too: their exits are no failures
+                    break
                 if child.due is not None:
                     if now >= child.due:
                         child.due, child.proc = None, popen(child.argv)

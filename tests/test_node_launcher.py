@@ -111,3 +111,11 @@ def test_headless_node_restarts_a_failed_stage_within_stage_restarts(monkeypatch
     assert "--stage-restarts 1 used up: stopping this node" in err
     node, popen, _ = _node(monkeypatch, [EXIT_NO_NODE0], restarts=0)  # never reached node 0, no restarts allowed
     assert node._watch(popen) == 1
+
+
+def test_headless_node_stops_on_a_signal_without_restarting(monkeypatch, capsys) -> None:
+    """SIGTERM only sets a flag (an exception raised inside a fork hook while spawning would be lost)."""
+    node, popen, started = _node(monkeypatch, [1, 1], restarts=3)
+    node.stopping = True
+    assert node._watch(popen) == 0 and started == []
+    assert "stopping its headless stages" in capsys.readouterr().err

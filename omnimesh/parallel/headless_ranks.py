@@ -25,6 +25,7 @@ import multiprocessing as mp
 import queue
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from omnimesh.parallel.rank_worker import ProgramFactory, Rendezvous, worker_main
@@ -50,8 +51,14 @@ def run_headless(factory: ProgramFactory, pp: int, tp: int, rdzv: Rendezvous, sp
              rdzv.master_addr, rdzv.master_port)
     where = f"stage {spec.stage}, node {spec.node_rank}"
 
+    # raised at once while this node only waits for node 0; once its ranks spawn, only noted and read by the
+    # supervisor (an exception raised inside a fork hook, as spawning runs them, would be lost)
+    stop: dict[str, Any] = {"signal": None, "raise": True}
+
     def on_signal(signum: int, frame: object) -> None:
-        raise _Stop(signal.Signals(signum).name)
+        stop["signal"] = signal.Signals(signum).name
+        if stop["raise"]:
+            raise _Stop(stop["signal"])
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     member: NodeMember | None = None
@@ -68,6 +75,7 @@ def run_headless(factory: ProgramFactory, pp: int, tp: int, rdzv: Rendezvous, sp
             log.error("%s: %s", where, str(exc).removeprefix(f"stage {spec.stage}: "))
             return 1
         log.info("stage %s: node 0 accepted node %d; starting its ranks", spec.stage, spec.node_rank)
+        stop["raise"] = False
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
         level = logging.getLogger().getEffectiveLevel()
@@ -75,7 +83,7 @@ def run_headless(factory: ProgramFactory, pp: int, tp: int, rdzv: Rendezvous, sp
             procs[rank] = ctx.Process(target=worker_main, name=f"omnimesh-rank{rank}", daemon=True,
                                       args=(rank, pp, tp, rdzv, factory, threads, ready, level))
             procs[rank].start()
-        return _Supervisor(member, procs, ready, spec, rdzv.timeout_s).run()
+        return _Supervisor(member, procs, ready, spec, rdzv.timeout_s, lambda: stop["signal"]).run()
     except _Stop as stop:
         if member is not None:
             member.fail(f"its headless process was stopped ({stop})")
@@ -93,14 +101,17 @@ def run_headless(factory: ProgramFactory, pp: int, tp: int, rdzv: Rendezvous, sp
 
 
 class _Supervisor:
-    def __init__(self, member: NodeMember, procs: dict[int, Any], ready: Any, spec: NodeSpec, start_timeout_s: float):
-        self.member, self.procs, self.ready, self.spec = member, procs, ready, spec
+    def __init__(self, member: NodeMember, procs: dict[int, Any], ready: Any, spec: NodeSpec, start_timeout_s: float,
+                 stopped: Callable[[], str | None]):
+        self.member, self.procs, self.ready, self.spec, self.stopped = member, procs, ready, spec, stopped
         self.pending = set(procs)  # ranks that have not reported ready
         self.start_deadline = time.monotonic() + spec.timeout_s + start_timeout_s
         self.where = f"stage {spec.stage}, node {spec.node_rank}"
 
     def run(self) -> int:
         while True:
+            if (why := self.stopped()) is not None:
+                raise _Stop(why)
             if (code := self._collect_ready()) is not None:
                 return code
             exited = {rank: p.exitcode for rank, p in self.procs.items() if p.exitcode is not None}

@@ -82,9 +82,9 @@ class LMLayout:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port, so stages on one host never collide
     on_failure: Callable[[str], None] | None = None
-    devices: tuple[str, ...] = ()  # per rank, e.g. ("cuda:2", "cuda:3"); () = rank r on cuda:r (or CPU)
+    devices: tuple[str, ...] = ()  # per rank of a host, e.g. ("cuda:2", "cuda:3"); () = rank r on cuda:r (or CPU)
     timeout_s: float = 120.0  # rendezvous, start-up and every collective
-    nodes: NodeSpec | None = None  # the stage spans several hosts; this process is node 0's driver
+    nodes: NodeSpec | None = None  # the stage spans several hosts: this host's part (node 0 runs the driver)
 
     @property
     def in_process_cpu(self) -> bool:
