@@ -1,7 +1,9 @@
 """The `omnimesh` command.
 
     omnimesh serve [MODEL] [--port 8000] [-tp N] [-pp N] [--stage-overrides JSON] ...   whole mesh, one host
+    omnimesh serve ... --num-nodes N --node-rank R --master-addr A --master-port P      stages over N hosts
     omnimesh stage encoder|thinker|talker|vocoder --model DIR --port P                   one stage service
+    omnimesh stage NAME ... --num-nodes N --node-rank R --master-addr A --master-port P  one stage over N hosts
     omnimesh gateway --model DIR --stages thinker=HOST:PORT,...                          the front door alone
     omnimesh make-tiny --family qwen3-omni --out DIR                                     the built-in tiny model
 
@@ -104,12 +106,25 @@ def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> 
     return None
 
 
+def _check_nodes(args: ServeArgs, only: str | None = None) -> int | None:
+    """--num-nodes against the stages' layouts (errors exit 2; advice goes to stderr)."""
+    from omnimesh.node_launcher import check_nodes
+
+    try:
+        advice = check_nodes(args, only)
+    except ValueError as exc:
+        return _fail(str(exc))
+    for line in advice:
+        print(f"omnimesh: advice: {line}", file=sys.stderr)
+    return None
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     try:
         args = resolve_device(from_namespace(ns))
     except ValueError as exc:
         return _fail(str(exc))
-    if (rc := _check_devices(args)) is not None:
+    if (rc := _check_devices(args)) is not None or (rc := _check_nodes(args)) is not None:
         return rc
     try:
         model_dir = _model_dir(args.model)
@@ -119,6 +134,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         return rc
     if args.model is None and args.served_model_name is None:
         args = replace(args, served_model_name=TINY_MODEL_NAME)
+    if args.node_rank > 0:  # a headless host: only its ranks of the spread stages, no gateway
+        from omnimesh.node_launcher import HeadlessNode
+
+        return HeadlessNode(args, model_dir).run()
     from omnimesh.launcher import MeshLauncher
 
     return MeshLauncher(args, model_dir).run()
@@ -137,23 +156,33 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     stage = ns.stage_name
-    if (rc := _check_devices(args, stage)) is not None or (rc := _check_layout(args, model_dir, only=stage)) is not None:
+    if (rc := _check_devices(args, stage)) is not None or (rc := _check_nodes(args, stage)) is not None:
         return rc
-    if (rc := _check_supported(args, stage)) is not None:
+    if (rc := _check_layout(args, model_dir, only=stage)) is not None or (rc := _check_supported(args, stage)) is not None:
         return rc
     if (replicas := args.stage_configs()[stage].num_replicas) > 1:
         return _fail(f"num_replicas = {replicas} for stage {stage}: one `omnimesh stage` process is one replica; start "
                      f"it {replicas} times on ports of their own and name each in the gateway's --stages "
                      f"({stage}=HOST:PORT,{stage}=HOST:PORT2,...), or let `omnimesh serve` start them")
+    from omnimesh.parallel.node_rendezvous import RendezvousError
+
+    if args.node_rank > 0:  # a headless host of a multi-node stage: its ranks only, no server
+        from omnimesh.node_launcher import run_headless_stage
+
+        return run_headless_stage(stage, model_dir, args)
     from omnimesh.server.stage_server import run_stage
     from omnimesh.stage_registry import handler_factory
 
     port = ns.stage_port if ns.stage_port is not None else 50051 + STAGES.index(ns.stage_name)
     cfg = args.stage_configs()[stage]
-    run_stage(handler_factory(ns.stage_name, model_dir, args), ns.stage_host, port,
-              transport=cfg.transport, shm_arena_size=cfg.shm_arena_size, shm_min_tensor_size=cfg.shm_min_tensor_size,
-              nice=cfg.nice, bulk_nice=cfg.effective_bulk_nice(stage, args.device),
-              yield_steps=cfg.effective_yield_steps(stage), log_stats=not args.disable_log_stats)
+    try:
+        run_stage(handler_factory(ns.stage_name, model_dir, args), ns.stage_host, port,
+                  transport=cfg.transport, shm_arena_size=cfg.shm_arena_size,
+                  shm_min_tensor_size=cfg.shm_min_tensor_size, nice=cfg.nice,
+                  bulk_nice=cfg.effective_bulk_nice(stage, args.device),
+                  yield_steps=cfg.effective_yield_steps(stage), log_stats=not args.disable_log_stats)
+    except RendezvousError as exc:  # the stage's nodes could not meet or disagree: the message says which
+        return _fail(str(exc), 1)
     return 0
 
 

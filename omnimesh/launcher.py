@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from omnimesh.config.serve_args import HTTP_FRONT_FIELDS, ServeArgs
+from omnimesh.node_launcher import node_argv
 from omnimesh.proc_utils import die_with_parent, free_port
 
 START_TIMEOUT_S = 600.0
@@ -99,7 +100,7 @@ class MeshLauncher:
             own["pp_layer_partition"] = list(cfg.pp_layer_partition)
         if own:
             argv += ["--stage-overrides", json.dumps({stage: own})]
-        return argv
+        return argv + node_argv(a, stage)  # a stage spread over --num-nodes hosts: its rendezvous flags
 
     def _gateway_argv(self, stage_addrs: dict[str, list[str]]) -> list[str]:
         a = self.args
@@ -136,6 +137,8 @@ class MeshLauncher:
     def _wait_ready(self, child: Child, probe, what: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
+            if self._stopping:
+                raise KeyboardInterrupt  # Ctrl-C / SIGTERM during start-up (`_on_signal`)
             code = child.proc.poll()
             if code is not None:
                 raise RuntimeError(f"{child.name} exited with code {code} during start-up (see its log above)")
@@ -244,8 +247,9 @@ class MeshLauncher:
         return True
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        """Only a flag, which the start-up wait and the watch loop read (each within half a second): raised from
+        here, a KeyboardInterrupt that lands while a child is being spawned can be swallowed there."""
         self._stopping = True
-        raise KeyboardInterrupt
 
     def stop(self) -> None:
         """The gateway first: it stops taking requests and finishes the streams in flight (within the grace

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from omnimesh.config.serve_args import ServeArgs
-from omnimesh.models.qwen3_omni.stage_loading import LMLayout
+from omnimesh.models.qwen3_omni.stage_loading import LMLayout, rank_factory
+from omnimesh.parallel.mp_executor import ProgramFactory
+from omnimesh.parallel.node_rendezvous import NodeSpec, model_fingerprint
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.server.stage_servicer import StageHandler
 
@@ -36,14 +38,32 @@ def resolve_dtype(args: ServeArgs) -> torch.dtype:
     return getattr(torch, args.dtype)
 
 
-def lm_layout(args: ServeArgs, stage: str, failure: StageFailure) -> LMLayout:
-    """The stage's pp x tp ranks from the flags (-tp/-pp, --stage-overrides, --master-*)."""
+def node_spec(args: ServeArgs, stage: str, model_dir: Path) -> NodeSpec | None:
+    """This host's part in the stage when its ranks span several hosts (--num-nodes), else None."""
+    cfg = args.stage_configs()[stage]
+    if cfg.num_nodes == 1:
+        return None
+    return NodeSpec(stage=stage, num_nodes=cfg.num_nodes, node_rank=args.node_rank, model=model_fingerprint(model_dir),
+                    dtype=str(resolve_dtype(args)).removeprefix("torch."), partition=cfg.pp_layer_partition,
+                    timeout_s=args.rendezvous_timeout, model_dir=str(model_dir))
+
+
+def lm_layout(args: ServeArgs, stage: str, failure: StageFailure, model_dir: Path) -> LMLayout:
+    """The stage's pp x tp ranks from the flags (-tp/-pp, --stage-overrides, --num-nodes, --master-*). On CUDA a
+    host's ranks take the stage's `devices` in order, else that host's devices 0, 1, ..."""
     cfg = args.stage_configs()[stage]
     cuda = args.device == "cuda"
+    nodes = node_spec(args, stage, model_dir)
+    devices = cfg.device_list() or ([str(i) for i in range(cfg.ranks_per_node)] if nodes is not None else [])
     return LMLayout(pp=cfg.pp, tp=cfg.tp, partition=cfg.pp_layer_partition,
                     backend="nccl" if cuda else "gloo", master_addr=args.master_addr,
                     master_port=args.master_port, on_failure=failure.report,
-                    devices=tuple(f"cuda:{d}" for d in cfg.device_list()) if cuda else ())
+                    devices=tuple(f"cuda:{d}" for d in devices) if cuda else (), nodes=nodes)
+
+
+def rank_program(args: ServeArgs, stage: str, model_dir: Path) -> ProgramFactory:
+    """What each of the stage's ranks runs (the same factory the stage's own load hands its executor)."""
+    return rank_factory(stage, model_dir, resolve_dtype(args), args.stage_configs()[stage].pp_layer_partition)
 
 
 def lm_engine(backend: Any, stage: str, args: ServeArgs, max_model_len: int,

@@ -116,10 +116,18 @@ class ServeArgs:
     async_chunk: bool = _f(True, "stream chunks to the next stage as soon as they exist", "--async-chunk", action=argparse.BooleanOptionalAction)
     distributed_executor_backend: str = _f("mp", "how a stage starts its ranks: mp (local processes) or ray", "--distributed-executor-backend")
     ray_address: str | None = _f(None, "Ray cluster address (with --distributed-executor-backend ray)", "--ray-address")
-    num_nodes: int = _f(1, "hosts one stage spans", "--num-nodes")
-    node_rank: int = _f(0, "this host's rank among --num-nodes", "--node-rank")
-    master_addr: str = _f("127.0.0.1", "rendezvous address of node 0", "--master-addr")
-    master_port: int | None = _f(None, "rendezvous port; default: a free port per stage", "--master-port")
+    num_nodes: int = _f(1, "hosts a stage of more than one rank spans: pp x tp / num_nodes consecutive ranks on each "
+                        "(tp best inside a host); node 0 runs the stage's server, the others only ranks (headless)",
+                        "--num-nodes")
+    node_rank: int = _f(0, "this host's rank among --num-nodes (0: the stages' servers and, with `serve`, the "
+                        "gateway; 1..N-1: headless ranks)", "--node-rank")
+    master_addr: str = _f("127.0.0.1", "rendezvous address of node 0 (every node gives the same; node 0 listens on "
+                          "all its interfaces)", "--master-addr")
+    master_port: int | None = _f(None, "rendezvous port on node 0 (`serve`: the encoder's; stage i uses --master-port + "
+                                 "i); required with --num-nodes > 1; default: a free port per stage", "--master-port")
+    rendezvous_timeout: float = _f(120.0, "seconds a multi-node stage waits at its rendezvous: node 0 for every other "
+                                   "node to join and report ready, a node > 0 to reach node 0 and hear its verdict; "
+                                   "past it, an error naming what was missing", "--rendezvous-timeout")
     stage_overrides: str | None = _f(None, "JSON keyed by stage name or id, e.g. '{\"thinker\": {\"tp\": 2}}'", "--stage-overrides")
     allowed_media_domains: str | None = _f(None, "comma-separated domains http(s) media may be fetched from (default: none)", "--allowed-media-domains")
     device: str = _f("auto", "auto, cpu or cuda", "--device")
@@ -180,8 +188,15 @@ class ServeArgs:
         from gateway.http_front import check_front_args
 
         check_front_args(self)
-        if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise ValueError(f"--master-port must be a port number, got {self.master_port}")
+        if self.master_port is not None and not 0 < self.master_port < 65536 - len(STAGES):
+            raise ValueError(f"--master-port must be a port number below {65536 - len(STAGES)} (stage i uses "
+                             f"--master-port + i), got {self.master_port}")
+        if self.num_nodes > 1 and self.master_port is None:
+            raise ValueError(f"--num-nodes {self.num_nodes} needs --master-port: every node must name the same "
+                             f"rendezvous port on node 0 (with `omnimesh serve`, stage i uses --master-port + i)")
+        if not self.rendezvous_timeout > 0:
+            raise ValueError(f"--rendezvous-timeout must be > 0 seconds, got {self.rendezvous_timeout}")
+        self._check_global_spread()
         processes = sum(cfg.num_replicas for cfg in self.stage_configs().values())  # validates -tp/-pp, --stage-overrides
         if not 0 <= self.stage_base_port <= 65536 - processes:
             raise ValueError(f"--stage-base-port must leave room for {processes} stage ports (one per stage replica) "
@@ -207,19 +222,45 @@ class ServeArgs:
             shm_min_tensor_size=parse_size(self.shm_min_tensor_size, "--shm-min-tensor-size"),
         )
         overrides = parse_stage_overrides(self.stage_overrides)
-        return {stage: resolve_stage(model_stage, overrides.get(stage, {}), stage) for stage in STAGES}
+        return {stage: resolve_stage(model_stage, self._spread(model_stage, overrides.get(stage, {}), stage), stage)
+                for stage in STAGES}
+
+    def _check_global_spread(self) -> None:
+        """-pp x -tp that some stage takes as they are must divide over --num-nodes (said once, for the flags,
+        rather than for the first such stage)."""
+        pp, tp, n = self.pipeline_parallel_size, self.tensor_parallel_size, self.num_nodes
+        if n == 1 or pp * tp == 1 or (pp * tp) % n == 0:
+            return
+        overrides = parse_stage_overrides(self.stage_overrides)
+        if any(not {"pp", "tp", "num_nodes"} & set(overrides.get(stage, {})) for stage in STAGES):
+            raise ValueError(f"-pp {pp} x -tp {tp} = {pp * tp} ranks cannot be spread evenly over --num-nodes {n} hosts "
+                             f"(each host runs pp x tp / num_nodes consecutive ranks); make pp x tp a multiple of {n} "
+                             f"(e.g. -pp {n} with tp inside a host), or keep a stage on node 0 with num_nodes 1 in "
+                             f"--stage-overrides")
+
+    def _spread(self, model_stage: StageConfig, own: dict[str, Any], stage: str) -> dict[str, Any]:
+        """The stage's overrides with its num_nodes: --num-nodes for a stage of more than one rank, 1 (node 0) for
+        a single rank; a stage's own num_nodes (--stage-overrides) may only be 1 or --num-nodes."""
+        if "num_nodes" in own:
+            if own["num_nodes"] not in (1, self.num_nodes):
+                raise ValueError(f"stage {stage}: num_nodes {own['num_nodes']} in --stage-overrides must be 1 (node 0 "
+                                 f"only) or --num-nodes ({self.num_nodes})")
+            return own
+        pp, tp = own.get("pp", model_stage.pp), own.get("tp", model_stage.tp)
+        if self.num_nodes == 1 or not (isinstance(pp, int) and isinstance(tp, int)) or pp * tp == 1:
+            return own  # (a malformed pp / tp: resolve_stage names it)
+        return {**own, "num_nodes": self.num_nodes}
 
     def check_devices(self, available: int, kind: str, only: str | None = None) -> None:
         """pp x tp of every stage (or just `only`) must fit the devices of this host (before anything loads)."""
-        total = available * self.num_nodes
         for stage, cfg in self.stage_configs().items():
             if only is not None and stage != only:
                 continue
-            if cfg.world_size > total:
+            if cfg.world_size > available * cfg.num_nodes:
                 raise ValueError(
-                    f"stage {stage}: pp x tp = {cfg.pp} x {cfg.tp} = {cfg.world_size} ranks, but only {total} "
-                    f"{kind} are available ({available} per host x {self.num_nodes} host(s)); lower -tp/-pp or "
-                    f"set the stage's pp/tp in --stage-overrides"
+                    f"stage {stage}: pp x tp = {cfg.pp} x {cfg.tp} = {cfg.world_size} ranks, but only "
+                    f"{available * cfg.num_nodes} {kind} are available ({available} per host x {cfg.num_nodes} "
+                    f"host(s)); lower -tp/-pp or set the stage's pp/tp in --stage-overrides"
                 )
             for d in cfg.device_list():
                 if int(d) >= available:
@@ -230,8 +271,6 @@ class ServeArgs:
         out = []
         if self.distributed_executor_backend == "ray":
             out.append("--distributed-executor-backend ray is not implemented yet (use mp)")
-        if self.num_nodes > 1:
-            out.append(f"--num-nodes {self.num_nodes}: multi-node stages are not implemented yet")
         return out
 
 

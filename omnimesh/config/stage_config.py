@@ -95,9 +95,13 @@ class StageConfig:
     shm_min_tensor_size: int = field(
         default=SHM_MIN_TENSOR_BYTES, metadata={"help": "smallest output tensor that goes by shared-memory reference on "
                                                         "a co-located edge; smaller ones go inline, e.g. '16KiB' (0: all)"})
+    num_nodes: int = field(
+        default=1, metadata={"help": "hosts the stage's pp x tp ranks span, pp x tp / num_nodes consecutive ranks on each "
+                                     "(node 0 runs the stage's server); default: --num-nodes for a stage of more than "
+                                     "one rank, 1 (node 0 only) for a single rank"})
 
     def __post_init__(self) -> None:
-        for name in ("pp", "tp", "num_replicas", "max_num_seqs"):
+        for name in ("pp", "tp", "num_replicas", "max_num_seqs", "num_nodes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
@@ -134,17 +138,33 @@ class StageConfig:
         rounds = self.first_output_rounds
         if rounds is not None and (not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1):
             raise ValueError(f"first_output_rounds must be a whole number >= 1 (1: one model round per step), got {rounds!r}")
-        if self.devices is not None and self.device_list() and len(self.device_list()) != self.world_size * self.num_replicas:
-            if self.num_replicas == 1:
-                raise ValueError(
-                    f"devices {self.devices!r} names {len(self.device_list())} devices but pp x tp = "
-                    f"{self.pp} x {self.tp} = {self.pp * self.tp}; give exactly pp x tp devices"
-                )
+        if self.world_size % self.num_nodes:
             raise ValueError(
-                f"devices {self.devices!r} names {len(self.device_list())} devices but pp x tp x num_replicas = "
-                f"{self.pp} x {self.tp} x {self.num_replicas} = {self.world_size * self.num_replicas}; give exactly "
-                f"pp x tp devices per replica (replica k takes the k-th group of pp x tp)"
+                f"pp x tp = {self.pp} x {self.tp} = {self.world_size} ranks cannot be spread evenly over num_nodes = "
+                f"{self.num_nodes} hosts (each host runs pp x tp / num_nodes consecutive ranks); make pp x tp a multiple "
+                f"of {self.num_nodes} (e.g. pp = {self.num_nodes} with tp inside a host), or keep the stage on node 0 "
+                f"with num_nodes 1 in --stage-overrides"
             )
+        if self.num_replicas > 1 and self.num_nodes > 1:
+            raise ValueError(
+                f"num_replicas = {self.num_replicas} with num_nodes = {self.num_nodes}: a stage is either copied on "
+                f"one host or spread over several, not both; set num_nodes 1 for it in --stage-overrides, or start "
+                f"its copies on their hosts and name each in the gateway's --stages"
+            )
+        if self.devices is not None and self.device_list():
+            n, grid = len(self.device_list()), f"{self.pp} x {self.tp}"
+            if self.num_replicas > 1 and n != self.world_size * self.num_replicas:
+                raise ValueError(
+                    f"devices {self.devices!r} names {n} devices but pp x tp x num_replicas = {grid} x "
+                    f"{self.num_replicas} = {self.world_size * self.num_replicas}; give exactly pp x tp devices per "
+                    f"replica (replica k takes the k-th group of pp x tp)")
+            if self.num_replicas == 1 and n != self.ranks_per_node:
+                if self.num_nodes == 1:
+                    raise ValueError(f"devices {self.devices!r} names {n} devices but pp x tp = {grid} = "
+                                     f"{self.world_size}; give exactly pp x tp devices")
+                raise ValueError(f"devices {self.devices!r} names {n} devices but each of the {self.num_nodes} hosts "
+                                 f"runs pp x tp / num_nodes = {grid} / {self.num_nodes} = {self.ranks_per_node} ranks; "
+                                 f"give exactly {self.ranks_per_node} device ids (the same ids serve on every host)")
         if self.pp_layer_partition is not None:
             if len(self.pp_layer_partition) != self.pp or any(n < 1 for n in self.pp_layer_partition):
                 raise ValueError(
@@ -174,6 +194,11 @@ class StageConfig:
         """The devices of replica `replica` (0-based): its group of pp x tp in `devices`; [] when none are given."""
         devices = self.device_list()
         return devices[replica * self.world_size:(replica + 1) * self.world_size]
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks on each host: node n runs global ranks [n * ranks_per_node, (n + 1) * ranks_per_node)."""
+        return self.world_size // self.num_nodes
 
     def device_list(self) -> list[str]:
         if not self.devices:

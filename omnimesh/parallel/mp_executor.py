@@ -1,8 +1,8 @@
 """MpExecutor: runs one stage's pp x tp ranks as local processes and drives them from the server.
 
-Rank 0 lives in the stage's server process (the driver); ranks 1..N-1 are spawned processes. Every
-rank builds its `RankProgram` once (its layers, its shard) from the same picklable factory, then all
-ranks run the same commands in lock-step:
+Rank 0 lives in the stage's server process (the driver); ranks 1..N-1 are spawned processes (what each
+runs: omnimesh/parallel/rank_worker.py). Every rank builds its `RankProgram` once (its layers, its shard)
+from the same picklable factory, then all ranks run the same commands in lock-step:
 
     driver: submit(cmd) --cmd to every rank (non-blocking sends, gloo metadata group)--> program.execute(cmd)
             ranks exchange activations between themselves (send/recv, all-reduce on the device group)
@@ -18,123 +18,47 @@ failed with a message naming the rank, its pid and exit code, and calls `on_fail
 NOT_SERVING). Commands after that raise `RankFailure` at once; a command in flight fails when the
 collective notices the dead peer, or at the process-group timeout — never an unbounded hang. Workers get
 PR_SET_PDEATHSIG, so they die with the server even when it is killed outright.
+
+Several hosts (`nodes`, --num-nodes N): the driver is node 0 and spawns only its own ranks 1..L-1 (L =
+world / N); node R's ranks [R*L, (R+1)*L) run headless there (omnimesh/parallel/headless_ranks.py) and take
+the same commands over the same process group. Before any rank starts, node 0 hosts the handshake and then
+watches the other nodes' heartbeats (omnimesh/parallel/node_rendezvous.py): a node that dies or leaves fails
+the stage like a dead local rank, and a clean shutdown (also at interpreter exit) tells them to exit 0.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import pickle
-import signal
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from omnimesh.log_setup import setup_logging
-from omnimesh.proc_utils import die_with_parent, free_port
+from omnimesh.parallel.node_rendezvous import NodeHost, NodeSpec
 from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
+from omnimesh.parallel.rank_worker import (  # noqa: F401 - RankProgram: part of this module's interface
+    STOP,
+    ProgramFactory,
+    RankFailure,
+    RankProgram,
+    Rendezvous,
+    prune_sends,
+    recv_obj,
+    result_group,
+    send_obj,
+    worker_main,
+)
+from omnimesh.proc_utils import free_port
 
 log = logging.getLogger(__name__)
-
-_STOP = "__omnimesh_stop__"
-
-
-class RankFailure(RuntimeError):
-    """A rank of the stage died, or a command failed on some rank."""
-
-
-class RankProgram(Protocol):
-    """What one rank runs. Built once per rank by the factory; `execute` is called with the same command on
-    every rank, in the same order, and returns the result on the rank that owns it (None elsewhere)."""
-
-    def execute(self, command: Any) -> Any: ...
-
-
-ProgramFactory = Callable[[ParallelState], RankProgram]
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    master_addr: str
-    master_port: int
-    backend: str  # "gloo" on CPU, "nccl" on CUDA
-    timeout_s: float
-    devices: tuple[str, ...] = ()  # device per rank, e.g. ("cuda:2", "cuda:3"); () = the default placement
-
-    def device(self, rank: int) -> str | None:
-        return self.devices[rank] if self.devices else None
-
-
-def _send_obj(obj: Any, dst: int, group: Any) -> list[Any]:
-    """Non-blocking: pickled `obj` to `dst` as (size, bytes); returns (Work, tensor) pairs to keep alive."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    return [(dist.isend(size, dst, group=group), size), (dist.isend(data, dst, group=group), data)]
-
-
-def _recv_obj(src: int, group: Any) -> Any:
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, src, group=group)
-    return pickle.loads(data.numpy().tobytes())
-
-
-def _prune(sends: list[Any]) -> list[Any]:
-    return [(w, t) for w, t in sends if not w.is_completed()]
-
-
-def _result_group(ps: ParallelState) -> Any:
-    """A gloo group of rank 0 and the result owner (every rank must create it, in the same order)."""
-    owner = ps.last_pp_rank_driver
-    return dist.new_group([0, owner], backend="gloo") if owner != 0 else None
-
-
-def _worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
-                 ready: Any, log_level: int = logging.INFO) -> None:
-    die_with_parent(signal.SIGKILL)
-    setup_logging(logging.getLevelName(log_level))
-    torch.set_num_threads(threads)
-    try:
-        ps = init_parallel_state(pp, tp, rank, rdzv.master_addr, rdzv.master_port, rdzv.backend, rdzv.timeout_s,
-                                 device=rdzv.device(rank))
-        results = _result_group(ps)
-        program = factory(ps)
-    except Exception as exc:  # report start-up failures to the driver, then exit non-zero
-        ready.put((rank, f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from exc
-    ready.put((rank, None))
-    owner = ps.last_pp_rank_driver
-    sends: list[Any] = []
-    while True:
-        command = _recv_obj(0, ps.cpu_group)
-        if command == _STOP:
-            if rank == owner:
-                for work, _ in _send_obj(_STOP, 0, results):  # releases the driver's receiver thread
-                    work.wait()
-            break
-        try:
-            with torch.inference_mode():  # as the driver's engine thread runs its part
-                result: Any = program.execute(command)
-        except (RuntimeError, dist.DistError):
-            raise  # a collective broke: this rank is out of step for good
-        except Exception as exc:  # raised alike on every rank, before any collective
-            result = RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}")
-        if rank == owner:
-            sends = _prune(sends) + _send_obj(result, 0, results)
-    for work, _ in sends:
-        work.wait()
-    dist.destroy_process_group()
-
 
 class _Pending:
     """One submitted command: resolved once rank 0's part is done AND the owner's result has arrived
@@ -180,12 +104,20 @@ class MpExecutor:
     def __init__(self, pp: int, tp: int, factory: ProgramFactory, *, backend: str = "gloo",
                  master_addr: str = "127.0.0.1", master_port: int | None = None, timeout_s: float = 60.0,
                  threads_per_rank: int = 1, on_failure: Callable[[str], None] | None = None,
-                 devices: tuple[str, ...] = ()):
+                 devices: tuple[str, ...] = (), nodes: NodeSpec | None = None):
         if pp < 1 or tp < 1:
             raise ValueError(f"pp and tp must be >= 1, got pp={pp}, tp={tp}")
-        if devices and len(devices) != pp * tp:
-            raise ValueError(f"{len(devices)} devices given for pp x tp = {pp} x {tp} = {pp * tp} ranks; give one per rank")
+        num_nodes = nodes.num_nodes if nodes is not None else 1
+        if (pp * tp) % num_nodes or (nodes is not None and nodes.node_rank != 0):
+            raise ValueError(f"the driver is node 0 of a stage whose pp x tp = {pp} x {tp} = {pp * tp} ranks divide "
+                             f"evenly over its {num_nodes} nodes")
         self.pp, self.tp, self.world = pp, tp, pp * tp
+        self.local_world = self.world // num_nodes  # ranks 0..local_world-1 are this host's
+        if devices and len(devices) != self.local_world:
+            raise ValueError(f"{len(devices)} devices given for the {self.local_world} ranks on this host (pp x tp = "
+                             f"{pp} x {tp} over {num_nodes} host(s)); give one per rank")
+        self.nodes = nodes
+        self.node_host: NodeHost | None = None
         self.factory = factory
         self.rdzv = Rendezvous(master_addr, master_port or free_port(master_addr), backend, timeout_s, tuple(devices))
         self.threads = threads_per_rank
@@ -201,11 +133,16 @@ class MpExecutor:
         self._results: Any = None
 
     def start(self) -> None:
-        """Spawn ranks 1..N-1, join the rendezvous as rank 0, build every rank's program (bounded wait)."""
+        """Spawn ranks 1..N-1 (this host's, after the other hosts' handshake), join the rendezvous as rank 0,
+        build every rank's program (bounded wait)."""
+        if self.nodes is not None:  # before any rank starts: a disagreement fails here, on every node
+            self.node_host = NodeHost(self.rdzv.master_addr, self.rdzv.master_port, self.nodes, self.pp, self.tp,
+                                      self.rdzv.backend)
+            self.node_host.handshake()
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
-        for rank in range(1, self.world):
-            proc = ctx.Process(target=_worker_main, name=f"omnimesh-rank{rank}", daemon=True,
+        for rank in range(1, self.local_world):
+            proc = ctx.Process(target=worker_main, name=f"omnimesh-rank{rank}", daemon=True,
                                args=(rank, self.pp, self.tp, self.rdzv, self.factory, self.threads, ready,
                                      logging.getLogger().getEffectiveLevel()))
             proc.start()
@@ -213,17 +150,25 @@ class MpExecutor:
         try:
             self.ps = init_parallel_state(self.pp, self.tp, 0, self.rdzv.master_addr, self.rdzv.master_port,
                                           self.rdzv.backend, self.rdzv.timeout_s, device=self.rdzv.device(0))
-            self._results = _result_group(self.ps)
+            self._results = result_group(self.ps)
             self.program = self.factory(self.ps)
             self._wait_ready(ready)
-        except BaseException:
+            if self.node_host is not None:
+                self.node_host.wait_ready(time.monotonic() + self.rdzv.timeout_s)
+        except BaseException as exc:
+            if self.node_host is not None:
+                self.node_host.failed(f"node 0 could not start its ranks: {type(exc).__name__}: {exc}")
             self.shutdown()
             raise
         threading.Thread(target=self._monitor, name="omnimesh-rank-monitor", daemon=True).start()
+        if self.node_host is not None:
+            self.node_host.watch(self._fail)
+            atexit.register(self.shutdown)  # the other nodes hear a clean stop, not a lost driver
         if self.ps.last_pp_rank_driver != 0:
             threading.Thread(target=self._receive_results, name="omnimesh-rank-results", daemon=True).start()
-        log.info("stage ranks up: pp=%d tp=%d world=%d (rendezvous %s:%d, %s)", self.pp, self.tp, self.world,
-                 self.rdzv.master_addr, self.rdzv.master_port, self.rdzv.backend)
+        log.info("stage ranks up: pp=%d tp=%d world=%d%s (rendezvous %s:%d, %s)", self.pp, self.tp, self.world,
+                 f" over {self.nodes.num_nodes} nodes" if self.nodes else "", self.rdzv.master_addr,
+                 self.rdzv.master_port, self.rdzv.backend)
 
     def _wait_ready(self, ready: Any) -> None:
         pending = set(self.procs)
@@ -258,6 +203,8 @@ class MpExecutor:
         if self.failure is None:
             self.failure = message
             log.error("stage rank failure: %s", message)
+            if self.node_host is not None:
+                self.node_host.failed(message)
             if self.on_failure is not None:
                 self.on_failure(message)
         while self._waiting:
@@ -270,13 +217,15 @@ class MpExecutor:
         owner = self.ps.last_pp_rank_driver
         while True:
             try:
-                result = _recv_obj(owner, self._results)
+                result = recv_obj(owner, self._results)
             except Exception as exc:
                 if not self._stopping:
                     time.sleep(0.5)  # let the monitor name a dead rank if that is what happened
-                    self._fail(self.failure or f"the result channel failed: {type(exc).__name__}: {exc}")
+                    where = f"rank {owner}" + (f" on node {owner // self.local_world}" if self.nodes else "")
+                    self._fail(self.failure or f"the result channel from {where} failed: {type(exc).__name__}: "
+                                               f"{str(exc).splitlines()[0]}")
                 return
-            if result == _STOP:
+            if result == STOP:
                 return
             if not self._waiting:
                 self._fail("a result arrived that no command was waiting for")
@@ -302,9 +251,9 @@ class MpExecutor:
             local_error: Exception | None = None
             result: Any = None
             try:
-                self._sends = _prune(self._sends)
+                self._sends = prune_sends(self._sends)
                 for rank in range(1, self.world):
-                    self._sends += _send_obj(command, rank, self.ps.cpu_group)
+                    self._sends += send_obj(command, rank, self.ps.cpu_group)
                 try:
                     result = self.program.execute(command)
                 except (RuntimeError, dist.DistError):
@@ -331,11 +280,13 @@ class MpExecutor:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
+        if self.node_host is not None:
+            self.node_host.stopping()
         if self.ps is not None and self.failure is None and self.world > 1:
             try:
                 with self._lock:
                     for rank in range(1, self.world):
-                        for work, _ in _send_obj(_STOP, rank, self.ps.cpu_group):
+                        for work, _ in send_obj(STOP, rank, self.ps.cpu_group):
                             work.wait()
             except Exception:
                 pass
@@ -345,6 +296,8 @@ class MpExecutor:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        if self.node_host is not None and self.failure is None:
+            self.node_host.wait_left(max(1.0, deadline - time.monotonic()))
         if self.ps is not None and dist.is_initialized():
             try:
                 dist.destroy_process_group()

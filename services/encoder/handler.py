@@ -47,5 +47,5 @@ class EncoderHandler:
 
 def build_handler(model_dir: Path, args: ServeArgs) -> EncoderHandler:
     failure = StageFailure()
-    layout = lm_layout(args, "encoder", failure)
+    layout = lm_layout(args, "encoder", failure, model_dir)
     return EncoderHandler(load_encoder(model_dir, resolve_dtype(args), layout), args.model_name(model_dir), layout, failure)

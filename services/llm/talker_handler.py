@@ -76,7 +76,7 @@ class TalkerHandler:
 
 def build_handler(model_dir: Path, args: ServeArgs) -> TalkerHandler:
     failure = StageFailure()
-    layout = lm_layout(args, "talker", failure)
+    layout = lm_layout(args, "talker", failure, model_dir)
     talker = load_talker(model_dir, resolve_dtype(args), layout)
     # the talker's own context (prompt rows + codec tokens): its model limit, not the thinker's --max-model-len
     max_len = int(talker.config.talker_config.text_config.max_position_embeddings)  # type: ignore[union-attr]

@@ -74,7 +74,7 @@ class ThinkerHandler:
 
 def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
     failure = StageFailure()
-    layout = lm_layout(args, "thinker", failure)
+    layout = lm_layout(args, "thinker", failure, model_dir)
     thinker = load_thinker(model_dir, resolve_dtype(args), layout)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     try:

@@ -80,7 +80,7 @@ class VocoderHandler:
 
 def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:
     failure = StageFailure()
-    layout = lm_layout(args, "vocoder", failure)
+    layout = lm_layout(args, "vocoder", failure, model_dir)
     code2wav, transformer = load_code2wav(model_dir, resolve_dtype(args), layout)
     if cpu_kernels.prepare(next(code2wav.parameters()).device):
         log.info("vocoder: SnakeBeta runs as omnimesh's fused CPU kernel")

@@ -78,6 +78,15 @@ def test_replicas_take_their_own_group_of_devices() -> None:
         ServeArgs(stage_overrides='{"vocoder": {"replicas": 0}}')
 
 
+def test_a_stage_is_either_copied_or_spread_over_hosts() -> None:
+    with pytest.raises(ValueError, match=r"num_replicas = 2 with num_nodes = 2: a stage is either copied on one host"):
+        ServeArgs(num_nodes=2, master_port=29500, pipeline_parallel_size=2,
+                  stage_overrides='{"thinker": {"num_replicas": 2}}')
+    cfg = ServeArgs(num_nodes=2, master_port=29500, pipeline_parallel_size=2,
+                    stage_overrides='{"thinker": {"num_replicas": 2, "num_nodes": 1}}').stage_configs()
+    assert (cfg["thinker"].num_replicas, cfg["thinker"].num_nodes, cfg["talker"].num_nodes) == (2, 1, 2)
+
+
 def test_stage_base_port_leaves_room_for_every_replica() -> None:
     ServeArgs(stage_base_port=65532)  # four stages: 65532..65535
     with pytest.raises(ValueError, match=r"room for 6 stage ports \(one per stage replica\) below 65536, got 65532"):
@@ -294,3 +303,49 @@ def test_device_auto_is_resolved_before_the_stages_read_it(monkeypatch: pytest.M
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device(ServeArgs()).device == "cuda"
     assert resolve_device(ServeArgs(device="cpu")).device == "cpu"
+
+
+def test_num_nodes_spreads_every_stage_of_more_than_one_rank() -> None:
+    args = ServeArgs(num_nodes=2, master_port=29500, pipeline_parallel_size=2,
+                     stage_overrides='{"encoder": {"pp": 1}, "vocoder": {"num_nodes": 1}, "talker": {"tp": 2}}')
+    cfgs = args.stage_configs()
+    assert {s: c.num_nodes for s, c in cfgs.items()} == {"encoder": 1, "thinker": 2, "talker": 2, "vocoder": 1}
+    assert (cfgs["thinker"].ranks_per_node, cfgs["talker"].ranks_per_node, cfgs["vocoder"].ranks_per_node) == (1, 2, 2)
+    assert args.unsupported() == []  # multi-node stages run now
+    ok = ServeArgs(num_nodes=2, master_port=29500, tensor_parallel_size=2, pipeline_parallel_size=2,
+                   stage_overrides='{"thinker": {"devices": "2,3"}}')  # per host: the same ids on every host
+    assert ok.stage_configs()["thinker"].device_list() == ["2", "3"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_nodes": 2, "master_port": 29500, "pipeline_parallel_size": 3},
+         r"^-pp 3 x -tp 1 = 3 ranks cannot be spread evenly over --num-nodes 2 hosts .* make pp x tp a multiple of 2"),
+        ({"num_nodes": 2, "master_port": 29500, "pipeline_parallel_size": 2,
+          "stage_overrides": '{"talker": {"pp": 3}}'},
+         r"stage talker: pp x tp = 3 x 1 = 3 ranks cannot be spread evenly over num_nodes = 2 hosts"),
+        ({"num_nodes": 2, "pipeline_parallel_size": 2}, r"--num-nodes 2 needs --master-port"),
+        ({"num_nodes": 2, "master_port": 29500, "pipeline_parallel_size": 2,
+          "stage_overrides": '{"thinker": {"num_nodes": 3}}'},
+         r"stage thinker: num_nodes 3 in --stage-overrides must be 1 \(node 0 only\) or --num-nodes \(2\)"),
+        ({"num_nodes": 2, "master_port": 29500, "pipeline_parallel_size": 2, "tensor_parallel_size": 2,
+          "stage_overrides": '{"thinker": {"devices": "0,1,2,3"}}'},
+         r"names 4 devices but each of the 2 hosts runs pp x tp / num_nodes = 2 x 2 / 2 = 2 ranks"),
+        ({"rendezvous_timeout": 0}, r"--rendezvous-timeout must be > 0 seconds"),
+        ({"master_port": 65534}, r"--master-port must be a port number below 65532"),
+    ],
+)
+def test_num_nodes_errors_name_the_numbers(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServeArgs(**kwargs)
+
+
+def test_cli_num_nodes_errors_exit_2_before_anything_loads() -> None:
+    uneven = _cli("stage", "thinker", "-pp", "3", "--num-nodes", "2", "--node-rank", "1", "--master-port", "29500")
+    assert uneven.returncode == 2, uneven.stderr
+    assert "-pp 3 x -tp 1 = 3 ranks cannot be spread evenly over --num-nodes 2 hosts" in uneven.stderr
+    single = _cli("stage", "thinker", "--num-nodes", "2", "--master-port", "29500", "--device", "cpu")
+    assert single.returncode == 2 and "stage thinker: pp x tp = 1 x 1 = 1 rank(s) cannot span --num-nodes 2" in single.stderr
+    nothing = _cli("serve", "--num-nodes", "2", "--master-port", "29500", "--device", "cpu")
+    assert nothing.returncode == 2 and "no stage has more than one rank to spread" in nothing.stderr

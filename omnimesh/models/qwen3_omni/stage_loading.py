@@ -12,6 +12,8 @@ and a real Qwen3-Omni checkpoint (the prefixes are the real checkpoint's key lay
     load_talker(dir, layout)  -> Qwen3OmniTalker    talker projections + code predictor here; its layers +
                                                     codec head split over the ranks
     load_code2wav(dir) -> Qwen3OmniMoeCode2Wav   code2wav.*
+    rank_factory(stage, dir) -> the program each of the stage's ranks builds: what a headless node (a host
+                                 other than node 0 of a multi-node stage) runs, without the driver's parts
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +36,21 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omnimesh.models.loader import build_submodule
-from omnimesh.models.qwen3_omni.code2wav_shard import C2WShardSpec, Code2WavTransformerBackend
+from omnimesh.models.qwen3_omni.code2wav_shard import C2WShardSpec, Code2WavTransformerBackend, build_code2wav_shard
 from omnimesh.models.qwen3_omni.encoder import Qwen3OmniEncoder
 from omnimesh.models.qwen3_omni.encoder_shard import (
     EncoderShardSpec,
     ShardedAudioTower,
     ShardedVisionTower,
+    build_encoder_shard,
     encoder_runner,
 )
 from omnimesh.models.qwen3_omni.lm_backend import ShardedBackend
-from omnimesh.models.qwen3_omni.lm_shard import LMShardSpec
+from omnimesh.models.qwen3_omni.lm_shard import LMShardSpec, build_shard
 from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker
 from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
+from omnimesh.parallel.mp_executor import ProgramFactory
+from omnimesh.parallel.node_rendezvous import NodeSpec
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +82,9 @@ class LMLayout:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port, so stages on one host never collide
     on_failure: Callable[[str], None] | None = None
-    devices: tuple[str, ...] = ()  # per rank, e.g. ("cuda:2", "cuda:3"); () = rank r on cuda:r (or CPU)
+    devices: tuple[str, ...] = ()  # per rank of a host, e.g. ("cuda:2", "cuda:3"); () = rank r on cuda:r (or CPU)
     timeout_s: float = 120.0  # rendezvous, start-up and every collective
+    nodes: NodeSpec | None = None  # the stage spans several hosts: this host's part (node 0 runs the driver)
 
     @property
     def in_process_cpu(self) -> bool:
@@ -87,7 +94,8 @@ class LMLayout:
     def executor_args(self) -> dict[str, Any]:
         """What `MpExecutor` takes from this layout (used only when pp x tp > 1)."""
         return {"backend": self.backend, "master_addr": self.master_addr, "master_port": self.master_port,
-                "on_failure": self.on_failure, "devices": self.devices, "timeout_s": self.timeout_s}
+                "on_failure": self.on_failure, "devices": self.devices, "timeout_s": self.timeout_s,
+                "nodes": self.nodes}
 
 
 def load_thinker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LMLayout = LMLayout()) -> Qwen3OmniThinker:
@@ -148,3 +156,16 @@ def load_code2wav(model_dir: Path, dtype: torch.dtype = torch.float32,
     backend = _timed("code2wav pre-transformer", model_dir, lambda: Code2WavTransformerBackend.build(
         spec, layout.pp, layout.tp, **layout.executor_args()))
     return c2w, backend
+
+
+def rank_factory(stage: str, model_dir: Path, dtype: torch.dtype = torch.float32,
+                 partition: tuple[int, ...] | None = None) -> ProgramFactory:
+    """The program factory the stage's ranks run, as the load_* functions above hand it to their executor:
+    a headless node builds its ranks from this, so it needs only the stage's name and the flags."""
+    if stage in ("thinker", "talker"):
+        return partial(build_shard, LMShardSpec(model_dir, stage, partition, dtype))
+    if stage == "encoder":
+        return partial(build_encoder_shard, EncoderShardSpec(model_dir, dtype, partition))
+    if stage == "vocoder":
+        return partial(build_code2wav_shard, C2WShardSpec(model_dir, partition, dtype))
+    raise ValueError(f"stage {stage!r} has no ranks to run; stages: encoder, thinker, talker, vocoder")

@@ -1,0 +1,122 @@
+"""What one rank process of a stage runs: join the process group, build its program, then take the driver's
+commands in order until STOP — the same on node 0 (spawned by MpExecutor) and on a headless node (spawned by
+headless_ranks), since every command travels over torch.distributed.
+
+Data flow: `worker_main(rank, ...)` -> init_parallel_state (rendezvous at master_addr:master_port, bounded) ->
+factory(ps) -> ("ready" on the queue, or the start-up error) -> loop: command = recv from rank 0 (gloo cpu_group)
+-> program.execute(command) -> the result owner (last pp rank, tp rank 0) sends the result to rank 0 on a
+two-rank gloo group. A lost driver (its connection closes) ends the rank with code 1 and one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from omnimesh.log_setup import setup_logging
+from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
+from omnimesh.proc_utils import die_with_parent
+
+log = logging.getLogger(__name__)
+
+STOP = "__omnimesh_stop__"
+
+
+class RankFailure(RuntimeError):
+    """A rank of the stage died, or a command failed on some rank."""
+
+
+class RankProgram(Protocol):
+    """What one rank runs. Built once per rank by the factory; `execute` is called with the same command on
+    every rank, in the same order, and returns the result on the rank that owns it (None elsewhere)."""
+
+    def execute(self, command: Any) -> Any: ...
+
+
+ProgramFactory = Callable[[ParallelState], RankProgram]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    master_addr: str
+    master_port: int
+    backend: str  # "gloo" on CPU, "nccl" on CUDA
+    timeout_s: float
+    devices: tuple[str, ...] = ()  # device per rank of a host, e.g. ("cuda:2", "cuda:3"); () = the default placement
+
+    def device(self, rank: int) -> str | None:
+        """Global rank -> its device: ranks of one host take `devices` in order (every host has the same list)."""
+        return self.devices[rank % len(self.devices)] if self.devices else None
+
+
+def send_obj(obj: Any, dst: int, group: Any) -> list[Any]:
+    """Non-blocking: pickled `obj` to `dst` as (size, bytes); returns (Work, tensor) pairs to keep alive."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    return [(dist.isend(size, dst, group=group), size), (dist.isend(data, dst, group=group), data)]
+
+
+def recv_obj(src: int, group: Any) -> Any:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src, group=group)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def prune_sends(sends: list[Any]) -> list[Any]:
+    return [(w, t) for w, t in sends if not w.is_completed()]
+
+
+def result_group(ps: ParallelState) -> Any:
+    """A gloo group of rank 0 and the result owner (every rank must create it, in the same order)."""
+    owner = ps.last_pp_rank_driver
+    return dist.new_group([0, owner], backend="gloo") if owner != 0 else None
+
+
+def worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
+                 ready: Any, log_level: int = logging.INFO) -> None:
+    die_with_parent(signal.SIGKILL)
+    setup_logging(logging.getLevelName(log_level))
+    torch.set_num_threads(threads)
+    try:
+        ps = init_parallel_state(pp, tp, rank, rdzv.master_addr, rdzv.master_port, rdzv.backend, rdzv.timeout_s,
+                                 device=rdzv.device(rank))
+        results = result_group(ps)
+        program = factory(ps)
+    except Exception as exc:  # report start-up failures to the driver, then exit non-zero
+        ready.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from exc
+    ready.put((rank, None))
+    owner = ps.last_pp_rank_driver
+    sends: list[Any] = []
+    while True:
+        try:
+            command = recv_obj(0, ps.cpu_group)
+        except (RuntimeError, dist.DistError) as exc:  # the driver (rank 0) or its host went away
+            log.error("rank %d: lost the stage's driver (rank 0): %s", rank, str(exc).splitlines()[0])
+            raise SystemExit(1) from None
+        if command == STOP:
+            if rank == owner:
+                for work, _ in send_obj(STOP, 0, results):  # releases the driver's receiver thread
+                    work.wait()
+            break
+        try:
+            with torch.inference_mode():  # as the driver's engine thread runs its part
+                result: Any = program.execute(command)
+        except (RuntimeError, dist.DistError):
+            raise  # a collective broke: this rank is out of step for good
+        except Exception as exc:  # raised alike on every rank, before any collective
+            result = RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}")
+        if rank == owner:
+            sends = prune_sends(sends) + send_obj(result, 0, results)
+    for work, _ in sends:
+        work.wait()
+    dist.destroy_process_group()
