@@ -185,8 +185,8 @@ class StagePipeline:
                 async with contextlib.aclosing(self._run(request, sid, prompt, want_audio, voice, plan)) as events:
                     async for event in events:
                         sent = True
+                        ok = isinstance(event, Finished)  # the front end may stop reading here
                         yield event
-                ok = True
                 return
             except PipelineError as exc:
                 lease = plan.get(exc.stage) if exc.stage is not None else None
@@ -255,12 +255,12 @@ class StagePipeline:
                         item, held = merge_ready(item, events)
                     yield item
             done = thinker.done
+            ok = True  # every stage said done: a consumer that stops at Finished has nothing left to hand back
             yield Finished(
                 finish_reason=done.finish_reason if done else "stop",
                 prompt_tokens=done.usage.prompt_tokens if done else int(prompt.input_ids.numel()),
                 completion_tokens=done.usage.completion_tokens if done else 0,
             )
-            ok = True
         except StageCallError as exc:
             raise stage_error(exc) from exc
         except PipelineError as exc:
