@@ -70,7 +70,7 @@ def _check_devices(args: ServeArgs, only: str | None = None) -> int | None:
 def _check_supported(args: ServeArgs, only: str | None = None) -> int | None:
     unsupported = args.unsupported(only)
     if unsupported:
-        return _fail("not supported yet in this version:\n  " + "\n  ".join(unsupported), EXIT_UNSUPPORTED)
+        return _fail("cannot run with this installation:\n  " + "\n  ".join(unsupported), EXIT_UNSUPPORTED)
     return None
 
 

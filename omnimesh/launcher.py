@@ -86,6 +86,10 @@ class MeshLauncher:
             argv += ["--served-model-name", a.served_model_name]
         cfg = a.stage_configs()[stage]
         argv += ["-tp", str(cfg.tp), "-pp", str(cfg.pp)]
+        if cfg.world_size > 1 and a.distributed_executor_backend != "mp":  # how its ranks 1..N-1 start
+            argv += ["--distributed-executor-backend", a.distributed_executor_backend]
+            if a.ray_address is not None:
+                argv += ["--ray-address", a.ray_address]
         # the stage's own resolved settings (global flags under its --stage-overrides entry)
         own: dict[str, object] = {"max_num_seqs": cfg.max_num_seqs, "max_waiting_requests": cfg.max_waiting_requests,
                                   "gpu_memory_utilization": cfg.gpu_memory_utilization,

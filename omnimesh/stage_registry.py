@@ -58,7 +58,8 @@ def lm_layout(args: ServeArgs, stage: str, failure: StageFailure, model_dir: Pat
     return LMLayout(pp=cfg.pp, tp=cfg.tp, partition=cfg.pp_layer_partition,
                     backend="nccl" if cuda else "gloo", master_addr=args.master_addr,
                     master_port=args.master_port, on_failure=failure.report,
-                    devices=tuple(f"cuda:{d}" for d in devices) if cuda else (), nodes=nodes)
+                    devices=tuple(f"cuda:{d}" for d in devices) if cuda else (), nodes=nodes,
+                    executor=args.distributed_executor_backend, ray_address=args.ray_address)
 
 
 def rank_program(args: ServeArgs, stage: str, model_dir: Path) -> ProgramFactory:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (Python 3.11+) and installs omnimesh with its test extras. Idempotent; safe to re-run.
+# Creates .venv (Python 3.11+) and installs omnimesh with its test and ray extras. Idempotent; safe to re-run.
 # torch is installed first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,7 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,ray]"  # ray: --distributed-executor-backend ray and its tests
 # tcmalloc: omnimesh's processes re-execute themselves on it where it is installed (--malloc auto,
 # omnimesh/allocator.py; +6-13% requests/s on CPU here). Optional: without it they run on glibc's malloc.
 if ! (ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null) | grep -q libtcmalloc; then

@@ -114,8 +114,12 @@ class ServeArgs:
                                   "from the model folder runs either way", "--trust-remote-code", action="store_true")
     dtype: str = _f("auto", f"weight / activation dtype: {', '.join(DTYPES)} (auto: bfloat16 on CUDA, float32 on CPU)", "--dtype")
     async_chunk: bool = _f(True, "stream chunks to the next stage as soon as they exist", "--async-chunk", action=argparse.BooleanOptionalAction)
-    distributed_executor_backend: str = _f("mp", "how a stage starts its ranks: mp (local processes) or ray", "--distributed-executor-backend")
-    ray_address: str | None = _f(None, "Ray cluster address (with --distributed-executor-backend ray)", "--ray-address")
+    distributed_executor_backend: str = _f("mp", "how a stage of more than one rank starts its ranks 1..N-1: mp (local "
+                                           "processes; several hosts with --num-nodes) or ray (actors placed by Ray, "
+                                           "on the cluster at --ray-address)", "--distributed-executor-backend")
+    ray_address: str | None = _f(None, "the Ray cluster for --distributed-executor-backend ray (HOST:PORT of its head, "
+                                 "or auto); default: each stage starts a Ray instance of its own on this host",
+                                 "--ray-address")
     num_nodes: int = _f(1, "hosts a stage of more than one rank spans: pp x tp / num_nodes consecutive ranks on each "
                         "(tp best inside a host); node 0 runs the stage's server, the others only ranks (headless)",
                         "--num-nodes")
@@ -154,6 +158,12 @@ class ServeArgs:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"--distributed-executor-backend must be mp or ray, got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.num_nodes > 1:
+            raise ValueError("--num-nodes spreads ranks with --distributed-executor-backend mp; with ray the Ray "
+                             "cluster places them on its nodes: drop --num-nodes/--node-rank and give --ray-address")
+        if self.ray_address is not None and self.distributed_executor_backend != "ray":
+            raise ValueError("--ray-address is for --distributed-executor-backend ray; add that flag or drop "
+                             "--ray-address")
         if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
             raise ValueError(f"--node-rank must be in [0, --num-nodes) = [0, {self.num_nodes}), got {self.node_rank}")
         if self.max_waiting_requests < 0:
@@ -256,7 +266,8 @@ class ServeArgs:
         for stage, cfg in self.stage_configs().items():
             if only is not None and stage != only:
                 continue
-            if cfg.world_size > available * cfg.num_nodes:
+            on_a_cluster = self.distributed_executor_backend == "ray" and self.ray_address is not None  # Ray places them
+            if cfg.world_size > available * cfg.num_nodes and not on_a_cluster:
                 raise ValueError(
                     f"stage {stage}: pp x tp = {cfg.pp} x {cfg.tp} = {cfg.world_size} ranks, but only "
                     f"{available * cfg.num_nodes} {kind} are available ({available} per host x {cfg.num_nodes} "
@@ -267,10 +278,15 @@ class ServeArgs:
                     raise ValueError(f"stage {stage}: device {d} does not exist; this host has {available} {kind} (0-{available - 1})")
 
     def unsupported(self, only: str | None = None) -> list[str]:
-        """Valid settings this version cannot run yet (each says what would be needed)."""
+        """Valid settings this installation cannot run (each says what would be needed)."""
         out = []
-        if self.distributed_executor_backend == "ray":
-            out.append("--distributed-executor-backend ray is not implemented yet (use mp)")
+        ranks = [cfg.world_size for stage, cfg in self.stage_configs().items() if only is None or stage == only]
+        if self.distributed_executor_backend == "ray" and max(ranks, default=1) > 1:
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                out.append("--distributed-executor-backend ray needs Ray in this environment: pip install "
+                           "'omnimesh[ray]' (or use --distributed-executor-backend mp)")
         return out
 
 

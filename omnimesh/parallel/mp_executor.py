@@ -139,15 +139,8 @@ class MpExecutor:
             self.node_host = NodeHost(self.rdzv.master_addr, self.rdzv.master_port, self.nodes, self.pp, self.tp,
                                       self.rdzv.backend)
             self.node_host.handshake()
-        ctx = mp.get_context("spawn")
-        ready = ctx.Queue()
-        for rank in range(1, self.local_world):
-            proc = ctx.Process(target=worker_main, name=f"omnimesh-rank{rank}", daemon=True,
-                               args=(rank, self.pp, self.tp, self.rdzv, self.factory, self.threads, ready,
-                                     logging.getLogger().getEffectiveLevel()))
-            proc.start()
-            self.procs[rank] = proc
         try:
+            ready = self._spawn_ranks()
             self.ps = init_parallel_state(self.pp, self.tp, 0, self.rdzv.master_addr, self.rdzv.master_port,
                                           self.rdzv.backend, self.rdzv.timeout_s, device=self.rdzv.device(0))
             self._results = result_group(self.ps)
@@ -169,6 +162,18 @@ class MpExecutor:
         log.info("stage ranks up: pp=%d tp=%d world=%d%s (rendezvous %s:%d, %s)", self.pp, self.tp, self.world,
                  f" over {self.nodes.num_nodes} nodes" if self.nodes else "", self.rdzv.master_addr,
                  self.rdzv.master_port, self.rdzv.backend)
+
+    def _spawn_ranks(self) -> Any:
+        """Start this host's ranks 1..L-1 (each runs rank_worker.worker_main); returns their ready queue."""
+        ctx = mp.get_context("spawn")
+        ready = ctx.Queue()
+        for rank in range(1, self.local_world):
+            proc = ctx.Process(target=worker_main, name=f"omnimesh-rank{rank}", daemon=True,
+                               args=(rank, self.pp, self.tp, self.rdzv, self.factory, self.threads, ready,
+                                     logging.getLogger().getEffectiveLevel()))
+            proc.start()
+            self.procs[rank] = proc
+        return ready
 
     def _wait_ready(self, ready: Any) -> None:
         pending = set(self.procs)
@@ -291,11 +296,7 @@ class MpExecutor:
             except Exception:
                 pass
         deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        self._join_ranks(deadline)
         if self.node_host is not None and self.failure is None:
             self.node_host.wait_left(max(1.0, deadline - time.monotonic()))
         if self.ps is not None and dist.is_initialized():
@@ -305,6 +306,14 @@ class MpExecutor:
                 pass
         self.ps = None
 
+    def _join_ranks(self, deadline: float) -> None:
+        """After STOP: wait for this host's ranks to exit until `deadline`, then kill what is left."""
+        for proc in self.procs.values():
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
     @property
     def pids(self) -> dict[int, int]:
         return {0: os.getpid(), **{r: p.pid for r, p in self.procs.items() if p.pid is not None}}
@@ -313,12 +322,20 @@ class MpExecutor:
 def start_program(factory: ProgramFactory, pp: int = 1, tp: int = 1,
                   **executor_args: Any) -> tuple[Callable[[Any], Any], MpExecutor | None, RankProgram]:
     """Run `factory`'s program on pp x tp ranks: in this process without any process group when pp = tp = 1,
-    else through a started `MpExecutor` (this process is rank 0). Returns (run(command) -> result, the
+    else through a started `MpExecutor` (`executor="ray"`: a `RayExecutor` on the cluster at `ray_address`;
+    this process is rank 0). Returns (run(command) -> result, the
     executor or None, rank 0's program)."""
+    kind, ray_address = executor_args.pop("executor", "mp"), executor_args.pop("ray_address", None)
     if pp * tp == 1:
         program = factory(ParallelState.single())
         return program.execute, None, program
-    executor = MpExecutor(pp, tp, factory, **executor_args)
+    executor: MpExecutor
+    if kind == "ray":
+        from omnimesh.parallel.ray_executor import RayExecutor
+
+        executor = RayExecutor(pp, tp, factory, ray_address=ray_address, **executor_args)
+    else:
+        executor = MpExecutor(pp, tp, factory, **executor_args)
     executor.start()
     if executor.program is None:
         raise RankFailure("the executor started without a rank-0 program")

@@ -1,8 +1,8 @@
 """What one rank process of a stage runs: join the process group, build its program, then take the driver's
-commands in order until STOP — the same on node 0 (spawned by MpExecutor) and on a headless node (spawned by
-headless_ranks), since every command travels over torch.distributed.
+commands in order until STOP — the same on node 0 (spawned by MpExecutor), on a headless node (spawned by
+headless_ranks) and in a Ray actor (ray_executor.py), since every command travels over torch.distributed.
 
-Data flow: `worker_main(rank, ...)` -> init_parallel_state (rendezvous at master_addr:master_port, bounded) ->
+Data flow: `worker_main(rank, ...)` = `setup_rank` (init_parallel_state (rendezvous at master_addr:master_port, bounded) ->
 factory(ps) -> ("ready" on the queue, or the start-up error) -> loop: command = recv from rank 0 (gloo cpu_group)
 -> program.execute(command) -> the result owner (last pp rank, tp rank 0) sends the result to rank 0 on a
 two-rank gloo group. A lost driver (its connection closes) ends the rank with code 1 and one log line.
@@ -81,28 +81,25 @@ def result_group(ps: ParallelState) -> Any:
     return dist.new_group([0, owner], backend="gloo") if owner != 0 else None
 
 
-def worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
-                 ready: Any, log_level: int = logging.INFO) -> None:
-    die_with_parent(signal.SIGKILL)
-    setup_logging(logging.getLevelName(log_level))
-    torch.set_num_threads(threads)
-    try:
-        ps = init_parallel_state(pp, tp, rank, rdzv.master_addr, rdzv.master_port, rdzv.backend, rdzv.timeout_s,
-                                 device=rdzv.device(rank))
-        results = result_group(ps)
-        program = factory(ps)
-    except Exception as exc:  # report start-up failures to the driver, then exit non-zero
-        ready.put((rank, f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from exc
-    ready.put((rank, None))
+def setup_rank(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory,
+               device: str | None = None) -> tuple[ParallelState, Any, RankProgram]:
+    """Join the stage's process group as `rank` (bounded by rdzv.timeout_s) and build its program; returns
+    (its ParallelState, the result group, the program). `device` overrides `rdzv.device(rank)`."""
+    ps = init_parallel_state(pp, tp, rank, rdzv.master_addr, rdzv.master_port, rdzv.backend, rdzv.timeout_s,
+                             device=device or rdzv.device(rank))
+    return ps, result_group(ps), factory(ps)
+
+
+def serve_commands(rank: int, ps: ParallelState, results: Any, program: RankProgram) -> None:
+    """Take the driver's commands in order until STOP; raises RankFailure when the driver (rank 0) or its host
+    went away, and lets a broken collective's error through (this rank is out of step for good)."""
     owner = ps.last_pp_rank_driver
     sends: list[Any] = []
     while True:
         try:
             command = recv_obj(0, ps.cpu_group)
-        except (RuntimeError, dist.DistError) as exc:  # the driver (rank 0) or its host went away
-            log.error("rank %d: lost the stage's driver (rank 0): %s", rank, str(exc).splitlines()[0])
-            raise SystemExit(1) from None
+        except (RuntimeError, dist.DistError) as exc:
+            raise RankFailure(f"rank {rank}: lost the stage's driver (rank 0): {str(exc).splitlines()[0]}") from None
         if command == STOP:
             if rank == owner:
                 for work, _ in send_obj(STOP, 0, results):  # releases the driver's receiver thread
@@ -120,3 +117,21 @@ def worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramF
     for work, _ in sends:
         work.wait()
     dist.destroy_process_group()
+
+
+def worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
+                 ready: Any, log_level: int = logging.INFO) -> None:
+    die_with_parent(signal.SIGKILL)
+    setup_logging(logging.getLevelName(log_level))
+    torch.set_num_threads(threads)
+    try:
+        ps, results, program = setup_rank(rank, pp, tp, rdzv, factory)
+    except Exception as exc:  # report start-up failures to the driver, then exit non-zero
+        ready.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from exc
+    ready.put((rank, None))
+    try:
+        serve_commands(rank, ps, results, program)
+    except RankFailure as exc:  # the driver (rank 0) or its host went away
+        log.error("%s", exc)
+        raise SystemExit(1) from None

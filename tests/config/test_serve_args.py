@@ -60,12 +60,17 @@ def test_devices_check_names_the_numbers() -> None:
         ServeArgs(stage_overrides='{"encoder": {"devices": "7"}}').check_devices(4, "CUDA devices")
 
 
-def test_valid_but_unsupported_settings_are_listed() -> None:
+def test_ray_without_ray_installed_is_listed_with_the_fix(monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     args = ServeArgs(stage_overrides='{"thinker": {"pp": 2}, "encoder": {"num_replicas": 2}}',
                      distributed_executor_backend="ray")
-    text = "\n".join(args.unsupported())
-    assert "ray is not implemented" in text
-    assert "stage" not in text  # every stage runs pp x tp > 1, and replicas
+    assert args.unsupported() == ["--distributed-executor-backend ray needs Ray in this environment: pip install "
+                                  "'omnimesh[ray]' (or use --distributed-executor-backend mp)"]
+    assert args.unsupported(only="encoder") == []  # one rank: nothing for Ray to place
+    assert ServeArgs(distributed_executor_backend="ray").unsupported() == []
 
 
 def test_replicas_take_their_own_group_of_devices() -> None:
@@ -99,6 +104,9 @@ def test_stage_base_port_leaves_room_for_every_replica() -> None:
         ({"dtype": "fp8"}, "--dtype must be one of"),
         ({"port": 0}, "--port must be a port number"),
         ({"distributed_executor_backend": "slurm"}, "must be mp or ray"),
+        ({"distributed_executor_backend": "ray", "num_nodes": 2, "master_port": 29500},
+         "with ray the Ray cluster places them on its nodes: drop --num-nodes/--node-rank and give --ray-address"),
+        ({"ray_address": "10.0.0.1:6379"}, "--ray-address is for --distributed-executor-backend ray"),
         ({"num_nodes": 2, "node_rank": 2}, r"--node-rank must be in \[0, --num-nodes\)"),
         ({"max_waiting_requests": -1}, r"--max-waiting-requests must be >= 0"),
         ({"stage_dns_refresh": 0.0}, r"--stage-dns-refresh must be > 0 seconds, got 0.0"),
@@ -129,8 +137,8 @@ def test_cli_exits_before_starting_anything() -> None:
     assert bad.returncode == 2 and "not valid JSON" in bad.stderr
     too_many = _cli("serve", "-tp", "64", "--device", "cpu")
     assert too_many.returncode == 2 and "pp x tp = 1 x 64 = 64 ranks" in too_many.stderr and "CPU ranks" in too_many.stderr
-    later = _cli("serve", "--distributed-executor-backend", "ray", "--device", "cpu")
-    assert later.returncode == 3 and "not supported yet" in later.stderr
+    stray = _cli("serve", "--ray-address", "auto", "--device", "cpu")
+    assert stray.returncode == 2 and "--ray-address is for --distributed-executor-backend ray" in stray.stderr
     no_model = _cli("stage", "thinker", "--model", "/nonexistent/model")
     assert no_model.returncode == 2 and "no config.json" in no_model.stderr
 

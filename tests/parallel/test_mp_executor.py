@@ -3,8 +3,6 @@ worker that dies is reported by rank with its exit code (never a hang), and noth
 
 from __future__ import annotations
 
-import os
-import time
 
 import pytest
 import torch
@@ -13,31 +11,16 @@ import toy_program
 from omnimesh.parallel.mp_executor import MpExecutor, RankFailure
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
-
-
 @pytest.mark.parametrize("pp, tp", [(2, 1), (1, 2), (2, 2)])
 def test_sharded_toy_equals_unsharded(pp: int, tp: int) -> None:
     ex = MpExecutor(pp, tp, toy_program.make_toy, timeout_s=30)
     ex.start()
     try:
-        x = torch.randn(3, toy_program.H, generator=torch.Generator().manual_seed(1))
-        for _ in range(3):
-            torch.testing.assert_close(ex.execute(("run", x)), toy_program.reference(x), rtol=1e-5, atol=1e-5)
-        assert ex.execute(("whoami",)) == f"rank {(pp - 1) * tp}"
-        with pytest.raises(RankFailure, match="bad input on purpose"):
-            ex.execute(("fail",))
-        torch.testing.assert_close(ex.execute(("run", x)), toy_program.reference(x), rtol=1e-5, atol=1e-5)
+        toy_program.check_lock_step(ex, pp, tp)
         pids = ex.pids
     finally:
         ex.shutdown()
-    assert not any(_alive(pid) for rank, pid in pids.items() if rank != 0)
+    assert not any(toy_program.alive(pid) for rank, pid in pids.items() if rank != 0)
 
 
 def test_dead_worker_is_named_and_nothing_hangs() -> None:
@@ -45,14 +28,7 @@ def test_dead_worker_is_named_and_nothing_hangs() -> None:
     ex = MpExecutor(1, 2, toy_program.make_toy, timeout_s=20, on_failure=failures.append)
     ex.start()
     try:
-        pid = ex.pids[1]
-        t0 = time.monotonic()
-        with pytest.raises(RankFailure, match=rf"rank 1 \(pid {pid}\) exited with code 3"):
-            ex.execute(("crash", 1))  # rank 1 dies while rank 0 waits in the all-reduce
-        assert time.monotonic() - t0 < 20
-        assert failures and "rank 1" in failures[0]
-        with pytest.raises(RankFailure, match="lost a rank"):
-            ex.execute(("run", torch.zeros(1, toy_program.H)))
+        toy_program.check_crash_is_named(ex, failures, rf"rank 1 \(pid {ex.pids[1]}\) exited with code 3")
     finally:
         ex.shutdown()
 

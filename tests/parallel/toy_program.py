@@ -8,7 +8,10 @@ from a fixed seed, so every rank can build its own shard and the test can comput
 from __future__ import annotations
 
 import os
+import time
+from typing import Any
 
+import pytest
 import torch
 
 from omnimesh.parallel.parallel_state import ParallelState, pp_recv, pp_send, tp_all_reduce
@@ -63,3 +66,42 @@ def make_broken(ps: ParallelState) -> ToyProgram:
     if ps.rank == 1:
         raise RuntimeError("weights for rank 1 are missing")
     return ToyProgram(ps)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def check_lock_step(ex: Any, pp: int, tp: int) -> None:
+    """A started executor over the toy: results equal the unsharded MLP, come from the owner rank, an error
+    every rank raises fails only its command."""
+    from omnimesh.parallel.rank_worker import RankFailure
+
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        torch.testing.assert_close(ex.execute(("run", x)), reference(x), rtol=1e-5, atol=1e-5)
+    assert ex.execute(("whoami",)) == f"rank {(pp - 1) * tp}"
+    with pytest.raises(RankFailure, match="bad input on purpose"):
+        ex.execute(("fail",))
+    torch.testing.assert_close(ex.execute(("run", x)), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def check_crash_is_named(ex: Any, failures: list[str], named: str) -> None:
+    """Rank 1 dies inside a collective: the command fails within the timeout, the stage hears `named`
+    (a regex) first, and every later command fails at once."""
+    import re
+
+    from omnimesh.parallel.rank_worker import RankFailure
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="lost a rank"):
+        ex.execute(("crash", 1))  # rank 1 dies while rank 0 waits in the all-reduce
+    assert time.monotonic() - t0 < 20
+    assert failures and re.search(named, failures[0]), failures
+    with pytest.raises(RankFailure, match="lost a rank"):
+        ex.execute(("run", torch.zeros(1, H)))

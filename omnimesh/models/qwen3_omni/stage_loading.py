@@ -85,6 +85,8 @@ class LMLayout:
     devices: tuple[str, ...] = ()  # per rank of a host, e.g. ("cuda:2", "cuda:3"); () = rank r on cuda:r (or CPU)
     timeout_s: float = 120.0  # rendezvous, start-up and every collective
     nodes: NodeSpec | None = None  # the stage spans several hosts: this host's part (node 0 runs the driver)
+    executor: str = "mp"  # how ranks 1..N-1 start: "mp" (local processes) or "ray" (actors on a Ray cluster)
+    ray_address: str | None = None  # with "ray": the cluster (None: a Ray instance of the stage's own)
 
     @property
     def in_process_cpu(self) -> bool:
@@ -92,10 +94,10 @@ class LMLayout:
         return self.pp * self.tp == 1 and self.backend != "nccl"
 
     def executor_args(self) -> dict[str, Any]:
-        """What `MpExecutor` takes from this layout (used only when pp x tp > 1)."""
+        """What `start_program` takes from this layout (used only when pp x tp > 1)."""
         return {"backend": self.backend, "master_addr": self.master_addr, "master_port": self.master_port,
                 "on_failure": self.on_failure, "devices": self.devices, "timeout_s": self.timeout_s,
-                "nodes": self.nodes}
+                "nodes": self.nodes, "executor": self.executor, "ray_address": self.ray_address}
 
 
 def load_thinker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LMLayout = LMLayout()) -> Qwen3OmniThinker:

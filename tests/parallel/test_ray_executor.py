@@ -1,0 +1,96 @@
+"""RayExecutor (--distributed-executor-backend ray) with real gloo ranks in Ray actors on this host: the same
+lock-step commands and results as MpExecutor, a start-up failure and a dead actor named by rank (never a hang),
+and clear bounded errors for a cluster that cannot place the ranks or cannot be reached."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import toy_program
+
+ray = pytest.importorskip("ray", reason="Ray is installed by scripts/setup.sh (omnimesh[ray])")
+
+from omnimesh.parallel.rank_worker import RankFailure  # noqa: E402
+from omnimesh.parallel.ray_executor import RayExecutor  # noqa: E402
+from omnimesh.proc_utils import free_port  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    """The actors unpickle `toy_program` (tests/parallel): the Ray instance this process starts passes its
+    environment on to its workers. One instance serves the module; it is shut down after it."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), before) if p)
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+    if before is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = before
+
+
+@pytest.mark.parametrize("pp, tp", [(1, 2), (2, 1)])
+def test_ray_ranks_equal_unsharded(pp: int, tp: int) -> None:
+    ex = RayExecutor(pp, tp, toy_program.make_toy, timeout_s=60)
+    ex.start()
+    try:
+        assert set(ex.pids) == {0, 1} and ex.pids[1] != os.getpid()
+        toy_program.check_lock_step(ex, pp, tp)
+        pid = ex.pids[1]
+    finally:
+        ex.shutdown()
+    deadline = time.monotonic() + 10
+    while toy_program.alive(pid) and time.monotonic() < deadline:  # the actor is killed at shutdown
+        time.sleep(0.1)
+    assert not toy_program.alive(pid)
+
+
+def test_dead_actor_is_named_and_nothing_hangs() -> None:
+    failures: list[str] = []
+    ex = RayExecutor(1, 2, toy_program.make_toy, timeout_s=20, on_failure=failures.append)
+    ex.start()
+    try:
+        toy_program.check_crash_is_named(ex, failures, rf"rank 1 \(Ray actor on node \S+, pid {ex.pids[1]}\) ended")
+    finally:
+        ex.shutdown()
+
+
+def test_start_up_failure_names_the_rank() -> None:
+    ex = RayExecutor(1, 2, toy_program.make_broken, timeout_s=20)
+    with pytest.raises(RankFailure, match="rank 1 failed to start: RuntimeError: weights for rank 1 are missing"):
+        ex.start()
+
+
+def test_ranks_the_cluster_cannot_place_are_a_clear_error() -> None:
+    """NCCL ranks ask Ray for a GPU each; this host's Ray instance has none: an error naming what it has,
+    within the timeout, and no placement left behind."""
+    ex = RayExecutor(1, 2, toy_program.make_toy, backend="nccl", timeout_s=5)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"could not place this stage's 1 worker rank\(s\) \(\{'GPU': 1, 'CPU': 1\} "
+                                          r"each\) within 5s: it has CPU .* / GPU 0 free"):
+        ex.start()
+    assert time.monotonic() - t0 < 20
+    assert ex.placement is None and not ex.actors
+
+
+def test_unreachable_cluster_is_a_clear_error_in_bounded_time() -> None:
+    """--ray-address naming a port nothing listens on: the stage says what to check instead of hanging (in a
+    process of its own: this one is already connected to its Ray instance)."""
+    port = free_port("127.0.0.1")
+    code = ("import toy_program, sys\n"
+            "from omnimesh.parallel.ray_executor import RayExecutor\n"
+            f"ex = RayExecutor(1, 2, toy_program.make_toy, ray_address='127.0.0.1:{port}', timeout_s=8)\n"
+            "try:\n    ex.start()\nexcept Exception as e:\n    print('ERROR', e, flush=True)\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(HERE)})
+    assert time.monotonic() - t0 < 45
+    assert "ERROR could not" in out.stdout and f"127.0.0.1:{port}" in out.stdout, (out.stdout, out.stderr[-2000:])
