@@ -129,7 +129,11 @@ def connect(address: str | None, timeout_s: float, workers: int = 1, worker_devi
                           "token (RAY_AUTH_TOKEN) when the cluster uses one")
     if outcome["error"] is not None:
         exc = outcome["error"]
-        raise RankFailure(f"could not start or reach {where}: {type(exc).__name__}: {exc}") from exc
+        if "InvalidAuthToken" in str(exc) or "Authentication token" in str(exc):
+            raise RankFailure(f"{where} refused this host's Ray auth token: the cluster uses token authentication; "
+                              "set RAY_AUTH_TOKEN to the cluster's token (docs.ray.io, ray-security/token-auth)") from exc
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise RankFailure(f"could not start or reach {where}: {type(exc).__name__}: {first}") from exc
     return ray
 
 

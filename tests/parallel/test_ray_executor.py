@@ -4,6 +4,7 @@ and clear bounded errors for a cluster that cannot place the ranks or cannot be 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -94,3 +95,42 @@ def test_unreachable_cluster_is_a_clear_error_in_bounded_time() -> None:
                          env={**os.environ, "PYTHONPATH": str(HERE)})
     assert time.monotonic() - t0 < 45
     assert "ERROR could not" in out.stdout and f"127.0.0.1:{port}" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+def test_ranks_on_a_running_cluster_meet_at_this_nodes_address(tmp_path) -> None:
+    """--ray-address: a cluster started apart (`ray start --head`, as an operator would; token auth off for this
+    throwaway cluster) takes the worker rank; the rendezvous moves from 127.0.0.1 to this node's address as Ray
+    sees it, so ranks on other nodes could dial it. In a process of its own (this one has its own instance)."""
+    port = free_port("127.0.0.1")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(HERE)}
+    ray_cli = Path(sys.executable).with_name("ray")
+    head = subprocess.Popen([str(ray_cli), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                             "--include-dashboard=false", "--disable-usage-stats"], env=env, start_new_session=True,
+                            stdout=(tmp_path / "head.log").open("w"), stderr=subprocess.STDOUT)
+    code = ("import toy_program\n"
+            "from omnimesh.parallel.ray_executor import RayExecutor\n"
+            f"ex = RayExecutor(1, 2, toy_program.make_toy, ray_address='127.0.0.1:{port}', timeout_s=60)\n"
+            "ex.start()\n"
+            "try:\n    toy_program.check_lock_step(ex, 1, 2)\n"
+            "    print('OK', ex.rdzv.master_addr, ex.where[1][0], flush=True)\n"
+            "finally:\n    ex.shutdown()\n")
+    try:
+        out = None
+        for _ in range(3):  # the head may still be starting: Ray's own connect retries are short
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+            if "OK" in out.stdout:
+                break
+            time.sleep(3)
+        assert out is not None and "OK" in out.stdout, (out and out.stdout, out and out.stderr[-3000:],
+                                                        (tmp_path / "head.log").read_text()[-2000:])
+        master, node = out.stdout.split("OK", 1)[1].split()[:2]
+        assert master == node and master not in ("127.0.0.1", "localhost"), out.stdout
+    finally:
+        os.killpg(head.pid, 15)
+        try:
+            head.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, 9)
+            head.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, 9)  # Ray's own processes (GCS, raylet) share the head's process group
