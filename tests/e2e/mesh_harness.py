@@ -201,3 +201,51 @@ def rank_pids(stage_pid_: int) -> list[int]:
     """The rank processes a stage spawned (its pp x tp ranks beyond rank 0, which is the stage itself)."""
     return sorted(int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and ppid(int(e.name)) == stage_pid_
                   and "spawn_main" in " ".join(cmdline(int(e.name))) and alive(int(e.name)))
+
+
+def kill_rank_mid_request(mesh: Mesh, stage: str, victim: int) -> int:
+    """SIGKILL `victim` (a worker rank of `stage`) while a long request decodes: that request fails promptly with
+    503 naming the stage and the pid, /health names the stage, the next request is a 503 too; then `omnimesh
+    serve` restarts the stage with all its ranks and it answers as before. Returns the restarted stage's pid."""
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000,
+            "temperature": 0}
+    result: dict = {}
+
+    def long_request() -> None:
+        t0 = time.monotonic()
+        r = httpx.post(f"{mesh.rest}/v1/chat/completions", json=body, timeout=120)
+        result.update(status=r.status_code, body=r.json(), seconds=time.monotonic() - t0)
+
+    hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    before = httpx.post(f"{mesh.rest}/v1/chat/completions", json=hi, timeout=30)
+    assert before.status_code == 200, before.text
+    old = stage_pid(mesh, stage)
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(1.5)  # the request is decoding
+    assert thread.is_alive(), result
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the request hung after a rank died"
+    assert result["status"] == 503, result
+    assert stage in result["body"]["error"]["message"] and f"pid {victim}" in result["body"]["error"]["message"]
+    assert time.monotonic() - killed_at < 30
+    health = httpx.get(f"{mesh.rest}/health", timeout=10)
+    assert health.status_code == 503 and stage in health.json()["down"]
+    again = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=30, json=hi)
+    assert again.status_code == 503 and stage in again.json()["error"]["message"], again.text
+
+    # the launcher reads NOT_SERVING, stops the stage and starts it again with all its ranks (the next
+    # restart is >= 1 s after the kill, so the checks above always saw it down); then it answers as before
+    mesh.proc.wait_for_line(rf"stage {stage} \(pid {old}\) reports NOT_SERVING", timeout_s=30)
+    mesh.proc.wait_for_line(rf"stage {stage} \(pid {old}\) exited with code -?\d+; restarting it", timeout_s=30)
+    mesh.proc.wait_for_line(rf"stage {stage} \(pid \d+\) is serving again", timeout_s=180)
+    deadline = time.monotonic() + 15
+    while httpx.get(f"{mesh.rest}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the gateway did not find the restarted stage"
+        time.sleep(0.2)
+    after = httpx.post(f"{mesh.rest}/v1/chat/completions", json=hi, timeout=30)
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
+    return stage_pid(mesh, stage)

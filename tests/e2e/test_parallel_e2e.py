@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from mesh_harness import children, nice, rank_pids, stage_pid, start_mesh, thread_nices
+from mesh_harness import children, kill_rank_mid_request, nice, rank_pids, stage_pid, start_mesh, thread_nices
 from reference import chat_request, png_bytes, sine_wav
 from test_handoff_e2e import _deltas, _metrics
 from test_parity import MAX_TOKENS, TALKER_MAX, run_pipeline
@@ -114,48 +114,7 @@ def test_split_mesh_equals_generate(split_mesh, tiny_model_dir, reference, media
 
 def test_thinker_rank_killed_mid_request(split_mesh) -> None:
     """Runs last in this module: it breaks the thinker on purpose."""
-    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000,
-            "temperature": 0}
-    result: dict = {}
-
-    def long_request() -> None:
-        t0 = time.monotonic()
-        r = httpx.post(f"{split_mesh.rest}/v1/chat/completions", json=body, timeout=120)
-        result.update(status=r.status_code, body=r.json(), seconds=time.monotonic() - t0)
-
-    hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
-    before = httpx.post(f"{split_mesh.rest}/v1/chat/completions", json=hi, timeout=30)
-    assert before.status_code == 200, before.text
     thinker = stage_pid(split_mesh, "thinker")
     ranks = rank_pids(thinker)
-    victim = ranks[-1]
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    time.sleep(1.5)  # the request is decoding
-    assert thread.is_alive(), result
-    killed_at = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    thread.join(timeout=60)
-    assert not thread.is_alive(), "the request hung after a thinker rank died"
-    assert result["status"] == 503, result
-    assert "thinker" in result["body"]["error"]["message"] and f"pid {victim}" in result["body"]["error"]["message"]
-    assert time.monotonic() - killed_at < 30
-    health = httpx.get(f"{split_mesh.rest}/health", timeout=10)
-    assert health.status_code == 503 and "thinker" in health.json()["down"]
-    again = httpx.post(f"{split_mesh.rest}/v1/chat/completions", timeout=30, json=hi)
-    assert again.status_code == 503 and "thinker" in again.json()["error"]["message"], again.text
-
-    # the launcher reads NOT_SERVING, stops the thinker and starts it again with all its ranks (the next
-    # restart is >= 1 s after the kill, so the checks above always saw it down); then it answers as before
-    split_mesh.proc.wait_for_line(rf"stage thinker \(pid {thinker}\) reports NOT_SERVING", timeout_s=30)
-    split_mesh.proc.wait_for_line(rf"stage thinker \(pid {thinker}\) exited with code -?\d+; restarting it",
-                                  timeout_s=30)
-    split_mesh.proc.wait_for_line(r"stage thinker \(pid \d+\) is serving again", timeout_s=180)
-    assert len(rank_pids(stage_pid(split_mesh, "thinker"))) == len(ranks) == 3
-    deadline = time.monotonic() + 15
-    while httpx.get(f"{split_mesh.rest}/health", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, "the gateway did not find the restarted thinker"
-        time.sleep(0.2)
-    after = httpx.post(f"{split_mesh.rest}/v1/chat/completions", json=hi, timeout=30)
-    assert after.status_code == 200, after.text
-    assert after.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
+    restarted = kill_rank_mid_request(split_mesh, "thinker", ranks[-1])
+    assert len(rank_pids(restarted)) == len(ranks) == 3
