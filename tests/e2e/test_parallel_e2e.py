@@ -9,13 +9,8 @@ NOT_SERVING and the gateway's /health names it; nothing hangs; `omnimesh serve` 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 from mesh_harness import children, kill_rank_mid_request, nice, rank_pids, stage_pid, start_mesh, thread_nices
