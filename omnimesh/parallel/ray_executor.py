@@ -215,7 +215,12 @@ class RayExecutor(MpExecutor):
 
     def _monitor(self) -> None:
         while self._serving and not self._stopping:
-            done, _ = self.ray.wait(list(self._serving), num_returns=1, timeout=0.5)
+            try:
+                done, _ = self.ray.wait(list(self._serving), num_returns=1, timeout=0.5)
+            except Exception as exc:  # Ray itself went away (its instance died, the cluster is unreachable)
+                if not self._stopping:
+                    self._fail(f"lost Ray, which runs ranks {sorted(self._serving.values())}: {_cause(exc)}")
+                return
             for ref in done:
                 rank = self._serving.pop(ref)
                 if self._stopping:
