@@ -263,10 +263,10 @@ class ServeArgs:
 
     def check_devices(self, available: int, kind: str, only: str | None = None) -> None:
         """pp x tp of every stage (or just `only`) must fit the devices of this host (before anything loads)."""
+        on_a_cluster = self.distributed_executor_backend == "ray" and self.ray_address is not None  # Ray places them
         for stage, cfg in self.stage_configs().items():
             if only is not None and stage != only:
                 continue
-            on_a_cluster = self.distributed_executor_backend == "ray" and self.ray_address is not None  # Ray places them
             if cfg.world_size > available * cfg.num_nodes and not on_a_cluster:
                 raise ValueError(
                     f"stage {stage}: pp x tp = {cfg.pp} x {cfg.tp} = {cfg.world_size} ranks, but only "
@@ -285,11 +285,12 @@ class ServeArgs:
             import importlib.util
 
             if importlib.util.find_spec("ray") is None:
-                out.append("--distributed-executor-backend ray needs Ray in this environment: pip install "
-                           "'omnimesh[ray]' (or use --distributed-executor-backend mp)")
+                out.append(RAY_MISSING)
         return out
 
 
+RAY_MISSING = ("--distributed-executor-backend ray needs Ray in this environment: pip install 'omnimesh[ray]' "
+               "(or use --distributed-executor-backend mp)")
 HTTP_FRONT_FIELDS = frozenset(
     {"allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "ssl_keyfile", "ssl_certfile",
      "ssl_ca_certs", "ssl_cert_reqs", "enable_request_id_headers", "disable_uvicorn_access_log", "uvicorn_log_level"}

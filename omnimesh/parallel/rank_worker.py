@@ -2,9 +2,9 @@
 commands in order until STOP — the same on node 0 (spawned by MpExecutor), on a headless node (spawned by
 headless_ranks) and in a Ray actor (ray_executor.py), since every command travels over torch.distributed.
 
-Data flow: `worker_main(rank, ...)` = `setup_rank` (init_parallel_state (rendezvous at master_addr:master_port, bounded) ->
-factory(ps) -> ("ready" on the queue, or the start-up error) -> loop: command = recv from rank 0 (gloo cpu_group)
--> program.execute(command) -> the result owner (last pp rank, tp rank 0) sends the result to rank 0 on a
+Data flow: `worker_main(rank, ...)` -> `setup_rank`: init_parallel_state (rendezvous at master_addr:master_port,
+bounded) -> factory(ps) -> ("ready" on the queue, or the start-up error) -> `serve_commands`: command = recv from
+rank 0 (gloo cpu_group) -> program.execute(command) -> the result owner (last pp rank, tp rank 0) sends the result to rank 0 on a
 two-rank gloo group. A lost driver (its connection closes) ends the rank with code 1 and one log line.
 """
 

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+from omnimesh.config.serve_args import RAY_MISSING
 from omnimesh.parallel.mp_executor import MpExecutor
 from omnimesh.parallel.rank_worker import ProgramFactory, RankFailure, Rendezvous, serve_commands, setup_rank
 from omnimesh.proc_utils import free_port
@@ -47,8 +48,7 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise RankFailure("--distributed-executor-backend ray needs Ray in this environment: "
-                          "pip install 'omnimesh[ray]' (or use --distributed-executor-backend mp)") from None
+        raise RankFailure(RAY_MISSING) from None
     return ray
 
 

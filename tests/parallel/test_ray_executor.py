@@ -17,6 +17,7 @@ import toy_program
 ray = pytest.importorskip("ray", reason="Ray is installed by scripts/setup.sh (omnimesh[ray])")
 
 from omnimesh.parallel.rank_worker import RankFailure  # noqa: E402
+from omnimesh.parallel import ray_executor  # noqa: E402
 from omnimesh.parallel.ray_executor import RayExecutor  # noqa: E402
 from omnimesh.proc_utils import free_port  # noqa: E402
 
@@ -80,6 +81,35 @@ def test_ranks_the_cluster_cannot_place_are_a_clear_error() -> None:
         ex.start()
     assert time.monotonic() - t0 < 20
     assert ex.placement is None and not ex.actors
+
+
+class _RefusingRay:
+    """Stands in for the `ray` module whose `init` fails as the real one was seen to."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def is_initialized(self) -> bool:
+        return False
+
+    def init(self, **kwargs: object) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize("error, said", [
+    # what ray.init raised here against a head whose token this host did not have
+    (RuntimeError("Failed to connect to GCS. Last connection error: Traceback (most recent call last):\n  ...\n"
+                  "ray.exceptions.RpcError: Unauthenticated: RPC error: InvalidAuthToken: Authentication token is "
+                  "missing or incorrect"),
+     r"the Ray cluster at 10.0.0.9:6379 refused this host's Ray auth token: .* set RAY_AUTH_TOKEN"),
+    (ConnectionError("Failed to connect to Ray cluster at 10.0.0.9:6379\nsecond line"),
+     r"could not start or reach the Ray cluster at 10.0.0.9:6379: ConnectionError: Failed to connect to Ray "
+     r"cluster at 10.0.0.9:6379$"),
+])
+def test_connect_errors_say_what_to_fix(monkeypatch, error: BaseException, said: str) -> None:
+    monkeypatch.setattr(ray_executor, "import_ray", lambda: _RefusingRay(error))
+    with pytest.raises(RankFailure, match=said):
+        ray_executor.connect("10.0.0.9:6379", timeout_s=5)
 
 
 def test_unreachable_cluster_is_a_clear_error_in_bounded_time() -> None:
