@@ -34,7 +34,13 @@ class ImagePart:
     image: object  # PIL.Image.Image, RGB
 
 
-ContentPart = TextPart | AudioPart | ImagePart
+@dataclass(frozen=True, slots=True)
+class VideoPart:
+    frames: np.ndarray  # (T, H, W, 3) uint8 RGB: the frames the model sees (already sampled)
+    fps: float  # the sampling rate they were taken at (video_second_per_grid = temporal_patch_size / fps)
+
+
+ContentPart = TextPart | AudioPart | ImagePart | VideoPart
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """The gRPC front end: `omnimesh.v1.Omni` (Generate, ListModels) over the same `Pipeline` as REST.
 
 Data flow of `Generate`: `GenerateRequest` -> `OmniServicer.build` (the REST front end's checks: model,
-voice, modalities, sampling ranges incl. stop / stop_token_ids, media decoded by `MediaLoader`) ->
+voice, modalities, sampling ranges incl. stop / stop_token_ids, media decoded by `MediaLoader`: WAV audio,
+images, video files of which only the sampled frames are kept) ->
 `ChatRequest` -> `pipeline.run` -> a server stream of `text_delta`, `audio` (mono PCM16 chunks numbered
 by `seq` from 0) and one `done`.
 Any failure, before or during generation, is one `error` message (code = the `grpc.StatusCode` value,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -40,9 +42,11 @@ from gateway.events import (
     SamplingOverrides,
     TextDelta,
     TextPart,
+    VideoPart,
     check_request_id,
 )
 from gateway.media import InputLimits, MediaLoader, invalid_request
+from gateway.media_video import video_sampling_of
 from gateway.openai_schema import (
     STAGE_NAMES,
     check_sampling,
@@ -53,6 +57,9 @@ from gateway.openai_schema import (
 )
 from omnimesh.server.grpc_server import make_server
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
+
+if TYPE_CHECKING:
+    from omnimesh.models.qwen3_omni.video_processor import VideoSampling
 
 log = logging.getLogger(__name__)
 OMNI_SERVICE_NAME = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name  # "omnimesh.v1.Omni"
@@ -88,12 +95,15 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
     """Thin: validate, run the pipeline, translate events to stream messages."""
 
     def __init__(self, pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
-                 limits: InputLimits | None = None) -> None:
+                 limits: InputLimits | None = None, video_sampling: VideoSampling | None = None) -> None:
         self.pipeline = pipeline
         self.served_model_names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
         if not self.served_model_names:
             raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
-        self.loader = MediaLoader(limits or InputLimits())  # the proto carries media bytes, never URLs
+        # the proto carries media bytes, never URLs; video frames are sampled as the pipeline's prompt
+        # builder samples them (`video_sampling` None: its processor's, else the default)
+        sampling = video_sampling or video_sampling_of(getattr(pipeline, "prepare", None))
+        self.loader = MediaLoader(limits or InputLimits(), video_sampling=sampling)
 
     async def build(self, req: omni_pb2.GenerateRequest) -> ChatRequest:
         """`GenerateRequest` -> `ChatRequest`; any problem is a `PipelineError` (INVALID_ARGUMENT / NOT_FOUND)."""
@@ -124,20 +134,24 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 where = f"messages[{i}].content[{j}]"
                 kind = p.WhichOneof("part")
                 if kind is None:
-                    raise invalid_request(f"{where}: empty content part (set text, audio_wav or image)", where)
+                    raise invalid_request(f"{where}: empty content part (set text, audio_wav, image or video)",
+                                          where)
                 if kind == "text":
                     parts.append(TextPart(text=p.text))
                     continue
                 if m.role != "user":
-                    raise invalid_request(f"{where}: only user messages may carry audio or images "
+                    raise invalid_request(f"{where}: only user messages may carry audio, images or video "
                                           f"(this is a '{m.role}' message)", where)
                 if kind == "audio_wav":
                     a: AudioPart = await self.loader.audio_from_wav(p.audio_wav, f"{where}.audio_wav")
                     audio_seconds += a.waveform.size / a.sample_rate
                     parts.append(a)
-                else:
+                elif kind == "image":
                     img: ImagePart = await self.loader.image_from_bytes(p.image, f"{where}.image")
                     parts.append(img)
+                else:
+                    video: VideoPart = await self.loader.video_from_bytes(p.video, f"{where}.video")
+                    parts.append(video)
                 n_items += 1
             messages.append(ChatMessage(role=m.role, content=tuple(parts)))  # type: ignore[arg-type]
         self.loader.check_totals(audio_seconds, n_items)

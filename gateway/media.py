@@ -1,9 +1,10 @@
-"""Inline and remote media -> the typed parts of a `ChatRequest` (16 kHz mono audio, RGB images).
+"""Inline and remote media -> the typed parts of a `ChatRequest` (16 kHz mono audio, RGB images, videos).
 
 Data flow: a content part's payload (base64 WAV, a `data:` URI, or an http(s) URL on an operator-allowed
 domain) -> bytes (`parse_data_uri` / `fetch_url`) -> `decode_wav` (RIFF PCM 8/16/24/32-bit or IEEE float,
 any channel count) -> mono mix -> `resample` (windowed-sinc polyphase, band-limited) to 16 kHz ->
-`AudioPart`; or `decode_image` (PIL, pixel limit checked before decoding) -> RGB -> `ImagePart`.
+`AudioPart`; or `decode_image` (PIL, pixel limit checked before decoding) -> RGB -> `ImagePart`; or
+`gateway.media_video.decode_video` (PyAV; only the frames `VideoSampling` keeps, as RGB) -> `VideoPart`.
 `MediaLoader` bundles the policy (limits + allowed domains) for the REST and gRPC front ends. Every
 refusal is a `PipelineError` (400, or 413 for a size limit) whose message says why and what to do.
 """
@@ -18,12 +19,16 @@ import math
 import struct
 import urllib.parse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from gateway.events import AudioPart, ImagePart, PipelineError
+from gateway.events import AudioPart, ImagePart, PipelineError, VideoPart
+
+if TYPE_CHECKING:
+    from omnimesh.models.qwen3_omni.video_processor import VideoSampling
 
 TARGET_SAMPLE_RATE = 16_000  # what the Qwen-Omni audio towers (Whisper features) expect
 # the shortest clip the feature extractor can frame: one 25 ms STFT window (n_fft 400 at 16 kHz; its reflect
@@ -40,16 +45,21 @@ class InputLimits:
 
     max_request_bytes: int = 64 * 1024 * 1024  # REST body size
     max_audio_seconds: float = 600.0  # decoded audio, all clips of one request together
-    max_image_pixels: int = 4096 * 4096  # width * height of one image
-    max_media_items: int = 32  # audio clips + images in one request (400 beyond)
+    max_image_pixels: int = 4096 * 4096  # width * height of one image, and of each frame of a video
+    max_video_seconds: float = 600.0  # one video: its frame count / its native frame rate
+    # one video's sampled frames as decoded RGB, width * height * frames (3 bytes each: 768 MiB at the default),
+    # checked before decoding; a 2-minute 1080p clip at 2 fps (240 frames, 498M pixels) is over it
+    max_video_pixels: int = 256 * 1024 * 1024
+    max_media_items: int = 32  # audio clips + images + videos in one request (400 beyond)
     max_fetch_bytes: int = 32 * 1024 * 1024  # one remote media download
     fetch_timeout_s: float = 10.0  # one remote media download, start to end (400 beyond)
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_image_pixels", "max_media_items", "max_fetch_bytes"):
+        for name in ("max_request_bytes", "max_image_pixels", "max_video_pixels", "max_media_items",
+                     "max_fetch_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"InputLimits.{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_audio_seconds", "fetch_timeout_s"):
+        for name in ("max_audio_seconds", "max_video_seconds", "fetch_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"InputLimits.{name} must be positive, got {getattr(self, name)}")
 
@@ -277,13 +287,24 @@ def decode_image(data: bytes, *, max_pixels: int, param: str) -> ImagePart:
 
 # ------------------------------------------------------------------------------------------- policy
 class MediaLoader:
-    """Turns client media references into `AudioPart` / `ImagePart` under one policy (limits, domains)."""
+    """Turns client media references into `AudioPart` / `ImagePart` / `VideoPart` under one policy (limits,
+    domains, which video frames are kept: `video_sampling`, None = Qwen-Omni's default `VideoSampling()`)."""
 
     def __init__(self, limits: InputLimits, allowed_domains: frozenset[str] = frozenset(),
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 video_sampling: VideoSampling | None = None) -> None:
         self.limits = limits
         self.allowed_domains = frozenset(d.lower() for d in allowed_domains)
         self._transport = transport  # tests inject one; None = a real network client
+        self._video_sampling = video_sampling
+
+    @property
+    def video_sampling(self) -> VideoSampling:
+        if self._video_sampling is None:  # built at the first video: its module imports transformers
+            from gateway.media_video import default_video_sampling
+
+            self._video_sampling = default_video_sampling()
+        return self._video_sampling
 
     async def _bytes_from_url(self, url: str, param: str) -> tuple[str | None, bytes]:
         if url[:5].lower() == "data:":
@@ -318,10 +339,25 @@ class MediaLoader:
     async def image_from_bytes(self, data: bytes, param: str) -> ImagePart:
         return await asyncio.to_thread(decode_image, data, max_pixels=self.limits.max_image_pixels, param=param)
 
+    async def video_from_url(self, url: str, param: str) -> VideoPart:
+        """vLLM's `video_url.url`: a `data:video/...;base64,` URI or an allowed http(s) URL of a video file."""
+        mime, data = await self._bytes_from_url(url, param)
+        if mime is not None and not mime.startswith("video/"):
+            raise invalid_request(f"{param}: data URI has type '{mime}', expected a video/* type (e.g. "
+                                  "'data:video/mp4;base64,...')", param)
+        return await self.video_from_bytes(data, param)
+
+    async def video_from_bytes(self, data: bytes, param: str) -> VideoPart:
+        """Video file bytes (MP4, WebM, ...) -> the sampled frames (`gateway/media_video.py`), off the loop."""
+        from gateway.media_video import decode_video  # imports this module: PyAV loads with the first video
+
+        return await asyncio.to_thread(decode_video, data, sampling=self.video_sampling, limits=self.limits,
+                                       param=param)
+
     def check_totals(self, audio_seconds: float, n_items: int) -> None:
-        """Request-wide limits, checked once every part is decoded."""
+        """Request-wide limits, checked once every part is decoded (`n_items`: audio, image and video parts)."""
         if n_items > self.limits.max_media_items:
-            raise invalid_request(f"request has {n_items} audio/image parts; the limit is "
+            raise invalid_request(f"request has {n_items} audio/image/video parts; the limit is "
                                   f"{self.limits.max_media_items}", "messages")
         if audio_seconds > self.limits.max_audio_seconds:
             raise too_large(f"request has {audio_seconds:.1f} s of audio in all; the limit is "

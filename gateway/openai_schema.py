@@ -16,8 +16,8 @@ says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `me
 `stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does.
 OpenAI's `presence_penalty` / `frequency_penalty` work as in vLLM. Extensions: `top_k`, `repetition_penalty`,
 `stop_token_ids`, `min_tokens`, `include_stop_str_in_output` (as in vLLM), `stage_params` (per stage
-sampling, the same keys; `stop` and `include_stop_str_in_output` only for the thinker), and `audio_url`
-content parts.
+sampling, the same keys; `stop` and `include_stop_str_in_output` only for the thinker), and vLLM's `audio_url`
+and `video_url` content parts (`{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}}`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from gateway.media import invalid_request
 logger = logging.getLogger(__name__)
 
 STAGE_NAMES: tuple[str, ...] = ("thinker", "talker")
-CONTENT_PART_TYPES: tuple[str, ...] = ("text", "image_url", "input_audio", "audio_url")
+CONTENT_PART_TYPES: tuple[str, ...] = ("text", "image_url", "input_audio", "audio_url", "video_url")
 
 
 class StrictBody(BaseModel):
@@ -61,6 +61,10 @@ class AudioURL(StrictBody):
     url: str
 
 
+class VideoURL(StrictBody):
+    url: str  # a data:video/...;base64, URI or an http(s) URL of a video file (MP4, WebM, ...)
+
+
 class ContentPart(StrictBody):
     """One part of a message; exactly the field named by `type` must be present."""
 
@@ -69,6 +73,7 @@ class ContentPart(StrictBody):
     image_url: ImageURL | None = None
     input_audio: InputAudio | None = None
     audio_url: AudioURL | None = None
+    video_url: VideoURL | None = None
 
     @model_validator(mode="after")
     def _matches_type(self) -> ContentPart:

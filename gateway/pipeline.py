@@ -304,6 +304,9 @@ class StagePipeline:
         tensors = {"input_ids": prompt.input_ids}
         if prompt.image_grid_thw is not None and "image_grid_thw" not in names:
             tensors["image_grid_thw"] = prompt.image_grid_thw
+        if prompt.video_grid_thw is not None and prompt.video_second_per_grid is not None:
+            tensors["video_grid_thw"] = prompt.video_grid_thw
+            tensors["video_second_per_grid"] = prompt.video_second_per_grid
         if not features:
             await thinker.send(StageChunk(tensors=tensors, final=True))
             return
@@ -383,7 +386,7 @@ def _joined(deltas: list[TextDelta | AudioDelta]) -> Event:
 
 
 def _encoder_inputs(prompt: PromptInputs) -> dict[str, torch.Tensor]:
-    """What the encoder reads from a prompt; empty when it has neither audio nor images."""
+    """What the encoder reads from a prompt; empty when it has no audio, images or video."""
     tensors: dict[str, torch.Tensor] = {}
     if prompt.input_features is not None and prompt.feature_attention_mask is not None:
         tensors["input_features"] = prompt.input_features
@@ -391,5 +394,8 @@ def _encoder_inputs(prompt: PromptInputs) -> dict[str, torch.Tensor]:
     if prompt.pixel_values is not None and prompt.image_grid_thw is not None:
         tensors["pixel_values"] = prompt.pixel_values
         tensors["image_grid_thw"] = prompt.image_grid_thw
+    if prompt.pixel_values_videos is not None and prompt.video_grid_thw is not None:
+        tensors["pixel_values_videos"] = prompt.pixel_values_videos
+        tensors["video_grid_thw"] = prompt.video_grid_thw
     return tensors
 

@@ -2,12 +2,15 @@
 
 Data flow:
     ChatRequest.messages --render_conversation--> HF-style conversation (text / {"type": "audio"} /
-      {"type": "image"} parts) + the audio arrays (16 kHz) and PIL images in order of appearance
+      {"type": "image"} / {"type": "video"} parts) + the audio arrays (16 kHz), PIL images and sampled
+      video frames in order of appearance
     --tokenizer.apply_chat_template (add_generation_prompt)--> prompt text with one <|audio_pad|> /
-      <|image_pad|> per item
+      <|image_pad|> / <|video_pad|> per item
     --processor (Qwen3OmniMoeProcessor API: Whisper features, Qwen2-VL patches, placeholder expansion)-->
     PromptInputs (torch, CPU): input_ids (L,), input_features (n_audio, n_mel, T), feature_attention_mask
-      (n_audio, T), pixel_values (n_patches, C*tps*ps*ps), image_grid_thw (n_images, 3), prompt_tokens.
+      (n_audio, T), pixel_values (n_patches, C*tps*ps*ps), image_grid_thw (n_images, 3),
+      pixel_values_videos (n_video_patches, C*tps*ps*ps), video_grid_thw (n_videos, 3),
+      video_second_per_grid (n_videos,), prompt_tokens.
 
 The audio fields keep the processor's leading clip axis (one row per clip, zero-padded to the longest,
 the mask marks real frames): each clip's audio-token count depends on its own length, so several clips
@@ -23,14 +26,14 @@ template; it is tried on a probe conversation at start-up. `encode` gives /token
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from gateway.events import AudioPart, ChatMessage, ChatRequest, ImagePart, TextPart
+from gateway.events import AudioPart, ChatMessage, ChatRequest, ImagePart, TextPart, VideoPart
 from gateway.media import TARGET_SAMPLE_RATE, invalid_request, resample
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,9 @@ class PromptInputs:
     pixel_values: torch.Tensor | None  # (n_patches, C * temporal_patch * patch * patch) float32
     image_grid_thw: torch.Tensor | None  # (n_images, 3) int64
     prompt_tokens: int
+    pixel_values_videos: torch.Tensor | None = None  # (n_video_patches, C * temporal_patch * patch * patch) float32
+    video_grid_thw: torch.Tensor | None = None  # (n_videos, 3) int64
+    video_second_per_grid: torch.Tensor | None = None  # (n_videos,) float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +61,8 @@ class Conversation:
     messages: list[dict[str, Any]]
     audio: list[np.ndarray]  # each (samples,) float32 at 16 kHz
     images: list[Any]  # PIL.Image.Image, RGB
+    videos: list[np.ndarray] = field(default_factory=list)  # each (T, H, W, 3) uint8, sampled frames
+    video_fps: float | None = None  # the rate every video's frames were sampled at
 
 
 def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
@@ -62,6 +70,7 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
     out: list[dict[str, Any]] = []
     audio: list[np.ndarray] = []
     images: list[Any] = []
+    videos: list[VideoPart] = []
     for m in messages:
         parts: list[dict[str, Any]] = []
         for p in m.content:
@@ -76,10 +85,17 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
             elif isinstance(p, ImagePart):
                 images.append(p.image)
                 parts.append({"type": "image"})
+            elif isinstance(p, VideoPart):
+                videos.append(p)
+                parts.append({"type": "video"})
             else:
                 raise TypeError(f"unknown content part {type(p).__name__}")
         out.append({"role": m.role, "content": parts})
-    return Conversation(messages=out, audio=audio, images=images)
+    if len({v.fps for v in videos}) > 1:  # the processor takes one fps per call; one loader samples them all alike
+        raise invalid_request(f"messages: the videos were sampled at different rates {sorted({v.fps for v in videos})}",
+                              "messages")
+    return Conversation(messages=out, audio=audio, images=images, videos=[v.frames for v in videos],
+                        video_fps=videos[0].fps if videos else None)
 
 
 def _tensor(x: Any, dtype: torch.dtype) -> torch.Tensor | None:
@@ -129,8 +145,9 @@ class PromptBuilder:
     def _process(self, text: str, conv: Conversation) -> tuple[torch.Tensor, Any]:
         """Prompt text + media -> input_ids (L,) (placeholders expanded) and the processor's batch."""
         try:
+            video = {"videos": conv.videos, "fps": conv.video_fps} if conv.videos else {}
             batch = self.processor(text=[text], audio=conv.audio or None, images=conv.images or None,
-                                   return_tensors="pt")
+                                   return_tensors="pt", **video)
         except ValueError as e:
             raise invalid_request(f"messages: could not prepare the prompt: {e}", "messages") from None
         ids = _tensor(batch["input_ids"], torch.int64)
@@ -150,7 +167,8 @@ class PromptBuilder:
         if n >= self.max_model_len:
             raise invalid_request(
                 f"the prompt is {n} tokens, but this model's maximum context length (max_model_len) is "
-                f"{self.max_model_len} tokens; shorten the messages or send less audio / smaller images",
+                f"{self.max_model_len} tokens; shorten the messages or send less audio / smaller images / "
+                "shorter videos",
                 "messages")
         want = request.sampling.max_tokens
         if want is not None and n + want > self.max_model_len:
@@ -160,6 +178,7 @@ class PromptBuilder:
                 f"lower max_tokens to at most {self.max_model_len - n}", "max_tokens")
         has_audio = bool(conv.audio)
         has_images = bool(conv.images)
+        has_videos = bool(conv.videos)
         return PromptInputs(
             input_ids=input_ids,
             input_features=_tensor(batch.get("input_features"), torch.float32) if has_audio else None,
@@ -167,6 +186,9 @@ class PromptBuilder:
             pixel_values=_tensor(batch.get("pixel_values"), torch.float32) if has_images else None,
             image_grid_thw=_tensor(batch.get("image_grid_thw"), torch.int64) if has_images else None,
             prompt_tokens=n,
+            pixel_values_videos=_tensor(batch.get("pixel_values_videos"), torch.float32) if has_videos else None,
+            video_grid_thw=_tensor(batch.get("video_grid_thw"), torch.int64) if has_videos else None,
+            video_second_per_grid=_tensor(batch.get("video_second_per_grid"), torch.float32) if has_videos else None,
         )
 
 

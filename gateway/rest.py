@@ -59,11 +59,13 @@ from gateway.events import (
     PipelineError,
     TextDelta,
     TextPart,
+    VideoPart,
     check_request_id,
 )
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.http_front import HttpFront
 from gateway.media import InputLimits, MediaLoader, invalid_request
+from gateway.media_video import video_sampling_of
 from gateway.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -226,7 +228,7 @@ class RestGateway:
         """The body's messages, media decoded, the request-wide media limits checked (chat and /tokenize)."""
         out = tuple([await self._message(i, m) for i, m in enumerate(messages)])
         audio = [p for m in out for p in m.content if isinstance(p, AudioPart)]
-        n_items = sum(isinstance(p, (AudioPart, ImagePart)) for m in out for p in m.content)
+        n_items = sum(isinstance(p, (AudioPart, ImagePart, VideoPart)) for m in out for p in m.content)
         self.loader.check_totals(sum(a.waveform.size / a.sample_rate for a in audio), n_items)
         return out
 
@@ -238,7 +240,7 @@ class RestGateway:
                 parts.append(TextPart(text=p.text or ""))
                 continue
             if m.role != "user":
-                raise invalid_request(f"{where}: only user messages may carry audio or images "
+                raise invalid_request(f"{where}: only user messages may carry audio, images or video "
                                       f"(this is a '{m.role}' message)", where)
             if p.image_url is not None:
                 parts.append(await self.loader.image_from_url(p.image_url.url, f"{where}.image_url.url"))
@@ -247,6 +249,8 @@ class RestGateway:
                                                                  f"{where}.input_audio"))
             elif p.audio_url is not None:
                 parts.append(await self.loader.audio_from_url(p.audio_url.url, f"{where}.audio_url.url"))
+            elif p.video_url is not None:
+                parts.append(await self.loader.video_from_url(p.video_url.url, f"{where}.video_url.url"))
         role = "system" if m.role == "developer" else m.role
         return ChatMessage(role=role, content=tuple(parts))
 
@@ -505,11 +509,16 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     `media_transport` an `httpx.AsyncBaseTransport` for tests; `stage_metrics` the stages whose series
     /metrics adds (by stage name); `api_keys` the keys /v1 routes need (empty: none, `gateway/auth.py`);
     `front` CORS and X-Request-Id (`gateway/http_front.py`), outside the key check; `prompts` the pipeline's
-    prompt builder, for /tokenize and /detokenize (`gateway/tokenize_api.py`; without it they are 404s)."""
+    prompt builder, for /tokenize and /detokenize (`gateway/tokenize_api.py`; without it they are 404s) and
+    for the video frame sampling of `video_url` parts (its processor's; else `pipeline.prepare`'s, else the
+    default)."""
     names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
-    loader = MediaLoader(limits or InputLimits(), allowed_media_domains, transport=media_transport)  # type: ignore[arg-type]
+    # video frames are sampled as the prompt builder's processor samples them (its default without one)
+    sampling = video_sampling_of(prompts if prompts is not None else getattr(pipeline, "prepare", None))
+    loader = MediaLoader(limits or InputLimits(), allowed_media_domains, transport=media_transport,  # type: ignore[arg-type]
+                         video_sampling=sampling)
     gw = RestGateway(pipeline, names, loader, stage_metrics, prompts.max_model_len if prompts is not None else None)
     app = FastAPI(title="omnimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw

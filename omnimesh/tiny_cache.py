@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_VERSION = "v1"
+TINY_VERSION = "v2"  # v2: video_preprocessor_config.json
 
 
 def cache_root() -> Path:

@@ -3,12 +3,13 @@ per modality, per engine step (the EngineLoop's `BatchStepper`).
 
 Data flow, for the requests of one step:
     each request alone: `check_inputs` -> its valid mel frames (n_mel, T_r) + feature_lens (n_audio_r,)
-        and / or pixel_values (P_r, C*tp*p*p) + image_grid_thw (n_images_r, 3); bad input -> ValueError
-        for THAT request only (it fails alone; the rest of the batch goes on)
+        and / or pixel_values (P_r, C*tp*p*p) + image_grid_thw (n_images_r, 3) and / or
+        pixel_values_videos + video_grid_thw (n_videos_r, 3); bad input -> ValueError for THAT request only
+        (it fails alone; the rest of the batch goes on)
     `encode_batch`: frames concatenated along time (n_mel, sum T_r) + feature_lens concatenated -> ONE
         audio-tower call -> (sum tokens, H), split back by audio_output_lengths per request;
-        patches concatenated (sum P_r, ...) + grids concatenated -> ONE vision-tower call -> image_embeds
-        and each deepstack feature, split back by t*h*w / merge**2 per request
+        image and video patches concatenated (sum P_r, ...) + grids concatenated -> ONE vision-tower call
+        -> embeddings and each deepstack feature, split back by t*h*w / merge**2 per request and kind
     each request: one final chunk, exactly what a solo `EncoderTask.step` emits (edges.py's encoder -> thinker)
 
 Concatenating the valid frames is what padding every audio to the longest and masking the padding would
@@ -37,24 +38,28 @@ class EncoderInputs:
     feature_lens: torch.Tensor | None = None  # (n_audio,) long
     pixel_values: torch.Tensor | None = None  # (n_patches, C*tp*p*p)
     grid_thw: torch.Tensor | None = None  # (n_images, 3) long
+    video_pixels: torch.Tensor | None = None  # (n_video_patches, C*tp*p*p)
+    video_grid_thw: torch.Tensor | None = None  # (n_videos, 3) long
 
 
 def check_inputs(encoder: Qwen3OmniEncoder, tensors: dict[str, torch.Tensor]) -> EncoderInputs:
     """Everything a tower would refuse in this request's media, as a ValueError, before any batching."""
-    frames = lens = pixels = grid = None
+    frames = lens = pixels = grid = video_pixels = video_grid = None
     if "input_features" in tensors:
         frames, lens = encoder.audio_frames(tensors["input_features"], tensors["feature_attention_mask"])
     if "pixel_values" in tensors:
         pixels = tensors["pixel_values"]
         grid = encoder.check_image(pixels, tensors["image_grid_thw"])
-    return EncoderInputs(frames, lens, pixels, grid)
+    if "pixel_values_videos" in tensors:
+        video_pixels = tensors["pixel_values_videos"]
+        video_grid = encoder.check_image(video_pixels, tensors["video_grid_thw"], kind="video")
+    return EncoderInputs(frames, lens, pixels, grid, video_pixels, video_grid)
 
 
 def encode_batch(encoder: Qwen3OmniEncoder, batch: list[EncoderInputs]) -> list[dict[str, torch.Tensor]]:
-    """At most one audio-tower call and one vision-tower call for all of `batch`; per request its output tensors."""
+    """At most one audio-tower call and one vision-tower call (images and videos) for all of `batch`; per
+    request its output tensors."""
     audio: list[torch.Tensor | None] = [None] * len(batch)
-    image: list[torch.Tensor | None] = [None] * len(batch)
-    deep: list[list[torch.Tensor] | None] = [None] * len(batch)
     audios = [(i, r.frames, r.feature_lens) for i, r in enumerate(batch)
               if r.frames is not None and r.feature_lens is not None]
     if audios:
@@ -63,16 +68,23 @@ def encode_batch(encoder: Qwen3OmniEncoder, batch: list[EncoderInputs]) -> list[
         counts = [int(encoder.audio_output_lengths(n).sum()) for _, _, n in audios]
         for (i, _, _), part in zip(audios, _split(embeds, counts, "audio")):
             audio[i] = part
-    images = [(i, r.pixel_values, r.grid_thw) for i, r in enumerate(batch)
-              if r.pixel_values is not None and r.grid_thw is not None]
-    if images:
-        embeds, deepstack = encoder.vision_tower_call(torch.cat([p for _, p, _ in images]),
-                                                      torch.cat([g for _, _, g in images]))
-        counts = [int(encoder.image_token_counts(g).sum()) for _, _, g in images]
-        per_layer = [_split(d, counts, "deepstack") for d in deepstack]  # [layer][request]
-        for j, ((i, _, _), part) in enumerate(zip(images, _split(embeds, counts, "image"))):
-            image[i], deep[i] = part, [layer[j] for layer in per_layer]
-    return [encoder_outputs_to_tensors(audio[i], r.feature_lens, image[i], deep[i]) for i, r in enumerate(batch)]
+    # images and videos share ONE vision-tower call: (request, kind, patches, grid) in a fixed order
+    visual = [(i, kind, p, g) for i, r in enumerate(batch)
+              for kind, p, g in (("image", r.pixel_values, r.grid_thw), ("video", r.video_pixels, r.video_grid_thw))
+              if p is not None and g is not None]
+    parts: list[dict[str, tuple[torch.Tensor, list[torch.Tensor]]]] = [{} for _ in batch]
+    if visual:
+        embeds, deepstack = encoder.vision_tower_call(torch.cat([p for _, _, p, _ in visual]),
+                                                      torch.cat([g for _, _, _, g in visual]))
+        counts = [int(encoder.image_token_counts(g).sum()) for _, _, _, g in visual]
+        per_layer = [_split(d, counts, "deepstack") for d in deepstack]  # [layer][item]
+        for j, ((i, kind, _, _), part) in enumerate(zip(visual, _split(embeds, counts, "vision"))):
+            parts[i][kind] = (part, [layer[j] for layer in per_layer])
+    out = []
+    for i, r in enumerate(batch):
+        image, deep = parts[i].get("image", (None, None))
+        out.append(encoder_outputs_to_tensors(audio[i], r.feature_lens, image, deep, video=parts[i].get("video")))
+    return out
 
 
 def _split(out: torch.Tensor, counts: list[int], what: str) -> tuple[torch.Tensor, ...]:

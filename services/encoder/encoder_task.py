@@ -1,7 +1,7 @@
 """EncoderTask: one request in the encoder stage — mel features / image patches in, embeddings out.
 
 Data flow: one final input chunk with `input_features` (n_audio, n_mel, T) + `feature_attention_mask`
-(n_audio, T) and/or `pixel_values` + `image_grid_thw`; one step runs the towers and emits one final
+(n_audio, T) and/or `pixel_values` + `image_grid_thw` and/or `pixel_values_videos` + `video_grid_thw`; one step runs the towers and emits one final
 chunk with what the thinker needs (see omnimesh/models/qwen3_omni/edges.py). `step` is the solo path
 (a batch of one); the stage itself steps its requests together through `EncoderBatcher.step_batch`, which
 emits per request exactly what `step` would (services/encoder/encoder_batcher.py).
@@ -30,12 +30,15 @@ class EncoderTask(StageTask):
         if self.inputs is not None or not chunk.final:
             raise ValueError(f"{EDGE}: send all media of a request in one final chunk")
         t = chunk.tensors
-        if "input_features" not in t and "pixel_values" not in t:
-            raise ValueError(f"{EDGE}: nothing to encode: give input_features and/or pixel_values")
+        if not {"input_features", "pixel_values", "pixel_values_videos"} & set(t):
+            raise ValueError(f"{EDGE}: nothing to encode: give input_features, pixel_values and/or "
+                             "pixel_values_videos")
         if "input_features" in t:
             require(t, "feature_attention_mask", EDGE)
         if "pixel_values" in t:
             require(t, "image_grid_thw", EDGE)
+        if "pixel_values_videos" in t:
+            require(t, "video_grid_thw", EDGE)
         self.inputs = t
 
     def ready(self) -> bool:

@@ -92,14 +92,17 @@ class ThinkerTask(BatchedTask):
         t = self.inputs
         if t is None:
             raise RuntimeError("prefill before the prompt arrived")  # ready() prevents this
-        deep = t.get("deepstack_embeds")
         prompt = self.thinker.prepare(
             t["input_ids"].view(-1).long(),
             audio_embeds=t.get("audio_embeds"),
             image_embeds=t.get("image_embeds"),
-            deepstack=list(deep.unbind(0)) if deep is not None and deep.numel() else None,
+            deepstack=_layers(t.get("deepstack_embeds")),
             image_grid_thw=t.get("image_grid_thw"),
             audio_feature_lengths=t.get("audio_feature_lengths"),
+            video_embeds=t.get("video_embeds"),
+            video_deepstack=_layers(t.get("video_deepstack_embeds")),
+            video_grid_thw=t.get("video_grid_thw"),
+            video_second_per_grid=t.get("video_second_per_grid"),
         )
         self.prompt = prompt
         self.token_ids = prompt.ids.tolist()
@@ -179,3 +182,8 @@ def merge_token_chunks(chunks: list[StageChunk]) -> StageChunk:
                 tensors[name] = tensor
     tensors.update({name: torch.cat(parts) for name, parts in stacked.items() if parts})
     return StageChunk(tensors=tensors, text="".join(c.text for c in chunks), final=chunks[-1].final)
+
+
+def _layers(deep: torch.Tensor | None) -> list[torch.Tensor] | None:
+    """A stacked deepstack tensor (k, n, H) from the encoder edge -> its k layers (None when empty)."""
+    return list(deep.unbind(0)) if deep is not None and deep.numel() else None

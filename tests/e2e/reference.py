@@ -39,18 +39,41 @@ def png_bytes(size: int = 64, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-def openai_content(text: str, wav: bytes | None, png: bytes | None) -> list[dict]:
+def mp4_bytes(n_frames: int = 12, rate: int = 6, width: int = 80, height: int = 48, seed: int = 0) -> bytes:
+    """A small MP4 (MPEG-4 Part 2) clip of moving color gradients: 2 s at 6 fps -> 4 sampled frames at 2 fps."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 200, 3)
+    y, x = np.mgrid[0:height, 0:width]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(n_frames):
+            rgb = np.stack([(base[c] + x * (c + 1) + y * 2 + i * 9) % 256 for c in range(3)], axis=-1)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb.astype(np.uint8), format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def openai_content(text: str, wav: bytes | None, png: bytes | None, mp4: bytes | None = None) -> list[dict]:
     parts: list[dict] = []
     if wav is not None:
         parts.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}})
     if png is not None:
         parts.append({"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}})
+    if mp4 is not None:
+        parts.append({"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(mp4).decode()}})
     parts.append({"type": "text", "text": text})
     return parts
 
 
 def chat_request(text: str, wav: bytes | None, png: bytes | None, *, max_tokens: int, talker_max: int,
-                 voice: str = "ethan", modalities: tuple[str, ...] = ("text", "audio")) -> ChatRequest:
+                 voice: str = "ethan", modalities: tuple[str, ...] = ("text", "audio"),
+                 mp4: bytes | None = None, model_dir: Path | None = None) -> ChatRequest:
     """The same request as `openai_content` builds, in the gateway's in-process form."""
     from gateway.events import SamplingOverrides
 
@@ -59,6 +82,14 @@ def chat_request(text: str, wav: bytes | None, png: bytes | None, *, max_tokens:
         parts.append(wav_to_audio_part(wav, max_seconds=600, param="audio"))
     if png is not None:
         parts.append(decode_image(png, max_pixels=4096 * 4096, param="image"))
+    if mp4 is not None:  # sampled as the gateway samples it for this model folder
+        from gateway.media import InputLimits
+        from gateway.media_video import decode_video
+        from omnimesh.models.qwen3_omni.video_processor import VideoFrameProcessor
+
+        assert model_dir is not None, "a video request needs the model folder (its video sampling)"
+        sampling = VideoFrameProcessor.from_pretrained(model_dir).sampling
+        parts.append(decode_video(mp4, sampling=sampling, limits=InputLimits(), param="video"))
     parts.append(TextPart(text))
     return ChatRequest(
         request_id="ref", model="tiny", messages=(ChatMessage("user", tuple(parts)),), modalities=modalities,
@@ -96,6 +127,9 @@ class ReferenceModel:
         if p.pixel_values is not None:
             kwargs["pixel_values"] = p.pixel_values
             kwargs["image_grid_thw"] = p.image_grid_thw
+        if p.pixel_values_videos is not None:
+            kwargs.update(pixel_values_videos=p.pixel_values_videos, video_grid_thw=p.video_grid_thw,
+                          video_second_per_grid=p.video_second_per_grid)
         ids = p.input_ids.view(1, -1)
         out = self.model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), speaker=speaker, return_audio=audio,

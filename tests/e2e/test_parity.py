@@ -16,7 +16,7 @@ import wave
 import httpx
 import numpy as np
 import pytest
-from reference import chat_request, openai_content, png_bytes, sine_wav
+from reference import chat_request, mp4_bytes, openai_content, png_bytes, sine_wav
 
 from gateway.events import AudioDelta, Finished, TextDelta
 from gateway.pipeline import StagePipeline
@@ -105,10 +105,10 @@ def test_text_only_stops_at_the_thinker(mesh, tiny_model_dir, reference):
     assert got_text == ref.text and got_audio.size == 0
 
 
-def _rest_body(text: str, wav: bytes | None, png: bytes | None, stream: bool) -> dict:
+def _rest_body(text: str, wav: bytes | None, png: bytes | None, stream: bool, mp4: bytes | None = None) -> dict:
     return {
         "model": "tiny-qwen3-omni",
-        "messages": [{"role": "user", "content": openai_content(text, wav, png)}],
+        "messages": [{"role": "user", "content": openai_content(text, wav, png, mp4)}],
         "modalities": ["text", "audio"],
         "audio": {"voice": "ethan", "format": "wav"},
         "max_tokens": MAX_TOKENS,
@@ -122,11 +122,16 @@ def _pcm16(x: np.ndarray) -> np.ndarray:
     return np.round(np.clip(x, -1, 1) * 32767).astype(np.int16)
 
 
-def test_rest_non_streaming_matches_reference(mesh, reference):
-    wav, png = sine_wav(), png_bytes()
-    req = chat_request("What do you hear and see?", wav, png, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+@pytest.mark.parametrize("video", [False, True], ids=["audio+image", "audio+image+video"])
+def test_rest_non_streaming_matches_reference(mesh, tiny_model_dir, reference, video):
+    """The REST API end to end; with a `video_url` MP4 the gateway decodes and samples it (PyAV), the encoder
+    runs its frames through the vision tower beside the image, the thinker and talker position them."""
+    wav, png, mp4 = sine_wav(), png_bytes(), mp4_bytes() if video else None
+    req = chat_request("What do you hear and see?", wav, png, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX,
+                       mp4=mp4, model_dir=tiny_model_dir)
     ref = reference.generate(req, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
-    r = httpx.post(f"{mesh.rest}/v1/chat/completions", json=_rest_body("What do you hear and see?", wav, png, False), timeout=120)
+    r = httpx.post(f"{mesh.rest}/v1/chat/completions",
+                   json=_rest_body("What do you hear and see?", wav, png, False, mp4), timeout=120)
     assert r.status_code == 200, r.text
     msg = r.json()["choices"][0]["message"]
     assert msg["content"] == ref.text and msg["audio"]["transcript"] == ref.text

@@ -257,5 +257,5 @@ def test_loader_totals() -> None:
     with pytest.raises(PipelineError, match="12.0 s of audio") as e:
         loader.check_totals(12.0, 2)
     assert e.value.http_status == 413
-    with pytest.raises(PipelineError, match="3 audio/image parts; the limit is 2"):
+    with pytest.raises(PipelineError, match="3 audio/image/video parts; the limit is 2"):
         loader.check_totals(1.0, 3)

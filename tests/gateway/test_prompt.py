@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from gateway.events import AudioPart, ChatMessage, ChatRequest, ImagePart, PipelineError, SamplingOverrides, TextPart
+from gateway.events import (AudioPart, ChatMessage, ChatRequest, ImagePart, PipelineError, SamplingOverrides, TextPart,
+                            VideoPart)
 from gateway.media import resample
 
 tiny = pytest.importorskip("omnimesh.models.qwen3_omni.tiny",
@@ -20,6 +21,7 @@ from omnimesh.models.qwen3_omni.tiny_config import SPECIAL_TOKENS  # noqa: E402
 from gateway.prompt import PromptBuilder  # noqa: E402
 
 AUDIO_PAD, IMAGE_PAD = SPECIAL_TOKENS["<|audio_pad|>"], SPECIAL_TOKENS["<|image_pad|>"]
+VIDEO_PAD, VISION_START = SPECIAL_TOKENS["<|video_pad|>"], SPECIAL_TOKENS["<|vision_start|>"]
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,24 @@ def test_audio_and_image_placeholders_match_the_features(builder: PromptBuilder)
     assert out.pixel_values is not None and out.pixel_values.shape == (16, 3 * 2 * 16 * 16)
     assert int((out.input_ids == IMAGE_PAD).sum()) == 16 // 4  # merge 2x2
     assert out.prompt_tokens == out.input_ids.shape[0]
+
+
+def test_videos_become_patches_grids_and_seconds(builder: PromptBuilder) -> None:
+    """Two clips in one message, in order: each its own `<|video_pad|>` run, grid and seconds per grid."""
+    rng = np.random.default_rng(3)
+    clip = lambda n, h, w: rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8)  # noqa: E731
+    out = builder.build(request(user(VideoPart(clip(4, 64, 64), fps=2.0), TextPart("and"),
+                                     VideoPart(clip(3, 32, 64), fps=2.0), TextPart("what changed?"))))
+    assert out.video_grid_thw is not None and out.video_grid_thw.tolist() == [[2, 4, 4], [2, 2, 4]]
+    assert out.pixel_values_videos is not None and out.pixel_values_videos.shape == (32 + 16, 3 * 2 * 16 * 16)
+    assert out.video_second_per_grid is not None and out.video_second_per_grid.tolist() == [1.0, 1.0]
+    pads = (out.input_ids == VIDEO_PAD).long()
+    starts = (pads[1:] - pads[:-1] == 1).nonzero().view(-1) + 1  # where each run of video pads begins
+    assert [int(out.input_ids[i - 1]) for i in starts] == [VISION_START, VISION_START]
+    assert [int(pads[i:].cumprod(0).sum()) for i in starts] == [32 // 4, 16 // 4]  # one run per clip, in order
+    assert out.pixel_values is None and out.input_features is None
+    with pytest.raises(PipelineError, match="different rates"):
+        builder.build(request(user(VideoPart(clip(4, 32, 32), fps=2.0), VideoPart(clip(4, 32, 32), fps=1.0))))
 
 
 def test_audio_at_another_rate_is_resampled_first(builder: PromptBuilder) -> None:

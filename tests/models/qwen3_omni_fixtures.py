@@ -30,6 +30,7 @@ AUDIO_PAD = SPECIAL_TOKENS["<|audio_pad|>"]
 VISION_START = SPECIAL_TOKENS["<|vision_start|>"]
 VISION_END = SPECIAL_TOKENS["<|vision_end|>"]
 IMAGE_PAD = SPECIAL_TOKENS["<|image_pad|>"]
+VIDEO_PAD = SPECIAL_TOKENS["<|video_pad|>"]
 USER = ROLE_TOKENS["user"]
 ASSISTANT = ROLE_TOKENS["assistant"]
 SYSTEM = ROLE_TOKENS["system"]
@@ -63,6 +64,10 @@ class Media:
     pixel_values: torch.Tensor | None = None  # (n_patches, C * tp * p * p)
     image_grid_thw: torch.Tensor | None = None  # (1, 3)
     n_image_tokens: int = 0
+    pixel_values_videos: torch.Tensor | None = None  # (n_patches, C * tp * p * p)
+    video_grid_thw: torch.Tensor | None = None  # (1, 3)
+    video_second_per_grid: torch.Tensor | None = None  # (1,)
+    n_video_tokens: int = 0
 
 
 def audio_output_length(n_frames: int, n_window: int) -> int:
@@ -70,7 +75,10 @@ def audio_output_length(n_frames: int, n_window: int) -> int:
     return int(_get_feat_extract_output_lengths(torch.tensor(n_frames), n_window))
 
 
-def make_media(model: Qwen3OmniMoeForConditionalGeneration, audio: bool, image: bool, seed: int = 1) -> Media:
+def make_media(model: Qwen3OmniMoeForConditionalGeneration, audio: bool, image: bool, seed: int = 1,
+               video: bool = False) -> Media:
+    """Random media; a video is 3 temporal patches (6 frames) of 4x6 patches, 1.5 s each (so its M-RoPE time
+    positions are not the frame index)."""
     gen = torch.Generator().manual_seed(seed)
     media = Media()
     if audio:
@@ -89,6 +97,14 @@ def make_media(model: Qwen3OmniMoeForConditionalGeneration, audio: bool, image: 
         media.pixel_values = torch.randn(n_patches, patch_dim, generator=gen)
         media.image_grid_thw = grid
         media.n_image_tokens = n_patches // vcfg.spatial_merge_size**2
+    if video:
+        vcfg = model.config.thinker_config.vision_config  # type: ignore[union-attr]
+        grid = torch.tensor([[3, 4, 6]])
+        patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
+        media.pixel_values_videos = torch.randn(int(grid.prod()), patch_dim, generator=gen)
+        media.video_grid_thw = grid
+        media.video_second_per_grid = torch.tensor([1.5])
+        media.n_video_tokens = int(grid.prod()) // vcfg.spatial_merge_size**2
     return media
 
 
@@ -99,6 +115,8 @@ def chat_prompt(media: Media, text: tuple[int, ...] = (20, 21, 22, 23)) -> torch
         ids += [AUDIO_START] + [AUDIO_PAD] * media.n_audio_tokens + [AUDIO_END]
     if media.n_image_tokens:
         ids += [VISION_START] + [IMAGE_PAD] * media.n_image_tokens + [VISION_END]
+    if media.n_video_tokens:
+        ids += [VISION_START] + [VIDEO_PAD] * media.n_video_tokens + [VISION_END]
     ids += list(text) + [IM_END, NEWLINE, IM_START, ASSISTANT, NEWLINE]
     return torch.tensor(ids, dtype=torch.long)
 

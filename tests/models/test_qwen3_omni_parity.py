@@ -27,7 +27,8 @@ from omnimesh.models.qwen3_omni.lm_shard import LMShardSpec
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
 
-CASES = {"text": (False, False), "audio": (True, False), "image": (False, True), "audio_image": (True, True)}
+CASES = {"text": (False, False, False), "audio": (True, False, False), "image": (False, True, False),
+         "audio_image": (True, True, False), "video": (False, False, True), "image_video": (False, True, True)}
 
 
 @dataclass
@@ -66,7 +67,7 @@ def model(one_thread):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def media(model):  # type: ignore[no-untyped-def]
-    return {name: make_media(model, audio, image) for name, (audio, image) in CASES.items()}
+    return {name: make_media(model, audio, image, video=video) for name, (audio, image, video) in CASES.items()}
 
 
 def media_kwargs(media: Media) -> dict[str, torch.Tensor]:
@@ -75,6 +76,9 @@ def media_kwargs(media: Media) -> dict[str, torch.Tensor]:
         kw.update(input_features=media.input_features, feature_attention_mask=media.feature_attention_mask)
     if media.pixel_values is not None and media.image_grid_thw is not None:
         kw.update(pixel_values=media.pixel_values, image_grid_thw=media.image_grid_thw)
+    if media.pixel_values_videos is not None:
+        kw.update(pixel_values_videos=media.pixel_values_videos, video_grid_thw=media.video_grid_thw,
+                  video_second_per_grid=media.video_second_per_grid)
     return kw
 
 
@@ -130,7 +134,13 @@ def _stages(  # type: ignore[no-untyped-def]
         lengths = media.feature_attention_mask.sum(-1)
     if media.pixel_values is not None and media.image_grid_thw is not None:
         image, deepstack = encoder.encode_image(media.pixel_values, media.image_grid_thw)
-    logits, tstate, prompt = thinker.prefill(ids, audio, image, deepstack, media.image_grid_thw, lengths)
+    video = {}
+    if media.pixel_values_videos is not None and media.video_grid_thw is not None:
+        embeds, video_deep = encoder.vision_tower_call(
+            media.pixel_values_videos, encoder.check_image(media.pixel_values_videos, media.video_grid_thw, "video"))
+        video = dict(video_embeds=embeds, video_deepstack=video_deep, video_grid_thw=media.video_grid_thw,
+                     video_second_per_grid=media.video_second_per_grid)
+    logits, tstate, prompt = thinker.prefill(ids, audio, image, deepstack, media.image_grid_thw, lengths, **video)
     sampler = Sampler(thinker_params, generator)
     tokens: list[int] = []
     text_embeds: list[torch.Tensor] = []
@@ -316,7 +326,7 @@ def test_our_parallel_lm_equals_generate(model, media, tmp_path_factory) -> None
     within 1e-4."""
     folder = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "m")
     backends = (ShardedBackend.start(LMShardSpec(folder, "thinker")), ShardedBackend.start(LMShardSpec(folder, "talker")))
-    for case in ("text", "audio_image"):
+    for case in ("text", "audio_image", "image_video"):
         ids = chat_prompt(media[case])
         ref = reference(model, media[case], ids, thinker_max_new_tokens=6, thinker_do_sample=False,
                         talker_do_sample=False, talker_max_new_tokens=24)

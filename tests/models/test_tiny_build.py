@@ -139,9 +139,10 @@ def test_processor_expands_placeholders_like_the_real_one(processor: Qwen3OmniPr
     assert ids[-2].item() == ROLE_TOKENS["assistant"]
 
 
-def test_processor_refuses_video_and_wrong_rate(processor: Qwen3OmniPromptProcessor) -> None:
-    with pytest.raises(ValueError, match="no video processor"):
-        processor(text="<|vision_start|><|video_pad|><|vision_end|>", videos=[np.zeros((2, 32, 32, 3))])
+def test_processor_refuses_audio_in_video_and_wrong_rate(processor: Qwen3OmniPromptProcessor) -> None:
+    with pytest.raises(ValueError, match="use_audio_in_video is not supported"):
+        processor(text="<|vision_start|><|video_pad|><|vision_end|>", videos=[np.zeros((2, 32, 32, 3), np.uint8)],
+                  use_audio_in_video=True)
     with pytest.raises(ValueError, match="resample"):
         processor(text="<|audio_start|><|audio_pad|><|audio_end|>", audio=[np.zeros(8000)], sampling_rate=8000)
 

@@ -1,6 +1,6 @@
 """The encoder stage's continuous batching on the tiny model folder: a batch of requests with different
-audio lengths and image sizes (audio-only, image-only, both) gives every request what it gets alone, in
-ONE audio-tower call and ONE vision-tower call; a request with bad media fails alone; and the same through
+audio lengths, image sizes and videos (audio-only, image-only, video-only, mixed) gives every request what
+it gets alone, in ONE audio-tower call and ONE vision-tower call (images and videos together); a request with bad media fails alone; and the same through
 a real gRPC stage server on 127.0.0.1 (EngineLoop + StageServicer + the handler's batcher)."""
 
 from __future__ import annotations
@@ -41,9 +41,16 @@ def images(gen: torch.Generator, grids: list[list[int]]) -> dict[str, torch.Tens
     return {"pixel_values": torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=gen), "image_grid_thw": grid}
 
 
+def videos(gen: torch.Generator, grids: list[list[int]]) -> dict[str, torch.Tensor]:
+    grid = torch.tensor(grids)
+    return {"pixel_values_videos": torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=gen),
+            "video_grid_thw": grid}
+
+
 def requests() -> dict[str, dict[str, torch.Tensor]]:
-    """Audio-only, image-only and both; short clips (under one 100-frame chunk), long ones (several attention
-    windows of 104 tokens), several clips / images per request, a 2-frame video."""
+    """Audio-only, image-only, video-only and mixed; short clips (under one 100-frame chunk), long ones
+    (several attention windows of 104 tokens), several clips / images / videos per request, a 2-frame image
+    grid, videos of 2 and 3 temporal patches."""
     g = torch.Generator().manual_seed(7)
     return {
         "both": {**audio(g, [300], 320), **images(g, [[1, 4, 4]])},
@@ -53,7 +60,17 @@ def requests() -> dict[str, dict[str, torch.Tensor]]:
         "two-images": images(g, [[1, 4, 4], [1, 6, 4]]),
         "video+clip": {**audio(g, [230], 230), **images(g, [[2, 4, 6]])},
         "big-image": images(g, [[1, 8, 10]]),
+        "video": videos(g, [[3, 4, 4]]),
+        "image+videos+clip": {**audio(g, [120], 130), **images(g, [[1, 4, 6]]), **videos(g, [[2, 4, 4], [2, 6, 4]])},
     }
+
+
+def media_counts(media: dict[str, dict[str, torch.Tensor]]) -> tuple[int, int]:
+    """(audio clips, images + videos) over all requests."""
+    n_audios = sum(t["feature_attention_mask"].shape[0] for t in media.values() if "input_features" in t)
+    n_visual = sum(t[grid].shape[0] for t in media.values() for grid in ("image_grid_thw", "video_grid_thw")
+                   if grid in t)
+    return n_audios, n_visual
 
 
 BAD = {  # per request: media the towers would refuse, and the message it fails with
@@ -61,6 +78,8 @@ BAD = {  # per request: media the towers would refuse, and the message it fails 
                  "pixel_values must be"),
     "odd-grid": ({"pixel_values": torch.randn(12, PATCH_DIM), "image_grid_thw": torch.tensor([[1, 3, 4]])},
                  "divide by spatial_merge_size"),
+    "video-rows-off": ({"pixel_values_videos": torch.randn(31, PATCH_DIM), "video_grid_thw": torch.tensor([[2, 4, 4]])},
+                       "pixel_values_videos must be"),
     "mask-off": ({"input_features": torch.randn(1, N_MEL, 100), "feature_attention_mask": torch.ones(1, 90)},
                  "feature_attention_mask must be"),
     "no-frames": ({"input_features": torch.randn(2, N_MEL, 50),
@@ -138,6 +157,11 @@ def test_solo_step_matches_the_towers_called_directly(handler: EncoderHandler) -
             torch.testing.assert_close(alone[rid]["image_embeds"], image, atol=0, rtol=0)
             torch.testing.assert_close(alone[rid]["deepstack_embeds"], torch.stack(deep), atol=0, rtol=0)
             assert image.shape[0] == int(t["image_grid_thw"].prod(-1).sum()) // 4
+        if "pixel_values_videos" in t:
+            video, deep = enc.encode_image(t["pixel_values_videos"], t["video_grid_thw"])
+            torch.testing.assert_close(alone[rid]["video_embeds"], video, atol=0, rtol=0)
+            torch.testing.assert_close(alone[rid]["video_deepstack_embeds"], torch.stack(deep), atol=0, rtol=0)
+            assert video.shape[0] == int(t["video_grid_thw"].prod(-1).sum()) // 4
 
 
 def test_a_batch_equals_each_request_alone_in_one_call_per_tower(handler: EncoderHandler, counted) -> None:
@@ -148,9 +172,8 @@ def test_a_batch_equals_each_request_alone_in_one_call_per_tower(handler: Encode
     vision_tower.calls.clear()
     tasks = [open_task(handler, rid, t) for rid, t in media.items()]
     results = handler.batcher.step_batch(tasks)
-    n_audios = sum(t["feature_attention_mask"].shape[0] for t in media.values() if "input_features" in t)
-    n_images = sum(t["image_grid_thw"].shape[0] for t in media.values() if "pixel_values" in t)
-    assert audio_tower.calls == [n_audios] and vision_tower.calls == [n_images]  # ONE call each, all items
+    n_audios, n_visual = media_counts(media)
+    assert audio_tower.calls == [n_audios] and vision_tower.calls == [n_visual]  # ONE call each, all items
     assert sorted(results) == sorted(media)
     for task in tasks:
         chunks = results[task.request_id]
@@ -213,7 +236,7 @@ async def test_batched_through_a_grpc_stage_server(handler: EncoderHandler, coun
                 assert_same(chunks[0].tensors, alone[rid], rid)
             # at most the first request stepped alone; every other one shared the next step's tower calls
             assert len(audio_tower.calls) <= 2 and len(vision_tower.calls) <= 2, (audio_tower.calls, vision_tower.calls)
-            assert sum(audio_tower.calls) == 6 and sum(vision_tower.calls) == 5
+            assert sum(audio_tower.calls) == media_counts(media)[0] and sum(vision_tower.calls) == media_counts(media)[1]
             assert engine.num_requests == 0
         finally:
             audio_tower.gate.set()  # before the engine stops: a step waiting in the tower ends

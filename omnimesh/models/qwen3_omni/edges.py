@@ -1,9 +1,12 @@
 """What crosses each Qwen3-Omni stage edge, as named tensors (the frames of a StageChunk).
 
     encoder -> thinker   audio_embeds (n_a, H), audio_feature_lengths (n_audio,), image_embeds (n_i, H),
-                         deepstack_embeds (k, n_i, H), image_grid_thw (n_images, 3)
+                         deepstack_embeds (k, n_i, H), video_embeds (n_v, H), video_deepstack_embeds (k, n_v, H)
+    gateway -> thinker   image_grid_thw (n_images, 3), video_grid_thw (n_videos, 3), video_second_per_grid
+                         (n_videos,) float32 (with the prompt ids)
     thinker -> talker    first chunk: the TalkerPrompt (prompt_ids, prompt_embeds, multimodal_hidden,
-                         tts_embeds [, image_grid_thw, audio_feature_lengths]); every chunk: token_embeds
+                         tts_embeds [, image_grid_thw, audio_feature_lengths, video_grid_thw,
+                         video_second_per_grid]); every chunk: token_embeds
                          (n, H) of the generated tokens the talker speaks; final=True when the text ended
     talker -> vocoder    codes (num_code_groups, n) int64
     vocoder -> client    pcm (samples,) float32 at 24 kHz
@@ -45,6 +48,9 @@ def talker_prompt_to_tensors(prompt: TalkerPrompt) -> dict[str, torch.Tensor]:
         out["image_grid_thw"] = prompt.image_grid_thw
     if prompt.audio_feature_lengths is not None:
         out["audio_feature_lengths"] = prompt.audio_feature_lengths
+    if prompt.video_grid_thw is not None and prompt.video_second_per_grid is not None:
+        out["video_grid_thw"] = prompt.video_grid_thw
+        out["video_second_per_grid"] = prompt.video_second_per_grid
     return out
 
 
@@ -57,6 +63,8 @@ def talker_prompt_from_tensors(tensors: dict[str, torch.Tensor]) -> TalkerPrompt
         tts_embeds=require(tensors, "tts_embeds", edge),
         image_grid_thw=tensors.get("image_grid_thw"),
         audio_feature_lengths=tensors.get("audio_feature_lengths"),
+        video_grid_thw=tensors.get("video_grid_thw"),
+        video_second_per_grid=tensors.get("video_second_per_grid"),
     )
 
 
@@ -65,7 +73,9 @@ def encoder_outputs_to_tensors(
     audio_feature_lengths: torch.Tensor | None,
     image_embeds: torch.Tensor | None,
     deepstack: list[torch.Tensor] | None,
+    video: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """The encoder's answer; `video` is (video_embeds (n_v, H), its deepstack features [(n_v, H)] * k)."""
     out: dict[str, torch.Tensor] = {}
     if audio_embeds is not None:
         if audio_feature_lengths is None:
@@ -74,5 +84,12 @@ def encoder_outputs_to_tensors(
         out["audio_feature_lengths"] = audio_feature_lengths
     if image_embeds is not None:
         out["image_embeds"] = image_embeds
-        out["deepstack_embeds"] = torch.stack(deepstack) if deepstack else image_embeds.new_zeros(0, *image_embeds.shape)
+        out["deepstack_embeds"] = _stack(deepstack, image_embeds)
+    if video is not None:
+        out["video_embeds"] = video[0]
+        out["video_deepstack_embeds"] = _stack(video[1], video[0])
     return out
+
+
+def _stack(deepstack: list[torch.Tensor] | None, embeds: torch.Tensor) -> torch.Tensor:
+    return torch.stack(deepstack) if deepstack else embeds.new_zeros(0, *embeds.shape)  # (k, n, H)

@@ -9,6 +9,7 @@ Data flow:
         -> valid frames only (n_mel, sum T_valid) -> audio_tower -> audio_embeds (n_audio_tokens, H)
     pixel_values (n_patches, C * tp * p * p) + image_grid_thw (n_images, 3)
         -> visual -> image_embeds (n_image_tokens, H) + deepstack [(n_image_tokens, H)] * len(deepstack idx)
+    pixel_values_videos + video_grid_thw (t = frame pairs): the same tower, the same outputs (video_embeds)
 
 `n_audio_tokens` per audio is `audio_output_lengths(feature_lengths)`; `n_image_tokens` per image is
 `t * h * w / spatial_merge_size**2`. The prompt must hold exactly that many placeholder ids.
@@ -86,33 +87,35 @@ class Qwen3OmniEncoder:
         """Mel features (n_mel, T) or (B, n_mel, T) (+ mask (B, T)) -> audio_embeds (n_audio_tokens, H)."""
         return self.audio_tower_call(*self.audio_frames(input_features, feature_attention_mask))
 
-    def check_image(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """Check one request's images against the tower's rules (ValueError naming the problem); returns the
-        grid (n_images, 3) as long."""
+    def check_image(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, kind: str = "image") -> torch.Tensor:
+        """Check one request's images (or videos: `kind="video"`) against the tower's rules (ValueError naming
+        the problem); returns the grid (n_items, 3) as long."""
         if self.visual is None:
             raise ValueError("this encoder was built without a vision tower")
+        grid_name, pixels_name = (("image_grid_thw", "pixel_values") if kind == "image"
+                                  else ("video_grid_thw", "pixel_values_videos"))
         cfg = self.visual.config
         m = cfg.spatial_merge_size
         if image_grid_thw.dim() != 2 or image_grid_thw.shape[0] == 0 or image_grid_thw.shape[1] != 3 \
                 or not torch.equal(image_grid_thw.long().to(image_grid_thw.dtype), image_grid_thw) \
                 or int(image_grid_thw.min()) < 1:
-            raise ValueError(f"image_grid_thw must be (n_images >= 1, 3) whole numbers t, h, w >= 1, got "
+            raise ValueError(f"{grid_name} must be (n_{kind}s >= 1, 3) whole numbers t, h, w >= 1, got "
                              f"{image_grid_thw.tolist()}")
         grid = image_grid_thw.long()
         if bool((grid[:, 1:] % m).any()):
-            raise ValueError(f"every image_grid_thw h and w must divide by spatial_merge_size={m}, got {grid.tolist()}")
+            raise ValueError(f"every {grid_name} h and w must divide by spatial_merge_size={m}, got {grid.tolist()}")
         patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
         n_patches = int(grid.prod(-1).sum())
         if pixel_values.shape != (n_patches, patch_dim) or not pixel_values.is_floating_point():
             raise ValueError(
-                f"pixel_values must be a floating-point tensor of shape (sum(t*h*w), C*tp*p*p) = ({n_patches}, "
-                f"{patch_dim}) for "
-                f"image_grid_thw {grid.tolist()}, got {tuple(pixel_values.shape)} {pixel_values.dtype}"
+                f"{pixels_name} must be a floating-point tensor of shape (sum(t*h*w), C*tp*p*p) = ({n_patches}, "
+                f"{patch_dim}) for {grid_name} {grid.tolist()}, got {tuple(pixel_values.shape)} {pixel_values.dtype}"
             )
         return grid
 
     def image_token_counts(self, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """Image tokens (rows of image_embeds and of each deepstack feature) per image: t*h*w / merge**2."""
+        """Tokens (rows of image_embeds / video_embeds and of each deepstack feature) per image or video:
+        t*h*w / merge**2."""
         if self.visual is None:
             raise ValueError("this encoder was built without a vision tower")
         return image_grid_thw.long().prod(-1) // self.visual.config.spatial_merge_size**2  # (n_images,)

@@ -1,19 +1,25 @@
-"""Qwen3-Omni prompt processor without a video processor (no torchvision needed).
+"""Qwen3-Omni prompt processor with a torchvision-free video processor.
 
 Role: turn a rendered chat prompt plus raw media into the thinker's inputs, exactly as the real
 `Qwen3OmniMoeProcessor` does. `AutoProcessor` cannot build that class here: it insists on a video
-processor, and every video processor needs torchvision, which does not import beside the CPU torch
-(see shared/MODELS.md). `Qwen3OmniPromptProcessor` subclasses the real processor and only drops the
-video slot, so the placeholder expansion (`<|audio_pad|>` x audio-encoder output length,
-`<|image_pad|>` x grid_t*grid_h*grid_w / merge_size**2) is the library's own code, not a copy.
+processor, and every transformers video processor needs torchvision, which does not import beside the
+CPU torch (see shared/MODELS.md). `Qwen3OmniPromptProcessor` subclasses the real processor and fills the
+video slot with `video_processor.VideoFrameProcessor` (the same sampling, sizes and patch layout, PIL
+resizing), so the placeholder expansion (`<|audio_pad|>` x audio-encoder output length,
+`<|image_pad|>` / `<|video_pad|>` x grid_t*grid_h*grid_w / merge_size**2) and `video_second_per_grid`
+are the library's own code, not a copy.
 
 Data flow:
-    text (chat template output) + audio (16 kHz float arrays) + images (PIL)
+    text (chat template output) + audio (16 kHz float arrays) + images (PIL) + videos (sampled uint8
+    frames (T, H, W, 3), with the sampling fps in `fps`)
       -> WhisperFeatureExtractor: input_features (B, 128, frames), feature_attention_mask (B, frames)
       -> Qwen2VLImageProcessor (PIL backend): pixel_values (patches, C*T*P*P), image_grid_thw (N, 3)
+      -> VideoFrameProcessor: pixel_values_videos (patches, C*T*P*P), video_grid_thw (n_videos, 3),
+         video_second_per_grid (n_videos,) = temporal_patch_size / fps
       -> placeholders expanded in the text -> tokenizer: input_ids, attention_mask
 
-Usage: processor = load_processor(model_dir); batch = processor(text=prompt, audio=[wave], images=[img])
+Usage: processor = load_processor(model_dir)
+       batch = processor(text=prompt, audio=[wave], images=[img], videos=[frames], fps=2.0)
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ from transformers import (
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 from transformers.processing_utils import ProcessorMixin
 
+from omnimesh.models.qwen3_omni.video_processor import VideoFrameProcessor
+
 
 class Qwen3OmniPromptProcessor(Qwen3OmniMoeProcessor):
-    """`Qwen3OmniMoeProcessor` for text, audio and images; video input raises a ValueError."""
+    """`Qwen3OmniMoeProcessor` for text, audio, images and (already sampled) video frames."""
 
     def __init__(
         self,
@@ -43,10 +51,14 @@ class Qwen3OmniPromptProcessor(Qwen3OmniMoeProcessor):
         feature_extractor: WhisperFeatureExtractor | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         chat_template: str | None = None,
+        video_processor: VideoFrameProcessor | None = None,
     ) -> None:
-        # Skip Qwen3OmniMoeProcessor.__init__ (it passes a video_processor slot); the attribute list
-        # comes from this signature, so ProcessorMixin checks only the three parts we have.
+        # Skip Qwen3OmniMoeProcessor.__init__: ProcessorMixin would type-check a video_processor slot
+        # against transformers' torchvision-based class. The attribute list comes from `get_attributes`
+        # below, so ProcessorMixin checks the three library parts; the video part is set beside them.
         ProcessorMixin.__init__(self, image_processor, feature_extractor, tokenizer, chat_template=chat_template)
+        if video_processor is not None:
+            self.video_processor = video_processor
         tok = self.tokenizer
         self.image_token = tok.image_token
         self.audio_token = tok.audio_token
@@ -59,6 +71,11 @@ class Qwen3OmniPromptProcessor(Qwen3OmniMoeProcessor):
         self.audio_bos_token = tok.audio_bos_token
         self.audio_eos_token = tok.audio_eos_token
 
+    @classmethod
+    def get_attributes(cls) -> list[str]:
+        """The library-typed parts (saved, type-checked); the video part is ours and is not among them."""
+        return ["image_processor", "feature_extractor", "tokenizer"]
+
     def __call__(
         self,
         text: str | list[str] | None = None,
@@ -68,12 +85,11 @@ class Qwen3OmniPromptProcessor(Qwen3OmniMoeProcessor):
     ) -> BatchFeature:
         """Return input_ids, attention_mask and, when given, input_features, feature_attention_mask,
         pixel_values, image_grid_thw. Audio must be mono float arrays at the feature extractor's rate."""
-        if kwargs.get("videos") is not None:
-            raise ValueError(
-                "Qwen3OmniPromptProcessor has no video processor (it needs torchvision); "
-                "send frames as images or drop the video part"
-            )
-        kwargs.pop("videos", None)
+        videos = kwargs.pop("videos", None)
+        if videos is not None and not hasattr(self, "video_processor"):
+            raise ValueError("this processor was built without a video processor; drop the video part")
+        if kwargs.get("use_audio_in_video") or kwargs.get("load_audio_from_video"):
+            raise ValueError("use_audio_in_video is not supported: send the video's audio as its own audio part")
         if text is None:
             raise ValueError("text is required: render the chat template first, then call the processor")
         sampling_rate = kwargs.pop("sampling_rate", self.feature_extractor.sampling_rate)
@@ -82,7 +98,11 @@ class Qwen3OmniPromptProcessor(Qwen3OmniMoeProcessor):
                 f"audio is at {sampling_rate} Hz but the feature extractor expects "
                 f"{self.feature_extractor.sampling_rate} Hz; resample it first"
             )
-        return super().__call__(text=text, images=images, audio=audio, **kwargs)
+        if videos is not None:
+            # `fps` is the rate the frames were sampled at (`_process_videos` derives video_second_per_grid
+            # from it); the frames are already sampled, so the video processor does no sampling of its own
+            kwargs.setdefault("fps", self.video_processor.sampling.fps)
+        return super().__call__(text=text, images=images, videos=videos, audio=audio, **kwargs)
 
     @property
     def model_input_names(self) -> list[str]:
@@ -90,7 +110,8 @@ class Qwen3OmniPromptProcessor(Qwen3OmniMoeProcessor):
             self.tokenizer.model_input_names
             + self.feature_extractor.model_input_names
             + self.image_processor.model_input_names
-            + ["feature_attention_mask"]
+            + (self.video_processor.model_input_names if hasattr(self, "video_processor") else [])
+            + ["feature_attention_mask", "video_second_per_grid"]
         )
         return list(dict.fromkeys(names))
 
@@ -112,4 +133,5 @@ def load_processor(model_dir: Path | str) -> Qwen3OmniPromptProcessor:
         feature_extractor=WhisperFeatureExtractor.from_pretrained(model_dir, local_files_only=True),
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,
+        video_processor=VideoFrameProcessor.from_pretrained(model_dir),
     )

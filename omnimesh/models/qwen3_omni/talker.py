@@ -143,7 +143,8 @@ class Qwen3OmniTalker:
         embeds = torch.cat([user_embeds, text_rows + codec_rows], dim=0).unsqueeze(0)  # (1, P, H)
         talker_ids = torch.cat([user_ids, torch.full((9,), int(cfg.tts_pad_token_id), dtype=torch.long)])  # (P,)
         positions, rope_delta = prompt_positions(
-            talker_ids, self.mrope, prompt.image_grid_thw, prompt.audio_feature_lengths
+            talker_ids, self.mrope, prompt.image_grid_thw, prompt.audio_feature_lengths,
+            prompt.video_grid_thw, prompt.video_second_per_grid,
         )  # (4, 1, P)
         sampler = Sampler(params, generator)
         return TalkerState(

@@ -5,8 +5,10 @@ delta; the module's `rope_deltas` attribute is never touched), and produces what
 
 Data flow (the caller samples with `sampling.Sampler`, history = `state.history()`); a thinker stage's
 batched engine uses `prepare` / `token_input` / `talker_prompt` and runs the decoder itself (lm_engine.py):
-    prefill(input_ids (L,), audio_embeds, image_embeds, deepstack, image_grid_thw, audio_feature_lengths)
+    prefill(input_ids (L,), audio_embeds, image_embeds, deepstack, image_grid_thw, audio_feature_lengths,
+            video_embeds, video_deepstack, video_grid_thw, video_second_per_grid)
         embed -> masked_scatter media at the placeholder ids -> M-RoPE positions (mrope.py) -> layers
+        (deepstack features go to the image AND video rows, in prompt order, as transformers joins them)
         -> (logits (V,) for generated token 0, ThinkerState, TalkerPrompt)
     decode(state, token_id) -> (logits (V,) for the next token, token_embed (H,) of `token_id`)
 
@@ -21,7 +23,6 @@ size mismatch): skip the talker and return empty audio.
 Numbers: decode logits equal `generate`'s bit for bit. The prefill applies `lm_head` to the last position
 only; `generate` applies it to all L positions, and that larger GEMM rounds differently (~1e-7 on the
 logits). Paying L x vocab for bit-equality is not worth it on the real model (152K vocab).
-Video placeholders are rejected for now (no `encode_video` yet).
 
 `TalkerPrompt` is the stage boundary: a small dataclass of named tensors, serialised as tensor frames.
 """
@@ -50,6 +51,8 @@ class TalkerPrompt:
     tts_embeds: torch.Tensor  # (3, H) thinker embeddings of tts_bos, tts_eos, tts_pad (in that order)
     image_grid_thw: torch.Tensor | None = None  # (n_images, 3) int64
     audio_feature_lengths: torch.Tensor | None = None  # (n_audios,) int64 valid mel frames per audio
+    video_grid_thw: torch.Tensor | None = None  # (n_videos, 3) int64
+    video_second_per_grid: torch.Tensor | None = None  # (n_videos,) float32 seconds per temporal patch
 
 
 @dataclass
@@ -60,11 +63,13 @@ class PreparedPrompt:
     embeds: torch.Tensor  # (L, H) layer-0 inputs
     positions: torch.Tensor  # (4, L) M-RoPE rows
     rope_delta: int
-    visual: torch.Tensor | None  # (L,) bool image rows (deepstack targets)
-    deepstack: torch.Tensor | None  # (k, n_image_rows, H)
+    visual: torch.Tensor | None  # (L,) bool image and video rows (deepstack targets)
+    deepstack: torch.Tensor | None  # (k, n_visual_rows, H), rows in prompt order
     mm_mask: torch.Tensor  # (L,) bool media rows (their hidden at accept_hidden_layer goes to the talker)
     image_grid_thw: torch.Tensor | None = None
     audio_feature_lengths: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    video_second_per_grid: torch.Tensor | None = None
 
 
 @dataclass
@@ -135,26 +140,56 @@ class Qwen3OmniThinker:
         deepstack: list[torch.Tensor] | None = None,
         image_grid_thw: torch.Tensor | None = None,
         audio_feature_lengths: torch.Tensor | None = None,
+        video_embeds: torch.Tensor | None = None,
+        video_deepstack: list[torch.Tensor] | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        video_second_per_grid: torch.Tensor | None = None,
     ) -> PreparedPrompt:
         """Check the media, embed the prompt and merge the media in, and compute its M-RoPE positions."""
         ids = input_ids.view(-1).long()  # (L,)
-        self._check_media(ids, audio_embeds, image_embeds, deepstack, image_grid_thw, audio_feature_lengths)
+        self._check_media(ids, audio_embeds, audio_feature_lengths)
+        self._check_visual(ids, "image", image_embeds, deepstack, image_grid_thw)
+        self._check_visual(ids, "video", video_embeds, video_deepstack, video_grid_thw)
+        if video_embeds is not None and video_grid_thw is not None and (
+                video_second_per_grid is None or video_second_per_grid.numel() != video_grid_thw.shape[0]):
+            raise ValueError("video_embeds need video_second_per_grid (n_videos,): seconds per temporal patch")
         embeds = self._embed(ids).unsqueeze(0)  # (1, L, H)
-        if audio_embeds is not None:
-            audio_mask = (ids == self.audio_token_id).view(1, -1, 1).expand_as(embeds)  # (1, L, H)
-            embeds = embeds.masked_scatter(audio_mask, audio_embeds.to(embeds.dtype))
-        visual = None
-        if image_embeds is not None:
-            image_mask = (ids == self.image_token_id).view(1, -1, 1).expand_as(embeds)  # (1, L, H)
-            embeds = embeds.masked_scatter(image_mask, image_embeds.to(embeds.dtype))
-            visual = ids == self.image_token_id  # (L,)
-        positions, rope_delta = prompt_positions(ids, self.mrope, image_grid_thw, audio_feature_lengths)
-        mm_mask = (ids == self.audio_token_id) | (ids == self.image_token_id) | (ids == self.video_token_id)  # (L,)
+        rows = {"audio": ids == self.audio_token_id, "image": ids == self.image_token_id,
+                "video": ids == self.video_token_id}  # (L,) each
+        for kind, media in (("audio", audio_embeds), ("image", image_embeds), ("video", video_embeds)):
+            if media is not None:
+                embeds = embeds.masked_scatter(rows[kind].view(1, -1, 1).expand_as(embeds), media.to(embeds.dtype))
+        visual = joint = None
+        if image_embeds is not None or video_embeds is not None:
+            visual = rows["image"] | rows["video"]  # (L,)
+            joint = self._joint_deepstack(visual, rows, image_embeds, deepstack, video_embeds, video_deepstack)
+        video_seconds = None if video_second_per_grid is None else video_second_per_grid.view(-1).float()
+        positions, rope_delta = prompt_positions(ids, self.mrope, image_grid_thw, audio_feature_lengths,
+                                                 video_grid_thw, video_seconds)
+        mm_mask = rows["audio"] | rows["image"] | rows["video"]  # (L,)
         return PreparedPrompt(
             ids=ids, embeds=embeds[0], positions=positions[:, 0], rope_delta=rope_delta, visual=visual,
-            deepstack=torch.stack(deepstack) if image_embeds is not None and deepstack else None,
-            mm_mask=mm_mask, image_grid_thw=image_grid_thw,
-            audio_feature_lengths=None if audio_feature_lengths is None else audio_feature_lengths.view(-1))
+            deepstack=joint, mm_mask=mm_mask, image_grid_thw=image_grid_thw,
+            audio_feature_lengths=None if audio_feature_lengths is None else audio_feature_lengths.view(-1),
+            video_grid_thw=None if video_embeds is None else video_grid_thw,
+            video_second_per_grid=None if video_embeds is None else video_seconds)
+
+    @staticmethod
+    def _joint_deepstack(visual: torch.Tensor, rows: dict[str, torch.Tensor], image_embeds: torch.Tensor | None,
+                         deepstack: list[torch.Tensor] | None, video_embeds: torch.Tensor | None,
+                         video_deepstack: list[torch.Tensor] | None) -> torch.Tensor | None:
+        """The deepstack features of every visual row in prompt order (k, n_visual_rows, H), as transformers
+        joins image and video features; None when the model has no deepstack layers."""
+        if video_embeds is None:
+            return torch.stack(deepstack) if deepstack else None
+        if image_embeds is None:
+            return torch.stack(video_deepstack) if video_deepstack else None
+        if not deepstack or not video_deepstack:
+            return None
+        joint = video_deepstack[0].new_zeros(len(deepstack), int(visual.sum()), video_deepstack[0].shape[-1])
+        joint[:, rows["image"][visual]] = torch.stack(deepstack).to(joint.dtype)
+        joint[:, rows["video"][visual]] = torch.stack(video_deepstack)
+        return joint
 
     def talker_prompt(self, prompt: PreparedPrompt, multimodal_hidden: torch.Tensor) -> TalkerPrompt:
         """What the talker needs, once `multimodal_hidden` (n_mm, H) — the hidden at `accept_hidden_layer` of
@@ -166,6 +201,8 @@ class Qwen3OmniThinker:
             tts_embeds=self._embed(torch.tensor(self.tts_ids, dtype=torch.long)),  # (3, H)
             image_grid_thw=None if prompt.image_grid_thw is None else prompt.image_grid_thw.clone(),
             audio_feature_lengths=None if prompt.audio_feature_lengths is None else prompt.audio_feature_lengths.clone(),
+            video_grid_thw=None if prompt.video_grid_thw is None else prompt.video_grid_thw.clone(),
+            video_second_per_grid=None if prompt.video_second_per_grid is None else prompt.video_second_per_grid.clone(),
         )
 
     @torch.no_grad()
@@ -183,9 +220,12 @@ class Qwen3OmniThinker:
         deepstack: list[torch.Tensor] | None = None,
         image_grid_thw: torch.Tensor | None = None,
         audio_feature_lengths: torch.Tensor | None = None,
+        **video: Any,
     ) -> tuple[torch.Tensor, ThinkerState, TalkerPrompt]:
-        """Run the prompt; returns (logits (V,) of generated token 0, state, talker prompt)."""
-        prompt = self.prepare(input_ids, audio_embeds, image_embeds, deepstack, image_grid_thw, audio_feature_lengths)
+        """Run the prompt; returns (logits (V,) of generated token 0, state, talker prompt). `video`: the
+        video_* keywords of `prepare`."""
+        prompt = self.prepare(input_ids, audio_embeds, image_embeds, deepstack, image_grid_thw, audio_feature_lengths,
+                              **video)
         handle = self.backend.open()
         out = self.backend.forward(
             handle, prompt.embeds.unsqueeze(0), prompt.positions.unsqueeze(1),
@@ -208,19 +248,9 @@ class Qwen3OmniThinker:
         state.token_ids.append(int(token_id))
         return out.logits, embed[0, 0]  # (V,), (H,)
 
-    def _check_media(
-        self,
-        ids: torch.Tensor,
-        audio_embeds: torch.Tensor | None,
-        image_embeds: torch.Tensor | None,
-        deepstack: list[torch.Tensor] | None,
-        image_grid_thw: torch.Tensor | None,
-        audio_feature_lengths: torch.Tensor | None,
-    ) -> None:
+    def _check_media(self, ids: torch.Tensor, audio_embeds: torch.Tensor | None,
+                     audio_feature_lengths: torch.Tensor | None) -> None:
         n_audio = int((ids == self.audio_token_id).sum())
-        n_image = int((ids == self.image_token_id).sum())
-        if int((ids == self.video_token_id).sum()):
-            raise ValueError("video placeholders in the prompt: video input is not supported yet")
         got_audio = 0 if audio_embeds is None else audio_embeds.shape[0]
         if n_audio != got_audio:
             raise ValueError(f"prompt has {n_audio} audio placeholder ids but {got_audio} audio embeddings were given")
@@ -233,26 +263,32 @@ class Qwen3OmniThinker:
                     f"audio_feature_lengths {audio_feature_lengths.tolist()} give {expected} audio tokens, "
                     f"the prompt has {n_audio} audio placeholders"
                 )
-        got_image = 0 if image_embeds is None else image_embeds.shape[0]
-        if n_image != got_image:
-            raise ValueError(f"prompt has {n_image} image placeholder ids but {got_image} image embeddings were given")
-        if image_embeds is not None:
-            if image_grid_thw is None:
-                raise ValueError("image_embeds given without image_grid_thw (n_images, 3)")
-            merge = self.mrope.spatial_merge_size**2
-            if int(image_grid_thw.prod(-1).sum()) // merge != n_image:
-                raise ValueError(
-                    f"image_grid_thw {image_grid_thw.tolist()} gives {int(image_grid_thw.prod(-1).sum()) // merge} "
-                    f"image tokens, the prompt has {n_image} image placeholders"
-                )
-            n_deep = self.deepstack_layers
-            if len(deepstack or []) != n_deep:
-                raise ValueError(f"expected {n_deep} deepstack feature tensors (one per deepstack layer), got "
-                                 f"{len(deepstack or [])}; pass what Qwen3OmniEncoder.encode_image returns")
-            for i, feat in enumerate(deepstack or []):
-                if feat.shape != image_embeds.shape:
-                    raise ValueError(
-                        f"deepstack[{i}] has shape {tuple(feat.shape)}, expected {tuple(image_embeds.shape)}"
-                    )
-        elif deepstack:
-            raise ValueError("deepstack features given without image_embeds")
+
+    def _check_visual(self, ids: torch.Tensor, kind: str, embeds: torch.Tensor | None,
+                      deepstack: list[torch.Tensor] | None, grid_thw: torch.Tensor | None) -> None:
+        """Image (`kind="image"`) or video embeddings against their placeholders, grid and deepstack."""
+        token = self.image_token_id if kind == "image" else self.video_token_id
+        grid_name, deep_name = f"{kind}_grid_thw", "deepstack" if kind == "image" else "video_deepstack"
+        n_rows = int((ids == token).sum())
+        got = 0 if embeds is None else embeds.shape[0]
+        if n_rows != got:
+            raise ValueError(f"prompt has {n_rows} {kind} placeholder ids but {got} {kind} embeddings were given")
+        if embeds is None:
+            if deepstack:
+                raise ValueError(f"{deep_name} features given without {kind}_embeds")
+            return
+        if grid_thw is None:
+            raise ValueError(f"{kind}_embeds given without {grid_name} (n_{kind}s, 3)")
+        merge = self.mrope.spatial_merge_size**2
+        if int(grid_thw.prod(-1).sum()) // merge != n_rows:
+            raise ValueError(
+                f"{grid_name} {grid_thw.tolist()} gives {int(grid_thw.prod(-1).sum()) // merge} "
+                f"{kind} tokens, the prompt has {n_rows} {kind} placeholders"
+            )
+        n_deep = self.deepstack_layers
+        if len(deepstack or []) != n_deep:
+            raise ValueError(f"expected {n_deep} {deep_name} feature tensors (one per deepstack layer), got "
+                             f"{len(deepstack or [])}; pass what Qwen3OmniEncoder.encode_image returns")
+        for i, feat in enumerate(deepstack or []):
+            if feat.shape != embeds.shape:
+                raise ValueError(f"{deep_name}[{i}] has shape {tuple(feat.shape)}, expected {tuple(embeds.shape)}")

@@ -10,6 +10,7 @@ Data flow:
     tiny_tokenizer_spec() --tokenizer_build--> tokenizer.json, tokenizer_config.json, chat_template.jinja
     Whisper feature extractor + Qwen2-VL image processor --> preprocessor_config.json (one merged file,
       with "processor_class", as the real model ships it; the real model has no processor_config.json)
+    video sizes and sampling --> video_preprocessor_config.json (read by video_processor.video_settings)
 
 `model.safetensors` holds the real checkpoint's key layout (transformers 5 converts back on save):
 `thinker.audio_tower.*`, `thinker.visual.*`, `thinker.model.*` (the LM), `thinker.lm_head.*`,
@@ -112,6 +113,11 @@ MEDIA_TOKENS: dict[str, str] = {
 # a 64x64 image stays 64x64 (4x4 patches -> 4 image tokens); anything larger than 256x256 shrinks.
 IMAGE_MIN_PIXELS = 32 * 32
 IMAGE_MAX_PIXELS = 256 * 256
+# Video frames: one smart_resize size per video with area in [MIN, MAX], so a frame never exceeds 64x64
+# (4x4 patches -> 4 tokens per pair of frames); 2 frames a second, at least 4, at most 16 (tiny prompts).
+VIDEO_MIN_PIXELS = 32 * 32
+VIDEO_MAX_PIXELS = 64 * 64
+VIDEO_MAX_FRAMES = 16
 FOLDER_FILES = (
     "config.json",
     "generation_config.json",
@@ -120,6 +126,7 @@ FOLDER_FILES = (
     "tokenizer_config.json",
     "chat_template.jinja",
     "preprocessor_config.json",
+    "video_preprocessor_config.json",
 )
 
 
@@ -163,6 +170,18 @@ def preprocessor_config() -> dict[str, Any]:
     merged["max_pixels"] = IMAGE_MAX_PIXELS
     merged["processor_class"] = "Qwen3OmniMoeProcessor"
     return merged
+
+
+def video_preprocessor_config() -> dict[str, Any]:
+    """The video processor's settings, in the shape of a Qwen2-VL `video_preprocessor_config.json`."""
+    return {
+        "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen3OmniMoeProcessor",
+        "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2,
+        "size": {"shortest_edge": VIDEO_MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS},
+        "min_pixels": VIDEO_MIN_PIXELS, "max_pixels": VIDEO_MAX_PIXELS,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_sample_frames": True, "fps": 2.0, "min_frames": 4, "max_frames": VIDEO_MAX_FRAMES,
+    }
 
 
 def tiny_generation_config() -> GenerationConfig:
@@ -261,6 +280,8 @@ def build_tiny_qwen3_omni(out_dir: Path, seed: int = 0) -> Path:
     build_tokenizer(tiny_tokenizer_spec()).save_pretrained(out_dir)
     text = json.dumps(preprocessor_config(), indent=2, sort_keys=True) + "\n"
     (out_dir / "preprocessor_config.json").write_text(text, encoding="utf-8")
+    text = json.dumps(video_preprocessor_config(), indent=2, sort_keys=True) + "\n"
+    (out_dir / "video_preprocessor_config.json").write_text(text, encoding="utf-8")
 
     written = sorted(p.name for p in out_dir.iterdir())
     if written != sorted(FOLDER_FILES):

@@ -1,0 +1,191 @@
+"""Video file bytes -> the sampled RGB frames of a `VideoPart` (PyAV, i.e. FFmpeg's demuxers and decoders).
+
+Data flow: file bytes (MP4, WebM, MKV, MOV, AVI, ... any container and codec this FFmpeg build reads) ->
+`av.open` on a BytesIO -> the first video stream (cover art excluded) -> its frame count
+(`stream.frames`, else one demux-only pass that counts its packets) and native frame rate
+(`average_rate`, else `guessed_rate`) -> the limits, checked before any decoding (duration =
+frames / rate against `InputLimits.max_video_seconds`, width * height against `max_image_pixels`) ->
+`VideoSampling.indices(frames, rate)` -> the sampled frames' pixels against `max_video_pixels` -> one
+decoding pass that converts only those frames to RGB and
+stops after the last of them -> `VideoPart(frames (T, H, W, 3) uint8, fps=sampling.fps)`. A long video
+never sits in memory as RGB: the frames not sampled are decoded and dropped. A stream that ends before
+its declared count, or at a packet the decoder rejects (a truncated upload), keeps the sampled frames
+decoded until then (logged); one without any is refused.
+
+Audio tracks inside the video are ignored (Qwen3-Omni's `use_audio_in_video` is not supported): a client
+that wants the soundtrack heard sends it as its own audio part.
+Every refusal is a `PipelineError` (400, or 413 for a limit) naming the request field and saying what to
+send instead; no PyAV / FFmpeg exception leaves this module. CPU-bound: call it off the event loop.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import av
+import av.error
+import numpy as np
+
+from gateway.events import PipelineError, VideoPart
+from gateway.media import InputLimits, invalid_request, too_large
+
+if TYPE_CHECKING:
+    from av.container import InputContainer
+    from av.video.frame import VideoFrame
+    from av.video.stream import VideoStream
+
+    from omnimesh.models.qwen3_omni.video_processor import VideoSampling
+
+# what PyAV raises on bytes it cannot read: FFmpeg's errors (InvalidDataError is also a ValueError) and
+# the ValueErrors of its own checks
+_AV_ERRORS: tuple[type[Exception], ...] = (av.error.FFmpegError, ValueError)
+_FORMATS_HINT = "MP4, WebM, MKV, MOV, AVI, ..."
+log = logging.getLogger(__name__)
+
+
+def default_video_sampling() -> VideoSampling:
+    """Qwen-Omni's reference sampling (2 frames per second, 4 to 768 frames, pairs)."""
+    from omnimesh.models.qwen3_omni.video_processor import VideoSampling  # pulls in transformers: lazily
+
+    return VideoSampling()
+
+
+def video_sampling_of(prompt_builder: object) -> VideoSampling | None:
+    """The sampling of a `PromptBuilder`'s processor (its `video_processor.sampling`); None when the builder
+    is absent or its processor has no video processor (the front ends then use the default)."""
+    processor = getattr(prompt_builder, "processor", None)
+    return getattr(getattr(processor, "video_processor", None), "sampling", None)
+
+
+def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, param: str) -> VideoPart:
+    """Video file bytes -> `VideoPart` of the frames `sampling` keeps (see the module docstring)."""
+    try:
+        with _open(data, param) as container:
+            stream = _video_stream(container, param)
+            native_fps = _native_fps(stream, param)
+            _check_frame_size(stream.codec_context.width, stream.codec_context.height, limits.max_image_pixels,
+                              param)
+            total = stream.frames if stream.frames > 0 else _count_packets(data, param)
+            if total < 1:
+                raise invalid_request(f"{param}: the video stream has no frames; send a video with at least one "
+                                      "frame", param)
+            seconds = total / native_fps
+            if seconds > limits.max_video_seconds:
+                raise too_large(f"{param}: video is {seconds:.1f} s long ({total} frames at {native_fps:g} fps); "
+                                f"the limit is {limits.max_video_seconds:g} s", param)
+            indices = sampling.indices(total, native_fps)
+            _check_budget(len(indices), stream.codec_context.width, stream.codec_context.height, limits, param)
+            frames = _decode_sampled(container, stream, indices, limits, param)  # (T, H, W, 3)
+    except PipelineError:
+        raise
+    except _AV_ERRORS as e:
+        raise invalid_request(f"{param}: could not decode the video, the file is corrupt or truncated "
+                              f"({_reason(e)}); send an intact video file ({_FORMATS_HINT})", param) from None
+    return VideoPart(frames=frames, fps=float(sampling.fps))
+
+
+def _reason(e: Exception) -> str:
+    """FFmpeg's own words (its errors' str() also names a '<none>' file: nothing the client sent)."""
+    return str(getattr(e, "strerror", None) or e)
+
+
+def _open(data: bytes, param: str) -> InputContainer:
+    try:
+        return av.open(io.BytesIO(data), mode="r")
+    except _AV_ERRORS as e:
+        raise invalid_request(f"{param}: could not read the video: {len(data)} bytes in no container format "
+                              f"this server reads ({_reason(e)}); send a video file ({_FORMATS_HINT})",
+                              param) from None
+
+
+def _video_stream(container: InputContainer, param: str) -> VideoStream:
+    """The first video stream that is not an attached picture (cover art); a still image is refused."""
+    fmt = container.format.name
+    if fmt.endswith("_pipe") or fmt == "image2":  # png_pipe, jpeg_pipe, webp_pipe, ...: one still image
+        raise invalid_request(f"{param}: this is a still image ({fmt.removesuffix('_pipe')}), not a video; send it "
+                              "as an image part", param)
+    for stream in container.streams.video:
+        if stream.disposition & av.stream.Disposition.attached_pic:
+            continue
+        if stream.codec_context is None:  # PyAV found no decoder for the stream's codec id
+            raise invalid_request(f"{param}: this server has no decoder for the codec of the video stream in this "
+                                  f"{fmt} file; re-encode it (e.g. H.264, VP9 or AV1)", param)
+        stream.thread_type = "AUTO"  # frame + slice threads: decoding is the costly part
+        return stream
+    kinds = ", ".join(sorted({str(s.type) for s in container.streams})) or "none"
+    raise invalid_request(f"{param}: the file ({fmt}) has no video stream (streams: {kinds}); send a "
+                          "video file, or audio as an audio part", param)
+
+
+def _native_fps(stream: VideoStream, param: str) -> float:
+    rate = stream.average_rate or stream.guessed_rate  # Fraction | None; 0/1 counts as unknown
+    if rate is None or not float(rate) > 0:
+        raise invalid_request(f"{param}: the video stream's frame rate is unknown, so its frames cannot be "
+                              "sampled in time; re-encode it with a constant frame rate (e.g. MP4 / H.264)", param)
+    return float(rate)
+
+
+def _check_frame_size(width: int, height: int, max_pixels: int, param: str) -> None:
+    if width * height > max_pixels:
+        raise too_large(f"{param}: video frames are {width}x{height} = {width * height} pixels; the limit is "
+                        f"{max_pixels}", param)
+
+
+def _check_budget(n_frames: int, width: int, height: int, limits: InputLimits, param: str) -> None:
+    """The sampled frames as RGB must fit `max_video_pixels` (what decoding would hold in memory)."""
+    if n_frames * width * height > limits.max_video_pixels:
+        raise too_large(f"{param}: the video's {n_frames} sampled frames of {width}x{height} are "
+                        f"{n_frames * width * height} pixels; the limit is {limits.max_video_pixels}: send a "
+                        "shorter or smaller video", param)
+
+
+def _count_packets(data: bytes, param: str) -> int:
+    """The video stream's frame count where the container does not store it (WebM, MKV, ...): its packets,
+    counted in a demux-only pass over a second container (nothing is decoded)."""
+    with _open(data, param) as container:
+        stream = _video_stream(container, param)
+        return sum(1 for packet in container.demux(stream) if packet.size > 0)  # the last is an empty flush
+
+
+def _frames(container: InputContainer, stream: VideoStream, param: str) -> Iterator[VideoFrame]:
+    """The stream's frames in presentation order. A packet the decoder rejects ends them as the end of the
+    file would: a truncated upload keeps the frames before the cut (the caller refuses a video without any)."""
+    decoded = container.decode(stream)
+    while True:
+        try:
+            frame = next(decoded)
+        except StopIteration:
+            return
+        except _AV_ERRORS as e:
+            log.warning("%s: video decoding stopped at a corrupt packet (%s)", param, _reason(e))
+            return
+        yield frame
+
+
+def _decode_sampled(container: InputContainer, stream: VideoStream, indices: list[int], limits: InputLimits,
+                    param: str) -> np.ndarray:
+    """Decode up to the last of `indices` (frames in presentation order), converting only those to RGB
+    -> (T, H, W, 3) uint8 at the first kept frame's size (a later size change is scaled to it). A stream
+    that ends early (fewer frames than counted, or a corrupt packet) keeps the sampled frames it has."""
+    wanted, last = frozenset(indices), indices[-1]
+    kept: list[np.ndarray] = []  # each (H, W, 3) uint8
+    size: tuple[int, int] | None = None  # (width, height) of the first kept frame
+    for i, frame in enumerate(_frames(container, stream, param)):
+        if i in wanted:
+            _check_frame_size(frame.width, frame.height, limits.max_image_pixels, param)  # the header may differ
+            if size is None:  # every kept frame takes this size
+                size = (frame.width, frame.height)
+                _check_budget(len(indices), *size, limits, param)
+            kept.append(frame.to_ndarray(format="rgb24", width=size[0], height=size[1]))
+        if i >= last:
+            break
+    if len(kept) < len(indices):
+        log.warning("%s: the video ended after fewer frames than it declared; %d of %d sampled frames kept",
+                    param, len(kept), len(indices))
+    if not kept:
+        raise invalid_request(f"{param}: no frame of the video could be decoded; send an intact video file "
+                              f"({_FORMATS_HINT})", param)
+    return np.stack(kept)

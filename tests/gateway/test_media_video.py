@@ -1,0 +1,260 @@
+"""Video input at the gateway: `decode_video` keeps exactly the frames `VideoSampling` picks (MP4 with
+mpeg4 / H.264, WebM with VP9 where the container stores no frame count), its refusals (not a video, a
+still image, a WAV, too long, frames too large, truncated), and `video_url` / gRPC `video` parts reaching
+the pipeline as `VideoPart`s. Every clip is made here with PyAV: frame i is a constant gray level, so the
+frames kept can be told apart after lossy coding."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import wave
+from pathlib import Path
+from types import SimpleNamespace
+
+import av
+import grpc
+import httpx
+import numpy as np
+import pytest
+from gateway_harness import GrpcServer, RestServer, ScriptedPipeline
+from PIL import Image
+
+from gateway.events import PipelineError, TextPart, VideoPart
+from gateway.grpc_api import OmniServicer
+from gateway.media import InputLimits, MediaLoader
+from gateway.media_video import _native_fps, decode_video, video_sampling_of
+from gateway.rest import create_app
+from omnimesh.models.qwen3_omni.video_processor import VideoSampling
+from omnimesh.v1 import omni_pb2, omni_pb2_grpc
+
+W, H = 64, 48
+GRAY_STEP = 14  # gray level of frame i: 10 + GRAY_STEP * i (clips of up to 16 frames)
+TOLERANCE = 6  # the codecs' error on a flat frame, in gray levels
+SAMPLING = VideoSampling()  # 2 fps, at least 4 frames, pairs
+
+
+def gray(i: int) -> int:
+    return 10 + GRAY_STEP * i
+
+
+def make_video(n: int = 12, rate: int = 4, *, fmt: str = "mp4", codec: str = "mpeg4", w: int = W, h: int = H,
+               path: Path | None = None, options: dict[str, str] | None = None) -> bytes:
+    """A clip of `n` flat frames (frame i at gray level `gray(i)`), `rate` frames per second."""
+    target: io.BytesIO | str = io.BytesIO() if path is None else str(path)
+    with av.open(target, mode="w", format=fmt, options=options or {}) as c:
+        s = c.add_stream(codec, rate=rate)
+        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        for i in range(n):
+            rgb = np.full((h, w, 3), gray(i), np.uint8)  # (H, W, 3)
+            for packet in s.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    return target.getvalue() if isinstance(target, io.BytesIO) else Path(target).read_bytes()
+
+
+def data_uri(data: bytes, mime: str = "video/mp4") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def png_bytes() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (W, H), (1, 2, 3)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def wav_bytes() -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16_000)
+        w.writeframes(np.zeros(8000, "<i2").tobytes())
+    return buf.getvalue()
+
+
+def frame_levels(frames: np.ndarray) -> list[int]:
+    """(T, H, W, 3) -> each frame's mean gray level."""
+    return [round(float(f.mean())) for f in frames]
+
+
+def assert_kept(part: VideoPart, indices: list[int]) -> None:
+    assert part.frames.dtype == np.uint8 and part.frames.shape == (len(indices), H, W, 3)
+    got = frame_levels(part.frames)
+    assert all(abs(g - gray(i)) <= TOLERANCE for g, i in zip(got, indices, strict=True)), (got, indices)
+
+
+def decode(data: bytes, limits: InputLimits | None = None, sampling: VideoSampling = SAMPLING) -> VideoPart:
+    return decode_video(data, sampling=sampling, limits=limits or InputLimits(), param="v")
+
+
+# -------------------------------------------------------------------------------------------- decoding
+@pytest.mark.parametrize(("fmt", "codec", "n", "rate"), [
+    ("mp4", "mpeg4", 12, 4),  # 3 s -> 6 frames at 2 fps
+    ("mp4", "libx264", 16, 8),  # 2 s -> 4 frames (min_frames)
+    ("webm", "libvpx-vp9", 12, 4),  # no frame count in the container: counted from its packets
+    ("matroska", "mpeg4", 9, 4),  # 2.25 s -> 4 frames
+])
+def test_the_sampled_frames_are_kept(fmt: str, codec: str, n: int, rate: int) -> None:
+    data = make_video(n, rate, fmt=fmt, codec=codec)
+    part = decode(data)
+    assert part.fps == SAMPLING.fps
+    assert_kept(part, SAMPLING.indices(n, rate))
+
+
+def test_webm_has_no_stored_frame_count() -> None:
+    """So the WebM case above runs the packet-counting pass."""
+    with av.open(io.BytesIO(make_video(fmt="webm", codec="libvpx-vp9"))) as c:
+        assert c.streams.video[0].frames == 0
+
+
+def test_the_loader_uses_its_sampling() -> None:
+    sampling = VideoSampling(fps=1.0, min_frames=2, max_frames=8)
+    loader = MediaLoader(InputLimits(), video_sampling=sampling)
+    part = asyncio.run(loader.video_from_url(data_uri(make_video(16, 4)), "v"))  # 4 s at 1 fps -> 4 frames
+    assert part.fps == 1.0
+    assert_kept(part, sampling.indices(16, 4))
+    assert MediaLoader(InputLimits()).video_sampling == VideoSampling()  # the default, built lazily
+
+
+def test_a_truncated_upload_keeps_the_frames_before_the_cut(tmp_path: Path) -> None:
+    """moov first (faststart): the header counts 12 frames, the bytes end after a few of them."""
+    full = make_video(12, 4, path=tmp_path / "clip.mp4", options={"movflags": "faststart"})
+    indices = SAMPLING.indices(12, 4)  # 0, 2, 4, 6, 8, 10
+    part = decode(full[:int(len(full) * 0.7)])  # the cut falls a few frames in
+    assert 2 <= len(part.frames) < len(indices) and part.frames.shape[1:] == (H, W, 3)
+    levels = frame_levels(part.frames)[:-1]  # the last one may be half decoded (its packet is cut)
+    assert all(abs(g - gray(i)) <= TOLERANCE for g, i in zip(levels, indices)), levels
+    with pytest.raises(PipelineError, match="no frame of the video could be decoded") as e:
+        decode(full[:int(len(full) * 0.5)])  # header intact, no frame data
+    assert e.value.http_status == 400
+
+
+# --------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(("data", "needle"), [
+    (np.random.default_rng(0).bytes(4000), "no container format"),
+    (b"", "no container format"),
+    (wav_bytes(), "no video stream"),
+    (png_bytes(), "still image"),
+])
+def test_what_is_not_a_video_is_a_400(data: bytes, needle: str) -> None:
+    with pytest.raises(PipelineError, match=needle) as e:
+        decode(data)
+    assert e.value.http_status == 400 and e.value.param == "v" and e.value.message.startswith("v: ")
+
+
+def test_corrupt_bytes_never_escape_as_av_errors() -> None:
+    src = make_video(12, 4, codec="libx264")
+    rng = np.random.default_rng(1)
+    for k in range(60):
+        data = bytearray(src)
+        for pos in rng.integers(0, len(data), 1 + k % 30):
+            data[pos] = int(rng.integers(0, 256))
+        try:
+            part = decode(bytes(data))
+        except PipelineError as e:
+            assert e.http_status in (400, 413) and e.param == "v"
+        else:
+            assert part.frames.ndim == 4 and part.frames.dtype == np.uint8
+
+
+def test_too_long_and_too_large_are_413() -> None:
+    with pytest.raises(PipelineError, match=r"3.0 s long .*the limit is 2 s") as e:
+        decode(make_video(12, 4), InputLimits(max_video_seconds=2.0))
+    assert e.value.http_status == 413
+    with pytest.raises(PipelineError, match=f"{W}x{H} = {W * H} pixels; the limit is {W * H - 1}") as e:
+        decode(make_video(4, 4), InputLimits(max_image_pixels=W * H - 1))
+    assert e.value.http_status == 413
+    n = len(SAMPLING.indices(4, 4.0))  # the sampled frames as RGB, against max_video_pixels
+    with pytest.raises(PipelineError, match=f"{n} sampled frames of {W}x{H} are {n * W * H} pixels") as e:
+        decode(make_video(4, 4), InputLimits(max_video_pixels=n * W * H - 1))
+    assert e.value.http_status == 413
+    assert decode(make_video(4, 4), InputLimits(max_video_pixels=n * W * H)).frames.shape[0] == n
+
+
+def test_an_unknown_frame_rate_is_a_400() -> None:
+    stream = SimpleNamespace(average_rate=None, guessed_rate=None)
+    with pytest.raises(PipelineError, match="frame rate is unknown") as e:
+        _native_fps(stream, "v")  # type: ignore[arg-type]
+    assert e.value.http_status == 400
+
+
+def test_a_non_video_data_uri_is_a_400() -> None:
+    with pytest.raises(PipelineError, match="'image/png', expected a video/\\* type") as e:
+        asyncio.run(MediaLoader(InputLimits()).video_from_url(data_uri(png_bytes(), "image/png"), "v"))
+    assert e.value.http_status == 400 and e.value.param == "v"
+
+
+def test_limits_and_sampling_plumbing() -> None:
+    with pytest.raises(ValueError, match="max_video_seconds"):
+        InputLimits(max_video_seconds=0)
+    with pytest.raises(ValueError, match="max_video_pixels"):
+        InputLimits(max_video_pixels=0)
+    sampling = VideoSampling(fps=1.0)
+    builder = SimpleNamespace(processor=SimpleNamespace(video_processor=SimpleNamespace(sampling=sampling)))
+    assert video_sampling_of(builder) is sampling
+    assert video_sampling_of(SimpleNamespace(processor=object())) is None and video_sampling_of(None) is None
+    pipeline = ScriptedPipeline()
+    pipeline.prepare = builder  # type: ignore[attr-defined]  # what StagePipeline calls its PromptBuilder
+    assert create_app(pipeline).state.gateway.loader.video_sampling is sampling
+    assert OmniServicer(pipeline).loader.video_sampling is sampling
+
+
+# ------------------------------------------------------------------------------------------ front ends
+def post(server: RestServer, messages: list[dict]) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": messages}, timeout=10)
+
+
+def video_part(data: bytes, mime: str = "video/mp4") -> dict:
+    return {"type": "video_url", "video_url": {"url": data_uri(data, mime)}}
+
+
+def test_rest_video_url_reaches_the_pipeline(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    r = post(rest_server, [{"role": "user", "content": [{"type": "text", "text": "what happens?"},
+                                                        video_part(make_video(12, 4))]}])
+    assert r.status_code == 200, r.text
+    text, video = pipeline.requests[-1].messages[0].content
+    assert text == TextPart("what happens?")
+    assert isinstance(video, VideoPart) and video.fps == SAMPLING.fps
+    assert_kept(video, SAMPLING.indices(12, 4))
+
+
+@pytest.mark.parametrize(("messages", "status", "param", "needle"), [
+    ([{"role": "assistant", "content": [video_part(make_video(4, 4))]}], 400, "messages[0].content[0]",
+     "only user messages may carry audio, images or video"),
+    ([{"role": "user", "content": [{"type": "video_url"}]}], 400, "messages[0].content[0]",
+     "needs a 'video_url' field"),
+    ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": 3}}]}], 400,
+     "messages[0].content[0].video_url.url", "string"),
+    ([{"role": "user", "content": [video_part(png_bytes(), "image/png")]}], 400,
+     "messages[0].content[0].video_url.url", "video/*"),
+    ([{"role": "user", "content": [video_part(b"not a video at all")]}], 400,
+     "messages[0].content[0].video_url.url", "no container format"),
+    ([{"role": "user", "content": [video_part(make_video(4, 4, w=320, h=240))]}], 413,
+     "messages[0].content[0].video_url.url", "76800 pixels"),
+    ([{"role": "user", "content": [video_part(make_video(4, 4))] * 5}], 400, "messages", "limit is 4"),
+])
+def test_rest_video_errors(rest_server: RestServer, pipeline: ScriptedPipeline, messages: list[dict], status: int,
+                           param: str, needle: str) -> None:
+    r = post(rest_server, messages)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+    assert pipeline.requests == []
+
+
+def test_grpc_video_part_reaches_the_pipeline(grpc_server: GrpcServer, pipeline: ScriptedPipeline) -> None:
+    msg = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text="what happens?"),
+                                                     omni_pb2.ContentPart(video=make_video(12, 4))])
+    with grpc.insecure_channel(grpc_server.target) as ch:
+        out = list(omni_pb2_grpc.OmniStub(ch).Generate(
+            omni_pb2.GenerateRequest(messages=[msg], modalities=["text"]), timeout=10))
+    assert out[-1].WhichOneof("kind") == "done", out
+    _, video = pipeline.requests[-1].messages[0].content
+    assert isinstance(video, VideoPart)
+    assert_kept(video, SAMPLING.indices(12, 4))
+    with grpc.insecure_channel(grpc_server.target) as ch:
+        bad = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(video=b"nope")])
+        out = list(omni_pb2_grpc.OmniStub(ch).Generate(omni_pb2.GenerateRequest(messages=[bad]), timeout=10))
+    assert [r.WhichOneof("kind") for r in out] == ["error"]
+    assert out[0].error.code == 3 and "messages[0].content[0].video" in out[0].error.message
