@@ -50,6 +50,10 @@ def test_max_completion_tokens_wins_and_ints_are_floats() -> None:
     ({"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a"]}, "guided_choice", "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, "use_beam_search", "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "mm_processor_kwargs": {"use_audio_in_video": True}},
+     "mm_processor_kwargs", "send it as its own input_audio part"),
+    ({"messages": [{"role": "user", "content": "x"}], "mm_processor_kwargs": {"fps": 1}}, "mm_processor_kwargs",
+     "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": "1"}, "presence_penalty", "number"),
     ({"messages": [{"role": "user", "content": "x"}], "modalities": []}, "modalities", "at least 1"),
 ])
@@ -66,6 +70,7 @@ def test_neutral_values_of_unsupported_fields_pass_and_penalties_reach_the_overr
     body = parse({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": False, "top_logprobs": 0,
                   "tools": [], "functions": [], "logit_bias": {}, "response_format": {"type": "text"}, "min_p": 0,
                   "ignore_eos": False, "best_of": 1, "use_beam_search": False, "echo": False, "tool_choice": "none",
+                  "mm_processor_kwargs": {"use_audio_in_video": False},
                   "presence_penalty": 0.5, "frequency_penalty": -1,
                   "stage_params": {"talker": {"frequency_penalty": 0.25}}})
     assert body.sampling() == SamplingOverrides(presence_penalty=0.5, frequency_penalty=-1.0)  # type: ignore[attr-defined]
