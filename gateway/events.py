@@ -38,6 +38,7 @@ class ImagePart:
 class VideoPart:
     frames: np.ndarray  # (T, H, W, 3) uint8 RGB: the frames the model sees (already sampled)
     fps: float  # the sampling rate they were taken at (video_second_per_grid = temporal_patch_size / fps)
+    audio: AudioPart | None = None  # its soundtrack, when the request asked for it (use_audio_in_video)
 
 
 ContentPart = TextPart | AudioPart | ImagePart | VideoPart

@@ -31,21 +31,18 @@ from gateway.audio_encoding import pcm16_bytes
 from gateway.auth import ApiKeyInterceptor
 from gateway.events import (
     AudioDelta,
-    AudioPart,
     ChatMessage,
     ChatRequest,
     ContentPart,
     Finished,
-    ImagePart,
     Pipeline,
     PipelineError,
     SamplingOverrides,
     TextDelta,
     TextPart,
-    VideoPart,
     check_request_id,
 )
-from gateway.media import InputLimits, MediaLoader, invalid_request
+from gateway.media import InputLimits, MediaLoader, invalid_request, media_totals
 from gateway.media_video import video_sampling_of
 from gateway.openai_schema import (
     STAGE_NAMES,
@@ -124,7 +121,6 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         if not req.messages:
             raise invalid_request("messages: at least one message is required", "messages")
         messages: list[ChatMessage] = []
-        audio_seconds, n_items = 0.0, 0
         for i, m in enumerate(req.messages):
             if m.role not in _ROLES:
                 raise invalid_request(f"messages[{i}].role: '{m.role}' is not one of {', '.join(_ROLES)}",
@@ -143,18 +139,14 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                     raise invalid_request(f"{where}: only user messages may carry audio, images or video "
                                           f"(this is a '{m.role}' message)", where)
                 if kind == "audio_wav":
-                    a: AudioPart = await self.loader.audio_from_wav(p.audio_wav, f"{where}.audio_wav")
-                    audio_seconds += a.waveform.size / a.sample_rate
-                    parts.append(a)
+                    parts.append(await self.loader.audio_from_wav(p.audio_wav, f"{where}.audio_wav"))
                 elif kind == "image":
-                    img: ImagePart = await self.loader.image_from_bytes(p.image, f"{where}.image")
-                    parts.append(img)
+                    parts.append(await self.loader.image_from_bytes(p.image, f"{where}.image"))
                 else:
-                    video: VideoPart = await self.loader.video_from_bytes(p.video, f"{where}.video")
-                    parts.append(video)
-                n_items += 1
+                    parts.append(await self.loader.video_from_bytes(p.video, f"{where}.video",
+                                                                    with_audio=req.use_audio_in_video))
             messages.append(ChatMessage(role=m.role, content=tuple(parts)))  # type: ignore[arg-type]
-        self.loader.check_totals(audio_seconds, n_items)
+        self.loader.check_totals(*media_totals(messages))
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
         return ChatRequest(request_id=rid, model=pipeline_model,
                            messages=tuple(messages), modalities=modalities,

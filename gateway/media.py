@@ -18,6 +18,7 @@ import io
 import math
 import struct
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ import httpx
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from gateway.events import AudioPart, ImagePart, PipelineError, VideoPart
+from gateway.events import AudioPart, ChatMessage, ImagePart, PipelineError, VideoPart
 
 if TYPE_CHECKING:
     from omnimesh.models.qwen3_omni.video_processor import VideoSampling
@@ -254,7 +255,11 @@ def resample(x: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
 
 def wav_to_audio_part(data: bytes, *, max_seconds: float, param: str) -> AudioPart:
     """WAV bytes -> 16 kHz mono float32 `AudioPart` (CPU-bound: call it off the event loop)."""
-    samples, rate = decode_wav(data, max_seconds=max_seconds, param=param)  # (frames, channels)
+    return samples_to_audio_part(*decode_wav(data, max_seconds=max_seconds, param=param), param=param)
+
+
+def samples_to_audio_part(samples: np.ndarray, rate: int, *, param: str) -> AudioPart:
+    """Decoded samples (frames, channels) float32 at `rate` -> 16 kHz mono `AudioPart` (channels averaged)."""
     mono = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
     waveform = resample(mono, rate, TARGET_SAMPLE_RATE)
     if waveform.size < MIN_AUDIO_SAMPLES:
@@ -286,6 +291,18 @@ def decode_image(data: bytes, *, max_pixels: int, param: str) -> ImagePart:
 
 
 # ------------------------------------------------------------------------------------------- policy
+def media_totals(messages: Sequence[ChatMessage]) -> tuple[float, int]:
+    """(seconds of audio, videos' soundtracks included; audio + image + video parts) of decoded messages."""
+    seconds, n_items = 0.0, 0
+    for m in messages:
+        for p in m.content:
+            audio = p if isinstance(p, AudioPart) else p.audio if isinstance(p, VideoPart) else None
+            if audio is not None:
+                seconds += audio.waveform.size / audio.sample_rate
+            n_items += isinstance(p, (AudioPart, ImagePart, VideoPart))
+    return seconds, n_items
+
+
 class MediaLoader:
     """Turns client media references into `AudioPart` / `ImagePart` / `VideoPart` under one policy (limits,
     domains, which video frames are kept: `video_sampling`, None = Qwen-Omni's default `VideoSampling()`)."""
@@ -339,20 +356,21 @@ class MediaLoader:
     async def image_from_bytes(self, data: bytes, param: str) -> ImagePart:
         return await asyncio.to_thread(decode_image, data, max_pixels=self.limits.max_image_pixels, param=param)
 
-    async def video_from_url(self, url: str, param: str) -> VideoPart:
+    async def video_from_url(self, url: str, param: str, with_audio: bool = False) -> VideoPart:
         """vLLM's `video_url.url`: a `data:video/...;base64,` URI or an allowed http(s) URL of a video file."""
         mime, data = await self._bytes_from_url(url, param)
         if mime is not None and not mime.startswith("video/"):
             raise invalid_request(f"{param}: data URI has type '{mime}', expected a video/* type (e.g. "
                                   "'data:video/mp4;base64,...')", param)
-        return await self.video_from_bytes(data, param)
+        return await self.video_from_bytes(data, param, with_audio)
 
-    async def video_from_bytes(self, data: bytes, param: str) -> VideoPart:
-        """Video file bytes (MP4, WebM, ...) -> the sampled frames (`gateway/media_video.py`), off the loop."""
+    async def video_from_bytes(self, data: bytes, param: str, with_audio: bool = False) -> VideoPart:
+        """Video file bytes (MP4, WebM, ...) -> the sampled frames (`gateway/media_video.py`), and the
+        soundtrack when `with_audio` (use_audio_in_video), off the loop."""
         from gateway.media_video import decode_video  # imports this module: PyAV loads with the first video
 
         return await asyncio.to_thread(decode_video, data, sampling=self.video_sampling, limits=self.limits,
-                                       param=param)
+                                       param=param, with_audio=with_audio)
 
     def check_totals(self, audio_seconds: float, n_items: int) -> None:
         """Request-wide limits, checked once every part is decoded (`n_items`: audio, image and video parts)."""

@@ -12,8 +12,10 @@ never sits in memory as RGB: the frames not sampled are decoded and dropped. A s
 its declared count, or at a packet the decoder rejects (a truncated upload), keeps the sampled frames
 decoded until then (logged); one without any is refused.
 
-Audio tracks inside the video are ignored (Qwen3-Omni's `use_audio_in_video` is not supported): a client
-that wants the soundtrack heard sends it as its own audio part.
+The soundtrack is read only when the request asks for it (`with_audio`, vLLM-Omni's
+`mm_processor_kwargs: {"use_audio_in_video": true}`): `decode_soundtrack` decodes the first audio stream
+as float samples at its own rate, which `samples_to_audio_part` mixes to mono and resamples to 16 kHz
+exactly like a WAV part; a video without an audio stream is then refused.
 Every refusal is a `PipelineError` (400, or 413 for a limit) naming the request field and saying what to
 send instead; no PyAV / FFmpeg exception leaves this module. CPU-bound: call it off the event loop.
 """
@@ -29,8 +31,8 @@ import av
 import av.error
 import numpy as np
 
-from gateway.events import PipelineError, VideoPart
-from gateway.media import InputLimits, invalid_request, too_large
+from gateway.events import AudioPart, PipelineError, VideoPart
+from gateway.media import InputLimits, invalid_request, samples_to_audio_part, too_large
 
 if TYPE_CHECKING:
     from av.container import InputContainer
@@ -60,8 +62,10 @@ def video_sampling_of(prompt_builder: object) -> VideoSampling | None:
     return getattr(getattr(processor, "video_processor", None), "sampling", None)
 
 
-def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, param: str) -> VideoPart:
-    """Video file bytes -> `VideoPart` of the frames `sampling` keeps (see the module docstring)."""
+def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, param: str,
+                 with_audio: bool = False) -> VideoPart:
+    """Video file bytes -> `VideoPart` of the frames `sampling` keeps (see the module docstring), with its
+    soundtrack when `with_audio`."""
     try:
         with _open(data, param) as container:
             stream = _video_stream(container, param)
@@ -84,7 +88,39 @@ def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, p
     except _AV_ERRORS as e:
         raise invalid_request(f"{param}: could not decode the video, the file is corrupt or truncated "
                               f"({_reason(e)}); send an intact video file ({_FORMATS_HINT})", param) from None
-    return VideoPart(frames=frames, fps=float(sampling.fps))
+    audio = decode_soundtrack(data, max_seconds=limits.max_audio_seconds, param=param) if with_audio else None
+    return VideoPart(frames=frames, fps=float(sampling.fps), audio=audio)
+
+
+def decode_soundtrack(data: bytes, *, max_seconds: float, param: str) -> AudioPart:
+    """The first audio stream of a video file -> 16 kHz mono `AudioPart` (400 when there is none)."""
+    try:
+        with _open(data, param) as container:
+            if not container.streams.audio:
+                raise invalid_request(f"{param}: the video has no audio track, so use_audio_in_video cannot hear "
+                                      "it; leave use_audio_in_video off for this request", param)
+            stream = container.streams.audio[0]
+            resampler = av.AudioResampler(format="fltp")  # planar float32 at the stream's rate and layout
+            planes: list[np.ndarray] = []  # each (channels, n) float32
+            rate, n = 0, 0
+            for frame in container.decode(stream):
+                for out in resampler.resample(frame):
+                    rate = out.sample_rate
+                    planes.append(out.to_ndarray())
+                    n += planes[-1].shape[1]
+                    if n / rate > max_seconds:
+                        raise too_large(f"{param}: the video's audio is longer than {max_seconds:g} s, the "
+                                        "audio limit", param)
+    except PipelineError:
+        raise
+    except _AV_ERRORS as e:
+        raise invalid_request(f"{param}: could not decode the video's audio track ({_reason(e)}); send an "
+                              "intact video file, or its audio as an input_audio part", param) from None
+    if not planes:
+        raise invalid_request(f"{param}: the video's audio track holds no samples; leave use_audio_in_video "
+                              "off for this request", param)
+    samples = np.concatenate(planes, axis=1).T  # (frames, channels)
+    return samples_to_audio_part(np.ascontiguousarray(samples, dtype=np.float32), rate, param=param)
 
 
 def _reason(e: Exception) -> str:

@@ -10,8 +10,9 @@ Defaults chosen to match OpenAI: `modalities` defaults to ["text"] (no audio unl
 top-level fields are accepted and ignored (clients send many; each is named once in the log), except ones
 whose silent omission would change the answer (`refuse_unsupported`): `n` > 1, `logprobs`, `top_logprobs`,
 `tools` / `functions`, `logit_bias`, a `response_format` other than text, and vLLM's `min_p`, `ignore_eos`,
-beam search, guided decoding, `mm_processor_kwargs` (Qwen-Omni's `use_audio_in_video`) and the like, at any
-value but their neutral one.
+beam search, guided decoding and the like, at any value but their neutral one. vLLM-Omni's
+`mm_processor_kwargs` takes only `use_audio_in_video` (any other key is a 400: the processor's settings
+come from the model folder).
 Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate, whatever `audio.format`
 says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `message.audio.data`.
 `stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does.
@@ -156,6 +157,11 @@ class StageParams(StrictBody):
     talker: StageSampling | None = None
 
 
+class MMProcessorKwargs(StrictBody):
+    model_config = ConfigDict(strict=True, extra="forbid")  # any other processor setting: a 400, never ignored
+    use_audio_in_video: bool = False
+
+
 class ChatCompletionRequest(StrictBody):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -179,6 +185,9 @@ class ChatCompletionRequest(StrictBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stage_params: StageParams | None = None
+    # vLLM(-Omni)'s processor kwargs: only Qwen-Omni's use_audio_in_video (a video's soundtrack interleaved
+    # with its frames); any other key is a 400 (the processor's settings come from the model folder)
+    mm_processor_kwargs: MMProcessorKwargs | None = None
     # Accepted only at the values that mean "nothing special" (`refuse_unsupported`):
     n: int | None = None
     logprobs: bool | None = None
@@ -212,15 +221,10 @@ _NEUTRAL: dict[str, Any] = {
     "use_beam_search": lambda v: not v, "allowed_token_ids": lambda v: not v, "bad_words": lambda v: not v,
     "echo": lambda v: not v, "structured_outputs": lambda v: v is None, "guided_json": lambda v: v is None,
     "guided_regex": lambda v: v is None, "guided_choice": lambda v: v is None, "guided_grammar": lambda v: v is None,
-    # vLLM(-Omni)'s processor kwargs, e.g. Qwen-Omni's use_audio_in_video: the video's soundtrack is not read
-    "mm_processor_kwargs": lambda v: not v or (isinstance(v, dict) and set(v) == {"use_audio_in_video"}
-                                               and v["use_audio_in_video"] is False),
 }
 _WHY: dict[str, str] = {
     "n": "only n=1 (one choice per request)", "response_format": "structured outputs are not available; "
     "use {\"type\": \"text\"} or leave it out",
-    "mm_processor_kwargs": "a video's soundtrack is not used (no use_audio_in_video): send it as its own "
-    "input_audio part; the processor's other settings come from the model folder",
 }
 # OpenAI fields that only label, store or route a request (nothing here to honour): never logged
 _HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction"})

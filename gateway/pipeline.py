@@ -307,6 +307,8 @@ class StagePipeline:
         if prompt.video_grid_thw is not None and prompt.video_second_per_grid is not None:
             tensors["video_grid_thw"] = prompt.video_grid_thw
             tensors["video_second_per_grid"] = prompt.video_second_per_grid
+        if prompt.use_audio_in_video:
+            tensors["use_audio_in_video"] = torch.ones(1, dtype=torch.int64)
         if not features:
             await thinker.send(StageChunk(tensors=tensors, final=True))
             return

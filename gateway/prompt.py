@@ -10,7 +10,9 @@ Data flow:
     PromptInputs (torch, CPU): input_ids (L,), input_features (n_audio, n_mel, T), feature_attention_mask
       (n_audio, T), pixel_values (n_patches, C*tps*ps*ps), image_grid_thw (n_images, 3),
       pixel_values_videos (n_video_patches, C*tps*ps*ps), video_grid_thw (n_videos, 3),
-      video_second_per_grid (n_videos,), prompt_tokens.
+      video_second_per_grid (n_videos,), prompt_tokens, use_audio_in_video.
+With use_audio_in_video (a `VideoPart` carrying its soundtrack) the soundtrack joins the audio list at the
+video's place and the processor interleaves its `<|audio_pad|>`s with the video's `<|video_pad|>`s.
 
 The audio fields keep the processor's leading clip axis (one row per clip, zero-padded to the longest,
 the mask marks real frames): each clip's audio-token count depends on its own length, so several clips
@@ -52,6 +54,7 @@ class PromptInputs:
     pixel_values_videos: torch.Tensor | None = None  # (n_video_patches, C * temporal_patch * patch * patch) float32
     video_grid_thw: torch.Tensor | None = None  # (n_videos, 3) int64
     video_second_per_grid: torch.Tensor | None = None  # (n_videos,) float32
+    use_audio_in_video: bool = False  # the videos' soundtracks are among the audio, interleaved with their frames
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,9 @@ class Conversation:
     images: list[Any]  # PIL.Image.Image, RGB
     videos: list[np.ndarray] = field(default_factory=list)  # each (T, H, W, 3) uint8, sampled frames
     video_fps: float | None = None  # the rate every video's frames were sampled at
+    # use_audio_in_video: for each entry of `audio`, the index of the video it is the soundtrack of (None:
+    # a standalone clip); None when the videos' soundtracks are not used
+    audio_from_video: list[int | None] | None = None
 
 
 def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
@@ -71,6 +77,7 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
     audio: list[np.ndarray] = []
     images: list[Any] = []
     videos: list[VideoPart] = []
+    audio_from_video: list[int | None] = []
     for m in messages:
         parts: list[dict[str, Any]] = []
         for p in m.content:
@@ -81,11 +88,15 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
                 if p.sample_rate != TARGET_SAMPLE_RATE:
                     wave = resample(wave, p.sample_rate, TARGET_SAMPLE_RATE)
                 audio.append(wave)
+                audio_from_video.append(None)
                 parts.append({"type": "audio"})
             elif isinstance(p, ImagePart):
                 images.append(p.image)
                 parts.append({"type": "image"})
             elif isinstance(p, VideoPart):
+                if p.audio is not None:  # its soundtrack: an audio slot of its own, at the video's place
+                    audio.append(np.asarray(p.audio.waveform, dtype=np.float32).reshape(-1))
+                    audio_from_video.append(len(videos))
                 videos.append(p)
                 parts.append({"type": "video"})
             else:
@@ -94,8 +105,13 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
     if len({v.fps for v in videos}) > 1:  # the processor takes one fps per call; one loader samples them all alike
         raise invalid_request(f"messages: the videos were sampled at different rates {sorted({v.fps for v in videos})}",
                               "messages")
+    heard = sum(v.audio is not None for v in videos)
+    if heard not in (0, len(videos)):  # the model's positions assume all or none (use_audio_in_video)
+        raise invalid_request(f"messages: {heard} of {len(videos)} videos carry their soundtrack; with "
+                              "use_audio_in_video every video needs one", "messages")
     return Conversation(messages=out, audio=audio, images=images, videos=[v.frames for v in videos],
-                        video_fps=videos[0].fps if videos else None)
+                        video_fps=videos[0].fps if videos else None,
+                        audio_from_video=audio_from_video if heard else None)
 
 
 def _tensor(x: Any, dtype: torch.dtype) -> torch.Tensor | None:
@@ -145,7 +161,9 @@ class PromptBuilder:
     def _process(self, text: str, conv: Conversation) -> tuple[torch.Tensor, Any]:
         """Prompt text + media -> input_ids (L,) (placeholders expanded) and the processor's batch."""
         try:
-            video = {"videos": conv.videos, "fps": conv.video_fps} if conv.videos else {}
+            video: dict[str, Any] = {"videos": conv.videos, "fps": conv.video_fps} if conv.videos else {}
+            if conv.audio_from_video is not None:
+                video.update(load_audio_from_video=True, audio_from_video_indices=conv.audio_from_video)
             batch = self.processor(text=[text], audio=conv.audio or None, images=conv.images or None,
                                    return_tensors="pt", **video)
         except ValueError as e:
@@ -189,6 +207,7 @@ class PromptBuilder:
             pixel_values_videos=_tensor(batch.get("pixel_values_videos"), torch.float32) if has_videos else None,
             video_grid_thw=_tensor(batch.get("video_grid_thw"), torch.int64) if has_videos else None,
             video_second_per_grid=_tensor(batch.get("video_second_per_grid"), torch.float32) if has_videos else None,
+            use_audio_in_video=conv.audio_from_video is not None,
         )
 
 

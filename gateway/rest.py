@@ -48,23 +48,20 @@ from gateway.audio_encoding import OutputAudioFormat, encode_audio, pcm16_bytes
 from gateway.auth import ApiKeyMiddleware
 from gateway.events import (
     AudioDelta,
-    AudioPart,
     ChatMessage,
     ChatRequest,
     ContentPart,
     Event,
     Finished,
-    ImagePart,
     Pipeline,
     PipelineError,
     TextDelta,
     TextPart,
-    VideoPart,
     check_request_id,
 )
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.http_front import HttpFront
-from gateway.media import InputLimits, MediaLoader, invalid_request
+from gateway.media import InputLimits, MediaLoader, invalid_request, media_totals
 from gateway.media_video import video_sampling_of
 from gateway.openai_schema import (
     ChatCompletion,
@@ -210,7 +207,8 @@ class RestGateway:
         if "audio" in modalities or (body.audio is not None and body.audio.voice):
             voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline.voices,
                                   self.pipeline.default_voice, "audio.voice")
-        messages = await self.chat_messages(body.messages)
+        in_video = body.mm_processor_kwargs is not None and body.mm_processor_kwargs.use_audio_in_video
+        messages = await self.chat_messages(body.messages, use_audio_in_video=in_video)
         # an alias from --served-model-name runs the pipeline's own model
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
         request = ChatRequest(
@@ -224,15 +222,15 @@ class RestGateway:
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter())
 
-    async def chat_messages(self, messages: list[Message]) -> tuple[ChatMessage, ...]:
-        """The body's messages, media decoded, the request-wide media limits checked (chat and /tokenize)."""
-        out = tuple([await self._message(i, m) for i, m in enumerate(messages)])
-        audio = [p for m in out for p in m.content if isinstance(p, AudioPart)]
-        n_items = sum(isinstance(p, (AudioPart, ImagePart, VideoPart)) for m in out for p in m.content)
-        self.loader.check_totals(sum(a.waveform.size / a.sample_rate for a in audio), n_items)
+    async def chat_messages(self, messages: list[Message], use_audio_in_video: bool = False
+                            ) -> tuple[ChatMessage, ...]:
+        """The body's messages, media decoded (each video with its soundtrack when `use_audio_in_video`), the
+        request-wide media limits checked (chat and /tokenize)."""
+        out = tuple([await self._message(i, m, use_audio_in_video) for i, m in enumerate(messages)])
+        self.loader.check_totals(*media_totals(out))
         return out
 
-    async def _message(self, i: int, m: Message) -> ChatMessage:
+    async def _message(self, i: int, m: Message, use_audio_in_video: bool = False) -> ChatMessage:
         parts: list[ContentPart] = []
         for j, p in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
@@ -250,7 +248,8 @@ class RestGateway:
             elif p.audio_url is not None:
                 parts.append(await self.loader.audio_from_url(p.audio_url.url, f"{where}.audio_url.url"))
             elif p.video_url is not None:
-                parts.append(await self.loader.video_from_url(p.video_url.url, f"{where}.video_url.url"))
+                parts.append(await self.loader.video_from_url(p.video_url.url, f"{where}.video_url.url",
+                                                              with_audio=use_audio_in_video))
         role = "system" if m.role == "developer" else m.role
         return ChatMessage(role=role, content=tuple(parts))
 

@@ -23,7 +23,8 @@ from pydantic import model_validator
 from gateway.events import ChatRequest, PipelineError
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.media import invalid_request
-from gateway.openai_schema import Message, StrictBody, parse_json_object, resolve_model, validate_body
+from gateway.openai_schema import (MMProcessorKwargs, Message, StrictBody, parse_json_object, resolve_model,
+                                    validate_body)
 from gateway.prompt import PromptBuilder
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class TokenizeRequest(StrictBody):
     add_generation_prompt: bool = True  # messages only: end with the assistant's turn, as a chat does
     add_special_tokens: bool | None = None  # default: False for messages (the template has them), True for a prompt
     return_token_strs: bool = False
+    mm_processor_kwargs: MMProcessorKwargs | None = None  # messages only: as the chat's (use_audio_in_video)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -111,7 +113,8 @@ class TokenizeRoutes:
         req = parse_tokenize(raw)
         resolve_model(req.model, self.gw.served_model_names)
         if req.messages is not None:
-            messages = await self.gw.chat_messages(req.messages)
+            in_video = req.mm_processor_kwargs is not None and req.mm_processor_kwargs.use_audio_in_video
+            messages = await self.gw.chat_messages(req.messages, use_audio_in_video=in_video)
             chat = ChatRequest(request_id="tokenize", model=self.gw.served_model_names[0], messages=messages)
             ids = (await asyncio.to_thread(self.builder.encode, chat, req.add_generation_prompt)).tolist()
         else:

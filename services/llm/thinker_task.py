@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 
 from omnimesh.engine.task import BatchedTask
-from omnimesh.models.qwen3_omni.edges import require_ids, talker_prompt_to_tensors
+from omnimesh.models.qwen3_omni.edges import flag, require_ids, talker_prompt_to_tensors
 from omnimesh.models.qwen3_omni.lm_engine import InputRun, RunOutput
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
 from omnimesh.models.qwen3_omni.thinker import PreparedPrompt, Qwen3OmniThinker
@@ -103,6 +103,7 @@ class ThinkerTask(BatchedTask):
             video_deepstack=_layers(t.get("video_deepstack_embeds")),
             video_grid_thw=t.get("video_grid_thw"),
             video_second_per_grid=t.get("video_second_per_grid"),
+            use_audio_in_video=flag(t, "use_audio_in_video"),
         )
         self.prompt = prompt
         self.token_ids = prompt.ids.tolist()

@@ -39,8 +39,10 @@ def png_bytes(size: int = 64, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-def mp4_bytes(n_frames: int = 12, rate: int = 6, width: int = 80, height: int = 48, seed: int = 0) -> bytes:
-    """A small MP4 (MPEG-4 Part 2) clip of moving color gradients: 2 s at 6 fps -> 4 sampled frames at 2 fps."""
+def mp4_bytes(n_frames: int = 12, rate: int = 6, width: int = 80, height: int = 48, seed: int = 0,
+              sound: bool = False) -> bytes:
+    """A small MP4 (MPEG-4 Part 2) clip of moving color gradients: 2 s at 6 fps -> 4 sampled frames at 2 fps;
+    with `sound`, a stereo AAC soundtrack at 44.1 kHz (a rising tone on the left, noise on the right)."""
     import av
 
     rng = np.random.default_rng(seed)
@@ -50,13 +52,34 @@ def mp4_bytes(n_frames: int = 12, rate: int = 6, width: int = 80, height: int = 
     with av.open(buf, "w", format="mp4") as out:
         stream = out.add_stream("mpeg4", rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        audio = out.add_stream("aac", rate=44100, layout="stereo") if sound else None  # all before any packet
         for i in range(n_frames):
             rgb = np.stack([(base[c] + x * (c + 1) + y * 2 + i * 9) % 256 for c in range(3)], axis=-1)
             for packet in stream.encode(av.VideoFrame.from_ndarray(rgb.astype(np.uint8), format="rgb24")):
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)
+        if audio is not None:
+            _soundtrack(out, audio, n_frames / rate, rng)
     return buf.getvalue()
+
+
+def _soundtrack(out, stream, seconds: float, rng: np.random.Generator) -> None:  # type: ignore[no-untyped-def]
+    import av
+
+    rate = stream.rate
+    t = np.arange(int(seconds * rate)) / rate
+    left = 0.3 * np.sin(2 * math.pi * (300 + 200 * t) * t)
+    right = 0.05 * rng.standard_normal(t.size)
+    pcm = np.stack([left, right]).astype(np.float32)  # (2, n) planar
+    for start in range(0, t.size, 1024):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, start:start + 1024]), format="fltp",
+                                           layout="stereo")
+        frame.sample_rate, frame.pts = rate, start
+        for packet in stream.encode(frame):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
 
 
 def openai_content(text: str, wav: bytes | None, png: bytes | None, mp4: bytes | None = None) -> list[dict]:
@@ -73,7 +96,8 @@ def openai_content(text: str, wav: bytes | None, png: bytes | None, mp4: bytes |
 
 def chat_request(text: str, wav: bytes | None, png: bytes | None, *, max_tokens: int, talker_max: int,
                  voice: str = "ethan", modalities: tuple[str, ...] = ("text", "audio"),
-                 mp4: bytes | None = None, model_dir: Path | None = None) -> ChatRequest:
+                 mp4: bytes | None = None, model_dir: Path | None = None,
+                 use_audio_in_video: bool = False) -> ChatRequest:
     """The same request as `openai_content` builds, in the gateway's in-process form."""
     from gateway.events import SamplingOverrides
 
@@ -89,7 +113,8 @@ def chat_request(text: str, wav: bytes | None, png: bytes | None, *, max_tokens:
 
         assert model_dir is not None, "a video request needs the model folder (its video sampling)"
         sampling = VideoFrameProcessor.from_pretrained(model_dir).sampling
-        parts.append(decode_video(mp4, sampling=sampling, limits=InputLimits(), param="video"))
+        parts.append(decode_video(mp4, sampling=sampling, limits=InputLimits(), param="video",
+                                  with_audio=use_audio_in_video))
     parts.append(TextPart(text))
     return ChatRequest(
         request_id="ref", model="tiny", messages=(ChatMessage("user", tuple(parts)),), modalities=modalities,
@@ -129,7 +154,7 @@ class ReferenceModel:
             kwargs["image_grid_thw"] = p.image_grid_thw
         if p.pixel_values_videos is not None:
             kwargs.update(pixel_values_videos=p.pixel_values_videos, video_grid_thw=p.video_grid_thw,
-                          video_second_per_grid=p.video_second_per_grid)
+                          video_second_per_grid=p.video_second_per_grid, use_audio_in_video=p.use_audio_in_video)
         ids = p.input_ids.view(1, -1)
         out = self.model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), speaker=speaker, return_audio=audio,

@@ -122,16 +122,21 @@ def _pcm16(x: np.ndarray) -> np.ndarray:
     return np.round(np.clip(x, -1, 1) * 32767).astype(np.int16)
 
 
-@pytest.mark.parametrize("video", [False, True], ids=["audio+image", "audio+image+video"])
+@pytest.mark.parametrize("video", ["", "video", "video+sound"])
 def test_rest_non_streaming_matches_reference(mesh, tiny_model_dir, reference, video):
-    """The REST API end to end; with a `video_url` MP4 the gateway decodes and samples it (PyAV), the encoder
-    runs its frames through the vision tower beside the image, the thinker and talker position them."""
-    wav, png, mp4 = sine_wav(), png_bytes(), mp4_bytes() if video else None
+    """The REST API end to end, with an audio clip and an image; with a `video_url` MP4 the gateway decodes
+    and samples it (PyAV), the encoder runs its frames through the vision tower beside the image, the
+    thinker and talker position them; with `use_audio_in_video` its soundtrack is decoded too and
+    interleaved with the frames in time (`generate(use_audio_in_video=True)` on the same inputs)."""
+    sound = video == "video+sound"
+    wav, png, mp4 = sine_wav(), png_bytes(), mp4_bytes(sound=sound) if video else None
     req = chat_request("What do you hear and see?", wav, png, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX,
-                       mp4=mp4, model_dir=tiny_model_dir)
+                       mp4=mp4, model_dir=tiny_model_dir, use_audio_in_video=sound)
     ref = reference.generate(req, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
-    r = httpx.post(f"{mesh.rest}/v1/chat/completions",
-                   json=_rest_body("What do you hear and see?", wav, png, False, mp4), timeout=120)
+    body = _rest_body("What do you hear and see?", wav, png, False, mp4)
+    if sound:
+        body["mm_processor_kwargs"] = {"use_audio_in_video": True}
+    r = httpx.post(f"{mesh.rest}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     msg = r.json()["choices"][0]["message"]
     assert msg["content"] == ref.text and msg["audio"]["transcript"] == ref.text

@@ -1,7 +1,7 @@
 """Video input at the gateway: `decode_video` keeps exactly the frames `VideoSampling` picks (MP4 with
 mpeg4 / H.264, WebM with VP9 where the container stores no frame count), its refusals (not a video, a
-still image, a WAV, too long, frames too large, truncated), and `video_url` / gRPC `video` parts reaching
-the pipeline as `VideoPart`s. Every clip is made here with PyAV: frame i is a constant gray level, so the
+still image, a WAV, too long, frames too large, truncated), the soundtrack decoded only with
+use_audio_in_video, and `video_url` / gRPC `video` parts reaching the pipeline as `VideoPart`s. Every clip is made here with PyAV: frame i is a constant gray level, so the
 frames kept can be told apart after lossy coding."""
 
 from __future__ import annotations
@@ -40,18 +40,31 @@ def gray(i: int) -> int:
 
 
 def make_video(n: int = 12, rate: int = 4, *, fmt: str = "mp4", codec: str = "mpeg4", w: int = W, h: int = H,
-               path: Path | None = None, options: dict[str, str] | None = None) -> bytes:
-    """A clip of `n` flat frames (frame i at gray level `gray(i)`), `rate` frames per second."""
+               path: Path | None = None, options: dict[str, str] | None = None, tone_hz: float | None = None) -> bytes:
+    """A clip of `n` flat frames (frame i at gray level `gray(i)`), `rate` frames per second; with `tone_hz`
+    a stereo AAC soundtrack at 44.1 kHz: that tone on both channels for the clip's whole length."""
     target: io.BytesIO | str = io.BytesIO() if path is None else str(path)
     with av.open(target, mode="w", format=fmt, options=options or {}) as c:
         s = c.add_stream(codec, rate=rate)
         s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        sound = c.add_stream("aac", rate=44100, layout="stereo") if tone_hz else None  # before any packet
         for i in range(n):
             rgb = np.full((h, w, 3), gray(i), np.uint8)  # (H, W, 3)
             for packet in s.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
                 c.mux(packet)
         for packet in s.encode():
             c.mux(packet)
+        if sound is not None and tone_hz:
+            t = np.arange(int(44100 * n / rate)) / 44100
+            pcm = np.repeat((0.3 * np.sin(2 * np.pi * tone_hz * t)).astype(np.float32)[None], 2, axis=0)  # (2, n)
+            for start in range(0, t.size, 1024):
+                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, start:start + 1024]), format="fltp",
+                                                   layout="stereo")
+                frame.sample_rate, frame.pts = 44100, start
+                for packet in sound.encode(frame):
+                    c.mux(packet)
+            for packet in sound.encode():
+                c.mux(packet)
     return target.getvalue() if isinstance(target, io.BytesIO) else Path(target).read_bytes()
 
 
@@ -172,6 +185,27 @@ def test_too_long_and_too_large_are_413() -> None:
     assert decode(make_video(4, 4), InputLimits(max_video_pixels=n * W * H)).frames.shape[0] == n
 
 
+def test_the_soundtrack_is_decoded_only_when_asked() -> None:
+    """use_audio_in_video: the AAC track becomes a 16 kHz mono AudioPart of the clip's length with its tone;
+    without the flag it is not read; a silent clip with the flag is a 400."""
+    clip = make_video(8, 4, tone_hz=440.0)  # 2 s
+    assert decode(clip).audio is None
+    part = decode_video(clip, sampling=SAMPLING, limits=InputLimits(), param="v", with_audio=True)
+    assert_kept(part, SAMPLING.indices(8, 4))
+    audio = part.audio
+    assert audio is not None and audio.sample_rate == 16_000 and audio.waveform.dtype == np.float32
+    assert abs(audio.waveform.size / 16_000 - 2.0) < 0.1  # AAC adds its priming and padding samples
+    spectrum = np.abs(np.fft.rfft(audio.waveform))
+    assert abs(float(np.argmax(spectrum)) * 16_000 / audio.waveform.size - 440.0) < 5
+    assert 0.25 < float(np.abs(audio.waveform).max()) < 0.35  # both channels averaged: the tone's 0.3
+    with pytest.raises(PipelineError, match="no audio track") as e:
+        decode_video(make_video(8, 4), sampling=SAMPLING, limits=InputLimits(), param="v", with_audio=True)
+    assert e.value.http_status == 400 and e.value.param == "v"
+    with pytest.raises(PipelineError, match="audio is longer than 1 s") as e:
+        decode_video(clip, sampling=SAMPLING, limits=InputLimits(max_audio_seconds=1.0), param="v", with_audio=True)
+    assert e.value.http_status == 413
+
+
 def test_an_unknown_frame_rate_is_a_400() -> None:
     stream = SimpleNamespace(average_rate=None, guessed_rate=None)
     with pytest.raises(PipelineError, match="frame rate is unknown") as e:
@@ -243,6 +277,34 @@ def test_rest_video_errors(rest_server: RestServer, pipeline: ScriptedPipeline, 
     assert pipeline.requests == []
 
 
+def test_rest_use_audio_in_video(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    """vLLM-Omni's `mm_processor_kwargs: {"use_audio_in_video": true}` brings each video's soundtrack along."""
+    content = [video_part(make_video(8, 4, tone_hz=440.0))]
+    body = {"messages": [{"role": "user", "content": content}]}
+    for flag in (True, False):
+        r = httpx.post(f"{rest_server.base_url}/v1/chat/completions", timeout=10,
+                       json={**body, "mm_processor_kwargs": {"use_audio_in_video": flag}})
+        assert r.status_code == 200, r.text
+        (video,) = pipeline.requests[-1].messages[0].content
+        assert isinstance(video, VideoPart) and (video.audio is not None) == flag
+    for kwargs, status, param, needle in [
+        ({"use_audio_in_video": "yes"}, 400, "mm_processor_kwargs.use_audio_in_video", "bool"),
+        ({"fps": 1}, 400, "mm_processor_kwargs.fps", "unknown field"),
+    ]:
+        r = httpx.post(f"{rest_server.base_url}/v1/chat/completions", timeout=10,
+                       json={**body, "mm_processor_kwargs": kwargs})
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+        assert needle in r.json()["error"]["message"]
+    silent = {"messages": [{"role": "user", "content": [video_part(make_video(8, 4))]}],
+              "mm_processor_kwargs": {"use_audio_in_video": True}}
+    r = httpx.post(f"{rest_server.base_url}/v1/chat/completions", json=silent, timeout=10)
+    assert r.status_code == 400 and "no audio track" in r.json()["error"]["message"], r.text
+    long_clip = {"messages": [{"role": "user", "content": [video_part(make_video(12, 2, tone_hz=440.0))]}],
+                 "mm_processor_kwargs": {"use_audio_in_video": True}}  # 6 s of soundtrack, the harness allows 5
+    r = httpx.post(f"{rest_server.base_url}/v1/chat/completions", json=long_clip, timeout=10)
+    assert r.status_code == 413, r.text
+
+
 def test_grpc_video_part_reaches_the_pipeline(grpc_server: GrpcServer, pipeline: ScriptedPipeline) -> None:
     msg = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text="what happens?"),
                                                      omni_pb2.ContentPart(video=make_video(12, 4))])
@@ -251,8 +313,15 @@ def test_grpc_video_part_reaches_the_pipeline(grpc_server: GrpcServer, pipeline:
             omni_pb2.GenerateRequest(messages=[msg], modalities=["text"]), timeout=10))
     assert out[-1].WhichOneof("kind") == "done", out
     _, video = pipeline.requests[-1].messages[0].content
-    assert isinstance(video, VideoPart)
+    assert isinstance(video, VideoPart) and video.audio is None
     assert_kept(video, SAMPLING.indices(12, 4))
+    heard = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(video=make_video(8, 4, tone_hz=440.0))])
+    with grpc.insecure_channel(grpc_server.target) as ch:
+        out = list(omni_pb2_grpc.OmniStub(ch).Generate(
+            omni_pb2.GenerateRequest(messages=[heard], modalities=["text"], use_audio_in_video=True), timeout=10))
+    assert out[-1].WhichOneof("kind") == "done", out
+    (video,) = pipeline.requests[-1].messages[0].content
+    assert isinstance(video, VideoPart) and video.audio is not None and video.audio.sample_rate == 16_000
     with grpc.insecure_channel(grpc_server.target) as ch:
         bad = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(video=b"nope")])
         out = list(omni_pb2_grpc.OmniStub(ch).Generate(omni_pb2.GenerateRequest(messages=[bad]), timeout=10))

@@ -90,6 +90,29 @@ def test_videos_become_patches_grids_and_seconds(builder: PromptBuilder) -> None
         builder.build(request(user(VideoPart(clip(4, 32, 32), fps=2.0), VideoPart(clip(4, 32, 32), fps=1.0))))
 
 
+def test_use_audio_in_video_interleaves_the_soundtrack(builder: PromptBuilder) -> None:
+    """A video carrying its soundtrack: the soundtrack is the second audio (after the standalone clip, in
+    prompt order), its `<|audio_pad|>`s sit between the video's temporal patches inside the vision span."""
+    rng = np.random.default_rng(4)
+    frames = rng.integers(0, 256, (6, 64, 64, 3), dtype=np.uint8)  # 3 temporal patches of 4 tokens, 1 s each
+    track = AudioPart(sine(3.0, 16_000), 16_000)
+    out = builder.build(request(user(AudioPart(sine(0.5, 16_000), 16_000), VideoPart(frames, 2.0, audio=track),
+                                     TextPart("what do you hear?"))))
+    assert out.use_audio_in_video and out.feature_attention_mask is not None
+    assert out.feature_attention_mask.sum(-1).tolist() == [50, 300]  # the clip, then the soundtrack
+    ids = out.input_ids.tolist()
+    span = ids[ids.index(VISION_START) + 1:]
+    span = span[:span.index(SPECIAL_TOKENS["<|vision_end|>"])]
+    assert span[0] == SPECIAL_TOKENS["<|audio_start|>"] and span[-1] == SPECIAL_TOKENS["<|audio_end|>"]
+    kinds = "".join("v" if t == VIDEO_PAD else "a" if t == AUDIO_PAD else "?" for t in span[1:-1])
+    # 13 audio positions per second (the processor's position_id_per_seconds): each patch at its start time
+    assert kinds == "vvvv" + "a" * 13 + "vvvv" + "a" * 13 + "vvvv" + "a" * (len(kinds) - 38), kinds
+    plain = builder.build(request(user(VideoPart(frames, 2.0), TextPart("what do you see?"))))
+    assert not plain.use_audio_in_video and plain.input_features is None
+    with pytest.raises(PipelineError, match="1 of 2 videos carry their soundtrack"):
+        builder.build(request(user(VideoPart(frames, 2.0, audio=track), VideoPart(frames, 2.0))))
+
+
 def test_audio_at_another_rate_is_resampled_first(builder: PromptBuilder) -> None:
     at_8k = builder.build(request(user(AudioPart(sine(0.5, 8000), 8000))))
     at_16k = builder.build(request(user(AudioPart(resample(sine(0.5, 8000), 8000, 16_000), 16_000))))

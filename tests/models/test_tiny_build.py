@@ -139,8 +139,8 @@ def test_processor_expands_placeholders_like_the_real_one(processor: Qwen3OmniPr
     assert ids[-2].item() == ROLE_TOKENS["assistant"]
 
 
-def test_processor_refuses_audio_in_video_and_wrong_rate(processor: Qwen3OmniPromptProcessor) -> None:
-    with pytest.raises(ValueError, match="use_audio_in_video is not supported"):
+def test_processor_refuses_undecoded_soundtracks_and_wrong_rate(processor: Qwen3OmniPromptProcessor) -> None:
+    with pytest.raises(ValueError, match="soundtracks already decoded"):  # transformers would need torchcodec
         processor(text="<|vision_start|><|video_pad|><|vision_end|>", videos=[np.zeros((2, 32, 32, 3), np.uint8)],
                   use_audio_in_video=True)
     with pytest.raises(ValueError, match="resample"):

@@ -3,7 +3,7 @@
     encoder -> thinker   audio_embeds (n_a, H), audio_feature_lengths (n_audio,), image_embeds (n_i, H),
                          deepstack_embeds (k, n_i, H), video_embeds (n_v, H), video_deepstack_embeds (k, n_v, H)
     gateway -> thinker   image_grid_thw (n_images, 3), video_grid_thw (n_videos, 3), video_second_per_grid
-                         (n_videos,) float32 (with the prompt ids)
+                         (n_videos,) float32, use_audio_in_video (1,) when set (with the prompt ids)
     thinker -> talker    first chunk: the TalkerPrompt (prompt_ids, prompt_embeds, multimodal_hidden,
                          tts_embeds [, image_grid_thw, audio_feature_lengths, video_grid_thw,
                          video_second_per_grid]); every chunk: token_embeds
@@ -66,6 +66,11 @@ def talker_prompt_from_tensors(tensors: dict[str, torch.Tensor]) -> TalkerPrompt
         video_grid_thw=tensors.get("video_grid_thw"),
         video_second_per_grid=tensors.get("video_second_per_grid"),
     )
+
+
+def flag(tensors: dict[str, torch.Tensor], name: str) -> bool:
+    """A yes/no that travels as a one-element tensor when set (absent: no)."""
+    return name in tensors and bool(tensors[name].reshape(-1)[0])
 
 
 def encoder_outputs_to_tensors(

@@ -11,7 +11,9 @@ are the library's own code, not a copy.
 
 Data flow:
     text (chat template output) + audio (16 kHz float arrays) + images (PIL) + videos (sampled uint8
-    frames (T, H, W, 3), with the sampling fps in `fps`)
+    frames (T, H, W, 3), with the sampling fps in `fps`; with `load_audio_from_video` the soundtracks are in
+    `audio`, `audio_from_video_indices` saying which video each belongs to, and the processor interleaves
+    their `<|audio_pad|>`s with the video's `<|video_pad|>`s in time)
       -> WhisperFeatureExtractor: input_features (B, 128, frames), feature_attention_mask (B, frames)
       -> Qwen2VLImageProcessor (PIL backend): pixel_values (patches, C*T*P*P), image_grid_thw (N, 3)
       -> VideoFrameProcessor: pixel_values_videos (patches, C*T*P*P), video_grid_thw (n_videos, 3),
@@ -88,8 +90,13 @@ class Qwen3OmniPromptProcessor(Qwen3OmniMoeProcessor):
         videos = kwargs.pop("videos", None)
         if videos is not None and not hasattr(self, "video_processor"):
             raise ValueError("this processor was built without a video processor; drop the video part")
-        if kwargs.get("use_audio_in_video") or kwargs.get("load_audio_from_video"):
-            raise ValueError("use_audio_in_video is not supported: send the video's audio as its own audio part")
+        if kwargs.pop("use_audio_in_video", False):  # transformers' older name for load_audio_from_video
+            kwargs["load_audio_from_video"] = True
+        if kwargs.get("load_audio_from_video") and kwargs.get("audio_from_video_indices") is None:
+            # transformers would decode the soundtracks itself with torchcodec, which is not installed here
+            raise ValueError("load_audio_from_video needs the videos' soundtracks already decoded: pass them in "
+                             "`audio` with `audio_from_video_indices` (the video index of each audio, None for a "
+                             "standalone clip)")
         if text is None:
             raise ValueError("text is required: render the chat template first, then call the processor")
         sampling_rate = kwargs.pop("sampling_rate", self.feature_extractor.sampling_rate)

@@ -142,6 +142,9 @@ class Qwen3OmniTalker:
         )  # (9, H)
         embeds = torch.cat([user_embeds, text_rows + codec_rows], dim=0).unsqueeze(0)  # (1, P, H)
         talker_ids = torch.cat([user_ids, torch.full((9,), int(cfg.tts_pad_token_id), dtype=torch.long)])  # (P,)
+        # use_audio_in_video stays False here even when the thinker's prompt interleaves a video's soundtrack:
+        # transformers' generate never passes it to the talker (only the grids and seconds), and the talker's
+        # positions follow that reference
         positions, rope_delta = prompt_positions(
             talker_ids, self.mrope, prompt.image_grid_thw, prompt.audio_feature_lengths,
             prompt.video_grid_thw, prompt.video_second_per_grid,

@@ -70,6 +70,7 @@ class PreparedPrompt:
     audio_feature_lengths: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     video_second_per_grid: torch.Tensor | None = None
+    use_audio_in_video: bool = False
 
 
 @dataclass
@@ -144,8 +145,11 @@ class Qwen3OmniThinker:
         video_deepstack: list[torch.Tensor] | None = None,
         video_grid_thw: torch.Tensor | None = None,
         video_second_per_grid: torch.Tensor | None = None,
+        use_audio_in_video: bool = False,
     ) -> PreparedPrompt:
-        """Check the media, embed the prompt and merge the media in, and compute its M-RoPE positions."""
+        """Check the media, embed the prompt and merge the media in, and compute its M-RoPE positions.
+        `use_audio_in_video`: the prompt interleaves each video's soundtrack with its frames (the audio
+        embeddings hold those soundtracks in prompt order, like any audio)."""
         ids = input_ids.view(-1).long()  # (L,)
         self._check_media(ids, audio_embeds, audio_feature_lengths)
         self._check_visual(ids, "image", image_embeds, deepstack, image_grid_thw)
@@ -165,14 +169,15 @@ class Qwen3OmniThinker:
             joint = self._joint_deepstack(visual, rows, image_embeds, deepstack, video_embeds, video_deepstack)
         video_seconds = None if video_second_per_grid is None else video_second_per_grid.view(-1).float()
         positions, rope_delta = prompt_positions(ids, self.mrope, image_grid_thw, audio_feature_lengths,
-                                                 video_grid_thw, video_seconds)
+                                                 video_grid_thw, video_seconds, use_audio_in_video)
         mm_mask = rows["audio"] | rows["image"] | rows["video"]  # (L,)
         return PreparedPrompt(
             ids=ids, embeds=embeds[0], positions=positions[:, 0], rope_delta=rope_delta, visual=visual,
             deepstack=joint, mm_mask=mm_mask, image_grid_thw=image_grid_thw,
             audio_feature_lengths=None if audio_feature_lengths is None else audio_feature_lengths.view(-1),
             video_grid_thw=None if video_embeds is None else video_grid_thw,
-            video_second_per_grid=None if video_embeds is None else video_seconds)
+            video_second_per_grid=None if video_embeds is None else video_seconds,
+            use_audio_in_video=use_audio_in_video)
 
     @staticmethod
     def _joint_deepstack(visual: torch.Tensor, rows: dict[str, torch.Tensor], image_embeds: torch.Tensor | None,
