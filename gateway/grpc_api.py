@@ -42,8 +42,7 @@ from gateway.events import (
     TextPart,
     check_request_id,
 )
-from gateway.media import InputLimits, MediaLoader, invalid_request, media_totals
-from gateway.media_video import video_sampling_of
+from gateway.media import InputLimits, MediaLoader, invalid_request, media_totals, video_sampling_of
 from gateway.openai_schema import (
     STAGE_NAMES,
     check_sampling,

@@ -38,6 +38,7 @@ MIN_AUDIO_SAMPLES = 400
 SUPPORTED_INPUT_AUDIO_FORMATS: tuple[str, ...] = ("wav",)
 
 _GRPC_INVALID_ARGUMENT = 3
+_GRPC_UNIMPLEMENTED = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +292,13 @@ def decode_image(data: bytes, *, max_pixels: int, param: str) -> ImagePart:
 
 
 # ------------------------------------------------------------------------------------------- policy
+def video_sampling_of(prompt_builder: object) -> VideoSampling | None:
+    """The sampling of a `PromptBuilder`'s processor (its `video_processor.sampling`); None when the builder
+    is absent or its processor has no video processor (the loader then uses the default)."""
+    processor = getattr(prompt_builder, "processor", None)
+    return getattr(getattr(processor, "video_processor", None), "sampling", None)
+
+
 def media_totals(messages: Sequence[ChatMessage]) -> tuple[float, int]:
     """(seconds of audio, videos' soundtracks included; audio + image + video parts) of decoded messages."""
     seconds, n_items = 0.0, 0
@@ -318,9 +326,9 @@ class MediaLoader:
     @property
     def video_sampling(self) -> VideoSampling:
         if self._video_sampling is None:  # built at the first video: its module imports transformers
-            from gateway.media_video import default_video_sampling
+            from omnimesh.models.qwen3_omni.video_processor import VideoSampling
 
-            self._video_sampling = default_video_sampling()
+            self._video_sampling = VideoSampling()  # Qwen-Omni's reference: 2 fps, 4 to 768 frames, pairs
         return self._video_sampling
 
     async def _bytes_from_url(self, url: str, param: str) -> tuple[str | None, bytes]:
@@ -367,8 +375,12 @@ class MediaLoader:
     async def video_from_bytes(self, data: bytes, param: str, with_audio: bool = False) -> VideoPart:
         """Video file bytes (MP4, WebM, ...) -> the sampled frames (`gateway/media_video.py`), and the
         soundtrack when `with_audio` (use_audio_in_video), off the loop."""
-        from gateway.media_video import decode_video  # imports this module: PyAV loads with the first video
-
+        try:  # PyAV loads with the first video (and media_video imports this module)
+            from gateway.media_video import decode_video
+        except ImportError as e:
+            raise PipelineError(f"{param}: this server cannot decode video: {e}; its operator must install PyAV "
+                                "(pip install av)", http_status=501, grpc_code=_GRPC_UNIMPLEMENTED,
+                                kind="server_error", param=param) from None
         return await asyncio.to_thread(decode_video, data, sampling=self.video_sampling, limits=self.limits,
                                        param=param, with_audio=with_audio)
 

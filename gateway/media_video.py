@@ -48,20 +48,6 @@ _FORMATS_HINT = "MP4, WebM, MKV, MOV, AVI, ..."
 log = logging.getLogger(__name__)
 
 
-def default_video_sampling() -> VideoSampling:
-    """Qwen-Omni's reference sampling (2 frames per second, 4 to 768 frames, pairs)."""
-    from omnimesh.models.qwen3_omni.video_processor import VideoSampling  # pulls in transformers: lazily
-
-    return VideoSampling()
-
-
-def video_sampling_of(prompt_builder: object) -> VideoSampling | None:
-    """The sampling of a `PromptBuilder`'s processor (its `video_processor.sampling`); None when the builder
-    is absent or its processor has no video processor (the front ends then use the default)."""
-    processor = getattr(prompt_builder, "processor", None)
-    return getattr(getattr(processor, "video_processor", None), "sampling", None)
-
-
 def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, param: str,
                  with_audio: bool = False) -> VideoPart:
     """Video file bytes -> `VideoPart` of the frames `sampling` keeps (see the module docstring), with its

@@ -61,8 +61,7 @@ from gateway.events import (
 )
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.http_front import HttpFront
-from gateway.media import InputLimits, MediaLoader, invalid_request, media_totals
-from gateway.media_video import video_sampling_of
+from gateway.media import InputLimits, MediaLoader, invalid_request, media_totals, video_sampling_of
 from gateway.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,

@@ -259,3 +259,13 @@ def test_loader_totals() -> None:
     assert e.value.http_status == 413
     with pytest.raises(PipelineError, match="3 audio/image/video parts; the limit is 2"):
         loader.check_totals(1.0, 3)
+
+
+def test_video_without_pyav_is_a_501_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway installed without PyAV still serves everything else; a video part says what is missing."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gateway.media_video", None)  # `import` now raises ImportError
+    with pytest.raises(PipelineError, match=r"cannot decode video: .*pip install av") as e:
+        run(MediaLoader(InputLimits()).video_from_bytes(b"\x00" * 64, "messages[0].content[0].video"))
+    assert e.value.http_status == 501 and e.value.grpc_code == 12 and e.value.param == "messages[0].content[0].video"

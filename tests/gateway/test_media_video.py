@@ -13,7 +13,6 @@ import wave
 from pathlib import Path
 from types import SimpleNamespace
 
-import av
 import grpc
 import httpx
 import numpy as np
@@ -21,13 +20,15 @@ import pytest
 from gateway_harness import GrpcServer, RestServer, ScriptedPipeline
 from PIL import Image
 
-from gateway.events import PipelineError, TextPart, VideoPart
-from gateway.grpc_api import OmniServicer
-from gateway.media import InputLimits, MediaLoader
-from gateway.media_video import _native_fps, decode_video, video_sampling_of
-from gateway.rest import create_app
-from omnimesh.models.qwen3_omni.video_processor import VideoSampling
-from omnimesh.v1 import omni_pb2, omni_pb2_grpc
+av = pytest.importorskip("av", reason="PyAV (the av package) decodes video; pip install av")
+
+from gateway.events import PipelineError, TextPart, VideoPart  # noqa: E402
+from gateway.grpc_api import OmniServicer  # noqa: E402
+from gateway.media import InputLimits, MediaLoader, video_sampling_of  # noqa: E402
+from gateway.media_video import _native_fps, decode_video  # noqa: E402
+from gateway.rest import create_app  # noqa: E402
+from omnimesh.models.qwen3_omni.video_processor import VideoSampling  # noqa: E402
+from omnimesh.v1 import omni_pb2, omni_pb2_grpc  # noqa: E402
 
 W, H = 64, 48
 GRAY_STEP = 14  # gray level of frame i: 10 + GRAY_STEP * i (clips of up to 16 frames)
