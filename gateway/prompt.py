@@ -84,10 +84,7 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
             if isinstance(p, TextPart):
                 parts.append({"type": "text", "text": p.text})
             elif isinstance(p, AudioPart):
-                wave = np.asarray(p.waveform, dtype=np.float32).reshape(-1)  # (samples,)
-                if p.sample_rate != TARGET_SAMPLE_RATE:
-                    wave = resample(wave, p.sample_rate, TARGET_SAMPLE_RATE)
-                audio.append(wave)
+                audio.append(_at_16k(p))
                 audio_from_video.append(None)
                 parts.append({"type": "audio"})
             elif isinstance(p, ImagePart):
@@ -95,7 +92,7 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
                 parts.append({"type": "image"})
             elif isinstance(p, VideoPart):
                 if p.audio is not None:  # its soundtrack: an audio slot of its own, at the video's place
-                    audio.append(np.asarray(p.audio.waveform, dtype=np.float32).reshape(-1))
+                    audio.append(_at_16k(p.audio))
                     audio_from_video.append(len(videos))
                 videos.append(p)
                 parts.append({"type": "video"})
@@ -112,6 +109,12 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
     return Conversation(messages=out, audio=audio, images=images, videos=[v.frames for v in videos],
                         video_fps=videos[0].fps if videos else None,
                         audio_from_video=audio_from_video if heard else None)
+
+
+def _at_16k(part: AudioPart) -> np.ndarray:
+    """An audio part's samples (samples,) float32 at the feature extractor's 16 kHz."""
+    wave = np.asarray(part.waveform, dtype=np.float32).reshape(-1)
+    return wave if part.sample_rate == TARGET_SAMPLE_RATE else resample(wave, part.sample_rate, TARGET_SAMPLE_RATE)
 
 
 def _tensor(x: Any, dtype: torch.dtype) -> torch.Tensor | None:

@@ -70,7 +70,6 @@ class PreparedPrompt:
     audio_feature_lengths: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     video_second_per_grid: torch.Tensor | None = None
-    use_audio_in_video: bool = False
 
 
 @dataclass
@@ -176,8 +175,7 @@ class Qwen3OmniThinker:
             deepstack=joint, mm_mask=mm_mask, image_grid_thw=image_grid_thw,
             audio_feature_lengths=None if audio_feature_lengths is None else audio_feature_lengths.view(-1),
             video_grid_thw=None if video_embeds is None else video_grid_thw,
-            video_second_per_grid=None if video_embeds is None else video_seconds,
-            use_audio_in_video=use_audio_in_video)
+            video_second_per_grid=None if video_embeds is None else video_seconds)
 
     @staticmethod
     def _joint_deepstack(visual: torch.Tensor, rows: dict[str, torch.Tensor], image_embeds: torch.Tensor | None,
