@@ -163,6 +163,7 @@ class PromptBuilder:
 
     def _process(self, text: str, conv: Conversation) -> tuple[torch.Tensor, Any]:
         """Prompt text + media -> input_ids (L,) (placeholders expanded) and the processor's batch."""
+        self._check_video_tokens(conv)
         try:
             video: dict[str, Any] = {"videos": conv.videos, "fps": conv.video_fps} if conv.videos else {}
             if conv.audio_from_video is not None:
@@ -176,6 +177,18 @@ class PromptBuilder:
             raise RuntimeError(f"the processor returned input_ids of shape {getattr(ids, 'shape', None)}, "
                                "expected (1, L) for one prompt")
         return ids[0], batch  # (L,)
+
+    def _check_video_tokens(self, conv: Conversation) -> None:
+        """Videos that alone exceed max_model_len are refused from their shapes, before the processor
+        resizes hundreds of frames into float patches only for the length check to fail."""
+        counter = getattr(getattr(self.processor, "video_processor", None), "token_count", None)
+        if not conv.videos or counter is None:
+            return
+        n = sum(counter(v) for v in conv.videos)
+        if n >= self.max_model_len:
+            raise invalid_request(
+                f"the videos alone are {n} tokens, but this model's maximum context length (max_model_len) is "
+                f"{self.max_model_len} tokens; send a shorter or smaller video", "messages")
 
     def encode(self, request: ChatRequest, add_generation_prompt: bool = True) -> torch.Tensor:
         """The prompt's token ids (L,) as the thinker would get them, without the length checks (/tokenize)."""

@@ -86,8 +86,20 @@ def test_videos_become_patches_grids_and_seconds(builder: PromptBuilder) -> None
     assert [int(out.input_ids[i - 1]) for i in starts] == [VISION_START, VISION_START]
     assert [int(pads[i:].cumprod(0).sum()) for i in starts] == [32 // 4, 16 // 4]  # one run per clip, in order
     assert out.pixel_values is None and out.input_features is None
+    assert [builder.processor.video_processor.token_count(v) for v in (clip(4, 64, 64), clip(3, 32, 64))] == [8, 4]
     with pytest.raises(PipelineError, match="different rates"):
         builder.build(request(user(VideoPart(clip(4, 32, 32), fps=2.0), VideoPart(clip(4, 32, 32), fps=1.0))))
+
+
+def test_a_video_beyond_max_model_len_is_refused_from_its_shape(builder: PromptBuilder,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    frames = np.zeros((16, 64, 64, 3), np.uint8)  # 8 temporal patches of 4 tokens: 32 tokens
+    monkeypatch.setattr(builder, "max_model_len", 32)
+    resized: list[object] = []
+    monkeypatch.setattr(builder.processor.video_processor, "_frames_chw", resized.append)  # never reached
+    with pytest.raises(PipelineError, match="the videos alone are 32 tokens.*is 32 tokens") as e:
+        builder.build(request(user(VideoPart(frames, 2.0))))
+    assert e.value.http_status == 400 and resized == []
 
 
 def test_use_audio_in_video_interleaves_the_soundtrack(builder: PromptBuilder) -> None:

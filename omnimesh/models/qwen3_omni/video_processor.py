@@ -37,6 +37,7 @@ import torch
 from transformers import BatchFeature, Qwen2VLImageProcessorPil
 from transformers.image_processing_utils import SizeDict
 from transformers.image_utils import PILImageResampling
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
 DEFAULT_FPS = 2.0  # Qwen-Omni's reference video reader samples 2 frames per second
@@ -124,6 +125,15 @@ class VideoFrameProcessor:
     @classmethod
     def from_pretrained(cls, model_dir: Path | str) -> VideoFrameProcessor:
         return cls(**video_settings(Path(model_dir)))
+
+    def token_count(self, video: np.ndarray) -> int:
+        """`<|video_pad|>` tokens a video (T, H, W, 3) becomes, from its shape alone (no pixel is touched):
+        lets a caller refuse a video that cannot fit before paying for its resizing."""
+        t, h, w = video.shape[:3]
+        ps, m = self.patch_size, self.merge_size
+        rh, rw = smart_resize(h, w, factor=ps * m, min_pixels=int(self.size.shortest_edge or 0),
+                              max_pixels=int(self.size.longest_edge or 0))
+        return -(-t // self.temporal_patch_size) * (rh // ps) * (rw // ps) // m**2
 
     def _frames_chw(self, video: np.ndarray) -> np.ndarray:
         """(T, H, W, 3) uint8 -> resized, normalized (T, 3, h, w) float32."""
