@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.server
 import io
+import threading
 import wave
 from pathlib import Path
 from types import SimpleNamespace
@@ -212,6 +214,38 @@ def test_an_unknown_frame_rate_is_a_400() -> None:
     with pytest.raises(PipelineError, match="frame rate is unknown") as e:
         _native_fps(stream, "v")  # type: ignore[arg-type]
     assert e.value.http_status == 400
+
+
+def test_an_allowed_loopback_url_is_fetched_and_decoded() -> None:
+    """`video_url` with an http URL on an operator-allowed domain (here 127.0.0.1): fetched, then decoded
+    like inline bytes; a domain not allowed is refused before any connection."""
+    clip = make_video(12, 4)
+
+    class Clip(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "video/mp4")
+            self.send_header("Content-Length", str(len(clip)))
+            self.end_headers()
+            self.wfile.write(clip)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Clip)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/clip.mp4"
+        part = asyncio.run(MediaLoader(InputLimits(), frozenset({"127.0.0.1"})).video_from_url(url, "v"))
+        assert_kept(part, SAMPLING.indices(12, 4))
+        with pytest.raises(PipelineError, match="remote media URLs are disabled") as e:
+            asyncio.run(MediaLoader(InputLimits()).video_from_url(url, "v"))
+        assert e.value.http_status == 400
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 def test_a_non_video_data_uri_is_a_400() -> None:
