@@ -55,13 +55,16 @@ class InputLimits:
     max_media_items: int = 32  # audio clips + images + videos in one request (400 beyond)
     max_fetch_bytes: int = 32 * 1024 * 1024  # one remote media download
     fetch_timeout_s: float = 10.0  # one remote media download, start to end (400 beyond)
+    # decoding one video's frames (every frame up to the last sampled one is decoded): a small file can hold
+    # minutes of large frames, and a gateway thread must not spend longer than this on one (400 beyond)
+    video_decode_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_image_pixels", "max_video_pixels", "max_media_items",
                      "max_fetch_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"InputLimits.{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_audio_seconds", "max_video_seconds", "fetch_timeout_s"):
+        for name in ("max_audio_seconds", "max_video_seconds", "fetch_timeout_s", "video_decode_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"InputLimits.{name} must be positive, got {getattr(self, name)}")
 

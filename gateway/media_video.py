@@ -6,7 +6,7 @@ Data flow: file bytes (MP4, WebM, MKV, MOV, AVI, ... any container and codec thi
 (`average_rate`, else `guessed_rate`) -> the limits, checked before any decoding (duration =
 frames / rate against `InputLimits.max_video_seconds`, width * height against `max_image_pixels`) ->
 `VideoSampling.indices(frames, rate)` -> the sampled frames' pixels against `max_video_pixels` -> one
-decoding pass that converts only those frames to RGB and
+decoding pass (bounded by `video_decode_timeout_s`) that converts only those frames to RGB and
 stops after the last of them -> `VideoPart(frames (T, H, W, 3) uint8, fps=sampling.fps)`. A long video
 never sits in memory as RGB: the frames not sampled are decoded and dropped. A stream that ends before
 its declared count, or at a packet the decoder rejects (a truncated upload), keeps the sampled frames
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -195,7 +196,11 @@ def _decode_sampled(container: InputContainer, stream: VideoStream, indices: lis
     wanted, last = frozenset(indices), indices[-1]
     kept: list[np.ndarray] = []  # each (H, W, 3) uint8
     size: tuple[int, int] | None = None  # (width, height) of the first kept frame
+    deadline = time.monotonic() + limits.video_decode_timeout_s
     for i, frame in enumerate(_frames(container, stream, param)):
+        if time.monotonic() > deadline:
+            raise invalid_request(f"{param}: decoding the video took longer than {limits.video_decode_timeout_s:g} s "
+                                  f"(after {i} of the {last + 1} frames it must decode); send a shorter or smaller video", param)
         if i in wanted:
             _check_frame_size(frame.width, frame.height, limits.max_image_pixels, param)  # the header may differ
             if size is None:  # every kept frame takes this size

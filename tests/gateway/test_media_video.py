@@ -174,7 +174,7 @@ def test_corrupt_bytes_never_escape_as_av_errors() -> None:
             assert part.frames.ndim == 4 and part.frames.dtype == np.uint8
 
 
-def test_too_long_and_too_large_are_413() -> None:
+def test_too_long_too_large_and_too_slow() -> None:
     with pytest.raises(PipelineError, match=r"3.0 s long .*the limit is 2 s") as e:
         decode(make_video(12, 4), InputLimits(max_video_seconds=2.0))
     assert e.value.http_status == 413
@@ -186,6 +186,9 @@ def test_too_long_and_too_large_are_413() -> None:
         decode(make_video(4, 4), InputLimits(max_video_pixels=n * W * H - 1))
     assert e.value.http_status == 413
     assert decode(make_video(4, 4), InputLimits(max_video_pixels=n * W * H)).frames.shape[0] == n
+    with pytest.raises(PipelineError, match=r"decoding the video took longer than 1e-09 s \(after 0 of the 11 frames") as e:
+        decode(make_video(12, 4), InputLimits(video_decode_timeout_s=1e-9))
+    assert e.value.http_status == 400
 
 
 def test_the_soundtrack_is_decoded_only_when_asked() -> None:
@@ -259,6 +262,8 @@ def test_limits_and_sampling_plumbing() -> None:
         InputLimits(max_video_seconds=0)
     with pytest.raises(ValueError, match="max_video_pixels"):
         InputLimits(max_video_pixels=0)
+    with pytest.raises(ValueError, match="video_decode_timeout_s"):
+        InputLimits(video_decode_timeout_s=0)
     sampling = VideoSampling(fps=1.0)
     builder = SimpleNamespace(processor=SimpleNamespace(video_processor=SimpleNamespace(sampling=sampling)))
     assert video_sampling_of(builder) is sampling
