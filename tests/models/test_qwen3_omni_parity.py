@@ -318,6 +318,15 @@ def test_thinker_rejects_mismatched_media(model, media) -> None:  # type: ignore
         thinker.prefill(ids, audio_embeds=fake, audio_feature_lengths=torch.tensor([300]))
     with pytest.raises(ValueError, match="image placeholder"):
         thinker.prefill(chat_prompt(media["image"]))
+    video = media["video"]
+    with pytest.raises(ValueError, match=f"prompt has {video.n_video_tokens} video placeholder ids but 0 video embeddings"):
+        thinker.prefill(chat_prompt(video))
+    rows = torch.zeros(video.n_video_tokens, 64)
+    with pytest.raises(ValueError, match="video_embeds need video_second_per_grid"):
+        thinker.prefill(chat_prompt(video), video_embeds=rows, video_deepstack=[rows], video_grid_thw=video.video_grid_thw)
+    with pytest.raises(ValueError, match=r"expected 1 video_deepstack feature tensors"):
+        thinker.prefill(chat_prompt(video), video_embeds=rows, video_grid_thw=video.video_grid_thw,
+                        video_second_per_grid=video.video_second_per_grid)
 
 
 def test_our_parallel_lm_equals_generate(model, media, tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
