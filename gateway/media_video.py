@@ -199,8 +199,9 @@ def _decode_sampled(container: InputContainer, stream: VideoStream, indices: lis
     deadline = time.monotonic() + limits.video_decode_timeout_s
     for i, frame in enumerate(_frames(container, stream, param)):
         if time.monotonic() > deadline:
-            raise invalid_request(f"{param}: decoding the video took longer than {limits.video_decode_timeout_s:g} s "
-                                  f"(after {i} of the {last + 1} frames it must decode); send a shorter or smaller video", param)
+            raise invalid_request(f"{param}: decoding the video took longer than {limits.video_decode_timeout_s:g} "
+                                  f"s (after {i} of the {last + 1} frames it must decode); send a shorter or "
+                                  "smaller video", param)
         if i in wanted:
             _check_frame_size(frame.width, frame.height, limits.max_image_pixels, param)  # the header may differ
             if size is None:  # every kept frame takes this size

@@ -191,7 +191,8 @@ class PromptBuilder:
                 f"{self.max_model_len} tokens; send a shorter or smaller video", "messages")
 
     def encode(self, request: ChatRequest, add_generation_prompt: bool = True) -> torch.Tensor:
-        """The prompt's token ids (L,) as the thinker would get them, without the length checks (/tokenize)."""
+        """The prompt's token ids (L,) as the thinker would get them (/tokenize): no prompt-length checks, only
+        the refusal of videos that alone exceed max_model_len (their preprocessing would be wasted work)."""
         return self._process(*self.render(request, add_generation_prompt))[0]
 
     def build(self, request: ChatRequest) -> PromptInputs:

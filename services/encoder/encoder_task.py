@@ -1,9 +1,9 @@
-"""EncoderTask: one request in the encoder stage — mel features / image patches in, embeddings out.
+"""EncoderTask: one request in the encoder stage — mel features / image and video patches in, embeddings out.
 
 Data flow: one final input chunk with `input_features` (n_audio, n_mel, T) + `feature_attention_mask`
-(n_audio, T) and/or `pixel_values` + `image_grid_thw` and/or `pixel_values_videos` + `video_grid_thw`; one step runs the towers and emits one final
-chunk with what the thinker needs (see omnimesh/models/qwen3_omni/edges.py). `step` is the solo path
-(a batch of one); the stage itself steps its requests together through `EncoderBatcher.step_batch`, which
+(n_audio, T) and/or `pixel_values` + `image_grid_thw` and/or `pixel_values_videos` + `video_grid_thw`; one
+step runs the towers and emits one final chunk with what the thinker needs (see
+omnimesh/models/qwen3_omni/edges.py). `step` is the solo path (a batch of one); the stage itself steps its requests together through `EncoderBatcher.step_batch`, which
 emits per request exactly what `step` would (services/encoder/encoder_batcher.py).
 """
 
