@@ -42,7 +42,8 @@ from gateway.events import (
     TextPart,
     check_request_id,
 )
-from gateway.media import InputLimits, MediaLoader, invalid_request, media_totals, video_sampling_of
+from gateway.input_limits import InputLimits
+from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
 from gateway.openai_schema import (
     STAGE_NAMES,
     check_sampling,
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 OMNI_SERVICE_NAME = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name  # "omnimesh.v1.Omni"
 _ROLES = ("system", "user", "assistant")
+_MEDIA_KINDS = {"audio_wav": "audio", "image": "image", "video": "video"}  # ContentPart oneof -> modality
 def grpc_server_options(limits: InputLimits) -> list[tuple[str, int]]:
     """Server options so a request may be as large as the REST body limit (gRPC's default is 4 MiB)."""
     return [("grpc.max_receive_message_length", limits.max_request_bytes),
@@ -119,6 +121,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         check_thinker_min_tokens(sampling, stages.get("thinker"), "sampling")
         if not req.messages:
             raise invalid_request("messages: at least one message is required", "messages")
+        self.loader.check_counts([_MEDIA_KINDS[kind] for m in req.messages for p in m.content
+                                  if (kind := p.WhichOneof("part")) in _MEDIA_KINDS])  # before decoding any
         messages: list[ChatMessage] = []
         for i, m in enumerate(req.messages):
             if m.role not in _ROLES:
@@ -145,7 +149,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                     parts.append(await self.loader.video_from_bytes(p.video, f"{where}.video",
                                                                     with_audio=req.use_audio_in_video))
             messages.append(ChatMessage(role=m.role, content=tuple(parts)))  # type: ignore[arg-type]
-        self.loader.check_totals(*media_totals(messages))
+        self.loader.check_audio_seconds(audio_seconds(messages))
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
         return ChatRequest(request_id=rid, model=pipeline_model,
                            messages=tuple(messages), modalities=modalities,

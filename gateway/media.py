@@ -19,7 +19,6 @@ import math
 import struct
 import urllib.parse
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
@@ -27,6 +26,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from gateway.events import AudioPart, ChatMessage, ImagePart, PipelineError, VideoPart
+from gateway.input_limits import InputLimits
 
 if TYPE_CHECKING:
     from omnimesh.models.qwen3_omni.video_processor import VideoSampling
@@ -39,34 +39,6 @@ SUPPORTED_INPUT_AUDIO_FORMATS: tuple[str, ...] = ("wav",)
 
 _GRPC_INVALID_ARGUMENT = 3
 _GRPC_UNIMPLEMENTED = 12
-
-
-@dataclass(frozen=True, slots=True)
-class InputLimits:
-    """How much input one request may carry; breaches are answered with 413 (or 400 where noted)."""
-
-    max_request_bytes: int = 64 * 1024 * 1024  # REST body size
-    max_audio_seconds: float = 600.0  # decoded audio, all clips of one request together
-    max_image_pixels: int = 4096 * 4096  # width * height of one image, and of each frame of a video
-    max_video_seconds: float = 600.0  # one video: its frame count / its native frame rate
-    # one video's sampled frames as decoded RGB, width * height * frames (3 bytes each: 768 MiB at the default),
-    # checked before decoding; a 2-minute 1080p clip at 2 fps (240 frames, 498M pixels) is over it
-    max_video_pixels: int = 256 * 1024 * 1024
-    max_media_items: int = 32  # audio clips + images + videos in one request (400 beyond)
-    max_fetch_bytes: int = 32 * 1024 * 1024  # one remote media download
-    fetch_timeout_s: float = 10.0  # one remote media download, start to end (400 beyond)
-    # decoding one video's frames (every frame up to the last sampled one is decoded): a small file can hold
-    # minutes of large frames, and a gateway thread must not spend longer than this on one (400 beyond)
-    video_decode_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_image_pixels", "max_video_pixels", "max_media_items",
-                     "max_fetch_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"InputLimits.{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_audio_seconds", "max_video_seconds", "fetch_timeout_s", "video_decode_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"InputLimits.{name} must be positive, got {getattr(self, name)}")
 
 
 def invalid_request(message: str, param: str | None = None) -> PipelineError:
@@ -302,16 +274,15 @@ def video_sampling_of(prompt_builder: object) -> VideoSampling | None:
     return getattr(getattr(processor, "video_processor", None), "sampling", None)
 
 
-def media_totals(messages: Sequence[ChatMessage]) -> tuple[float, int]:
-    """(seconds of audio, videos' soundtracks included; audio + image + video parts) of decoded messages."""
-    seconds, n_items = 0.0, 0
+def audio_seconds(messages: Sequence[ChatMessage]) -> float:
+    """Seconds of audio in decoded messages, videos' soundtracks included."""
+    seconds = 0.0
     for m in messages:
         for p in m.content:
             audio = p if isinstance(p, AudioPart) else p.audio if isinstance(p, VideoPart) else None
             if audio is not None:
                 seconds += audio.waveform.size / audio.sample_rate
-            n_items += isinstance(p, (AudioPart, ImagePart, VideoPart))
-    return seconds, n_items
+    return seconds
 
 
 class MediaLoader:
@@ -387,11 +358,20 @@ class MediaLoader:
         return await asyncio.to_thread(decode_video, data, sampling=self.video_sampling, limits=self.limits,
                                        param=param, with_audio=with_audio)
 
-    def check_totals(self, audio_seconds: float, n_items: int) -> None:
-        """Request-wide limits, checked once every part is decoded (`n_items`: audio, image and video parts)."""
-        if n_items > self.limits.max_media_items:
-            raise invalid_request(f"request has {n_items} audio/image/video parts; the limit is "
+    def check_counts(self, kinds: Sequence[str]) -> None:
+        """The request's media parts by modality ('audio', 'image', 'video'), checked before any is decoded:
+        `max_media_items` in all and `--limit-mm-per-prompt` per modality (400)."""
+        if len(kinds) > self.limits.max_media_items:
+            raise invalid_request(f"request has {len(kinds)} audio/image/video parts; the limit is "
                                   f"{self.limits.max_media_items}", "messages")
-        if audio_seconds > self.limits.max_audio_seconds:
-            raise too_large(f"request has {audio_seconds:.1f} s of audio in all; the limit is "
+        for kind, limit in self.limits.limit_mm_per_prompt.items():
+            if (n := kinds.count(kind)) > limit:
+                raise invalid_request(f"this server takes no {kind} input (--limit-mm-per-prompt {kind}=0)" if limit == 0
+                                      else f"request has {n} {kind} parts; at most {limit} may be given in one "
+                                      f"request (--limit-mm-per-prompt)", "messages")
+
+    def check_audio_seconds(self, seconds: float) -> None:
+        """The request's decoded audio in all (413)."""
+        if seconds > self.limits.max_audio_seconds:
+            raise too_large(f"request has {seconds:.1f} s of audio in all; the limit is "
                             f"{self.limits.max_audio_seconds:g} s", "messages")

@@ -33,7 +33,8 @@ import av.error
 import numpy as np
 
 from gateway.events import AudioPart, PipelineError, VideoPart
-from gateway.media import InputLimits, invalid_request, samples_to_audio_part, too_large
+from gateway.input_limits import InputLimits
+from gateway.media import invalid_request, samples_to_audio_part, too_large
 
 if TYPE_CHECKING:
     from av.container import InputContainer

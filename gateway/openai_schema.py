@@ -67,6 +67,9 @@ class VideoURL(StrictBody):
     url: str  # a data:video/...;base64, URI or an http(s) URL of a video file (MP4, WebM, ...)
 
 
+_MEDIA_KINDS = {"image_url": "image", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
+
+
 class ContentPart(StrictBody):
     """One part of a message; exactly the field named by `type` must be present."""
 
@@ -85,6 +88,11 @@ class ContentPart(StrictBody):
         if getattr(self, self.type) is None:
             raise ValueError(f"a '{self.type}' content part needs a '{self.type}' field")
         return self
+
+    @property
+    def media_kind(self) -> str | None:
+        """'audio', 'image' or 'video' for a media part (what --limit-mm-per-prompt counts); None for text."""
+        return _MEDIA_KINDS.get(self.type)
 
 
 class Message(StrictBody):

@@ -61,7 +61,8 @@ from gateway.events import (
 )
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.http_front import HttpFront
-from gateway.media import InputLimits, MediaLoader, invalid_request, media_totals, video_sampling_of
+from gateway.input_limits import InputLimits
+from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
 from gateway.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -224,9 +225,10 @@ class RestGateway:
     async def chat_messages(self, messages: list[Message], use_audio_in_video: bool = False
                             ) -> tuple[ChatMessage, ...]:
         """The body's messages, media decoded (each video with its soundtrack when `use_audio_in_video`), the
-        request-wide media limits checked (chat and /tokenize)."""
+        request-wide media limits checked (chat and /tokenize): the part counts before anything is decoded."""
+        self.loader.check_counts([kind for m in messages for p in m.content if (kind := p.media_kind) is not None])
         out = tuple([await self._message(i, m, use_audio_in_video) for i, m in enumerate(messages)])
-        self.loader.check_totals(*media_totals(out))
+        self.loader.check_audio_seconds(audio_seconds(out))
         return out
 
     async def _message(self, i: int, m: Message, use_audio_in_video: bool = False) -> ChatMessage:
@@ -239,14 +241,14 @@ class RestGateway:
             if m.role != "user":
                 raise invalid_request(f"{where}: only user messages may carry audio, images or video "
                                       f"(this is a '{m.role}' message)", where)
-            if p.image_url is not None:
+            if p.image_url is not None and p.type == "image_url":
                 parts.append(await self.loader.image_from_url(p.image_url.url, f"{where}.image_url.url"))
-            elif p.input_audio is not None:
+            elif p.input_audio is not None and p.type == "input_audio":
                 parts.append(await self.loader.audio_from_base64(p.input_audio.data, p.input_audio.format,
                                                                  f"{where}.input_audio"))
-            elif p.audio_url is not None:
+            elif p.audio_url is not None and p.type == "audio_url":
                 parts.append(await self.loader.audio_from_url(p.audio_url.url, f"{where}.audio_url.url"))
-            elif p.video_url is not None:
+            elif p.video_url is not None and p.type == "video_url":
                 parts.append(await self.loader.video_from_url(p.video_url.url, f"{where}.video_url.url",
                                                               with_audio=use_audio_in_video))
         role = "system" if m.role == "developer" else m.role

@@ -20,6 +20,7 @@ import uvicorn
 from gateway.auth import parse_api_keys
 from gateway.grpc_api import create_grpc_server
 from gateway.http_front import HttpFront
+from gateway.input_limits import InputLimits, describe_limits, limits_from_flags
 from gateway.pipeline import StagePipeline
 from gateway.prompt import PromptBuilder, load_chat_template
 from gateway.request_log import RequestLog
@@ -73,18 +74,22 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
         discovery.start()  # before connect(): it waits for each stage's first replica
     await pipeline.connect()
     domains = frozenset(d.strip() for d in (args.allowed_media_domains or "").split(",") if d.strip())
+    limits = limits_from_flags(args.limit_mm_per_prompt, args.input_limits)
+    if limits != InputLimits():
+        log.info("gateway: input limits %s", describe_limits(limits))
     if keys:
         log.info("gateway: an API key is required on /v1 and the gRPC Omni service (%d key%s accepted)",
                  len(keys), "" if len(keys) == 1 else "s")
     prompts = pipeline.prepare if isinstance(pipeline.prepare, PromptBuilder) else None  # /tokenize
-    app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains,
+    app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains, limits=limits,
                      stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=prompts)
     if (described := front.describe()) is not None:
         log.info("%s", described)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="none", lifespan="off", **front.uvicorn_kwargs())
     rest = uvicorn.Server(config)
     rest.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # we own the signals
-    grpc_server, _health = await create_grpc_server(pipeline, served_model_names=pipeline.served_models, api_keys=keys)
+    grpc_server, _health = await create_grpc_server(pipeline, served_model_names=pipeline.served_models, limits=limits,
+                                                    api_keys=keys)
     bind(grpc_server, args.host, args.grpc_port, front.grpc_credentials())
     await grpc_server.start()
     log.info("gateway: %d start-up objects frozen out of the garbage collector's scans", freeze_startup_heap())

@@ -131,8 +131,9 @@ class TranscriptionRoutes:
         sampling = SamplingOverrides(temperature=_temperature(_field(form, "temperature")),
                                      max_tokens=_max_tokens(_field(form, "max_completion_tokens")))
         check_sampling(sampling, "")
+        self.gw.loader.check_counts(["audio"])  # --limit-mm-per-prompt audio=0 refuses this route too
         audio = await self.gw.loader.audio_from_wav(await upload.read(), "file")
-        self.gw.loader.check_totals(audio.waveform.size / audio.sample_rate, 1)
+        self.gw.loader.check_audio_seconds(audio.waveform.size / audio.sample_rate)
         ask = instruction(task, _field(form, "language"), _field(form, "prompt"))
         pipeline_model = model if model in self.gw.pipeline.served_models else self.gw.pipeline.served_models[0]
         chat = ChatRequest(request_id=f"trsc-{uuid.uuid4().hex}", model=pipeline_model, modalities=("text",),

@@ -114,7 +114,8 @@ class MeshLauncher:
                 "--async-chunk" if a.async_chunk else "--no-async-chunk", "--malloc", a.malloc]
         for flag, value in (("--served-model-name", a.served_model_name), ("--max-model-len", a.max_model_len),
                             ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template),
-                            ("--max-log-len", a.max_log_len)):
+                            ("--max-log-len", a.max_log_len), ("--limit-mm-per-prompt", a.limit_mm_per_prompt),
+                            ("--input-limits", a.input_limits)):
             if value is not None:
                 argv += [flag, str(value)]
         if a.enable_log_requests:

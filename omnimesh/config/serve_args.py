@@ -134,6 +134,18 @@ class ServeArgs:
                                    "past it, an error naming what was missing", "--rendezvous-timeout")
     stage_overrides: str | None = _f(None, "JSON keyed by stage name or id, e.g. '{\"thinker\": {\"tp\": 2}}'", "--stage-overrides")
     allowed_media_domains: str | None = _f(None, "comma-separated domains http(s) media may be fetched from (default: none)", "--allowed-media-domains")
+    limit_mm_per_prompt: str | None = _f(None, "most audio / image / video parts one request may carry, as vLLM's: JSON "
+                                         "such as '{\"image\": 4, \"video\": 1}' (0 refuses a modality: "
+                                         "'{\"video\": 0}'); checked before any part is decoded (400); a modality "
+                                         "not named is bounded only by max_media_items (32 parts in all)",
+                                         "--limit-mm-per-prompt")
+    input_limits: str | None = _f(None, "the gateway's size limits on one request, JSON keyed by name (defaults in "
+                                  "brackets): max_request_bytes (64MiB, REST body), max_audio_seconds (600, all clips "
+                                  "together), max_image_pixels (16777216, per image or video frame), "
+                                  "max_video_seconds (600), max_video_pixels (268435456, one video's sampled frames "
+                                  "together), max_media_items (32), max_fetch_bytes (32MiB, one http(s) download), "
+                                  "fetch_timeout_s (10), video_decode_timeout_s (60); byte sizes also take '16MiB'; "
+                                  "413 (or 400) beyond, with a message naming the limit", "--input-limits")
     device: str = _f("auto", "auto, cpu or cuda", "--device")
     transport: str = _f("auto", "where tensors between stages travel: auto (shared memory / CUDA IPC between co-located stages, gRPC frames across hosts), grpc, shm or cuda-ipc", "--transport")
     shm_arena_size: str = _f("256MiB", "shared-memory arena of each stage for co-located hand-offs (0: none)", "--shm-arena-size")
@@ -191,6 +203,9 @@ class ServeArgs:
             from omnimesh.engine.stat_logger import interval_from_env
 
             interval_from_env()
+        from gateway.input_limits import limits_from_flags
+
+        limits_from_flags(self.limit_mm_per_prompt, self.input_limits)
         if self.chat_template is not None:
             from gateway.prompt import load_chat_template
 
@@ -297,12 +312,13 @@ HTTP_FRONT_FIELDS = frozenset(
 )  # gateway/http_front.py
 GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
-     "stage_dns_refresh",
+     "stage_dns_refresh", "limit_mm_per_prompt", "input_limits",
      "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "api_key", "async_chunk",
-     "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len"}
+     "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
+     "input_limits"}
 ) | HTTP_FRONT_FIELDS
 
 

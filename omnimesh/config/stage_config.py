@@ -216,16 +216,22 @@ _KEYS = {f.name: f for f in fields(StageConfig)}
 _ALIASES = {"pipeline_parallel_size": "pp", "tensor_parallel_size": "tp", "replicas": "num_replicas"}
 
 
+def parse_json_object(text: str, flag: str, keyed: str) -> dict[str, Any]:
+    """A flag's JSON object value (`keyed` says by what, for the error) -> dict; errors name the flag."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not valid JSON ({exc.msg} at char {exc.pos}): {text!r}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{flag} must be a JSON object {keyed}, got {type(raw).__name__}")
+    return raw
+
+
 def parse_stage_overrides(text: str | None) -> dict[str, dict[str, Any]]:
     """Parse `--stage-overrides` JSON into {stage name: {field: value}}; every error says what to fix."""
     if not text:
         return {}
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--stage-overrides is not valid JSON ({exc.msg} at char {exc.pos}): {text!r}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"--stage-overrides must be a JSON object keyed by stage, got {type(raw).__name__}")
+    raw = parse_json_object(text, "--stage-overrides", "keyed by stage")
     out: dict[str, dict[str, Any]] = {}
     for key, settings in raw.items():
         stage = STAGE_IDS.get(str(key), str(key))

@@ -51,6 +51,15 @@ def test_bad_stage_overrides(text: str, message: str) -> None:
         ServeArgs(stage_overrides=text)
 
 
+def test_bad_input_limits_stop_the_start() -> None:
+    """The gateway's --limit-mm-per-prompt and --input-limits are checked when the flags are read, before any
+    stage starts (their parsing: tests/gateway/test_input_limits.py)."""
+    with pytest.raises(ValueError, match="--limit-mm-per-prompt: unknown modality 'imagez'"):
+        ServeArgs(limit_mm_per_prompt='{"imagez": 1}')
+    with pytest.raises(ValueError, match="--input-limits: max_video_seconds must be positive"):
+        ServeArgs(input_limits='{"max_video_seconds": -1}')
+
+
 def test_devices_check_names_the_numbers() -> None:
     args = ServeArgs(tensor_parallel_size=2, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match=r"pp x tp = 2 x 2 = 4 ranks, but only 2 CPU cores"):

@@ -107,7 +107,7 @@ def chat_request(text: str, wav: bytes | None, png: bytes | None, *, max_tokens:
     if png is not None:
         parts.append(decode_image(png, max_pixels=4096 * 4096, param="image"))
     if mp4 is not None:  # sampled as the gateway samples it for this model folder
-        from gateway.media import InputLimits
+        from gateway.input_limits import InputLimits
         from gateway.media_video import decode_video
         from omnimesh.models.qwen3_omni.video_processor import VideoFrameProcessor
 

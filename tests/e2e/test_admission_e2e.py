@@ -1,8 +1,11 @@
-"""--max-waiting-requests through a real `omnimesh serve --max-num-seqs 1 --max-waiting-requests 1` of this
-module's own (the flags travel launcher -> stage): request A streams and holds the thinker's only seat, B
-is admitted to wait, and C is answered HTTP 429 with `Retry-After` and a message naming the flag, streaming
-or not, before any event. Nothing admitted is lost: A runs to its `min_tokens` and B finishes with exactly
-the text it gets alone; once they are done C is served. Every wait is bounded.
+"""Admission through a real `omnimesh serve` of this module's own.
+
+--max-num-seqs 1 --max-waiting-requests 1 (the flags travel launcher -> stage): request A streams and
+holds the thinker's only seat, B is admitted to wait, and C is answered HTTP 429 with `Retry-After` and a
+message naming the flag, streaming or not, before any event. Nothing admitted is lost: A runs to its
+`min_tokens` and B finishes with exactly the text it gets alone; once they are done C is served.
+--limit-mm-per-prompt '{"video": 0}' --input-limits '{"max_audio_seconds": 0.5}' (launcher -> gateway):
+a video is refused on REST and gRPC, and 1 s of audio is a 413 naming the limit. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from mesh_harness import start_mesh
+from reference import mp4_bytes, openai_content, sine_wav
+
+from omnimesh.v1 import omni_pb2, omni_pb2_grpc
 
 MODEL = "tiny-qwen3-omni"
 TIMEOUT_S = 120.0
@@ -23,7 +30,8 @@ LONG = 1000  # A's tokens (min_tokens = max_tokens: no early stop), so it holds 
 
 @pytest.fixture(scope="module")
 def capped(tiny_model_dir: Path):
-    m = start_mesh(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    m = start_mesh(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                   "--limit-mm-per-prompt", '{"video": 0}', "--input-limits", '{"max_audio_seconds": 0.5}')
     try:
         yield m
     finally:
@@ -91,3 +99,17 @@ def test_third_request_is_429_and_the_admitted_ones_finish(capped):
     assert b.status_code == 200, b.text
     assert b.json()["choices"][0]["message"]["content"] == alone.json()["choices"][0]["message"]["content"]
     assert _post(capped, _body("C")).status_code == 200  # served once the queue drained
+
+
+def test_the_gateways_input_limits_come_from_the_flags(capped):
+    assert "gateway: input limits max_audio_seconds=0.5 (default 600), video refused" in capped.proc.output()
+    no_video = "this server takes no video input (--limit-mm-per-prompt video=0)"
+    r = _post(capped, {**_body("x"), "messages": [{"role": "user", "content": openai_content("x", None, None, mp4_bytes())}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == no_video, r.text
+    r = _post(capped, {**_body("x"), "messages": [{"role": "user", "content": openai_content("x", sine_wav(1.0), None)}]})
+    assert r.status_code == 413 and "audio is 1.0 s long; the limit is 0.5 s" in r.json()["error"]["message"], r.text
+    request = omni_pb2.GenerateRequest(messages=[omni_pb2.ChatMessage(role="user", content=[
+        omni_pb2.ContentPart(text="x"), omni_pb2.ContentPart(video=mp4_bytes())])], modalities=["text"])
+    with grpc.insecure_channel(capped.grpc) as ch:
+        (answer,) = list(omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=TIMEOUT_S))
+    assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and answer.error.message == no_video

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import pytest
 from gateway_harness import GrpcServer, RestServer, ScriptedPipeline
 
-from gateway.media import InputLimits
+from gateway.input_limits import InputLimits
 from gateway.rest import create_app
 
-# Small limits so the 413 paths are cheap to reach.
+# Small limits so the 413 paths are cheap to reach; --limit-mm-per-prompt '{"audio": 2, "video": 1}'.
 TEST_LIMITS = InputLimits(max_request_bytes=1_000_000, max_audio_seconds=5.0, max_image_pixels=256 * 256,
-                          max_media_items=4)
+                          max_media_items=4, limit_mm_per_prompt={"audio": 2, "video": 1})
 SERVED_NAMES = ("tiny-omni", "omni-alias")
 
 

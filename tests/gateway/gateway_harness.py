@@ -22,7 +22,7 @@ import uvicorn
 
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, PipelineError, TextDelta
 from gateway.grpc_api import create_grpc_server
-from gateway.media import InputLimits
+from gateway.input_limits import InputLimits
 
 SAMPLE_RATE = 24_000
 

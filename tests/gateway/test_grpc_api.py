@@ -94,6 +94,11 @@ def test_generate_validation_errors(grpc_server: GrpcServer, pipeline: ScriptedP
     (omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(image=b"not an image")]), "decode the image"),
     (omni_pb2.ChatMessage(role="robot", content=[omni_pb2.ContentPart(text="x")]), "messages[0].role"),
     (omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart()]), "empty content part"),
+    # --limit-mm-per-prompt '{"audio": 2, "video": 1}' (the harness's), checked before decoding
+    (omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(audio_wav=b"not a wav")] * 3),
+     "request has 3 audio parts; at most 2"),
+    (omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(video=b"not a video")] * 2),
+     "request has 2 video parts; at most 1 may be given in one request (--limit-mm-per-prompt)"),
 ])
 def test_generate_bad_messages(grpc_server: GrpcServer, pipeline: ScriptedPipeline, message: omni_pb2.ChatMessage,
                                needle: str) -> None:

@@ -19,7 +19,8 @@ import pytest
 from PIL import Image
 
 from gateway.events import PipelineError
-from gateway.media import (InputLimits, MediaLoader, decode_image, decode_wav, fetch_url, parse_data_uri, resample,
+from gateway.input_limits import InputLimits
+from gateway.media import (MediaLoader, decode_image, decode_wav, fetch_url, parse_data_uri, resample,
                            wav_to_audio_part)
 
 
@@ -253,12 +254,27 @@ def test_loader_refuses_unsupported_input_audio_format() -> None:
 
 def test_loader_totals() -> None:
     loader = MediaLoader(InputLimits(max_audio_seconds=10, max_media_items=2))
-    loader.check_totals(10.0, 2)
+    loader.check_audio_seconds(10.0)
     with pytest.raises(PipelineError, match="12.0 s of audio") as e:
-        loader.check_totals(12.0, 2)
+        loader.check_audio_seconds(12.0)
     assert e.value.http_status == 413
-    with pytest.raises(PipelineError, match="3 audio/image/video parts; the limit is 2"):
-        loader.check_totals(1.0, 3)
+    loader.check_counts(["audio", "video"])
+    with pytest.raises(PipelineError, match="3 audio/image/video parts; the limit is 2") as e:
+        loader.check_counts(["audio", "image", "image"])
+    assert e.value.http_status == 400
+
+
+def test_loader_counts_per_modality() -> None:
+    """--limit-mm-per-prompt: a count per modality, 0 = the modality is refused, others bounded only in all."""
+    loader = MediaLoader(InputLimits(limit_mm_per_prompt={"image": 2, "video": 0}))
+    loader.check_counts(["image", "image", "audio", "audio", "audio"])
+    with pytest.raises(PipelineError) as e:
+        loader.check_counts(["audio", "image", "image", "image"])
+    assert e.value.http_status == 400 and e.value.param == "messages"
+    assert str(e.value) == "request has 3 image parts; at most 2 may be given in one request (--limit-mm-per-prompt)"
+    with pytest.raises(PipelineError) as e:
+        loader.check_counts(["video"])
+    assert str(e.value) == "this server takes no video input (--limit-mm-per-prompt video=0)"
 
 
 def test_video_without_pyav_is_a_501_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

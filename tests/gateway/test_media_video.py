@@ -26,7 +26,8 @@ av = pytest.importorskip("av", reason="PyAV (the av package) decodes video; pip 
 
 from gateway.events import PipelineError, TextPart, VideoPart  # noqa: E402
 from gateway.grpc_api import OmniServicer  # noqa: E402
-from gateway.media import InputLimits, MediaLoader, video_sampling_of  # noqa: E402
+from gateway.input_limits import InputLimits  # noqa: E402
+from gateway.media import MediaLoader, video_sampling_of  # noqa: E402
 from gateway.media_video import _native_fps, decode_video  # noqa: E402
 from gateway.rest import create_app  # noqa: E402
 from omnimesh.models.qwen3_omni.video_processor import VideoSampling  # noqa: E402

@@ -333,6 +333,13 @@ def _user(*parts: dict) -> list[dict]:
      "messages[0].content[0].image_url.url", "90000 pixels"),
     ({"messages": _user(*[{"type": "image_url", "image_url": {"url": png_data_uri()}}] * 5)}, 400, "messages",
      "limit is 4"),
+    # the counts are checked before anything is decoded: undecodable parts get the count's answer
+    ({"messages": _user(*[{"type": "image_url", "image_url": {"url": "data:image/png;base64,%%"}}] * 5)}, 400,
+     "messages", "5 audio/image/video parts; the limit is 4"),
+    ({"messages": _user(*[{"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}] * 3)}, 400,
+     "messages", "request has 3 audio parts; at most 2 may be given in one request (--limit-mm-per-prompt)"),
+    ({"messages": _user(*[{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}] * 2)}, 400,
+     "messages", "request has 2 video parts; at most 1 may be given"),
     ({"messages": USER_HI, "padding": "x" * 1_100_000}, 413, None, "limit is 1000000"),
 ])
 def test_error_status_and_shape(rest_server: RestServer, pipeline: ScriptedPipeline, body: dict | bytes, status: int,

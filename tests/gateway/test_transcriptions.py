@@ -13,6 +13,7 @@ from gateway_harness import RestServer, ScriptedPipeline
 from test_rest import wav_file
 
 from gateway.events import AudioPart, TextPart
+from gateway.input_limits import InputLimits
 from gateway.rest import create_app
 
 
@@ -90,3 +91,13 @@ def test_bad_files_and_bodies(rest_server: RestServer, pipeline: ScriptedPipelin
 def test_needs_the_key(shared_pipeline: ScriptedPipeline) -> None:
     with RestServer(create_app(shared_pipeline, served_model_names=("tiny-omni",), api_keys=("k",))) as s:
         assert post(s).status_code == 401
+
+
+def test_audio_refused_by_limit_mm_per_prompt(pipeline: ScriptedPipeline) -> None:
+    """--limit-mm-per-prompt '{"audio": 0}' refuses these routes too: they are audio input."""
+    limits = InputLimits(limit_mm_per_prompt={"audio": 0})
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",), limits=limits)) as s:
+        r = post(s)
+        assert r.status_code == 400 and r.json()["error"]["message"] == ("this server takes no audio input "
+                                                                         "(--limit-mm-per-prompt audio=0)")
+    assert not pipeline.requests
