@@ -348,14 +348,17 @@ class MediaLoader:
 
     async def video_from_bytes(self, data: bytes, param: str, with_audio: bool = False) -> VideoPart:
         """Video file bytes (MP4, WebM, ...) -> the sampled frames (`gateway/media_video.py`), and the
-        soundtrack when `with_audio` (use_audio_in_video), off the loop."""
+        soundtrack when `with_audio` (use_audio_in_video), in a child process (`gateway/video_process.py`)
+        waited on off the loop."""
         try:  # PyAV loads with the first video (and media_video imports this module)
-            from gateway.media_video import decode_video
+            import gateway.media_video  # noqa: F401
         except ImportError as e:
             raise PipelineError(f"{param}: this server cannot decode video: {e}; its operator must install PyAV "
                                 "(pip install av)", http_status=501, grpc_code=_GRPC_UNIMPLEMENTED,
                                 kind="server_error", param=param) from None
-        return await asyncio.to_thread(decode_video, data, sampling=self.video_sampling, limits=self.limits,
+        from gateway.video_process import decode_in_child
+
+        return await asyncio.to_thread(decode_in_child, data, sampling=self.video_sampling, limits=self.limits,
                                        param=param, with_audio=with_audio)
 
     def check_counts(self, kinds: Sequence[str]) -> None:

@@ -17,7 +17,8 @@ The soundtrack is read only when the request asks for it (`with_audio`, vLLM-Omn
 as float samples at its own rate, which `samples_to_audio_part` mixes to mono and resamples to 16 kHz
 exactly like a WAV part; a video without an audio stream is then refused.
 Every refusal is a `PipelineError` (400, or 413 for a limit) naming the request field and saying what to
-send instead; no PyAV / FFmpeg exception leaves this module. CPU-bound: call it off the event loop.
+send instead; no PyAV / FFmpeg exception leaves this module. CPU-bound and native: the gateway runs it in a
+child process of its own (gateway/video_process.py), never on the event loop.
 """
 
 from __future__ import annotations

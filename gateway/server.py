@@ -4,7 +4,8 @@ Data flow: load the tokenizer + processor from the model folder -> StageClients 
 addresses (several for a stage with replicas: gateway/replicas.py) -> StagePipeline.connect() (reads voices /
 sample rate from the stages, bounded wait) ->
 serve REST on --host:--port and gRPC on --host:--grpc-port (TLS, CORS, access log: gateway/http_front.py)
-until SIGTERM / SIGINT. REST /metrics also scrapes every stage's Metrics RPC through the same clients.
+until SIGTERM / SIGINT; meanwhile the video decoders' process server starts (gateway/video_process.py).
+REST /metrics also scrapes every stage's Metrics RPC through the same clients.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     prompts = pipeline.prepare if isinstance(pipeline.prepare, PromptBuilder) else None  # /tokenize
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains, limits=limits,
                      stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=prompts)
+    video_warmup = asyncio.create_task(_start_video_decoding())  # in the background: serving starts meanwhile
     if (described := front.describe()) is not None:
         log.info("%s", described)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="none", lifespan="off", **front.uvicorn_kwargs())
@@ -107,7 +109,22 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     await grpc_server.stop(5.0)
     if discovery is not None:
         await discovery.stop()
+    video_warmup.cancel()
     await pipeline.close()
+
+
+async def _start_video_decoding() -> None:
+    """Start the process server that forks one child per video (gateway/video_process.py), so the first
+    video does not wait for its imports; without PyAV say once that video parts will be refused."""
+    try:
+        import gateway.media_video  # noqa: F401  # PyAV
+    except ImportError as e:
+        log.warning("gateway: video input is off (%s); install PyAV (pip install av) to accept video parts", e)
+        return
+    from gateway.video_process import start_forkserver
+
+    seconds = await asyncio.to_thread(start_forkserver)
+    log.info("gateway: video decoding ready in %.1f s (each video decodes in a process of its own)", seconds)
 
 
 def run_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, list[str]]) -> int:
