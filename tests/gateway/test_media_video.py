@@ -213,6 +213,34 @@ def test_the_soundtrack_is_decoded_only_when_asked() -> None:
     assert e.value.http_status == 413
 
 
+def test_a_broken_soundtrack_is_a_400_only_when_heard() -> None:
+    """A clip whose AAC configuration is garbage, and one whose audio track holds no packet: their frames
+    decode as always, and use_audio_in_video on them is a 400 saying what to send instead."""
+    clip = make_video(8, 4, fmt="matroska", tone_hz=440.0)
+    with av.open(io.BytesIO(clip)) as c:
+        config = bytes(c.streams.audio[0].codec_context.extradata)  # AAC's AudioSpecificConfig
+    assert clip.count(config) == 1
+    garbled = clip.replace(config, b"\xff" * len(config))
+    empty = io.BytesIO()
+    with av.open(empty, mode="w", format="matroska") as c:
+        s = c.add_stream("mpeg4", rate=4)
+        s.width, s.height, s.pix_fmt = W, H, "yuv420p"
+        c.add_stream("aac", rate=44100, layout="stereo")  # declared, never written to
+        for i in range(8):
+            for packet in s.encode(av.VideoFrame.from_ndarray(np.full((H, W, 3), gray(i), np.uint8), format="rgb24")):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    for data, needle in [(garbled, "v: could not decode the video's audio track (Invalid data found when processing "
+                                   "input); send an intact video file, or its audio as an input_audio part"),
+                         (empty.getvalue(), "v: the video's audio track holds no samples; leave use_audio_in_video "
+                                            "off for this request")]:
+        assert_kept(decode(data), SAMPLING.indices(8, 4))
+        with pytest.raises(PipelineError) as e:
+            decode_video(data, sampling=SAMPLING, limits=InputLimits(), param="v", with_audio=True)
+        assert e.value.http_status == 400 and e.value.param == "v" and e.value.message == needle
+
+
 def test_an_unknown_frame_rate_is_a_400() -> None:
     stream = SimpleNamespace(average_rate=None, guessed_rate=None)
     with pytest.raises(PipelineError, match="frame rate is unknown") as e:
