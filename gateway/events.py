@@ -11,9 +11,12 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from omnimesh.v1 import stage_pb2
 
 Modality = Literal["text", "audio"]
 
@@ -72,6 +75,7 @@ class SamplingOverrides:
     include_stop_str_in_output: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logprobs: int | None = None  # thinker: each token's log-probability and this many alternatives (0-20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +92,8 @@ class ChatRequest:
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str
+    # the thinker's entries for the tokens of `text` (when the request asked for logprobs), in order
+    logprobs: tuple[stage_pb2.TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

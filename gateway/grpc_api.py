@@ -80,7 +80,8 @@ def _overrides(p: stage_pb2.SamplingParams, param: str) -> SamplingOverrides:
                           stop_token_ids=tuple(p.stop_token_ids) or None, stop=tuple(p.stop) or None,
                           min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
                           include_stop_str_in_output=opt("include_stop_str_in_output"),  # type: ignore[arg-type]
-                          presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"))
+                          presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
+                          logprobs=opt("logprobs"))  # type: ignore[arg-type]
     check_sampling(s, param)
     return s
 
@@ -168,8 +169,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             events = aiter(self.pipeline.run(chat))
             async for ev in events:
                 if isinstance(ev, TextDelta):
-                    if ev.text:
-                        yield omni_pb2.GenerateResponse(text_delta=ev.text)
+                    if ev.text or ev.logprobs:  # logprobs only when asked (sampling.logprobs)
+                        yield omni_pb2.GenerateResponse(text_delta=ev.text, logprobs=ev.logprobs)
                 elif isinstance(ev, AudioDelta):
                     if "audio" in chat.modalities and ev.pcm.size:
                         chunk = omni_pb2.AudioChunk(pcm16=pcm16_bytes(ev.pcm), sample_rate=ev.sample_rate, seq=seq)

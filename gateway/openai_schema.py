@@ -8,14 +8,16 @@ the pydantic models below and serialised with `dump`.
 Defaults chosen to match OpenAI: `modalities` defaults to ["text"] (no audio unless asked for); when
 "audio" is asked for without an `audio` object the pipeline's default voice and "wav" are used. Unknown
 top-level fields are accepted and ignored (clients send many; each is named once in the log), except ones
-whose silent omission would change the answer (`refuse_unsupported`): `n` > 1, `logprobs`, `top_logprobs`,
+whose silent omission would change the answer (`refuse_unsupported`): `n` > 1, `prompt_logprobs`,
 `tools` / `functions`, `logit_bias`, a `response_format` other than text, and vLLM's `min_p`, `ignore_eos`,
 beam search, guided decoding and the like, at any value but their neutral one. vLLM-Omni's
 `mm_processor_kwargs` takes only `use_audio_in_video` (any other key is a 400: the processor's settings
 come from the model folder).
 Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate, whatever `audio.format`
 says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `message.audio.data`.
-`stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does.
+`stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does. `logprobs`
+(with `top_logprobs` alternatives, 0-20) answer OpenAI's `choices[].logprobs.content`: each text token's
+log-probability under the model's raw distribution (vLLM's default), its bytes and its alternatives.
 OpenAI's `presence_penalty` / `frequency_penalty` work as in vLLM. Extensions: `top_k`, `repetition_penalty`,
 `stop_token_ids`, `min_tokens`, `include_stop_str_in_output` (as in vLLM), `stage_params` (per stage
 sampling, the same keys; `stop` and `include_stop_str_in_output` only for the thinker), and vLLM's `audio_url`
@@ -28,6 +30,7 @@ import json
 import logging
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,6 +38,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from gateway.audio_encoding import OUTPUT_AUDIO_FORMATS
 from gateway.events import PipelineError, SamplingOverrides
 from gateway.media import invalid_request
+from omnimesh.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -196,10 +200,11 @@ class ChatCompletionRequest(StrictBody):
     # vLLM(-Omni)'s processor kwargs: only Qwen-Omni's use_audio_in_video (a video's soundtrack interleaved
     # with its frames); any other key is a 400 (the processor's settings come from the model folder)
     mm_processor_kwargs: MMProcessorKwargs | None = None
-    # Accepted only at the values that mean "nothing special" (`refuse_unsupported`):
-    n: int | None = None
+    # OpenAI's: each generated text token's log-probability, with top_logprobs alternatives (0-20)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Accepted only at the values that mean "nothing special" (`refuse_unsupported`):
+    n: int | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     logit_bias: dict[str, Any] | None = None
@@ -207,7 +212,13 @@ class ChatCompletionRequest(StrictBody):
 
     def sampling(self) -> SamplingOverrides:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return _overrides(self, max_tokens)
+        if self.top_logprobs and not self.logprobs:
+            raise invalid_request("top_logprobs: needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise invalid_request(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                                  "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return replace(_overrides(self, max_tokens), logprobs=logprobs)
 
     def stage_overrides(self) -> dict[str, SamplingOverrides]:
         if self.stage_params is None:
@@ -220,7 +231,7 @@ class ChatCompletionRequest(StrictBody):
 # nothing (then it is accepted and changes nothing): anything else would silently change the answer -> 400
 _NEUTRAL: dict[str, Any] = {
     "n": lambda v: v is None or v == 1,
-    "logprobs": lambda v: not v, "top_logprobs": lambda v: not v, "prompt_logprobs": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None,
     "tools": lambda v: not v, "functions": lambda v: not v, "logit_bias": lambda v: not v,
     "response_format": lambda v: v is None or v.get("type") in (None, "text"),
     "tool_choice": lambda v: v in (None, "none", "auto"),  # a named / required tool: there are none
@@ -329,6 +340,7 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
 
 # ------------------------------------------------------------------------- checks shared with gRPC
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_LOGPROBS = 20  # top_logprobs, as OpenAI (and vLLM's default --max-logprobs)
 INT32_MAX = 2**31 - 1  # the wire's token counts are int32
 
 
@@ -371,6 +383,10 @@ def check_sampling(s: SamplingOverrides, param: str) -> None:
             problems.append(("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}"))
         elif "" in s.stop:
             problems.append(("stop", "stop strings must not be empty"))
+    if s.logprobs is not None and param.endswith("talker"):
+        problems.append(("logprobs", "applies to the thinker's text tokens only; the talker emits audio codes"))
+    elif s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+        problems.append(("logprobs", f"must be in [0, {MAX_LOGPROBS}] alternatives per token, got {s.logprobs}"))
     if s.include_stop_str_in_output and param.endswith("talker"):
         problems.append(("include_stop_str_in_output", "applies to the thinker's text only; the talker emits audio "
                                                        "codes"))
@@ -456,11 +472,35 @@ class ResponseMessage(_Out):
     audio: MessageAudio | None = None
 
 
+class TopLogprob(_Out):
+    token: str  # the token's bytes as text (U+FFFD where it holds part of a character)
+    logprob: float
+    bytes: list[int] | None  # the exact bytes
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Out):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+def choice_logprobs(entries: Sequence[stage_pb2.TokenLogprob]) -> ChoiceLogprobs:
+    """The thinker's entries (services/llm/token_logprobs.py) in OpenAI's `choices[].logprobs` shape."""
+    def top(e: stage_pb2.TopLogprob | stage_pb2.TokenLogprob) -> dict[str, Any]:
+        return {"token": e.token.decode("utf-8", errors="replace"), "logprob": e.logprob, "bytes": list(e.token)}
+
+    return ChoiceLogprobs(content=[TokenLogprob(**top(e), top_logprobs=[TopLogprob(**top(t)) for t in e.top])
+                                   for e in entries])
+
+
 class Choice(_Out):
     index: int = 0
     message: ResponseMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(_Out):
@@ -488,6 +528,7 @@ class ChunkChoice(_Out):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(_Out):

@@ -341,9 +341,10 @@ class StagePipeline:
         """Read `source` part by part: client-visible parts go to `events`; tensors go on to `sink` unread."""
         try:
             async for part in source.parts():
-                if text and part.text:
-                    events.put_nowait(TextDelta(part.text))
+                if text and (part.text or part.logprobs):
+                    events.put_nowait(TextDelta(part.text, tuple(part.logprobs)))
                     part.text = ""
+                    del part.logprobs[:]  # the client's, like the text: the talker never reads them
                 if audio:
                     chunk = source.assemble(part)
                     if chunk is not None and "pcm" in chunk.tensors and chunk.tensors["pcm"].numel():
@@ -382,7 +383,8 @@ def _joined(deltas: list[TextDelta | AudioDelta]) -> Event:
     if len(deltas) == 1:
         return deltas[0]
     if isinstance(deltas[0], TextDelta):
-        return TextDelta("".join(d.text for d in deltas if isinstance(d, TextDelta)))
+        texts = [d for d in deltas if isinstance(d, TextDelta)]
+        return TextDelta("".join(d.text for d in texts), tuple(e for d in texts for e in d.logprobs))
     pcm = [d.pcm for d in deltas if isinstance(d, AudioDelta)]
     return AudioDelta(pcm=np.concatenate(pcm), sample_rate=deltas[0].sample_rate)
 

@@ -68,6 +68,7 @@ from gateway.openai_schema import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     Delta,
     DeltaAudio,
@@ -79,6 +80,7 @@ from gateway.openai_schema import (
     Usage,
     check_sampling,
     check_thinker_min_tokens,
+    choice_logprobs,
     dump,
     error_response,
     normalize_modalities,
@@ -92,6 +94,7 @@ from gateway.tokenize_api import TokenizeRoutes
 from gateway.transcription_api import TranscriptionRoutes
 from gateway.stage_scrape import StageSources, scrape_stages
 from omnimesh.engine.metrics import merge_families, parse_exposition
+from omnimesh.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 VERSION = importlib.metadata.version("omnimesh")
@@ -167,6 +170,11 @@ class _Call:
     started: float  # perf_counter at arrival
     first_text: bool = False
     first_audio: bool = False
+
+    @property
+    def logprobs(self) -> bool:
+        """The client asked for `logprobs`: each choice carries its tokens' entries."""
+        return self.request.sampling.logprobs is not None
 
 
 def _sse(obj: dict) -> bytes:
@@ -305,6 +313,7 @@ class RestGateway:
 
     async def _complete(self, call: _Call, first: Event, events: AsyncIterator[Event]) -> Response:
         text: list[str] = []
+        logprobs: list[stage_pb2.TokenLogprob] = []
         audio: list[np.ndarray] = []
         rate = self.pipeline.sample_rate
         finished: Finished | None = None
@@ -313,6 +322,7 @@ class RestGateway:
                 self._observe(call, ev)
                 if isinstance(ev, TextDelta):
                     text.append(ev.text)
+                    logprobs.extend(ev.logprobs)
                 elif isinstance(ev, AudioDelta):
                     audio.append(np.asarray(ev.pcm, dtype=np.float32).reshape(-1))
                     rate = ev.sample_rate
@@ -331,7 +341,8 @@ class RestGateway:
             message.audio = MessageAudio(id=f"audio_{uuid.uuid4().hex}", data=base64.b64encode(data).decode(),
                                          expires_at=call.created, transcript=transcript)
         body = ChatCompletion(id=call.request.request_id, created=call.created, model=call.model,
-                              choices=[Choice(message=message, finish_reason=finished.finish_reason)],
+                              choices=[Choice(message=message, finish_reason=finished.finish_reason,
+                                              logprobs=choice_logprobs(logprobs) if call.logprobs else None)],
                               usage=_usage(finished))
         self._finish("chat", 200, call.started)
         return JSONResponse(dump(body), headers={"X-Request-Id": call.request.request_id})
@@ -340,9 +351,9 @@ class RestGateway:
         rid, audio_id = call.request.request_id, f"audio_{uuid.uuid4().hex}"
         status, events = 499, stream.events  # 499 (client closed) unless the stream gets to its end
 
-        def chunk(delta: Delta, finish: str | None = None) -> bytes:
+        def chunk(delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> bytes:
             c = ChatCompletionChunk(id=rid, created=call.created, model=call.model,
-                                    choices=[ChunkChoice(delta=delta, finish_reason=finish)])
+                                    choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)])
             return _sse(dump(c, drop_none=True))
 
         try:
@@ -351,8 +362,9 @@ class RestGateway:
             async for ev in _chain(first, events):
                 self._observe(call, ev)
                 if isinstance(ev, TextDelta):
-                    if ev.text:
-                        yield chunk(Delta(content=ev.text))
+                    if ev.text or ev.logprobs:  # a token holding part of a character: its entry, no text yet
+                        yield chunk(Delta(content=ev.text), logprobs=choice_logprobs(ev.logprobs) if call.logprobs
+                                    else None)
                 elif isinstance(ev, AudioDelta):
                     if call.audio_format is not None and np.size(ev.pcm):
                         data = base64.b64encode(pcm16_bytes(ev.pcm)).decode()

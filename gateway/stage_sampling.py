@@ -42,6 +42,8 @@ def _to_proto(s: SamplingOverrides) -> stage_pb2.SamplingParams:
         msg.presence_penalty = s.presence_penalty
     if s.frequency_penalty is not None:
         msg.frequency_penalty = s.frequency_penalty
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
     return msg
 
 

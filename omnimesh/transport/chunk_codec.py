@@ -79,6 +79,8 @@ class ChunkEncoder:
         msgs: list[M] = []
         part = new_part()
         part.text = chunk.text
+        if chunk.logprobs:
+            part.logprobs.extend(chunk.logprobs)
         inline = 0  # inline bytes in the current part
         for name, tensor in chunk.tensors.items():
             if self._by_reference(part, name, tensor):
@@ -144,12 +146,15 @@ class ChunkAssembler:
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     _partial: dict[str, _Partial] = field(default_factory=dict)
     _text: list[str] = field(default_factory=list)
+    _logprobs: list[stage_pb2.TokenLogprob] = field(default_factory=list)
 
     def add(self, part: stage_pb2.Chunk) -> StageChunk | None:
         """Take one part; the whole chunk once its last part (more=False) is in, else None. A FrameError drops
         the chunk collected so far and releases the part's unclaimed references."""
         if part.text:
             self._text.append(part.text)
+        if part.logprobs:
+            self._logprobs.extend(part.logprobs)
         try:
             for frame in part.tensors:
                 self._frame(frame, part.seq)
@@ -157,15 +162,16 @@ class ChunkAssembler:
             # the chunk is lost: give the part's unclaimed references back to their producers at once (the
             # claimed ones are kept until their tensors go) and drop what was collected of the chunk
             discard_refs(self.reader, part)
-            self._tensors, self._partial, self._text = {}, {}, []
+            self._tensors, self._partial, self._text, self._logprobs = {}, {}, [], []
             raise
         if part.more:
             return None
         for name, partial in self._partial.items():
             raise FrameError(f"{frame_where(name, self.request_id)}: chunk {part.seq} ended after {partial.received} "
                              f"of {partial.buffer.nbytes} bytes")
-        chunk = StageChunk(tensors=self._tensors, text="".join(self._text), seq=part.seq, final=part.final)
-        self._tensors, self._text = {}, []
+        chunk = StageChunk(tensors=self._tensors, text="".join(self._text), seq=part.seq, final=part.final,
+                           logprobs=self._logprobs)
+        self._tensors, self._text, self._logprobs = {}, [], []
         return chunk
 
     def _frame(self, frame: tensor_pb2.TensorFrame, seq: int) -> None:

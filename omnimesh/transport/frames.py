@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnimesh.v1 import tensor_pb2
+from omnimesh.v1 import stage_pb2, tensor_pb2
 
 if sys.byteorder != "little":  # the wire format is little-endian; we never byte-swap silently
     raise RuntimeError("omnimesh frames need a little-endian host")
@@ -48,6 +48,7 @@ class StageChunk:
     text: str = ""
     seq: int = 0
     final: bool = False
+    logprobs: list[stage_pb2.TokenLogprob] = field(default_factory=list)  # the thinker's, when asked
 
 
 def dtype_name(dtype: torch.dtype, what: str) -> str:

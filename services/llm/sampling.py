@@ -19,12 +19,16 @@ from omnimesh.models.qwen3_omni.sampling import SamplingParams
 from omnimesh.v1 import stage_pb2
 
 
-def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | None) -> SamplingParams:
+def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | None, *, text: bool = True
+                   ) -> SamplingParams:
+    """`text`: the stage emits text tokens (the thinker); a stage that does not refuses `logprobs`."""
     if msg is None:
         return defaults
+    if msg.HasField("logprobs") and not text:
+        raise ValueError("logprobs are for the thinker's text tokens; this stage emits audio codes")
     changes: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "min_tokens",
-                 "include_stop_str_in_output", "presence_penalty", "frequency_penalty"):
+                 "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "logprobs"):
         if msg.HasField(name):
             changes[name] = getattr(msg, name)
     if msg.stop_token_ids:

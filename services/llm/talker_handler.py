@@ -60,7 +60,7 @@ class TalkerHandler:
     def open(self, msg: stage_pb2.Open) -> TalkerTask:
         if self.failure.message is not None:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"talker: {self.failure.message}")
-        params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
+        params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None, text=False)
         speaker = msg.options.get("speaker") or self.speakers[0]
         if "chunk_schedule" in msg.options:
             chunks = parse_windows(msg.options["chunk_schedule"], "option chunk_schedule")

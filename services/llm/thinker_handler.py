@@ -26,6 +26,7 @@ from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling
 from services.llm.thinker_batcher import ThinkerBatcher
 from services.llm.thinker_task import ThinkerTask, merge_token_chunks
+from services.llm.token_logprobs import TokenBytes
 from services.options import count_option
 
 
@@ -46,6 +47,7 @@ class ThinkerHandler:
         self.max_inflight_steps = 2 if self.preempt else layout.pp
         self.thinker = thinker
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)  # token id -> bytes, for logprobs (cached across requests)
         self.defaults = thinker_sampling_params(thinker.config, generation_config)
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -66,7 +68,7 @@ class ThinkerHandler:
         task = ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
                            talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len,
                            batcher=self.batcher, stream_interval=self.stream_interval,
-                           eager_tokens=count_option(msg, "eager_tokens", 1, "tokens"))
+                           eager_tokens=count_option(msg, "eager_tokens", 1, "tokens"), token_bytes=self.token_bytes)
         if self.batcher is not None:
             self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
         return task

@@ -12,6 +12,8 @@ Streaming (`stream_interval`, the stage's --stream-interval; `eager_tokens`, a r
 (texts joined, `token_ids` (k,) and `token_embeds` (k, H) stacked): fewer messages through the gateway.
 Chunks the stage's writer has not sent yet when the next one comes are merged the same way
 (`ThinkerHandler.merge_outputs`, see stage_servicer), so under load the stream coalesces by itself.
+`logprobs` (a sampling parameter): each token's chunk also carries its log-probability entry
+(services/llm/token_logprobs.py; not for a stop id, which adds no text), merged along with the text.
 `min_tokens`: the sampler picks no stop id before that many tokens, and a stop string counts only when it
 completes in the token that reaches min_tokens or a later one (`StopStrings.push(armed=...)`).
 """
@@ -29,6 +31,7 @@ from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
 from omnimesh.models.qwen3_omni.thinker import PreparedPrompt, Qwen3OmniThinker
 from omnimesh.transport.frames import StageChunk
 from services.llm.detokenizer import Detokenizer, StopStrings
+from services.llm.token_logprobs import TokenBytes, token_logprob
 
 EDGE = "gateway -> thinker"
 MERGED = ("token_ids", "token_embeds")  # what several tokens' chunks stack into one (along dim 0)
@@ -37,11 +40,12 @@ MERGED = ("token_ids", "token_embeds")  # what several tokens' chunks stack into
 class ThinkerTask(BatchedTask):
     def __init__(self, request_id: str, thinker: Qwen3OmniThinker, tokenizer: object, params: SamplingParams,
                  *, talker_inputs: bool, max_model_len: int, batcher: object = None, stream_interval: int = 1,
-                 eager_tokens: int = 1):
+                 eager_tokens: int = 1, token_bytes: TokenBytes | None = None):
         super().__init__(request_id, batcher)
         self.thinker = thinker
         self.sampler = Sampler(params)
         self.detok = Detokenizer(tokenizer)
+        self.token_bytes = token_bytes or TokenBytes(tokenizer)  # for logprobs: one per handler, cached
         self.stops = StopStrings(params.stop, include_stop=params.include_stop_str_in_output)
         self.talker_inputs = talker_inputs
         self.max_model_len = max_model_len
@@ -136,6 +140,8 @@ class ThinkerTask(BatchedTask):
         tensors["token_ids"] = torch.tensor([token], dtype=torch.long)
         stop = self.sampler.is_stop(token)
         at_max = self.completion_tokens >= self.sampler.params.max_tokens
+        k = self.sampler.params.logprobs
+        logprobs = [token_logprob(out.logits, token, k, self.token_bytes)] if k is not None and not stop else []
         raw = "" if stop else self.detok.push(token)
         if stop or at_max:
             raw += self.detok.finish()
@@ -145,12 +151,13 @@ class ThinkerTask(BatchedTask):
                 text += self.stops.finish()  # release held-back text (never after a stop-string match)
             self.finished = True
             self.finish_reason = "stop" if (stop or stop_str) else "length"
-            return self._send(StageChunk(tensors=tensors, text=text)), None
+            return self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs)), None
         embed, positions = self.thinker.token_input(token, len(self.token_ids), prompt.rope_delta)
         self.token_ids.append(token)
         if self.talker_inputs:
             tensors["token_embeds"] = embed.view(1, -1)  # (1, H)
-        return self._send(StageChunk(tensors=tensors, text=text)), InputRun(embed.view(1, -1), positions)
+        return (self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs)),
+                InputRun(embed.view(1, -1), positions))
 
     def _send(self, chunk: StageChunk) -> list[StageChunk]:
         """This token's chunk goes out now (the first `eager_tokens` tokens, the last one, every
@@ -165,7 +172,7 @@ class ThinkerTask(BatchedTask):
 
 
 def merge_token_chunks(chunks: list[StageChunk]) -> StageChunk:
-    """Consecutive token chunks of one request as ONE chunk: texts joined, `token_ids` (k,) and
+    """Consecutive token chunks of one request as ONE chunk: texts and logprobs joined, `token_ids` (k,) and
     `token_embeds` (k, H) stacked, any other tensor (the talker prompt, on the stream's first chunk) kept,
     final if the last one is. What the talker and the gateway read from it is what they read from the
     chunks one by one; two chunks carrying the same other tensor cannot merge (ValueError)."""
@@ -182,7 +189,8 @@ def merge_token_chunks(chunks: list[StageChunk]) -> StageChunk:
             else:
                 tensors[name] = tensor
     tensors.update({name: torch.cat(parts) for name, parts in stacked.items() if parts})
-    return StageChunk(tensors=tensors, text="".join(c.text for c in chunks), final=chunks[-1].final)
+    return StageChunk(tensors=tensors, text="".join(c.text for c in chunks), final=chunks[-1].final,
+                      logprobs=[entry for c in chunks for entry in c.logprobs])
 
 
 def _layers(deep: torch.Tensor | None) -> list[torch.Tensor] | None:

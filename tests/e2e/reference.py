@@ -169,3 +169,21 @@ class ReferenceModel:
             wav_np = np.zeros(0, dtype=np.float32)
         gen = seq[0, ids.shape[1]:].tolist()
         return Reference(self.tokenizer.decode(gen, skip_special_tokens=True), gen, wav_np)
+
+    @torch.no_grad()
+    def text_logprobs(self, req: ChatRequest, *, max_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """Greedy text-only `generate` -> (the generated ids, EOS included when it stopped there;
+        log_softmax of the thinker's raw logits at each step, (n, V))."""
+        p = self.prompts(req)
+        kwargs: dict = {}
+        if p.input_features is not None:
+            kwargs.update(input_features=p.input_features, feature_attention_mask=p.feature_attention_mask)
+        if p.pixel_values is not None:
+            kwargs.update(pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
+        ids = p.input_ids.view(1, -1)
+        out = self.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), return_audio=False, thinker_max_new_tokens=max_tokens,
+            thinker_eos_token_id=self.model.config.im_end_token_id, thinker_do_sample=False,
+            thinker_output_logits=True, thinker_return_dict_in_generate=True, **kwargs)
+        logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # (n, V)
+        return out.sequences[0, ids.shape[1]:].tolist(), logprobs

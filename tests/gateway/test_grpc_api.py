@@ -80,6 +80,9 @@ def test_generate_text_only_sampling_and_media(grpc_server: GrpcServer, pipeline
     ({"sampling": stage_pb2.SamplingParams(temperature=5.0)}, INVALID_ARGUMENT, "sampling.temperature"),
     ({"sampling": stage_pb2.SamplingParams(stop_token_ids=[-1])}, INVALID_ARGUMENT, "sampling.stop_token_ids[0]"),
     ({"stage_params": {"vocoder": stage_pb2.SamplingParams()}}, INVALID_ARGUMENT, "unknown stage 'vocoder'"),
+    ({"stage_params": {"talker": stage_pb2.SamplingParams(logprobs=1)}}, INVALID_ARGUMENT,
+     "stage_params.talker.logprobs: applies to the thinker's text tokens only"),
+    ({"sampling": stage_pb2.SamplingParams(logprobs=21)}, INVALID_ARGUMENT, "sampling.logprobs: must be in [0, 20]"),
 ])
 def test_generate_validation_errors(grpc_server: GrpcServer, pipeline: ScriptedPipeline, request_kw: dict,
                                     code: int, needle: str) -> None:

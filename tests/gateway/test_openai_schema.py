@@ -37,7 +37,8 @@ def test_max_completion_tokens_wins_and_ints_are_floats() -> None:
     ({"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed", "integer"),
     ({"messages": [{"role": "user", "content": "x"}], "stage_params": {"talker": {"temperature": "0"}}},
      "stage_params.talker.temperature", "number"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "logprobs: true is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1}, "prompt_logprobs",
+     "prompt_logprobs: 1 is not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop", "valid list"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "only n=1"),
@@ -73,6 +74,15 @@ def test_neutral_values_of_unsupported_fields_pass_and_penalties_reach_the_overr
                   "stage_params": {"talker": {"frequency_penalty": 0.25}}})
     assert body.sampling() == SamplingOverrides(presence_penalty=0.5, frequency_penalty=-1.0)  # type: ignore[attr-defined]
     assert body.stage_overrides() == {"talker": SamplingOverrides(frequency_penalty=0.25)}  # type: ignore[attr-defined]
+
+
+def test_logprobs_ask_the_thinker_for_alternatives() -> None:
+    """OpenAI's logprobs / top_logprobs -> the thinker's `logprobs` count (None: off)."""
+    def logprobs(**fields: object) -> int | None:
+        return parse({"messages": [{"role": "user", "content": "x"}], **fields}).sampling().logprobs  # type: ignore[attr-defined]
+
+    assert logprobs() is None and logprobs(logprobs=False, top_logprobs=0) is None
+    assert logprobs(logprobs=True) == 0 and logprobs(logprobs=True, top_logprobs=3) == 3
 
 
 def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:

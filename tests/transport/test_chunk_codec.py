@@ -148,3 +148,15 @@ def test_encoder_checks() -> None:
         ChunkEncoder("shm", None, RID)
     with pytest.raises(FrameError, match="'z'.*complex64"):
         ChunkEncoder("grpc", None, RID).parts(StageChunk(tensors={"z": torch.zeros(2, dtype=torch.complex64)}))
+
+
+def test_logprobs_travel_with_the_chunk_they_belong_to() -> None:
+    """The thinker's logprob entries ride on the chunk's first part, like its text, whatever it is split into."""
+    entries = [stage_pb2.TokenLogprob(token_id=7, token=b"\xe4\xb8", logprob=-0.5,
+                                      top=[stage_pb2.TopLogprob(token_id=7, token=b"\xe4\xb8", logprob=-0.5)]),
+               stage_pb2.TokenLogprob(token_id=9, token=b"\x96", logprob=-9999.0)]
+    parts = _encode({"token_embeds": make_tensor(torch.float32, (4096,), 0)}, text="\u4e16", logprobs=entries)
+    assert len(parts) > 1 and list(parts[0].logprobs) == entries and not any(p.logprobs for p in parts[1:])
+    out = _assemble(parts)
+    assert out is not None and out.text == "\u4e16" and out.logprobs == entries
+    assert _assemble(_encode({"token_ids": torch.tensor([1])})).logprobs == []  # none asked, none sent

@@ -41,6 +41,9 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from omnimesh.kernels import cpu_kernels
 
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default --max-logprobs
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks tokens. `temperature == 0` is greedy; `top_k == 0` / `top_p == 1` are off.
@@ -63,6 +66,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this once for every id generated so far
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this per time an id was generated so far
     vocab_size: int = 0  # ids the head can produce (0 = unknown); bounds the caller's stop_token_ids
+    # the thinker returns each token's log-probability (raw model distribution) and this many alternatives
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -81,6 +86,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] alternatives per token, got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}; "
                              f"lower min_tokens or raise max_tokens")

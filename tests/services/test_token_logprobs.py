@@ -1,0 +1,72 @@
+"""services/llm/token_logprobs.py: each token's exact bytes (byte-level BPE symbols mapped back, so tokens
+that split a UTF-8 character join into it), and entries equal to log_softmax of the raw logits with the
+top alternatives best first and -inf sent as -9999."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from omnimesh.models.qwen3_omni.sampling import SamplingParams
+from services.llm.token_logprobs import FLOOR, TokenBytes, token_logprob
+
+TEXT = "Hello, wörld! 世界 🎉 naïve\ttabs\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_token_bytes_join_into_the_text(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    token_bytes = TokenBytes(tokenizer)
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    pieces = [token_bytes(i) for i in ids]
+    assert b"".join(pieces) == TEXT.encode("utf-8")
+    assert any(len(p) and not _utf8(p) for p in pieces), "the text should split a character across tokens"
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert token_bytes(im_end) == b"<|im_end|>"  # a special token: its own spelling
+    assert token_bytes(ids[0]) is token_bytes(ids[0])  # cached
+
+
+def _utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_entries_are_the_raw_distribution(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    logits = torch.randn(64) * 3
+    logits[5] = -float("inf")  # masked
+    expected = torch.log_softmax(logits, dim=-1)
+    entry = token_logprob(logits, 11, 4, TokenBytes(tokenizer))
+    assert entry.token_id == 11 and entry.logprob == pytest.approx(float(expected[11]), abs=1e-6)
+    best = torch.argsort(expected, descending=True)[:4].tolist()
+    assert [t.token_id for t in entry.top] == best
+    assert [t.logprob for t in entry.top] == pytest.approx([float(expected[i]) for i in best], abs=1e-6)
+    assert token_logprob(logits, 5, 0, TokenBytes(tokenizer)).logprob == FLOOR  # -inf is not valid JSON
+    assert not token_logprob(logits, 11, 0, TokenBytes(tokenizer)).top
+
+
+def test_params_bound_the_alternatives() -> None:
+    assert SamplingParams(logprobs=20).logprobs == 20
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\] alternatives per token, got 21"):
+        SamplingParams(logprobs=21)
+
+
+def test_only_the_thinker_takes_logprobs() -> None:
+    """The stages read `logprobs` off the wire; the talker (audio codes, no text) refuses it."""
+    from omnimesh.v1 import stage_pb2
+    from services.llm.sampling import merge_sampling
+
+    msg = stage_pb2.SamplingParams(logprobs=3)
+    assert merge_sampling(SamplingParams(), msg).logprobs == 3
+    assert merge_sampling(SamplingParams(), stage_pb2.SamplingParams()).logprobs is None
+    with pytest.raises(ValueError, match="logprobs are for the thinker's text tokens; this stage emits audio codes"):
+        merge_sampling(SamplingParams(), msg, text=False)
