@@ -76,6 +76,8 @@ class SamplingOverrides:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: int | None = None  # thinker: each token's log-probability and this many alternatives (0-20)
+    min_p: float | None = None  # vLLM's: drop ids below min_p x the top probability
+    ignore_eos: bool | None = None  # vLLM's: the model's own stop ids do not stop the stage
 
 
 @dataclass(frozen=True, slots=True)

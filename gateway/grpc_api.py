@@ -81,7 +81,8 @@ def _overrides(p: stage_pb2.SamplingParams, param: str) -> SamplingOverrides:
                           min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
                           include_stop_str_in_output=opt("include_stop_str_in_output"),  # type: ignore[arg-type]
                           presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
-                          logprobs=opt("logprobs"))  # type: ignore[arg-type]
+                          logprobs=opt("logprobs"), min_p=opt("min_p"),  # type: ignore[arg-type]
+                          ignore_eos=p.ignore_eos or None)
     check_sampling(s, param)
     return s
 

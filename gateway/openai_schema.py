@@ -9,8 +9,8 @@ Defaults chosen to match OpenAI: `modalities` defaults to ["text"] (no audio unl
 "audio" is asked for without an `audio` object the pipeline's default voice and "wav" are used. Unknown
 top-level fields are accepted and ignored (clients send many; each is named once in the log), except ones
 whose silent omission would change the answer (`refuse_unsupported`): `n` > 1, `prompt_logprobs`,
-`tools` / `functions`, `logit_bias`, a `response_format` other than text, and vLLM's `min_p`, `ignore_eos`,
-beam search, guided decoding and the like, at any value but their neutral one. vLLM-Omni's
+`tools` / `functions`, `logit_bias`, a `response_format` other than text, and vLLM's beam search, guided
+decoding and the like, at any value but their neutral one. vLLM-Omni's
 `mm_processor_kwargs` takes only `use_audio_in_video` (any other key is a 400: the processor's settings
 come from the model folder).
 Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate, whatever `audio.format`
@@ -18,7 +18,8 @@ says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `me
 `stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does. `logprobs`
 (with `top_logprobs` alternatives, 0-20) answer OpenAI's `choices[].logprobs.content`: each text token's
 log-probability under the model's raw distribution (vLLM's default), its bytes and its alternatives.
-OpenAI's `presence_penalty` / `frequency_penalty` work as in vLLM. Extensions: `top_k`, `repetition_penalty`,
+OpenAI's `presence_penalty` / `frequency_penalty` work as in vLLM. Extensions: `top_k`, `min_p`, `ignore_eos`,
+`repetition_penalty`,
 `stop_token_ids`, `min_tokens`, `include_stop_str_in_output` (as in vLLM), `stage_params` (per stage
 sampling, the same keys; `stop` and `include_stop_str_in_output` only for the thinker), and vLLM's `audio_url`
 and `video_url` content parts (`{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}}`).
@@ -150,6 +151,8 @@ class StageSampling(StrictBody):
     include_stop_str_in_output: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    min_p: float | None = None
+    ignore_eos: bool | None = None
 
     def overrides(self) -> SamplingOverrides:
         return _overrides(self, self.max_tokens)
@@ -160,7 +163,8 @@ def _overrides(s: StageSampling | ChatCompletionRequest, max_tokens: int | None)
                              max_tokens=max_tokens, repetition_penalty=s.repetition_penalty,
                              stop_token_ids=_tuple(s.stop_token_ids), stop=_tuple(s.stop),
                              min_tokens=s.min_tokens, include_stop_str_in_output=s.include_stop_str_in_output,
-                             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
+                             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                             min_p=s.min_p, ignore_eos=s.ignore_eos)
 
 
 class StageParams(StrictBody):
@@ -194,6 +198,8 @@ class ChatCompletionRequest(StrictBody):
     include_stop_str_in_output: bool | None = None  # vLLM's: the matched stop string ends the text
     presence_penalty: float | None = None  # OpenAI's, [-2, 2], over the generated tokens (vLLM's arithmetic)
     frequency_penalty: float | None = None
+    min_p: float | None = None  # vLLM's: drop ids below min_p x the top probability (after temperature)
+    ignore_eos: bool | None = None  # vLLM's: the model's EOS does not stop (max_tokens, stop ids still do)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stage_params: StageParams | None = None
@@ -236,7 +242,7 @@ _NEUTRAL: dict[str, Any] = {
     "response_format": lambda v: v is None or v.get("type") in (None, "text"),
     "tool_choice": lambda v: v in (None, "none", "auto"),  # a named / required tool: there are none
     # vLLM's extra sampling / decoding parameters
-    "min_p": lambda v: not v, "ignore_eos": lambda v: not v, "best_of": lambda v: v is None or v == 1,
+    "best_of": lambda v: v is None or v == 1,
     "use_beam_search": lambda v: not v, "allowed_token_ids": lambda v: not v, "bad_words": lambda v: not v,
     "echo": lambda v: not v, "structured_outputs": lambda v: v is None, "guided_json": lambda v: v is None,
     "guided_regex": lambda v: v is None, "guided_choice": lambda v: v is None, "guided_grammar": lambda v: v is None,
@@ -355,6 +361,8 @@ def check_sampling(s: SamplingOverrides, param: str) -> None:
         problems.append(("temperature", f"must be in [0, 2] (0 = greedy), got {s.temperature}"))
     if s.top_p is not None and not 0.0 < s.top_p <= 1.0:
         problems.append(("top_p", f"must be in (0, 1], got {s.top_p}"))
+    if s.min_p is not None and not 0.0 <= s.min_p <= 1.0:
+        problems.append(("min_p", f"must be in [0, 1] (0 disables it), got {s.min_p}"))
     if s.top_k is not None and s.top_k < 1:
         problems.append(("top_k", f"must be >= 1, got {s.top_k}"))
     if s.max_tokens is not None and s.max_tokens < 1:

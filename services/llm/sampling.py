@@ -1,7 +1,8 @@
 """The wire SamplingParams (what the caller set) over the model's defaults -> the stage's SamplingParams.
 
 Runs in each LLM stage handler's `open`. Unset fields keep the default `transformers` generate uses for
-this model and role. `stop_token_ids` add to the model's own stop ids (its EOS always stays one) and must
+this model and role. `stop_token_ids` add to the model's own stop ids (its EOS stays one unless vLLM's
+`ignore_eos` drops the model's own: the stage then runs to max_tokens or a caller's stop) and must
 lie in [0, vocab) of this stage's head (`defaults.vocab_size`; the gateway does not know it). `stop`
 strings (and `include_stop_str_in_output`) are carried on the params for the task's text (`StopStrings`
 in detokenizer.py); `min_tokens` is checked against the merged `max_tokens` (the stage's default when the
@@ -27,10 +28,13 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
     if msg.HasField("logprobs") and not text:
         raise ValueError("logprobs are for the thinker's text tokens; this stage emits audio codes")
     changes: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "min_tokens",
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty", "min_tokens",
                  "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "logprobs"):
         if msg.HasField(name):
             changes[name] = getattr(msg, name)
+    own = () if msg.ignore_eos else defaults.stop_token_ids  # vLLM's ignore_eos: the model's own stop ids go
+    if msg.ignore_eos:
+        changes["stop_token_ids"] = own
     if msg.stop_token_ids:
         ids = [int(i) for i in msg.stop_token_ids]
         vocab = defaults.vocab_size
@@ -38,7 +42,7 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
         if bad:
             bound = f"[0, {vocab})" if vocab > 0 else ">= 0"
             raise ValueError(f"stop_token_ids must be in {bound} (this stage's vocabulary), got {bad[:8]}")
-        changes["stop_token_ids"] = tuple(dict.fromkeys((*defaults.stop_token_ids, *ids)))
+        changes["stop_token_ids"] = tuple(dict.fromkeys((*own, *ids)))
     if msg.stop:
         if any(s == "" for s in msg.stop):
             raise ValueError("stop strings must not be empty")

@@ -197,3 +197,20 @@ def test_grpc_bad_values_name_the_param(grpc_server: GrpcServer, pipeline: Scrip
     assert [r.WhichOneof("kind") for r in out] == ["error"]
     assert out[0].error.code == INVALID_ARGUMENT and needle in out[0].error.message, out[0].error.message
     assert pipeline.requests == []
+
+
+def test_min_p_ignore_eos_and_logprobs_reach_their_stages(rest_server: RestServer, grpc_server: GrpcServer,
+                                                          pipeline: ScriptedPipeline) -> None:
+    """vLLM's min_p / ignore_eos (top level: the thinker; stage_params: that stage) and OpenAI's logprobs
+    (the thinker only) on the wire, from REST and from gRPC alike."""
+    r = post(rest_server, {"min_p": 0.1, "ignore_eos": True, "logprobs": True, "top_logprobs": 3,
+                           "stage_params": {"talker": {"min_p": 0.05, "ignore_eos": True}}})
+    assert r.status_code == 200, r.text
+    thinker, talker = wire(pipeline.requests[-1])
+    assert (round(thinker.min_p, 6), thinker.ignore_eos, thinker.logprobs) == (0.1, True, 3)
+    assert (round(talker.min_p, 6), talker.ignore_eos, talker.HasField("logprobs")) == (0.05, True, False)
+    out = generate(grpc_server, sampling=stage_pb2.SamplingParams(min_p=0.2, ignore_eos=True, logprobs=0))
+    assert out[-1].WhichOneof("kind") == "done", out
+    thinker, talker = wire(pipeline.requests[-1])
+    assert (round(thinker.min_p, 6), thinker.ignore_eos, thinker.logprobs) == (0.2, True, 0)
+    assert not talker.HasField("min_p") and not talker.ignore_eos  # the thinker's own, not inherited

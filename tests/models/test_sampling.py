@@ -11,6 +11,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
@@ -62,12 +63,13 @@ def test_full_chain_matches_transformers_processors() -> None:
     raw = logits(2)
     history = torch.tensor([1, 2, 5])
     suppress = (0, 5, 9)
-    params = SamplingParams(temperature=0.7, top_k=10, top_p=0.8, repetition_penalty=1.2, suppress_tokens=suppress)
+    params = SamplingParams(temperature=0.7, top_k=10, top_p=0.8, min_p=0.2, repetition_penalty=1.2,
+                            suppress_tokens=suppress)
     ids = history.view(1, -1)
     expected = raw.view(1, -1).clone()
     for proc in (
         RepetitionPenaltyLogitsProcessor(1.2), SuppressTokensLogitsProcessor(list(suppress)),
-        TemperatureLogitsWarper(0.7), TopKLogitsWarper(10), TopPLogitsWarper(0.8),
+        TemperatureLogitsWarper(0.7), TopKLogitsWarper(10), TopPLogitsWarper(0.8), MinPLogitsWarper(0.2),
     ):
         expected = proc(ids, expected)
     assert torch.equal(Sampler(params).process(raw, history), expected[0])
@@ -241,3 +243,29 @@ def test_frequency_and_presence_penalties_follow_vllm() -> None:
     repeated = Sampler(SamplingParams(temperature=0.9, seed=2, frequency_penalty=2.0))
     picks = [repeated.sample(raw) for _ in range(40)]
     assert len(set(picks)) > len(set([plain.sample(raw) for _ in range(40)]))  # spread over more ids
+
+
+def test_min_p_keeps_what_transformers_keeps() -> None:
+    """vLLM's min_p (transformers' MinPLogitsWarper): ids below min_p x the top probability are dropped; the top
+    stays at min_p 1; 0 changes nothing."""
+    raw = logits(5)
+    for min_p in (0.05, 0.3, 1.0):
+        expected = MinPLogitsWarper(min_p)(torch.zeros(1, 1, dtype=torch.long), raw.view(1, -1).clone())[0]
+        ours = Sampler(SamplingParams(temperature=1.0, min_p=min_p)).process(raw)
+        assert torch.equal(ours, expected)
+        assert torch.isfinite(ours[raw.argmax()])
+    assert torch.equal(Sampler(SamplingParams(min_p=0.0)).process(raw), raw)
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\], got 1.5"):
+        SamplingParams(min_p=1.5)
+
+
+def test_ignore_eos_drops_only_the_models_stop_ids() -> None:
+    """vLLM's ignore_eos at a stage: the model's own stop ids no longer stop it; the caller's still do."""
+    from omnimesh.v1 import stage_pb2
+    from services.llm.sampling import merge_sampling
+
+    defaults = SamplingParams(stop_token_ids=(7, 8), vocab_size=64)
+    assert merge_sampling(defaults, stage_pb2.SamplingParams(ignore_eos=True)).stop_token_ids == ()
+    assert merge_sampling(defaults, stage_pb2.SamplingParams(ignore_eos=True, stop_token_ids=[3])).stop_token_ids == (3,)
+    assert merge_sampling(defaults, stage_pb2.SamplingParams(stop_token_ids=[3])).stop_token_ids == (7, 8, 3)
+    assert merge_sampling(defaults, stage_pb2.SamplingParams(min_p=0.25)).min_p == 0.25

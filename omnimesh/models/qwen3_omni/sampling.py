@@ -55,6 +55,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # vLLM's / `MinPLogitsWarper`: drop ids below min_p x the top probability (0 = off)
     seed: int | None = None
     max_tokens: int = 1024
     repetition_penalty: float = 1.0
@@ -70,13 +71,15 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable it")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}; use 0 to disable it")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}; use 0 to disable it")
         if self.max_tokens < 1:
@@ -155,6 +158,8 @@ class Sampler:
             scores = apply_top_k(scores, p.top_k)
         if p.top_p < 1.0:
             scores = apply_top_p(scores, p.top_p)
+        if p.min_p > 0.0:
+            scores = apply_min_p(scores, p.min_p)
         return scores
 
     def sample(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> int:
@@ -253,6 +258,12 @@ def apply_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     remove_sorted[-1:] = False
     remove = remove_sorted.scatter(0, sorted_idx, remove_sorted)  # (V,)
     return scores.masked_fill(remove, -float("inf"))
+
+
+def apply_min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """`MinPLogitsWarper`: drop the ids whose probability is below min_p x the top one's (the top always stays)."""
+    probs = scores.softmax(dim=-1)  # (V,)
+    return scores.masked_fill(probs < min_p * probs.max(), -float("inf"))
 
 
 def thinker_sampling_params(
