@@ -45,6 +45,7 @@ from gateway.events import (
 from gateway.input_limits import InputLimits
 from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
 from gateway.openai_schema import (
+    MAX_LOGPROBS,
     STAGE_NAMES,
     check_sampling,
     check_thinker_min_tokens,
@@ -68,7 +69,7 @@ def grpc_server_options(limits: InputLimits) -> list[tuple[str, int]]:
             ("grpc.max_send_message_length", limits.max_request_bytes)]
 
 
-def _overrides(p: stage_pb2.SamplingParams, param: str) -> SamplingOverrides:
+def _overrides(p: stage_pb2.SamplingParams, param: str, max_logprobs: int) -> SamplingOverrides:
     """The proto's sampling fields (the same as REST's) -> checked `SamplingOverrides`; empty lists = unset."""
 
     def opt(name: str) -> float | int | None:
@@ -83,7 +84,7 @@ def _overrides(p: stage_pb2.SamplingParams, param: str) -> SamplingOverrides:
                           presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
                           logprobs=opt("logprobs"), min_p=opt("min_p"),  # type: ignore[arg-type]
                           ignore_eos=p.ignore_eos or None)
-    check_sampling(s, param)
+    check_sampling(s, param, max_logprobs)
     return s
 
 
@@ -95,8 +96,10 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
     """Thin: validate, run the pipeline, translate events to stream messages."""
 
     def __init__(self, pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
-                 limits: InputLimits | None = None, video_sampling: VideoSampling | None = None) -> None:
+                 limits: InputLimits | None = None, video_sampling: VideoSampling | None = None,
+                 max_logprobs: int = MAX_LOGPROBS) -> None:
         self.pipeline = pipeline
+        self.max_logprobs = max_logprobs  # --max-logprobs
         self.served_model_names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
         if not self.served_model_names:
             raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
@@ -113,13 +116,14 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         voice = None
         if "audio" in modalities or req.voice:
             voice = resolve_voice(req.voice or None, self.pipeline.voices, self.pipeline.default_voice, "voice")
-        sampling = _overrides(req.sampling, "sampling") if req.HasField("sampling") else SamplingOverrides()
+        sampling = (_overrides(req.sampling, "sampling", self.max_logprobs) if req.HasField("sampling")
+                    else SamplingOverrides())
         stages: dict[str, SamplingOverrides] = {}
         for name, p in req.stage_params.items():
             if name not in STAGE_NAMES:
                 raise invalid_request(f"stage_params: unknown stage '{name}'; known: {', '.join(STAGE_NAMES)}",
                                       "stage_params")
-            stages[name] = _overrides(p, f"stage_params.{name}")
+            stages[name] = _overrides(p, f"stage_params.{name}", self.max_logprobs)
         check_thinker_min_tokens(sampling, stages.get("thinker"), "sampling")
         if not req.messages:
             raise invalid_request("messages: at least one message is required", "messages")
@@ -204,7 +208,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
 
 async def create_grpc_server(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
-                             limits: InputLimits | None = None,
+                             limits: InputLimits | None = None, max_logprobs: int = MAX_LOGPROBS,
                              api_keys: tuple[str, ...] = ()) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """A `grpc.aio` server (not yet bound or started) serving Omni + health ("" and Omni SERVING) + reflection;
     with `api_keys`, Omni calls need one of them (`gateway/auth.py`)."""
@@ -212,7 +216,8 @@ async def create_grpc_server(pipeline: Pipeline, *, served_model_names: Sequence
     server, health = make_server([OMNI_SERVICE_NAME], options=grpc_server_options(limits),
                                  interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else ())
     omni_pb2_grpc.add_OmniServicer_to_server(
-        OmniServicer(pipeline, served_model_names=served_model_names, limits=limits), server)
+        OmniServicer(pipeline, served_model_names=served_model_names, limits=limits, max_logprobs=max_logprobs),
+        server)
     for name in ("", OMNI_SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health

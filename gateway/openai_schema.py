@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 STAGE_NAMES: tuple[str, ...] = ("thinker", "talker")
 CONTENT_PART_TYPES: tuple[str, ...] = ("text", "image_url", "input_audio", "audio_url", "video_url")
+MAX_LOGPROBS = 20  # --max-logprobs' default: top_logprobs up to 20, as OpenAI and vLLM
 
 
 class StrictBody(BaseModel):
@@ -216,13 +217,15 @@ class ChatCompletionRequest(StrictBody):
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def sampling(self) -> SamplingOverrides:
+    def sampling(self, max_logprobs: int = MAX_LOGPROBS) -> SamplingOverrides:
+        """The top-level sampling fields (the thinker's); `max_logprobs` bounds `top_logprobs` (-1: none)."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs and not self.logprobs:
             raise invalid_request("top_logprobs: needs logprobs: true", "top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise invalid_request(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
-                                  "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= (
+                self.top_logprobs if max_logprobs < 0 else max_logprobs):
+            raise invalid_request(f"top_logprobs: must be in [0, {max_logprobs}] (--max-logprobs), got "
+                                  f"{self.top_logprobs}", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return replace(_overrides(self, max_tokens), logprobs=logprobs)
 
@@ -346,12 +349,12 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
 
 # ------------------------------------------------------------------------- checks shared with gRPC
 MAX_STOP_STRINGS = 4  # as OpenAI
-MAX_LOGPROBS = 20  # top_logprobs, as OpenAI (and vLLM's default --max-logprobs)
 INT32_MAX = 2**31 - 1  # the wire's token counts are int32
 
 
-def check_sampling(s: SamplingOverrides, param: str) -> None:
-    """Ranges for sampling values (REST and gRPC alike); None means the stage default.
+def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOGPROBS) -> None:
+    """Ranges for sampling values (REST and gRPC alike); None means the stage default. `max_logprobs`:
+    the gateway's --max-logprobs (-1: only the thinker's vocabulary bounds them).
 
     `param` is "" (top level: the thinker), "sampling" (gRPC's top level) or "stage_params.<stage>".
     Stop ids are checked for sign and int64 only: the stage knows its vocab and checks the upper bound.
@@ -393,8 +396,9 @@ def check_sampling(s: SamplingOverrides, param: str) -> None:
             problems.append(("stop", "stop strings must not be empty"))
     if s.logprobs is not None and param.endswith("talker"):
         problems.append(("logprobs", "applies to the thinker's text tokens only; the talker emits audio codes"))
-    elif s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
-        problems.append(("logprobs", f"must be in [0, {MAX_LOGPROBS}] alternatives per token, got {s.logprobs}"))
+    elif s.logprobs is not None and not 0 <= s.logprobs <= (s.logprobs if max_logprobs < 0 else max_logprobs):
+        problems.append(("logprobs", f"must be in [0, {max_logprobs}] alternatives per token (--max-logprobs), "
+                                     f"got {s.logprobs}"))
     if s.include_stop_str_in_output and param.endswith("talker"):
         problems.append(("include_stop_str_in_output", "applies to the thinker's text only; the talker emits audio "
                                                        "codes"))
@@ -495,10 +499,12 @@ class ChoiceLogprobs(_Out):
     refusal: list[TokenLogprob] | None = None
 
 
-def choice_logprobs(entries: Sequence[stage_pb2.TokenLogprob]) -> ChoiceLogprobs:
-    """The thinker's entries (services/llm/token_logprobs.py) in OpenAI's `choices[].logprobs` shape."""
+def choice_logprobs(entries: Sequence[stage_pb2.TokenLogprob], as_ids: bool = False) -> ChoiceLogprobs:
+    """The thinker's entries (services/llm/token_logprobs.py) in OpenAI's `choices[].logprobs` shape;
+    `as_ids` (--return-tokens-as-token-ids): each `token` is 'token_id:<id>', as vLLM writes it."""
     def top(e: stage_pb2.TopLogprob | stage_pb2.TokenLogprob) -> dict[str, Any]:
-        return {"token": e.token.decode("utf-8", errors="replace"), "logprob": e.logprob, "bytes": list(e.token)}
+        token = f"token_id:{e.token_id}" if as_ids else e.token.decode("utf-8", errors="replace")
+        return {"token": token, "logprob": e.logprob, "bytes": list(e.token)}
 
     return ChoiceLogprobs(content=[TokenLogprob(**top(e), top_logprobs=[TopLogprob(**top(t)) for t in e.top])
                                    for e in entries])

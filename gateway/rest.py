@@ -66,6 +66,7 @@ from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sam
 from gateway.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
+    MAX_LOGPROBS,
     ChatCompletionRequest,
     Choice,
     ChoiceLogprobs,
@@ -188,8 +189,11 @@ class RestGateway:
     """The route handlers of one app; `create_app` wires them."""
 
     def __init__(self, pipeline: Pipeline, served_model_names: tuple[str, ...], loader: MediaLoader,
-                 stage_metrics: StageSources | None = None, max_model_len: int | None = None) -> None:
+                 stage_metrics: StageSources | None = None, max_model_len: int | None = None,
+                 max_logprobs: int = MAX_LOGPROBS, tokens_as_ids: bool = False) -> None:
         self.pipeline = pipeline
+        self.max_logprobs = max_logprobs  # --max-logprobs
+        self.tokens_as_ids = tokens_as_ids  # --return-tokens-as-token-ids
         self.max_model_len = max_model_len  # on the model cards, when the prompt builder is known
         self.stage_metrics = dict(stage_metrics or {})
         self.served_model_names = served_model_names
@@ -204,8 +208,8 @@ class RestGateway:
         `X-Request-Id` header, as vLLM reads it) names the request in every stage: `chatcmpl-<id>`."""
         model = resolve_model(body.model, self.served_model_names)
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
-        sampling = body.sampling()
-        check_sampling(sampling, "")
+        sampling = body.sampling(self.max_logprobs)
+        check_sampling(sampling, "", self.max_logprobs)
         stages = body.stage_overrides()
         for name, s in stages.items():
             check_sampling(s, f"stage_params.{name}")
@@ -342,10 +346,14 @@ class RestGateway:
                                          expires_at=call.created, transcript=transcript)
         body = ChatCompletion(id=call.request.request_id, created=call.created, model=call.model,
                               choices=[Choice(message=message, finish_reason=finished.finish_reason,
-                                              logprobs=choice_logprobs(logprobs) if call.logprobs else None)],
+                                              logprobs=self._logprobs(call, logprobs))],
                               usage=_usage(finished))
         self._finish("chat", 200, call.started)
         return JSONResponse(dump(body), headers={"X-Request-Id": call.request.request_id})
+
+    def _logprobs(self, call: _Call, entries: Sequence[stage_pb2.TokenLogprob]) -> ChoiceLogprobs | None:
+        """A choice's `logprobs`: its tokens' entries when the request asked for them, else None."""
+        return choice_logprobs(entries, as_ids=self.tokens_as_ids) if call.logprobs else None
 
     async def _stream(self, call: _Call, first: Event, stream: _Stream) -> AsyncIterator[bytes]:
         rid, audio_id = call.request.request_id, f"audio_{uuid.uuid4().hex}"
@@ -363,8 +371,7 @@ class RestGateway:
                 self._observe(call, ev)
                 if isinstance(ev, TextDelta):
                     if ev.text or ev.logprobs:  # a token holding part of a character: its entry, no text yet
-                        yield chunk(Delta(content=ev.text), logprobs=choice_logprobs(ev.logprobs) if call.logprobs
-                                    else None)
+                        yield chunk(Delta(content=ev.text), logprobs=self._logprobs(call, ev.logprobs))
                 elif isinstance(ev, AudioDelta):
                     if call.audio_format is not None and np.size(ev.pcm):
                         data = base64.b64encode(pcm16_bytes(ev.pcm)).decode()
@@ -513,7 +520,8 @@ async def _close(events: AsyncIterator[Event]) -> None:
 
 def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                allowed_media_domains: frozenset[str] = frozenset(), limits: InputLimits | None = None,
-               media_transport: object | None = None,
+               media_transport: object | None = None, max_logprobs: int = MAX_LOGPROBS,
+               return_tokens_as_token_ids: bool = False,
                stage_metrics: StageSources | None = None, api_keys: tuple[str, ...] = (),
                front: HttpFront | None = None, prompts: PromptBuilder | None = None) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
@@ -531,7 +539,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     sampling = video_sampling_of(prompts if prompts is not None else getattr(pipeline, "prepare", None))
     loader = MediaLoader(limits or InputLimits(), allowed_media_domains, transport=media_transport,  # type: ignore[arg-type]
                          video_sampling=sampling)
-    gw = RestGateway(pipeline, names, loader, stage_metrics, prompts.max_model_len if prompts is not None else None)
+    gw = RestGateway(pipeline, names, loader, stage_metrics, prompts.max_model_len if prompts is not None else None,
+                     max_logprobs, return_tokens_as_token_ids)
     app = FastAPI(title="omnimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     if api_keys:  # /v1 needs one of them; /health and /metrics stay open (gateway/auth.py)

@@ -83,6 +83,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
                  len(keys), "" if len(keys) == 1 else "s")
     prompts = pipeline.prepare if isinstance(pipeline.prepare, PromptBuilder) else None  # /tokenize
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains, limits=limits,
+                     max_logprobs=args.max_logprobs, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                      stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=prompts)
     video_warmup = asyncio.create_task(_start_video_decoding())  # in the background: serving starts meanwhile
     if (described := front.describe()) is not None:
@@ -91,7 +92,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     rest = uvicorn.Server(config)
     rest.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # we own the signals
     grpc_server, _health = await create_grpc_server(pipeline, served_model_names=pipeline.served_models, limits=limits,
-                                                    api_keys=keys)
+                                                    max_logprobs=args.max_logprobs, api_keys=keys)
     bind(grpc_server, args.host, args.grpc_port, front.grpc_credentials())
     await grpc_server.start()
     log.info("gateway: %d start-up objects frozen out of the garbage collector's scans", freeze_startup_heap())

@@ -115,11 +115,13 @@ class MeshLauncher:
         for flag, value in (("--served-model-name", a.served_model_name), ("--max-model-len", a.max_model_len),
                             ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template),
                             ("--max-log-len", a.max_log_len), ("--limit-mm-per-prompt", a.limit_mm_per_prompt),
-                            ("--input-limits", a.input_limits)):
+                            ("--input-limits", a.input_limits), ("--max-logprobs", a.max_logprobs)):
             if value is not None:
                 argv += [flag, str(value)]
         if a.enable_log_requests:
             argv.append("--enable-log-requests")
+        if a.return_tokens_as_token_ids:
+            argv.append("--return-tokens-as-token-ids")
         return argv + front_argv(a)
 
     def _gateway_env(self) -> dict[str, str] | None:

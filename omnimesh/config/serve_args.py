@@ -134,6 +134,11 @@ class ServeArgs:
                                    "past it, an error naming what was missing", "--rendezvous-timeout")
     stage_overrides: str | None = _f(None, "JSON keyed by stage name or id, e.g. '{\"thinker\": {\"tp\": 2}}'", "--stage-overrides")
     allowed_media_domains: str | None = _f(None, "comma-separated domains http(s) media may be fetched from (default: none)", "--allowed-media-domains")
+    max_logprobs: int = _f(20, "most alternatives per token a request may ask for (REST top_logprobs, gRPC "
+                           "sampling.logprobs), as vLLM's; -1: up to the vocabulary", "--max-logprobs")
+    return_tokens_as_token_ids: bool = _f(False, "logprobs name each token 'token_id:<id>' instead of its text, as "
+                                          "vLLM's (for tokens that are not valid text on their own)",
+                                          "--return-tokens-as-token-ids", action="store_true")
     limit_mm_per_prompt: str | None = _f(None, "most audio / image / video parts one request may carry, as vLLM's: JSON "
                                          "such as '{\"image\": 4, \"video\": 1}' (0 refuses a modality: "
                                          "'{\"video\": 0}'); checked before any part is decoded (400); a modality "
@@ -203,6 +208,8 @@ class ServeArgs:
             from omnimesh.engine.stat_logger import interval_from_env
 
             interval_from_env()
+        if self.max_logprobs < -1:
+            raise ValueError(f"--max-logprobs must be >= 0 (or -1: up to the vocabulary), got {self.max_logprobs}")
         from gateway.input_limits import limits_from_flags
 
         limits_from_flags(self.limit_mm_per_prompt, self.input_limits)
@@ -312,13 +319,13 @@ HTTP_FRONT_FIELDS = frozenset(
 )  # gateway/http_front.py
 GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
-     "stage_dns_refresh", "limit_mm_per_prompt", "input_limits",
+     "stage_dns_refresh", "limit_mm_per_prompt", "input_limits", "max_logprobs", "return_tokens_as_token_ids",
      "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
-     "input_limits"}
+     "input_limits", "max_logprobs", "return_tokens_as_token_ids"}
 ) | HTTP_FRONT_FIELDS
 
 

@@ -366,3 +366,19 @@ def test_cli_num_nodes_errors_exit_2_before_anything_loads() -> None:
     assert single.returncode == 2 and "stage thinker: pp x tp = 1 x 1 = 1 rank(s) cannot span --num-nodes 2" in single.stderr
     nothing = _cli("serve", "--num-nodes", "2", "--master-port", "29500", "--device", "cpu")
     assert nothing.returncode == 2 and "no stage has more than one rank to spread" in nothing.stderr
+
+
+def test_launcher_hands_the_gateways_request_policy_to_the_gateway(tmp_path) -> None:
+    """--limit-mm-per-prompt, --input-limits, --max-logprobs and --return-tokens-as-token-ids are the gateway's:
+    `omnimesh serve` passes them to it as they were given (and to no stage)."""
+    from omnimesh.launcher import MeshLauncher
+
+    args = ServeArgs(limit_mm_per_prompt='{"video": 0}', input_limits='{"max_audio_seconds": 30}', max_logprobs=5,
+                     return_tokens_as_token_ids=True)
+    launcher = MeshLauncher(args, tmp_path)
+    argv = launcher._gateway_argv({"thinker": ["127.0.0.1:1"]})
+    assert argv[argv.index("--limit-mm-per-prompt") + 1] == '{"video": 0}'
+    assert argv[argv.index("--input-limits") + 1] == '{"max_audio_seconds": 30}'
+    assert argv[argv.index("--max-logprobs") + 1] == "5" and "--return-tokens-as-token-ids" in argv
+    stage = launcher._stage_argv("thinker", 50052)
+    assert not {"--limit-mm-per-prompt", "--input-limits", "--max-logprobs"} & set(stage)

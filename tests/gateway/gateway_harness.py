@@ -130,9 +130,11 @@ class RestServer:
 class GrpcServer:
     """A `grpc.aio` server with `OmniServicer(pipeline)` + health + reflection on its own loop thread."""
 
-    def __init__(self, pipeline: Any, limits: InputLimits | None = None, api_keys: tuple[str, ...] = ()) -> None:
+    def __init__(self, pipeline: Any, limits: InputLimits | None = None, api_keys: tuple[str, ...] = (),
+                 max_logprobs: int = 20) -> None:
         self.pipeline = pipeline
         self.limits = limits or InputLimits()
+        self.max_logprobs = max_logprobs
         self.api_keys = api_keys
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-test", daemon=True)
@@ -141,7 +143,8 @@ class GrpcServer:
         self.health: Any = None
 
     async def _start(self) -> None:
-        self.server, self.health = await create_grpc_server(self.pipeline, limits=self.limits, api_keys=self.api_keys)
+        self.server, self.health = await create_grpc_server(self.pipeline, limits=self.limits, api_keys=self.api_keys,
+                                                            max_logprobs=self.max_logprobs)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
 

@@ -82,7 +82,7 @@ def test_generate_text_only_sampling_and_media(grpc_server: GrpcServer, pipeline
     ({"stage_params": {"vocoder": stage_pb2.SamplingParams()}}, INVALID_ARGUMENT, "unknown stage 'vocoder'"),
     ({"stage_params": {"talker": stage_pb2.SamplingParams(logprobs=1)}}, INVALID_ARGUMENT,
      "stage_params.talker.logprobs: applies to the thinker's text tokens only"),
-    ({"sampling": stage_pb2.SamplingParams(logprobs=21)}, INVALID_ARGUMENT, "sampling.logprobs: must be in [0, 20]"),
+    ({"sampling": stage_pb2.SamplingParams(logprobs=21)}, INVALID_ARGUMENT, "sampling.logprobs: must be in [0, 20] alternatives per token (--max-logprobs)"),
 ])
 def test_generate_validation_errors(grpc_server: GrpcServer, pipeline: ScriptedPipeline, request_kw: dict,
                                     code: int, needle: str) -> None:

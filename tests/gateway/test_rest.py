@@ -300,7 +300,7 @@ def _user(*parts: dict) -> list[dict]:
     ({"messages": USER_HI, "temperature": 3}, 400, "temperature", "[0, 2]"),
     ({"messages": USER_HI, "top_p": 0}, 400, "top_p", "(0, 1]"),
     ({"messages": USER_HI, "n": 2}, 400, "n", "only n=1"),
-    ({"messages": USER_HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "must be in [0, 20], got 21"),
+    ({"messages": USER_HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "must be in [0, 20] (--max-logprobs), got 21"),
     ({"messages": USER_HI, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
     ({"messages": USER_HI, "min_p": 1.5}, 400, "min_p", "must be in [0, 1]"),
     ({"messages": USER_HI, "stage_params": {"talker": {"min_p": -0.1}}}, 400, "stage_params.talker.min_p",

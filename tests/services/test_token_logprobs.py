@@ -55,9 +55,12 @@ def test_entries_are_the_raw_distribution(tokenizer) -> None:  # type: ignore[no
 
 
 def test_params_bound_the_alternatives() -> None:
-    assert SamplingParams(logprobs=20).logprobs == 20
-    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\] alternatives per token, got 21"):
-        SamplingParams(logprobs=21)
+    """The stage bounds them by its vocabulary (the gateway by --max-logprobs)."""
+    assert SamplingParams(logprobs=64, vocab_size=64).logprobs == 64
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 64\] alternatives per token \(the vocabulary\), got 65"):
+        SamplingParams(logprobs=65, vocab_size=64)
+    with pytest.raises(ValueError, match="got -1"):
+        SamplingParams(logprobs=-1)
 
 
 def test_only_the_thinker_takes_logprobs() -> None:

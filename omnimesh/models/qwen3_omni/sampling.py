@@ -41,9 +41,6 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from omnimesh.kernels import cpu_kernels
 
 
-MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default --max-logprobs
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks tokens. `temperature == 0` is greedy; `top_k == 0` / `top_p == 1` are off.
@@ -89,8 +86,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] alternatives per token, got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= (self.vocab_size or self.logprobs):
+            raise ValueError(f"logprobs must be in [0, {self.vocab_size}] alternatives per token (the vocabulary), "
+                             f"got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}; "
                              f"lower min_tokens or raise max_tokens")
