@@ -57,7 +57,7 @@ from omnimesh.server.grpc_server import make_server
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
 
 if TYPE_CHECKING:
-    from omnimesh.models.qwen3_omni.video_processor import VideoSampling
+    from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
 
 log = logging.getLogger(__name__)
 OMNI_SERVICE_NAME = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name  # "omnimesh.v1.Omni"

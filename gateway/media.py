@@ -29,7 +29,7 @@ from gateway.events import AudioPart, ChatMessage, ImagePart, PipelineError, Vid
 from gateway.input_limits import InputLimits
 
 if TYPE_CHECKING:
-    from omnimesh.models.qwen3_omni.video_processor import VideoSampling
+    from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
 
 TARGET_SAMPLE_RATE = 16_000  # what the Qwen-Omni audio towers (Whisper features) expect
 # the shortest clip the feature extractor can frame: one 25 ms STFT window (n_fft 400 at 16 kHz; its reflect
@@ -300,7 +300,7 @@ class MediaLoader:
     @property
     def video_sampling(self) -> VideoSampling:
         if self._video_sampling is None:  # built at the first video: its module imports transformers
-            from omnimesh.models.qwen3_omni.video_processor import VideoSampling
+            from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
 
             self._video_sampling = VideoSampling()  # Qwen-Omni's reference: 2 fps, 4 to 768 frames, pairs
         return self._video_sampling

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from av.video.frame import VideoFrame
     from av.video.stream import VideoStream
 
-    from omnimesh.models.qwen3_omni.video_processor import VideoSampling
+    from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
 
 # what PyAV raises on bytes it cannot read: FFmpeg's errors (InvalidDataError is also a ValueError) and
 # the ValueErrors of its own checks

@@ -33,11 +33,11 @@ from gateway.input_limits import InputLimits
 from gateway.media import invalid_request
 
 if TYPE_CHECKING:
-    from omnimesh.models.qwen3_omni.video_processor import VideoSampling
+    from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
 
 GRACE_S = 5.0  # beyond video_decode_timeout_s: the soundtrack, pickling the frames, process start and exit
 _CONTEXT = multiprocessing.get_context("forkserver")
-_PRELOAD = ["gateway.media_video", "omnimesh.models.qwen3_omni.video_processor"]
+_PRELOAD = ["gateway.media_video", "omnimesh.models.qwen3_omni.video_sampling"]
 _preload_lock = threading.Lock()
 _preloaded = False
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def _default_decoder() -> Decoder:
 
 def _ensure_preload() -> None:
     """The forkserver (started with the first child, or by `start_forkserver`) imports the decoder and the
-    sampling rules once (the latter's module imports torch and transformers: seconds); children inherit them."""
+    sampling rules once (the latter imports torch, not transformers); children inherit them."""
     global _preloaded
     with _preload_lock:
         if not _preloaded:

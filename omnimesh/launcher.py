@@ -95,7 +95,8 @@ class MeshLauncher:
                                   "gpu_memory_utilization": cfg.gpu_memory_utilization,
                                   "transport": cfg.transport, "shm_arena_size": cfg.shm_arena_size,
                                   "shm_min_tensor_size": cfg.shm_min_tensor_size, "nice": cfg.nice}
-        for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "bulk_nice", "yield_steps"):
+        for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "bulk_nice", "yield_steps",
+                    "default_sampling_params"):
             if getattr(cfg, key) is not None:
                 own[key] = getattr(cfg, key)
         if devices := cfg.replica_devices(replica):  # each replica on its own slice of the stage's devices

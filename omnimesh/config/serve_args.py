@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from omnimesh.allocator import check_mode
-from omnimesh.config.stage_config import STAGES, TRANSPORT_CHOICES, StageConfig, parse_bytes, parse_size, parse_stage_overrides, resolve_stage
+from omnimesh.config.stage_config import (STAGES, TRANSPORT_CHOICES, StageConfig, parse_bytes, parse_json_object, parse_size,
+                                          parse_stage_overrides, resolve_stage)
 from omnimesh.models.qwen3_omni.code_windows import DEFAULT_WINDOWS, parse_windows, windows_text
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -133,6 +134,13 @@ class ServeArgs:
                                    "node to join and report ready, a node > 0 to reach node 0 and hear its verdict; "
                                    "past it, an error naming what was missing", "--rendezvous-timeout")
     stage_overrides: str | None = _f(None, "JSON keyed by stage name or id, e.g. '{\"thinker\": {\"tp\": 2}}'", "--stage-overrides")
+    override_generation_config: str | None = _f(None, "the thinker's default sampling over the model's "
+                                                "generation_config.json, as vLLM's: JSON such as '{\"temperature\": "
+                                                "0.5, \"max_new_tokens\": 512}' (keys: temperature, top_p, top_k, "
+                                                "min_p, max_new_tokens / max_tokens, repetition_penalty, "
+                                                "presence_penalty, frequency_penalty); requests still set their own; "
+                                                "the talker's: default_sampling_params in --stage-overrides",
+                                                "--override-generation-config")
     allowed_media_domains: str | None = _f(None, "comma-separated domains http(s) media may be fetched from (default: none)", "--allowed-media-domains")
     max_logprobs: int = _f(20, "most alternatives per token a request may ask for (REST top_logprobs, gRPC "
                            "sampling.logprobs), as vLLM's; -1: up to the vocabulary", "--max-logprobs")
@@ -254,6 +262,16 @@ class ServeArgs:
             shm_min_tensor_size=parse_size(self.shm_min_tensor_size, "--shm-min-tensor-size"),
         )
         overrides = parse_stage_overrides(self.stage_overrides)
+        if self.override_generation_config:  # the thinker's, under its own default_sampling_params
+            thinker = overrides.setdefault("thinker", {})
+            own = thinker.get("default_sampling_params")
+            generation = parse_json_object(self.override_generation_config, "--override-generation-config",
+                                           "of sampling defaults")
+            thinker["default_sampling_params"] = {**generation, **(own if isinstance(own, dict) else {})}
+        for stage in ("encoder", "vocoder"):
+            if overrides.get(stage, {}).get("default_sampling_params") is not None:
+                raise ValueError(f"--stage-overrides[{stage!r}].default_sampling_params: the {stage} does not sample; "
+                                 f"only the thinker and the talker take sampling defaults")
         return {stage: resolve_stage(model_stage, self._spread(model_stage, overrides.get(stage, {}), stage), stage)
                 for stage in STAGES}
 

@@ -95,6 +95,11 @@ class StageConfig:
     shm_min_tensor_size: int = field(
         default=SHM_MIN_TENSOR_BYTES, metadata={"help": "smallest output tensor that goes by shared-memory reference on "
                                                         "a co-located edge; smaller ones go inline, e.g. '16KiB' (0: all)"})
+    default_sampling_params: dict[str, Any] | None = field(
+        default=None, metadata={"help": "the thinker's / talker's default sampling, over the model's own (requests "
+                                        "still set theirs), as vLLM-Omni's per-stage default_sampling_params: "
+                                        "temperature, top_p, top_k, min_p, max_tokens, repetition_penalty, "
+                                        "presence_penalty, frequency_penalty; e.g. {\"temperature\": 0.7}"})
     num_nodes: int = field(
         default=1, metadata={"help": "hosts the stage's pp x tp ranks span, pp x tp / num_nodes consecutive ranks on each "
                                      "(node 0 runs the stage's server); default: --num-nodes for a stage of more than "
@@ -135,6 +140,13 @@ class StageConfig:
                                              or self.yield_steps < 0):
             raise ValueError(f"yield_steps must be a whole number >= 0 (0: every step carries every ready request), "
                              f"got {self.yield_steps!r}")
+        if self.default_sampling_params is not None:
+            if not isinstance(self.default_sampling_params, dict):
+                raise ValueError(f"default_sampling_params must be an object such as {{\"temperature\": 0.7}}, got "
+                                 f"{self.default_sampling_params!r}")
+            from omnimesh.models.qwen3_omni.sampling import SamplingParams, with_defaults
+
+            with_defaults(SamplingParams(), self.default_sampling_params, "default_sampling_params")
         rounds = self.first_output_rounds
         if rounds is not None and (not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1):
             raise ValueError(f"first_output_rounds must be a whole number >= 1 (1: one model round per step), got {rounds!r}")

@@ -13,11 +13,14 @@ the stage's name.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
-from omnimesh.models.qwen3_omni.sampling import SamplingParams
+from omnimesh.models.qwen3_omni.sampling import SAMPLING_ALIASES, SamplingParams, with_defaults
 from omnimesh.v1 import stage_pb2
+
+log = logging.getLogger(__name__)
 
 
 def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | None, *, text: bool = True
@@ -48,3 +51,14 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
             raise ValueError("stop strings must not be empty")
         changes["stop"] = tuple(dict.fromkeys((*defaults.stop, *msg.stop)))
     return replace(defaults, **changes)
+
+
+def operator_defaults(defaults: SamplingParams, overrides: dict[str, Any] | None, stage: str) -> SamplingParams:
+    """The stage's defaults with the operator's `default_sampling_params` (--stage-overrides; the thinker's also
+    from --override-generation-config) on top, said once in the start-up log."""
+    if not overrides:
+        return defaults
+    merged = with_defaults(defaults, overrides, f"{stage} default_sampling_params")
+    said = ", ".join(f"{k}={getattr(merged, k)}" for k in dict.fromkeys(SAMPLING_ALIASES.get(k, k) for k in overrides))
+    log.info("%s: default sampling %s (the operator's; requests still set their own)", stage, said)
+    return merged

@@ -22,7 +22,7 @@ from omnimesh.server.stage_failure import StageFailure
 from omnimesh.models.qwen3_omni.lm_engine import LMEngine
 from omnimesh.stage_registry import lm_engine, lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
-from services.llm.sampling import merge_sampling
+from services.llm.sampling import merge_sampling, operator_defaults
 from services.llm.talker_batcher import TalkerBatcher
 from services.llm.talker_task import TalkerTask
 from services.options import count_option
@@ -81,5 +81,8 @@ def build_handler(model_dir: Path, args: ServeArgs) -> TalkerHandler:
     # the talker's own context (prompt rows + codec tokens): its model limit, not the thinker's --max-model-len
     max_len = int(talker.config.talker_config.text_config.max_position_embeddings)  # type: ignore[union-attr]
     engine = lm_engine(talker.backend, "talker", args, max_len)
-    rounds = args.stage_configs()["talker"].effective_first_output_rounds("talker")
-    return TalkerHandler(talker, args.model_name(model_dir), layout, failure, engine, max_len, rounds)
+    cfg = args.stage_configs()["talker"]
+    handler = TalkerHandler(talker, args.model_name(model_dir), layout, failure, engine, max_len,
+                            cfg.effective_first_output_rounds("talker"))
+    handler.defaults = operator_defaults(handler.defaults, cfg.default_sampling_params, "talker")
+    return handler

@@ -23,7 +23,7 @@ from omnimesh.server.stage_failure import StageFailure
 from omnimesh.models.qwen3_omni.lm_engine import LMEngine
 from omnimesh.stage_registry import lm_engine, lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
-from services.llm.sampling import merge_sampling
+from services.llm.sampling import merge_sampling, operator_defaults
 from services.llm.thinker_batcher import ThinkerBatcher
 from services.llm.thinker_task import ThinkerTask, merge_token_chunks
 from services.llm.token_logprobs import TokenBytes
@@ -89,6 +89,8 @@ def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
     if max_len > limit:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings {limit}")
     engine = lm_engine(thinker.backend, "thinker", args, max_len, capture_layer=thinker.accept_hidden_layer)
-    return ThinkerHandler(thinker, tokenizer, gen, args.model_name(model_dir), max_len, layout, failure, engine,
-                          stream_interval=args.stream_interval,
-                          first_output_rounds=cfg.effective_first_output_rounds("thinker"))
+    handler = ThinkerHandler(thinker, tokenizer, gen, args.model_name(model_dir), max_len, layout, failure, engine,
+                             stream_interval=args.stream_interval,
+                             first_output_rounds=cfg.effective_first_output_rounds("thinker"))
+    handler.defaults = operator_defaults(handler.defaults, cfg.default_sampling_params, "thinker")
+    return handler

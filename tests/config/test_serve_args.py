@@ -382,3 +382,29 @@ def test_launcher_hands_the_gateways_request_policy_to_the_gateway(tmp_path) -> 
     assert argv[argv.index("--max-logprobs") + 1] == "5" and "--return-tokens-as-token-ids" in argv
     stage = launcher._stage_argv("thinker", 50052)
     assert not {"--limit-mm-per-prompt", "--input-limits", "--max-logprobs"} & set(stage)
+
+
+def test_sampling_defaults_reach_the_thinker_and_talker(tmp_path) -> None:
+    """--override-generation-config is the thinker's (its own default_sampling_params win key by key); the talker
+    takes default_sampling_params in --stage-overrides; stages that do not sample refuse them; the launcher hands
+    each stage its resolved defaults."""
+    from omnimesh.launcher import MeshLauncher
+
+    args = ServeArgs(override_generation_config='{"temperature": 0.5, "max_new_tokens": 64}',
+                     stage_overrides='{"thinker": {"default_sampling_params": {"temperature": 0.8}}, '
+                                     '"talker": {"default_sampling_params": {"max_tokens": 500}}}')
+    cfgs = args.stage_configs()
+    assert cfgs["thinker"].default_sampling_params == {"temperature": 0.8, "max_new_tokens": 64}
+    assert cfgs["talker"].default_sampling_params == {"max_tokens": 500}
+    assert cfgs["vocoder"].default_sampling_params is None
+    argv = MeshLauncher(args, tmp_path)._stage_argv("talker", 50053)
+    own = json.loads(argv[argv.index("--stage-overrides") + 1])["talker"]
+    assert own["default_sampling_params"] == {"max_tokens": 500}
+    for bad, message in [({"override_generation_config": '{"temprature": 1}'}, "unknown key 'temprature'"),
+                         ({"override_generation_config": "[1]"}, "--override-generation-config must be a JSON object"),
+                         ({"stage_overrides": '{"vocoder": {"default_sampling_params": {"top_k": 1}}}'},
+                          "the vocoder does not sample"),
+                         ({"stage_overrides": '{"talker": {"default_sampling_params": {"top_p": 2}}}'},
+                          r"stage talker: default_sampling_params: top_p must be in \(0, 1\]")]:
+        with pytest.raises(ValueError, match=message):
+            ServeArgs(**bad)  # type: ignore[arg-type]

@@ -5,11 +5,15 @@ holds the thinker's only seat, B is admitted to wait, and C is answered HTTP 429
 message naming the flag, streaming or not, before any event. Nothing admitted is lost: A runs to its
 `min_tokens` and B finishes with exactly the text it gets alone; once they are done C is served.
 --limit-mm-per-prompt '{"video": 0}' --input-limits '{"max_audio_seconds": 0.5}' (launcher -> gateway):
-a video is refused on REST and gRPC, and 1 s of audio is a 413 naming the limit. Every wait is bounded.
+a video is refused on REST and gRPC, and 1 s of audio is a 413 naming the limit.
+--override-generation-config '{"max_new_tokens": 3}' and the talker's default_sampling_params
+{"max_tokens": 5} (launcher -> thinker / talker): a request that sets neither runs to them, exactly as one
+that asks for them. Every wait is bounded.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -25,13 +29,15 @@ from omnimesh.v1 import omni_pb2, omni_pb2_grpc
 
 MODEL = "tiny-qwen3-omni"
 TIMEOUT_S = 120.0
-LONG = 1000  # A's tokens (min_tokens = max_tokens: no early stop), so it holds the seat for a while
+LONG = 2000  # A's tokens (min_tokens = max_tokens: no early stop): it holds the seat ~5 s, under load too
 
 
 @pytest.fixture(scope="module")
 def capped(tiny_model_dir: Path):
     m = start_mesh(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1",
-                   "--limit-mm-per-prompt", '{"video": 0}', "--input-limits", '{"max_audio_seconds": 0.5}')
+                   "--limit-mm-per-prompt", '{"video": 0}', "--input-limits", '{"max_audio_seconds": 0.5}',
+                   "--override-generation-config", '{"max_new_tokens": 3}',
+                   "--stage-overrides", '{"talker": {"default_sampling_params": {"max_tokens": 5}}}')
     try:
         yield m
     finally:
@@ -113,3 +119,18 @@ def test_the_gateways_input_limits_come_from_the_flags(capped):
     with grpc.insecure_channel(capped.grpc) as ch:
         (answer,) = list(omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=TIMEOUT_S))
     assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and answer.error.message == no_video
+
+
+def test_the_operators_sampling_defaults_apply(capped):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Sing."}], "modalities": ["text", "audio"],
+            "audio": {"format": "pcm16"}, "temperature": 0}
+    default = _post(capped, body)
+    assert default.status_code == 200, default.text
+    assert default.json()["usage"]["completion_tokens"] == 3 and default.json()["choices"][0]["finish_reason"] == "length"
+    asked = _post(capped, {**body, "max_tokens": 3, "stage_params": {"talker": {"max_tokens": 5}}})
+    assert asked.json()["choices"][0]["message"] == default.json()["choices"][0]["message"] | {
+        "audio": asked.json()["choices"][0]["message"]["audio"]}
+    pcm = [base64.b64decode(r.json()["choices"][0]["message"]["audio"]["data"]) for r in (default, asked)]
+    assert pcm[0] == pcm[1] and 0 < len(pcm[0]) // 2 <= 5 * 1920  # at most 5 codes of 80 ms at 24 kHz
+    assert "thinker: default sampling max_tokens=3" in capped.proc.output()
+    assert "talker: default sampling max_tokens=5" in capped.proc.output()

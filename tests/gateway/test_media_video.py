@@ -30,7 +30,7 @@ from gateway.input_limits import InputLimits  # noqa: E402
 from gateway.media import MediaLoader, video_sampling_of  # noqa: E402
 from gateway.media_video import _native_fps, decode_video  # noqa: E402
 from gateway.rest import create_app  # noqa: E402
-from omnimesh.models.qwen3_omni.video_processor import VideoSampling  # noqa: E402
+from omnimesh.models.qwen3_omni.video_sampling import VideoSampling  # noqa: E402
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc  # noqa: E402
 
 W, H = 64, 48

@@ -19,7 +19,7 @@ from gateway.events import PipelineError  # noqa: E402
 from gateway.input_limits import InputLimits  # noqa: E402
 from gateway.media import MediaLoader  # noqa: E402
 from gateway.media_video import decode_video  # noqa: E402
-from omnimesh.models.qwen3_omni.video_processor import VideoSampling  # noqa: E402
+from omnimesh.models.qwen3_omni.video_sampling import VideoSampling  # noqa: E402
 from test_media_video import make_video  # noqa: E402
 
 SAMPLING = VideoSampling()

@@ -269,3 +269,20 @@ def test_ignore_eos_drops_only_the_models_stop_ids() -> None:
     assert merge_sampling(defaults, stage_pb2.SamplingParams(ignore_eos=True, stop_token_ids=[3])).stop_token_ids == (3,)
     assert merge_sampling(defaults, stage_pb2.SamplingParams(stop_token_ids=[3])).stop_token_ids == (7, 8, 3)
     assert merge_sampling(defaults, stage_pb2.SamplingParams(min_p=0.25)).min_p == 0.25
+
+
+def test_operator_defaults_go_over_the_models() -> None:
+    """default_sampling_params / --override-generation-config: named keys replace the model's defaults (HF's
+    max_new_tokens is max_tokens); bad keys, types and values are errors naming where they came from."""
+    from omnimesh.models.qwen3_omni.sampling import with_defaults
+
+    model = SamplingParams(temperature=0.0, top_k=50, max_tokens=4096, stop_token_ids=(7,))
+    ours = with_defaults(model, {"temperature": 0.7, "max_new_tokens": 300, "min_p": 0.05}, "thinker")
+    assert (ours.temperature, ours.max_tokens, ours.min_p, ours.top_k, ours.stop_token_ids) == (0.7, 300, 0.05, 50, (7,))
+    assert with_defaults(model, None, "x") is model
+    for bad, message in [({"temprature": 1}, "x: unknown key 'temprature'; keys: temperature, top_p"),
+                         ({"top_k": 2.5}, r"x\['top_k'\]: 2.5 is not a whole number"),
+                         ({"temperature": "hot"}, r"x\['temperature'\]: 'hot' is not a number"),
+                         ({"top_p": 0}, r"x: top_p must be in \(0, 1\]")]:
+        with pytest.raises(ValueError, match=message):
+            with_defaults(model, bad, "x")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -305,6 +306,34 @@ def talker_sampling_params(
         max_tokens=max_tokens, repetition_penalty=repetition_penalty, stop_token_ids=(eos,),
         suppress_tokens=tuple(i for i in range(vocab - 1024, vocab) if i != eos), vocab_size=int(vocab),
     )
+
+
+# what an operator may set as a stage's default sampling (`default_sampling_params` in --stage-overrides, vLLM's
+# --override-generation-config for the thinker); `max_new_tokens` is generation_config.json's name for max_tokens
+DEFAULT_SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int,
+                         "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float}
+SAMPLING_ALIASES = {"max_new_tokens": "max_tokens"}
+
+
+def with_defaults(params: SamplingParams, overrides: Mapping[str, Any] | None, what: str) -> SamplingParams:
+    """A stage's default sampling with the operator's `overrides` on top (requests still override both);
+    ValueError naming `what` and the key for an unknown key, a wrong type or a value out of range."""
+    if not overrides:
+        return params
+    changes: dict[str, Any] = {}
+    for key, value in overrides.items():
+        name = SAMPLING_ALIASES.get(key, key)
+        kind = DEFAULT_SAMPLING_KEYS.get(name)
+        if kind is None:
+            raise ValueError(f"{what}: unknown key {key!r}; keys: {', '.join(DEFAULT_SAMPLING_KEYS)} (max_new_tokens "
+                             f"for max_tokens)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ValueError(f"{what}[{key!r}]: {value!r} is not {'a whole number' if kind is int else 'a number'}")
+        changes[name] = kind(value)
+    try:
+        return replace(params, **changes)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
 
 
 def code_predictor_sampling_params(talker: SamplingParams) -> SamplingParams:

@@ -27,60 +27,20 @@ Settings come from `video_preprocessor_config.json` when the model folder has on
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
-import torch
 from transformers import BatchFeature, Qwen2VLImageProcessorPil
 from transformers.image_processing_utils import SizeDict
 from transformers.image_utils import PILImageResampling
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
-DEFAULT_FPS = 2.0  # Qwen-Omni's reference video reader samples 2 frames per second
-DEFAULT_MIN_FRAMES = 4  # Qwen2VLVideoProcessor.min_frames
-DEFAULT_MAX_FRAMES = 768  # Qwen2VLVideoProcessor.max_frames
+from omnimesh.models.qwen3_omni.video_sampling import (DEFAULT_FPS, DEFAULT_MAX_FRAMES, DEFAULT_MIN_FRAMES,
+                                                        VideoSampling)
 
-
-@dataclass(frozen=True)
-class VideoSampling:
-    """Which frames of a video the model sees."""
-
-    fps: float = DEFAULT_FPS
-    min_frames: int = DEFAULT_MIN_FRAMES
-    max_frames: int = DEFAULT_MAX_FRAMES
-    temporal_patch_size: int = 2
-
-    def __post_init__(self) -> None:
-        if not self.fps > 0:
-            raise ValueError(f"video fps must be positive, got {self.fps}")
-        if self.temporal_patch_size < 1 or self.min_frames < 1 or self.max_frames < self.temporal_patch_size:
-            raise ValueError(f"video sampling needs 1 <= min_frames and temporal_patch_size <= max_frames, got "
-                             f"min_frames={self.min_frames} max_frames={self.max_frames} "
-                             f"temporal_patch_size={self.temporal_patch_size}")
-
-    def count(self, total_frames: int, native_fps: float) -> int:
-        """How many of `total_frames` frames (at `native_fps`) are sampled (`sample_frames`' arithmetic).
-        A video shorter than one temporal patch keeps all its frames (patchify repeats the last)."""
-        if total_frames < 1:
-            raise ValueError("the video has no frames")
-        if not native_fps > 0:
-            raise ValueError(f"the video's frame rate must be positive, got {native_fps}")
-        tps = self.temporal_patch_size
-        if total_frames < tps:
-            return total_frames
-        max_frames = math.floor(min(self.max_frames, total_frames) / tps) * tps
-        n = min(max(total_frames / native_fps * self.fps, self.min_frames), max_frames, total_frames)
-        return math.floor(n / tps) * tps
-
-    def indices(self, total_frames: int, native_fps: float) -> list[int]:
-        """The sampled frame indices, ascending: uniform over the video as `sample_frames` picks them."""
-        n = self.count(total_frames, native_fps)
-        return torch.arange(0, total_frames, total_frames / n).int().tolist()
-
+__all__ = ["VideoFrameProcessor", "VideoSampling", "video_settings"]
 
 def video_settings(model_dir: Path) -> dict[str, Any]:
     """The video processor's settings of a model folder (see the module docstring for the sources)."""
