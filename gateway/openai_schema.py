@@ -8,7 +8,7 @@ the pydantic models below and serialised with `dump`.
 Defaults chosen to match OpenAI: `modalities` defaults to ["text"] (no audio unless asked for); when
 "audio" is asked for without an `audio` object the pipeline's default voice and "wav" are used. Unknown
 top-level fields are accepted and ignored (clients send many; each is named once in the log), except ones
-whose silent omission would change the answer (`refuse_unsupported`): `n` > 1, `prompt_logprobs`,
+whose silent omission would change the answer (`refuse_unsupported`): `prompt_logprobs`,
 `tools` / `functions`, `logit_bias`, a `response_format` other than text, and vLLM's beam search, guided
 decoding and the like, at any value but their neutral one. vLLM-Omni's
 `mm_processor_kwargs` takes only `use_audio_in_video` (any other key is a 400: the processor's settings
@@ -210,8 +210,8 @@ class ChatCompletionRequest(StrictBody):
     # OpenAI's: each generated text token's log-probability, with top_logprobs alternatives (0-20)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    n: int | None = None  # OpenAI's: this many choices, each its own run (gateway/choices.py)
     # Accepted only at the values that mean "nothing special" (`refuse_unsupported`):
-    n: int | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     logit_bias: dict[str, Any] | None = None
@@ -239,7 +239,6 @@ class ChatCompletionRequest(StrictBody):
 # Fields OpenAI or vLLM define that omnimesh does not implement, each with the test that its value asks for
 # nothing (then it is accepted and changes nothing): anything else would silently change the answer -> 400
 _NEUTRAL: dict[str, Any] = {
-    "n": lambda v: v is None or v == 1,
     "prompt_logprobs": lambda v: v is None,
     "tools": lambda v: not v, "functions": lambda v: not v, "logit_bias": lambda v: not v,
     "response_format": lambda v: v is None or v.get("type") in (None, "text"),
@@ -251,7 +250,7 @@ _NEUTRAL: dict[str, Any] = {
     "guided_regex": lambda v: v is None, "guided_choice": lambda v: v is None, "guided_grammar": lambda v: v is None,
 }
 _WHY: dict[str, str] = {
-    "n": "only n=1 (one choice per request)", "response_format": "structured outputs are not available; "
+    "response_format": "structured outputs are not available; "
     "use {\"type\": \"text\"} or leave it out",
 }
 # OpenAI fields that only label, store or route a request (nothing here to honour): never logged

@@ -59,6 +59,7 @@ from gateway.events import (
     TextPart,
     check_request_id,
 )
+from gateway.choices import MAX_CHOICES, Indexed, choice_requests, close_events, fan_out, total_usage
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.http_front import HttpFront
 from gateway.input_limits import InputLimits
@@ -171,6 +172,7 @@ class _Call:
     started: float  # perf_counter at arrival
     first_text: bool = False
     first_audio: bool = False
+    n: int = 1  # choices (OpenAI's `n`): as many runs of the request (gateway/choices.py)
 
     @property
     def logprobs(self) -> bool:
@@ -207,6 +209,9 @@ class RestGateway:
         """Validated body -> `_Call` (media decoded, model / voice / sampling checked). `client_id` (the
         `X-Request-Id` header, as vLLM reads it) names the request in every stage: `chatcmpl-<id>`."""
         model = resolve_model(body.model, self.served_model_names)
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= MAX_CHOICES:
+            raise invalid_request(f"n: must be in [1, {MAX_CHOICES}] choices, got {n}", "n")
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
         sampling = body.sampling(self.max_logprobs)
         check_sampling(sampling, "", self.max_logprobs)
@@ -232,7 +237,7 @@ class RestGateway:
             audio_format = "pcm16" if body.audio is not None and body.audio.format == "pcm16" else "wav"
         return _Call(request=request, model=model, stream=body.stream,
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                     audio_format=audio_format, created=int(time.time()), started=time.perf_counter())
+                     audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n)
 
     async def chat_messages(self, messages: list[Message], use_audio_in_video: bool = False
                             ) -> tuple[ChatMessage, ...]:
@@ -276,13 +281,13 @@ class RestGateway:
             body = parse_chat_request(await read_body(request, self.loader.limits.max_request_bytes))
             call = await self.build(body, request.headers.get("x-request-id"))
             call.started = started
-            events = aiter(self.pipeline.run(call.request))
+            events = aiter(fan_out(self.pipeline, choice_requests(call.request, call.n)))
             try:
                 first = await anext(events)
             except StopAsyncIteration:
                 raise internal_error(RuntimeError("the pipeline ended without a Finished event")) from None
             except BaseException:
-                await _close(events)
+                await close_events(events)
                 raise
             if call.stream:
                 streaming = True  # the stream's own `finally` settles the metrics
@@ -315,39 +320,42 @@ class RestGateway:
             self.metrics.prompt_tokens.inc(ev.prompt_tokens)
             self.metrics.generation_tokens.inc(ev.completion_tokens)
 
-    async def _complete(self, call: _Call, first: Event, events: AsyncIterator[Event]) -> Response:
-        text: list[str] = []
-        logprobs: list[stage_pb2.TokenLogprob] = []
-        audio: list[np.ndarray] = []
+    async def _complete(self, call: _Call, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
+        text: list[list[str]] = [[] for _ in range(call.n)]
+        logprobs: list[list[stage_pb2.TokenLogprob]] = [[] for _ in range(call.n)]
+        audio: list[list[np.ndarray]] = [[] for _ in range(call.n)]
         rate = self.pipeline.sample_rate
-        finished: Finished | None = None
+        finished: dict[int, Finished] = {}
         try:
-            async for ev in _chain(first, events):
+            async for i, ev in _chain(first, events):
                 self._observe(call, ev)
                 if isinstance(ev, TextDelta):
-                    text.append(ev.text)
-                    logprobs.extend(ev.logprobs)
+                    text[i].append(ev.text)
+                    logprobs[i].extend(ev.logprobs)
                 elif isinstance(ev, AudioDelta):
-                    audio.append(np.asarray(ev.pcm, dtype=np.float32).reshape(-1))
+                    audio[i].append(np.asarray(ev.pcm, dtype=np.float32).reshape(-1))
                     rate = ev.sample_rate
                 elif isinstance(ev, Finished):
-                    finished = ev
-                    break
+                    finished[i] = ev
+                    if len(finished) == call.n:
+                        break
         finally:
-            await _close(events)
-        if finished is None:
+            await close_events(events)
+        if len(finished) < call.n:
             raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
-        transcript = "".join(text)
-        message = ResponseMessage(content=transcript)
-        if call.audio_format is not None:
-            wave = np.concatenate(audio) if audio else np.zeros(0, np.float32)
-            data = await asyncio.to_thread(encode_audio, wave, rate, call.audio_format)
-            message.audio = MessageAudio(id=f"audio_{uuid.uuid4().hex}", data=base64.b64encode(data).decode(),
-                                         expires_at=call.created, transcript=transcript)
-        body = ChatCompletion(id=call.request.request_id, created=call.created, model=call.model,
-                              choices=[Choice(message=message, finish_reason=finished.finish_reason,
-                                              logprobs=self._logprobs(call, logprobs))],
-                              usage=_usage(finished))
+        choices = []
+        for i in range(call.n):
+            transcript = "".join(text[i])
+            message = ResponseMessage(content=transcript)
+            if call.audio_format is not None:
+                wave = np.concatenate(audio[i]) if audio[i] else np.zeros(0, np.float32)
+                data = await asyncio.to_thread(encode_audio, wave, rate, call.audio_format)
+                message.audio = MessageAudio(id=f"audio_{uuid.uuid4().hex}", data=base64.b64encode(data).decode(),
+                                             expires_at=call.created, transcript=transcript)
+            choices.append(Choice(index=i, message=message, finish_reason=finished[i].finish_reason,
+                                  logprobs=self._logprobs(call, logprobs[i])))
+        body = ChatCompletion(id=call.request.request_id, created=call.created, model=call.model, choices=choices,
+                              usage=_usage(total_usage([finished[i] for i in range(call.n)])))
         self._finish("chat", 200, call.started)
         return JSONResponse(dump(body), headers={"X-Request-Id": call.request.request_id})
 
@@ -355,36 +363,41 @@ class RestGateway:
         """A choice's `logprobs`: its tokens' entries when the request asked for them, else None."""
         return choice_logprobs(entries, as_ids=self.tokens_as_ids) if call.logprobs else None
 
-    async def _stream(self, call: _Call, first: Event, stream: _Stream) -> AsyncIterator[bytes]:
-        rid, audio_id = call.request.request_id, f"audio_{uuid.uuid4().hex}"
+    async def _stream(self, call: _Call, first: Indexed, stream: _Stream) -> AsyncIterator[bytes]:
+        rid = call.request.request_id
+        audio_ids = [f"audio_{uuid.uuid4().hex}" for _ in range(call.n)]
         status, events = 499, stream.events  # 499 (client closed) unless the stream gets to its end
 
-        def chunk(delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> bytes:
+        def chunk(i: int, delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> bytes:
             c = ChatCompletionChunk(id=rid, created=call.created, model=call.model,
-                                    choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)])
+                                    choices=[ChunkChoice(index=i, delta=delta, finish_reason=finish,
+                                                         logprobs=logprobs)])
             return _sse(dump(c, drop_none=True))
 
         try:
-            yield chunk(Delta(role="assistant", content=""))
-            finished = False
-            async for ev in _chain(first, events):
+            for i in range(call.n):
+                yield chunk(i, Delta(role="assistant", content=""))
+            finished: dict[int, Finished] = {}
+            async for i, ev in _chain(first, events):
                 self._observe(call, ev)
                 if isinstance(ev, TextDelta):
                     if ev.text or ev.logprobs:  # a token holding part of a character: its entry, no text yet
-                        yield chunk(Delta(content=ev.text), logprobs=self._logprobs(call, ev.logprobs))
+                        yield chunk(i, Delta(content=ev.text), logprobs=self._logprobs(call, ev.logprobs))
                 elif isinstance(ev, AudioDelta):
                     if call.audio_format is not None and np.size(ev.pcm):
                         data = base64.b64encode(pcm16_bytes(ev.pcm)).decode()
-                        yield chunk(Delta(audio=DeltaAudio(id=audio_id, data=data)))
+                        yield chunk(i, Delta(audio=DeltaAudio(id=audio_ids[i], data=data)))
                 elif isinstance(ev, Finished):
-                    finished = True
-                    yield chunk(Delta(), ev.finish_reason)
-                    if call.include_usage:
-                        yield _sse(dump(ChatCompletionChunk(id=rid, created=call.created, model=call.model,
-                                                            choices=[], usage=_usage(ev))))
-                    break
-            if not finished:
+                    finished[i] = ev
+                    yield chunk(i, Delta(), ev.finish_reason)
+                    if len(finished) == call.n:
+                        break
+            if len(finished) < call.n:
                 raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
+            if call.include_usage:
+                usage = _usage(total_usage([finished[i] for i in range(call.n)]))
+                yield _sse(dump(ChatCompletionChunk(id=rid, created=call.created, model=call.model, choices=[],
+                                                    usage=usage)))
             yield _DONE
             status = 200
         except PipelineError as e:
@@ -459,7 +472,7 @@ class RestGateway:
 class _Stream:
     """Bookkeeping of one streamed response, settled exactly once however the stream ends."""
 
-    def __init__(self, gw: RestGateway, call: _Call, events: AsyncIterator[Event]) -> None:
+    def __init__(self, gw: RestGateway, call: _Call, events: AsyncIterator[Indexed]) -> None:
         self.gw, self.call, self.events = gw, call, events
         self.settled = self.events_closed = False
 
@@ -472,7 +485,7 @@ class _Stream:
     async def close_events(self) -> None:
         if not self.events_closed:
             self.events_closed = True
-            await _close(self.events)
+            await close_events(self.events)
 
 
 class _SSEResponse(StreamingResponse):
@@ -502,20 +515,10 @@ def _usage(f: Finished) -> Usage:
                  total_tokens=f.prompt_tokens + f.completion_tokens)
 
 
-async def _chain(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+async def _chain(first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
     yield first
-    async for ev in rest:
-        yield ev
-
-
-async def _close(events: AsyncIterator[Event]) -> None:
-    """Tell the pipeline we stopped reading (it cancels the request in the stages)."""
-    aclose = getattr(events, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except Exception:  # the request already failed or finished; closing must not mask that
-            log.debug("closing the pipeline's event iterator failed", exc_info=True)
+    async for item in rest:
+        yield item
 
 
 def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,

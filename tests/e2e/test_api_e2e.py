@@ -548,9 +548,35 @@ def test_inline_image_is_accepted(mesh):
     assert r.json()["choices"][0]["message"]["content"]
 
 
-def test_n_2_is_400(mesh):
-    err = _openai_error(_post(mesh, _body(n=2)), 400)
-    assert err["param"] == "n" and "only n=1" in err["message"]
+def test_n_choices_are_seeded_runs(mesh):
+    """OpenAI's `n`: choice i is the run a single request with seed + i gives (text and audio), the usage counts
+    the prompt once and every choice's tokens; streamed, each choice's chunks carry its index and its own end."""
+    body = _body(n=2, temperature=0.9, seed=5, max_tokens=MAX_TOKENS)
+    r = _post(mesh, body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    alone = [_post(mesh, _body(temperature=0.9, seed=5 + i, max_tokens=MAX_TOKENS)).json() for i in range(2)]
+    for choice, single in zip(choices, alone, strict=True):
+        assert choice["message"]["content"] == single["choices"][0]["message"]["content"]
+        assert choice["message"]["audio"]["data"] == single["choices"][0]["message"]["audio"]["data"]
+    assert choices[0]["message"]["audio"]["id"] != choices[1]["message"]["audio"]["id"]
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+    assert usage["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    texts, ends = {0: "", 1: ""}, {}
+    text_only = {**body, "modalities": ["text"], "audio": None, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{mesh.rest}/v1/chat/completions", json=text_only, timeout=TIMEOUT_S) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                for c in chunk["choices"]:
+                    texts[c["index"]] += c["delta"].get("content") or ""
+                    if c.get("finish_reason"):
+                        ends[c["index"]] = c["finish_reason"]
+                if chunk.get("usage"):
+                    assert chunk["usage"]["completion_tokens"] == usage["completion_tokens"]
+    assert texts == {i: c["message"]["content"] for i, c in enumerate(choices)} and set(ends) == {0, 1}
 
 
 def test_unknown_route_is_openai_shaped_404(mesh):

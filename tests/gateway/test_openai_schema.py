@@ -41,7 +41,6 @@ def test_max_completion_tokens_wins_and_ints_are_floats() -> None:
      "prompt_logprobs: 1 is not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop", "valid list"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "only n=1"),
     ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format",
