@@ -3,8 +3,9 @@
 Data flow of `Generate`: `GenerateRequest` -> `OmniServicer.build` (the REST front end's checks: model,
 voice, modalities, sampling ranges incl. stop / stop_token_ids, media decoded by `MediaLoader`: WAV audio,
 images, video files of which only the sampled frames are kept) ->
-`ChatRequest` -> `pipeline.run` -> a server stream of `text_delta`, `audio` (mono PCM16 chunks numbered
-by `seq` from 0) and one `done`.
+`ChatRequest` -> `pipeline.run` (`n` > 1: one run per choice, gateway/choices.py) -> a server stream of
+`text_delta`, `audio` (mono PCM16 chunks numbered by `seq` from 0) and one `done`, per choice, each
+response naming its choice in `index`.
 Any failure, before or during generation, is one `error` message (code = the `grpc.StatusCode` value,
 INVALID_ARGUMENT for a bad request) that ends the stream; the RPC itself then ends OK, as the proto says
 errors travel inside the stream.
@@ -42,6 +43,7 @@ from gateway.events import (
     TextPart,
     check_request_id,
 )
+from gateway.choices import MAX_CHOICES, choice_requests, close_events, fan_out
 from gateway.input_limits import InputLimits
 from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
 from gateway.openai_schema import (
@@ -163,28 +165,35 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     async def Generate(self, request: omni_pb2.GenerateRequest,  # noqa: N802 (gRPC method name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[omni_pb2.GenerateResponse]:
+        n = request.n or 1
         try:
+            if n > MAX_CHOICES:
+                raise invalid_request(f"n: must be in [1, {MAX_CHOICES}] choices, got {n}", "n")
             chat = await self.build(request)
         except PipelineError as e:
             yield _error(e)
             return
         events = None
-        seq = 0
+        seq = [0] * n  # each choice's audio chunks are numbered from 0
+        done = 0
         try:
-            events = aiter(self.pipeline.run(chat))
-            async for ev in events:
+            events = aiter(fan_out(self.pipeline, choice_requests(chat, n)))
+            async for i, ev in events:
                 if isinstance(ev, TextDelta):
                     if ev.text or ev.logprobs:  # logprobs only when asked (sampling.logprobs)
-                        yield omni_pb2.GenerateResponse(text_delta=ev.text, logprobs=ev.logprobs)
+                        yield omni_pb2.GenerateResponse(text_delta=ev.text, logprobs=ev.logprobs, index=i)
                 elif isinstance(ev, AudioDelta):
                     if "audio" in chat.modalities and ev.pcm.size:
-                        chunk = omni_pb2.AudioChunk(pcm16=pcm16_bytes(ev.pcm), sample_rate=ev.sample_rate, seq=seq)
-                        seq += 1
-                        yield omni_pb2.GenerateResponse(audio=chunk)
+                        chunk = omni_pb2.AudioChunk(pcm16=pcm16_bytes(ev.pcm), sample_rate=ev.sample_rate, seq=seq[i])
+                        seq[i] += 1
+                        yield omni_pb2.GenerateResponse(audio=chunk, index=i)
                 elif isinstance(ev, Finished):
                     usage = stage_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)
-                    yield omni_pb2.GenerateResponse(done=stage_pb2.Done(finish_reason=ev.finish_reason, usage=usage))
-                    return
+                    yield omni_pb2.GenerateResponse(done=stage_pb2.Done(finish_reason=ev.finish_reason, usage=usage),
+                                                    index=i)
+                    done += 1
+                    if done == n:
+                        return
             yield _error(PipelineError("internal error: the pipeline ended without a Finished event",
                                        http_status=500, grpc_code=grpc.StatusCode.INTERNAL.value[0],
                                        kind="server_error"))
@@ -195,12 +204,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             yield _error(PipelineError(f"internal error: {type(e).__name__}: {e}", http_status=500,
                                        grpc_code=grpc.StatusCode.INTERNAL.value[0], kind="server_error"))
         finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()  # tells the pipeline to cancel the request in the stages
-                except Exception:
-                    log.debug("closing the pipeline's event iterator failed", exc_info=True)
+            if events is not None:
+                await close_events(events)  # tells the pipeline to cancel the runs in the stages
 
     async def ListModels(self, request: omni_pb2.ListModelsRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> omni_pb2.ListModelsResponse:

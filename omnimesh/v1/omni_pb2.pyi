@@ -28,7 +28,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "messages", "modalities", "voice", "sampling", "stage_params", "request_id", "use_audio_in_video")
+    __slots__ = ("model", "messages", "modalities", "voice", "sampling", "stage_params", "request_id", "use_audio_in_video", "n")
     class StageParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class GenerateRequest(_message.Message):
     STAGE_PARAMS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     USE_AUDIO_IN_VIDEO_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     modalities: _containers.RepeatedScalarFieldContainer[str]
@@ -52,7 +53,8 @@ class GenerateRequest(_message.Message):
     stage_params: _containers.MessageMap[str, _stage_pb2.SamplingParams]
     request_id: str
     use_audio_in_video: bool
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., modalities: _Optional[_Iterable[str]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ...) -> None: ...
+    n: int
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., modalities: _Optional[_Iterable[str]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., n: _Optional[int] = ...) -> None: ...
 
 class AudioChunk(_message.Message):
     __slots__ = ("pcm16", "sample_rate", "seq")
@@ -65,18 +67,20 @@ class AudioChunk(_message.Message):
     def __init__(self, pcm16: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text_delta", "audio", "done", "error", "logprobs")
+    __slots__ = ("text_delta", "audio", "done", "error", "logprobs", "index")
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     text_delta: str
     audio: AudioChunk
     done: _stage_pb2.Done
     error: _stage_pb2.Error
     logprobs: _containers.RepeatedCompositeFieldContainer[_stage_pb2.TokenLogprob]
-    def __init__(self, text_delta: _Optional[str] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., done: _Optional[_Union[_stage_pb2.Done, _Mapping]] = ..., error: _Optional[_Union[_stage_pb2.Error, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_stage_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, text_delta: _Optional[str] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., done: _Optional[_Union[_stage_pb2.Done, _Mapping]] = ..., error: _Optional[_Union[_stage_pb2.Error, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_stage_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

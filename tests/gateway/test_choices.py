@@ -76,3 +76,22 @@ def test_rest_answers_one_choice_per_index(rest_server: RestServer, pipeline: Sc
         assert "".join(c["delta"].get("content") or "" for c in per[i]) == "Hello world"
         assert [c.get("finish_reason") for c in per[i]][-1] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_grpc_n_names_each_choice(grpc_server, pipeline: ScriptedPipeline) -> None:  # type: ignore[no-untyped-def]
+    import grpc
+
+    from omnimesh.v1 import omni_pb2, omni_pb2_grpc
+
+    msg = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text="hi")])
+    with grpc.insecure_channel(grpc_server.target) as ch:
+        stub = omni_pb2_grpc.OmniStub(ch)
+        out = list(stub.Generate(omni_pb2.GenerateRequest(messages=[msg], n=2), timeout=10))
+        (refused,) = list(stub.Generate(omni_pb2.GenerateRequest(messages=[msg], n=17), timeout=10))
+    assert refused.error.code == 3 and refused.error.message == "n: must be in [1, 16] choices, got 17"
+    for i in (0, 1):
+        mine = [r for r in out if r.index == i]
+        assert "".join(r.text_delta for r in mine if r.WhichOneof("kind") == "text_delta") == "Hello world"
+        assert [r.audio.seq for r in mine if r.WhichOneof("kind") == "audio"] == [0, 1]  # numbered per choice
+        assert [r.WhichOneof("kind") for r in mine][-1] == "done" and mine[-1].done.usage.completion_tokens == 2
+    assert sorted(q.request_id.endswith("-1") for q in pipeline.requests) == [False, True]
