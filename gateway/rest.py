@@ -61,6 +61,7 @@ from gateway.events import (
 )
 from gateway.choices import MAX_CHOICES, Indexed, choice_requests, close_events, fan_out, total_usage
 from gateway.http_errors import error_json, internal_error, read_body
+from gateway import video_process
 from gateway.http_front import HttpFront
 from gateway.input_limits import InputLimits
 from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
@@ -202,6 +203,7 @@ class RestGateway:
         self.loader = loader
         self.metrics = RestMetrics()
         self.metrics.registry.register(_HandOffCollector(pipeline))
+        self.metrics.registry.register(video_process.METRICS)  # this process's video decodes
         self.created = int(time.time())
 
     # ------------------------------------------------------------------------------ request building

@@ -24,9 +24,12 @@ import multiprocessing
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gateway.events import PipelineError, VideoPart
 from gateway.input_limits import InputLimits
@@ -43,6 +46,47 @@ _preloaded = False
 log = logging.getLogger(__name__)
 
 Decoder = Callable[..., VideoPart]  # decode_video's signature: (data, *, sampling, limits, param, with_audio)
+
+
+class VideoDecodeMetrics(Collector):
+    """This process's video decodes for the gateway's /metrics: how many by outcome (ok; refused: not a
+    video, or over a limit; timeout; crashed: the child died; bug: the decoder raised) and how long they took."""
+
+    OUTCOMES = ("ok", "refused", "timeout", "crashed", "bug")
+    BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts = dict.fromkeys(self.OUTCOMES, 0)
+        self.buckets = [0] * len(self.BUCKETS)
+        self.seconds = 0.0
+
+    def observe(self, outcome: str, seconds: float) -> None:
+        with self._lock:
+            self.counts[outcome] += 1
+            self.seconds += seconds
+            for i, bound in enumerate(self.BUCKETS):
+                if seconds <= bound:
+                    self.buckets[i] += 1
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            counts, buckets, seconds = dict(self.counts), list(self.buckets), self.seconds
+        decodes = CounterMetricFamily("omnimesh:video_decodes", "Videos decoded in child processes, by outcome",
+                                      labels=["outcome"])
+        for outcome, n in counts.items():
+            decodes.add_metric([outcome], float(n))
+        latency = HistogramMetricFamily("omnimesh:video_decode_seconds", "Seconds one video took to decode, child "
+                                        "process included")
+        latency.add_metric([], [(_bound(b), float(n)) for b, n in zip(self.BUCKETS, buckets, strict=True)], seconds)
+        return [decodes, latency]
+
+
+def _bound(b: float) -> str:
+    return "+Inf" if b == float("inf") else f"{b:g}"
+
+
+METRICS = VideoDecodeMetrics()  # the gateway's /metrics collects it (gateway/rest.py)
 
 
 def _default_decoder() -> Decoder:
@@ -79,7 +123,30 @@ def _noop() -> None:
 def decode_in_child(data: bytes, *, sampling: VideoSampling, limits: InputLimits, param: str,
                     with_audio: bool = False, decoder: Decoder | None = None) -> VideoPart:
     """`decode_video` (or `decoder`, a module-level function with its signature) in a child process; the
-    same answers, plus a 400 when the child crashes or outlives its deadline. Blocks: run it in a thread."""
+    same answers, plus a 400 when the child crashes or outlives its deadline. Blocks: run it in a thread.
+    Every call is counted in `METRICS` by its outcome, with its seconds."""
+    started = time.monotonic()
+    outcome = "crashed"  # unless the child answers (or is killed at the deadline)
+    try:
+        part, outcome = _decode_in_child(data, sampling, limits, param, with_audio, decoder)
+        return part
+    except _Refused as refused:
+        outcome = refused.outcome
+        raise refused.error from None
+    finally:
+        METRICS.observe(outcome, time.monotonic() - started)
+
+
+class _Refused(Exception):
+    """The child's refusal (`outcome`: why) carrying the `PipelineError` the caller gets."""
+
+    def __init__(self, outcome: str, error: PipelineError) -> None:
+        super().__init__(error.message)
+        self.outcome, self.error = outcome, error
+
+
+def _decode_in_child(data: bytes, sampling: VideoSampling, limits: InputLimits, param: str, with_audio: bool,
+                     decoder: Decoder | None) -> tuple[VideoPart, str]:
     _ensure_preload()
     ours, theirs = _CONTEXT.Pipe()
     child = _CONTEXT.Process(target=_child_main, name="omnimesh-video-decode", daemon=True,
@@ -91,22 +158,26 @@ def decode_in_child(data: bytes, *, sampling: VideoSampling, limits: InputLimits
     try:
         ours.send_bytes(data)
         if not ours.poll(max(0.0, hard_deadline - (time.monotonic() - started))):
-            raise invalid_request(f"{param}: decoding the video took longer than {limits.video_decode_timeout_s:g} "
-                                  "s; send a shorter or smaller video", param)
+            raise _Refused("timeout", invalid_request(
+                f"{param}: decoding the video took longer than {limits.video_decode_timeout_s:g} s; send a shorter "
+                "or smaller video", param))
         kind, payload = ours.recv()
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the child died before (or while) answering
         child.join(5.0)
-        raise invalid_request(f"{param}: the video decoder failed on this file ({_death(child.exitcode)}); "
-                              "send an intact video file (MP4, WebM, MKV, MOV, AVI, ...)", param) from None
+        raise _Refused("crashed", invalid_request(
+            f"{param}: the video decoder failed on this file ({_death(child.exitcode)}); send an intact video file "
+            "(MP4, WebM, MKV, MOV, AVI, ...)", param)) from None
     finally:
         ours.close()
         if child.is_alive():
             child.kill()
         child.join(5.0)
-    if kind == "error":
+    if kind != "ok":  # "refused": the file or a limit ("timeout" for the decoder's own deadline); "bug"
         message, fields = payload
-        raise PipelineError(message, **fields)
-    return payload  # type: ignore[no-any-return]
+        # the decoder's own deadline (gateway/media_video.py `_decode_sampled`) counts as a timeout too
+        outcome = "timeout" if "decoding the video took longer than" in message else kind
+        raise _Refused(outcome, PipelineError(message, **fields))
+    return payload, "ok"
 
 
 def _death(exitcode: int | None) -> str:
@@ -126,12 +197,12 @@ def _child_main(conn: Connection, decoder: Decoder, sampling: VideoSampling, lim
         data = conn.recv_bytes()
         answer = ("ok", decoder(data, sampling=sampling, limits=limits, param=param, with_audio=with_audio))
     except PipelineError as e:
-        answer = ("error", (e.message, {"http_status": e.http_status, "grpc_code": e.grpc_code, "kind": e.kind,
-                                        "param": e.param}))
+        answer = ("refused", (e.message, {"http_status": e.http_status, "grpc_code": e.grpc_code, "kind": e.kind,
+                                          "param": e.param}))
     except Exception as e:  # noqa: BLE001  # a decoder bug: the request fails, the gateway does not
         log.exception("%s: the video decoder raised", param)
-        answer = ("error", (f"{param}: the video decoder failed on this file ({type(e).__name__}); send an intact "
-                            "video file", {"http_status": 400, "grpc_code": 3, "kind": "invalid_request_error",
-                                           "param": param}))
+        answer = ("bug", (f"{param}: the video decoder failed on this file ({type(e).__name__}); send an intact "
+                          "video file", {"http_status": 400, "grpc_code": 3, "kind": "invalid_request_error",
+                                         "param": param}))
     conn.send(answer)
     conn.close()

@@ -86,3 +86,32 @@ def test_the_loader_decodes_in_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(PipelineError, match="killed by SIGSEGV"):
         asyncio.run(MediaLoader(InputLimits()).video_from_bytes(make_video(4, 4), "messages[0].content[0].video"))
     assert calls == ["messages[0].content[0].video"]
+
+
+def test_every_decode_is_counted_by_outcome(rest_server, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """omnimesh:video_decodes{outcome} and omnimesh:video_decode_seconds on the gateway's /metrics."""
+    import httpx
+
+    def counts() -> dict[str, float]:
+        text = httpx.get(f"{rest_server.base_url}/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("omnimesh:video_decodes_total{"):
+                out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+            elif line.startswith("omnimesh:video_decode_seconds_count"):
+                out["count"] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    before = counts()
+    assert set(before) == {"ok", "refused", "timeout", "crashed", "bug", "count"}
+    in_child(make_video(4, 4))
+    monkeypatch.setattr(video_process, "GRACE_S", 0.2)
+    for decoder, limits in ((video_decoders.crash, None), (video_decoders.raise_bug, None),
+                            (video_decoders.hang, InputLimits(video_decode_timeout_s=0.1))):
+        with pytest.raises(PipelineError):
+            in_child(make_video(4, 4), limits, decoder=decoder)
+    with pytest.raises(PipelineError):
+        in_child(make_video(12, 4), InputLimits(max_video_seconds=1.0))  # refused: over a limit
+    after = counts()
+    assert {k: after[k] - before[k] for k in after} == {"ok": 1, "refused": 1, "timeout": 1, "crashed": 1, "bug": 1,
+                                                        "count": 5}
