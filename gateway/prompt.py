@@ -131,13 +131,15 @@ class PromptBuilder:
     `omnimesh.models.qwen3_omni.processor.load_processor`) or an already built processor.
     """
 
-    def __init__(self, source: str | Path | Any, *, max_model_len: int, chat_template: str | None = None) -> None:
+    def __init__(self, source: str | Path | Any, *, max_model_len: int, chat_template: str | None = None,
+                 processor_kwargs: dict[str, Any] | None = None) -> None:
+        """`processor_kwargs`: --mm-processor-kwargs (gateway/processor_kwargs.py), for a folder `source`."""
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         if isinstance(source, (str, Path)):
             from omnimesh.models.qwen3_omni.processor import load_processor
 
-            source = load_processor(source)
+            source = load_processor(source, processor_kwargs)
         self.processor = source
         self.max_model_len = max_model_len
         self.chat_template = chat_template  # None: the model's own (tokenizer_config / chat_template.jinja)

@@ -23,6 +23,7 @@ from gateway.grpc_api import create_grpc_server
 from gateway.http_front import HttpFront
 from gateway.input_limits import InputLimits, describe_limits, limits_from_flags
 from gateway.pipeline import StagePipeline
+from gateway.processor_kwargs import parse_mm_processor_kwargs
 from gateway.prompt import PromptBuilder, load_chat_template
 from gateway.request_log import RequestLog
 from gateway.stage_discovery import StageDiscovery, parse_dns_target
@@ -50,7 +51,12 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
     (None when every stage has fixed addresses; such a stage starts with no replica)."""
     name = args.model_name(model_dir)
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
-    builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir), chat_template=template)
+    processor_kwargs = parse_mm_processor_kwargs(args.mm_processor_kwargs)
+    builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir), chat_template=template,
+                            processor_kwargs=processor_kwargs)
+    if processor_kwargs:
+        log.info("gateway: processor settings %s (--mm-processor-kwargs, over the model folder's)",
+                 ", ".join(f"{k}={v:g}" for k, v in processor_kwargs.items()))
     if template is not None:
         log.info("gateway: chat template from --chat-template (%d characters) instead of the model's", len(template))
     transport = Transport("gateway", "grpc")  # the gateway reads shm frames (the vocoder's pcm), never writes any

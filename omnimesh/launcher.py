@@ -116,7 +116,8 @@ class MeshLauncher:
         for flag, value in (("--served-model-name", a.served_model_name), ("--max-model-len", a.max_model_len),
                             ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template),
                             ("--max-log-len", a.max_log_len), ("--limit-mm-per-prompt", a.limit_mm_per_prompt),
-                            ("--input-limits", a.input_limits), ("--max-logprobs", a.max_logprobs)):
+                            ("--input-limits", a.input_limits), ("--max-logprobs", a.max_logprobs),
+                            ("--mm-processor-kwargs", a.mm_processor_kwargs)):
             if value is not None:
                 argv += [flag, str(value)]
         if a.enable_log_requests:

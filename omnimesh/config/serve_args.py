@@ -147,6 +147,11 @@ class ServeArgs:
     return_tokens_as_token_ids: bool = _f(False, "logprobs name each token 'token_id:<id>' instead of its text, as "
                                           "vLLM's (for tokens that are not valid text on their own)",
                                           "--return-tokens-as-token-ids", action="store_true")
+    mm_processor_kwargs: str | None = _f(None, "the multimodal processor's settings over the model folder's, as vLLM's: "
+                                         "JSON with min_pixels / max_pixels (the area images and video frames are "
+                                         "resized into: fewer vision tokens) and the video sampling fps / "
+                                         "min_frames / max_frames, e.g. '{\"max_pixels\": 802816, \"fps\": 1}'",
+                                         "--mm-processor-kwargs")
     limit_mm_per_prompt: str | None = _f(None, "most audio / image / video parts one request may carry, as vLLM's: JSON "
                                          "such as '{\"image\": 4, \"video\": 1}' (0 refuses a modality: "
                                          "'{\"video\": 0}'); checked before any part is decoded (400); a modality "
@@ -219,6 +224,9 @@ class ServeArgs:
         if self.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be >= 0 (or -1: up to the vocabulary), got {self.max_logprobs}")
         from gateway.input_limits import limits_from_flags
+        from gateway.processor_kwargs import parse_mm_processor_kwargs
+
+        parse_mm_processor_kwargs(self.mm_processor_kwargs)
 
         limits_from_flags(self.limit_mm_per_prompt, self.input_limits)
         if self.chat_template is not None:
@@ -338,12 +346,13 @@ HTTP_FRONT_FIELDS = frozenset(
 GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
      "stage_dns_refresh", "limit_mm_per_prompt", "input_limits", "max_logprobs", "return_tokens_as_token_ids",
+     "mm_processor_kwargs",
      "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
-     "input_limits", "max_logprobs", "return_tokens_as_token_ids"}
+     "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs"}
 ) | HTTP_FRONT_FIELDS
 
 

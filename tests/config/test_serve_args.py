@@ -408,3 +408,14 @@ def test_sampling_defaults_reach_the_thinker_and_talker(tmp_path) -> None:
                           r"stage talker: default_sampling_params: top_p must be in \(0, 1\]")]:
         with pytest.raises(ValueError, match=message):
             ServeArgs(**bad)  # type: ignore[arg-type]
+
+
+def test_mm_processor_kwargs_are_the_gateways(tmp_path) -> None:
+    from omnimesh.launcher import MeshLauncher
+
+    launcher = MeshLauncher(ServeArgs(mm_processor_kwargs='{"fps": 1}'), tmp_path)
+    argv = launcher._gateway_argv({"thinker": ["127.0.0.1:1"]})
+    assert argv[argv.index("--mm-processor-kwargs") + 1] == '{"fps": 1}'
+    assert "--mm-processor-kwargs" not in launcher._stage_argv("encoder", 50051)
+    with pytest.raises(ValueError, match="--mm-processor-kwargs: unknown setting 'fsp'"):
+        ServeArgs(mm_processor_kwargs='{"fsp": 1}')

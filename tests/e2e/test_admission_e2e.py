@@ -8,7 +8,8 @@ message naming the flag, streaming or not, before any event. Nothing admitted is
 a video is refused on REST and gRPC, and 1 s of audio is a 413 naming the limit.
 --override-generation-config '{"max_new_tokens": 3}' and the talker's default_sampling_params
 {"max_tokens": 5} (launcher -> thinker / talker): a request that sets neither runs to them, exactly as one
-that asks for them. Every wait is bounded.
+that asks for them. --mm-processor-kwargs '{"max_pixels": 4096}' (launcher -> gateway): an image costs the
+prompt tokens the processor with that setting gives, fewer than the folder's own. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import grpc
 import httpx
 import pytest
 from mesh_harness import start_mesh
-from reference import mp4_bytes, openai_content, sine_wav
+from reference import chat_request, mp4_bytes, openai_content, png_bytes, sine_wav
 
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc
 
@@ -37,7 +38,8 @@ def capped(tiny_model_dir: Path):
     m = start_mesh(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1",
                    "--limit-mm-per-prompt", '{"video": 0}', "--input-limits", '{"max_audio_seconds": 0.5}',
                    "--override-generation-config", '{"max_new_tokens": 3}',
-                   "--stage-overrides", '{"talker": {"default_sampling_params": {"max_tokens": 5}}}')
+                   "--stage-overrides", '{"talker": {"default_sampling_params": {"max_tokens": 5}}}',
+                   "--mm-processor-kwargs", '{"max_pixels": 4096}')
     try:
         yield m
     finally:
@@ -134,3 +136,17 @@ def test_the_operators_sampling_defaults_apply(capped):
     assert pcm[0] == pcm[1] and 0 < len(pcm[0]) // 2 <= 5 * 1920  # at most 5 codes of 80 ms at 24 kHz
     assert "thinker: default sampling max_tokens=3" in capped.proc.output()
     assert "talker: default sampling max_tokens=5" in capped.proc.output()
+
+
+def test_the_processor_settings_apply(capped, tiny_model_dir):
+    from gateway.prompt import PromptBuilder
+
+    png = png_bytes(128)
+    body = {**_body("x"), "messages": [{"role": "user", "content": openai_content("What is it?", None, png)}]}
+    r = _post(capped, body)
+    assert r.status_code == 200, r.text
+    req = chat_request("What is it?", None, png, max_tokens=1, talker_max=1, modalities=("text",))
+    small = PromptBuilder(tiny_model_dir, max_model_len=4096, processor_kwargs={"max_pixels": 4096})(req)
+    default = PromptBuilder(tiny_model_dir, max_model_len=4096)(req)
+    assert r.json()["usage"]["prompt_tokens"] == small.input_ids.numel() < default.input_ids.numel()
+    assert "gateway: processor settings max_pixels=4096" in capped.proc.output()

@@ -27,6 +27,7 @@ Usage: processor = load_processor(model_dir)
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ from transformers import (
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 from transformers.processing_utils import ProcessorMixin
 
-from omnimesh.models.qwen3_omni.video_processor import VideoFrameProcessor
+from omnimesh.models.qwen3_omni.video_processor import VideoFrameProcessor, video_settings
 
 
 class Qwen3OmniPromptProcessor(Qwen3OmniMoeProcessor):
@@ -123,9 +124,13 @@ class Qwen3OmniPromptProcessor(Qwen3OmniMoeProcessor):
         return list(dict.fromkeys(names))
 
 
-def load_processor(model_dir: Path | str) -> Qwen3OmniPromptProcessor:
-    """Build the prompt processor from a Hugging Face model folder, offline."""
+def load_processor(model_dir: Path | str, overrides: Mapping[str, Any] | None = None) -> Qwen3OmniPromptProcessor:
+    """Build the prompt processor from a Hugging Face model folder, offline; `overrides` (--mm-processor-kwargs,
+    gateway/processor_kwargs.py) replace the folder's min_pixels / max_pixels (images and video frames) and
+    video fps / min_frames / max_frames."""
     model_dir = Path(model_dir)
+    overrides = dict(overrides or {})
+    pixels = {k: overrides[k] for k in ("min_pixels", "max_pixels") if k in overrides}
     if not (model_dir / "preprocessor_config.json").is_file():
         raise ValueError(f"{model_dir} has no preprocessor_config.json; is it a Qwen3-Omni model folder?")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -136,9 +141,9 @@ def load_processor(model_dir: Path | str) -> Qwen3OmniPromptProcessor:
                 "media tokens (image_token, audio_token, video_token, vision/audio bos/eos)"
             )
     return Qwen3OmniPromptProcessor(
-        image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True),
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True, **pixels),
         feature_extractor=WhisperFeatureExtractor.from_pretrained(model_dir, local_files_only=True),
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,
-        video_processor=VideoFrameProcessor.from_pretrained(model_dir),
+        video_processor=VideoFrameProcessor(**{**video_settings(model_dir), **overrides}),
     )

@@ -1,0 +1,40 @@
+"""`--mm-processor-kwargs`: the operator's settings for the multimodal processor, as vLLM's flag.
+
+Role: the few processor settings a Qwen-Omni server is tuned by, over the model folder's own
+(preprocessor_config.json, video_preprocessor_config.json): `min_pixels` / `max_pixels` (the area images and
+video frames are resized into: fewer pixels, fewer vision tokens and cheaper encoder steps) and the video
+sampling `fps` / `min_frames` / `max_frames`. Parsed and checked here, with an error naming the flag, when
+`omnimesh serve` reads its flags; `omnimesh.models.qwen3_omni.processor.load_processor` applies them, so the
+prompt's placeholders, the frames the gateway decodes and the patches the encoder gets all agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omnimesh.config.stage_config import parse_json_object
+
+KEYS: dict[str, type] = {"min_pixels": int, "max_pixels": int, "fps": float, "min_frames": int, "max_frames": int}
+IMAGE_KEYS = ("min_pixels", "max_pixels")  # images and video frames alike, as the processor's own kwargs
+
+
+def parse_mm_processor_kwargs(text: str | None) -> dict[str, Any]:
+    """The flag's JSON -> {key: value} over `KEYS`; ValueError naming the flag, the key and the fix."""
+    if not text:
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in parse_json_object(text, "--mm-processor-kwargs", "of processor settings").items():
+        kind = KEYS.get(key)
+        if kind is None:
+            raise ValueError(f"--mm-processor-kwargs: unknown setting {key!r}; settings: {', '.join(KEYS)} "
+                             f"(a request's own is mm_processor_kwargs.use_audio_in_video)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ValueError(f"--mm-processor-kwargs[{key!r}]: {value!r} is not "
+                             f"{'a whole number' if kind is int else 'a number'}")
+        if not value > 0:
+            raise ValueError(f"--mm-processor-kwargs[{key!r}] must be positive, got {value}")
+        out[key] = kind(value)
+    for low, high in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
+        if low in out and high in out and out[low] > out[high]:
+            raise ValueError(f"--mm-processor-kwargs: {low} {out[low]} is above {high} {out[high]}")
+    return out

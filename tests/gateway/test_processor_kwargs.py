@@ -1,0 +1,68 @@
+"""`--mm-processor-kwargs` (gateway/processor_kwargs.py): parsed with errors naming the flag; applied by
+`load_processor`, an image is resized and patched exactly as transformers' image processor given the same
+`max_pixels`, video frames take the same area bound, and the video sampling (what the gateway decodes and
+the prompt's `video_second_per_grid`) follows `fps` / `max_frames`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import Qwen2VLImageProcessorPil
+
+from gateway.events import ChatMessage, ChatRequest, ImagePart, TextPart, VideoPart
+from gateway.processor_kwargs import parse_mm_processor_kwargs
+from gateway.prompt import PromptBuilder
+from omnimesh.models.qwen3_omni import tiny
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.build_tiny_qwen3_omni(Path(tmp_path_factory.mktemp("tiny")) / "qwen3-omni")
+
+
+def ask(*parts: object) -> ChatRequest:
+    return ChatRequest(request_id="r", model="m", messages=(ChatMessage("user", (*parts, TextPart("?"))),))  # type: ignore[arg-type]
+
+
+def test_the_flag_is_parsed_and_checked() -> None:
+    assert parse_mm_processor_kwargs(None) == {}
+    assert parse_mm_processor_kwargs('{"max_pixels": 4096, "fps": 1, "max_frames": 8}') == {
+        "max_pixels": 4096, "fps": 1.0, "max_frames": 8}
+    for text, message in [('{"max_pixel": 1}', "unknown setting 'max_pixel'; settings: min_pixels, max_pixels"),
+                          ('{"max_pixels": 1.5}', r"\['max_pixels'\]: 1.5 is not a whole number"),
+                          ('{"fps": 0}', r"\['fps'\] must be positive, got 0"),
+                          ('{"min_pixels": 9000, "max_pixels": 4096}', "min_pixels 9000 is above max_pixels 4096"),
+                          ("[]", "--mm-processor-kwargs must be a JSON object")]:
+        with pytest.raises(ValueError, match=message):
+            parse_mm_processor_kwargs(text)
+
+
+def test_images_are_resized_as_transformers_would(folder: Path) -> None:
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8))
+    small = PromptBuilder(folder, max_model_len=512, processor_kwargs={"max_pixels": 4096})
+    default = PromptBuilder(folder, max_model_len=512)
+    got = small(ask(ImagePart(image)))
+    want = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True, max_pixels=4096)(
+        images=[image], return_tensors="pt")
+    assert torch.equal(got.image_grid_thw, want["image_grid_thw"])
+    assert torch.equal(got.pixel_values, want["pixel_values"])
+    _, h, w = got.image_grid_thw[0].tolist()
+    assert h * w * 16 * 16 <= 4096  # 16-pixel patches: the resized image is within max_pixels
+    assert got.input_ids.numel() < default(ask(ImagePart(image))).input_ids.numel()  # fewer vision tokens
+
+
+def test_video_frames_and_sampling_follow_the_settings(folder: Path) -> None:
+    builder = PromptBuilder(folder, max_model_len=4096, processor_kwargs={"max_pixels": 4096, "fps": 1.0,
+                                                                          "max_frames": 4})
+    video = builder.processor.video_processor
+    assert (video.sampling.fps, video.sampling.max_frames) == (1.0, 4)
+    assert video.sampling.count(40, 4.0) == 4  # 10 s at 1 fps, capped at 4 frames
+    frames = np.zeros((4, 96, 128, 3), np.uint8)
+    got = builder(ask(VideoPart(frames=frames, fps=1.0)))
+    assert got.video_second_per_grid is not None and float(got.video_second_per_grid[0]) == 2.0  # tps / fps
+    t, h, w = got.video_grid_thw[0].tolist()
+    assert h * w * 16 * 16 <= 4096 and t == 2
