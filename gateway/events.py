@@ -89,6 +89,7 @@ class ChatRequest:
     voice: str | None = None
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
     stage_params: dict[str, SamplingOverrides] = field(default_factory=dict)  # "thinker" | "talker"
+    priority: int = 0  # vLLM's: lower runs sooner in the thinker and talker (--scheduling-policy priority)
 
 
 @dataclass(frozen=True, slots=True)

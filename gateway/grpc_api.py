@@ -161,7 +161,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
         return ChatRequest(request_id=rid, model=pipeline_model,
                            messages=tuple(messages), modalities=modalities,
-                           voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages)
+                           voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages,
+                           priority=req.priority)
 
     async def Generate(self, request: omni_pb2.GenerateRequest,  # noqa: N802 (gRPC method name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[omni_pb2.GenerateResponse]:

@@ -211,6 +211,7 @@ class ChatCompletionRequest(StrictBody):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     n: int | None = None  # OpenAI's: this many choices, each its own run (gateway/choices.py)
+    priority: int = 0  # vLLM's: lower runs sooner (the stages' --scheduling-policy priority)
     # Accepted only at the values that mean "nothing special" (`refuse_unsupported`):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
@@ -349,6 +350,13 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
 # ------------------------------------------------------------------------- checks shared with gRPC
 MAX_STOP_STRINGS = 4  # as OpenAI
 INT32_MAX = 2**31 - 1  # the wire's token counts are int32
+
+
+def check_priority(priority: int) -> int:
+    """vLLM's request priority must fit the wire's int32 (whether the stages take it is theirs to say)."""
+    if not -(2**31) <= priority < 2**31:
+        raise invalid_request(f"priority: must fit in a signed 32-bit integer, got {priority}", "priority")
+    return priority
 
 
 def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOGPROBS) -> None:

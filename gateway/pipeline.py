@@ -218,7 +218,7 @@ class StagePipeline:
             thinker = await thinker_replica.client.open(
                 rid, thinker_sampling(request),
                 {"talker_inputs": "1" if want_audio else "0",
-                 "eager_tokens": str(self.mesh.eager_tokens if want_audio else 1)},
+                 "eager_tokens": str(self.mesh.eager_tokens if want_audio else 1), **_priority(request)},
                 deadline, transport=out,
             )
             legs.append(_Leg(thinker, thinker_replica, out))
@@ -229,7 +229,8 @@ class StagePipeline:
                 replica = plan["talker"].replica
                 out = self.mesh.mode(replica, plan["vocoder"].replica.host, "vocoder")
                 talker = await replica.client.open(
-                    rid, talker_sampling(request), {"speaker": voice, **self.mesh.talker_options}, deadline,
+                    rid, talker_sampling(request), {"speaker": voice, **self.mesh.talker_options, **_priority(request)},
+                    deadline,
                     whole_input=whole,
                     transport=out,
                 )
@@ -403,3 +404,8 @@ def _encoder_inputs(prompt: PromptInputs) -> dict[str, torch.Tensor]:
         tensors["video_grid_thw"] = prompt.video_grid_thw
     return tensors
 
+
+
+def _priority(request: ChatRequest) -> dict[str, str]:
+    """The thinker's and talker's `priority` option (none for the default 0: any stage takes that)."""
+    return {"priority": str(request.priority)} if request.priority else {}

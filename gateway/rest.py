@@ -81,6 +81,7 @@ from gateway.openai_schema import (
     ModelList,
     ResponseMessage,
     Usage,
+    check_priority,
     check_sampling,
     check_thinker_min_tokens,
     choice_logprobs,
@@ -233,7 +234,7 @@ class RestGateway:
         request = ChatRequest(
             request_id=f"chatcmpl-{suffix}", model=pipeline_model, messages=messages,
             modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
-            stage_params=stages)
+            stage_params=stages, priority=check_priority(body.priority))
         audio_format: Literal["wav", "pcm16"] | None = None
         if "audio" in modalities:
             audio_format = "pcm16" if body.audio is not None and body.audio.format == "pcm16" else "wav"

@@ -94,7 +94,8 @@ class MeshLauncher:
         own: dict[str, object] = {"max_num_seqs": cfg.max_num_seqs, "max_waiting_requests": cfg.max_waiting_requests,
                                   "gpu_memory_utilization": cfg.gpu_memory_utilization,
                                   "transport": cfg.transport, "shm_arena_size": cfg.shm_arena_size,
-                                  "shm_min_tensor_size": cfg.shm_min_tensor_size, "nice": cfg.nice}
+                                  "shm_min_tensor_size": cfg.shm_min_tensor_size, "nice": cfg.nice,
+                                  "scheduling_policy": cfg.scheduling_policy}
         for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "bulk_nice", "yield_steps",
                     "default_sampling_params"):
             if getattr(cfg, key) is not None:

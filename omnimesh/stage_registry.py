@@ -81,7 +81,8 @@ def lm_engine(backend: Any, stage: str, args: ServeArgs, max_model_len: int,
     return LMEngine(backend, role=stage, block_size=args.block_size, kv_bytes=kv_bytes,
                     gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_seqs=cfg.max_num_seqs,
                     max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
-                    capture_layer=capture_layer, max_waiting_requests=cfg.max_waiting_requests)
+                    capture_layer=capture_layer, max_waiting_requests=cfg.max_waiting_requests,
+                    scheduling_policy=cfg.scheduling_policy)
 
 
 def handler_factory(stage: str, model_dir: Path, args: ServeArgs) -> Callable[[], StageHandler]:

@@ -92,6 +92,10 @@ class ServeArgs:
                                    "seats; one more is refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429 with "
                                    "Retry-After) rather than queued without bound (0: never queue)",
                                    "--max-waiting-requests")
+    scheduling_policy: str = _f("fcfs", "order of the thinker's and talker's requests, as vLLM's: fcfs (arrival) or "
+                                "priority (each request's `priority`, lower first, arrival among equals; a "
+                                "waiting request preempts a lower-priority running one when seats or KV blocks "
+                                "run short)", "--scheduling-policy")
     max_num_batched_tokens: int | None = _f(None, "most tokens in one engine step (long prompts are chunked)", "--max-num-batched-tokens")
     kv_cache_memory: str | None = _f(None, "KV-cache size per rank of the thinker / talker, e.g. 2GiB (CPU default 4GiB; on CUDA it is what --gpu-memory-utilization leaves after weights and activations)", "--kv-cache-memory")
     block_size: int = _f(16, "tokens per KV-cache block", "--block-size")
@@ -264,6 +268,7 @@ class ServeArgs:
             max_waiting_requests=self.max_waiting_requests,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            scheduling_policy=self.scheduling_policy,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory, "--kv-cache-memory"),
             transport=self.transport,
             shm_arena_size=parse_size(self.shm_arena_size, "--shm-arena-size"),

@@ -95,6 +95,10 @@ class StageConfig:
     shm_min_tensor_size: int = field(
         default=SHM_MIN_TENSOR_BYTES, metadata={"help": "smallest output tensor that goes by shared-memory reference on "
                                                         "a co-located edge; smaller ones go inline, e.g. '16KiB' (0: all)"})
+    scheduling_policy: str = field(
+        default="fcfs", metadata={"help": "the thinker's / talker's order: fcfs (arrival) or priority (vLLM's: a "
+                                          "request's priority, lower first, arrival among equals; a waiting request "
+                                          "takes the seat and blocks of a lower-priority running one)"})
     default_sampling_params: dict[str, Any] | None = field(
         default=None, metadata={"help": "the thinker's / talker's default sampling, over the model's own (requests "
                                         "still set theirs), as vLLM-Omni's per-stage default_sampling_params: "
@@ -140,6 +144,8 @@ class StageConfig:
                                              or self.yield_steps < 0):
             raise ValueError(f"yield_steps must be a whole number >= 0 (0: every step carries every ready request), "
                              f"got {self.yield_steps!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.default_sampling_params is not None:
             if not isinstance(self.default_sampling_params, dict):
                 raise ValueError(f"default_sampling_params must be an object such as {{\"temperature\": 0.7}}, got "

@@ -10,6 +10,10 @@ Each step, given the requests that have input waiting:
   2. then waiting requests (new, or preempted earlier), first come first served, while there is budget,
      a free seat (`max_num_seqs`) and blocks for their next chunk (none newer than a request preempted in
      this very step).
+"First" and "newest" follow each request's `rank`: its admission order under the default policy ("fcfs"),
+and (priority, admission order) under vLLM's "priority" policy (lower priority values first), where a
+waiting request that outranks a running one also takes its seat or its blocks: the lowest-ranked running
+request is preempted for it, as vLLM's priority scheduler does.
 Finished and cancelled requests give their blocks back at once (`remove`).
 The scheduler knows token counts only; what the tokens are is `lm_engine.py`'s business.
 """
@@ -27,17 +31,30 @@ class ScheduledSeq:
 
     rid: str
     order: int  # admission order: smaller = older
+    priority: int = 0  # vLLM's request priority (lower = sooner); only the "priority" policy reads it
     pending: int = 0  # input tokens not yet in the cache
     cached: int = 0  # tokens in the cache
     blocks: list[int] = field(default_factory=list)
     running: bool = False
 
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Sort key: smaller runs first and is preempted last (see the module docstring)."""
+        return self.priority, self.order
+
+
+POLICIES = ("fcfs", "priority")
+
 
 class LMScheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs") -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, "
                              f"{max_num_batched_tokens}")
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
         self.allocator = allocator
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.running: list[ScheduledSeq] = []  # admission order
@@ -45,10 +62,12 @@ class LMScheduler:
         self.preemptions = 0
         self._order = 0
 
-    def add(self, rid: str) -> ScheduledSeq:
+    def add(self, rid: str, priority: int = 0) -> ScheduledSeq:
+        """A new request; `priority` counts only under the "priority" policy."""
         self._order += 1
-        seq = ScheduledSeq(rid, self._order)
+        seq = ScheduledSeq(rid, self._order, priority if self.policy == "priority" else 0)
         self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: s.rank)
         return seq
 
     def remove(self, seq: ScheduledSeq) -> None:
@@ -93,23 +112,40 @@ class LMScheduler:
                 planned.add(seq.rid)
                 budget -= n
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0:
                 break
             if seq in preempted:
                 break  # preempted in this step: it is not readmitted yet, and no newer request overtakes it
             if seq.rid not in ready or seq.pending <= 0:
                 continue
+            if len(self.running) >= self.max_num_seqs and not self._make_room(seq, planned, preempted):
+                break
             n = min(seq.pending, budget)
-            if not self.allocator.grow(seq.blocks, seq.cached + n):
-                break  # first come first served: nobody overtakes the oldest waiting request
+            while not self.allocator.grow(seq.blocks, seq.cached + n):
+                if not self._make_room(seq, planned, preempted):
+                    break
+            if len(seq.blocks) < self.allocator.blocks_for(seq.cached + n):
+                break  # first come first served: nobody overtakes the first-ranked waiting request
             self.waiting.remove(seq)
             self.running.append(seq)
-            self.running.sort(key=lambda s: s.order)
+            self.running.sort(key=lambda s: s.rank)
             seq.running = True
             plan.append((seq, n))
             planned.add(seq.rid)
             budget -= n
         return plan, preempted
+
+    def _make_room(self, seq: ScheduledSeq, planned: set[str], preempted: list[ScheduledSeq]) -> bool:
+        """Under the "priority" policy: preempt the lowest-ranked running request not in this step when it
+        ranks below `seq` (a seat and its blocks for `seq`); False when there is none (always under fcfs)."""
+        if self.policy != "priority":
+            return False
+        victim = next((s for s in reversed(self.running) if s.rid not in planned), None)
+        if victim is None or victim.rank <= seq.rank:
+            return False
+        self._preempt(victim)
+        preempted.append(victim)
+        return True
 
     def _preempt(self, seq: ScheduledSeq) -> None:
         self.allocator.free(seq.blocks)
@@ -117,7 +153,7 @@ class LMScheduler:
         seq.cached, seq.running = 0, False
         self.running.remove(seq)
         self.waiting.append(seq)
-        self.waiting.sort(key=lambda s: s.order)  # older first: a preempted request goes before newer ones
+        self.waiting.sort(key=lambda s: s.rank)  # older first: a preempted request goes before newer ones
         self.preemptions += 1
 
     def stats(self) -> dict[str, float]:

@@ -85,6 +85,7 @@ class BatchedTask(StageTask):
         self.batcher = batcher
         self.key = f"{request_id}~{next(_TASK_SERIAL)}"
         self.on_close: list[Callable[[str], None]] = []
+        self.priority = 0  # vLLM's request priority (lower = sooner), read by a "priority" scheduler
 
     def step(self) -> list[StageChunk]:
         if self.batcher is None:

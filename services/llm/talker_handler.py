@@ -25,7 +25,7 @@ from omnimesh.v1 import stage_pb2
 from services.llm.sampling import merge_sampling, operator_defaults
 from services.llm.talker_batcher import TalkerBatcher
 from services.llm.talker_task import TalkerTask
-from services.options import count_option
+from services.options import count_option, priority_option
 
 DEFAULT_SPEAKER = "ethan"
 
@@ -69,6 +69,7 @@ class TalkerHandler:
             chunks = (count_option(msg, "first_chunk_codes", chunk), chunk)
         task = TalkerTask(msg.request_id, self.talker, speaker, params, max_model_len=self.max_model_len,
                           batcher=self.batcher, chunks=chunks)
+        task.priority = priority_option(msg, self.batcher.engine.scheduler.policy if self.batcher else "fcfs")
         if self.batcher is not None:
             self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
         return task

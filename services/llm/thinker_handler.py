@@ -27,7 +27,7 @@ from services.llm.sampling import merge_sampling, operator_defaults
 from services.llm.thinker_batcher import ThinkerBatcher
 from services.llm.thinker_task import ThinkerTask, merge_token_chunks
 from services.llm.token_logprobs import TokenBytes
-from services.options import count_option
+from services.options import count_option, priority_option
 
 
 class ThinkerHandler:
@@ -69,6 +69,7 @@ class ThinkerHandler:
                            talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len,
                            batcher=self.batcher, stream_interval=self.stream_interval,
                            eager_tokens=count_option(msg, "eager_tokens", 1, "tokens"), token_bytes=self.token_bytes)
+        task.priority = priority_option(msg, self.batcher.engine.scheduler.policy if self.batcher else "fcfs")
         if self.batcher is not None:
             self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
         return task

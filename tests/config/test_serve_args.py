@@ -419,3 +419,15 @@ def test_mm_processor_kwargs_are_the_gateways(tmp_path) -> None:
     assert "--mm-processor-kwargs" not in launcher._stage_argv("encoder", 50051)
     with pytest.raises(ValueError, match="--mm-processor-kwargs: unknown setting 'fsp'"):
         ServeArgs(mm_processor_kwargs='{"fsp": 1}')
+
+
+def test_scheduling_policy_reaches_the_llm_stages(tmp_path) -> None:
+    from omnimesh.launcher import MeshLauncher
+
+    args = ServeArgs(scheduling_policy="priority", stage_overrides='{"talker": {"scheduling_policy": "fcfs"}}')
+    assert (args.stage_configs()["thinker"].scheduling_policy, args.stage_configs()["talker"].scheduling_policy) == (
+        "priority", "fcfs")
+    argv = MeshLauncher(args, tmp_path)._stage_argv("thinker", 50052)
+    assert json.loads(argv[argv.index("--stage-overrides") + 1])["thinker"]["scheduling_policy"] == "priority"
+    with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority, got 'lifo'"):
+        ServeArgs(scheduling_policy="lifo")

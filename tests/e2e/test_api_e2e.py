@@ -580,6 +580,13 @@ def test_n_choices_are_seeded_runs(mesh):
     assert texts == {i: c["message"]["content"] for i, c in enumerate(choices)} and set(ends) == {0, 1}
 
 
+def test_priority_needs_the_priority_policy(mesh):
+    """This mesh schedules fcfs: a request priority is refused by the thinker, as vLLM refuses it, naming the flag."""
+    err = _openai_error(_post(mesh, _body(priority=2)), 400)
+    assert "priority 2 needs --scheduling-policy priority" in err["message"], err
+    assert _post(mesh, _body(priority=0, modalities=["text"], audio=None)).status_code == 200
+
+
 def test_unknown_route_is_openai_shaped_404(mesh):
     r = httpx.get(f"{mesh.rest}/v1/nothing-here", timeout=TIMEOUT_S)
     _openai_error(r, 404)

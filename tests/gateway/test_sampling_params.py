@@ -214,3 +214,18 @@ def test_min_p_ignore_eos_and_logprobs_reach_their_stages(rest_server: RestServe
     thinker, talker = wire(pipeline.requests[-1])
     assert (round(thinker.min_p, 6), thinker.ignore_eos, thinker.logprobs) == (0.2, True, 0)
     assert not talker.HasField("min_p") and not talker.ignore_eos  # the thinker's own, not inherited
+
+
+def test_priority_reaches_the_request(rest_server: RestServer, grpc_server: GrpcServer,
+                                      pipeline: ScriptedPipeline) -> None:
+    """vLLM's request `priority` (REST field, gRPC GenerateRequest.priority) -> ChatRequest.priority, which the
+    pipeline hands the thinker and talker as their `priority` option (gateway/pipeline.py)."""
+    from gateway.pipeline import _priority
+
+    assert post(rest_server, {"priority": -3}).status_code == 200
+    assert pipeline.requests[-1].priority == -3 and _priority(pipeline.requests[-1]) == {"priority": "-3"}
+    assert post(rest_server, {}).status_code == 200 and _priority(pipeline.requests[-1]) == {}
+    r = post(rest_server, {"priority": 2**31})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    out = generate(grpc_server, priority=4)
+    assert out[-1].WhichOneof("kind") == "done" and pipeline.requests[-1].priority == 4

@@ -17,7 +17,10 @@ the tiny model folder. What it proves:
   ONE code-predictor call per step for the batch;
 - both batchers' stats() report running / waiting / kv_cache_usage / preemptions while requests run;
 - LMScheduler unit tests (no model): the budget split between decodes and a chunked prefill, FCFS admission,
-  max_num_seqs, newest-first preemption, `busy` requests never preempted.
+  max_num_seqs, newest-first preemption, `busy` requests never preempted; the "priority" policy: lower
+  priority values first, a waiting request preempting a lower-priority running one for its seat or blocks
+  (never an equal or higher one, never a busy one), priorities ignored under fcfs; the thinker refusing a
+  priority under fcfs and ordering requests by it under "priority".
 """
 
 from __future__ import annotations
@@ -649,8 +652,8 @@ def run(plan: list[tuple[ScheduledSeq, int]]) -> list[tuple[str, int]]:
     return [(seq.rid, n) for seq, n in plan]
 
 
-def add(sched: LMScheduler, rid: str, pending: int) -> ScheduledSeq:
-    seq = sched.add(rid)
+def add(sched: LMScheduler, rid: str, pending: int, priority: int = 0) -> ScheduledSeq:
+    seq = sched.add(rid, priority)
     seq.pending = pending
     return seq
 
@@ -750,3 +753,57 @@ def test_scheduler_never_preempts_busy_requests() -> None:
     sched2, (a2, b2, c2) = _three_running(3)
     plan, preempted = sched2.schedule({"b"}, busy={"a", "c"})
     assert plan == [] and preempted == [b2] and a2.running and c2.running
+
+
+def test_priority_policy_orders_and_preempts_by_priority() -> None:
+    # seats: a waiting request outranking a running one takes its seat; equal priority waits (arrival order)
+    sched = LMScheduler(BlockAllocator(100, 4), max_num_seqs=2, max_num_batched_tokens=100, policy="priority")
+    a, b = add(sched, "a", 3, priority=5), add(sched, "b", 3, priority=1)
+    assert run(sched.schedule({"a", "b"})[0]) == [("b", 3), ("a", 3)]  # b first: lower value, sooner
+    a.pending = b.pending = 1
+    c = add(sched, "c", 2, priority=0)
+    plan, preempted = sched.schedule({"a", "b", "c"})
+    assert preempted == [] and run(plan) == [("b", 1), ("a", 1)]  # both are in this step: nothing to take
+    d = add(sched, "d", 2, priority=9)  # ranks below every running request: waits
+    plan, preempted = sched.schedule({"c", "d"})  # a and b have no input this step
+    assert preempted == [a] and run(plan) == [("c", 2)] and not a.running and c.running
+    assert [s.rid for s in sched.waiting] == ["a", "d"] and a.pending == 4  # recomputed when it runs again
+    e = add(sched, "e", 1, priority=1)  # b (priority 1, older) is not preempted for an equal priority
+    assert run(sched.schedule({"e"})[0]) == [] and b.running
+    # blocks: the lowest-ranked running request (not busy) gives its blocks to a higher-priority newcomer
+    sched2 = LMScheduler(BlockAllocator(2, 4), max_num_seqs=8, max_num_batched_tokens=100, policy="priority")
+    low, mid = add(sched2, "low", 4, priority=3), add(sched2, "mid", 4, priority=2)
+    run(sched2.schedule({"low", "mid"})[0])
+    urgent = add(sched2, "urgent", 4, priority=-1)
+    plan, preempted = sched2.schedule({"urgent"}, busy={"mid"})
+    assert preempted == [low] and run(plan) == [("urgent", 4)] and mid.running and sched2.preemptions == 1
+
+
+def test_fcfs_ignores_priorities() -> None:
+    sched = LMScheduler(BlockAllocator(100, 4), max_num_seqs=1, max_num_batched_tokens=100)
+    a, b = add(sched, "a", 3, priority=5), add(sched, "b", 3, priority=-5)
+    assert run(sched.schedule({"a", "b"})[0]) == [("a", 3)] and (a.priority, b.priority) == (0, 0)
+    a.pending = 1
+    plan, preempted = sched.schedule({"b"})
+    assert plan == [] and preempted == [] and a.running
+    with pytest.raises(ValueError, match="scheduling policy must be one of fcfs, priority, got 'lifo'"):
+        LMScheduler(BlockAllocator(1, 4), max_num_seqs=1, max_num_batched_tokens=1, policy="lifo")
+
+
+def test_thinker_takes_priorities_only_under_the_priority_policy(model_dir: Path) -> None:
+    """The request's `priority` option: refused under fcfs (vLLM's rule), the scheduler's order under priority."""
+    fcfs = thinker_handler(model_dir, ServeArgs(device="cpu"))
+    with pytest.raises(ValueError, match="priority 3 needs --scheduling-policy priority; this stage schedules first"):
+        open_thinker(fcfs, "r", prompts([4])[0], 2, priority="3")
+    open_thinker(fcfs, "zero", prompts([4])[0], 2, priority="0").close()  # 0 is every stage's
+    handler = thinker_handler(model_dir, ServeArgs(device="cpu", scheduling_policy="priority", max_num_seqs=1))
+    late = open_thinker(handler, "late", prompts([4])[0], 2, priority="7")
+    soon = open_thinker(handler, "soon", prompts([4])[0], 2, priority="-2")
+    engine = handler.batcher.engine
+    engine.feed(late.key, late.prompt_run())
+    engine.feed(soon.key, soon.prompt_run())
+    assert [s.rid for s in engine.scheduler.waiting] == [soon.key, late.key]
+    with pytest.raises(ValueError, match="option priority must be a whole number, got 'high'"):
+        open_thinker(handler, "bad", prompts([4])[0], 2, priority="high")
+    for task in (late, soon):
+        task.close()

@@ -93,10 +93,10 @@ class LMEngine:
     def __init__(self, backend: ShardedBackend, *, role: str, block_size: int, kv_bytes: int | None,
                  gpu_memory_utilization: float, max_num_seqs: int, max_num_batched_tokens: int | None,
                  max_model_len: int, capture_layer: int | None = None,
-                 max_waiting_requests: int | None = None) -> None:
+                 max_waiting_requests: int | None = None, scheduling_policy: str = "fcfs") -> None:
         """`backend` runs commands on every rank of the stage. Sizes the KV pool on the ranks and refuses to
         start when it cannot hold one request of `max_model_len` tokens. `max_waiting_requests`: see
-        `admit` (None: no bound)."""
+        `admit` (None: no bound). `scheduling_policy`: fcfs or priority (`LMScheduler`)."""
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 (0: never queue), got {max_waiting_requests}")
         self.backend, self.role, self.capture_layer = backend, role, capture_layer
@@ -113,7 +113,8 @@ class LMEngine:
                 f"{role}: the KV cache holds {self.allocator.capacity_tokens} tokens ({num_blocks} blocks of "
                 f"{block_size}), fewer than max_model_len {max_model_len}: a single long request could never "
                 f"finish. Raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len")
-        self.scheduler = LMScheduler(self.allocator, max_num_seqs, tokens)
+        self.scheduler = LMScheduler(self.allocator, max_num_seqs, tokens, scheduling_policy)
+        self._priorities: dict[str, int] = {}  # admitted task key -> its priority, until its first input
         self.seqs: dict[str, _Seq] = {}
         log.info("%s KV cache: %d blocks x %d tokens = %d tokens; batches of up to %d sequences / %d tokens",
                  role, num_blocks, block_size, self.allocator.capacity_tokens, max_num_seqs, tokens)
@@ -135,6 +136,7 @@ class LMEngine:
                 raise StageRequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                         f"{why} (--max-waiting-requests {limit}); retry later or raise it")
             self._admitted.add(rid)
+            self._priorities[rid] = task.priority
         task.on_close.append(self.remove)
 
     def _queue(self) -> tuple[int, int]:
@@ -154,7 +156,7 @@ class LMEngine:
     def _feed(self, rid: str, run: InputRun) -> None:
         seq = self.seqs.get(rid)
         if seq is None:
-            seq = self.seqs[rid] = _Seq(self.scheduler.add(rid))
+            seq = self.seqs[rid] = _Seq(self.scheduler.add(rid, self._priorities.pop(rid, 0)))
         seq.pending.append(run)
         seq.sched.pending += run.n
 
@@ -163,6 +165,7 @@ class LMEngine:
         the engine loop closes a cancelled request only after its step)."""
         with self._lock:
             self._admitted.discard(rid)
+            self._priorities.pop(rid, None)
             seq = self.seqs.pop(rid, None)
             if seq is not None:
                 self.scheduler.remove(seq.sched)
