@@ -90,6 +90,8 @@ class ChatRequest:
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
     stage_params: dict[str, SamplingOverrides] = field(default_factory=dict)  # "thinker" | "talker"
     priority: int = 0  # vLLM's: lower runs sooner in the thinker and talker (--scheduling-policy priority)
+    # the request's mm_processor_kwargs over the server's: (name, value) pairs, sorted (gateway/processor_kwargs.py)
+    processor_kwargs: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import binascii
 import io
 import math
 import struct
 import urllib.parse
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
@@ -338,15 +339,28 @@ class MediaLoader:
     async def image_from_bytes(self, data: bytes, param: str) -> ImagePart:
         return await asyncio.to_thread(decode_image, data, max_pixels=self.limits.max_image_pixels, param=param)
 
-    async def video_from_url(self, url: str, param: str, with_audio: bool = False) -> VideoPart:
+    def sampling_with(self, settings: dict[str, Any]) -> VideoSampling | None:
+        """The video sampling of a request whose mm_processor_kwargs set `settings` (fps / min_frames /
+        max_frames over this loader's); None when they set none of those."""
+        video = {k: settings[k] for k in ("fps", "min_frames", "max_frames") if k in settings}
+        if not video:
+            return None
+        try:
+            return dataclasses.replace(self.video_sampling, **video)
+        except ValueError as e:
+            raise invalid_request(f"mm_processor_kwargs: {e}", "mm_processor_kwargs") from None
+
+    async def video_from_url(self, url: str, param: str, with_audio: bool = False,
+                             sampling: VideoSampling | None = None) -> VideoPart:
         """vLLM's `video_url.url`: a `data:video/...;base64,` URI or an allowed http(s) URL of a video file."""
         mime, data = await self._bytes_from_url(url, param)
         if mime is not None and not mime.startswith("video/"):
             raise invalid_request(f"{param}: data URI has type '{mime}', expected a video/* type (e.g. "
                                   "'data:video/mp4;base64,...')", param)
-        return await self.video_from_bytes(data, param, with_audio)
+        return await self.video_from_bytes(data, param, with_audio, sampling)
 
-    async def video_from_bytes(self, data: bytes, param: str, with_audio: bool = False) -> VideoPart:
+    async def video_from_bytes(self, data: bytes, param: str, with_audio: bool = False,
+                               sampling: VideoSampling | None = None) -> VideoPart:
         """Video file bytes (MP4, WebM, ...) -> the sampled frames (`gateway/media_video.py`), and the
         soundtrack when `with_audio` (use_audio_in_video), in a child process (`gateway/video_process.py`)
         waited on off the loop."""
@@ -358,7 +372,7 @@ class MediaLoader:
                                 kind="server_error", param=param) from None
         from gateway.video_process import decode_in_child
 
-        return await asyncio.to_thread(decode_in_child, data, sampling=self.video_sampling, limits=self.limits,
+        return await asyncio.to_thread(decode_in_child, data, sampling=sampling or self.video_sampling, limits=self.limits,
                                        param=param, with_audio=with_audio)
 
     def check_counts(self, kinds: Sequence[str]) -> None:

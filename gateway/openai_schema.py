@@ -177,6 +177,21 @@ class StageParams(StrictBody):
 class MMProcessorKwargs(StrictBody):
     model_config = ConfigDict(strict=True, extra="forbid")  # any other processor setting: a 400, never ignored
     use_audio_in_video: bool = False
+    # this request's processor settings over the server's --mm-processor-kwargs (gateway/processor_kwargs.py)
+    fps: float | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    min_frames: int | None = None
+    max_frames: int | None = None
+
+    def settings(self) -> dict[str, Any]:
+        """The processor settings this request sets, checked (400 naming the field)."""
+        from gateway.processor_kwargs import KEYS, check_settings
+
+        try:
+            return check_settings({k: v for k in KEYS if (v := getattr(self, k)) is not None}, "mm_processor_kwargs")
+        except ValueError as e:
+            raise invalid_request(str(e), "mm_processor_kwargs") from None
 
 
 class ChatCompletionRequest(StrictBody):

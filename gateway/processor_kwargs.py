@@ -5,7 +5,9 @@ Role: the few processor settings a Qwen-Omni server is tuned by, over the model 
 video frames are resized into: fewer pixels, fewer vision tokens and cheaper encoder steps) and the video
 sampling `fps` / `min_frames` / `max_frames`. Parsed and checked here, with an error naming the flag, when
 `omnimesh serve` reads its flags; `omnimesh.models.qwen3_omni.processor.load_processor` applies them, so the
-prompt's placeholders, the frames the gateway decodes and the patches the encoder gets all agree.
+prompt's placeholders, the frames the gateway decodes and the patches the encoder gets all agree. A request's
+own `mm_processor_kwargs` (vLLM's per-request field) take the same keys over the server's (`check_settings`;
+the prompt builder keeps a few processors built for such settings).
 """
 
 from __future__ import annotations
@@ -22,19 +24,25 @@ def parse_mm_processor_kwargs(text: str | None) -> dict[str, Any]:
     """The flag's JSON -> {key: value} over `KEYS`; ValueError naming the flag, the key and the fix."""
     if not text:
         return {}
+    return check_settings(parse_json_object(text, "--mm-processor-kwargs", "of processor settings"),
+                          "--mm-processor-kwargs")
+
+
+def check_settings(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """Settings over `KEYS` (the flag's, or a request's `mm_processor_kwargs`) -> typed; ValueError naming
+    `where`, the key and the fix."""
     out: dict[str, Any] = {}
-    for key, value in parse_json_object(text, "--mm-processor-kwargs", "of processor settings").items():
+    for key, value in raw.items():
         kind = KEYS.get(key)
         if kind is None:
-            raise ValueError(f"--mm-processor-kwargs: unknown setting {key!r}; settings: {', '.join(KEYS)} "
-                             f"(a request's own is mm_processor_kwargs.use_audio_in_video)")
+            raise ValueError(f"{where}: unknown setting {key!r}; settings: {', '.join(KEYS)} "
+                             f"(and a request's use_audio_in_video)")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-            raise ValueError(f"--mm-processor-kwargs[{key!r}]: {value!r} is not "
-                             f"{'a whole number' if kind is int else 'a number'}")
+            raise ValueError(f"{where}[{key!r}]: {value!r} is not {'a whole number' if kind is int else 'a number'}")
         if not value > 0:
-            raise ValueError(f"--mm-processor-kwargs[{key!r}] must be positive, got {value}")
+            raise ValueError(f"{where}[{key!r}] must be positive, got {value}")
         out[key] = kind(value)
     for low, high in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
         if low in out and high in out and out[low] > out[high]:
-            raise ValueError(f"--mm-processor-kwargs: {low} {out[low]} is above {high} {out[high]}")
+            raise ValueError(f"{where}: {low} {out[low]} is above {high} {out[high]}")
     return out

@@ -28,6 +28,8 @@ template; it is tried on a probe conversation at start-up. `encode` gives /token
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ import torch
 from gateway.events import AudioPart, ChatMessage, ChatRequest, ImagePart, TextPart, VideoPart
 from gateway.media import TARGET_SAMPLE_RATE, invalid_request, resample
 
+MAX_VARIANTS = 8  # processors kept for requests with their own mm_processor_kwargs
 log = logging.getLogger(__name__)
 
 
@@ -136,9 +139,14 @@ class PromptBuilder:
         """`processor_kwargs`: --mm-processor-kwargs (gateway/processor_kwargs.py), for a folder `source`."""
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
+        self._folder: Path | None = None  # where processors for a request's own settings are loaded from
+        self._base_kwargs = dict(processor_kwargs or {})
+        self._variants: OrderedDict[tuple[tuple[str, float], ...], Any] = OrderedDict()  # the last few, LRU
+        self._variants_lock = threading.Lock()
         if isinstance(source, (str, Path)):
             from omnimesh.models.qwen3_omni.processor import load_processor
 
+            self._folder = Path(source)
             source = load_processor(source, processor_kwargs)
         self.processor = source
         self.max_model_len = max_model_len
@@ -163,15 +171,39 @@ class PromptBuilder:
             raise invalid_request(f"messages: {whose} chat template rejected them: {e}", "messages") from None
         return str(text), conv
 
-    def _process(self, text: str, conv: Conversation) -> tuple[torch.Tensor, Any]:
-        """Prompt text + media -> input_ids (L,) (placeholders expanded) and the processor's batch."""
-        self._check_video_tokens(conv)
+    def processor_for(self, request: ChatRequest) -> Any:
+        """The processor for this request: the server's, or one built for its mm_processor_kwargs over the
+        server's (the last `MAX_VARIANTS` kept: building one reads the folder's configs)."""
+        if not request.processor_kwargs:
+            return self.processor
+        if self._folder is None:
+            raise invalid_request("mm_processor_kwargs: this server's processor takes no per-request settings",
+                                  "mm_processor_kwargs")
+        key = tuple(sorted({**self._base_kwargs, **dict(request.processor_kwargs)}.items()))
+        with self._variants_lock:
+            if key in self._variants:
+                self._variants.move_to_end(key)
+                return self._variants[key]
+        from omnimesh.models.qwen3_omni.processor import load_processor
+
+        processor = load_processor(self._folder, dict(key))
+        with self._variants_lock:
+            self._variants[key] = processor
+            while len(self._variants) > MAX_VARIANTS:
+                self._variants.popitem(last=False)
+        return processor
+
+    def _process(self, text: str, conv: Conversation, processor: Any = None) -> tuple[torch.Tensor, Any]:
+        """Prompt text + media -> input_ids (L,) (placeholders expanded) and the processor's batch (this
+        builder's processor, or `processor`)."""
+        processor = processor if processor is not None else self.processor
+        self._check_video_tokens(conv, processor)
         try:
             video: dict[str, Any] = {"videos": conv.videos, "fps": conv.video_fps} if conv.videos else {}
             if conv.audio_from_video is not None:
                 video.update(load_audio_from_video=True, audio_from_video_indices=conv.audio_from_video)
-            batch = self.processor(text=[text], audio=conv.audio or None, images=conv.images or None,
-                                   return_tensors="pt", **video)
+            batch = processor(text=[text], audio=conv.audio or None, images=conv.images or None,
+                              return_tensors="pt", **video)
         except ValueError as e:
             raise invalid_request(f"messages: could not prepare the prompt: {e}", "messages") from None
         ids = _tensor(batch["input_ids"], torch.int64)
@@ -180,10 +212,10 @@ class PromptBuilder:
                                "expected (1, L) for one prompt")
         return ids[0], batch  # (L,)
 
-    def _check_video_tokens(self, conv: Conversation) -> None:
+    def _check_video_tokens(self, conv: Conversation, processor: Any) -> None:
         """Videos that alone exceed max_model_len are refused from their shapes, before the processor
         resizes hundreds of frames into float patches only for the length check to fail."""
-        counter = getattr(getattr(self.processor, "video_processor", None), "token_count", None)
+        counter = getattr(getattr(processor, "video_processor", None), "token_count", None)
         if not conv.videos or counter is None:
             return
         n = sum(counter(v) for v in conv.videos)
@@ -195,11 +227,11 @@ class PromptBuilder:
     def encode(self, request: ChatRequest, add_generation_prompt: bool = True) -> torch.Tensor:
         """The prompt's token ids (L,) as the thinker would get them (/tokenize): no prompt-length checks, only
         the refusal of videos that alone exceed max_model_len (their preprocessing would be wasted work)."""
-        return self._process(*self.render(request, add_generation_prompt))[0]
+        return self._process(*self.render(request, add_generation_prompt), self.processor_for(request))[0]
 
     def build(self, request: ChatRequest) -> PromptInputs:
         text, conv = self.render(request)
-        input_ids, batch = self._process(text, conv)
+        input_ids, batch = self._process(text, conv, self.processor_for(request))
         n = int(input_ids.shape[0])
         if n >= self.max_model_len:
             raise invalid_request(

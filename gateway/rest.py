@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -77,6 +77,7 @@ from gateway.openai_schema import (
     DeltaAudio,
     Message,
     MessageAudio,
+    MMProcessorKwargs,
     ModelCard,
     ModelList,
     ResponseMessage,
@@ -99,6 +100,9 @@ from gateway.transcription_api import TranscriptionRoutes
 from gateway.stage_scrape import StageSources, scrape_stages
 from omnimesh.engine.metrics import merge_families, parse_exposition
 from omnimesh.v1 import stage_pb2
+
+if TYPE_CHECKING:
+    from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
 
 log = logging.getLogger(__name__)
 VERSION = importlib.metadata.version("omnimesh")
@@ -227,14 +231,14 @@ class RestGateway:
         if "audio" in modalities or (body.audio is not None and body.audio.voice):
             voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline.voices,
                                   self.pipeline.default_voice, "audio.voice")
-        in_video = body.mm_processor_kwargs is not None and body.mm_processor_kwargs.use_audio_in_video
-        messages = await self.chat_messages(body.messages, use_audio_in_video=in_video)
+        messages = await self.chat_messages(body.messages, body.mm_processor_kwargs)
         # an alias from --served-model-name runs the pipeline's own model
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
         request = ChatRequest(
             request_id=f"chatcmpl-{suffix}", model=pipeline_model, messages=messages,
             modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
-            stage_params=stages, priority=check_priority(body.priority))
+            stage_params=stages, priority=check_priority(body.priority),
+            processor_kwargs=_settings(body.mm_processor_kwargs))
         audio_format: Literal["wav", "pcm16"] | None = None
         if "audio" in modalities:
             audio_format = "pcm16" if body.audio is not None and body.audio.format == "pcm16" else "wav"
@@ -242,16 +246,20 @@ class RestGateway:
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n)
 
-    async def chat_messages(self, messages: list[Message], use_audio_in_video: bool = False
+    async def chat_messages(self, messages: list[Message], mm: MMProcessorKwargs | None = None
                             ) -> tuple[ChatMessage, ...]:
-        """The body's messages, media decoded (each video with its soundtrack when `use_audio_in_video`), the
-        request-wide media limits checked (chat and /tokenize): the part counts before anything is decoded."""
+        """The body's messages, media decoded (each video with its soundtrack when `mm.use_audio_in_video`,
+        its frames sampled by `mm`'s fps / frame counts over the server's), the request-wide media limits
+        checked (chat and /tokenize): the part counts before anything is decoded."""
         self.loader.check_counts([kind for m in messages for p in m.content if (kind := p.media_kind) is not None])
-        out = tuple([await self._message(i, m, use_audio_in_video) for i, m in enumerate(messages)])
+        in_video = mm is not None and mm.use_audio_in_video
+        sampling = self.loader.sampling_with(mm.settings() if mm is not None else {})
+        out = tuple([await self._message(i, m, in_video, sampling) for i, m in enumerate(messages)])
         self.loader.check_audio_seconds(audio_seconds(out))
         return out
 
-    async def _message(self, i: int, m: Message, use_audio_in_video: bool = False) -> ChatMessage:
+    async def _message(self, i: int, m: Message, use_audio_in_video: bool = False,
+                       sampling: VideoSampling | None = None) -> ChatMessage:
         parts: list[ContentPart] = []
         for j, p in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
@@ -270,7 +278,7 @@ class RestGateway:
                 parts.append(await self.loader.audio_from_url(p.audio_url.url, f"{where}.audio_url.url"))
             elif p.video_url is not None and p.type == "video_url":
                 parts.append(await self.loader.video_from_url(p.video_url.url, f"{where}.video_url.url",
-                                                              with_audio=use_audio_in_video))
+                                                              with_audio=use_audio_in_video, sampling=sampling))
         role = "system" if m.role == "developer" else m.role
         return ChatMessage(role=role, content=tuple(parts))
 
@@ -511,6 +519,11 @@ class _SSEResponse(StreamingResponse):
                 log.debug("closing the SSE generator failed", exc_info=True)
             self._stream_state.settle(499)
             await self._stream_state.close_events()
+
+
+def _settings(mm: MMProcessorKwargs | None) -> tuple[tuple[str, float], ...]:
+    """A request's processor settings as `ChatRequest.processor_kwargs`."""
+    return tuple(sorted(mm.settings().items())) if mm is not None else ()
 
 
 def _usage(f: Finished) -> Usage:

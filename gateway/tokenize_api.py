@@ -113,9 +113,10 @@ class TokenizeRoutes:
         req = parse_tokenize(raw)
         resolve_model(req.model, self.gw.served_model_names)
         if req.messages is not None:
-            in_video = req.mm_processor_kwargs is not None and req.mm_processor_kwargs.use_audio_in_video
-            messages = await self.gw.chat_messages(req.messages, use_audio_in_video=in_video)
-            chat = ChatRequest(request_id="tokenize", model=self.gw.served_model_names[0], messages=messages)
+            mm = req.mm_processor_kwargs
+            messages = await self.gw.chat_messages(req.messages, mm)
+            chat = ChatRequest(request_id="tokenize", model=self.gw.served_model_names[0], messages=messages,
+                               processor_kwargs=tuple(sorted(mm.settings().items())) if mm is not None else ())
             ids = (await asyncio.to_thread(self.builder.encode, chat, req.add_generation_prompt)).tolist()
         else:
             ids = await asyncio.to_thread(tokenize_prompt, self.builder, req.prompt or "",

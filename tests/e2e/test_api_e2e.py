@@ -587,6 +587,24 @@ def test_priority_needs_the_priority_policy(mesh):
     assert _post(mesh, _body(priority=0, modalities=["text"], audio=None)).status_code == 200
 
 
+def test_a_requests_processor_settings(mesh, tiny_model_dir):
+    """mm_processor_kwargs per request (vLLM's): max_pixels lowers an image's vision tokens exactly as a server
+    started with that setting would; a bad value is a 400 naming the field."""
+    from gateway.prompt import PromptBuilder
+    from reference import chat_request
+
+    png = png_bytes(128)
+    body = _image_body("data:image/png;base64," + base64.b64encode(png).decode())
+    r = _post(mesh, {**body, "mm_processor_kwargs": {"max_pixels": 4096}})
+    assert r.status_code == 200, r.text
+    req = chat_request("What is this?", None, png, max_tokens=1, talker_max=1, modalities=("text",))
+    want = PromptBuilder(tiny_model_dir, max_model_len=4096, processor_kwargs={"max_pixels": 4096})(req)
+    assert r.json()["usage"]["prompt_tokens"] == want.input_ids.numel()
+    assert r.json()["usage"]["prompt_tokens"] < _post(mesh, body).json()["usage"]["prompt_tokens"]
+    err = _openai_error(_post(mesh, {**body, "mm_processor_kwargs": {"max_pixels": 0}}), 400)
+    assert err["param"] == "mm_processor_kwargs" and "must be positive" in err["message"]
+
+
 def test_unknown_route_is_openai_shaped_404(mesh):
     r = httpx.get(f"{mesh.rest}/v1/nothing-here", timeout=TIMEOUT_S)
     _openai_error(r, 404)

@@ -49,8 +49,8 @@ def test_max_completion_tokens_wins_and_ints_are_floats() -> None:
     ({"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a"]}, "guided_choice", "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, "use_beam_search", "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "mm_processor_kwargs": {"fps": 1}},
-     "mm_processor_kwargs.fps", "unknown field"),
+    ({"messages": [{"role": "user", "content": "x"}], "mm_processor_kwargs": {"do_resize": False}},
+     "mm_processor_kwargs.do_resize", "unknown field"),
     ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": "1"}, "presence_penalty", "number"),
     ({"messages": [{"role": "user", "content": "x"}], "modalities": []}, "modalities", "at least 1"),
 ])

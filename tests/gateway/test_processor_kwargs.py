@@ -66,3 +66,36 @@ def test_video_frames_and_sampling_follow_the_settings(folder: Path) -> None:
     assert got.video_second_per_grid is not None and float(got.video_second_per_grid[0]) == 2.0  # tps / fps
     t, h, w = got.video_grid_thw[0].tolist()
     assert h * w * 16 * 16 <= 4096 and t == 2
+
+
+def test_a_requests_own_settings_equal_the_servers(folder: Path) -> None:
+    """mm_processor_kwargs per request: the same prompt as a server started with those settings; the few
+    processors built for such settings are kept and reused."""
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (96, 128, 3), dtype=np.uint8))
+    server = PromptBuilder(folder, max_model_len=512, processor_kwargs={"max_pixels": 4096})(ask(ImagePart(image)))
+    builder = PromptBuilder(folder, max_model_len=512)
+    own = ChatRequest(request_id="r", model="m", messages=ask(ImagePart(image)).messages,
+                      processor_kwargs=(("max_pixels", 4096),))
+    got = builder(own)
+    assert torch.equal(got.input_ids, server.input_ids) and torch.equal(got.pixel_values, server.pixel_values)
+    assert builder.processor_for(own) is builder.processor_for(own) is not builder.processor
+    assert builder(ask(ImagePart(image))).input_ids.numel() > got.input_ids.numel()  # others keep the server's
+
+
+def test_rest_mm_processor_kwargs_reach_the_prompt_and_the_sampling(rest_server, pipeline) -> None:  # type: ignore[no-untyped-def]
+    import base64
+
+    import httpx
+
+    from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
+    from test_media_video import make_video
+
+    url = "data:video/mp4;base64," + base64.b64encode(make_video(12, 4)).decode()  # 3 s at 4 fps
+    body = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}]}],
+            "mm_processor_kwargs": {"fps": 1, "min_frames": 2, "max_pixels": 4096}}
+    r = httpx.post(f"{rest_server.base_url}/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    req = pipeline.requests[-1]
+    assert req.processor_kwargs == (("fps", 1.0), ("max_pixels", 4096), ("min_frames", 2))
+    (video,) = req.messages[0].content
+    assert video.fps == 1.0 and video.frames.shape[0] == VideoSampling(fps=1, min_frames=2).count(12, 4) == 2

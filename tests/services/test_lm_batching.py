@@ -767,16 +767,17 @@ def test_priority_policy_orders_and_preempts_by_priority() -> None:
     d = add(sched, "d", 2, priority=9)  # ranks below every running request: waits
     plan, preempted = sched.schedule({"c", "d"})  # a and b have no input this step
     assert preempted == [a] and run(plan) == [("c", 2)] and not a.running and c.running
-    assert [s.rid for s in sched.waiting] == ["a", "d"] and a.pending == 4  # recomputed when it runs again
+    assert sched.waiting == [a, d] and a.pending == 4  # recomputed when it runs again
     e = add(sched, "e", 1, priority=1)  # b (priority 1, older) is not preempted for an equal priority
-    assert run(sched.schedule({"e"})[0]) == [] and b.running
+    assert run(sched.schedule({"e"})[0]) == [] and b.running and not e.running
     # blocks: the lowest-ranked running request (not busy) gives its blocks to a higher-priority newcomer
     sched2 = LMScheduler(BlockAllocator(2, 4), max_num_seqs=8, max_num_batched_tokens=100, policy="priority")
     low, mid = add(sched2, "low", 4, priority=3), add(sched2, "mid", 4, priority=2)
     run(sched2.schedule({"low", "mid"})[0])
     urgent = add(sched2, "urgent", 4, priority=-1)
     plan, preempted = sched2.schedule({"urgent"}, busy={"mid"})
-    assert preempted == [low] and run(plan) == [("urgent", 4)] and mid.running and sched2.preemptions == 1
+    assert preempted == [low] and run(plan) == [("urgent", 4)] and urgent.running and mid.running
+    assert sched2.preemptions == 1
 
 
 def test_fcfs_ignores_priorities() -> None:
