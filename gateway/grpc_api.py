@@ -45,6 +45,7 @@ from gateway.events import (
 )
 from gateway.choices import MAX_CHOICES, choice_requests, close_events, fan_out
 from gateway.input_limits import InputLimits
+from gateway.processor_kwargs import check_settings
 from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
 from gateway.openai_schema import (
     MAX_LOGPROBS,
@@ -131,6 +132,11 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             raise invalid_request("messages: at least one message is required", "messages")
         self.loader.check_counts([_MEDIA_KINDS[kind] for m in req.messages for p in m.content
                                   if (kind := p.WhichOneof("part")) in _MEDIA_KINDS])  # before decoding any
+        try:
+            settings = check_settings(dict(req.mm_processor_kwargs), "mm_processor_kwargs")
+        except ValueError as e:
+            raise invalid_request(str(e), "mm_processor_kwargs") from None
+        video_sampling = self.loader.sampling_with(settings)
         messages: list[ChatMessage] = []
         for i, m in enumerate(req.messages):
             if m.role not in _ROLES:
@@ -155,14 +161,15 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                     parts.append(await self.loader.image_from_bytes(p.image, f"{where}.image"))
                 else:
                     parts.append(await self.loader.video_from_bytes(p.video, f"{where}.video",
-                                                                    with_audio=req.use_audio_in_video))
+                                                                    with_audio=req.use_audio_in_video,
+                                                                    sampling=video_sampling))
             messages.append(ChatMessage(role=m.role, content=tuple(parts)))  # type: ignore[arg-type]
         self.loader.check_audio_seconds(audio_seconds(messages))
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
         return ChatRequest(request_id=rid, model=pipeline_model,
                            messages=tuple(messages), modalities=modalities,
                            voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages,
-                           priority=req.priority)
+                           priority=req.priority, processor_kwargs=tuple(sorted(settings.items())))
 
     async def Generate(self, request: omni_pb2.GenerateRequest,  # noqa: N802 (gRPC method name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[omni_pb2.GenerateResponse]:

@@ -99,3 +99,24 @@ def test_rest_mm_processor_kwargs_reach_the_prompt_and_the_sampling(rest_server,
     assert req.processor_kwargs == (("fps", 1.0), ("max_pixels", 4096), ("min_frames", 2))
     (video,) = req.messages[0].content
     assert video.fps == 1.0 and video.frames.shape[0] == VideoSampling(fps=1, min_frames=2).count(12, 4) == 2
+
+
+def test_grpc_mm_processor_kwargs(grpc_server, pipeline) -> None:  # type: ignore[no-untyped-def]
+    import grpc
+
+    from omnimesh.v1 import omni_pb2, omni_pb2_grpc
+    from test_media_video import make_video
+
+    msg = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(video=make_video(12, 4))])
+    with grpc.insecure_channel(grpc_server.target) as ch:
+        stub = omni_pb2_grpc.OmniStub(ch)
+        out = list(stub.Generate(omni_pb2.GenerateRequest(
+            messages=[msg], modalities=["text"], mm_processor_kwargs={"fps": 1, "min_frames": 2, "max_pixels": 4096}),
+            timeout=10))
+        (bad,) = list(stub.Generate(omni_pb2.GenerateRequest(messages=[msg], mm_processor_kwargs={"max_pixels": 1.5}),
+                                    timeout=10))
+    assert out[-1].WhichOneof("kind") == "done", out
+    req = pipeline.requests[-1]
+    assert req.processor_kwargs == (("fps", 1.0), ("max_pixels", 4096), ("min_frames", 2))
+    assert req.messages[0].content[0].frames.shape[0] == 2  # type: ignore[union-attr]
+    assert bad.error.code == 3 and "mm_processor_kwargs['max_pixels']: 1.5 is not a whole number" in bad.error.message
