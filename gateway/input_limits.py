@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from omnimesh.config.stage_config import parse_bytes, parse_json_object
+from omnimesh.config.stage_config import parse_bytes, parse_json_object, typed_number
 
 MODALITIES = ("audio", "image", "video")  # the part kinds --limit-mm-per-prompt caps
 _BYTE_FIELDS = frozenset({"max_request_bytes", "max_fetch_bytes"})  # these also take '64MiB'
@@ -86,10 +86,7 @@ def parse_input_limits(text: str | None) -> dict[str, Any]:
         kind = int if name.startswith("max_") and not name.endswith("_seconds") else float
         if name in _BYTE_FIELDS and isinstance(value, str):
             value = parse_bytes(value, f"--input-limits[{name!r}]")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-            raise ValueError(f"--input-limits[{name!r}]: {value!r} is not "
-                             f"{'a whole number' if kind is int else 'a number of seconds'}")
-        out[name] = kind(value)
+        out[name] = typed_number(value, kind, f"--input-limits[{name!r}]", "a number of seconds")
     return out
 
 

@@ -51,6 +51,15 @@ _FORMATS_HINT = "MP4, WebM, MKV, MOV, AVI, ..."
 log = logging.getLogger(__name__)
 
 
+class DecodeTimeout(PipelineError):
+    """`video_decode_timeout_s` passed while decoding: a 400 like any refusal, counted apart by the gateway
+    (gateway/video_process.py)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        e = invalid_request(message, param)
+        super().__init__(e.message, http_status=e.http_status, grpc_code=e.grpc_code, kind=e.kind, param=param)
+
+
 def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, param: str,
                  with_audio: bool = False) -> VideoPart:
     """Video file bytes -> `VideoPart` of the frames `sampling` keeps (see the module docstring), with its
@@ -201,9 +210,9 @@ def _decode_sampled(container: InputContainer, stream: VideoStream, indices: lis
     deadline = time.monotonic() + limits.video_decode_timeout_s
     for i, frame in enumerate(_frames(container, stream, param)):
         if time.monotonic() > deadline:
-            raise invalid_request(f"{param}: decoding the video took longer than {limits.video_decode_timeout_s:g} "
-                                  f"s (after {i} of the {last + 1} frames it must decode); send a shorter or "
-                                  "smaller video", param)
+            raise DecodeTimeout(f"{param}: decoding the video took longer than {limits.video_decode_timeout_s:g} "
+                                f"s (after {i} of the {last + 1} frames it must decode); send a shorter or "
+                                "smaller video", param)
         if i in wanted:
             _check_frame_size(frame.width, frame.height, limits.max_image_pixels, param)  # the header may differ
             if size is None:  # every kept frame takes this size

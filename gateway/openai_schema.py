@@ -39,6 +39,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from gateway.audio_encoding import OUTPUT_AUDIO_FORMATS
 from gateway.events import PipelineError, SamplingOverrides
 from gateway.media import invalid_request
+from gateway.processor_kwargs import KEYS, check_settings
 from omnimesh.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)
@@ -186,8 +187,6 @@ class MMProcessorKwargs(StrictBody):
 
     def settings(self) -> dict[str, Any]:
         """The processor settings this request sets, checked (400 naming the field)."""
-        from gateway.processor_kwargs import KEYS, check_settings
-
         try:
             return check_settings({k: v for k in KEYS if (v := getattr(self, k)) is not None}, "mm_processor_kwargs")
         except ValueError as e:

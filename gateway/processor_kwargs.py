@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omnimesh.config.stage_config import parse_json_object
+from omnimesh.config.stage_config import parse_json_object, typed_number
 
 KEYS: dict[str, type] = {"min_pixels": int, "max_pixels": int, "fps": float, "min_frames": int, "max_frames": int}
 IMAGE_KEYS = ("min_pixels", "max_pixels")  # images and video frames alike, as the processor's own kwargs
@@ -37,11 +37,9 @@ def check_settings(raw: dict[str, Any], where: str) -> dict[str, Any]:
         if kind is None:
             raise ValueError(f"{where}: unknown setting {key!r}; settings: {', '.join(KEYS)} "
                              f"(and a request's use_audio_in_video)")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-            raise ValueError(f"{where}[{key!r}]: {value!r} is not {'a whole number' if kind is int else 'a number'}")
-        if not value > 0:
+        out[key] = typed_number(value, kind, f"{where}[{key!r}]")
+        if not out[key] > 0:
             raise ValueError(f"{where}[{key!r}] must be positive, got {value}")
-        out[key] = kind(value)
     for low, high in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
         if low in out and high in out and out[low] > out[high]:
             raise ValueError(f"{where}: {low} {out[low]} is above {high} {out[high]}")

@@ -126,27 +126,19 @@ def decode_in_child(data: bytes, *, sampling: VideoSampling, limits: InputLimits
     same answers, plus a 400 when the child crashes or outlives its deadline. Blocks: run it in a thread.
     Every call is counted in `METRICS` by its outcome, with its seconds."""
     started = time.monotonic()
-    outcome = "crashed"  # unless the child answers (or is killed at the deadline)
+    outcome = "crashed"  # unless the child gets as far as an answer (or is killed at the deadline)
     try:
-        part, outcome = _decode_in_child(data, sampling, limits, param, with_audio, decoder)
-        return part
-    except _Refused as refused:
-        outcome = refused.outcome
-        raise refused.error from None
+        outcome, result = _decode_in_child(data, sampling, limits, param, with_audio, decoder)
     finally:
         METRICS.observe(outcome, time.monotonic() - started)
-
-
-class _Refused(Exception):
-    """The child's refusal (`outcome`: why) carrying the `PipelineError` the caller gets."""
-
-    def __init__(self, outcome: str, error: PipelineError) -> None:
-        super().__init__(error.message)
-        self.outcome, self.error = outcome, error
+    if isinstance(result, PipelineError):
+        raise result
+    return result
 
 
 def _decode_in_child(data: bytes, sampling: VideoSampling, limits: InputLimits, param: str, with_audio: bool,
-                     decoder: Decoder | None) -> tuple[VideoPart, str]:
+                     decoder: Decoder | None) -> tuple[str, VideoPart | PipelineError]:
+    """(outcome, the VideoPart or the error the caller gets); see `VideoDecodeMetrics.OUTCOMES`."""
     _ensure_preload()
     ours, theirs = _CONTEXT.Pipe()
     child = _CONTEXT.Process(target=_child_main, name="omnimesh-video-decode", daemon=True,
@@ -158,26 +150,24 @@ def _decode_in_child(data: bytes, sampling: VideoSampling, limits: InputLimits, 
     try:
         ours.send_bytes(data)
         if not ours.poll(max(0.0, hard_deadline - (time.monotonic() - started))):
-            raise _Refused("timeout", invalid_request(
+            return "timeout", invalid_request(
                 f"{param}: decoding the video took longer than {limits.video_decode_timeout_s:g} s; send a shorter "
-                "or smaller video", param))
+                "or smaller video", param)
         kind, payload = ours.recv()
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the child died before (or while) answering
         child.join(5.0)
-        raise _Refused("crashed", invalid_request(
+        return "crashed", invalid_request(
             f"{param}: the video decoder failed on this file ({_death(child.exitcode)}); send an intact video file "
-            "(MP4, WebM, MKV, MOV, AVI, ...)", param)) from None
+            "(MP4, WebM, MKV, MOV, AVI, ...)", param)
     finally:
         ours.close()
         if child.is_alive():
             child.kill()
         child.join(5.0)
-    if kind != "ok":  # "refused": the file or a limit ("timeout" for the decoder's own deadline); "bug"
-        message, fields = payload
-        # the decoder's own deadline (gateway/media_video.py `_decode_sampled`) counts as a timeout too
-        outcome = "timeout" if "decoding the video took longer than" in message else kind
-        raise _Refused(outcome, PipelineError(message, **fields))
-    return payload, "ok"
+    if kind == "ok":
+        return "ok", payload
+    message, fields = payload  # "refused" (the file or a limit), "timeout" (the decoder's own deadline), "bug"
+    return kind, PipelineError(message, **fields)
 
 
 def _death(exitcode: int | None) -> str:
@@ -191,18 +181,24 @@ def _death(exitcode: int | None) -> str:
 
 def _child_main(conn: Connection, decoder: Decoder, sampling: VideoSampling, limits: InputLimits, param: str,
                 with_audio: bool) -> None:
-    """In the child: one decode, one answer ('ok', VideoPart) or ('error', (message, PipelineError fields))."""
+    """In the child: one decode, one answer: ('ok', VideoPart), or (outcome, (message, PipelineError fields)) with
+    outcome 'timeout' (the decoder's own deadline), 'refused' (any other refusal) or 'bug'."""
     answer: tuple[str, Any]
     try:
         data = conn.recv_bytes()
         answer = ("ok", decoder(data, sampling=sampling, limits=limits, param=param, with_audio=with_audio))
     except PipelineError as e:
-        answer = ("refused", (e.message, {"http_status": e.http_status, "grpc_code": e.grpc_code, "kind": e.kind,
-                                          "param": e.param}))
+        from gateway.media_video import DecodeTimeout  # lazily, like every PyAV import (preloaded here)
+
+        answer = ("timeout" if isinstance(e, DecodeTimeout) else "refused", _fields(e))
     except Exception as e:  # noqa: BLE001  # a decoder bug: the request fails, the gateway does not
         log.exception("%s: the video decoder raised", param)
-        answer = ("bug", (f"{param}: the video decoder failed on this file ({type(e).__name__}); send an intact "
-                          "video file", {"http_status": 400, "grpc_code": 3, "kind": "invalid_request_error",
-                                         "param": param}))
+        answer = ("bug", _fields(invalid_request(f"{param}: the video decoder failed on this file "
+                                                 f"({type(e).__name__}); send an intact video file", param)))
     conn.send(answer)
     conn.close()
+
+
+def _fields(e: PipelineError) -> tuple[str, dict[str, Any]]:
+    """A `PipelineError` as picklable parts (its constructor takes keywords, which pickling would lose)."""
+    return e.message, {"http_status": e.http_status, "grpc_code": e.grpc_code, "kind": e.kind, "param": e.param}

@@ -234,6 +234,14 @@ _KEYS = {f.name: f for f in fields(StageConfig)}
 _ALIASES = {"pipeline_parallel_size": "pp", "tensor_parallel_size": "tp", "replicas": "num_replicas"}
 
 
+def typed_number(value: Any, kind: type, what: str, noun: str = "a number") -> Any:
+    """A JSON value for a numeric setting of type `kind` (int: whole numbers only; booleans refused) ->
+    kind(value); ValueError '<what>: <value> is not a whole number' (or `noun`) otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise ValueError(f"{what}: {value!r} is not {'a whole number' if kind is int else noun}")
+    return kind(value)
+
+
 def parse_json_object(text: str, flag: str, keyed: str) -> dict[str, Any]:
     """A flag's JSON object value (`keyed` says by what, for the error) -> dict; errors name the flag."""
     try:

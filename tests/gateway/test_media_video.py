@@ -360,6 +360,7 @@ def test_rest_use_audio_in_video(rest_server: RestServer, pipeline: ScriptedPipe
         ({"use_audio_in_video": "yes"}, 400, "mm_processor_kwargs.use_audio_in_video", "bool"),
         ({"do_resize": False}, 400, "mm_processor_kwargs.do_resize", "unknown field"),
         ({"fps": 0}, 400, "mm_processor_kwargs", "mm_processor_kwargs['fps'] must be positive, got 0"),
+        ({"max_frames": 1}, 400, "mm_processor_kwargs", "temporal_patch_size <= max_frames"),
     ]:
         r = httpx.post(f"{rest_server.base_url}/v1/chat/completions", timeout=10,
                        json={**body, "mm_processor_kwargs": kwargs})

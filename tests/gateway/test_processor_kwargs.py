@@ -80,6 +80,11 @@ def test_a_requests_own_settings_equal_the_servers(folder: Path) -> None:
     assert torch.equal(got.input_ids, server.input_ids) and torch.equal(got.pixel_values, server.pixel_values)
     assert builder.processor_for(own) is builder.processor_for(own) is not builder.processor
     assert builder(ask(ImagePart(image))).input_ids.numel() > got.input_ids.numel()  # others keep the server's
+    from gateway.events import PipelineError
+
+    with pytest.raises(PipelineError, match="this server's processor takes no per-request settings") as e:
+        PromptBuilder(builder.processor, max_model_len=512)(own)  # built from a processor, not a folder
+    assert e.value.http_status == 400
 
 
 def test_rest_mm_processor_kwargs_reach_the_prompt_and_the_sampling(rest_server, pipeline) -> None:  # type: ignore[no-untyped-def]

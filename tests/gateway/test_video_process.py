@@ -105,6 +105,8 @@ def test_every_decode_is_counted_by_outcome(rest_server, monkeypatch: pytest.Mon
     before = counts()
     assert set(before) == {"ok", "refused", "timeout", "crashed", "bug", "count"}
     in_child(make_video(4, 4))
+    with pytest.raises(PipelineError, match=r"decoding the video took longer than 1e-09 s \(after 0 of"):
+        in_child(make_video(4, 4), InputLimits(video_decode_timeout_s=1e-9))  # the decoder's own deadline
     monkeypatch.setattr(video_process, "GRACE_S", 0.2)
     for decoder, limits in ((video_decoders.crash, None), (video_decoders.raise_bug, None),
                             (video_decoders.hang, InputLimits(video_decode_timeout_s=0.1))):
@@ -113,5 +115,5 @@ def test_every_decode_is_counted_by_outcome(rest_server, monkeypatch: pytest.Mon
     with pytest.raises(PipelineError):
         in_child(make_video(12, 4), InputLimits(max_video_seconds=1.0))  # refused: over a limit
     after = counts()
-    assert {k: after[k] - before[k] for k in after} == {"ok": 1, "refused": 1, "timeout": 1, "crashed": 1, "bug": 1,
-                                                        "count": 5}
+    assert {k: after[k] - before[k] for k in after} == {"ok": 1, "refused": 1, "timeout": 2, "crashed": 1, "bug": 1,
+                                                        "count": 6}

@@ -39,6 +39,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 
+from omnimesh.config.stage_config import typed_number
 from omnimesh.kernels import cpu_kernels
 
 
@@ -327,9 +328,7 @@ def with_defaults(params: SamplingParams, overrides: Mapping[str, Any] | None, w
         if kind is None:
             raise ValueError(f"{what}: unknown key {key!r}; keys: {', '.join(DEFAULT_SAMPLING_KEYS)} (max_new_tokens "
                              f"for max_tokens)")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-            raise ValueError(f"{what}[{key!r}]: {value!r} is not {'a whole number' if kind is int else 'a number'}")
-        changes[name] = kind(value)
+        changes[name] = typed_number(value, kind, f"{what}[{key!r}]")
     try:
         return replace(params, **changes)
     except ValueError as exc:
