@@ -85,7 +85,8 @@ async def fan_out(pipeline: Pipeline, requests: Sequence[ChatRequest]) -> AsyncI
 def total_usage(finished: Sequence[Finished]) -> Finished:
     """The choices' `Finished` as one, for `usage`: the prompt once, every choice's completion tokens."""
     return Finished(finish_reason=finished[0].finish_reason, prompt_tokens=finished[0].prompt_tokens,
-                    completion_tokens=sum(f.completion_tokens for f in finished))
+                    completion_tokens=sum(f.completion_tokens for f in finished),
+                    cached_tokens=finished[0].cached_tokens)
 
 
 async def close_events(events: AsyncIterator[Any]) -> None:

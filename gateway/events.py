@@ -112,6 +112,7 @@ class Finished:
     finish_reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those the thinker's prefix cache served
 
 
 Event = TextDelta | AudioDelta | Finished

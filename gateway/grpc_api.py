@@ -196,7 +196,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                         seq[i] += 1
                         yield omni_pb2.GenerateResponse(audio=chunk, index=i)
                 elif isinstance(ev, Finished):
-                    usage = stage_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)
+                    usage = stage_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
+                                            cached_tokens=ev.cached_tokens)
                     yield omni_pb2.GenerateResponse(done=stage_pb2.Done(finish_reason=ev.finish_reason, usage=usage),
                                                     index=i)
                     done += 1

@@ -485,10 +485,15 @@ class _Out(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(_Out):
+    cached_tokens: int  # prompt tokens whose KV came from the thinker's prefix cache
+
+
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details, as vLLM's
 
 
 class MessageAudio(_Out):

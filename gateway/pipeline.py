@@ -261,6 +261,7 @@ class StagePipeline:
                 finish_reason=done.finish_reason if done else "stop",
                 prompt_tokens=done.usage.prompt_tokens if done else int(prompt.input_ids.numel()),
                 completion_tokens=done.usage.completion_tokens if done else 0,
+                cached_tokens=done.usage.cached_tokens if done else 0,
             )
         except StageCallError as exc:
             raise stage_error(exc) from exc

@@ -81,6 +81,7 @@ from gateway.openai_schema import (
     ModelCard,
     ModelList,
     ResponseMessage,
+    PromptTokensDetails,
     Usage,
     check_priority,
     check_sampling,
@@ -198,8 +199,10 @@ class RestGateway:
 
     def __init__(self, pipeline: Pipeline, served_model_names: tuple[str, ...], loader: MediaLoader,
                  stage_metrics: StageSources | None = None, max_model_len: int | None = None,
-                 max_logprobs: int = MAX_LOGPROBS, tokens_as_ids: bool = False) -> None:
+                 max_logprobs: int = MAX_LOGPROBS, tokens_as_ids: bool = False,
+                 prompt_tokens_details: bool = False) -> None:
         self.pipeline = pipeline
+        self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
         self.max_logprobs = max_logprobs  # --max-logprobs
         self.tokens_as_ids = tokens_as_ids  # --return-tokens-as-token-ids
         self.max_model_len = max_model_len  # on the model cards, when the prompt builder is known
@@ -210,6 +213,11 @@ class RestGateway:
         self.metrics.registry.register(_HandOffCollector(pipeline))
         self.metrics.registry.register(video_process.METRICS)  # this process's video decodes
         self.created = int(time.time())
+
+    def _usage(self, f: Finished) -> Usage:
+        details = PromptTokensDetails(cached_tokens=f.cached_tokens) if self.prompt_tokens_details else None
+        return Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
+                     total_tokens=f.prompt_tokens + f.completion_tokens, prompt_tokens_details=details)
 
     # ------------------------------------------------------------------------------ request building
     async def build(self, body: ChatCompletionRequest, client_id: str | None = None) -> _Call:
@@ -366,7 +374,7 @@ class RestGateway:
             choices.append(Choice(index=i, message=message, finish_reason=finished[i].finish_reason,
                                   logprobs=self._logprobs(call, logprobs[i])))
         body = ChatCompletion(id=call.request.request_id, created=call.created, model=call.model, choices=choices,
-                              usage=_usage(total_usage([finished[i] for i in range(call.n)])))
+                              usage=self._usage(total_usage([finished[i] for i in range(call.n)])))
         self._finish("chat", 200, call.started)
         return JSONResponse(dump(body), headers={"X-Request-Id": call.request.request_id})
 
@@ -406,7 +414,7 @@ class RestGateway:
             if len(finished) < call.n:
                 raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
             if call.include_usage:
-                usage = _usage(total_usage([finished[i] for i in range(call.n)]))
+                usage = self._usage(total_usage([finished[i] for i in range(call.n)]))
                 yield _sse(dump(ChatCompletionChunk(id=rid, created=call.created, model=call.model, choices=[],
                                                     usage=usage)))
             yield _DONE
@@ -526,9 +534,6 @@ def _settings(mm: MMProcessorKwargs | None) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(mm.settings().items())) if mm is not None else ()
 
 
-def _usage(f: Finished) -> Usage:
-    return Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
-                 total_tokens=f.prompt_tokens + f.completion_tokens)
 
 
 async def _chain(first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
@@ -540,7 +545,7 @@ async def _chain(first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[
 def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                allowed_media_domains: frozenset[str] = frozenset(), limits: InputLimits | None = None,
                media_transport: object | None = None, max_logprobs: int = MAX_LOGPROBS,
-               return_tokens_as_token_ids: bool = False,
+               return_tokens_as_token_ids: bool = False, prompt_tokens_details: bool = False,
                stage_metrics: StageSources | None = None, api_keys: tuple[str, ...] = (),
                front: HttpFront | None = None, prompts: PromptBuilder | None = None) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
@@ -550,7 +555,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     `front` CORS and X-Request-Id (`gateway/http_front.py`), outside the key check; `prompts` the pipeline's
     prompt builder, for /tokenize and /detokenize (`gateway/tokenize_api.py`; without it they are 404s) and
     for the video frame sampling of `video_url` parts (its processor's; else `pipeline.prepare`'s, else the
-    default)."""
+    default); `prompt_tokens_details` adds `usage.prompt_tokens_details.cached_tokens`
+    (--enable-prompt-tokens-details)."""
     names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
@@ -559,7 +565,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     loader = MediaLoader(limits or InputLimits(), allowed_media_domains, transport=media_transport,  # type: ignore[arg-type]
                          video_sampling=sampling)
     gw = RestGateway(pipeline, names, loader, stage_metrics, prompts.max_model_len if prompts is not None else None,
-                     max_logprobs, return_tokens_as_token_ids)
+                     max_logprobs, return_tokens_as_token_ids, prompt_tokens_details)
     app = FastAPI(title="omnimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     if api_keys:  # /v1 needs one of them; /health and /metrics stay open (gateway/auth.py)

@@ -95,7 +95,8 @@ class MeshLauncher:
                                   "gpu_memory_utilization": cfg.gpu_memory_utilization,
                                   "transport": cfg.transport, "shm_arena_size": cfg.shm_arena_size,
                                   "shm_min_tensor_size": cfg.shm_min_tensor_size, "nice": cfg.nice,
-                                  "scheduling_policy": cfg.scheduling_policy}
+                                  "scheduling_policy": cfg.scheduling_policy,
+                                  "enable_prefix_caching": cfg.enable_prefix_caching}
         for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "bulk_nice", "yield_steps",
                     "default_sampling_params"):
             if getattr(cfg, key) is not None:
@@ -125,6 +126,8 @@ class MeshLauncher:
             argv.append("--enable-log-requests")
         if a.return_tokens_as_token_ids:
             argv.append("--return-tokens-as-token-ids")
+        if a.enable_prompt_tokens_details:
+            argv.append("--enable-prompt-tokens-details")
         return argv + front_argv(a)
 
     def _gateway_env(self) -> dict[str, str] | None:

@@ -82,7 +82,9 @@ def lm_engine(backend: Any, stage: str, args: ServeArgs, max_model_len: int,
                     gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_seqs=cfg.max_num_seqs,
                     max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
                     capture_layer=capture_layer, max_waiting_requests=cfg.max_waiting_requests,
-                    scheduling_policy=cfg.scheduling_policy)
+                    scheduling_policy=cfg.scheduling_policy,
+                    # only the thinker's rows have token ids to key a cache by (the talker's are the thinker's hidden)
+                    enable_prefix_caching=cfg.enable_prefix_caching and stage == "thinker")
 
 
 def handler_factory(stage: str, model_dir: Path, args: ServeArgs) -> Callable[[], StageHandler]:

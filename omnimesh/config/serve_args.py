@@ -97,6 +97,12 @@ class ServeArgs:
                                 "waiting request preempts a lower-priority running one when seats or KV blocks "
                                 "run short)", "--scheduling-policy")
     max_num_batched_tokens: int | None = _f(None, "most tokens in one engine step (long prompts are chunked)", "--max-num-batched-tokens")
+    enable_prefix_caching: bool = _f(False, "the thinker keeps the KV-cache blocks of prompts' text prefixes (up to their "
+                                     "first image, audio or video) and a later prompt that starts the same way "
+                                     "reuses them instead of computing them again, as vLLM's automatic prefix "
+                                     "caching; cached blocks count as free and are evicted least recently used "
+                                     "first (off by default: each prompt is computed exactly as alone)",
+                                     "--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     kv_cache_memory: str | None = _f(None, "KV-cache size per rank of the thinker / talker, e.g. 2GiB (CPU default 4GiB; on CUDA it is what --gpu-memory-utilization leaves after weights and activations)", "--kv-cache-memory")
     block_size: int = _f(16, "tokens per KV-cache block", "--block-size")
     stream_interval: int = _f(4, "thinker tokens per streamed chunk (text deltas and the talker's inputs), as vLLM's "
@@ -151,6 +157,10 @@ class ServeArgs:
     return_tokens_as_token_ids: bool = _f(False, "logprobs name each token 'token_id:<id>' instead of its text, as "
                                           "vLLM's (for tokens that are not valid text on their own)",
                                           "--return-tokens-as-token-ids", action="store_true")
+    enable_prompt_tokens_details: bool = _f(False, "chat completions' usage says how many prompt tokens the thinker's "
+                                            "prefix cache served (prompt_tokens_details.cached_tokens; see "
+                                            "--enable-prefix-caching), as vLLM's",
+                                            "--enable-prompt-tokens-details", action="store_true")
     mm_processor_kwargs: str | None = _f(None, "the multimodal processor's settings over the model folder's, as vLLM's: "
                                          "JSON with min_pixels / max_pixels (the area images and video frames are "
                                          "resized into: fewer vision tokens) and the video sampling fps / "
@@ -269,6 +279,7 @@ class ServeArgs:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
             scheduling_policy=self.scheduling_policy,
+            enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory, "--kv-cache-memory"),
             transport=self.transport,
             shm_arena_size=parse_size(self.shm_arena_size, "--shm-arena-size"),
@@ -351,13 +362,14 @@ HTTP_FRONT_FIELDS = frozenset(
 GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
      "stage_dns_refresh", "limit_mm_per_prompt", "input_limits", "max_logprobs", "return_tokens_as_token_ids",
-     "mm_processor_kwargs",
+     "mm_processor_kwargs", "enable_prompt_tokens_details",
      "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
-     "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs"}
+     "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
+     "enable_prompt_tokens_details"}
 ) | HTTP_FRONT_FIELDS
 
 

@@ -99,6 +99,9 @@ class StageConfig:
         default="fcfs", metadata={"help": "the thinker's / talker's order: fcfs (arrival) or priority (vLLM's: a "
                                           "request's priority, lower first, arrival among equals; a waiting request "
                                           "takes the seat and blocks of a lower-priority running one)"})
+    enable_prefix_caching: bool = field(
+        default=False, metadata={"help": "the thinker reuses the KV-cache blocks of a prompt's text prefix it has "
+                                         "computed for an earlier request (vLLM's automatic prefix caching)"})
     default_sampling_params: dict[str, Any] | None = field(
         default=None, metadata={"help": "the thinker's / talker's default sampling, over the model's own (requests "
                                         "still set theirs), as vLLM-Omni's per-stage default_sampling_params: "
@@ -144,6 +147,8 @@ class StageConfig:
                                              or self.yield_steps < 0):
             raise ValueError(f"yield_steps must be a whole number >= 0 (0: every step carries every ready request), "
                              f"got {self.yield_steps!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.default_sampling_params is not None:

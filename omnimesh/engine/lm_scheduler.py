@@ -15,6 +15,10 @@ and (priority, admission order) under vLLM's "priority" policy (lower priority v
 waiting request that outranks a running one also takes its seat or its blocks: the lowest-ranked running
 request is preempted for it, as vLLM's priority scheduler does.
 Finished and cancelled requests give their blocks back at once (`remove`).
+Prefix caching (`BlockAllocator(prefix_caching=True)`): a request that starts (new, or again after a
+preemption) first takes the cached blocks of its prompt's longest cached prefix (`ScheduledSeq.prefix`, set
+by the engine): those tokens count as cached at once and take none of the step's budget. At least one
+token is always left to compute (the prompt's last row gives the logits of the first output token).
 The scheduler knows token counts only; what the tokens are is `lm_engine.py`'s business.
 """
 
@@ -36,6 +40,8 @@ class ScheduledSeq:
     cached: int = 0  # tokens in the cache
     blocks: list[int] = field(default_factory=list)
     running: bool = False
+    prefix: list[bytes] = field(default_factory=list)  # hashes of its prompt's cacheable whole blocks
+    first_hit: int | None = None  # prompt tokens the prefix cache served when it first started
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -120,12 +126,16 @@ class LMScheduler:
                 continue
             if len(self.running) >= self.max_num_seqs and not self._make_room(seq, planned, preempted):
                 break
+            hit = self._take_prefix(seq)
             n = min(seq.pending, budget)
             while not self.allocator.grow(seq.blocks, seq.cached + n):
                 if not self._make_room(seq, planned, preempted):
                     break
             if len(seq.blocks) < self.allocator.blocks_for(seq.cached + n):
+                self._drop_prefix(seq, hit)
                 break  # first come first served: nobody overtakes the first-ranked waiting request
+            if seq.first_hit is None:
+                seq.first_hit = hit
             self.waiting.remove(seq)
             self.running.append(seq)
             self.running.sort(key=lambda s: s.rank)
@@ -134,6 +144,23 @@ class LMScheduler:
             planned.add(seq.rid)
             budget -= n
         return plan, preempted
+
+    def _take_prefix(self, seq: ScheduledSeq) -> int:
+        """A starting request takes its prompt's cached blocks (at most all but its last token): the tokens it
+        got, now counted as cached."""
+        if seq.cached or not seq.prefix:
+            return 0
+        tokens = seq.pending
+        seq.blocks = self.allocator.match(seq.prefix[:(tokens - 1) // self.allocator.block_size], tokens)
+        hit = len(seq.blocks) * self.allocator.block_size
+        seq.cached, seq.pending = hit, tokens - hit
+        return hit
+
+    def _drop_prefix(self, seq: ScheduledSeq, hit: int) -> None:
+        """Undo `_take_prefix` for a request that does not start in this step after all."""
+        if seq.prefix:  # a waiting request holds no blocks but those `_take_prefix` gave it
+            self.allocator.unmatch(seq.blocks, seq.pending + hit)
+            seq.cached, seq.pending = 0, seq.pending + hit
 
     def _make_room(self, seq: ScheduledSeq, planned: set[str], preempted: list[ScheduledSeq]) -> bool:
         """Under the "priority" policy: preempt the lowest-ranked running request not in this step when it
@@ -157,5 +184,8 @@ class LMScheduler:
         self.preemptions += 1
 
     def stats(self) -> dict[str, float]:
-        return {"running": len(self.running), "waiting": len(self.waiting),
-                "kv_cache_usage": self.allocator.usage(), "preemptions": self.preemptions}
+        out = {"running": len(self.running), "waiting": len(self.waiting),
+               "kv_cache_usage": self.allocator.usage(), "preemptions": self.preemptions}
+        if self.allocator.prefix_caching:
+            out.update(prefix_cache_queries=self.allocator.queried_tokens, prefix_cache_hits=self.allocator.hit_tokens)
+        return out

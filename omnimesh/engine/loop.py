@@ -76,6 +76,7 @@ class EngineDone:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
 
 
 @dataclass(slots=True)
@@ -442,7 +443,7 @@ class EngineLoop:
             entry.queue.put_nowait(chunk)
         if entry.task.finished:
             t = entry.task
-            self._finish(rid, EngineDone(t.finish_reason, t.prompt_tokens, t.completion_tokens))
+            self._finish(rid, EngineDone(t.finish_reason, t.prompt_tokens, t.completion_tokens, t.cached_tokens))
 
 
 def _pressing(task: StageTask) -> bool:

@@ -176,10 +176,15 @@ class _LoadCollector(Collector):
                 g = GaugeMetricFamily(name, doc, labels=names)
                 g.add_metric(values, float(stats[key]))
                 out.append(g)
-        if stats.get("preemptions") is not None:
-            c = CounterMetricFamily("omnimesh:num_preemptions", "Requests preempted (cumulative)", labels=names)
-            c.add_metric(values, float(stats["preemptions"]))
-            out.append(c)
+        for key, name, doc in (("preemptions", "omnimesh:num_preemptions", "Requests preempted (cumulative)"),
+                               ("prefix_cache_queries", "omnimesh:prefix_cache_queries",
+                                "Prompt tokens looked up in the prefix cache (--enable-prefix-caching)"),
+                               ("prefix_cache_hits", "omnimesh:prefix_cache_hits",
+                                "Prompt tokens the prefix cache served")):
+            if stats.get(key) is not None:
+                c = CounterMetricFamily(name, doc, labels=names)
+                c.add_metric(values, float(stats[key]))
+                out.append(c)
         return out
 
 

@@ -46,6 +46,7 @@ class StatLogger:
         self._last_t = clock()
         self._last = dict(metrics.totals)
         self._was_idle = True
+        self._last_prefix = (0.0, 0.0)  # prefix-cache (queries, hits) at the last line
 
     def line(self) -> str | None:
         """The line for the interval that ends now, or None when the stage was and is idle."""
@@ -70,6 +71,11 @@ class StatLogger:
             parts.append(f"Failed: {delta['failed']} reqs")
         if load.get("preemptions"):
             parts.append(f"Preemptions: {int(load['preemptions'])} in all")
+        if load.get("prefix_cache_queries") is not None:  # over this interval, as vLLM's line
+            prefix = (float(load["prefix_cache_queries"]), float(load.get("prefix_cache_hits") or 0))
+            queries, hits = prefix[0] - self._last_prefix[0], prefix[1] - self._last_prefix[1]
+            self._last_prefix = prefix
+            parts.append(f"Prefix cache hit rate: {100.0 * hits / queries if queries else 0.0:.1f}%")
         return f"{self.m.stage}: " + ", ".join(parts)
 
     async def run(self) -> None:

@@ -36,6 +36,7 @@ class StageTask(ABC):
         self.finish_reason = "stop"
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
 
     @abstractmethod
     def feed(self, chunk: StageChunk) -> None:

@@ -140,7 +140,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     for response in responses:
                         yield response
                 elif isinstance(event, EngineDone):
-                    usage = stage_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
+                    usage = stage_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                                            cached_tokens=event.cached_tokens)
                     yield stage_pb2.StageResponse(done=stage_pb2.Done(finish_reason=event.finish_reason, usage=usage))
                     break
                 elif isinstance(event, EngineFailed):

@@ -118,13 +118,19 @@ class ThinkerTask(BatchedTask):
             self.sampler = Sampler(replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room)),
                                    self.sampler.generator)
         capture = prompt.mm_mask if self.talker_inputs and bool(prompt.mm_mask.any()) else None
-        return InputRun(prompt.embeds, prompt.positions, prompt.visual, prompt.deepstack, capture)
+        # the rows before the first media row depend on nothing but their ids and positions: the prefix cache's
+        # keys (a media row's values depend on the media, and every later row's on it)
+        media = torch.nonzero(prompt.mm_mask)
+        m = int(media[0]) if media.numel() else prompt.ids.numel()
+        keys = torch.cat([prompt.ids[:m, None], prompt.positions[:, :m].T.long()], dim=1)
+        return InputRun(prompt.embeds, prompt.positions, prompt.visual, prompt.deepstack, capture, prefix_keys=keys)
 
     def on_output(self, out: RunOutput) -> tuple[list[StageChunk], InputRun | None]:
         """The engine ran some of this request's rows: sample when it returned logits. Returns the chunks to
         emit and the next input row (None when the request ended or no token was sampled)."""
         if out.captured is not None:
             self.captured.append(out.captured)
+        self.cached_tokens = out.cached_tokens
         if out.logits is None:
             return [], None  # a prefill chunk (or a recompute after preemption): no token yet
         prompt = self.prompt

@@ -178,7 +178,7 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
                                "max_waiting_requests": 3, "gpu_memory_utilization": 0.9, "kv_cache_memory": 256 * 2**20,
                                "max_num_batched_tokens": 512, "transport": "grpc", "shm_arena_size": 64 * 2**20,
                                "shm_min_tensor_size": 16 * 2**10, "nice": 0,
-                               "scheduling_policy": "fcfs"}}
+                               "scheduling_policy": "fcfs", "enable_prefix_caching": False}}
     talker = launcher._stage_argv("talker", 50053)
     assert talker[talker.index("-pp") + 1] == "2"
     talker_own = json.loads(talker[talker.index("--stage-overrides") + 1])["talker"]

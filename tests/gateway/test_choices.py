@@ -62,7 +62,7 @@ def test_rest_answers_one_choice_per_index(rest_server: RestServer, pipeline: Sc
     out = r.json()
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in out["choices"]] == [
         (i, "Hello world", "stop") for i in range(3)]
-    assert out["usage"] == {"prompt_tokens": 7, "completion_tokens": 6, "total_tokens": 13}
+    assert out["usage"] == {"prompt_tokens": 7, "completion_tokens": 6, "total_tokens": 13, "prompt_tokens_details": None}
     assert sorted(q.sampling.seed for q in pipeline.requests) == [1, 2, 3]
     chunks = []
     with httpx.stream("POST", f"{rest_server.base_url}/v1/chat/completions", timeout=10,

@@ -75,7 +75,7 @@ def test_text_only_completion_shape(rest_server: RestServer, pipeline: ScriptedP
     assert choice["index"] == 0 and choice["finish_reason"] == "stop"
     assert choice["message"]["role"] == "assistant" and choice["message"]["content"] == "Hello world"
     assert choice["message"]["audio"] is None
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9, "prompt_tokens_details": None}
     req = pipeline.requests[-1]
     assert req.modalities == ("text",) and req.voice is None  # OpenAI's default: text only
     assert req.request_id == body["id"]

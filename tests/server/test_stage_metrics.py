@@ -191,6 +191,11 @@ async def test_batcher_stats_are_the_load_gauges():
         got = samples(await client.metrics())
         assert value(got, "omnimesh:num_preemptions_total") == 5
         assert not any(name == "omnimesh:kv_cache_usage_perc" for name, _ in got)
+        assert not any(name.startswith("omnimesh:prefix_cache") for name, _ in got)  # no cache: no series
+        batcher.load = {"running": 0, "waiting": 0, "prefix_cache_queries": 90, "prefix_cache_hits": 32}
+        got = samples(await client.metrics())
+        assert value(got, "omnimesh:prefix_cache_queries_total") == 90
+        assert value(got, "omnimesh:prefix_cache_hits_total") == 32
 
 
 async def test_servicer_without_metrics_answers_empty_text():

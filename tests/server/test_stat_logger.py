@@ -45,6 +45,17 @@ def test_rates_load_and_idle_silence() -> None:
     assert stats.line() is None
 
 
+def test_prefix_cache_hit_rate_is_over_the_interval() -> None:
+    m, clock = EngineMetrics("thinker"), Clock()
+    load = {"running": 1, "waiting": 0, "prefix_cache_queries": 400, "prefix_cache_hits": 100}
+    m.bind_stats(lambda: load)
+    stats = StatLogger(m, 10.0, clock)
+    assert (stats.line() or "").endswith("Prefix cache hit rate: 25.0%")
+    load.update(prefix_cache_queries=600, prefix_cache_hits=250)  # 150 of the last 200
+    assert (stats.line() or "").endswith("Prefix cache hit rate: 75.0%")
+    assert (stats.line() or "").endswith("Prefix cache hit rate: 0.0%")  # nothing looked up since
+
+
 def test_a_stage_without_kv_cache_leaves_it_out() -> None:
     m, clock = EngineMetrics("vocoder"), Clock()
     m.bind_stats(lambda: {"running": 2, "waiting": 0})

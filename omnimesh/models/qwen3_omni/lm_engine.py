@@ -19,6 +19,13 @@ Data flow per step:
         -> {rid: RunOutput(logits (V,) | None, last_hidden (1, 1, H), captured rows)} for the requests
            that ran (logits None: a prefill chunk that did not finish its run, or a recompute)
     remove(rid)                                                        blocks back to the free list
+
+Prefix caching (`enable_prefix_caching`, vLLM's --enable-prefix-caching): a request's first input run may
+name, in `prefix_keys`, integers per row for its leading rows whose keys and values they fix (the thinker:
+token id and M-RoPE positions of the prompt's rows before its first media row). Their whole blocks are
+hashed once (`kv_blocks.prefix_hashes`); when the request starts, the scheduler hands it the cached blocks
+of its longest cached prefix and the engine moves those rows from `pending` to `history` unrun; each whole
+block the request computes is registered for later requests as soon as its step returns.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import torch
 
-from omnimesh.engine.kv_blocks import BlockAllocator
+from omnimesh.engine.kv_blocks import BlockAllocator, prefix_hashes
 from omnimesh.engine.lm_scheduler import LMScheduler, ScheduledSeq
 from omnimesh.engine.task import BatchedTask, StageRequestError
 from omnimesh.models.qwen3_omni.lm_backend import ShardedBackend
@@ -54,6 +61,7 @@ class InputRun:
     deepstack: torch.Tensor | None = None  # (k, n_visual, H) features of the visual rows, per deepstack layer
     capture: torch.Tensor | None = None  # (n,) bool: rows whose hidden at the capture layer comes back
     want_logits: bool = True  # False for rows re-fed after a preemption (their token was already sampled)
+    prefix_keys: torch.Tensor | None = None  # (m, k) int64: see the module docstring (a request's first run only)
 
     @property
     def n(self) -> int:
@@ -80,6 +88,7 @@ class RunOutput:
     logits: torch.Tensor | None  # (V,) after the request's last row of this step, if its run wants them
     last_hidden: torch.Tensor  # (1, 1, H) final-norm hidden of that row
     captured: torch.Tensor | None  # (c, H) hidden at the capture layer of this step's capture rows
+    cached_tokens: int = 0  # prompt tokens the prefix cache served when the request first started
 
 
 @dataclass(eq=False)
@@ -87,16 +96,20 @@ class _Seq:
     sched: ScheduledSeq
     pending: list[InputRun] = field(default_factory=list)
     history: list[InputRun] = field(default_factory=list)
+    fed: int = 0  # rows in `history` (= tokens in the cache once the step in flight, if any, returns)
+    registered: int = 0  # leading blocks of its table registered in the prefix cache
 
 
 class LMEngine:
     def __init__(self, backend: ShardedBackend, *, role: str, block_size: int, kv_bytes: int | None,
                  gpu_memory_utilization: float, max_num_seqs: int, max_num_batched_tokens: int | None,
                  max_model_len: int, capture_layer: int | None = None,
-                 max_waiting_requests: int | None = None, scheduling_policy: str = "fcfs") -> None:
+                 max_waiting_requests: int | None = None, scheduling_policy: str = "fcfs",
+                 enable_prefix_caching: bool = False) -> None:
         """`backend` runs commands on every rank of the stage. Sizes the KV pool on the ranks and refuses to
         start when it cannot hold one request of `max_model_len` tokens. `max_waiting_requests`: see
-        `admit` (None: no bound). `scheduling_policy`: fcfs or priority (`LMScheduler`)."""
+        `admit` (None: no bound). `scheduling_policy`: fcfs or priority (`LMScheduler`). `enable_prefix_caching`:
+        see the module docstring."""
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 (0: never queue), got {max_waiting_requests}")
         self.backend, self.role, self.capture_layer = backend, role, capture_layer
@@ -107,7 +120,7 @@ class LMEngine:
         tokens = max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, block_size)
         init = LMInitCache(block_size, kv_bytes, gpu_memory_utilization, profile_tokens=tokens)
         num_blocks = int(backend.submit(init).result())
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         if self.allocator.capacity_tokens < max_model_len:
             raise ValueError(
                 f"{role}: the KV cache holds {self.allocator.capacity_tokens} tokens ({num_blocks} blocks of "
@@ -116,8 +129,9 @@ class LMEngine:
         self.scheduler = LMScheduler(self.allocator, max_num_seqs, tokens, scheduling_policy)
         self._priorities: dict[str, int] = {}  # admitted task key -> its priority, until its first input
         self.seqs: dict[str, _Seq] = {}
-        log.info("%s KV cache: %d blocks x %d tokens = %d tokens; batches of up to %d sequences / %d tokens",
-                 role, num_blocks, block_size, self.allocator.capacity_tokens, max_num_seqs, tokens)
+        log.info("%s KV cache: %d blocks x %d tokens = %d tokens; batches of up to %d sequences / %d tokens; "
+                 "prefix caching %s", role, num_blocks, block_size, self.allocator.capacity_tokens, max_num_seqs,
+                 tokens, "on" if enable_prefix_caching else "off")
 
     def has(self, rid: str) -> bool:
         return rid in self.seqs
@@ -157,6 +171,8 @@ class LMEngine:
         seq = self.seqs.get(rid)
         if seq is None:
             seq = self.seqs[rid] = _Seq(self.scheduler.add(rid, self._priorities.pop(rid, 0)))
+            if self.allocator.prefix_caching and run.prefix_keys is not None:
+                seq.sched.prefix = prefix_hashes(run.prefix_keys.numpy(), self.allocator.block_size)
         seq.pending.append(run)
         seq.sched.pending += run.n
 
@@ -203,24 +219,33 @@ class LMEngine:
             seq = self.seqs[sched.rid]
             # recomputed rows: their token was sampled and their captured rows were handed over already
             seq.pending = [replace(r, want_logits=False, capture=None) for r in seq.history] + seq.pending
-            seq.history = []
+            seq.history, seq.fed, seq.registered = [], 0, 0
             log.info("%s: preempted request %s (KV cache full); it is recomputed when blocks free up", self.role, sched.rid)
         runs: list[tuple[_Seq, list[InputRun]]] = []
         for sched, n in plan:
             seq = self.seqs[sched.rid]
-            taken: list[InputRun] = []
-            while n > 0:
-                head = seq.pending[0]
-                if head.n <= n:
-                    taken.append(seq.pending.pop(0))
-                    n -= head.n
-                else:
-                    first, rest = head.split(n)
-                    taken.append(first)
-                    seq.pending[0] = rest
-                    n = 0
-            runs.append((seq, taken))
+            if sched.cached > seq.fed:  # it just took cached blocks: those rows are in the cache already
+                hit = sched.cached - seq.fed
+                seq.history.extend(self._take(seq, hit))
+                seq.fed += hit
+            runs.append((seq, self._take(seq, n)))
         return runs
+
+    @staticmethod
+    def _take(seq: _Seq, n: int) -> list[InputRun]:
+        """The first `n` pending rows of `seq` (a run split where `n` ends inside it)."""
+        taken: list[InputRun] = []
+        while n > 0:
+            head = seq.pending[0]
+            if head.n <= n:
+                taken.append(seq.pending.pop(0))
+                n -= head.n
+            else:
+                first, rest = head.split(n)
+                taken.append(first)
+                seq.pending[0] = rest
+                n = 0
+        return taken
 
     def _apply(self, runs: list[tuple[_Seq, list[InputRun]]], result: LMBatchResult) -> dict[str, RunOutput]:
         out: dict[str, RunOutput] = {}
@@ -237,10 +262,21 @@ class LMEngine:
             seq.sched.cached += n
             seq.sched.pending -= n
             seq.history.extend(taken)
+            seq.fed += n
+            self._register(seq)
             wants = taken[-1].want_logits  # the last row of a whole run (a split's first part says False)
             out[seq.sched.rid] = RunOutput(logits=result.logits[i] if wants else None,
-                                           last_hidden=result.last_hidden[i].view(1, 1, -1), captured=captured)
+                                           last_hidden=result.last_hidden[i].view(1, 1, -1), captured=captured,
+                                           cached_tokens=seq.sched.first_hit or 0)
         return out
+
+    def _register(self, seq: _Seq) -> None:
+        """Offer the prefix cache the request's whole blocks of cacheable rows computed so far."""
+        sched = seq.sched
+        upto = min(sched.cached // self.allocator.block_size, len(sched.prefix))
+        if upto > seq.registered:
+            self.allocator.register(zip(sched.blocks[seq.registered:upto], sched.prefix[seq.registered:upto]))
+            seq.registered = upto
 
     def _command(self, runs: list[tuple[_Seq, list[InputRun]]]) -> LMBatch:
         embeds, positions, visual, deep, capture, logit_rows, seqs = [], [], [], [], [], [], []

@@ -1,0 +1,250 @@
+"""Prefix caching in the thinker (`--enable-prefix-caching`): BlockAllocator's cache, LMScheduler taking cached
+blocks, and LMEngine skipping their rows, in-process on the tiny model folder. What it proves:
+
+- a prompt that starts with the blocks an earlier prompt computed runs only its remaining rows (the LMBatch
+  has just those), its usage counts the cached tokens, and its tokens and logits equal its run on a stage
+  without the cache; at least one row is always computed (a repeated prompt still yields its logits);
+- the cache stops at a prompt's first media row (the rows after it depend on the media), yet a media
+  prompt's tokens stay exact;
+- 16 concurrent requests sharing a prefix share its blocks (reference counts) while they run, every one
+  equals its solo run, and every block is free again at the end (cached blocks count as free);
+- a preemption with cached blocks keeps tokens exact; eviction reuses the least recently freed cached block,
+  a request's last blocks before its first ones; a request that cannot start gives its matched blocks back;
+- the stage reports prefix_cache_queries / prefix_cache_hits (tokens), as vLLM does; off by default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+from omnimesh.config.serve_args import ServeArgs
+from omnimesh.engine.kv_blocks import BlockAllocator, prefix_hashes
+from omnimesh.engine.lm_scheduler import LMScheduler
+from omnimesh.transport.frames import StageChunk
+from omnimesh.v1 import stage_pb2
+from services.llm.talker_handler import build_handler as talker_handler
+from services.llm.thinker_handler import build_handler as thinker_handler
+from tests.services.test_lm_batching import (Driver, Recorder, assert_drained, assert_same_run, block_bytes,
+                                             open_thinker, prompts, record_batches, solo, token_ids)
+
+BLOCK = 4
+
+
+def caching_thinker(model_dir: Path, **kw: Any) -> Any:
+    args = dict(max_model_len=128, kv_cache_memory="1MiB", block_size=BLOCK, stream_interval=1,
+                enable_prefix_caching=True)
+    return thinker_handler(model_dir, ServeArgs(**{**args, **kw}))
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir: Path) -> Any:
+    """The same stage without the cache: every prompt computed whole (the reference)."""
+    return thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB", block_size=BLOCK,
+                                                stream_interval=1))
+
+
+def run_one(handler: Any, rid: str, ids: torch.Tensor, max_tokens: int = 8) -> tuple[Any, list[int], Any]:
+    """-> (the finished task, its tokens, the Recorder of its logits); the task's blocks are freed."""
+    rec = Recorder(handler.batcher.engine)
+    try:
+        d = Driver(handler)
+        task = open_thinker(handler, rid, ids, max_tokens)
+        d.add(task)
+        return task, token_ids(d.run()[rid]), rec
+    finally:
+        rec.stop()
+
+
+def test_a_shared_prefix_is_computed_once_and_tokens_stay_exact(model_dir: Path, plain: Any) -> None:
+    handler = caching_thinker(model_dir)
+    engine = handler.batcher.engine
+    assert plain.batcher.engine.allocator.prefix_caching is False  # off unless asked for
+    head, tail_a, tail_b = prompts([22, 5, 9], seed=11)
+    a, b = torch.cat([head, tail_a]), torch.cat([head, tail_b])  # 27 and 31 tokens, 22 shared
+
+    batches = record_batches(engine)
+    first, _, _ = run_one(handler, "a", a)
+    assert first.cached_tokens == 0 and batches[0].layout.num_tokens == 27
+    batches.clear()
+    second, got, rec = run_one(handler, "b", b)
+    # 5 whole blocks of the shared 22 tokens (20 tokens) came from the cache: 11 rows ran in the prefill
+    assert second.cached_tokens == 20 and batches[0].layout.num_tokens == 11
+    assert batches[0].layout.prefills[0].mask is not None  # attending to the 20 cached keys
+    assert_same_run((got, rec.stacked("b")), solo(plain, b, 8), "after a cache hit")
+    stats = handler.batcher.stats()
+    assert stats["prefix_cache_queries"] == 27 + 31 and stats["prefix_cache_hits"] == 20
+
+    batches.clear()
+    again, got, rec = run_one(handler, "a2", a)  # the whole prompt is cached: its last row still runs
+    assert again.cached_tokens == 24 and batches[0].layout.num_tokens == 3
+    assert_same_run((got, rec.stacked("a2")), solo(plain, a, 8), "a repeated prompt")
+    assert_drained(engine, engine.allocator.num_blocks)  # cached blocks count as free
+    assert engine.allocator.num_cached >= 6
+
+
+def test_the_cache_stops_at_the_first_media_row(model_dir: Path, plain: Any) -> None:
+    handler = caching_thinker(model_dir)
+    engine = handler.batcher.engine
+    pad = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|audio_pad|>")
+    frames = torch.tensor([100])
+    n_audio = int(_get_feat_extract_output_lengths(frames)[0])
+    head, tail = prompts([10, 6], seed=12)
+    ids = torch.cat([head, torch.full((n_audio,), pad), tail])
+    hidden = handler.thinker.config.get_text_config().hidden_size
+    audio = torch.randn(n_audio, hidden, generator=torch.Generator().manual_seed(0))
+
+    def media_task(h: Any, rid: str) -> Any:
+        task = h.open(stage_pb2.Open(request_id=rid, sampling=stage_pb2.SamplingParams(temperature=0, max_tokens=6)))
+        task.feed(StageChunk(tensors={"input_ids": ids, "audio_embeds": audio, "audio_feature_lengths": frames},
+                             final=True))
+        return task
+
+    def run(h: Any, rid: str) -> tuple[Any, list[int], torch.Tensor]:
+        rec = Recorder(h.batcher.engine)
+        d = Driver(h)
+        task = media_task(h, rid)
+        d.add(task)
+        try:
+            return task, token_ids(d.run()[rid]), rec.stacked(rid)
+        finally:
+            rec.stop()
+
+    want = run(plain, "solo")
+    first = run(handler, "m1")
+    second = run(handler, "m2")  # the same prompt, the same audio: still only the text before it is cached
+    assert first[0].cached_tokens == 0 and second[0].cached_tokens == 8  # the 2 whole blocks of the 10-token head
+    for got in (first, second):
+        assert_same_run(got[1:], want[1:], "media prompt")
+    assert engine.allocator.num_cached == 2
+
+
+def test_concurrent_requests_share_blocks_and_all_come_back(model_dir: Path, plain: Any) -> None:
+    handler = caching_thinker(model_dir)
+    engine = handler.batcher.engine
+    head = prompts([17], seed=13)[0]
+    ids = [torch.cat([head, t]) for t in prompts([1 + i % 5 for i in range(16)], seed=14)]
+    run_one(handler, "warm", head)  # 4 blocks of the head are cached now
+    alone = [solo(plain, p, 6) for p in ids]
+    rec = Recorder(engine)
+    d = Driver(handler)
+    tasks = [open_thinker(handler, f"r{i}", p, 6) for i, p in enumerate(ids)]
+    d.add(*tasks)
+    d.step()
+    # all 16 hold the same 4 head blocks: 16 x (the rest of their prompt) blocks plus 4, not 16 x 5
+    held = engine.allocator.num_blocks - engine.allocator.num_free
+    assert held == 4 + sum(engine.allocator.blocks_for(len(p)) - 4 for p in ids)
+    d.run()
+    assert all(t.cached_tokens == 16 for t in tasks)
+    for i, want in enumerate(alone):
+        assert_same_run((token_ids(d.chunks[f"r{i}"]), rec.stacked(f"r{i}")), want, f"r{i}")
+    assert_drained(engine, engine.allocator.num_blocks)
+
+
+def test_preemption_with_cached_blocks_keeps_tokens_exact(model_dir: Path, plain: Any) -> None:
+    blocks = 12
+    handler = caching_thinker(model_dir, max_model_len=32, max_num_batched_tokens=6,
+                              kv_cache_memory=str(blocks * block_bytes(model_dir, BLOCK)))
+    engine = handler.batcher.engine
+    head = prompts([9], seed=15)[0]
+    ids = [torch.cat([head, t]) for t in prompts([2, 5, 1, 4], seed=16)]
+    alone = [solo(plain, p, 14) for p in ids]
+    rec = Recorder(engine)
+    d = Driver(handler)
+    d.add(*(open_thinker(handler, f"r{i}", p, 14) for i, p in enumerate(ids)))
+    d.run(max_steps=2000)
+    assert engine.scheduler.preemptions > 0
+    for i, want in enumerate(alone):
+        assert_same_run((token_ids(d.chunks[f"r{i}"]), rec.stacked(f"r{i}")), want, f"r{i}")
+    assert engine.stats()["prefix_cache_hits"] > 0
+    assert_drained(engine, blocks)
+
+
+# ------------------------------------------------------------------------------------ unit tests
+
+
+def hashes(n_blocks: int, seed: int = 0) -> list[bytes]:
+    keys = np.random.default_rng(seed).integers(0, 1000, size=(n_blocks * BLOCK, 5))
+    return prefix_hashes(keys, BLOCK)
+
+
+def test_prefix_hashes_chain_over_whole_blocks() -> None:
+    keys = np.arange(50).reshape(10, 5)
+    h = prefix_hashes(keys, BLOCK)
+    assert len(h) == 2 and len(set(h)) == 2  # 10 rows: 2 whole blocks, the partial one never cached
+    assert prefix_hashes(keys, BLOCK, limit=1) == h[:1]
+    other = keys.copy()
+    other[0, 0] += 1  # a different first token changes every later block's hash too
+    assert all(x != y for x, y in zip(prefix_hashes(other, BLOCK), h))
+    moved = keys.copy()
+    moved[5, 1] += 1  # the same ids at other positions are other keys
+    assert prefix_hashes(moved, BLOCK)[0] == h[0] and prefix_hashes(moved, BLOCK)[1] != h[1]
+
+
+def test_allocator_reference_counts_and_evicts_least_recently_freed() -> None:
+    alloc = BlockAllocator(6, BLOCK, prefix_caching=True)
+    h = hashes(3)
+    a: list[int] = []
+    assert alloc.grow(a, 12)
+    alloc.register(zip(a, h))
+    blocks = list(a)
+    b = alloc.match(h, 13)
+    assert b == blocks and alloc.num_free == 3  # shared, not copied
+    alloc.free(a)  # (empties the table)
+    assert alloc.num_free == 3 and alloc.match(h[:1], 5) == blocks[:1]  # b still holds them; another match is fine
+    alloc.free(blocks[:1])  # drop that extra hold
+    alloc.free(b)
+    assert alloc.num_free == 6 and alloc.num_cached == 3
+    # the 3 never-used blocks go first, then the cached ones, the prefix's LAST block first
+    c: list[int] = []
+    assert alloc.grow(c, 4 * BLOCK)
+    assert c[3] == blocks[2] and alloc.num_cached == 2
+    assert alloc.match(h, 13) == blocks[:2]  # the chain stops at the evicted block
+    assert alloc.queried_tokens == 13 + 5 + 13 and alloc.hit_tokens == 12 + 4 + 8
+
+
+def test_allocator_without_caching_never_matches_or_registers() -> None:
+    alloc = BlockAllocator(4, BLOCK)
+    a: list[int] = []
+    alloc.grow(a, 8)
+    alloc.register(zip(a, hashes(2)))
+    assert alloc.num_cached == 0 and alloc.match(hashes(2), 8) == [] and alloc.queried_tokens == 0
+
+
+def test_a_request_that_cannot_start_gives_its_matched_blocks_back() -> None:
+    alloc = BlockAllocator(4, BLOCK, prefix_caching=True)
+    sched = LMScheduler(alloc, max_num_seqs=8, max_num_batched_tokens=100)
+    h = hashes(2)
+    first = sched.add("first")
+    first.pending, first.prefix = 9, h
+    plan, _ = sched.schedule({"first"})
+    assert plan == [(first, 9)] and first.first_hit == 0
+    first.pending, first.cached = 0, 9
+    alloc.register(zip(first.blocks, h))
+    hog = sched.add("hog")
+    hog.pending = 4
+    assert sched.schedule({"hog"})[0] == [(hog, 4)]  # every block is held now
+    again = sched.add("again")
+    again.pending, again.prefix = 13, h
+    assert sched.schedule({"again"})[0] == []  # its 2 cached blocks match, but its 2 new blocks do not fit
+    assert again.blocks == [] and again.cached == 0 and again.pending == 13 and again.first_hit is None
+    assert alloc.queried_tokens == 9 and alloc.hit_tokens == 0
+    sched.remove(first)
+    sched.remove(hog)
+    plan, _ = sched.schedule({"again"})
+    assert plan == [(again, 5)] and again.cached == 8 and again.first_hit == 8  # 8 tokens from the cache
+    assert alloc.queried_tokens == 9 + 13 and alloc.hit_tokens == 8
+
+
+def test_the_flag_reaches_the_thinker_only(model_dir: Path) -> None:
+    args = ServeArgs(max_model_len=64, enable_prefix_caching=True)
+    assert talker_handler(model_dir, args).batcher.engine.allocator.prefix_caching is False  # no ids to key by
+    assert not ServeArgs().stage_configs()["thinker"].enable_prefix_caching
+    with pytest.raises(ValueError, match="enable_prefix_caching must be true or false"):
+        ServeArgs(stage_overrides='{"thinker": {"enable_prefix_caching": "yes"}}').stage_configs()
