@@ -2,7 +2,8 @@
 pp=2, vocoder tp=2 — answers exactly like `transformers` generate (and so like the pp = tp = 1 mesh): text
 token for token, audio within 1e-4. It also runs a vocoder window schedule other than the default
 (`--audio-windows 2,3,6`): the vocoder advertises it, the talker chunks its codes to match, and the audio is
-still exact. A thinker rank killed mid-request fails that request promptly with 503, the thinker goes
+still exact. The split thinker caches prompt prefixes (`enable_prefix_caching`): a request sent again is
+served mostly from cached blocks that every pp x tp rank reads, and still equals generate. A thinker rank killed mid-request fails that request promptly with 503, the thinker goes
 NOT_SERVING and the gateway's /health names it; nothing hangs; `omnimesh serve` then restarts the thinker
 (all its ranks) and it answers as before. This module runs its own mesh."""
 
@@ -22,7 +23,8 @@ from omnimesh.allocator import find_tcmalloc, loaded
 from omnimesh.models.qwen3_omni.code_windows import window_size
 from omnimesh.transport.stage_client import StageClient
 
-LAYOUT = '{"encoder": {"pp": 2}, "thinker": {"pp": 2, "tp": 2}, "talker": {"pp": 2}, "vocoder": {"tp": 2, "nice": 3, "bulk_nice": 14}}'
+LAYOUT = ('{"encoder": {"pp": 2}, "thinker": {"pp": 2, "tp": 2, "enable_prefix_caching": true}, "talker": {"pp": 2}, '
+          '"vocoder": {"tp": 2, "nice": 3, "bulk_nice": 14}}')
 WINDOWS = (2, 3, 6)
 SAMPLES_PER_CODE = 1920  # the tiny code2wav's upsampling
 
@@ -105,6 +107,19 @@ def test_split_mesh_equals_generate(split_mesh, tiny_model_dir, reference, media
     while sum(windows) < codes:  # the talker's chunks follow the vocoder's schedule: 2, 3, 6, 6, ...
         windows.append(window_size(len(windows), WINDOWS))
     assert codes > sum(WINDOWS) and talker_chunks == len(windows), (codes, talker_chunks)
+
+
+def test_split_thinker_serves_a_cached_prefix_exactly(split_mesh, tiny_model_dir, reference) -> None:
+    req = chat_request("Tell me about the rivers of the north.", None, None, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+    ref = reference.generate(req, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+    finished = []
+    for _ in range(2):
+        text, audio, done = run_pipeline(split_mesh, tiny_model_dir, req, async_chunk=True)
+        assert text == ref.text and audio.shape == ref.audio.shape
+        np.testing.assert_allclose(audio, ref.audio, atol=1e-4, rtol=0)
+        finished.append(done)
+    again = finished[1]
+    assert again.cached_tokens == (again.prompt_tokens - 1) // 16 * 16 > finished[0].cached_tokens
 
 
 def test_thinker_rank_killed_mid_request(split_mesh) -> None:
