@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -48,9 +48,20 @@ ContentPart = TextPart | AudioPart | ImagePart | VideoPart
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call the model made (an assistant message's, or parsed from the thinker's text)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: tuple[ContentPart, ...]
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +103,8 @@ class ChatRequest:
     priority: int = 0  # vLLM's: lower runs sooner in the thinker and talker (--scheduling-policy priority)
     # the request's mm_processor_kwargs over the server's: (name, value) pairs, sorted (gateway/processor_kwargs.py)
     processor_kwargs: tuple[tuple[str, float], ...] = ()
+    # OpenAI's `tools` as the chat template reads them ({"type": "function", "function": {...}} each)
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,12 @@ Defaults chosen to match OpenAI: `modalities` defaults to ["text"] (no audio unl
 "audio" is asked for without an `audio` object the pipeline's default voice and "wav" are used. Unknown
 top-level fields are accepted and ignored (clients send many; each is named once in the log), except ones
 whose silent omission would change the answer (`refuse_unsupported`): `prompt_logprobs`,
-`tools` / `functions`, `logit_bias`, a `response_format` other than text, and vLLM's beam search, guided
+`functions`, `logit_bias`, a `response_format` other than text, and vLLM's beam search, guided
 decoding and the like, at any value but their neutral one. vLLM-Omni's
 `mm_processor_kwargs` takes only `use_audio_in_video` (any other key is a 400: the processor's settings
 come from the model folder).
+`tools` / `tool_choice` and the messages' `tool_calls` / `tool_call_id` are OpenAI's function calling
+(checked and parsed in gateway/tool_calls.py).
 Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate, whatever `audio.format`
 says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `message.audio.data`.
 `stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does. `logprobs`
@@ -102,14 +104,65 @@ class ContentPart(StrictBody):
         return _MEDIA_KINDS.get(self.type)
 
 
+class FunctionCall(StrictBody):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text
+
+
+class MessageToolCall(StrictBody):
+    """A call an earlier assistant turn made (sent back with the tool's answer)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(StrictBody):
-    role: Literal["system", "developer", "user", "assistant"]  # developer = system (newer OpenAI name)
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer = system (newer OpenAI name)
     content: list[ContentPart]
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this answers
 
     @field_validator("content", mode="before")
     @classmethod
     def _string_is_one_text_part(cls, v: Any) -> Any:
         return [{"type": "text", "text": v}] if isinstance(v, str) else v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_may_come_without_content(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v.get("role") == "assistant" and v.get("tool_calls") and v.get("content") is None:
+            return {**v, "content": []}
+        return v
+
+    @model_validator(mode="after")
+    def _tool_fields_match_the_role(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages make calls (this is a '{self.role}' message)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a 'tool' message needs the tool_call_id of the call it answers")
+        return self
+
+
+class FunctionDef(StrictBody):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+    strict: bool | None = None
+
+
+class ToolDef(StrictBody):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(StrictBody):
+    name: str
+
+
+class NamedToolChoice(StrictBody):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class AudioOutput(StrictBody):
@@ -226,11 +279,22 @@ class ChatCompletionRequest(StrictBody):
     top_logprobs: int | None = None
     n: int | None = None  # OpenAI's: this many choices, each its own run (gateway/choices.py)
     priority: int = 0  # vLLM's: lower runs sooner (the stages' --scheduling-policy priority)
+    # OpenAI's function calling (gateway/tool_calls.py): the tools render into the prompt; with
+    # --enable-auto-tool-choice the thinker's <tool_call> blocks come back as `tool_calls`
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # Accepted only at the values that mean "nothing special" (`refuse_unsupported`):
-    tools: list[Any] | None = None
     functions: list[Any] | None = None
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_tool_choice(cls, v: Any) -> Any:
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError(f"must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": "
+                             f"{{\"name\": ...}}}}, got {v!r}")
+        return v
 
     def sampling(self, max_logprobs: int = MAX_LOGPROBS) -> SamplingOverrides:
         """The top-level sampling fields (the thinker's); `max_logprobs` bounds `top_logprobs` (-1: none)."""
@@ -255,9 +319,8 @@ class ChatCompletionRequest(StrictBody):
 # nothing (then it is accepted and changes nothing): anything else would silently change the answer -> 400
 _NEUTRAL: dict[str, Any] = {
     "prompt_logprobs": lambda v: v is None,
-    "tools": lambda v: not v, "functions": lambda v: not v, "logit_bias": lambda v: not v,
+    "functions": lambda v: not v, "logit_bias": lambda v: not v,
     "response_format": lambda v: v is None or v.get("type") in (None, "text"),
-    "tool_choice": lambda v: v in (None, "none", "auto"),  # a named / required tool: there are none
     # vLLM's extra sampling / decoding parameters
     "best_of": lambda v: v is None or v == 1,
     "use_beam_search": lambda v: not v, "allowed_token_ids": lambda v: not v, "bad_words": lambda v: not v,
@@ -503,11 +566,35 @@ class MessageAudio(_Out):
     transcript: str
 
 
+class FunctionCallOut(_Out):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ResponseMessage(_Out):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is only tool calls
     refusal: None = None
     audio: MessageAudio | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)  # as vLLM: [] when none
+
+
+class DeltaFunctionCall(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Out):
+    index: int  # the call's place among the choice's calls
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class TopLogprob(_Out):
@@ -562,6 +649,7 @@ class Delta(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
     audio: DeltaAudio | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(_Out):

@@ -27,7 +27,9 @@ template; it is tried on a probe conversation at start-up. `encode` gives /token
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -101,7 +103,14 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
                 parts.append({"type": "video"})
             else:
                 raise TypeError(f"unknown content part {type(p).__name__}")
-        out.append({"role": m.role, "content": parts})
+        message: dict[str, Any] = {"role": m.role, "content": parts}
+        if m.tool_calls:  # as the Qwen / Hermes templates read them: arguments as an object when they are JSON
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                                     for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     if len({v.fps for v in videos}) > 1:  # the processor takes one fps per call; one loader samples them all alike
         raise invalid_request(f"messages: the videos were sampled at different rates {sorted({v.fps for v in videos})}",
                               "messages")
@@ -112,6 +121,15 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
     return Conversation(messages=out, audio=audio, images=images, videos=[v.frames for v in videos],
                         video_fps=videos[0].fps if videos else None,
                         audio_from_video=audio_from_video if heard else None)
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments for the template: the JSON object they hold (as vLLM passes them), else the text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _at_16k(part: AudioPart) -> np.ndarray:
@@ -162,14 +180,23 @@ class PromptBuilder:
         if not any(m.role == "user" for m in request.messages):
             raise invalid_request("messages: at least one user message is required", "messages")
         conv = render_conversation(request.messages)
+        if request.tools and not self.renders_tools():
+            raise invalid_request("tools: this model's chat template does not render tools; start the server with "
+                                  "a --chat-template that does", "tools")
         try:
             text = self.processor.tokenizer.apply_chat_template(conv.messages, tokenize=False,
                                                                 add_generation_prompt=add_generation_prompt,
-                                                                chat_template=self.chat_template)
+                                                                chat_template=self.chat_template,
+                                                                tools=list(request.tools) or None)
         except Exception as e:  # jinja's raise_exception / TemplateError: the messages break the template
             whose = "the model's" if self.chat_template is None else "the --chat-template"
             raise invalid_request(f"messages: {whose} chat template rejected them: {e}", "messages") from None
         return str(text), conv
+
+    def renders_tools(self) -> bool:
+        """Does the chat template read `tools` at all (else they would vanish from the prompt unseen)?"""
+        template = self.chat_template or getattr(self.processor.tokenizer, "chat_template", None) or ""
+        return re.search(r"\btools\b", str(template)) is not None
 
     def processor_for(self, request: ChatRequest) -> Any:
         """The processor for this request: the server's, or one built for its mm_processor_kwargs over the

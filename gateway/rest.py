@@ -57,6 +57,7 @@ from gateway.events import (
     PipelineError,
     TextDelta,
     TextPart,
+    ToolCall,
     check_request_id,
 )
 from gateway.choices import MAX_CHOICES, Indexed, choice_requests, close_events, fan_out, total_usage
@@ -75,6 +76,9 @@ from gateway.openai_schema import (
     ChunkChoice,
     Delta,
     DeltaAudio,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallOut,
     Message,
     MessageAudio,
     MMProcessorKwargs,
@@ -82,6 +86,7 @@ from gateway.openai_schema import (
     ModelList,
     ResponseMessage,
     PromptTokensDetails,
+    ToolCallOut,
     Usage,
     check_priority,
     check_sampling,
@@ -97,6 +102,7 @@ from gateway.openai_schema import (
 )
 from gateway.prompt import PromptBuilder
 from gateway.tokenize_api import TokenizeRoutes
+from gateway.tool_calls import ToolCallParser, ToolCallStream, tool_plan
 from gateway.transcription_api import TranscriptionRoutes
 from gateway.stage_scrape import StageSources, scrape_stages
 from omnimesh.engine.metrics import merge_families, parse_exposition
@@ -180,6 +186,7 @@ class _Call:
     first_text: bool = False
     first_audio: bool = False
     n: int = 1  # choices (OpenAI's `n`): as many runs of the request (gateway/choices.py)
+    parse_tools: bool = False  # the thinker's <tool_call> blocks become tool_calls (gateway/tool_calls.py)
 
     @property
     def logprobs(self) -> bool:
@@ -200,8 +207,9 @@ class RestGateway:
     def __init__(self, pipeline: Pipeline, served_model_names: tuple[str, ...], loader: MediaLoader,
                  stage_metrics: StageSources | None = None, max_model_len: int | None = None,
                  max_logprobs: int = MAX_LOGPROBS, tokens_as_ids: bool = False,
-                 prompt_tokens_details: bool = False) -> None:
+                 prompt_tokens_details: bool = False, auto_tool_choice: bool = False) -> None:
         self.pipeline = pipeline
+        self.auto_tool_choice = auto_tool_choice  # --enable-auto-tool-choice (with --tool-call-parser)
         self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
         self.max_logprobs = max_logprobs  # --max-logprobs
         self.tokens_as_ids = tokens_as_ids  # --return-tokens-as-token-ids
@@ -239,6 +247,7 @@ class RestGateway:
         if "audio" in modalities or (body.audio is not None and body.audio.voice):
             voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline.voices,
                                   self.pipeline.default_voice, "audio.voice")
+        tools = tool_plan(body, self.auto_tool_choice, modalities)
         messages = await self.chat_messages(body.messages, body.mm_processor_kwargs)
         # an alias from --served-model-name runs the pipeline's own model
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
@@ -246,13 +255,14 @@ class RestGateway:
             request_id=f"chatcmpl-{suffix}", model=pipeline_model, messages=messages,
             modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
             stage_params=stages, priority=check_priority(body.priority),
-            processor_kwargs=_settings(body.mm_processor_kwargs))
+            processor_kwargs=_settings(body.mm_processor_kwargs), tools=tools.tools)
         audio_format: Literal["wav", "pcm16"] | None = None
         if "audio" in modalities:
             audio_format = "pcm16" if body.audio is not None and body.audio.format == "pcm16" else "wav"
         return _Call(request=request, model=model, stream=body.stream,
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                     audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n)
+                     audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n,
+                     parse_tools=tools.parse)
 
     async def chat_messages(self, messages: list[Message], mm: MMProcessorKwargs | None = None
                             ) -> tuple[ChatMessage, ...]:
@@ -288,7 +298,8 @@ class RestGateway:
                 parts.append(await self.loader.video_from_url(p.video_url.url, f"{where}.video_url.url",
                                                               with_audio=use_audio_in_video, sampling=sampling))
         role = "system" if m.role == "developer" else m.role
-        return ChatMessage(role=role, content=tuple(parts))
+        calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
+        return ChatMessage(role=role, content=tuple(parts), tool_calls=calls, tool_call_id=m.tool_call_id)
 
     # ---------------------------------------------------------------------------------------- routes
     async def chat_completions(self, request: Request) -> Response:
@@ -366,12 +377,18 @@ class RestGateway:
         for i in range(call.n):
             transcript = "".join(text[i])
             message = ResponseMessage(content=transcript)
+            finish = finished[i].finish_reason
+            if call.parse_tools:
+                content, calls = ToolCallParser.parse(transcript)
+                if calls:
+                    message = ResponseMessage(content=content, tool_calls=[_tool_call(c) for c in calls])
+                    finish = "tool_calls"
             if call.audio_format is not None:
                 wave = np.concatenate(audio[i]) if audio[i] else np.zeros(0, np.float32)
                 data = await asyncio.to_thread(encode_audio, wave, rate, call.audio_format)
                 message.audio = MessageAudio(id=f"audio_{uuid.uuid4().hex}", data=base64.b64encode(data).decode(),
                                              expires_at=call.created, transcript=transcript)
-            choices.append(Choice(index=i, message=message, finish_reason=finished[i].finish_reason,
+            choices.append(Choice(index=i, message=message, finish_reason=finish,
                                   logprobs=self._logprobs(call, logprobs[i])))
         body = ChatCompletion(id=call.request.request_id, created=call.created, model=call.model, choices=choices,
                               usage=self._usage(total_usage([finished[i] for i in range(call.n)])))
@@ -393,6 +410,15 @@ class RestGateway:
                                                          logprobs=logprobs)])
             return _sse(dump(c, drop_none=True))
 
+        parsers = [ToolCallStream() for _ in range(call.n)] if call.parse_tools else None
+
+        def calls_chunk(i: int, calls: list[ToolCall]) -> bytes:
+            first_index = parsers[i].calls - len(calls) if parsers is not None else 0
+            return chunk(i, Delta(tool_calls=[
+                DeltaToolCall(index=first_index + k, id=c.id, type="function",
+                              function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                for k, c in enumerate(calls)]))
+
         try:
             for i in range(call.n):
                 yield chunk(i, Delta(role="assistant", content=""))
@@ -400,15 +426,27 @@ class RestGateway:
             async for i, ev in _chain(first, events):
                 self._observe(call, ev)
                 if isinstance(ev, TextDelta):
-                    if ev.text or ev.logprobs:  # a token holding part of a character: its entry, no text yet
-                        yield chunk(i, Delta(content=ev.text), logprobs=self._logprobs(call, ev.logprobs))
+                    text, calls = (ev.text, []) if parsers is None else parsers[i].push(ev.text)
+                    if text or ev.logprobs:  # a token holding part of a character: its entry, no text yet
+                        yield chunk(i, Delta(content=text), logprobs=self._logprobs(call, ev.logprobs))
+                    if calls:
+                        yield calls_chunk(i, calls)
                 elif isinstance(ev, AudioDelta):
                     if call.audio_format is not None and np.size(ev.pcm):
                         data = base64.b64encode(pcm16_bytes(ev.pcm)).decode()
                         yield chunk(i, Delta(audio=DeltaAudio(id=audio_ids[i], data=data)))
                 elif isinstance(ev, Finished):
                     finished[i] = ev
-                    yield chunk(i, Delta(), ev.finish_reason)
+                    reason = ev.finish_reason
+                    if parsers is not None:
+                        text, calls = parsers[i].finish()
+                        if text:
+                            yield chunk(i, Delta(content=text))
+                        if calls:
+                            yield calls_chunk(i, calls)
+                        if parsers[i].calls:
+                            reason = "tool_calls"
+                    yield chunk(i, Delta(), reason)
                     if len(finished) == call.n:
                         break
             if len(finished) < call.n:
@@ -536,6 +574,10 @@ def _settings(mm: MMProcessorKwargs | None) -> tuple[tuple[str, float], ...]:
 
 
 
+def _tool_call(c: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+
+
 async def _chain(first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
     yield first
     async for item in rest:
@@ -546,7 +588,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
                allowed_media_domains: frozenset[str] = frozenset(), limits: InputLimits | None = None,
                media_transport: object | None = None, max_logprobs: int = MAX_LOGPROBS,
                return_tokens_as_token_ids: bool = False, prompt_tokens_details: bool = False,
-               stage_metrics: StageSources | None = None, api_keys: tuple[str, ...] = (),
+               auto_tool_choice: bool = False, stage_metrics: StageSources | None = None, api_keys: tuple[str, ...] = (),
                front: HttpFront | None = None, prompts: PromptBuilder | None = None) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
     ask for; `allowed_media_domains` the hosts http(s) media may come from (empty = none);
@@ -556,7 +598,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     prompt builder, for /tokenize and /detokenize (`gateway/tokenize_api.py`; without it they are 404s) and
     for the video frame sampling of `video_url` parts (its processor's; else `pipeline.prepare`'s, else the
     default); `prompt_tokens_details` adds `usage.prompt_tokens_details.cached_tokens`
-    (--enable-prompt-tokens-details)."""
+    (--enable-prompt-tokens-details); `auto_tool_choice` parses tool calls out of the text
+    (--enable-auto-tool-choice, gateway/tool_calls.py)."""
     names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
@@ -565,7 +608,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     loader = MediaLoader(limits or InputLimits(), allowed_media_domains, transport=media_transport,  # type: ignore[arg-type]
                          video_sampling=sampling)
     gw = RestGateway(pipeline, names, loader, stage_metrics, prompts.max_model_len if prompts is not None else None,
-                     max_logprobs, return_tokens_as_token_ids, prompt_tokens_details)
+                     max_logprobs, return_tokens_as_token_ids, prompt_tokens_details, auto_tool_choice)
     app = FastAPI(title="omnimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     if api_keys:  # /v1 needs one of them; /health and /metrics stay open (gateway/auth.py)

@@ -91,6 +91,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains, limits=limits,
                      max_logprobs=args.max_logprobs, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                      prompt_tokens_details=args.enable_prompt_tokens_details,
+                     auto_tool_choice=args.enable_auto_tool_choice,
                      stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=prompts)
     video_warmup = asyncio.create_task(_start_video_decoding())  # in the background: serving starts meanwhile
     if (described := front.describe()) is not None:

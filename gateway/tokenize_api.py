@@ -23,7 +23,7 @@ from pydantic import model_validator
 from gateway.events import ChatRequest, PipelineError
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.media import invalid_request
-from gateway.openai_schema import (MMProcessorKwargs, Message, StrictBody, parse_json_object, resolve_model,
+from gateway.openai_schema import (MMProcessorKwargs, Message, StrictBody, ToolDef, parse_json_object, resolve_model,
                                     validate_body)
 from gateway.prompt import PromptBuilder
 
@@ -41,6 +41,7 @@ class TokenizeRequest(StrictBody):
     add_special_tokens: bool | None = None  # default: False for messages (the template has them), True for a prompt
     return_token_strs: bool = False
     mm_processor_kwargs: MMProcessorKwargs | None = None  # messages only: as the chat's (use_audio_in_video)
+    tools: list[ToolDef] | None = None  # messages only: rendered as the chat renders them (vLLM's)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -116,7 +117,8 @@ class TokenizeRoutes:
             mm = req.mm_processor_kwargs
             messages = await self.gw.chat_messages(req.messages, mm)
             chat = ChatRequest(request_id="tokenize", model=self.gw.served_model_names[0], messages=messages,
-                               processor_kwargs=tuple(sorted(mm.settings().items())) if mm is not None else ())
+                               processor_kwargs=tuple(sorted(mm.settings().items())) if mm is not None else (),
+                               tools=tuple(t.model_dump(exclude_none=True) for t in req.tools or ()))
             ids = (await asyncio.to_thread(self.builder.encode, chat, req.add_generation_prompt)).tolist()
         else:
             ids = await asyncio.to_thread(tokenize_prompt, self.builder, req.prompt or "",

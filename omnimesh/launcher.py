@@ -119,7 +119,7 @@ class MeshLauncher:
                             ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template),
                             ("--max-log-len", a.max_log_len), ("--limit-mm-per-prompt", a.limit_mm_per_prompt),
                             ("--input-limits", a.input_limits), ("--max-logprobs", a.max_logprobs),
-                            ("--mm-processor-kwargs", a.mm_processor_kwargs)):
+                            ("--mm-processor-kwargs", a.mm_processor_kwargs), ("--tool-call-parser", a.tool_call_parser)):
             if value is not None:
                 argv += [flag, str(value)]
         if a.enable_log_requests:
@@ -128,6 +128,8 @@ class MeshLauncher:
             argv.append("--return-tokens-as-token-ids")
         if a.enable_prompt_tokens_details:
             argv.append("--enable-prompt-tokens-details")
+        if a.enable_auto_tool_choice:
+            argv.append("--enable-auto-tool-choice")
         return argv + front_argv(a)
 
     def _gateway_env(self) -> dict[str, str] | None:

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_VERSION = "v2"  # v2: video_preprocessor_config.json
+TINY_VERSION = "v3"  # v2: video_preprocessor_config.json; v3: the chat template renders tools
 
 
 def cache_root() -> Path:

@@ -19,6 +19,8 @@ from omnimesh.config.stage_config import (STAGES, TRANSPORT_CHOICES, StageConfig
                                           parse_stage_overrides, resolve_stage)
 from omnimesh.models.qwen3_omni.code_windows import DEFAULT_WINDOWS, parse_windows, windows_text
 
+TOOL_CALL_PARSERS = ("hermes",)  # vLLM's names of the tool-call formats the gateway parses (gateway/tool_calls.py)
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -157,6 +159,12 @@ class ServeArgs:
     return_tokens_as_token_ids: bool = _f(False, "logprobs name each token 'token_id:<id>' instead of its text, as "
                                           "vLLM's (for tokens that are not valid text on their own)",
                                           "--return-tokens-as-token-ids", action="store_true")
+    enable_auto_tool_choice: bool = _f(False, "with tool_choice \"auto\" (the default when a request sends tools), "
+                                       "the thinker's tool-call blocks come back as OpenAI tool_calls, as vLLM's; "
+                                       "needs --tool-call-parser", "--enable-auto-tool-choice", action="store_true")
+    tool_call_parser: str | None = _f(None, "how tool calls look in the model's text, as vLLM's: hermes (Qwen2.5 / Qwen3 "
+                                      "/ Qwen3-Omni: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)",
+                                      "--tool-call-parser")
     enable_prompt_tokens_details: bool = _f(False, "chat completions' usage says how many prompt tokens the thinker's "
                                             "prefix cache served (prompt_tokens_details.cached_tokens; see "
                                             "--enable-prefix-caching), as vLLM's",
@@ -235,6 +243,11 @@ class ServeArgs:
             from omnimesh.engine.stat_logger import interval_from_env
 
             interval_from_env()
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (hermes for the Qwen omni models)")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r}: omnimesh knows "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
         if self.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be >= 0 (or -1: up to the vocabulary), got {self.max_logprobs}")
         from gateway.input_limits import limits_from_flags
@@ -362,14 +375,14 @@ HTTP_FRONT_FIELDS = frozenset(
 GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
      "stage_dns_refresh", "limit_mm_per_prompt", "input_limits", "max_logprobs", "return_tokens_as_token_ids",
-     "mm_processor_kwargs", "enable_prompt_tokens_details",
+     "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser",
      "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
-     "enable_prompt_tokens_details"}
+     "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser"}
 ) | HTTP_FRONT_FIELDS
 
 

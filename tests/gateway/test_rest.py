@@ -296,7 +296,7 @@ def _user(*parts: dict) -> list[dict]:
     ({"messages": USER_HI, "temperature": "hot"}, 400, "temperature", "number"),
     ({"messages": USER_HI, "max_tokens": "10"}, 400, "max_tokens", "integer"),
     ({"messages": USER_HI, "stream": "yes"}, 400, "stream", "boolean"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "'user'"),
+    ({"messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role", "'tool'"),
     ({"messages": USER_HI, "temperature": 3}, 400, "temperature", "[0, 2]"),
     ({"messages": USER_HI, "top_p": 0}, 400, "top_p", "(0, 1]"),
     ({"messages": USER_HI, "n": 17}, 400, "n", "must be in [1, 16] choices, got 17"),

@@ -41,12 +41,26 @@ from omnimesh.models.qwen3_omni.tiny_config import (
 )
 from omnimesh.models.tokenizer_build import TinyTokenizerSpec, build_tokenizer
 
-# Qwen3-Omni's chat template, reduced to what the tiny model serves (no tool schemas in the system turn):
-# content is a string or a list of {"type": "text"|"image"|"audio"|"video"} parts, placeholders render
-# where the parts are, the first message may be a system message, tool results go in user turns.
+# Qwen3-Omni's chat template, reduced to what the tiny model serves: content is a string or a list of
+# {"type": "text"|"image"|"audio"|"video"} parts, placeholders render where the parts are, the first message
+# may be a system message; `tools` render in the system turn and an assistant's `tool_calls` as
+# <tool_call> JSON blocks (Qwen3's Hermes-style format), tool results go in user turns.
 QWEN3_OMNI_CHAT_TEMPLATE = """\
 {%- set image_count = namespace(value=0) -%}
 {%- set video_count = namespace(value=0) -%}
+{%- if tools -%}
+    {%- set tool_text = namespace(value='# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'
+        ~ 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>') -%}
+    {%- for tool in tools -%}
+        {%- set tool_text.value = tool_text.value ~ '\\n' ~ (tool | tojson) -%}
+    {%- endfor -%}
+    {%- set tool_text.value = tool_text.value ~ '\\n</tools>\\n\\nFor each function call, return a json object with '
+        ~ 'function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'
+        ~ '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>' -%}
+    {%- if not messages or messages[0].role != 'system' -%}
+        {{- '<|im_start|>system\\n' ~ tool_text.value ~ '<|im_end|>\\n' -}}
+    {%- endif -%}
+{%- endif -%}
 {%- for message in messages -%}
     {%- if message.role not in ['system', 'user', 'assistant', 'tool'] -%}
         {{- raise_exception("unknown role '" ~ message.role ~ "': use system, user, assistant or tool") -}}
@@ -89,6 +103,19 @@ QWEN3_OMNI_CHAT_TEMPLATE = """\
         {%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}
             {{- '<|im_end|>\\n' -}}
         {%- endif -%}
+    {%- elif message.role == 'system' and tools -%}
+        {{- '<|im_start|>system\\n' ~ content ~ '\\n\\n' ~ tool_text.value ~ '<|im_end|>\\n' -}}
+    {%- elif message.role == 'assistant' and message.tool_calls -%}
+        {{- '<|im_start|>assistant\\n' ~ content -}}
+        {%- for call in message.tool_calls -%}
+            {%- set call = call.function if call.function is defined else call -%}
+            {%- if content or not loop.first -%}
+                {{- '\\n' -}}
+            {%- endif -%}
+            {%- set arguments = call.arguments if call.arguments is string else (call.arguments | tojson) -%}
+            {{- '<tool_call>\\n{"name": "' ~ call.name ~ '", "arguments": ' ~ arguments ~ '}\\n</tool_call>' -}}
+        {%- endfor -%}
+        {{- '<|im_end|>\\n' -}}
     {%- else -%}
         {{- '<|im_start|>' ~ message.role ~ '\\n' ~ content ~ '<|im_end|>\\n' -}}
     {%- endif -%}

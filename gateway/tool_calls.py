@@ -1,0 +1,156 @@
+"""OpenAI function calling on the REST API: which requests may use tools, and the thinker's text -> `tool_calls`.
+
+Role: a request's `tools` render into the prompt through the chat template (gateway/prompt.py, as vLLM passes
+them); the model answers a call as a Hermes-style block in its text (Qwen2.5 / Qwen3 / Qwen3-Omni):
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    </tool_call>
+
+With vLLM's `--enable-auto-tool-choice --tool-call-parser hermes` and `tool_choice` "auto" (the default when
+tools are given) the gateway parses those blocks out of the text: `ToolCallParser.parse` for a whole answer,
+`ToolCallStream` for a streamed one (text outside the blocks streams on as content; each call leaves as one
+`tool_calls` delta when its block closes; a partial "<tool_call>" at the end of a delta is held back until
+the next one says whether it is a tag). A block that is not a JSON object with a string `name` stays in the
+content verbatim. A choice that made calls finishes with "tool_calls".
+
+Data flow: ChatCompletionRequest -> `tool_plan(body, enabled)` (400s for what cannot be honoured) ->
+ChatRequest.tools -> prompt; the thinker's text -> parser -> ResponseMessage.tool_calls / Delta.tool_calls.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from gateway.events import ToolCall
+from gateway.media import invalid_request
+from gateway.openai_schema import ChatCompletionRequest
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: tuple[dict, ...]  # for the chat template
+    parse: bool  # turn <tool_call> blocks into tool_calls
+
+
+def tool_plan(body: ChatCompletionRequest, auto_enabled: bool, modalities: tuple[str, ...]) -> ToolPlan:
+    """What the request's `tools` / `tool_choice` ask for, as vLLM answers them: "none" renders the tools and
+    parses nothing; "auto" (the default with tools) needs --enable-auto-tool-choice; "required" and a named
+    function need structured outputs (not in omnimesh): 400s naming the field."""
+    tools = tuple(t.model_dump(exclude_none=True) for t in body.tools or ())
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if not isinstance(choice, str) or choice == "required":
+        shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
+        raise invalid_request(f"tool_choice: {shown} forces a call, which needs structured outputs; omnimesh has "
+                              "none: use \"auto\" (the model decides) or \"none\"", "tool_choice")
+    if choice == "none" or not tools:
+        return ToolPlan(tools, parse=False)
+    if not auto_enabled:
+        raise invalid_request("tool_choice: \"auto\" tool choice requires --enable-auto-tool-choice and "
+                              "--tool-call-parser to be set (or send tool_choice \"none\")", "tool_choice")
+    if "audio" in modalities:
+        raise invalid_request("tools: the speech would read the tool calls aloud; with tools, ask for modalities "
+                              "[\"text\"] (or send tool_choice \"none\")", "tools")
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise invalid_request(f"tools: function names must be unique, got {names}", "tools")
+    return ToolPlan(tools, parse=True)
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"  # vLLM's form
+
+
+def _call(block: str) -> ToolCall | None:
+    """The call one block's JSON names, or None when it is not one."""
+    try:
+        value = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=new_call_id(), name=value["name"], arguments=text)
+
+
+class ToolCallParser:
+    """The Hermes format, for a whole answer."""
+
+    @staticmethod
+    def parse(text: str) -> tuple[str | None, list[ToolCall]]:
+        """-> (the content outside well-formed blocks, None when only whitespace is left and there were calls;
+        the calls, in order). A block the model did not close before it stopped counts when its JSON is whole."""
+        stream = ToolCallStream()
+        content, calls = stream.push(text)
+        tail, more = stream.finish()
+        content += tail
+        calls += more
+        if calls and not content.strip():
+            return None, calls
+        return content, calls
+
+
+class ToolCallStream:
+    """The Hermes format, delta by delta: `push(text)` -> (content to send now, calls completed now)."""
+
+    def __init__(self) -> None:
+        self._held = ""  # content that may be the start of a tag
+        self._block: str | None = None  # the open block's text, None outside one
+        self.calls = 0
+
+    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+        content, calls = [], []
+        buf = self._held + text
+        self._held = ""
+        while buf:
+            if self._block is None:
+                at = buf.find(START)
+                if at < 0:
+                    keep = _partial_suffix(buf, START)
+                    content.append(buf[:len(buf) - keep])
+                    self._held = buf[len(buf) - keep:]
+                    break
+                content.append(buf[:at])
+                self._block, buf = "", buf[at + len(START):]
+            else:
+                joined = self._block + buf
+                at = joined.find(END)
+                if at < 0:
+                    self._block, buf = joined, ""
+                    break
+                block, buf = joined[:at], joined[at + len(END):]
+                self._block = None
+                call = _call(block)
+                if call is None:
+                    content.append(START + block + END)
+                else:
+                    calls.append(call)
+                    self.calls += 1
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The end of the answer: what was held back, and an unclosed block (a call when its JSON is whole)."""
+        held, block = self._held, self._block
+        self._held, self._block = "", None
+        if block is None:
+            return held, []
+        call = _call(block)
+        if call is None:
+            return held + START + block, []
+        self.calls += 1
+        return held, [call]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (0 when none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
