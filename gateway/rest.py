@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -256,9 +256,9 @@ class RestGateway:
             modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
             stage_params=stages, priority=check_priority(body.priority),
             processor_kwargs=_settings(body.mm_processor_kwargs), tools=tools.tools)
-        audio_format: Literal["wav", "pcm16"] | None = None
-        if "audio" in modalities:
-            audio_format = "pcm16" if body.audio is not None and body.audio.format == "pcm16" else "wav"
+        audio_format: OutputAudioFormat | None = None
+        if "audio" in modalities:  # the schema checked it is one of OUTPUT_AUDIO_FORMATS
+            audio_format = cast(OutputAudioFormat, body.audio.format) if body.audio is not None else "wav"
         return _Call(request=request, model=model, stream=body.stream,
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n,

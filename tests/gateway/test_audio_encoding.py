@@ -1,4 +1,6 @@
-"""Output audio encoding: PCM16 conversion (clip, round, NaN) and the WAV container."""
+"""Output audio encoding: PCM16 conversion (clip, round, NaN), the WAV container, and the compressed formats
+OpenAI offers (mp3, flac, opus, aac): each decodes (PyAV) to the same duration at the right rate, flac to the
+very PCM16 samples, the lossy ones to the same tone (high correlation); an empty waveform still makes a file."""
 
 from __future__ import annotations
 
@@ -38,5 +40,40 @@ def test_empty_audio_and_bad_arguments() -> None:
         assert w.getnframes() == 0
     with pytest.raises(ValueError, match="sample_rate must be positive"):
         wav_bytes(np.zeros(3), 0)
-    with pytest.raises(ValueError, match="supported: wav, pcm16"):
-        encode_audio(np.zeros(3), 24_000, "mp3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="supported: wav, pcm16, mp3, flac, opus, aac"):
+        encode_audio(np.zeros(3), 24_000, "ogg")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sample_rate must be positive"):
+        encode_audio(np.zeros(3), 0, "mp3")
+
+
+def _decoded(data: bytes) -> tuple[np.ndarray, int, str]:
+    """A file -> (mono float samples, rate, codec name)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as f:
+        stream = f.streams.audio[0]
+        frames = [fr.to_ndarray() for fr in f.decode(stream)]
+        name, rate = stream.codec_context.name, stream.codec_context.sample_rate
+    if not frames:
+        return np.zeros(0, np.float32), rate, name
+    x = np.concatenate([fr.reshape(-1) for fr in frames])
+    return (x / 32768.0 if x.dtype == np.int16 else x).astype(np.float32), rate, name
+
+
+@pytest.mark.parametrize("fmt, codec, rate", [("mp3", "mp3", 24_000), ("flac", "flac", 24_000),
+                                              ("opus", "opus", 48_000), ("aac", "aac", 24_000)])
+def test_compressed_formats_decode_to_the_same_audio(fmt: str, codec: str, rate: int) -> None:
+    x = (0.5 * np.sin(2 * np.pi * 440 * np.arange(48_000) / 24_000)).astype(np.float32)  # 2 s at 24 kHz
+    data = encode_audio(x, 24_000, fmt)  # type: ignore[arg-type]
+    got, got_rate, name = _decoded(data)
+    assert name.startswith(codec) and got_rate == rate  # opus decoders always give 48 kHz
+    if got_rate != 24_000:
+        got = got[::got_rate // 24_000]
+    if fmt == "flac":  # lossless: the PCM16 samples themselves
+        np.testing.assert_array_equal(np.rint(got * 32768).astype(np.int16), float_to_pcm16(x))
+        return
+    assert abs(got.size - x.size) <= 2048  # the encoder's priming / padding, at most a couple of frames
+    best = max(np.corrcoef(got[lag:lag + 40_000], x[:40_000])[0, 1] for lag in range(0, 1100, 1))
+    assert best > 0.99, f"{fmt}: the decoded tone correlates {best:.3f} with the original"
+    silent, _, _ = _decoded(encode_audio(np.zeros(0, np.float32), 24_000, fmt))  # type: ignore[arg-type]
+    assert silent.size <= 0.1 * rate and np.abs(silent).max(initial=0) < 1e-3  # nothing said: a moment of silence

@@ -104,6 +104,18 @@ def test_pcm16_format_is_raw_samples(rest_server: RestServer, pipeline: Scripted
     assert pipeline.requests[-1].voice == "Ethan"  # default voice; model defaulted to the first name
 
 
+def test_flac_format_is_a_flac_file_of_the_samples(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    import av
+
+    r = post(rest_server, {"messages": USER_HI, "modalities": ["text", "audio"], "audio": {"format": "flac"}})
+    assert r.status_code == 200, r.text
+    data = base64.b64decode(r.json()["choices"][0]["message"]["audio"]["data"])
+    assert data[:4] == b"fLaC"
+    with av.open(io.BytesIO(data)) as f:
+        samples = np.concatenate([fr.to_ndarray().reshape(-1) for fr in f.decode(audio=0)]) / 32767.0
+    np.testing.assert_allclose(samples, tone(0.2), atol=1.0 / 32767)  # lossless: the streamed samples
+
+
 def test_alias_name_runs_the_pipeline_model(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
     r = post(rest_server, {"model": "omni-alias", "messages": USER_HI})
     assert r.status_code == 200 and r.json()["model"] == "omni-alias"
@@ -315,7 +327,7 @@ def _user(*parts: dict) -> list[dict]:
     ({"messages": USER_HI, "modalities": ["image"]}, 400, "modalities[0]", "'text' or 'audio'"),
     ({"messages": USER_HI, "model": "gpt-4o"}, 404, "model", "gpt-4o"),
     ({"messages": USER_HI, "modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, 400, "audio.voice", "Chelsie"),
-    ({"messages": USER_HI, "modalities": ["text", "audio"], "audio": {"format": "mp3"}}, 400, "audio.format", "wav, pcm16"),
+    ({"messages": USER_HI, "modalities": ["text", "audio"], "audio": {"format": "ogg"}}, 400, "audio.format", "wav, pcm16, mp3, flac, opus, aac"),
     ({"messages": USER_HI, "stage_params": {"vocoder": {}}}, 400, "stage_params.vocoder", "unknown field"),
     ({"messages": USER_HI, "stage_params": {"talker": {"top_kk": 3}}}, 400, "stage_params.talker.top_kk", "unknown"),
     ({"messages": USER_HI, "stage_params": {"talker": {"top_k": 0}}}, 400, "stage_params.talker.top_k", ">= 1"),
