@@ -36,7 +36,8 @@ TARGET_SAMPLE_RATE = 16_000  # what the Qwen-Omni audio towers (Whisper features
 # the shortest clip the feature extractor can frame: one 25 ms STFT window (n_fft 400 at 16 kHz; its reflect
 # padding needs more than n_fft / 2 samples, so shorter clips fail inside the processor)
 MIN_AUDIO_SAMPLES = 400
-SUPPORTED_INPUT_AUDIO_FORMATS: tuple[str, ...] = ("wav",)
+# OpenAI's input_audio formats (wav, mp3) and the other files FFmpeg reads (decoded in a child process)
+SUPPORTED_INPUT_AUDIO_FORMATS: tuple[str, ...] = ("wav", "mp3", "flac", "ogg", "opus", "m4a", "aac", "webm")
 
 _GRPC_INVALID_ARGUMENT = 3
 _GRPC_UNIMPLEMENTED = 12
@@ -314,16 +315,34 @@ class MediaLoader:
         return None, data
 
     async def audio_from_base64(self, data: str, fmt: str, param: str) -> AudioPart:
-        """OpenAI `input_audio`: base64 file bytes (a data URI is tolerated) in format `fmt`."""
+        """OpenAI `input_audio`: base64 file bytes (a data URI is tolerated) in format `fmt`: "wav" is parsed
+        here, the others (mp3, ...) are decoded by FFmpeg in a child process, whatever container they hold."""
         if fmt.lower() not in SUPPORTED_INPUT_AUDIO_FORMATS:
             raise invalid_request(f"{param}.format: input audio format '{fmt}' is not supported; supported: "
                                   f"{', '.join(SUPPORTED_INPUT_AUDIO_FORMATS)}", f"{param}.format")
         raw = parse_data_uri(data, param)[1] if data[:5].lower() == "data:" else decode_base64(data, param)
-        return await self.audio_from_wav(raw, param)
+        if fmt.lower() == "wav":
+            return await self.audio_from_wav(raw, param)
+        return await self.audio_from_file(raw, param)
 
     async def audio_from_url(self, url: str, param: str) -> AudioPart:
-        """vLLM-style `audio_url`: a data URI or an allowed http(s) URL of a WAV file."""
-        return await self.audio_from_wav((await self._bytes_from_url(url, param))[1], param)
+        """vLLM-style `audio_url`: a data URI or an allowed http(s) URL of an audio file (`audio_from_bytes`)."""
+        return await self.audio_from_bytes((await self._bytes_from_url(url, param))[1], param)
+
+    async def audio_from_bytes(self, data: bytes, param: str) -> AudioPart:
+        """An audio file of any format: a WAV is parsed here, anything else decoded by FFmpeg in a child process."""
+        if data[:4] == b"RIFF":
+            return await self.audio_from_wav(data, param)
+        return await self.audio_from_file(data, param)
+
+    async def audio_from_file(self, data: bytes, param: str) -> AudioPart:
+        """A compressed audio file (MP3, FLAC, Ogg, M4A, WebM, ...) -> 16 kHz mono, decoded in a child process
+        (`gateway/video_process.py`, kind "audio"), waited on off the loop."""
+        self._need_av(param, "audio other than WAV")
+        from gateway.video_process import decode_in_child
+
+        return await asyncio.to_thread(decode_in_child, data, sampling=None, limits=self.limits, param=param,
+                                       kind="audio")
 
     async def audio_from_wav(self, data: bytes, param: str) -> AudioPart:
         return await asyncio.to_thread(wav_to_audio_part, data, max_seconds=self.limits.max_audio_seconds,
@@ -364,16 +383,21 @@ class MediaLoader:
         """Video file bytes (MP4, WebM, ...) -> the sampled frames (`gateway/media_video.py`), and the
         soundtrack when `with_audio` (use_audio_in_video), in a child process (`gateway/video_process.py`)
         waited on off the loop."""
-        try:  # PyAV loads with the first video (and media_video imports this module)
-            import gateway.media_video  # noqa: F401
-        except ImportError as e:
-            raise PipelineError(f"{param}: this server cannot decode video: {e}; its operator must install PyAV "
-                                "(pip install av)", http_status=501, grpc_code=_GRPC_UNIMPLEMENTED,
-                                kind="server_error", param=param) from None
+        self._need_av(param, "video")
         from gateway.video_process import decode_in_child
 
         return await asyncio.to_thread(decode_in_child, data, sampling=sampling or self.video_sampling, limits=self.limits,
                                        param=param, with_audio=with_audio)
+
+    @staticmethod
+    def _need_av(param: str, what: str) -> None:
+        """501 naming PyAV when this server lacks it (the decoders need FFmpeg)."""
+        try:  # PyAV loads with the first such file (and media_video imports this module)
+            import gateway.media_video  # noqa: F401
+        except ImportError as e:
+            raise PipelineError(f"{param}: this server cannot decode {what}: {e}; its operator must install PyAV "
+                                "(pip install av)", http_status=501, grpc_code=_GRPC_UNIMPLEMENTED,
+                                kind="server_error", param=param) from None
 
     def check_counts(self, kinds: Sequence[str]) -> None:
         """The request's media parts by modality ('audio', 'image', 'video'), checked before any is decoded:

@@ -1,4 +1,5 @@
-"""Video file bytes -> the sampled RGB frames of a `VideoPart` (PyAV, i.e. FFmpeg's demuxers and decoders).
+"""Video file bytes -> the sampled RGB frames of a `VideoPart`, and audio files that are not WAV -> an
+`AudioPart` (PyAV, i.e. FFmpeg's demuxers and decoders).
 
 Data flow: file bytes (MP4, WebM, MKV, MOV, AVI, ... any container and codec this FFmpeg build reads) ->
 `av.open` on a BytesIO -> the first video stream (cover art excluded) -> its frame count
@@ -15,7 +16,9 @@ decoded until then (logged); one without any is refused.
 The soundtrack is read only when the request asks for it (`with_audio`, vLLM-Omni's
 `mm_processor_kwargs: {"use_audio_in_video": true}`): `decode_soundtrack` decodes the first audio stream
 as float samples at its own rate, which `samples_to_audio_part` mixes to mono and resamples to 16 kHz
-exactly like a WAV part; a video without an audio stream is then refused.
+exactly like a WAV part; a video without an audio stream is then refused. `decode_audio_file` does the same
+for an audio file in any format this FFmpeg reads (MP3, FLAC, Ogg Vorbis / Opus, M4A / AAC, WebM, ...):
+OpenAI's `input_audio` with format "mp3", vLLM's `audio_url`, the transcription upload.
 Every refusal is a `PipelineError` (400, or 413 for a limit) naming the request field and saying what to
 send instead; no PyAV / FFmpeg exception leaves this module. CPU-bound and native: the gateway runs it in a
 child process of its own (gateway/video_process.py), never on the event loop.
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
 # the ValueErrors of its own checks
 _AV_ERRORS: tuple[type[Exception], ...] = (av.error.FFmpegError, ValueError)
 _FORMATS_HINT = "MP4, WebM, MKV, MOV, AVI, ..."
+_AUDIO_HINT = "WAV, MP3, FLAC, Ogg, M4A, WebM, ..."
 log = logging.getLogger(__name__)
 
 
@@ -92,9 +96,26 @@ def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, p
 
 def decode_soundtrack(data: bytes, *, max_seconds: float, param: str) -> AudioPart:
     """The first audio stream of a video file -> 16 kHz mono `AudioPart` (400 when there is none)."""
+    return _first_audio_stream(data, max_seconds, param, in_video=True)
+
+
+def decode_audio_file(data: bytes, *, sampling: VideoSampling | None = None, limits: InputLimits, param: str,
+                      with_audio: bool = False) -> AudioPart:
+    """An audio file (MP3, FLAC, Ogg, M4A, WebM, ... or a WAV FFmpeg reads) -> 16 kHz mono `AudioPart`, at most
+    `limits.max_audio_seconds` long (413 beyond). The signature is `decode_video`'s, so the same child-process
+    runner takes it (gateway/video_process.py); `sampling` and `with_audio` mean nothing here."""
+    return _first_audio_stream(data, limits.max_audio_seconds, param, in_video=False)
+
+
+def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video: bool) -> AudioPart:
+    what = "the video's audio" if in_video else "the audio"
+    empty = "the video's audio track" if in_video else "the audio"
     try:
-        with _open(data, param) as container:
+        with _open(data, param, "video" if in_video else "audio") as container:
             if not container.streams.audio:
+                if not in_video:
+                    raise invalid_request(f"{param}: the file holds no audio stream; send an audio file "
+                                          f"({_AUDIO_HINT})", param)
                 raise invalid_request(f"{param}: the video has no audio track, so use_audio_in_video cannot hear "
                                       "it; leave use_audio_in_video off for this request", param)
             stream = container.streams.audio[0]
@@ -107,16 +128,18 @@ def decode_soundtrack(data: bytes, *, max_seconds: float, param: str) -> AudioPa
                     planes.append(out.to_ndarray())
                     n += planes[-1].shape[1]
                     if n / rate > max_seconds:
-                        raise too_large(f"{param}: the video's audio is longer than {max_seconds:g} s, the "
-                                        "audio limit", param)
+                        raise too_large(f"{param}: {what} is longer than {max_seconds:g} s, the audio limit", param)
     except PipelineError:
         raise
     except _AV_ERRORS as e:
+        if not in_video:
+            raise invalid_request(f"{param}: could not decode the audio, the file is corrupt or truncated "
+                                  f"({_reason(e)}); send an intact audio file ({_AUDIO_HINT})", param) from None
         raise invalid_request(f"{param}: could not decode the video's audio track ({_reason(e)}); send an "
                               "intact video file, or its audio as an input_audio part", param) from None
     if not planes:
-        raise invalid_request(f"{param}: the video's audio track holds no samples; leave use_audio_in_video "
-                              "off for this request", param)
+        raise invalid_request(f"{param}: {empty} holds no samples" + (
+            "; leave use_audio_in_video off for this request" if in_video else ""), param)
     samples = np.concatenate(planes, axis=1).T  # (frames, channels)
     return samples_to_audio_part(np.ascontiguousarray(samples, dtype=np.float32), rate, param=param)
 
@@ -126,13 +149,14 @@ def _reason(e: Exception) -> str:
     return str(getattr(e, "strerror", None) or e)
 
 
-def _open(data: bytes, param: str) -> InputContainer:
+def _open(data: bytes, param: str, what: str = "video") -> InputContainer:
     try:
         return av.open(io.BytesIO(data), mode="r")
     except _AV_ERRORS as e:
-        raise invalid_request(f"{param}: could not read the video: {len(data)} bytes in no container format "
-                              f"this server reads ({_reason(e)}); send a video file ({_FORMATS_HINT})",
-                              param) from None
+        hint = _FORMATS_HINT if what == "video" else _AUDIO_HINT
+        raise invalid_request(f"{param}: could not read the {what}: {len(data)} bytes in no container format "
+                              f"this server reads ({_reason(e)}); send {'a' if what == 'video' else 'an'} {what} "
+                              f"file ({hint})", param) from None
 
 
 def _video_stream(container: InputContainer, param: str) -> VideoStream:

@@ -220,6 +220,7 @@ class RestGateway:
         self.metrics = RestMetrics()
         self.metrics.registry.register(_HandOffCollector(pipeline))
         self.metrics.registry.register(video_process.METRICS)  # this process's video decodes
+        self.metrics.registry.register(video_process.AUDIO_METRICS)  # and its compressed audio files
         self.created = int(time.time())
 
     def _usage(self, f: Finished) -> Usage:

@@ -1,6 +1,6 @@
 """OpenAI's `POST /v1/audio/transcriptions` and `/v1/audio/translations` on the thinker (speech in, text out).
 
-Data flow: multipart form (size-capped as every body: `file` a WAV, `model`, optional `language`,
+Data flow: multipart form (size-capped as every body: `file` an audio file: WAV, MP3, FLAC, Ogg, M4A, WebM, ... `model`, optional `language`,
 `prompt`, `response_format` json | text, `temperature`, vLLM's `max_completion_tokens`) -> one user message [the audio, an instruction
 ("Transcribe the audio into text." / "Translate the audio into English text.", with the language and the
 prompt as hints)] -> the same pipeline a text-only chat runs (greedy unless `temperature` says otherwise,
@@ -120,7 +120,7 @@ class TranscriptionRoutes:
                                       "answers in one piece; /v1/chat/completions streams)", name)
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
-            raise invalid_request("file: the audio file (WAV) is required", "file")
+            raise invalid_request("file: the audio file (WAV, MP3, FLAC, ...) is required", "file")
         model = resolve_model(_field(form, "model"), self.gw.served_model_names)
         fmt = _field(form, "response_format") or "json"
         if fmt in NEEDS_TIMESTAMPS:
@@ -132,7 +132,7 @@ class TranscriptionRoutes:
                                      max_tokens=_max_tokens(_field(form, "max_completion_tokens")))
         check_sampling(sampling, "")
         self.gw.loader.check_counts(["audio"])  # --limit-mm-per-prompt audio=0 refuses this route too
-        audio = await self.gw.loader.audio_from_wav(await upload.read(), "file")
+        audio = await self.gw.loader.audio_from_bytes(await upload.read(), "file")
         self.gw.loader.check_audio_seconds(audio.waveform.size / audio.sample_rate)
         ask = instruction(task, _field(form, "language"), _field(form, "prompt"))
         pipeline_model = model if model in self.gw.pipeline.served_models else self.gw.pipeline.served_models[0]

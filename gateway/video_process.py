@@ -1,4 +1,4 @@
-"""Video decoding in a child process of its own, so FFmpeg never runs inside the gateway.
+"""Video (and compressed audio) decoding in a child process of its own, so FFmpeg never runs inside the gateway.
 
 Role: a video upload is untrusted input to FFmpeg's demuxers and decoders, the largest native attack
 surface the gateway has. A crash there (a decoder bug on a crafted file) would take every request of the
@@ -13,7 +13,8 @@ re-import; the gateway starts it at start-up):
 
 A child that dies without answering (a signal, an abort) is a 400 naming the signal; one past the hard
 deadline is killed and answered 400, like the soft deadline inside the decoder. Other requests never
-notice either. The frames come back pickled over the pipe (bounded by `max_video_pixels`). Blocking:
+notice either. Audio files that are not WAV (MP3, FLAC, Ogg, ...) go the same way (`kind="audio"`,
+`media_video.decode_audio_file`), counted in their own series. The frames come back pickled over the pipe (bounded by `max_video_pixels`). Blocking:
 call `decode_in_child` off the event loop, as `MediaLoader.video_from_bytes` does.
 """
 
@@ -48,14 +49,16 @@ log = logging.getLogger(__name__)
 Decoder = Callable[..., VideoPart]  # decode_video's signature: (data, *, sampling, limits, param, with_audio)
 
 
-class VideoDecodeMetrics(Collector):
-    """This process's video decodes for the gateway's /metrics: how many by outcome (ok; refused: not a
-    video, or over a limit; timeout; crashed: the child died; bug: the decoder raised) and how long they took."""
+class DecodeMetrics(Collector):
+    """This process's decodes of one kind of media ("video" or "audio") for the gateway's /metrics: how many
+    by outcome (ok; refused: not such a file, or over a limit; timeout; crashed: the child died; bug: the
+    decoder raised) and how long they took."""
 
     OUTCOMES = ("ok", "refused", "timeout", "crashed", "bug")
     BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 
-    def __init__(self) -> None:
+    def __init__(self, media: str = "video") -> None:
+        self.media = media
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(self.OUTCOMES, 0)
         self.buckets = [0] * len(self.BUCKETS)
@@ -72,12 +75,13 @@ class VideoDecodeMetrics(Collector):
     def collect(self) -> Iterable[Metric]:
         with self._lock:
             counts, buckets, seconds = dict(self.counts), list(self.buckets), self.seconds
-        decodes = CounterMetricFamily("omnimesh:video_decodes", "Videos decoded in child processes, by outcome",
+        decodes = CounterMetricFamily(f"omnimesh:{self.media}_decodes",
+                                      f"{self.media.capitalize()} files decoded in child processes, by outcome",
                                       labels=["outcome"])
         for outcome, n in counts.items():
             decodes.add_metric([outcome], float(n))
-        latency = HistogramMetricFamily("omnimesh:video_decode_seconds", "Seconds one video took to decode, child "
-                                        "process included")
+        latency = HistogramMetricFamily(f"omnimesh:{self.media}_decode_seconds",
+                                        f"Seconds one {self.media} file took to decode, child process included")
         latency.add_metric([], [(_bound(b), float(n)) for b, n in zip(self.BUCKETS, buckets, strict=True)], seconds)
         return [decodes, latency]
 
@@ -86,13 +90,16 @@ def _bound(b: float) -> str:
     return "+Inf" if b == float("inf") else f"{b:g}"
 
 
-METRICS = VideoDecodeMetrics()  # the gateway's /metrics collects it (gateway/rest.py)
+METRICS = DecodeMetrics("video")  # the gateway's /metrics collects both (gateway/rest.py)
+AUDIO_METRICS = DecodeMetrics("audio")
+_HINTS = {"video": "an intact video file (MP4, WebM, MKV, MOV, AVI, ...)",
+          "audio": "an intact audio file (WAV, MP3, FLAC, Ogg, M4A, WebM, ...)"}
 
 
-def _default_decoder() -> Decoder:
-    from gateway.media_video import decode_video
+def _default_decoder(kind: str) -> Decoder:
+    from gateway.media_video import decode_audio_file, decode_video
 
-    return decode_video
+    return decode_video if kind == "video" else decode_audio_file  # type: ignore[return-value]
 
 
 def _ensure_preload() -> None:
@@ -120,29 +127,33 @@ def _noop() -> None:
     pass
 
 
-def decode_in_child(data: bytes, *, sampling: VideoSampling, limits: InputLimits, param: str,
-                    with_audio: bool = False, decoder: Decoder | None = None) -> VideoPart:
-    """`decode_video` (or `decoder`, a module-level function with its signature) in a child process; the
-    same answers, plus a 400 when the child crashes or outlives its deadline. Blocks: run it in a thread.
-    Every call is counted in `METRICS` by its outcome, with its seconds."""
+def decode_in_child(data: bytes, *, sampling: VideoSampling | None, limits: InputLimits, param: str,
+                    with_audio: bool = False, decoder: Decoder | None = None, kind: str = "video") -> Any:
+    """`decode_video` (kind "video") or `decode_audio_file` (kind "audio") -- or `decoder`, a module-level
+    function with their signature -- in a child process; the same answers (a VideoPart / an AudioPart), plus a
+    400 when the child crashes or outlives its deadline. Blocks: run it in a thread. Every call is counted in
+    `METRICS` / `AUDIO_METRICS` by its outcome, with its seconds."""
+    if kind not in _HINTS:
+        raise ValueError(f"kind must be video or audio, got {kind!r}")
     started = time.monotonic()
     outcome = "crashed"  # unless the child gets as far as an answer (or is killed at the deadline)
     try:
-        outcome, result = _decode_in_child(data, sampling, limits, param, with_audio, decoder)
+        outcome, result = _decode_in_child(data, sampling, limits, param, with_audio, decoder, kind)
     finally:
-        METRICS.observe(outcome, time.monotonic() - started)
+        (METRICS if kind == "video" else AUDIO_METRICS).observe(outcome, time.monotonic() - started)
     if isinstance(result, PipelineError):
         raise result
     return result
 
 
-def _decode_in_child(data: bytes, sampling: VideoSampling, limits: InputLimits, param: str, with_audio: bool,
-                     decoder: Decoder | None) -> tuple[str, VideoPart | PipelineError]:
-    """(outcome, the VideoPart or the error the caller gets); see `VideoDecodeMetrics.OUTCOMES`."""
+def _decode_in_child(data: bytes, sampling: VideoSampling | None, limits: InputLimits, param: str, with_audio: bool,
+                     decoder: Decoder | None, kind: str) -> tuple[str, Any]:
+    """(outcome, the decoded part or the error the caller gets); see `DecodeMetrics.OUTCOMES`."""
     _ensure_preload()
     ours, theirs = _CONTEXT.Pipe()
-    child = _CONTEXT.Process(target=_child_main, name="omnimesh-video-decode", daemon=True,
-                             args=(theirs, decoder or _default_decoder(), sampling, limits, param, with_audio))
+    child = _CONTEXT.Process(target=_child_main, name=f"omnimesh-{kind}-decode", daemon=True,
+                             args=(theirs, decoder or _default_decoder(kind), sampling, limits, param, with_audio,
+                                   kind))
     child.start()
     theirs.close()
     hard_deadline = limits.video_decode_timeout_s + GRACE_S
@@ -151,14 +162,14 @@ def _decode_in_child(data: bytes, sampling: VideoSampling, limits: InputLimits, 
         ours.send_bytes(data)
         if not ours.poll(max(0.0, hard_deadline - (time.monotonic() - started))):
             return "timeout", invalid_request(
-                f"{param}: decoding the video took longer than {limits.video_decode_timeout_s:g} s; send a shorter "
-                "or smaller video", param)
+                f"{param}: decoding the {kind} took longer than {limits.video_decode_timeout_s:g} s; send a shorter "
+                f"or smaller {kind} file", param)
         kind, payload = ours.recv()
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the child died before (or while) answering
         child.join(5.0)
         return "crashed", invalid_request(
-            f"{param}: the video decoder failed on this file ({_death(child.exitcode)}); send an intact video file "
-            "(MP4, WebM, MKV, MOV, AVI, ...)", param)
+            f"{param}: the {kind} decoder failed on this file ({_death(child.exitcode)}); send {_HINTS[kind]}",
+            param)
     finally:
         ours.close()
         if child.is_alive():
@@ -179,9 +190,9 @@ def _death(exitcode: int | None) -> str:
     return f"it exited with code {exitcode}" if exitcode is not None else "it stopped answering"
 
 
-def _child_main(conn: Connection, decoder: Decoder, sampling: VideoSampling, limits: InputLimits, param: str,
-                with_audio: bool) -> None:
-    """In the child: one decode, one answer: ('ok', VideoPart), or (outcome, (message, PipelineError fields)) with
+def _child_main(conn: Connection, decoder: Decoder, sampling: VideoSampling | None, limits: InputLimits, param: str,
+                with_audio: bool, kind: str = "video") -> None:
+    """In the child: one decode, one answer: ('ok', the part), or (outcome, (message, PipelineError fields)) with
     outcome 'timeout' (the decoder's own deadline), 'refused' (any other refusal) or 'bug'."""
     answer: tuple[str, Any]
     try:
@@ -192,9 +203,9 @@ def _child_main(conn: Connection, decoder: Decoder, sampling: VideoSampling, lim
 
         answer = ("timeout" if isinstance(e, DecodeTimeout) else "refused", _fields(e))
     except Exception as e:  # noqa: BLE001  # a decoder bug: the request fails, the gateway does not
-        log.exception("%s: the video decoder raised", param)
-        answer = ("bug", _fields(invalid_request(f"{param}: the video decoder failed on this file "
-                                                 f"({type(e).__name__}); send an intact video file", param)))
+        log.exception("%s: the %s decoder raised", param, kind)
+        answer = ("bug", _fields(invalid_request(f"{param}: the {kind} decoder failed on this file "
+                                                 f"({type(e).__name__}); send {_HINTS[kind]}", param)))
     conn.send(answer)
     conn.close()
 

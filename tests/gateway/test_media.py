@@ -247,8 +247,8 @@ def test_url_policy_refusals(media_server: str, url: str, domains: set[str], sta
 
 
 def test_loader_refuses_unsupported_input_audio_format() -> None:
-    with pytest.raises(PipelineError, match="'mp3' is not supported; supported: wav") as e:
-        run(MediaLoader(InputLimits()).audio_from_base64("AAAA", "mp3", "input_audio"))
+    with pytest.raises(PipelineError, match="'amr' is not supported; supported: wav, mp3, flac") as e:
+        run(MediaLoader(InputLimits()).audio_from_base64("AAAA", "amr", "input_audio"))
     assert e.value.http_status == 400 and e.value.param == "input_audio.format"
 
 

@@ -333,7 +333,7 @@ def _user(*parts: dict) -> list[dict]:
     ({"messages": USER_HI, "stage_params": {"talker": {"top_k": 0}}}, 400, "stage_params.talker.top_k", ">= 1"),
     ({"messages": _user({"type": "file", "file": {"file_id": "x"}})}, 400, "messages[0].content[0]", "supported"),
     ({"messages": _user({"type": "image_url"})}, 400, "messages[0].content[0]", "needs a 'image_url'"),
-    ({"messages": _user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}})}, 400,
+    ({"messages": _user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "amr"}})}, 400,
      "messages[0].content[0].input_audio.format", "supported: wav"),
     ({"messages": _user({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}})}, 400,
      "messages[0].content[0].input_audio", "base64"),

@@ -77,7 +77,7 @@ def test_bad_files_and_bodies(rest_server: RestServer, pipeline: ScriptedPipelin
     r = post(rest_server, wav=b"ID3 not a wav")
     assert r.status_code == 400 and r.json()["error"]["param"] == "file", r.text
     r = httpx.post(url, data={"model": "tiny-omni"}, files={"other": ("x", b"1")}, timeout=10)
-    assert r.status_code == 400 and "file: the audio file (WAV) is required" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "file: the audio file (WAV, MP3, FLAC, ...) is required" in r.json()["error"]["message"]
     r = httpx.post(url, json={"file": "x"}, timeout=10)
     assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"]
     r = httpx.post(url, content=b"--x\r\nnonsense", headers={"content-type": "multipart/form-data; boundary=x"},
