@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 OMNI_SERVICE_NAME = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name  # "omnimesh.v1.Omni"
 _ROLES = ("system", "user", "assistant")
-_MEDIA_KINDS = {"audio_wav": "audio", "image": "image", "video": "video"}  # ContentPart oneof -> modality
+_MEDIA_KINDS = {"audio_wav": "audio", "audio": "audio", "image": "image", "video": "video"}  # ContentPart oneof -> modality
 def grpc_server_options(limits: InputLimits) -> list[tuple[str, int]]:
     """Server options so a request may be as large as the REST body limit (gRPC's default is 4 MiB)."""
     return [("grpc.max_receive_message_length", limits.max_request_bytes),
@@ -147,7 +147,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 where = f"messages[{i}].content[{j}]"
                 kind = p.WhichOneof("part")
                 if kind is None:
-                    raise invalid_request(f"{where}: empty content part (set text, audio_wav, image or video)",
+                    raise invalid_request(f"{where}: empty content part (set text, audio_wav, audio, image or video)",
                                           where)
                 if kind == "text":
                     parts.append(TextPart(text=p.text))
@@ -157,6 +157,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                                           f"(this is a '{m.role}' message)", where)
                 if kind == "audio_wav":
                     parts.append(await self.loader.audio_from_wav(p.audio_wav, f"{where}.audio_wav"))
+                elif kind == "audio":
+                    parts.append(await self.loader.audio_from_bytes(p.audio, f"{where}.audio"))
                 elif kind == "image":
                     parts.append(await self.loader.image_from_bytes(p.image, f"{where}.image"))
                 else:

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ContentPart(_message.Message):
-    __slots__ = ("text", "audio_wav", "image", "video")
+    __slots__ = ("text", "audio_wav", "image", "video", "audio")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_WAV_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     VIDEO_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     text: str
     audio_wav: bytes
     image: bytes
     video: bytes
-    def __init__(self, text: _Optional[str] = ..., audio_wav: _Optional[bytes] = ..., image: _Optional[bytes] = ..., video: _Optional[bytes] = ...) -> None: ...
+    audio: bytes
+    def __init__(self, text: _Optional[str] = ..., audio_wav: _Optional[bytes] = ..., image: _Optional[bytes] = ..., video: _Optional[bytes] = ..., audio: _Optional[bytes] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

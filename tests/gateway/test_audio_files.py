@@ -96,3 +96,25 @@ def test_an_mp3_transcribes_and_metrics_show_the_audio_decodes() -> None:
         assert isinstance(audio, AudioPart) and audio.sample_rate == 16_000 and audio.waveform.size > 15_000
         metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     assert 'omnimesh:audio_decodes_total{outcome="ok"}' in metrics and "omnimesh:audio_decode_seconds_count" in metrics
+
+
+def test_grpc_takes_any_audio_file(grpc_server, pipeline: ScriptedPipeline) -> None:  # type: ignore[no-untyped-def]
+    import grpc
+
+    from omnimesh.v1 import omni_pb2, omni_pb2_grpc
+
+    msg = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(audio=compressed_bytes(TONE, RATE, "flac")),
+                                                     omni_pb2.ContentPart(audio=wav_bytes(TONE, RATE))])
+    with grpc.insecure_channel(grpc_server.target) as channel:
+        out = list(omni_pb2_grpc.OmniStub(channel).Generate(omni_pb2.GenerateRequest(messages=[msg], modalities=["text"]),
+                                                              timeout=30))
+    assert out[-1].WhichOneof("kind") == "done"
+    flac, wav = pipeline.requests[-1].messages[0].content
+    assert isinstance(flac, AudioPart) and isinstance(wav, AudioPart)
+    np.testing.assert_allclose(flac.waveform, wav.waveform, atol=1e-4)
+    bad = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(audio=b"nothing audible")])
+    with grpc.insecure_channel(grpc_server.target) as channel:
+        out = list(omni_pb2_grpc.OmniStub(channel).Generate(omni_pb2.GenerateRequest(messages=[bad]), timeout=30))
+    assert [r.WhichOneof("kind") for r in out] == ["error"]  # errors travel in the stream
+    assert out[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "messages[0].content[0].audio: could not read the audio" in out[0].error.message
