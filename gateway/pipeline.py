@@ -311,6 +311,7 @@ class StagePipeline:
             tensors["video_second_per_grid"] = prompt.video_second_per_grid
         if prompt.use_audio_in_video:
             tensors["use_audio_in_video"] = torch.ones(1, dtype=torch.int64)
+        tensors.update(prompt.media_hashes)  # the prefix cache's names for the media rows
         if not features:
             await thinker.send(StageChunk(tensors=tensors, final=True))
             return

@@ -41,6 +41,7 @@ import torch
 
 from gateway.events import AudioPart, ChatMessage, ChatRequest, ImagePart, TextPart, VideoPart
 from gateway.media import TARGET_SAMPLE_RATE, invalid_request, resample
+from gateway.media_digest import media_digests
 
 MAX_VARIANTS = 8  # processors kept for requests with their own mm_processor_kwargs
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class PromptInputs:
     video_grid_thw: torch.Tensor | None = None  # (n_videos, 3) int64
     video_second_per_grid: torch.Tensor | None = None  # (n_videos,) float32
     use_audio_in_video: bool = False  # the videos' soundtracks are among the audio, interleaved with their frames
+    # each media item's content digest, per modality in prompt order (gateway/media_digest.py): the thinker's
+    # prefix cache keys media rows by them
+    media_hashes: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +290,8 @@ class PromptBuilder:
             video_grid_thw=_tensor(batch.get("video_grid_thw"), torch.int64) if has_videos else None,
             video_second_per_grid=_tensor(batch.get("video_second_per_grid"), torch.float32) if has_videos else None,
             use_audio_in_video=conv.audio_from_video is not None,
+            media_hashes=media_digests(conv.audio, conv.images, conv.videos,
+                                       {**self._base_kwargs, **dict(request.processor_kwargs)}),
         )
 
 

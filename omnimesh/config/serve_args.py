@@ -99,8 +99,8 @@ class ServeArgs:
                                 "waiting request preempts a lower-priority running one when seats or KV blocks "
                                 "run short)", "--scheduling-policy")
     max_num_batched_tokens: int | None = _f(None, "most tokens in one engine step (long prompts are chunked)", "--max-num-batched-tokens")
-    enable_prefix_caching: bool = _f(False, "the thinker keeps the KV-cache blocks of prompts' text prefixes (up to their "
-                                     "first image, audio or video) and a later prompt that starts the same way "
+    enable_prefix_caching: bool = _f(False, "the thinker keeps the KV-cache blocks of prompts (media parts named by "
+                                     "their content) and a later prompt that starts the same way "
                                      "reuses them instead of computing them again, as vLLM's automatic prefix "
                                      "caching; cached blocks count as free and are evicted least recently used "
                                      "first (off by default: each prompt is computed exactly as alone)",

@@ -100,7 +100,7 @@ class StageConfig:
                                           "request's priority, lower first, arrival among equals; a waiting request "
                                           "takes the seat and blocks of a lower-priority running one)"})
     enable_prefix_caching: bool = field(
-        default=False, metadata={"help": "the thinker reuses the KV-cache blocks of a prompt's text prefix it has "
+        default=False, metadata={"help": "the thinker reuses the KV-cache blocks of a prompt prefix it has "
                                          "computed for an earlier request (vLLM's automatic prefix caching)"})
     default_sampling_params: dict[str, Any] | None = field(
         default=None, metadata={"help": "the thinker's / talker's default sampling, over the model's own (requests "

@@ -31,6 +31,7 @@ from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
 from omnimesh.models.qwen3_omni.thinker import PreparedPrompt, Qwen3OmniThinker
 from omnimesh.transport.frames import StageChunk
 from services.llm.detokenizer import Detokenizer, StopStrings
+from services.llm.prefix_keys import prompt_prefix_keys
 from services.llm.token_logprobs import TokenBytes, token_logprob
 
 EDGE = "gateway -> thinker"
@@ -118,11 +119,9 @@ class ThinkerTask(BatchedTask):
             self.sampler = Sampler(replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room)),
                                    self.sampler.generator)
         capture = prompt.mm_mask if self.talker_inputs and bool(prompt.mm_mask.any()) else None
-        # the rows before the first media row depend on nothing but their ids and positions: the prefix cache's
-        # keys (a media row's values depend on the media, and every later row's on it)
-        media = torch.nonzero(prompt.mm_mask)
-        m = int(media[0]) if media.numel() else prompt.ids.numel()
-        keys = torch.cat([prompt.ids[:m, None], prompt.positions[:, :m].T.long()], dim=1)
+        # the prefix cache's keys: token ids and positions, media rows by their items' digests (prefix_keys.py)
+        hashes = {name: t.get(name) for name in ("audio_hashes", "image_hashes", "video_hashes")}
+        keys = prompt_prefix_keys(self.thinker, prompt, hashes, stop_at_media=capture is not None)
         return InputRun(prompt.embeds, prompt.positions, prompt.visual, prompt.deepstack, capture, prefix_keys=keys)
 
     def on_output(self, out: RunOutput) -> tuple[list[StageChunk], InputRun | None]:

@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 from mesh_harness import start_mesh
+from reference import sine_wav
 
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
 
@@ -80,6 +81,26 @@ def test_a_shared_system_prompt_is_served_from_the_cache_with_the_same_answers(c
 
     assert _metric(cached, "omnimesh:prefix_cache_hits_total") >= 2 * cached_tokens
     assert _metric(cached, "omnimesh:prefix_cache_queries_total") >= 3 * prompt_tokens - 20
+
+
+def test_a_repeated_clip_is_served_from_the_cache_past_its_rows(cached, mesh):
+    """The gateway names each media item by its content (gateway/media_digest.py): a chat that sends the same
+    clip again reuses the blocks after it, another clip only those before it; answers equal the shared mesh's."""
+    def body(wav: bytes) -> dict:
+        clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+        return {**_body("What do you hear?"), "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": [clip, {"type": "text", "text": "What do you hear? Answer briefly."}]}]}
+
+    first = _post(cached, body(sine_wav(1.0, freq=440.0)))
+    again = _post(cached, body(sine_wav(1.0, freq=440.0)))
+    other = _post(cached, body(sine_wav(1.0, freq=660.0)))
+    prompt = again["usage"]["prompt_tokens"]
+    hits = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, again, other)]
+    assert hits[1] == (prompt - 1) // 16 * 16 > hits[2] > 0  # the repeat: all but the last block; the other: the system prompt
+    for got, wav in ((again, sine_wav(1.0, freq=440.0)), (other, sine_wav(1.0, freq=660.0))):
+        want = _post(mesh, body(wav))
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
 
 
 def test_grpc_usage_counts_the_cached_tokens(cached):

@@ -156,3 +156,27 @@ def test_prompt_longer_than_max_model_len_is_400_with_both_numbers(builder: Prom
     with pytest.raises(PipelineError, match="lower max_tokens to at most 5") as e:
         roomy.build(request(user(TextPart("hello " * 20)), max_tokens=6))
     assert e.value.param == "max_tokens"
+
+
+def test_media_items_are_named_by_their_content_and_settings(builder: PromptBuilder) -> None:
+    """The thinker's prefix cache keys media rows by these digests (gateway/media_digest.py): one per item, in
+    prompt order per modality; equal for equal content, different for other samples, pixels or settings."""
+    from gateway.media_digest import media_digests
+
+    def build(*parts: object, **kwargs: float) -> dict[str, torch.Tensor]:
+        req = ChatRequest(request_id="r", model="m", messages=(user(TextPart("what?"), *parts),),
+                          processor_kwargs=tuple(sorted(kwargs.items())))
+        return builder.build(req).media_hashes if not kwargs else media_digests(
+            [], [p.image for p in parts if isinstance(p, ImagePart)], [], kwargs)
+
+    a, b = AudioPart(sine(1.0, 16_000), 16_000), AudioPart(sine(0.5, 16_000), 16_000)
+    red, blue = ImagePart(Image.new("RGB", (64, 64), (200, 0, 0))), ImagePart(Image.new("RGB", (64, 64), (0, 0, 200)))
+    out = build(a, red, b)
+    assert set(out) == {"audio_hashes", "image_hashes"} and out["audio_hashes"].shape == (2,)
+    assert out["audio_hashes"].dtype == torch.int64 and bool((out["audio_hashes"] >= 0).all())
+    assert torch.equal(build(a, red, b)["audio_hashes"], out["audio_hashes"])  # deterministic
+    assert out["audio_hashes"][0] != out["audio_hashes"][1]
+    assert torch.equal(build(b, blue, a)["audio_hashes"], out["audio_hashes"].flip(0))  # prompt order
+    assert build(b, blue, a)["image_hashes"] != out["image_hashes"]
+    assert build(red, max_pixels=4096.0)["image_hashes"] != build(red, max_pixels=8192.0)["image_hashes"]
+    assert builder.build(request(user(TextPart("no media")))).media_hashes == {}

@@ -4,8 +4,9 @@ blocks, and LMEngine skipping their rows, in-process on the tiny model folder. W
 - a prompt that starts with the blocks an earlier prompt computed runs only its remaining rows (the LMBatch
   has just those), its usage counts the cached tokens, and its tokens and logits equal its run on a stage
   without the cache; at least one row is always computed (a repeated prompt still yields its logits);
-- the cache stops at a prompt's first media row (the rows after it depend on the media), yet a media
-  prompt's tokens stay exact;
+- without the gateway's media digests the cache stops at a prompt's first media row (the rows after it depend
+  on the media), yet a media prompt's tokens stay exact; with them the same clip is served from the cache
+  past its rows and another clip only up to it, and a request with speech out stops at its first media row;
 - 16 concurrent requests sharing a prefix share its blocks (reference counts) while they run, every one
   equals its solo run, and every block is free again at the end (cached blocks count as free);
 - a preemption with cached blocks keeps tokens exact; eviction reuses the least recently freed cached block,
@@ -123,6 +124,45 @@ def test_the_cache_stops_at_the_first_media_row(model_dir: Path, plain: Any) -> 
     for got in (first, second):
         assert_same_run(got[1:], want[1:], "media prompt")
     assert engine.allocator.num_cached == 2
+
+
+def test_media_rows_are_cached_by_their_items_digests(model_dir: Path, plain: Any) -> None:
+    """With the gateway's `audio_hashes` the rows after an audio clip are cached too, for the same clip only;
+    a request whose media rows go to the talker (speech out) still stops at its first media row."""
+    handler = caching_thinker(model_dir)
+    pad = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|audio_pad|>")
+    frames = torch.tensor([100])
+    n_audio = int(_get_feat_extract_output_lengths(frames)[0])
+    head, middle, tail = prompts([10, 14, 3], seed=21)
+    ids = torch.cat([head, torch.full((n_audio,), pad), middle, tail])
+    hidden = handler.thinker.config.get_text_config().hidden_size
+    clips = [torch.randn(n_audio, hidden, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+
+    def run(h: Any, rid: str, clip: int, digest: int | None, **options: str) -> tuple[Any, list[int], torch.Tensor]:
+        task = h.open(stage_pb2.Open(request_id=rid, options=options,
+                                     sampling=stage_pb2.SamplingParams(temperature=0, max_tokens=6)))
+        tensors = {"input_ids": ids, "audio_embeds": clips[clip], "audio_feature_lengths": frames}
+        if digest is not None:
+            tensors["audio_hashes"] = torch.tensor([digest])
+        task.feed(StageChunk(tensors=tensors, final=True))
+        rec = Recorder(h.batcher.engine)
+        d = Driver(h)
+        d.add(task)
+        try:
+            return task, token_ids(d.run()[rid]), rec.stacked(rid)
+        finally:
+            rec.stop()
+
+    n = ids.numel()
+    whole = (n - 1) // BLOCK * BLOCK  # every whole block but the one holding the last row
+    first = run(handler, "a", 0, 111)
+    again = run(handler, "b", 0, 111)
+    other = run(handler, "c", 1, 222)  # another clip: only the blocks before it
+    assert (first[0].cached_tokens, again[0].cached_tokens, other[0].cached_tokens) == (0, whole, 8)
+    assert_same_run(again[1:], run(plain, "solo-a", 0, None)[1:], "media rows from the cache")
+    assert_same_run(other[1:], run(plain, "solo-c", 1, None)[1:], "another clip")
+    spoken = run(handler, "d", 0, 111, talker_inputs="1")
+    assert spoken[0].cached_tokens == 8  # its audio rows' hidden states must reach the talker: computed
 
 
 def test_concurrent_requests_share_blocks_and_all_come_back(model_dir: Path, plain: Any) -> None:

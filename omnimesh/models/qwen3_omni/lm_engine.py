@@ -22,7 +22,7 @@ Data flow per step:
 
 Prefix caching (`enable_prefix_caching`, vLLM's --enable-prefix-caching): a request's first input run may
 name, in `prefix_keys`, integers per row for its leading rows whose keys and values they fix (the thinker:
-token id and M-RoPE positions of the prompt's rows before its first media row). Their whole blocks are
+token id or media item digest, offset and M-RoPE positions: services/llm/prefix_keys.py). Their whole blocks are
 hashed once (`kv_blocks.prefix_hashes`); when the request starts, the scheduler hands it the cached blocks
 of its longest cached prefix and the engine moves those rows from `pending` to `history` unrun; each whole
 block the request computes is registered for later requests as soon as its step returns.
