@@ -12,6 +12,9 @@ computing them again: blocks are reference-counted, so several running requests 
 no request holds stays in the free list with its contents (it counts as free); taking it for new tokens
 evicts it from the cache, least recently freed first, and a request's later blocks are freed ahead of its
 first ones (`free`), so the shared heads of prompts are evicted last.
+A block may carry a payload beside its keys and values (`attach` / `payload`: the thinker keeps there the
+hidden states of media rows the talker reads); it lives exactly as long as the block's contents, until the
+block is handed out for new tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from math import ceil
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +54,7 @@ class BlockAllocator:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}  # cached block -> its prefix hash
         self._block_of: dict[bytes, int] = {}  # prefix hash -> cached block
+        self._payload: dict[int, dict[int, Any]] = {}  # block -> {offset in block: what the engine attached}
         self.queried_tokens = 0  # prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
         self.hit_tokens = 0  # of those, tokens found (prefix_cache_hits)
 
@@ -132,7 +137,16 @@ class BlockAllocator:
                 self._block_of[h] = block
                 self._hash_of[block] = h
 
+    def attach(self, block: int, offset: int, value: Any) -> None:
+        """Keep `value` with the row at `offset` of `block` while the block keeps its contents."""
+        self._payload.setdefault(block, {})[offset] = value
+
+    def payload(self, block: int) -> dict[int, Any]:
+        """What was attached to the block's rows since it was last handed out (offset -> value)."""
+        return self._payload.get(block, {})
+
     def _evict(self, block: int) -> None:
+        self._payload.pop(block, None)
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._block_of[h]

@@ -121,7 +121,7 @@ class ThinkerTask(BatchedTask):
         capture = prompt.mm_mask if self.talker_inputs and bool(prompt.mm_mask.any()) else None
         # the prefix cache's keys: token ids and positions, media rows by their items' digests (prefix_keys.py)
         hashes = {name: t.get(name) for name in ("audio_hashes", "image_hashes", "video_hashes")}
-        keys = prompt_prefix_keys(self.thinker, prompt, hashes, stop_at_media=capture is not None)
+        keys = prompt_prefix_keys(self.thinker, prompt, hashes, captured=capture is not None)
         return InputRun(prompt.embeds, prompt.positions, prompt.visual, prompt.deepstack, capture, prefix_keys=keys)
 
     def on_output(self, out: RunOutput) -> tuple[list[StageChunk], InputRun | None]:

@@ -85,7 +85,8 @@ def test_a_shared_system_prompt_is_served_from_the_cache_with_the_same_answers(c
 
 def test_a_repeated_clip_is_served_from_the_cache_past_its_rows(cached, mesh):
     """The gateway names each media item by its content (gateway/media_digest.py): a chat that sends the same
-    clip again reuses the blocks after it, another clip only those before it; answers equal the shared mesh's."""
+    clip again reuses the blocks after it, another clip only those before it, text or speech out; answers equal
+    the shared mesh's."""
     def body(wav: bytes) -> dict:
         clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
         return {**_body("What do you hear?"), "messages": [
@@ -101,6 +102,15 @@ def test_a_repeated_clip_is_served_from_the_cache_past_its_rows(cached, mesh):
     for got, wav in ((again, sine_wav(1.0, freq=440.0)), (other, sine_wav(1.0, freq=660.0))):
         want = _post(mesh, body(wav))
         assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    # speech out: the talker reads the clip's hidden states, which the cached blocks keep once a speech request
+    # computed them (the text-only requests' blocks keep none: the first spoken one computes the clip)
+    spoken = [_post(cached, {**body(sine_wav(1.0, freq=440.0)), "modalities": ["text", "audio"]}) for _ in range(2)]
+    assert spoken[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == hits[1]
+    assert spoken[0]["usage"]["prompt_tokens_details"]["cached_tokens"] < hits[1]
+    want = _post(mesh, {**body(sine_wav(1.0, freq=440.0)), "modalities": ["text", "audio"]})
+    for got in spoken:
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        assert _pcm(got).shape == _pcm(want).shape and np.abs(_pcm(got) - _pcm(want)).max() <= PCM16_TOLERANCE
 
 
 def test_grpc_usage_counts_the_cached_tokens(cached):

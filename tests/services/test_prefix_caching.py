@@ -6,7 +6,9 @@ blocks, and LMEngine skipping their rows, in-process on the tiny model folder. W
   without the cache; at least one row is always computed (a repeated prompt still yields its logits);
 - without the gateway's media digests the cache stops at a prompt's first media row (the rows after it depend
   on the media), yet a media prompt's tokens stay exact; with them the same clip is served from the cache
-  past its rows and another clip only up to it, and a request with speech out stops at its first media row;
+  past its rows and another clip only up to it; a speech-out request gets the media rows' hidden states its
+  talker reads from the cached blocks, equal to computing them, also when preempted, never from blocks that
+  did not keep them (a text-out request's, or one whose captured rows did not come back);
 - 16 concurrent requests sharing a prefix share its blocks (reference counts) while they run, every one
   equals its solo run, and every block is free again at the end (cached blocks count as free);
 - a preemption with cached blocks keeps tokens exact; eviction reuses the least recently freed cached block,
@@ -126,43 +128,70 @@ def test_the_cache_stops_at_the_first_media_row(model_dir: Path, plain: Any) -> 
     assert engine.allocator.num_cached == 2
 
 
-def test_media_rows_are_cached_by_their_items_digests(model_dir: Path, plain: Any) -> None:
-    """With the gateway's `audio_hashes` the rows after an audio clip are cached too, for the same clip only;
-    a request whose media rows go to the talker (speech out) still stops at its first media row."""
-    handler = caching_thinker(model_dir)
-    pad = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|audio_pad|>")
-    frames = torch.tensor([100])
-    n_audio = int(_get_feat_extract_output_lengths(frames)[0])
-    head, middle, tail = prompts([10, 14, 3], seed=21)
-    ids = torch.cat([head, torch.full((n_audio,), pad), middle, tail])
-    hidden = handler.thinker.config.get_text_config().hidden_size
-    clips = [torch.randn(n_audio, hidden, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+class AudioPrompt:
+    """A prompt with one audio clip between text (as the encoder stage would feed the thinker): its ids, the
+    clip's frames, and clips of random rows by seed."""
 
-    def run(h: Any, rid: str, clip: int, digest: int | None, **options: str) -> tuple[Any, list[int], torch.Tensor]:
+    def __init__(self, model_dir: Path, handler: Any, lengths: tuple[int, ...] = (10, 14, 3), seed: int = 21):
+        pad = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|audio_pad|>")
+        self.frames = torch.tensor([100])
+        self.n_audio = int(_get_feat_extract_output_lengths(self.frames)[0])
+        head, *rest = prompts(list(lengths), seed=seed)
+        self.ids = torch.cat([head, torch.full((self.n_audio,), pad), *rest])
+        self.hidden = handler.thinker.config.get_text_config().hidden_size
+
+    def clip(self, seed: int) -> torch.Tensor:
+        return torch.randn(self.n_audio, self.hidden, generator=torch.Generator().manual_seed(seed))
+
+    def open(self, h: Any, rid: str, clip: int, digest: int | None, ids: torch.Tensor | None = None,
+             max_tokens: int = 6, **options: str) -> Any:
         task = h.open(stage_pb2.Open(request_id=rid, options=options,
-                                     sampling=stage_pb2.SamplingParams(temperature=0, max_tokens=6)))
-        tensors = {"input_ids": ids, "audio_embeds": clips[clip], "audio_feature_lengths": frames}
+                                     sampling=stage_pb2.SamplingParams(temperature=0, max_tokens=max_tokens)))
+        tensors = {"input_ids": self.ids if ids is None else ids, "audio_embeds": self.clip(clip),
+                   "audio_feature_lengths": self.frames}
         if digest is not None:
             tensors["audio_hashes"] = torch.tensor([digest])
         task.feed(StageChunk(tensors=tensors, final=True))
+        return task
+
+
+def test_media_rows_are_cached_by_their_items_digests(model_dir: Path, plain: Any) -> None:
+    """With the gateway's `audio_hashes` the rows after an audio clip are cached too, for the same clip only.
+    A request whose media rows go to the talker (speech out) gets their hidden states from the cached blocks,
+    exactly as computed; it never takes the blocks of a text-only request, which keep none."""
+    handler = caching_thinker(model_dir)
+    audio = AudioPrompt(model_dir, handler)
+    ids, n_audio, hidden = audio.ids, audio.n_audio, audio.hidden
+
+    def run(h: Any, rid: str, clip: int, digest: int | None, **options: str) -> tuple[Any, list[int], torch.Tensor,
+                                                                                       dict[str, torch.Tensor]]:
+        task = audio.open(h, rid, clip, digest, **options)
         rec = Recorder(h.batcher.engine)
         d = Driver(h)
         d.add(task)
         try:
-            return task, token_ids(d.run()[rid]), rec.stacked(rid)
+            chunks = d.run()[rid]
+            return task, token_ids(chunks), rec.stacked(rid), chunks[0].tensors
         finally:
             rec.stop()
 
     n = ids.numel()
     whole = (n - 1) // BLOCK * BLOCK  # every whole block but the one holding the last row
-    first = run(handler, "a", 0, 111)
-    again = run(handler, "b", 0, 111)
-    other = run(handler, "c", 1, 222)  # another clip: only the blocks before it
+    first = run(handler, "a", 1, 111)
+    again = run(handler, "b", 1, 111)
+    other = run(handler, "c", 2, 222)  # another clip: only the blocks before it
     assert (first[0].cached_tokens, again[0].cached_tokens, other[0].cached_tokens) == (0, whole, 8)
-    assert_same_run(again[1:], run(plain, "solo-a", 0, None)[1:], "media rows from the cache")
-    assert_same_run(other[1:], run(plain, "solo-c", 1, None)[1:], "another clip")
-    spoken = run(handler, "d", 0, 111, talker_inputs="1")
-    assert spoken[0].cached_tokens == 8  # its audio rows' hidden states must reach the talker: computed
+    assert_same_run(again[1:3], run(plain, "solo-a", 1, None)[1:3], "media rows from the cache")
+    assert_same_run(other[1:3], run(plain, "solo-c", 2, None)[1:3], "another clip")
+    spoken = [run(handler, f"s{i}", 1, 111, talker_inputs="1") for i in range(3)]
+    # the first takes only the text head (the blocks past the clip keep no hidden states), the next ones all
+    assert [s[0].cached_tokens for s in spoken] == [8, whole, whole]
+    want = run(plain, "solo-s", 1, None, talker_inputs="1")
+    for s in spoken:
+        assert_same_run(s[1:3], want[1:3], "speech-out request")
+        assert s[3]["multimodal_hidden"].shape == (n_audio, hidden)  # what the talker reads: every audio row
+        torch.testing.assert_close(s[3]["multimodal_hidden"], want[3]["multimodal_hidden"], atol=1e-5, rtol=0)
+    assert run(handler, "t", 1, 111)[0].cached_tokens == whole  # text-only still finds its own blocks
 
 
 def test_concurrent_requests_share_blocks_and_all_come_back(model_dir: Path, plain: Any) -> None:
@@ -204,6 +233,62 @@ def test_preemption_with_cached_blocks_keeps_tokens_exact(model_dir: Path, plain
         assert_same_run((token_ids(d.chunks[f"r{i}"]), rec.stacked(f"r{i}")), want, f"r{i}")
     assert engine.stats()["prefix_cache_hits"] > 0
     assert_drained(engine, blocks)
+
+
+def test_speech_requests_preempted_with_cached_media_rows_stay_exact(model_dir: Path, plain: Any) -> None:
+    """Speech-out requests sharing a clip, in a cache small enough to preempt them: each one's tokens, logits and
+    the media hidden states its talker gets equal its run without the cache, though some rows came from it."""
+    blocks = 24
+    handler = caching_thinker(model_dir, max_model_len=64, max_num_batched_tokens=12,
+                              kv_cache_memory=str(blocks * block_bytes(model_dir, BLOCK)))
+    engine = handler.batcher.engine
+    audio = AudioPrompt(model_dir, handler, lengths=(6, 5))
+    tails = prompts([1, 3, 2, 4, 5], seed=22)
+    ids = [torch.cat([audio.ids, t]) for t in tails]
+    want = []
+    for i, p in enumerate(ids):
+        d, rec = Driver(plain), Recorder(plain.batcher.engine)
+        d.add(audio.open(plain, f"w{i}", 3, None, p, max_tokens=12, talker_inputs="1"))
+        chunks = d.run()[f"w{i}"]
+        rec.stop()
+        want.append((token_ids(chunks), rec.stacked(f"w{i}"), chunks[0].tensors["multimodal_hidden"]))
+    warm = Driver(handler)  # text out: its blocks past the clip keep no hidden states, the others cannot use them
+    warm.add(audio.open(handler, "warm", 3, 7, ids[0]))
+    warm.run()
+    d, rec = Driver(handler), Recorder(engine)
+    tasks = [audio.open(handler, f"r{i}", 3, 7, p, max_tokens=12, talker_inputs="1") for i, p in enumerate(ids)]
+    d.add(tasks[0])
+    d.step()  # the first prefill computes (and keeps) the clip's rows; the others come after it
+    d.add(*tasks[1:])
+    d.run(max_steps=3000)
+    rec.stop()
+    assert engine.scheduler.preemptions > 0 and any(t.cached_tokens > 8 for t in tasks[1:])
+    for i, (tokens, logits, media) in enumerate(want):
+        assert_same_run((token_ids(d.chunks[f"r{i}"]), rec.stacked(f"r{i}")), (tokens, logits), f"r{i}")
+        torch.testing.assert_close(d.chunks[f"r{i}"][0].tensors["multimodal_hidden"], media, atol=1e-5, rtol=0)
+    assert_drained(engine, blocks)
+
+
+def test_blocks_whose_captured_rows_were_not_kept_are_not_offered(model_dir: Path) -> None:
+    """A capturing request whose media rows' hidden states did not come back (as in a recompute after a
+    preemption, which captures nothing) registers no block from its first media row on: a later speech
+    request computes those rows itself instead of finding blocks without them."""
+    handler = caching_thinker(model_dir)
+    engine = handler.batcher.engine
+    audio = AudioPrompt(model_dir, handler)
+    layer, engine.capture_layer = engine.capture_layer, None  # the ranks return no captured rows
+    try:
+        d = Driver(handler)
+        d.add(audio.open(handler, "lost", 4, 9, talker_inputs="1"))
+        d.run()
+    finally:
+        engine.capture_layer = layer
+    d = Driver(handler)
+    task = audio.open(handler, "next", 4, 9, talker_inputs="1")
+    d.add(task)
+    chunks = d.run()["next"]
+    assert task.cached_tokens == 8  # the text before the clip only
+    assert chunks[0].tensors["multimodal_hidden"].shape == (audio.n_audio, audio.hidden)
 
 
 # ------------------------------------------------------------------------------------ unit tests

@@ -25,7 +25,11 @@ name, in `prefix_keys`, integers per row for its leading rows whose keys and val
 token id or media item digest, offset and M-RoPE positions: services/llm/prefix_keys.py). Their whole blocks are
 hashed once (`kv_blocks.prefix_hashes`); when the request starts, the scheduler hands it the cached blocks
 of its longest cached prefix and the engine moves those rows from `pending` to `history` unrun; each whole
-block the request computes is registered for later requests as soon as its step returns.
+block the request computes is registered for later requests as soon as its step returns. Capture rows (the
+thinker's media rows, whose hidden states the talker reads) are kept with their block (`BlockAllocator.attach`)
+when computed, and a request that skips them gets them from there, in order, with its next output; a block
+of a capturing request is registered only once every capture row in it is kept (a recompute after a
+preemption captures nothing: its blocks are not offered).
 """
 
 from __future__ import annotations
@@ -98,6 +102,8 @@ class _Seq:
     history: list[InputRun] = field(default_factory=list)
     fed: int = 0  # rows in `history` (= tokens in the cache once the step in flight, if any, returns)
     registered: int = 0  # leading blocks of its table registered in the prefix cache
+    capture_mask: torch.Tensor | None = None  # (L,) bool: its first run's capture rows (prefix caching only)
+    deliver: list[torch.Tensor] = field(default_factory=list)  # captured rows the cache served, for its next output
 
 
 class LMEngine:
@@ -173,6 +179,7 @@ class LMEngine:
             seq = self.seqs[rid] = _Seq(self.scheduler.add(rid, self._priorities.pop(rid, 0)))
             if self.allocator.prefix_caching and run.prefix_keys is not None:
                 seq.sched.prefix = prefix_hashes(run.prefix_keys.numpy(), self.allocator.block_size)
+                seq.capture_mask = run.capture
         seq.pending.append(run)
         seq.sched.pending += run.n
 
@@ -226,7 +233,9 @@ class LMEngine:
             seq = self.seqs[sched.rid]
             if sched.cached > seq.fed:  # it just took cached blocks: those rows are in the cache already
                 hit = sched.cached - seq.fed
-                seq.history.extend(self._take(seq, hit))
+                skipped = self._take(seq, hit)
+                seq.deliver.extend(self._served_captures(seq, skipped, seq.fed))
+                seq.history.extend(skipped)
                 seq.fed += hit
             runs.append((seq, self._take(seq, n)))
         return runs
@@ -259,24 +268,65 @@ class LMEngine:
                 cap_at += caps
             if self.seqs.get(seq.sched.rid) is not seq:
                 continue  # removed (cancelled) while its step ran
+            if captured is not None and seq.sched.prefix:
+                self._keep_captures(seq, taken, seq.fed, captured)
             seq.sched.cached += n
             seq.sched.pending -= n
             seq.history.extend(taken)
             seq.fed += n
             self._register(seq)
+            if seq.deliver:  # rows the cache served come first: they precede this step's in the prompt
+                captured = torch.cat(seq.deliver + ([] if captured is None else [captured]))
+                seq.deliver = []
             wants = taken[-1].want_logits  # the last row of a whole run (a split's first part says False)
             out[seq.sched.rid] = RunOutput(logits=result.logits[i] if wants else None,
                                            last_hidden=result.last_hidden[i].view(1, 1, -1), captured=captured,
                                            cached_tokens=seq.sched.first_hit or 0)
         return out
 
+    def _capture_positions(self, runs: list[InputRun], start: int) -> list[int]:
+        """The absolute positions of the capture rows of `runs`, which begin at position `start`."""
+        positions: list[int] = []
+        for r in runs:
+            if r.capture is not None:
+                positions.extend((start + torch.nonzero(r.capture).view(-1)).tolist())
+            start += r.n
+        return positions
+
+    def _keep_captures(self, seq: _Seq, taken: list[InputRun], start: int, captured: torch.Tensor) -> None:
+        """Attach this step's captured rows to their blocks (those the prefix cache may offer)."""
+        bs, limit = self.allocator.block_size, len(seq.sched.prefix) * self.allocator.block_size
+        rows = captured.detach().clone()  # not a view of the whole batch's tensor
+        for j, p in enumerate(self._capture_positions(taken, start)):
+            if p < limit:
+                self.allocator.attach(seq.sched.blocks[p // bs], p % bs, rows[j])
+
+    def _served_captures(self, seq: _Seq, skipped: list[InputRun], start: int) -> list[torch.Tensor]:
+        """The kept hidden states of the capture rows among `skipped` (rows the cache served), in order."""
+        bs = self.allocator.block_size
+        rows = []
+        for p in self._capture_positions(skipped, start):
+            row = self.allocator.payload(seq.sched.blocks[p // bs]).get(p % bs)
+            if row is None:  # `_register` offers no block of a capturing request without them
+                raise RuntimeError(f"{self.role}: a cached block lacks the captured row at position {p}")
+            rows.append(row)
+        return [torch.stack(rows)] if rows else []
+
     def _register(self, seq: _Seq) -> None:
         """Offer the prefix cache the request's whole blocks of cacheable rows computed so far."""
-        sched = seq.sched
-        upto = min(sched.cached // self.allocator.block_size, len(sched.prefix))
-        if upto > seq.registered:
-            self.allocator.register(zip(sched.blocks[seq.registered:upto], sched.prefix[seq.registered:upto]))
-            seq.registered = upto
+        sched, bs = seq.sched, self.allocator.block_size
+        upto = min(sched.cached // bs, len(sched.prefix))
+        pairs = []
+        for i in range(seq.registered, upto):
+            block = sched.blocks[i]
+            if seq.capture_mask is not None:  # every capture row of the block must be kept with it
+                need = torch.nonzero(seq.capture_mask[i * bs:(i + 1) * bs]).view(-1).tolist()
+                if not all(o in self.allocator.payload(block) for o in need):
+                    break
+            pairs.append((block, sched.prefix[i]))
+        if pairs:
+            self.allocator.register(pairs)
+            seq.registered += len(pairs)
 
     def _command(self, runs: list[tuple[_Seq, list[InputRun]]]) -> LMBatch:
         embeds, positions, visual, deep, capture, logit_rows, seqs = [], [], [], [], [], [], []
