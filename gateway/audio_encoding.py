@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import wave
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 
@@ -58,6 +58,7 @@ def compressed_bytes(waveform: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     bit rate; the encoder converts the sample format itself (and Opus the rate, when it is not one of its own).
     An empty waveform (nothing was spoken) becomes 20 ms of silence: these formats have no valid empty file."""
     import av  # only the compressed formats need it
+    from av.audio.stream import AudioStream
 
     container, codec = _COMPRESSED[fmt]
     if sample_rate <= 0:
@@ -68,7 +69,7 @@ def compressed_bytes(waveform: np.ndarray, sample_rate: int, fmt: str) -> bytes:
         pcm = np.zeros((1, max(1, sample_rate // 50)), np.int16)
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=container) as out:
-        stream = out.add_stream(codec, rate=rate, layout="mono")
+        stream = cast(AudioStream, out.add_stream(codec, rate=rate, layout="mono"))
         frame = av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
         frame.sample_rate = sample_rate
         for packet in stream.encode(frame):
