@@ -105,6 +105,8 @@ class ChatRequest:
     processor_kwargs: tuple[tuple[str, float], ...] = ()
     # OpenAI's `tools` as the chat template reads them ({"type": "function", "function": {...}} each)
     tools: tuple[dict[str, Any], ...] = ()
+    # the thinker's text must follow this: (json | regex | choice | grammar, spec) (gateway/structured_request.py)
+    structured: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ from gateway.openai_schema import (
 )
 from omnimesh.server.grpc_server import make_server
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
+from services.llm.structured_output import grammar_for
 
 if TYPE_CHECKING:
     from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
@@ -168,10 +169,19 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             messages.append(ChatMessage(role=m.role, content=tuple(parts)))  # type: ignore[arg-type]
         self.loader.check_audio_seconds(audio_seconds(messages))
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
+        structured = None
+        if req.HasField("structured_output"):
+            so = req.structured_output
+            try:
+                grammar_for(so.kind, so.spec)
+            except ValueError as e:
+                raise invalid_request(f"structured_output: {e}", "structured_output") from None
+            structured = (so.kind, so.spec)
         return ChatRequest(request_id=rid, model=pipeline_model,
                            messages=tuple(messages), modalities=modalities,
                            voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages,
-                           priority=req.priority, processor_kwargs=tuple(sorted(settings.items())))
+                           priority=req.priority, processor_kwargs=tuple(sorted(settings.items())),
+                           structured=structured)
 
     async def Generate(self, request: omni_pb2.GenerateRequest,  # noqa: N802 (gRPC method name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[omni_pb2.GenerateResponse]:

@@ -246,6 +246,30 @@ class MMProcessorKwargs(StrictBody):
             raise invalid_request(str(e), "mm_processor_kwargs") from None
 
 
+class JsonSchemaFormat(StrictBody):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictBody):
+    """OpenAI's `response_format` (gateway/structured_request.py)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictBody):
+    """vLLM's `structured_outputs`: one of these constrains the thinker's text."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class ChatCompletionRequest(StrictBody):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -283,10 +307,17 @@ class ChatCompletionRequest(StrictBody):
     # --enable-auto-tool-choice the thinker's <tool_call> blocks come back as `tool_calls`
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # structured outputs (gateway/structured_request.py): OpenAI's response_format, vLLM's structured_outputs
+    # and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted only at the values that mean "nothing special" (`refuse_unsupported`):
     functions: list[Any] | None = None
     logit_bias: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -320,16 +351,10 @@ class ChatCompletionRequest(StrictBody):
 _NEUTRAL: dict[str, Any] = {
     "prompt_logprobs": lambda v: v is None,
     "functions": lambda v: not v, "logit_bias": lambda v: not v,
-    "response_format": lambda v: v is None or v.get("type") in (None, "text"),
     # vLLM's extra sampling / decoding parameters
     "best_of": lambda v: v is None or v == 1,
     "use_beam_search": lambda v: not v, "allowed_token_ids": lambda v: not v, "bad_words": lambda v: not v,
-    "echo": lambda v: not v, "structured_outputs": lambda v: v is None, "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None, "guided_choice": lambda v: v is None, "guided_grammar": lambda v: v is None,
-}
-_WHY: dict[str, str] = {
-    "response_format": "structured outputs are not available; "
-    "use {\"type\": \"text\"} or leave it out",
+    "echo": lambda v: not v,
 }
 # OpenAI fields that only label, store or route a request (nothing here to honour): never logged
 _HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction"})
@@ -344,7 +369,7 @@ def refuse_unsupported(req: ChatCompletionRequest) -> None:
         value = getattr(req, name, None) if name in type(req).model_fields else extra.get(name)
         if not neutral(value):
             shown = json.dumps(value)[:80]
-            why = _WHY.get(name, "omnimesh does not implement it; leave it out")
+            why = "omnimesh does not implement it; leave it out"
             raise invalid_request(f"{name}: {shown} is not supported; {why}", name)
     fresh = sorted(set(extra) - set(_NEUTRAL) - _HARMLESS - _ignored_logged)
     if fresh:

@@ -49,6 +49,8 @@ from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageCallError, StageClient, StageStream
 from omnimesh.queue_runs import take_run
 from omnimesh.v1 import stage_pb2
+from services.llm.structured_output import OPTION as STRUCTURED_OPTION
+from services.llm.structured_output import option_value
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +220,8 @@ class StagePipeline:
             thinker = await thinker_replica.client.open(
                 rid, thinker_sampling(request),
                 {"talker_inputs": "1" if want_audio else "0",
-                 "eager_tokens": str(self.mesh.eager_tokens if want_audio else 1), **_priority(request)},
+                 "eager_tokens": str(self.mesh.eager_tokens if want_audio else 1), **_priority(request),
+                 **_structured(request)},
                 deadline, transport=out,
             )
             legs.append(_Leg(thinker, thinker_replica, out))
@@ -406,6 +409,11 @@ def _encoder_inputs(prompt: PromptInputs) -> dict[str, torch.Tensor]:
         tensors["video_grid_thw"] = prompt.video_grid_thw
     return tensors
 
+
+
+def _structured(request: ChatRequest) -> dict[str, str]:
+    """The thinker's `structured_output` option (services/llm/structured_output.py), when the request has one."""
+    return {} if request.structured is None else {STRUCTURED_OPTION: option_value(*request.structured)}
 
 
 def _priority(request: ChatRequest) -> dict[str, str]:

@@ -102,6 +102,7 @@ from gateway.openai_schema import (
 )
 from gateway.prompt import PromptBuilder
 from gateway.tokenize_api import TokenizeRoutes
+from gateway.structured_request import structured_spec
 from gateway.tool_calls import ToolCallParser, ToolCallStream, tool_plan
 from gateway.transcription_api import TranscriptionRoutes
 from gateway.stage_scrape import StageSources, scrape_stages
@@ -249,6 +250,11 @@ class RestGateway:
             voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline.voices,
                                   self.pipeline.default_voice, "audio.voice")
         tools = tool_plan(body, self.auto_tool_choice, modalities)
+        structured = structured_spec(body)
+        if structured is not None and tools.parse:
+            raise invalid_request("response_format: a structured output and tool calls (tool_choice \"auto\") "
+                                  "cannot both shape one answer; send tool_choice \"none\" or leave one out",
+                                  "response_format")
         messages = await self.chat_messages(body.messages, body.mm_processor_kwargs)
         # an alias from --served-model-name runs the pipeline's own model
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
@@ -256,7 +262,7 @@ class RestGateway:
             request_id=f"chatcmpl-{suffix}", model=pipeline_model, messages=messages,
             modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
             stage_params=stages, priority=check_priority(body.priority),
-            processor_kwargs=_settings(body.mm_processor_kwargs), tools=tools.tools)
+            processor_kwargs=_settings(body.mm_processor_kwargs), tools=tools.tools, structured=structured)
         audio_format: OutputAudioFormat | None = None
         if "audio" in modalities:  # the schema checked it is one of OUTPUT_AUDIO_FORMATS
             audio_format = cast(OutputAudioFormat, body.audio.format) if body.audio is not None else "wav"

@@ -27,6 +27,8 @@ from services.llm.sampling import merge_sampling, operator_defaults
 from services.llm.thinker_batcher import ThinkerBatcher
 from services.llm.thinker_task import ThinkerTask, merge_token_chunks
 from services.llm.token_logprobs import TokenBytes
+from services.llm.structured_output import OPTION as STRUCTURED_OPTION
+from services.llm.structured_output import Grammars
 from services.options import count_option, priority_option
 
 
@@ -52,6 +54,8 @@ class ThinkerHandler:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.stream_interval = stream_interval
+        vocab = int(thinker.config.get_text_config().vocab_size)
+        self.grammars = Grammars(tokenizer, vocab, self.defaults.stop_token_ids)  # structured outputs
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
@@ -70,6 +74,8 @@ class ThinkerHandler:
                            batcher=self.batcher, stream_interval=self.stream_interval,
                            eager_tokens=count_option(msg, "eager_tokens", 1, "tokens"), token_bytes=self.token_bytes)
         task.priority = priority_option(msg, self.batcher.engine.scheduler.policy if self.batcher else "fcfs")
+        if (structured := msg.options.get(STRUCTURED_OPTION)) is not None:
+            task.constraint = self.grammars.constraint(structured)
         if self.batcher is not None:
             self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
         return task

@@ -32,6 +32,7 @@ from omnimesh.models.qwen3_omni.thinker import PreparedPrompt, Qwen3OmniThinker
 from omnimesh.transport.frames import StageChunk
 from services.llm.detokenizer import Detokenizer, StopStrings
 from services.llm.prefix_keys import prompt_prefix_keys
+from services.llm.structured_output import Constraint
 from services.llm.token_logprobs import TokenBytes, token_logprob
 
 EDGE = "gateway -> thinker"
@@ -59,6 +60,7 @@ class ThinkerTask(BatchedTask):
         self.stream_interval = stream_interval
         self.eager_tokens = eager_tokens
         self.held: list[StageChunk] = []  # one chunk per token not sent yet (see `_send`)
+        self.constraint: Constraint | None = None  # structured output (services/llm/structured_output.py)
 
     def feed(self, chunk: StageChunk) -> None:
         if self.inputs is not None:
@@ -140,10 +142,18 @@ class ThinkerTask(BatchedTask):
             hidden = torch.cat(self.captured) if self.captured else prompt.embeds.new_zeros(0, prompt.embeds.shape[1])
             tensors.update(talker_prompt_to_tensors(self.thinker.talker_prompt(prompt, hidden)))
             self.captured = []
-        token = self.sampler.sample(out.logits, torch.tensor(self.token_ids, dtype=torch.long))
+        grammar_done = self.constraint is not None and self.constraint.complete
+        if self.constraint is None:
+            token = self.sampler.sample(out.logits, torch.tensor(self.token_ids, dtype=torch.long))
+        elif grammar_done:  # the grammar takes nothing more: the answer ends here
+            token = self.constraint.stop_id
+        else:
+            token = self.sampler.sample(self.constraint.allowed_logits(out.logits),
+                                        torch.tensor(self.token_ids, dtype=torch.long))
+            self.constraint.accept(token)
         self.completion_tokens += 1
         tensors["token_ids"] = torch.tensor([token], dtype=torch.long)
-        stop = self.sampler.is_stop(token)
+        stop = grammar_done or self.sampler.is_stop(token)
         at_max = self.completion_tokens >= self.sampler.params.max_tokens
         k = self.sampler.params.logprobs
         logprobs = [token_logprob(out.logits, token, k, self.token_bytes)] if k is not None and not stop else []

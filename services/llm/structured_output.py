@@ -1,0 +1,124 @@
+"""Structured outputs in the thinker (vLLM's guided decoding, with llguidance as its "guidance" backend).
+
+Role: a request may ask that the thinker's text follow a JSON schema (OpenAI's `response_format`
+json_object / json_schema, vLLM's `structured_outputs.json`), a regular expression, one of a list of
+strings (`choice`) or a Lark grammar. The gateway checks the spec (`grammar_for`, no tokenizer needed) and
+sends it as the thinker's `structured_output` option: JSON `[kind, spec]`. The thinker builds one
+`llguidance.LLMatcher` per request over the stage's tokenizer (`Grammars`, the tokenizer's table built once),
+and before each token masks the logits to what the grammar allows (`Constraint.allowed_logits`; the raw
+logits still give `logprobs`, as vLLM's default), then feeds it the sampled token. Once the grammar is
+complete only a stop id may follow: the request ends there ("stop").
+
+Data flow: gateway: request fields -> (kind, spec) -> `grammar_for` (400 on a bad spec) -> option;
+thinker: option -> `Grammars.constraint` (ValueError -> INVALID_ARGUMENT) -> per token: allowed_logits (V,)
+-> sample -> `accept(token)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+KINDS = ("json", "regex", "choice", "grammar")
+OPTION = "structured_output"
+
+
+def grammar_for(kind: str, spec: str) -> str:
+    """The llguidance grammar of a spec; ValueError naming what is wrong. `json`: a JSON schema (text);
+    `regex`; `choice`: a JSON list of strings; `grammar`: Lark (llguidance's dialect)."""
+    from llguidance import LLMatcher
+
+    if kind not in KINDS:
+        raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    try:
+        if kind == "json":
+            schema = json.loads(spec)
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be an object")
+            # no free whitespace between tokens (vLLM's disable_any_whitespace): a weak model cannot pad forever
+            grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides={"whitespace_flexible": False})
+        elif kind == "regex":
+            grammar = LLMatcher.grammar_from_regex(spec)
+        elif kind == "choice":
+            options = json.loads(spec)
+            if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
+                raise ValueError("choice must be a non-empty list of strings")
+            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+        else:
+            grammar = LLMatcher.grammar_from_lark(spec)
+    except ValueError as e:
+        raise ValueError(f"invalid {kind}: {e}") from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise ValueError(f"invalid {kind}: {error}")
+    return grammar
+
+
+def option_value(kind: str, spec: str) -> str:
+    return json.dumps([kind, spec])
+
+
+class Constraint:
+    """One request's grammar state (not thread-safe: its task uses it on one thread at a time)."""
+
+    def __init__(self, matcher: Any, vocab_size: int, stop_id: int) -> None:
+        self.matcher, self.vocab_size, self.stop_id = matcher, vocab_size, stop_id
+        self._mask = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)
+
+    @property
+    def complete(self) -> bool:
+        """The grammar accepts nothing more: only a stop id may follow."""
+        return bool(self.matcher.is_stopped())
+
+    def allowed_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` (V,) with every token the grammar does not allow at -inf."""
+        self.matcher.unsafe_compute_mask_ptr(self._mask.data_ptr(), self._mask.numel() * 4)
+        bits = (self._mask.view(-1, 1) >> torch.arange(32, dtype=torch.int32)) & 1  # (words, 32)
+        allowed = bits.view(-1)[:logits.shape[-1]].bool()
+        out = logits.clone()
+        out[~allowed] = float("-inf")
+        return out
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"structured output: the grammar rejected token {token} "
+                             f"({self.matcher.get_error() or 'no reason given'})")
+
+
+class Grammars:
+    """The stage's grammar compiler over the tokenizer's llguidance table (built once, at start-up: about a
+    second for a real vocabulary), shared by every request."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
+        self.vocab_size, self.stop_ids = vocab_size, stop_ids
+        self.unavailable: str | None = None  # why structured outputs cannot work on this stage, if they cannot
+        self._ll: Any = None
+        try:
+            from llguidance.hf import from_tokenizer
+
+            self._ll = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_ids) or None)
+        except Exception as e:  # noqa: BLE001  # the stage serves everything else; such requests hear why
+            self.unavailable = f"{type(e).__name__}: {e}"
+            log.warning("thinker: structured outputs are unavailable: %s", self.unavailable)
+
+    def constraint(self, option: str) -> Constraint:
+        """The request's constraint from its `structured_output` option; ValueError for a bad one."""
+        from llguidance import LLMatcher
+
+        try:
+            kind, spec = json.loads(option)
+        except (ValueError, TypeError):
+            raise ValueError(f"option {OPTION} must be a JSON [kind, spec] pair") from None
+        if self.unavailable is not None:
+            raise ValueError(f"structured outputs are unavailable on this thinker: {self.unavailable}")
+        if not self.stop_ids:
+            raise ValueError("structured output needs the model's stop ids (its generation config has none)")
+        matcher = LLMatcher(self._ll, grammar_for(str(kind), str(spec)), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured output: {matcher.get_error()}")
+        return Constraint(matcher, self.vocab_size, self.stop_ids[0])

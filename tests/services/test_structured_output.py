@@ -1,0 +1,97 @@
+"""Structured outputs in the thinker (services/llm/structured_output.py, llguidance): on the tiny model (random
+weights, which would never write JSON on their own) the text follows a regex, one of a list of choices, a JSON
+schema (compact: no free whitespace) and a Lark grammar, and the request ends ("stop") when the grammar is
+complete, even under ignore_eos; logprobs stay the raw distribution's; a bad spec is a ValueError at open
+(INVALID_ARGUMENT) naming the kind; a grammar longer than max_tokens ends there ("length")."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnimesh.config.serve_args import ServeArgs
+from omnimesh.v1 import stage_pb2
+from services.llm.structured_output import grammar_for, option_value
+from services.llm.thinker_handler import build_handler as thinker_handler
+from tests.services.test_lm_batching import Driver, open_thinker, prompts
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def handler(model_dir: Path) -> Any:
+    return thinker_handler(model_dir, ServeArgs(max_model_len=256, kv_cache_memory="1MiB", stream_interval=1))
+
+
+def answer(handler: Any, kind: str, spec: str, max_tokens: int = 64, seed: int = 3, **sampling: Any) -> tuple[str, Any]:
+    task = open_thinker(handler, "r", prompts([12], seed=seed)[0], max_tokens,
+                        structured_output=option_value(kind, spec))
+    if sampling:
+        task.sampler.params = task.sampler.params.__class__(**{**task.sampler.params.__dict__, **sampling})
+    d = Driver(handler)
+    d.add(task)
+    return "".join(c.text for c in d.run()["r"]), task
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_the_text_follows_each_kind_of_spec(handler: Any, seed: int) -> None:
+    text, task = answer(handler, "regex", "[ab]{3}-[0-9]{2}", seed=seed)
+    assert re.fullmatch(r"[ab]{3}-[0-9]{2}", text) and task.finish_reason == "stop"
+    text, task = answer(handler, "choice", json.dumps(["yes", "no", "maybe so"]), seed=seed)
+    assert text in ("yes", "no", "maybe so") and task.finish_reason == "stop"
+    text, task = answer(handler, "json", json.dumps(SCHEMA), seed=seed)
+    value = json.loads(text)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+    assert " " not in text and "\n" not in text and task.finish_reason == "stop"
+    text, task = answer(handler, "grammar", 'start: "(" item ("," item)? ")"\nitem: /[xyz]/', seed=seed)
+    assert re.fullmatch(r"\([xyz](,[xyz])?\)", text) and task.finish_reason == "stop"
+
+
+def test_the_grammar_ends_the_answer_even_under_ignore_eos_and_logprobs_stay_raw(handler: Any) -> None:
+    ids = prompts([12], seed=3)[0]
+    sampling = stage_pb2.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    task = handler.open(stage_pb2.Open(request_id="e", sampling=sampling,
+                                       options={"structured_output": option_value("regex", "ab")}))
+    from omnimesh.transport.frames import StageChunk
+
+    task.feed(StageChunk(tensors={"input_ids": ids}, final=True))
+    d = Driver(handler)
+    d.add(task)
+    chunks = d.run()["e"]
+    assert "".join(c.text for c in chunks) == "ab" and task.finish_reason == "stop"
+    first = [e for c in chunks for e in c.logprobs][0]
+    free = handler.open(stage_pb2.Open(request_id="f", sampling=sampling))  # the same prompt, unconstrained
+    free.feed(StageChunk(tensors={"input_ids": ids}, final=True))
+    d = Driver(handler)
+    d.add(free)
+    unconstrained = [e for c in d.run()["f"] for e in c.logprobs][0]
+    # the first token's alternatives are the raw distribution's, the same as without the grammar, though the
+    # grammar made it pick "a"
+    assert [(t.token_id, round(t.logprob, 5)) for t in first.top] == [
+        (t.token_id, round(t.logprob, 5)) for t in unconstrained.top]
+    assert first.token == b"a" and unconstrained.token != b"a"
+
+
+def test_a_grammar_longer_than_max_tokens_stops_there(handler: Any) -> None:
+    text, task = answer(handler, "regex", "a{50}", max_tokens=7)
+    assert set(text) == {"a"} and task.finish_reason == "length" and task.completion_tokens == 7
+
+
+def test_bad_specs_are_refused_naming_the_kind(handler: Any) -> None:
+    for kind, spec, needle in [("json", "[1, 2]", "invalid json: a JSON schema must be an object"),
+                               ("json", "{not json", "invalid json"),
+                               ("regex", "(unclosed", "invalid regex"),
+                               ("choice", "[]", "invalid choice: choice must be a non-empty list of strings"),
+                               ("grammar", "start: undefined_rule", "invalid grammar"),
+                               ("yaml", "x: 1", "kind must be one of json, regex, choice, grammar")]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            open_thinker(handler, "bad", prompts([4])[0], 8, structured_output=option_value(kind, spec))
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            grammar_for(kind, spec)
+    with pytest.raises(ValueError, match="must be a JSON \\[kind, spec\\] pair"):
+        open_thinker(handler, "bad", prompts([4])[0], 8, structured_output="json")
