@@ -307,6 +307,7 @@ class ChatCompletionRequest(StrictBody):
     # --enable-auto-tool-choice the thinker's <tool_call> blocks come back as `tool_calls`
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
     # structured outputs (gateway/structured_request.py): OpenAI's response_format, vLLM's structured_outputs
     # and its older guided_* fields
     response_format: ResponseFormat | None = None
@@ -357,7 +358,7 @@ _NEUTRAL: dict[str, Any] = {
     "echo": lambda v: not v,
 }
 # OpenAI fields that only label, store or route a request (nothing here to honour): never logged
-_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction"})
+_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prediction"})
 _ignored_logged: set[str] = set()  # unknown top-level fields already named in the log (once each)
 
 

@@ -103,7 +103,7 @@ from gateway.openai_schema import (
 from gateway.prompt import PromptBuilder
 from gateway.tokenize_api import TokenizeRoutes
 from gateway.structured_request import structured_spec
-from gateway.tool_calls import ToolCallParser, ToolCallStream, tool_plan
+from gateway.tool_calls import ToolCallParser, ToolCallStream, ToolPlan, forced_calls, tool_plan
 from gateway.transcription_api import TranscriptionRoutes
 from gateway.stage_scrape import StageSources, scrape_stages
 from omnimesh.engine.metrics import merge_families, parse_exposition
@@ -188,6 +188,7 @@ class _Call:
     first_audio: bool = False
     n: int = 1  # choices (OpenAI's `n`): as many runs of the request (gateway/choices.py)
     parse_tools: bool = False  # the thinker's <tool_call> blocks become tool_calls (gateway/tool_calls.py)
+    forced_tools: ToolPlan | None = None  # tool_choice "required" / named: the whole answer is the call(s)
 
     @property
     def logprobs(self) -> bool:
@@ -251,7 +252,7 @@ class RestGateway:
                                   self.pipeline.default_voice, "audio.voice")
         tools = tool_plan(body, self.auto_tool_choice, modalities)
         structured = structured_spec(body)
-        if structured is not None and tools.parse:
+        if structured is not None and (tools.parse or tools.structured is not None):
             raise invalid_request("response_format: a structured output and tool calls (tool_choice \"auto\") "
                                   "cannot both shape one answer; send tool_choice \"none\" or leave one out",
                                   "response_format")
@@ -262,14 +263,15 @@ class RestGateway:
             request_id=f"chatcmpl-{suffix}", model=pipeline_model, messages=messages,
             modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
             stage_params=stages, priority=check_priority(body.priority),
-            processor_kwargs=_settings(body.mm_processor_kwargs), tools=tools.tools, structured=structured)
+            processor_kwargs=_settings(body.mm_processor_kwargs), tools=tools.tools,
+            structured=tools.structured or structured)
         audio_format: OutputAudioFormat | None = None
         if "audio" in modalities:  # the schema checked it is one of OUTPUT_AUDIO_FORMATS
             audio_format = cast(OutputAudioFormat, body.audio.format) if body.audio is not None else "wav"
         return _Call(request=request, model=model, stream=body.stream,
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n,
-                     parse_tools=tools.parse)
+                     parse_tools=tools.parse, forced_tools=tools if tools.forced is not None else None)
 
     async def chat_messages(self, messages: list[Message], mm: MMProcessorKwargs | None = None
                             ) -> tuple[ChatMessage, ...]:
@@ -390,6 +392,8 @@ class RestGateway:
                 if calls:
                     message = ResponseMessage(content=content, tool_calls=[_tool_call(c) for c in calls])
                     finish = "tool_calls"
+            elif call.forced_tools is not None and (forced := forced_calls(call.forced_tools, transcript)):
+                message = ResponseMessage(content=None, tool_calls=[_tool_call(c) for c in forced])
             if call.audio_format is not None:
                 wave = np.concatenate(audio[i]) if audio[i] else np.zeros(0, np.float32)
                 data = await asyncio.to_thread(encode_audio, wave, rate, call.audio_format)
@@ -418,9 +422,11 @@ class RestGateway:
             return _sse(dump(c, drop_none=True))
 
         parsers = [ToolCallStream() for _ in range(call.n)] if call.parse_tools else None
+        held: list[list[str]] = [[] for _ in range(call.n)]  # a forced call's JSON, sent as tool_calls at the end
 
-        def calls_chunk(i: int, calls: list[ToolCall]) -> bytes:
-            first_index = parsers[i].calls - len(calls) if parsers is not None else 0
+        def calls_chunk(i: int, calls: list[ToolCall], first_index: int | None = None) -> bytes:
+            if first_index is None:
+                first_index = parsers[i].calls - len(calls) if parsers is not None else 0
             return chunk(i, Delta(tool_calls=[
                 DeltaToolCall(index=first_index + k, id=c.id, type="function",
                               function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
@@ -432,7 +438,11 @@ class RestGateway:
             finished: dict[int, Finished] = {}
             async for i, ev in _chain(first, events):
                 self._observe(call, ev)
-                if isinstance(ev, TextDelta):
+                if isinstance(ev, TextDelta) and call.forced_tools is not None:
+                    held[i].append(ev.text)
+                    if ev.logprobs:
+                        yield chunk(i, Delta(content=""), logprobs=self._logprobs(call, ev.logprobs))
+                elif isinstance(ev, TextDelta):
                     text, calls = (ev.text, []) if parsers is None else parsers[i].push(ev.text)
                     if text or ev.logprobs:  # a token holding part of a character: its entry, no text yet
                         yield chunk(i, Delta(content=text), logprobs=self._logprobs(call, ev.logprobs))
@@ -445,6 +455,12 @@ class RestGateway:
                 elif isinstance(ev, Finished):
                     finished[i] = ev
                     reason = ev.finish_reason
+                    if call.forced_tools is not None:
+                        forced = forced_calls(call.forced_tools, "".join(held[i]))
+                        if forced:
+                            yield calls_chunk(i, forced, 0)
+                        elif held[i]:  # not whole (max_tokens): what there is, as text
+                            yield chunk(i, Delta(content="".join(held[i])))
                     if parsers is not None:
                         text, calls = parsers[i].finish()
                         if text:

@@ -7,8 +7,10 @@ them); the model answers a call as a Hermes-style block in its text (Qwen2.5 / Q
     {"name": "get_weather", "arguments": {"city": "Oslo"}}
     </tool_call>
 
-With vLLM's `--enable-auto-tool-choice --tool-call-parser hermes` and `tool_choice` "auto" (the default when
-tools are given) the gateway parses those blocks out of the text: `ToolCallParser.parse` for a whole answer,
+`tool_choice` "required" or a named function forces the call, as vLLM does, with or without the flags: the
+thinker's text is held to the calls' JSON by a structured output (`ToolPlan.structured`) and `forced_calls`
+reads the calls from it. With vLLM's `--enable-auto-tool-choice --tool-call-parser hermes` and
+`tool_choice` "auto" (the default when tools are given) the gateway parses those blocks out of the text: `ToolCallParser.parse` for a whole answer,
 `ToolCallStream` for a streamed one (text outside the blocks streams on as content; each call leaves as one
 `tool_calls` delta when its block closes; a partial "<tool_call>" at the end of a delta is held back until
 the next one says whether it is a tag). A block that is not a JSON object with a string `name` stays in the
@@ -35,32 +37,66 @@ START, END = "<tool_call>", "</tool_call>"
 class ToolPlan:
     tools: tuple[dict, ...]  # for the chat template
     parse: bool  # turn <tool_call> blocks into tool_calls
+    forced: str | None = None  # "required", or the named function: the answer IS the call(s) (`forced_calls`)
+    structured: tuple[str, str] | None = None  # the JSON schema that forces it (the thinker's structured output)
 
 
 def tool_plan(body: ChatCompletionRequest, auto_enabled: bool, modalities: tuple[str, ...]) -> ToolPlan:
     """What the request's `tools` / `tool_choice` ask for, as vLLM answers them: "none" renders the tools and
     parses nothing; "auto" (the default with tools) needs --enable-auto-tool-choice; "required" and a named
-    function need structured outputs (not in omnimesh): 400s naming the field."""
+    function constrain the answer to the calls' JSON (structured outputs), with or without the flag.
+    Mistakes are 400s naming the field."""
     tools = tuple(t.model_dump(exclude_none=True) for t in body.tools or ())
     choice = body.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
-    if not isinstance(choice, str) or choice == "required":
-        shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
-        raise invalid_request(f"tool_choice: {shown} forces a call, which needs structured outputs; omnimesh has "
-                              "none: use \"auto\" (the model decides) or \"none\"", "tool_choice")
-    if choice == "none" or not tools:
+    if choice == "none":
         return ToolPlan(tools, parse=False)
-    if not auto_enabled:
-        raise invalid_request("tool_choice: \"auto\" tool choice requires --enable-auto-tool-choice and "
-                              "--tool-call-parser to be set (or send tool_choice \"none\")", "tool_choice")
+    if not tools:
+        if choice == "auto":
+            return ToolPlan(tools, parse=False)
+        raise invalid_request("tool_choice: forcing a call needs tools", "tool_choice")
     if "audio" in modalities:
         raise invalid_request("tools: the speech would read the tool calls aloud; with tools, ask for modalities "
                               "[\"text\"] (or send tool_choice \"none\")", "tools")
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise invalid_request(f"tools: function names must be unique, got {names}", "tools")
+    if not isinstance(choice, str):  # a named function: the answer is its arguments
+        name = choice.function.name
+        if name not in names:
+            raise invalid_request(f"tool_choice: function {name!r} is not among the tools ({', '.join(names)})",
+                                  "tool_choice")
+        params = tools[names.index(name)]["function"].get("parameters") or {"type": "object"}
+        return ToolPlan(tools, parse=False, forced=name, structured=("json", json.dumps(params)))
+    if choice == "required":  # the answer is a list of calls, each {"name": ..., "parameters": ...}, or just one
+        # with OpenAI's parallel_tool_calls false
+        calls = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                                    "parameters": t["function"].get("parameters") or {"type": "object"}},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if body.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return ToolPlan(tools, parse=False, forced="required", structured=("json", json.dumps(schema)))
+    if not auto_enabled:
+        raise invalid_request("tool_choice: \"auto\" tool choice requires --enable-auto-tool-choice and "
+                              "--tool-call-parser to be set (or send tool_choice \"none\")", "tool_choice")
     return ToolPlan(tools, parse=True)
+
+
+def forced_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
+    """The calls a forced answer (`plan.forced`) holds: its JSON, which the grammar shaped; None when it is not
+    whole (the answer hit max_tokens first): then it stays content."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if plan.forced != "required":
+        return [ToolCall(id=new_call_id(), name=str(plan.forced), arguments=json.dumps(value, ensure_ascii=False))]
+    if not isinstance(value, list):
+        return None
+    return [ToolCall(id=new_call_id(), name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False))
+            for c in value if isinstance(c, dict) and "name" in c and "parameters" in c] or None
 
 
 def new_call_id() -> str:

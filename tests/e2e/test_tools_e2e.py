@@ -5,6 +5,8 @@ vLLM. The parsing of tool calls out of the thinker's text: tests/gateway/test_to
 
 from __future__ import annotations
 
+import json
+
 import httpx
 from transformers import AutoTokenizer
 
@@ -33,3 +35,23 @@ def test_tools_render_into_the_prompt_and_auto_needs_the_flag(mesh, tiny_model_d
     auto = httpx.post(f"{mesh.rest}/v1/chat/completions", json={**body, "tools": TOOLS}, timeout=60)
     assert auto.status_code == 400 and auto.json()["error"]["param"] == "tool_choice"
     assert "--enable-auto-tool-choice and --tool-call-parser" in auto.json()["error"]["message"]
+
+
+def test_a_forced_call_comes_back_as_tool_calls(mesh) -> None:
+    """tool_choice "required" / a named function need no flag: the thinker's text is held to the calls' JSON
+    (structured outputs), which the tiny model's random weights would never write on their own."""
+    tools = [{"type": "function", "function": {"name": "set_mode", "parameters": {
+        "type": "object", "properties": {"mode": {"enum": ["calm", "storm"]}}, "required": ["mode"],
+        "additionalProperties": False}}}]
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 80, "temperature": 0, "tools": tools}
+    named = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=60,
+                       json={**body, "tool_choice": {"type": "function", "function": {"name": "set_mode"}}}).json()
+    call = named["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "set_mode" and json.loads(call["function"]["arguments"])["mode"] in ("calm", "storm")
+    assert named["choices"][0]["message"]["content"] is None
+    # (the random weights never close a list of calls: parallel_tool_calls false makes it one call)
+    required = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=60,
+                          json={**body, "tool_choice": "required", "parallel_tool_calls": False}).json()
+    calls = required["choices"][0]["message"]["tool_calls"]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "set_mode"
+    assert all(json.loads(c["function"]["arguments"])["mode"] in ("calm", "storm") for c in calls)

@@ -96,11 +96,22 @@ def test_tool_choice_rules_as_vllm() -> None:
     none = plan({"tools": [WEATHER], "tool_choice": "none"}, enabled=False)
     assert not none.parse and none.tools[0]["function"]["name"] == "get_weather"  # rendered, not parsed
     assert not plan({}).parse and plan({}).tools == ()
+    # "required" and a named function need no flag: the answer is constrained to the calls' JSON
+    named = plan({"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                 enabled=False)
+    assert named.forced == "get_weather" and not named.parse
+    assert named.structured == ("json", json.dumps(WEATHER["function"]["parameters"]))
+    required = plan({"tools": [WEATHER, TIME], "tool_choice": "required"}, enabled=False)
+    assert required.forced == "required" and required.structured is not None
+    schema = json.loads(required.structured[1])
+    assert schema["type"] == "array" and [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [
+        ["get_weather"], ["get_time"]]
     cases = [({"tools": [WEATHER]}, False, ("text",), "requires --enable-auto-tool-choice and --tool-call-parser"),
-             ({"tools": [WEATHER], "tool_choice": "required"}, True, ("text",), "needs structured outputs"),
-             ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, True,
-              ("text",), "function 'get_weather' forces a call"),
+             ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, True,
+              ("text",), r"function 'get_time' is not among the tools \(get_weather\)"),
+             ({"tool_choice": "required"}, True, ("text",), "forcing a call needs tools"),
              ({"tools": [WEATHER]}, True, ("text", "audio"), "read the tool calls aloud"),
+             ({"tools": [WEATHER], "tool_choice": "required"}, True, ("text", "audio"), "read the tool calls aloud"),
              ({"tools": [WEATHER, WEATHER]}, True, ("text",), "must be unique")]
     for body, enabled, modalities, needle in cases:
         with pytest.raises(PipelineError, match=needle) as e:
@@ -210,6 +221,34 @@ def test_rest_streams_tool_call_deltas(tools_server) -> None:
                        timeout=10).json()["choices"][0]
     assert plain["message"]["content"] == ANSWER and plain["message"]["tool_calls"] == []
     assert plain["finish_reason"] == "stop"
+
+
+def test_rest_answers_forced_calls() -> None:
+    from gateway.rest import create_app
+
+    pipeline = ScriptedPipeline()
+    answers = {"named": '{"city": "Oslo"}', "required": '[{"name": "get_time", "parameters": {}}, '
+                                                          '{"name": "get_weather", "parameters": {"city": "Rome"}}]'}
+    pipeline.script = lambda request: [TextDelta(answers["required" if "array" in request.structured[1] else "named"]),
+                                       Finished(finish_reason="stop", prompt_tokens=9, completion_tokens=5)]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",))) as server:  # no --enable-auto-tool-choice
+        for choice, want in ((named, [("get_weather", {"city": "Oslo"})]),
+                             ("required", [("get_time", {}), ("get_weather", {"city": "Rome"})])):
+            body = {"model": "tiny-omni", "messages": USER, "tools": [WEATHER, TIME], "tool_choice": choice}
+            r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=10)
+            message = r.json()["choices"][0]["message"]
+            assert message["content"] is None and r.json()["choices"][0]["finish_reason"] == "stop"
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == want
+            assert pipeline.requests[-1].structured is not None  # the thinker was held to the calls' JSON
+            with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json={**body, "stream": True},
+                              timeout=10) as s:
+                deltas = [c["choices"][0]["delta"] for line in s.iter_lines() if line.startswith("data: {")
+                          for c in [json.loads(line[6:])] if c["choices"]]
+            assert not "".join(d.get("content") or "" for d in deltas)  # the JSON never shows as text
+            calls = [t for d in deltas for t in d.get("tool_calls") or []]
+            assert [(t["index"], t["function"]["name"], json.loads(t["function"]["arguments"])) for t in calls] == [
+                (k, name, args) for k, (name, args) in enumerate(want)]
 
 
 def test_rest_without_the_flag_explains(rest_server: RestServer) -> None:
