@@ -19,6 +19,7 @@ large as the REST body limit are accepted (gRPC's default is 4 MiB). Inside a ru
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -173,7 +174,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         if req.HasField("structured_output"):
             so = req.structured_output
             try:
-                grammar_for(so.kind, so.spec)
+                await asyncio.to_thread(grammar_for, so.kind, so.spec)  # off the loop: a big schema takes a while
             except ValueError as e:
                 raise invalid_request(f"structured_output: {e}", "structured_output") from None
             structured = (so.kind, so.spec)

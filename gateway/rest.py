@@ -251,7 +251,7 @@ class RestGateway:
             voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline.voices,
                                   self.pipeline.default_voice, "audio.voice")
         tools = tool_plan(body, self.auto_tool_choice, modalities)
-        structured = structured_spec(body)
+        structured = await asyncio.to_thread(structured_spec, body)  # compiling a big schema takes a while
         if structured is not None and (tools.parse or tools.structured is not None):
             raise invalid_request("response_format: a structured output and tool calls (tool_choice \"auto\") "
                                   "cannot both shape one answer; send tool_choice \"none\" or leave one out",

@@ -3,7 +3,8 @@
 Role: a request may ask that the thinker's text follow a JSON schema (OpenAI's `response_format`
 json_object / json_schema, vLLM's `structured_outputs.json`), a regular expression, one of a list of
 strings (`choice`) or a Lark grammar. The gateway checks the spec (`grammar_for`, no tokenizer needed) and
-sends it as the thinker's `structured_output` option: JSON `[kind, spec]`. The thinker builds one
+sends it as the thinker's `structured_output` option: JSON `[kind, spec]`. With the prompt (on the compute thread,
+not the event loop) the thinker builds one
 `llguidance.LLMatcher` per request over the stage's tokenizer (`Grammars`, the tokenizer's table built once),
 and before each token masks the logits to what the grammar allows (`Constraint.allowed_logits`; the raw
 logits still give `logprobs`, as vLLM's default), then feeds it the sampled token. Once the grammar is

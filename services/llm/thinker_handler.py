@@ -74,8 +74,8 @@ class ThinkerHandler:
                            batcher=self.batcher, stream_interval=self.stream_interval,
                            eager_tokens=count_option(msg, "eager_tokens", 1, "tokens"), token_bytes=self.token_bytes)
         task.priority = priority_option(msg, self.batcher.engine.scheduler.policy if self.batcher else "fcfs")
-        if (structured := msg.options.get(STRUCTURED_OPTION)) is not None:
-            task.constraint = self.grammars.constraint(structured)
+        # compiled with the prompt, on the compute thread (a big schema takes a while: not on the event loop)
+        task.structured, task.grammars = msg.options.get(STRUCTURED_OPTION), self.grammars
         if self.batcher is not None:
             self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
         return task

@@ -32,7 +32,7 @@ from omnimesh.models.qwen3_omni.thinker import PreparedPrompt, Qwen3OmniThinker
 from omnimesh.transport.frames import StageChunk
 from services.llm.detokenizer import Detokenizer, StopStrings
 from services.llm.prefix_keys import prompt_prefix_keys
-from services.llm.structured_output import Constraint
+from services.llm.structured_output import Constraint, Grammars
 from services.llm.token_logprobs import TokenBytes, token_logprob
 
 EDGE = "gateway -> thinker"
@@ -60,7 +60,9 @@ class ThinkerTask(BatchedTask):
         self.stream_interval = stream_interval
         self.eager_tokens = eager_tokens
         self.held: list[StageChunk] = []  # one chunk per token not sent yet (see `_send`)
-        self.constraint: Constraint | None = None  # structured output (services/llm/structured_output.py)
+        self.structured: str | None = None  # the structured_output option (services/llm/structured_output.py)
+        self.grammars: Grammars | None = None  # the stage's compiler for it (its handler's)
+        self.constraint: Constraint | None = None  # ... compiled by `prompt_run`
 
     def feed(self, chunk: StageChunk) -> None:
         if self.inputs is not None:
@@ -112,6 +114,10 @@ class ThinkerTask(BatchedTask):
             video_second_per_grid=t.get("video_second_per_grid"),
             use_audio_in_video=flag(t, "use_audio_in_video"),
         )
+        if self.structured is not None and self.constraint is None:
+            if self.grammars is None:
+                raise RuntimeError("a structured output without the stage's grammar compiler")
+            self.constraint = self.grammars.constraint(self.structured)  # ValueError: this request fails
         self.prompt = prompt
         self.token_ids = prompt.ids.tolist()
         self.prompt_tokens = len(self.token_ids)

@@ -2,7 +2,8 @@
 weights, which would never write JSON on their own) the text follows a regex, one of a list of choices, a JSON
 schema (compact: no free whitespace) and a Lark grammar, and the request ends ("stop") when the grammar is
 complete, even under ignore_eos; logprobs stay the raw distribution's; a bad spec is a ValueError at open
-(INVALID_ARGUMENT) naming the kind; a grammar longer than max_tokens ends there ("length")."""
+(INVALID_ARGUMENT) when the prompt is prepared, failing that request alone, naming the kind; a grammar
+longer than max_tokens ends there ("length")."""
 
 from __future__ import annotations
 
@@ -90,8 +91,20 @@ def test_bad_specs_are_refused_naming_the_kind(handler: Any) -> None:
                                ("grammar", "start: undefined_rule", "invalid grammar"),
                                ("yaml", "x: 1", "kind must be one of json, regex, choice, grammar")]:
         with pytest.raises(ValueError, match=re.escape(needle)):
-            open_thinker(handler, "bad", prompts([4])[0], 8, structured_output=option_value(kind, spec))
+            run_bad(handler, option_value(kind, spec))
         with pytest.raises(ValueError, match=re.escape(needle)):
             grammar_for(kind, spec)
     with pytest.raises(ValueError, match="must be a JSON \\[kind, spec\\] pair"):
-        open_thinker(handler, "bad", prompts([4])[0], 8, structured_output="json")
+        run_bad(handler, "json")
+    assert handler.batcher.engine.seqs == {}  # nothing of them stays in the engine
+
+
+def run_bad(handler: Any, option: str) -> None:
+    """The spec is compiled with the prompt, on the compute thread: the step fails this request alone."""
+    task = open_thinker(handler, "bad", prompts([4])[0], 8, structured_output=option)
+    try:
+        result = handler.batcher.step_batch([task])["bad"]
+        if isinstance(result, BaseException):
+            raise result
+    finally:
+        task.close()
