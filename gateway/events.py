@@ -114,6 +114,8 @@ class TextDelta:
     text: str
     # the thinker's entries for the tokens of `text` (when the request asked for logprobs), in order
     logprobs: tuple[stage_pb2.TokenLogprob, ...] = ()
+    # (prompt tokens, tokens the thinker generated up to this delta): vLLM's continuous_usage_stats
+    usage: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

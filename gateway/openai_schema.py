@@ -15,6 +15,7 @@ decoding and the like, at any value but their neutral one. vLLM-Omni's
 come from the model folder).
 `tools` / `tool_choice` and the messages' `tool_calls` / `tool_call_id` are OpenAI's function calling
 (checked and parsed in gateway/tool_calls.py).
+`stream_options.continuous_usage_stats` (vLLM's, with include_usage) puts the usage so far on every chunk.
 Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate, whatever `audio.format`
 says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `message.audio.data`.
 `stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does. `logprobs`
@@ -180,6 +181,7 @@ class AudioOutput(StrictBody):
 
 class StreamOptions(StrictBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk says the usage so far
 
 
 # OpenAI's `stop`: a string or a list of strings; a lone string is a list of one

@@ -242,7 +242,8 @@ class StagePipeline:
                 out = self.mesh.mode(replica, self.mesh.host_id, "gateway")
                 vocoder = await replica.client.open(rid, None, {}, deadline, whole_input=whole, transport=out)
                 legs.append(_Leg(vocoder, replica, out))
-            relays.append(asyncio.create_task(self._relay(thinker, talker, events, text=True)))
+            relays.append(asyncio.create_task(self._relay(thinker, talker, events, text=True,
+                                                          prompt_tokens=int(prompt.input_ids.numel()))))
             if talker is not None and vocoder is not None:
                 relays.append(asyncio.create_task(self._relay(talker, vocoder, events, text=False)))
                 relays.append(asyncio.create_task(self._relay(vocoder, None, events, text=False, audio=True)))
@@ -342,13 +343,20 @@ class StagePipeline:
         return [part async for part in encoder.parts()]
 
     async def _relay(
-        self, source: StageStream, sink: StageStream | None, events: asyncio.Queue, *, text: bool, audio: bool = False
+        self, source: StageStream, sink: StageStream | None, events: asyncio.Queue, *, text: bool, audio: bool = False,
+        prompt_tokens: int = 0,
     ) -> None:
-        """Read `source` part by part: client-visible parts go to `events`; tensors go on to `sink` unread."""
+        """Read `source` part by part: client-visible parts go to `events`; tensors go on to `sink` unread. The
+        thinker's text deltas carry the tokens generated so far (its parts' `token_ids` frames, counted from
+        their shapes without reading them)."""
+        generated = 0
         try:
             async for part in source.parts():
+                if text:
+                    generated += sum(int(f.shape[0]) for f in part.tensors
+                                     if f.name == "token_ids" and f.piece_offset == 0 and len(f.shape) == 1)
                 if text and (part.text or part.logprobs):
-                    events.put_nowait(TextDelta(part.text, tuple(part.logprobs)))
+                    events.put_nowait(TextDelta(part.text, tuple(part.logprobs), (prompt_tokens, generated)))
                     part.text = ""
                     del part.logprobs[:]  # the client's, like the text: the talker never reads them
                 if audio:
@@ -390,7 +398,7 @@ def _joined(deltas: list[TextDelta | AudioDelta]) -> Event:
         return deltas[0]
     if isinstance(deltas[0], TextDelta):
         texts = [d for d in deltas if isinstance(d, TextDelta)]
-        return TextDelta("".join(d.text for d in texts), tuple(e for d in texts for e in d.logprobs))
+        return TextDelta("".join(d.text for d in texts), tuple(e for d in texts for e in d.logprobs), texts[-1].usage)
     pcm = [d.pcm for d in deltas if isinstance(d, AudioDelta)]
     return AudioDelta(pcm=np.concatenate(pcm), sample_rate=deltas[0].sample_rate)
 

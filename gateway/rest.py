@@ -189,6 +189,7 @@ class _Call:
     n: int = 1  # choices (OpenAI's `n`): as many runs of the request (gateway/choices.py)
     parse_tools: bool = False  # the thinker's <tool_call> blocks become tool_calls (gateway/tool_calls.py)
     forced_tools: ToolPlan | None = None  # tool_choice "required" / named: the whole answer is the call(s)
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
 
     @property
     def logprobs(self) -> bool:
@@ -270,6 +271,8 @@ class RestGateway:
             audio_format = cast(OutputAudioFormat, body.audio.format) if body.audio is not None else "wav"
         return _Call(request=request, model=model, stream=body.stream,
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                     continuous_usage=bool(body.stream_options and body.stream_options.include_usage
+                                           and body.stream_options.continuous_usage_stats),
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n,
                      parse_tools=tools.parse, forced_tools=tools if tools.forced is not None else None)
 
@@ -415,10 +418,18 @@ class RestGateway:
         audio_ids = [f"audio_{uuid.uuid4().hex}" for _ in range(call.n)]
         status, events = 499, stream.events  # 499 (client closed) unless the stream gets to its end
 
+        # continuous_usage_stats: each choice's (prompt, completion) tokens so far, from its text deltas
+        so_far: list[tuple[int, int] | None] = [None] * call.n
+        if call.continuous_usage and isinstance(first[1], TextDelta):
+            so_far[first[0]] = first[1].usage
+
         def chunk(i: int, delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> bytes:
+            usage = None
+            if call.continuous_usage and (known := so_far[i]) is not None:
+                usage = Usage(prompt_tokens=known[0], completion_tokens=known[1], total_tokens=sum(known))
             c = ChatCompletionChunk(id=rid, created=call.created, model=call.model,
                                     choices=[ChunkChoice(index=i, delta=delta, finish_reason=finish,
-                                                         logprobs=logprobs)])
+                                                         logprobs=logprobs)], usage=usage)
             return _sse(dump(c, drop_none=True))
 
         parsers = [ToolCallStream() for _ in range(call.n)] if call.parse_tools else None
@@ -438,6 +449,10 @@ class RestGateway:
             finished: dict[int, Finished] = {}
             async for i, ev in _chain(first, events):
                 self._observe(call, ev)
+                if isinstance(ev, TextDelta) and ev.usage is not None:
+                    so_far[i] = ev.usage
+                elif isinstance(ev, Finished):
+                    so_far[i] = (ev.prompt_tokens, ev.completion_tokens)
                 if isinstance(ev, TextDelta) and call.forced_tools is not None:
                     held[i].append(ev.text)
                     if ev.logprobs:
