@@ -89,6 +89,8 @@ class SamplingOverrides:
     logprobs: int | None = None  # thinker: each token's log-probability and this many alternatives (0-20)
     min_p: float | None = None  # vLLM's: drop ids below min_p x the top probability
     ignore_eos: bool | None = None  # vLLM's: the model's own stop ids do not stop the stage
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # OpenAI's: (token id, added to its logit)
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these ids may be picked
 
 
 @dataclass(frozen=True, slots=True)

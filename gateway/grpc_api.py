@@ -88,7 +88,9 @@ def _overrides(p: stage_pb2.SamplingParams, param: str, max_logprobs: int) -> Sa
                           include_stop_str_in_output=opt("include_stop_str_in_output"),  # type: ignore[arg-type]
                           presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
                           logprobs=opt("logprobs"), min_p=opt("min_p"),  # type: ignore[arg-type]
-                          ignore_eos=p.ignore_eos or None)
+                          ignore_eos=p.ignore_eos or None,
+                          logit_bias=tuple(sorted(p.logit_bias.items())) or None,
+                          allowed_token_ids=tuple(p.allowed_token_ids) or None)
     check_sampling(s, param, max_logprobs)
     return s
 

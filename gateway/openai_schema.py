@@ -9,8 +9,9 @@ Defaults chosen to match OpenAI: `modalities` defaults to ["text"] (no audio unl
 "audio" is asked for without an `audio` object the pipeline's default voice and "wav" are used. Unknown
 top-level fields are accepted and ignored (clients send many; each is named once in the log), except ones
 whose silent omission would change the answer (`refuse_unsupported`): `prompt_logprobs`,
-`functions`, `logit_bias`, a `response_format` other than text, and vLLM's beam search, guided
-decoding and the like, at any value but their neutral one. vLLM-Omni's
+`functions`, and vLLM's beam search, `bad_words` and the like, at any value but their neutral one.
+OpenAI's `logit_bias` and vLLM's `allowed_token_ids` reach the stages' samplers; structured outputs:
+gateway/structured_request.py. vLLM-Omni's
 `mm_processor_kwargs` takes only `use_audio_in_video` (any other key is a 400: the processor's settings
 come from the model folder).
 `tools` / `tool_choice` and the messages' `tool_calls` / `tool_call_id` are OpenAI's function calling
@@ -210,6 +211,8 @@ class StageSampling(StrictBody):
     frequency_penalty: float | None = None
     min_p: float | None = None
     ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def overrides(self) -> SamplingOverrides:
         return _overrides(self, self.max_tokens)
@@ -221,7 +224,21 @@ def _overrides(s: StageSampling | ChatCompletionRequest, max_tokens: int | None)
                              stop_token_ids=_tuple(s.stop_token_ids), stop=_tuple(s.stop),
                              min_tokens=s.min_tokens, include_stop_str_in_output=s.include_stop_str_in_output,
                              presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                             min_p=s.min_p, ignore_eos=s.ignore_eos)
+                             min_p=s.min_p, ignore_eos=s.ignore_eos, logit_bias=_bias(s.logit_bias),
+                             allowed_token_ids=_tuple(s.allowed_token_ids))
+
+
+def _bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's logit_bias (token ids as JSON keys) -> (id, bias) pairs; a key that is no id is a 400."""
+    if not bias:
+        return None
+    pairs = []
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise invalid_request(f"logit_bias: keys are token ids (whole numbers as strings), got {key!r}",
+                                  "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 class StageParams(StrictBody):
@@ -294,6 +311,8 @@ class ChatCompletionRequest(StrictBody):
     frequency_penalty: float | None = None
     min_p: float | None = None  # vLLM's: drop ids below min_p x the top probability (after temperature)
     ignore_eos: bool | None = None  # vLLM's: the model's EOS does not stop (max_tokens, stop ids still do)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be picked
     stream: bool = False
     stream_options: StreamOptions | None = None
     stage_params: StageParams | None = None
@@ -320,7 +339,6 @@ class ChatCompletionRequest(StrictBody):
     guided_grammar: str | None = None
     # Accepted only at the values that mean "nothing special" (`refuse_unsupported`):
     functions: list[Any] | None = None
-    logit_bias: dict[str, Any] | None = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -353,10 +371,10 @@ class ChatCompletionRequest(StrictBody):
 # nothing (then it is accepted and changes nothing): anything else would silently change the answer -> 400
 _NEUTRAL: dict[str, Any] = {
     "prompt_logprobs": lambda v: v is None,
-    "functions": lambda v: not v, "logit_bias": lambda v: not v,
+    "functions": lambda v: not v,
     # vLLM's extra sampling / decoding parameters
     "best_of": lambda v: v is None or v == 1,
-    "use_beam_search": lambda v: not v, "allowed_token_ids": lambda v: not v, "bad_words": lambda v: not v,
+    "use_beam_search": lambda v: not v, "bad_words": lambda v: not v,
     "echo": lambda v: not v,
 }
 # OpenAI fields that only label, store or route a request (nothing here to honour): never logged
@@ -497,6 +515,14 @@ def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOG
     for i, t in enumerate(s.stop_token_ids or ()):
         if not 0 <= t < 2**63:
             problems.append((f"stop_token_ids[{i}]", f"must be a token id >= 0, got {t}"))
+            break
+    for t, bias in s.logit_bias or ():
+        if not 0 <= t < 2**63 or not -100.0 <= bias <= 100.0:
+            problems.append(("logit_bias", f"token {t}: ids must be >= 0 and biases in [-100, 100], got {bias}"))
+            break
+    for i, t in enumerate(s.allowed_token_ids or ()):
+        if not 0 <= t < 2**63:
+            problems.append((f"allowed_token_ids[{i}]", f"must be a token id >= 0, got {t}"))
             break
     if s.stop:
         if param.endswith("talker"):

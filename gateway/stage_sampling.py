@@ -48,6 +48,10 @@ def _to_proto(s: SamplingOverrides) -> stage_pb2.SamplingParams:
         msg.min_p = s.min_p
     if s.ignore_eos:
         msg.ignore_eos = True
+    for token, bias in s.logit_bias or ():
+        msg.logit_bias[token] = bias
+    if s.allowed_token_ids:
+        msg.allowed_token_ids.extend(s.allowed_token_ids)
     return msg
 
 

@@ -46,6 +46,15 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
             bound = f"[0, {vocab})" if vocab > 0 else ">= 0"
             raise ValueError(f"stop_token_ids must be in {bound} (this stage's vocabulary), got {bad[:8]}")
         changes["stop_token_ids"] = tuple(dict.fromkeys((*own, *ids)))
+    vocab = defaults.vocab_size
+    for name, ids in (("logit_bias", list(msg.logit_bias)), ("allowed_token_ids", list(msg.allowed_token_ids))):
+        bad = [i for i in ids if i < 0 or (vocab > 0 and i >= vocab)]
+        if bad:
+            raise ValueError(f"{name}: token ids must be in [0, {vocab}) (this stage's vocabulary), got {sorted(bad)[:8]}")
+    if msg.logit_bias:
+        changes["logit_bias"] = tuple(sorted((int(i), float(b)) for i, b in msg.logit_bias.items()))
+    if msg.allowed_token_ids:
+        changes["allowed_token_ids"] = tuple(dict.fromkeys(int(i) for i in msg.allowed_token_ids))
     if msg.stop:
         if any(s == "" for s in msg.stop):
             raise ValueError("stop strings must not be empty")

@@ -1,4 +1,4 @@
-"""Structured outputs through the shared mesh: the tiny model's random weights never write JSON on their own,
+"""Structured outputs (and logit_bias / allowed_token_ids) through the shared mesh: the tiny model's random weights never write JSON on their own,
 yet with OpenAI's `response_format` json_schema the answer is JSON of that schema, with vLLM's
 `structured_outputs.choice` one of the choices and with `regex` a match; streamed the same text arrives; a
 bad schema is a 400 from the gateway, before any stage runs; gRPC's `structured_output` works alike."""
@@ -58,3 +58,18 @@ def test_grpc_structured_output(mesh) -> None:
         out = list(omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=120))
     value = json.loads("".join(r.text_delta for r in out))
     assert set(value) == {"ok", "size"} and out[-1].done.finish_reason == "stop"
+
+
+def test_logit_bias_and_allowed_token_ids(mesh, tiny_model_dir) -> None:
+    """A +100 bias on one id makes the greedy answer that token, repeated; allowed_token_ids bound the answer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok.encode("sea", add_special_tokens=False)
+    forced = _chat(mesh, max_tokens=6, ignore_eos=True, logit_bias={str(ids[0]): 100})
+    assert forced.status_code == 200, forced.text
+    assert forced.json()["choices"][0]["message"]["content"] == tok.decode([ids[0]] * 6)
+    allowed = _chat(mesh, max_tokens=8, allowed_token_ids=ids).json()
+    text = allowed["choices"][0]["message"]["content"]
+    assert tok.encode(text, add_special_tokens=False) and set(tok.encode(text, add_special_tokens=False)) <= set(ids)
+    assert allowed["usage"]["completion_tokens"] == 8  # the stop id is not among them: only max_tokens ends it

@@ -68,6 +68,8 @@ class SamplingParams:
     vocab_size: int = 0  # ids the head can produce (0 = unknown); bounds the caller's stop_token_ids
     # the thinker returns each token's log-probability (raw model distribution) and this many alternatives
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (id, added to its logit in [-100, 100])
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these ids may be picked (empty = all)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -91,6 +93,9 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= (self.vocab_size or self.logprobs):
             raise ValueError(f"logprobs must be in [0, {self.vocab_size}] alternatives per token (the vocabulary), "
                              f"got {self.logprobs}")
+        for i, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias of token {i} must be in [-100, 100], got {bias}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}; "
                              f"lower min_tokens or raise max_tokens")
@@ -129,6 +134,9 @@ class Sampler:
             torch.tensor(params.stop_token_ids, dtype=torch.long)
             if params.min_tokens and params.stop_token_ids else None
         )
+        self._bias = (torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long),
+                      torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)) if params.logit_bias else None
+        self._allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long) if params.allowed_token_ids else None
         self.num_sampled = 0  # tokens picked so far by `sample` (what min_tokens counts)
         self._generated: dict[int, int] = {}  # id -> times picked; kept only when the output penalties are on
 
@@ -141,6 +149,13 @@ class Sampler:
             scores = apply_repetition_penalty(scores, history, p.repetition_penalty)
         if self._generated:
             scores = apply_output_penalties(scores, self._generated, p.frequency_penalty, p.presence_penalty)
+        if self._allowed is not None:  # vLLM's allowed_token_ids: every other id is out
+            allowed = self._allowed.to(scores.device)
+            keep = scores.new_full(scores.shape, -float("inf"))
+            scores = keep.index_copy(0, allowed, scores.index_select(0, allowed))
+        if self._bias is not None:  # OpenAI's logit_bias, added to the (penalised) logits
+            ids, bias = self._bias
+            scores = scores.index_add(0, ids.to(scores.device), bias.to(scores.device, scores.dtype))
         if self._min_stop is not None and self.num_sampled < p.min_tokens:
             ids = self._min_stop.to(scores.device)
             scores = scores.index_fill(0, ids[ids < scores.shape[-1]], -float("inf"))  # (V,)
@@ -189,10 +204,11 @@ def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[
     """`sample` for B greedy requests at once: logits (B, V), per request its penalty history (ids) -> ids,
     each what its own `sample` would pick (the same per-element arithmetic, one op per step instead of a
     dozen per request). None when the batch does not qualify (a request samples, holds stop ids back for
-    min_tokens now, has frequency / presence penalties, or the requests differ in penalty or suppressed
-    tokens): the caller samples one by one."""
+    min_tokens now, has frequency / presence penalties, a logit_bias or allowed_token_ids, or the requests
+    differ in penalty or suppressed tokens): the caller samples one by one."""
     first = samplers[0].params
-    if not all(s.params.greedy and not s.params.output_penalties
+    if not all(s.params.greedy and not s.params.output_penalties and not s.params.logit_bias
+               and not s.params.allowed_token_ids
                and s.params.repetition_penalty == first.repetition_penalty
                and s.params.suppress_tokens == first.suppress_tokens
                and not (s._min_stop is not None and s.num_sampled < s.params.min_tokens) for s in samplers):
