@@ -259,3 +259,17 @@ def test_rest_without_the_flag_explains(rest_server: RestServer) -> None:
     r = httpx.post(f"{rest_server.base_url}/v1/chat/completions",
                    json={"model": "tiny-omni", "messages": USER, "tools": [WEATHER], "tool_choice": "none"}, timeout=10)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == []
+
+
+def test_each_choice_streams_its_own_calls(tools_server) -> None:
+    """With n = 2 every choice has its own parser: each streams both calls, indexed 0 and 1 within it."""
+    server, _ = tools_server
+    body = {"model": "tiny-omni", "messages": USER, "tools": [WEATHER, TIME], "stream": True, "n": 2}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=10) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        calls = [t for ch in mine for t in ch["delta"].get("tool_calls") or []]
+        assert [(t["index"], t["function"]["name"]) for t in calls] == [(0, "get_weather"), (1, "get_time")]
+        assert "".join(ch["delta"].get("content") or "" for ch in mine) == "Let me check.\n\n"
+        assert mine[-1]["finish_reason"] == "tool_calls"
