@@ -91,6 +91,7 @@ class SamplingOverrides:
     ignore_eos: bool | None = None  # vLLM's: the model's own stop ids do not stop the stage
     logit_bias: tuple[tuple[int, float], ...] | None = None  # OpenAI's: (token id, added to its logit)
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these ids may be picked
+    bad_words: tuple[str, ...] | None = None  # vLLM's, thinker only: words the text must not produce
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,7 +90,7 @@ def _overrides(p: stage_pb2.SamplingParams, param: str, max_logprobs: int) -> Sa
                           logprobs=opt("logprobs"), min_p=opt("min_p"),  # type: ignore[arg-type]
                           ignore_eos=p.ignore_eos or None,
                           logit_bias=tuple(sorted(p.logit_bias.items())) or None,
-                          allowed_token_ids=tuple(p.allowed_token_ids) or None)
+                          allowed_token_ids=tuple(p.allowed_token_ids) or None, bad_words=tuple(p.bad_words) or None)
     check_sampling(s, param, max_logprobs)
     return s
 

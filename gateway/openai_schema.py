@@ -9,8 +9,8 @@ Defaults chosen to match OpenAI: `modalities` defaults to ["text"] (no audio unl
 "audio" is asked for without an `audio` object the pipeline's default voice and "wav" are used. Unknown
 top-level fields are accepted and ignored (clients send many; each is named once in the log), except ones
 whose silent omission would change the answer (`refuse_unsupported`): `prompt_logprobs`,
-`functions`, and vLLM's beam search, `bad_words` and the like, at any value but their neutral one.
-OpenAI's `logit_bias` and vLLM's `allowed_token_ids` reach the stages' samplers; structured outputs:
+`functions`, and vLLM's beam search and the like, at any value but their neutral one.
+OpenAI's `logit_bias` and vLLM's `allowed_token_ids` and `bad_words` reach the stages' samplers; structured outputs:
 gateway/structured_request.py. vLLM-Omni's
 `mm_processor_kwargs` takes only `use_audio_in_video` (any other key is a 400: the processor's settings
 come from the model folder).
@@ -213,6 +213,7 @@ class StageSampling(StrictBody):
     ignore_eos: bool | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def overrides(self) -> SamplingOverrides:
         return _overrides(self, self.max_tokens)
@@ -225,7 +226,7 @@ def _overrides(s: StageSampling | ChatCompletionRequest, max_tokens: int | None)
                              min_tokens=s.min_tokens, include_stop_str_in_output=s.include_stop_str_in_output,
                              presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                              min_p=s.min_p, ignore_eos=s.ignore_eos, logit_bias=_bias(s.logit_bias),
-                             allowed_token_ids=_tuple(s.allowed_token_ids))
+                             allowed_token_ids=_tuple(s.allowed_token_ids), bad_words=_tuple(s.bad_words))
 
 
 def _bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:
@@ -313,6 +314,7 @@ class ChatCompletionRequest(StrictBody):
     ignore_eos: bool | None = None  # vLLM's: the model's EOS does not stop (max_tokens, stop ids still do)
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be picked
+    bad_words: list[str] | None = None  # vLLM's: words the thinker's text must not produce
     stream: bool = False
     stream_options: StreamOptions | None = None
     stage_params: StageParams | None = None
@@ -374,7 +376,7 @@ _NEUTRAL: dict[str, Any] = {
     "functions": lambda v: not v,
     # vLLM's extra sampling / decoding parameters
     "best_of": lambda v: v is None or v == 1,
-    "use_beam_search": lambda v: not v, "bad_words": lambda v: not v,
+    "use_beam_search": lambda v: not v,
     "echo": lambda v: not v,
 }
 # OpenAI fields that only label, store or route a request (nothing here to honour): never logged
@@ -524,6 +526,11 @@ def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOG
         if not 0 <= t < 2**63:
             problems.append((f"allowed_token_ids[{i}]", f"must be a token id >= 0, got {t}"))
             break
+    if s.bad_words:
+        if param.endswith("talker"):
+            problems.append(("bad_words", "bad words apply to the thinker's text only; the talker emits audio codes"))
+        elif any(not w.strip() for w in s.bad_words):
+            problems.append(("bad_words", "bad words must not be empty or only spaces"))
     if s.stop:
         if param.endswith("talker"):
             why = "stop strings apply to the thinker's text only; the talker emits audio codes (use stop_token_ids)"

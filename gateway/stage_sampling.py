@@ -52,6 +52,8 @@ def _to_proto(s: SamplingOverrides) -> stage_pb2.SamplingParams:
         msg.logit_bias[token] = bias
     if s.allowed_token_ids:
         msg.allowed_token_ids.extend(s.allowed_token_ids)
+    if s.bad_words:
+        msg.bad_words.extend(s.bad_words)
     return msg
 
 

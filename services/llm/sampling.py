@@ -30,6 +30,8 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
         return defaults
     if msg.HasField("logprobs") and not text:
         raise ValueError("logprobs are for the thinker's text tokens; this stage emits audio codes")
+    if msg.bad_words and not text:
+        raise ValueError("bad_words are for the thinker's text; this stage emits audio codes")
     changes: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty", "min_tokens",
                  "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "logprobs"):
@@ -60,6 +62,21 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
             raise ValueError("stop strings must not be empty")
         changes["stop"] = tuple(dict.fromkeys((*defaults.stop, *msg.stop)))
     return replace(defaults, **changes)
+
+
+def bad_word_ids(tokenizer: Any, words: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as it starts the text and after a space (both
+    spellings a BPE vocabulary may generate)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        stripped = str(word).lstrip()
+        if not stripped:
+            raise ValueError("bad_words must not be empty or only spaces")
+        for text in (stripped, " " + stripped):
+            ids = tuple(int(i) for i in tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)
 
 
 def operator_defaults(defaults: SamplingParams, overrides: dict[str, Any] | None, stage: str) -> SamplingParams:

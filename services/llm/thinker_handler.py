@@ -9,6 +9,7 @@ needs), see ThinkerTask.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -23,7 +24,7 @@ from omnimesh.server.stage_failure import StageFailure
 from omnimesh.models.qwen3_omni.lm_engine import LMEngine
 from omnimesh.stage_registry import lm_engine, lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
-from services.llm.sampling import merge_sampling, operator_defaults
+from services.llm.sampling import bad_word_ids, merge_sampling, operator_defaults
 from services.llm.thinker_batcher import ThinkerBatcher
 from services.llm.thinker_task import ThinkerTask, merge_token_chunks
 from services.llm.token_logprobs import TokenBytes
@@ -69,6 +70,8 @@ class ThinkerHandler:
         if self.failure.message is not None:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"thinker: {self.failure.message}")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
+        if msg.sampling.bad_words:  # vLLM's: tokenized here, where the tokenizer is
+            params = replace(params, bad_words_ids=bad_word_ids(self.tokenizer, msg.sampling.bad_words))
         task = ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
                            talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len,
                            batcher=self.batcher, stream_interval=self.stream_interval,

@@ -1,6 +1,7 @@
-"""OpenAI's `logit_bias` and vLLM's `allowed_token_ids` at the gateway: the top level (the thinker's) and
-`stage_params` reach the stages' sampling params (REST and gRPC); keys that are no token ids, biases outside
-[-100, 100] and negative ids are 400s naming the field."""
+"""OpenAI's `logit_bias` and vLLM's `allowed_token_ids` and `bad_words` at the gateway: the top level (the
+thinker's) and `stage_params` reach the stages' sampling params (REST and gRPC); keys that are no token ids,
+biases outside [-100, 100], negative ids, blank bad words and bad words for the talker are 400s naming the
+field."""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ def test_the_fields_reach_the_stages() -> None:
     thinker = thinker_sampling(req)
     assert dict(thinker.logit_bias) == {3: -100.0, 17: 5.0} and list(thinker.allowed_token_ids) == [1, 2]
     assert dict(talker_sampling(req).logit_bias) == {9: 1.5}
+    words = body(bad_words=["storm", "rain cloud"]).sampling()
+    assert words.bad_words == ("storm", "rain cloud")
+    req = ChatRequest(request_id="r", model="m", messages=(ChatMessage("user", (TextPart("hi"),)),), sampling=words)
+    assert list(thinker_sampling(req).bad_words) == ["storm", "rain cloud"]
 
 
 @pytest.mark.parametrize(("fields", "param", "needle"), [
@@ -41,11 +46,19 @@ def test_the_fields_reach_the_stages() -> None:
     ({"logit_bias": {"5": 150}}, "logit_bias", "biases in [-100, 100]"),
     ({"allowed_token_ids": [-1]}, "allowed_token_ids[0]", "token id >= 0"),
     ({"logit_bias": {"5": "x"}}, "logit_bias.5", "number"),
+    ({"bad_words": ["ok", "  "]}, "bad_words", "must not be empty"),
 ])
 def test_bad_values_are_400s(fields: dict, param: str, needle: str) -> None:
     with pytest.raises(PipelineError) as e:
         check_sampling(body(**fields).sampling(), "")
     assert e.value.http_status == 400 and e.value.param == param and needle in e.value.message
+
+
+def test_bad_words_are_the_thinkers() -> None:
+    with pytest.raises(PipelineError) as e:
+        check_sampling(body(stage_params={"talker": {"bad_words": ["x"]}}).stage_overrides()["talker"],
+                       "stage_params.talker")
+    assert e.value.param == "stage_params.talker.bad_words" and "thinker's text only" in e.value.message
 
 
 def test_grpc_carries_them(grpc_server: GrpcServer, pipeline: ScriptedPipeline) -> None:

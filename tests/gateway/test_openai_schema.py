@@ -52,7 +52,7 @@ def test_max_completion_tokens_wins_and_ints_are_floats() -> None:
      "messages[0].tool_calls[0].function.arguments", "Field required"),
     ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": [5, 10]}, "logit_bias", "valid dictionary"),
-    ({"messages": [{"role": "user", "content": "x"}], "bad_words": ["x"]}, "bad_words", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "bad_words": "x"}, "bad_words", "valid list"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": "json"}, "response_format",
      "valid dictionary"),
     ({"messages": [{"role": "user", "content": "x"}], "ignore_eos": "yes"}, "ignore_eos", "bool"),

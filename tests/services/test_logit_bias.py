@@ -1,7 +1,9 @@
-"""OpenAI's `logit_bias` and vLLM's `allowed_token_ids` in the stages' sampler (models/qwen3_omni/sampling.py)
-and the thinker: a +100 bias makes greedy decoding pick that id every time, a -100 bias keeps the model's own
-first pick out, allowed ids bound every pick (stop ids too, as vLLM's); the batched greedy path of the talker
-steps aside for requests that set them; ids outside the vocabulary and biases outside [-100, 100] are refused."""
+"""OpenAI's `logit_bias` and vLLM's `allowed_token_ids` and `bad_words` in the stages' sampler
+(models/qwen3_omni/sampling.py) and the thinker: a +100 bias makes greedy decoding pick that id every time, a
+-100 bias keeps the model's own first pick out, allowed ids bound every pick (stop ids too, as vLLM's); a bad
+word's last token is banned where the generated tokens end with the rest of it, so the thinker's greedy answer
+changes exactly there; the batched greedy path of the talker steps aside for requests that set them; ids
+outside the vocabulary, biases outside [-100, 100] and bad words for the talker are refused."""
 
 from __future__ import annotations
 
@@ -33,6 +35,18 @@ def test_the_sampler_adds_the_bias_and_keeps_only_allowed_ids() -> None:
     assert greedy_batch([biased, biased], torch.stack([logits, logits]), [[], []]) is None  # one by one instead
     with pytest.raises(ValueError, match="logit_bias of token 2 must be in \\[-100, 100\\]"):
         SamplingParams(logit_bias=((2, 101.0),))
+
+
+def test_bad_words_ban_the_token_that_would_complete_one() -> None:
+    logits = torch.tensor([0.0, 5.0, 1.0, 2.0, 3.0])
+    one = Sampler(SamplingParams(temperature=0, bad_words_ids=((1,),)))
+    assert one.sample(logits) == 4  # a one-token word: never
+    seq = Sampler(SamplingParams(temperature=0, bad_words_ids=((4, 1),)))
+    assert seq.sample(logits, torch.tensor([9, 9])) == 1  # nothing generated yet ends with 4
+    seq.num_sampled = 1
+    assert seq.sample(logits, torch.tensor([9, 4])) == 4  # the last generated token is 4: 1 is out
+    with pytest.raises(ValueError, match="bad_words are for the thinker's text"):
+        merge_sampling(SamplingParams(), stage_pb2.SamplingParams(bad_words=["x"]), text=False)
 
 
 def test_the_stage_checks_ids_against_its_vocabulary() -> None:
@@ -67,3 +81,9 @@ def test_the_thinker_follows_bias_and_allowed_ids(handler: Any) -> None:
     assert avoided[0] != plain[0]
     allowed = run(handler, allowed_token_ids=[plain[1], 91, 92])
     assert set(allowed) <= {plain[1], 91, 92} and len(allowed) == 8
+    tok = handler.tokenizer
+    # a token of the greedy answer that is a plain word on its own (it encodes back to itself)
+    word, t = next((tok.decode([t]), t) for t in plain
+                   if tok.decode([t]).strip().isalpha() and tok.encode(tok.decode([t]), add_special_tokens=False) == [t])
+    banned = run(handler, bad_words=[word])
+    assert t not in banned and banned[:plain.index(t)] == plain[:plain.index(t)]  # the same answer up to it

@@ -70,6 +70,9 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (id, added to its logit in [-100, 100])
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these ids may be picked (empty = all)
+    # vLLM's bad_words as token sequences: a sequence's last id is banned where the generated tokens end with the
+    # rest of it (always, for a one-token word)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -153,6 +156,8 @@ class Sampler:
             allowed = self._allowed.to(scores.device)
             keep = scores.new_full(scores.shape, -float("inf"))
             scores = keep.index_copy(0, allowed, scores.index_select(0, allowed))
+        if p.bad_words_ids:
+            scores = self._ban_bad_words(scores, history)
         if self._bias is not None:  # OpenAI's logit_bias, added to the (penalised) logits
             ids, bias = self._bias
             scores = scores.index_add(0, ids.to(scores.device), bias.to(scores.device, scores.dtype))
@@ -176,6 +181,16 @@ class Sampler:
         if p.min_p > 0.0:
             scores = apply_min_p(scores, p.min_p)
         return scores
+
+    def _ban_bad_words(self, scores: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
+        """vLLM's bad_words: the last id of each word whose other ids the generated tokens end with."""
+        generated = [] if history is None or not self.num_sampled else history[-self.num_sampled:].tolist()
+        banned = [w[-1] for w in self.params.bad_words_ids
+                  if len(w) == 1 or (len(generated) >= len(w) - 1 and generated[len(generated) - len(w) + 1:] == list(w[:-1]))]
+        banned = [i for i in banned if i < scores.shape[-1]]
+        if not banned:
+            return scores
+        return scores.index_fill(0, torch.tensor(banned, dtype=torch.long, device=scores.device), -float("inf"))
 
     def sample(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> int:
         """One token id from `logits` (V,), given the tokens `history` (n,) the penalty looks at."""
@@ -208,7 +223,7 @@ def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[
     differ in penalty or suppressed tokens): the caller samples one by one."""
     first = samplers[0].params
     if not all(s.params.greedy and not s.params.output_penalties and not s.params.logit_bias
-               and not s.params.allowed_token_ids
+               and not s.params.allowed_token_ids and not s.params.bad_words_ids
                and s.params.repetition_penalty == first.repetition_penalty
                and s.params.suppress_tokens == first.suppress_tokens
                and not (s._min_stop is not None and s.num_sampled < s.params.min_tokens) for s in samplers):
