@@ -59,6 +59,7 @@ from gateway.openai_schema import (
 )
 from omnimesh.server.grpc_server import make_server
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
+from gateway.structured_request import require_llguidance
 from services.llm.structured_output import grammar_for
 
 if TYPE_CHECKING:
@@ -175,6 +176,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         structured = None
         if req.HasField("structured_output"):
             so = req.structured_output
+            require_llguidance("structured_output")
             try:
                 await asyncio.to_thread(grammar_for, so.kind, so.spec)  # off the loop: a big schema takes a while
             except ValueError as e:

@@ -8,12 +8,23 @@ the thinker's `structured_output` option (services/llm/structured_output.py mask
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from typing import Any
 
+from gateway.events import PipelineError
 from gateway.media import invalid_request
 from gateway.openai_schema import ChatCompletionRequest
 from services.llm.structured_output import grammar_for
+
+
+def require_llguidance(param: str) -> None:
+    """501 naming the package when this server cannot compile structured outputs (a declared dependency, so
+    only a trimmed install lacks it)."""
+    if importlib.util.find_spec("llguidance") is None:
+        raise PipelineError(f"{param}: this server cannot run structured outputs: llguidance is not installed; its "
+                            "operator must install it (pip install llguidance)", http_status=501, grpc_code=12,
+                            kind="server_error", param=param)
 
 
 def _spec(kind: str, value: Any) -> str:
@@ -49,6 +60,7 @@ def structured_spec(body: ChatCompletionRequest) -> tuple[str, str] | None:
         names = ", ".join(f for f, _, _ in found)
         raise invalid_request(f"{found[1][0]}: give one structured output per request, got {names}", found[1][0])
     field, kind, spec = found[0]
+    require_llguidance(field)
     try:
         grammar_for(kind, spec)
     except ValueError as e:

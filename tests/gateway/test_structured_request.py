@@ -94,3 +94,17 @@ def test_a_structured_output_beside_auto_tool_calls_is_refused() -> None:
         r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=10, json={
             "messages": USER, "tools": tools, "tool_choice": "none", "response_format": {"type": "json_object"}})
         assert r.status_code == 200 and pipeline.requests[-1].structured == ("json", '{"type": "object"}')
+
+
+def test_a_server_without_llguidance_says_so(rest_server: RestServer, pipeline: ScriptedPipeline,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llguidance" else real(name, *a))
+    r = httpx.post(f"{rest_server.base_url}/v1/chat/completions",
+                   json={"messages": USER, "response_format": {"type": "json_object"}}, timeout=10)
+    assert r.status_code == 501 and "pip install llguidance" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "response_format"
+    assert httpx.post(f"{rest_server.base_url}/v1/chat/completions", json={"messages": USER},
+                      timeout=10).status_code == 200  # everything else still works
