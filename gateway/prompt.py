@@ -27,6 +27,7 @@ template; it is tried on a probe conversation at start-up. `encode` gives /token
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -184,7 +185,7 @@ class PromptBuilder:
         if not any(m.role == "user" for m in request.messages):
             raise invalid_request("messages: at least one user message is required", "messages")
         conv = render_conversation(request.messages)
-        if request.tools and not self.renders_tools():
+        if request.tools and not self.renders_tools:
             raise invalid_request("tools: this model's chat template does not render tools; start the server with "
                                   "a --chat-template that does", "tools")
         try:
@@ -197,8 +198,10 @@ class PromptBuilder:
             raise invalid_request(f"messages: {whose} chat template rejected them: {e}", "messages") from None
         return str(text), conv
 
+    @functools.cached_property
     def renders_tools(self) -> bool:
-        """Does the chat template read `tools` at all (else they would vanish from the prompt unseen)?"""
+        """Does the chat template read `tools` at all (else they would vanish from the prompt unseen)? Read once:
+        the template is the builder's for good."""
         template = self.chat_template or getattr(self.processor.tokenizer, "chat_template", None) or ""
         return re.search(r"\btools\b", str(template)) is not None
 

@@ -103,7 +103,7 @@ from gateway.openai_schema import (
 from gateway.prompt import PromptBuilder
 from gateway.tokenize_api import TokenizeRoutes
 from gateway.structured_request import structured_spec
-from gateway.tool_calls import ToolCallParser, ToolCallStream, ToolPlan, forced_calls, tool_plan
+from gateway.tool_calls import NO_TOOLS, ToolCallStream, ToolPlan, forced_calls, parse_tool_calls, tool_plan
 from gateway.transcription_api import TranscriptionRoutes
 from gateway.stage_scrape import StageSources, scrape_stages
 from omnimesh.engine.metrics import merge_families, parse_exposition
@@ -187,8 +187,7 @@ class _Call:
     first_text: bool = False
     first_audio: bool = False
     n: int = 1  # choices (OpenAI's `n`): as many runs of the request (gateway/choices.py)
-    parse_tools: bool = False  # the thinker's <tool_call> blocks become tool_calls (gateway/tool_calls.py)
-    forced_tools: ToolPlan | None = None  # tool_choice "required" / named: the whole answer is the call(s)
+    tools: ToolPlan = NO_TOOLS  # what the answer's tool calls are (gateway/tool_calls.py): parsed, forced or none
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
 
     @property
@@ -274,7 +273,7 @@ class RestGateway:
                      continuous_usage=bool(body.stream_options and body.stream_options.include_usage
                                            and body.stream_options.continuous_usage_stats),
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n,
-                     parse_tools=tools.parse, forced_tools=tools if tools.forced is not None else None)
+                     tools=tools)
 
     async def chat_messages(self, messages: list[Message], mm: MMProcessorKwargs | None = None
                             ) -> tuple[ChatMessage, ...]:
@@ -390,12 +389,12 @@ class RestGateway:
             transcript = "".join(text[i])
             message = ResponseMessage(content=transcript)
             finish = finished[i].finish_reason
-            if call.parse_tools:
-                content, calls = ToolCallParser.parse(transcript)
+            if call.tools.parse:
+                content, calls = parse_tool_calls(transcript)
                 if calls:
                     message = ResponseMessage(content=content, tool_calls=[_tool_call(c) for c in calls])
                     finish = "tool_calls"
-            elif call.forced_tools is not None and (forced := forced_calls(call.forced_tools, transcript)):
+            elif call.tools.forced is not None and (forced := forced_calls(call.tools, transcript)):
                 message = ResponseMessage(content=None, tool_calls=[_tool_call(c) for c in forced])
             if call.audio_format is not None:
                 wave = np.concatenate(audio[i]) if audio[i] else np.zeros(0, np.float32)
@@ -432,7 +431,7 @@ class RestGateway:
                                                          logprobs=logprobs)], usage=usage)
             return _sse(dump(c, drop_none=True))
 
-        parsers = [ToolCallStream() for _ in range(call.n)] if call.parse_tools else None
+        parsers = [ToolCallStream() for _ in range(call.n)] if call.tools.parse else None
         held: list[list[str]] = [[] for _ in range(call.n)]  # a forced call's JSON, sent as tool_calls at the end
 
         def calls_chunk(i: int, calls: list[ToolCall], first_index: int | None = None) -> bytes:
@@ -453,7 +452,7 @@ class RestGateway:
                     so_far[i] = ev.usage
                 elif isinstance(ev, Finished):
                     so_far[i] = (ev.prompt_tokens, ev.completion_tokens)
-                if isinstance(ev, TextDelta) and call.forced_tools is not None:
+                if isinstance(ev, TextDelta) and call.tools.forced is not None:
                     held[i].append(ev.text)
                     if ev.logprobs:
                         yield chunk(i, Delta(content=""), logprobs=self._logprobs(call, ev.logprobs))
@@ -470,8 +469,8 @@ class RestGateway:
                 elif isinstance(ev, Finished):
                     finished[i] = ev
                     reason = ev.finish_reason
-                    if call.forced_tools is not None:
-                        forced = forced_calls(call.forced_tools, "".join(held[i]))
+                    if call.tools.forced is not None:
+                        forced = forced_calls(call.tools, "".join(held[i]))
                         if forced:
                             yield calls_chunk(i, forced, 0)
                         elif held[i]:  # not whole (max_tokens): what there is, as text
@@ -608,8 +607,6 @@ class _SSEResponse(StreamingResponse):
 def _settings(mm: MMProcessorKwargs | None) -> tuple[tuple[str, float], ...]:
     """A request's processor settings as `ChatRequest.processor_kwargs`."""
     return tuple(sorted(mm.settings().items())) if mm is not None else ()
-
-
 
 
 def _tool_call(c: ToolCall) -> ToolCallOut:

@@ -10,7 +10,7 @@ them); the model answers a call as a Hermes-style block in its text (Qwen2.5 / Q
 `tool_choice` "required" or a named function forces the call, as vLLM does, with or without the flags: the
 thinker's text is held to the calls' JSON by a structured output (`ToolPlan.structured`) and `forced_calls`
 reads the calls from it. With vLLM's `--enable-auto-tool-choice --tool-call-parser hermes` and
-`tool_choice` "auto" (the default when tools are given) the gateway parses those blocks out of the text: `ToolCallParser.parse` for a whole answer,
+`tool_choice` "auto" (the default when tools are given) the gateway parses those blocks out of the text: `parse_tool_calls` for a whole answer,
 `ToolCallStream` for a streamed one (text outside the blocks streams on as content; each call leaves as one
 `tool_calls` delta when its block closes; a partial "<tool_call>" at the end of a delta is held back until
 the next one says whether it is a tag). A block that is not a JSON object with a string `name` stays in the
@@ -41,6 +41,9 @@ class ToolPlan:
     structured: tuple[str, str] | None = None  # the JSON schema that forces it (the thinker's structured output)
 
 
+NO_TOOLS = ToolPlan((), parse=False)
+
+
 def tool_plan(body: ChatCompletionRequest, auto_enabled: bool, modalities: tuple[str, ...]) -> ToolPlan:
     """What the request's `tools` / `tool_choice` ask for, as vLLM answers them: "none" renders the tools and
     parses nothing; "auto" (the default with tools) needs --enable-auto-tool-choice; "required" and a named
@@ -67,12 +70,11 @@ def tool_plan(body: ChatCompletionRequest, auto_enabled: bool, modalities: tuple
         if name not in names:
             raise invalid_request(f"tool_choice: function {name!r} is not among the tools ({', '.join(names)})",
                                   "tool_choice")
-        params = tools[names.index(name)]["function"].get("parameters") or {"type": "object"}
-        return ToolPlan(tools, parse=False, forced=name, structured=("json", json.dumps(params)))
+        return ToolPlan(tools, parse=False, forced=name,
+                        structured=("json", json.dumps(_parameters(tools[names.index(name)]))))
     if choice == "required":  # the answer is a list of calls, each {"name": ..., "parameters": ...}, or just one
         # with OpenAI's parallel_tool_calls false
-        calls = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
-                                                    "parameters": t["function"].get("parameters") or {"type": "object"}},
+        calls = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]}, "parameters": _parameters(t)},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
         schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if body.parallel_tool_calls is False:
@@ -82,6 +84,11 @@ def tool_plan(body: ChatCompletionRequest, auto_enabled: bool, modalities: tuple
         raise invalid_request("tool_choice: \"auto\" tool choice requires --enable-auto-tool-choice and "
                               "--tool-call-parser to be set (or send tool_choice \"none\")", "tool_choice")
     return ToolPlan(tools, parse=True)
+
+
+def _parameters(tool: dict) -> dict:
+    """A tool's arguments schema (any object when it gives none)."""
+    return tool["function"].get("parameters") or {"type": "object"}
 
 
 def forced_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
@@ -116,21 +123,18 @@ def _call(block: str) -> ToolCall | None:
     return ToolCall(id=new_call_id(), name=value["name"], arguments=text)
 
 
-class ToolCallParser:
-    """The Hermes format, for a whole answer."""
-
-    @staticmethod
-    def parse(text: str) -> tuple[str | None, list[ToolCall]]:
-        """-> (the content outside well-formed blocks, None when only whitespace is left and there were calls;
-        the calls, in order). A block the model did not close before it stopped counts when its JSON is whole."""
-        stream = ToolCallStream()
-        content, calls = stream.push(text)
-        tail, more = stream.finish()
-        content += tail
-        calls += more
-        if calls and not content.strip():
-            return None, calls
-        return content, calls
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """The Hermes format, for a whole answer -> (the content outside well-formed blocks, None when only
+    whitespace is left and there were calls; the calls, in order). A block the model did not close before it
+    stopped counts when its JSON is whole."""
+    stream = ToolCallStream()
+    content, calls = stream.push(text)
+    tail, more = stream.finish()
+    content += tail
+    calls += more
+    if calls and not content.strip():
+        return None, calls
+    return content, calls
 
 
 class ToolCallStream:

@@ -68,8 +68,10 @@ class Constraint:
     """One request's grammar state (not thread-safe: its task uses it on one thread at a time)."""
 
     def __init__(self, matcher: Any, vocab_size: int, stop_id: int) -> None:
-        self.matcher, self.vocab_size, self.stop_id = matcher, vocab_size, stop_id
-        self._mask = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)
+        from llguidance.numpy import allocate_token_bitmask
+
+        self.matcher, self.stop_id = matcher, stop_id
+        self._mask = allocate_token_bitmask(1, vocab_size)  # (1, words) int32, one bit per token
 
     @property
     def complete(self) -> bool:
@@ -77,12 +79,13 @@ class Constraint:
         return bool(self.matcher.is_stopped())
 
     def allowed_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of `logits` (V,) with every token the grammar does not allow at -inf."""
-        self.matcher.unsafe_compute_mask_ptr(self._mask.data_ptr(), self._mask.numel() * 4)
-        bits = (self._mask.view(-1, 1) >> torch.arange(32, dtype=torch.int32)) & 1  # (words, 32)
-        allowed = bits.view(-1)[:logits.shape[-1]].bool()
-        out = logits.clone()
-        out[~allowed] = float("-inf")
+        """A float32 copy of `logits` (V,) (CPU, as the thinker's come back) with every token the grammar does not
+        allow at -inf (llguidance's own mask helpers)."""
+        from llguidance.numpy import apply_token_bitmask_inplace, fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, self._mask)
+        out = logits.detach().to("cpu", torch.float32, copy=True)
+        apply_token_bitmask_inplace(out.numpy(), self._mask)
         return out
 
     def accept(self, token: int) -> None:

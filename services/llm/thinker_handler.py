@@ -75,7 +75,8 @@ class ThinkerHandler:
         task = ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
                            talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len,
                            batcher=self.batcher, stream_interval=self.stream_interval,
-                           eager_tokens=count_option(msg, "eager_tokens", 1, "tokens"), token_bytes=self.token_bytes)
+                           eager_tokens=count_option(msg, "eager_tokens", 1, "tokens"), token_bytes=self.token_bytes,
+                           prefix_caching=self.batcher is not None and self.batcher.engine.allocator.prefix_caching)
         task.priority = priority_option(msg, self.batcher.engine.scheduler.policy if self.batcher else "fcfs")
         # compiled with the prompt, on the compute thread (a big schema takes a while: not on the event loop)
         task.structured, task.grammars = msg.options.get(STRUCTURED_OPTION), self.grammars

@@ -42,7 +42,7 @@ MERGED = ("token_ids", "token_embeds")  # what several tokens' chunks stack into
 class ThinkerTask(BatchedTask):
     def __init__(self, request_id: str, thinker: Qwen3OmniThinker, tokenizer: object, params: SamplingParams,
                  *, talker_inputs: bool, max_model_len: int, batcher: object = None, stream_interval: int = 1,
-                 eager_tokens: int = 1, token_bytes: TokenBytes | None = None):
+                 eager_tokens: int = 1, token_bytes: TokenBytes | None = None, prefix_caching: bool = False):
         super().__init__(request_id, batcher)
         self.thinker = thinker
         self.sampler = Sampler(params)
@@ -51,6 +51,7 @@ class ThinkerTask(BatchedTask):
         self.stops = StopStrings(params.stop, include_stop=params.include_stop_str_in_output)
         self.talker_inputs = talker_inputs
         self.max_model_len = max_model_len
+        self.prefix_caching = prefix_caching  # its engine caches prefixes: its prompt run names its rows' keys
         self.inputs: dict[str, torch.Tensor] | None = None
         self.prompt: PreparedPrompt | None = None
         self.token_ids: list[int] = []  # prompt + generated tokens (what the repetition penalty sees)
@@ -127,9 +128,10 @@ class ThinkerTask(BatchedTask):
             self.sampler = Sampler(replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room)),
                                    self.sampler.generator)
         capture = prompt.mm_mask if self.talker_inputs and bool(prompt.mm_mask.any()) else None
-        # the prefix cache's keys: token ids and positions, media rows by their items' digests (prefix_keys.py)
-        hashes = {name: t.get(name) for name in ("audio_hashes", "image_hashes", "video_hashes")}
-        keys = prompt_prefix_keys(self.thinker, prompt, hashes, captured=capture is not None)
+        keys = None
+        if self.prefix_caching:  # token ids and positions, media rows by their items' digests (prefix_keys.py)
+            hashes = {name: t.get(name) for name in ("audio_hashes", "image_hashes", "video_hashes")}
+            keys = prompt_prefix_keys(self.thinker, prompt, hashes, captured=capture is not None)
         return InputRun(prompt.embeds, prompt.positions, prompt.visual, prompt.deepstack, capture, prefix_keys=keys)
 
     def on_output(self, out: RunOutput) -> tuple[list[StageChunk], InputRun | None]:

@@ -26,7 +26,7 @@ from gateway.events import ChatMessage, ChatRequest, Finished, PipelineError, Te
 from gateway.openai_schema import parse_chat_request
 from gateway.prompt import PromptBuilder
 from gateway.rest import create_app
-from gateway.tool_calls import ToolCallParser, ToolCallStream, tool_plan
+from gateway.tool_calls import ToolCallStream, parse_tool_calls, tool_plan
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 
@@ -43,22 +43,22 @@ USER = [{"role": "user", "content": "Weather and time in Oslo?"}]
 
 
 def test_parser_splits_content_and_calls() -> None:
-    content, calls = ToolCallParser.parse(ANSWER)
+    content, calls = parse_tool_calls(ANSWER)
     assert content == "Let me check.\n\n"
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("chatcmpl-tool-") for c in calls)
     # only calls: no content; arguments given as a JSON string stay that string
-    content, calls = ToolCallParser.parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>\n')
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>\n')
     assert content is None and calls[0].arguments == '{"a": 1}'
-    assert ToolCallParser.parse("no calls here") == ("no calls here", [])
+    assert parse_tool_calls("no calls here") == ("no calls here", [])
 
 
 def test_parser_keeps_malformed_blocks_as_content_and_takes_an_unclosed_whole_one() -> None:
     bad = '<tool_call>{"name": 3}</tool_call> <tool_call>not json</tool_call>'
-    assert ToolCallParser.parse(bad) == (bad, [])
-    content, calls = ToolCallParser.parse('ok <tool_call>{"name": "f", "arguments": {"x": [1, 2]}}')
+    assert parse_tool_calls(bad) == (bad, [])
+    content, calls = parse_tool_calls('ok <tool_call>{"name": "f", "arguments": {"x": [1, 2]}}')
     assert content == "ok " and calls[0].name == "f" and json.loads(calls[0].arguments) == {"x": [1, 2]}
-    assert ToolCallParser.parse('ok <tool_call>{"name": "f", "argu') == ('ok <tool_call>{"name": "f", "argu', [])
+    assert parse_tool_calls('ok <tool_call>{"name": "f", "argu') == ('ok <tool_call>{"name": "f", "argu', [])
 
 
 @pytest.mark.parametrize("step", [1, 2, 5, 13, 1000])
@@ -70,7 +70,7 @@ def test_the_stream_gives_what_the_whole_text_gives(step: int) -> None:
         content.append(text)
         calls += got
     tail, more = stream.finish()
-    whole_content, whole_calls = ToolCallParser.parse(ANSWER)
+    whole_content, whole_calls = parse_tool_calls(ANSWER)
     assert "".join(content) + tail == whole_content and more == []
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
     assert stream.calls == 2

@@ -108,3 +108,13 @@ def run_bad(handler: Any, option: str) -> None:
             raise result
     finally:
         task.close()
+
+
+def test_a_tokenizer_llguidance_cannot_read_leaves_the_stage_serving() -> None:
+    """The stage still starts (it serves everything else); a structured request there hears why it cannot run."""
+    from services.llm.structured_output import Grammars
+
+    grammars = Grammars(object(), 10, (1,))  # not a fast tokenizer
+    assert grammars.unavailable is not None
+    with pytest.raises(ValueError, match="structured outputs are unavailable on this thinker"):
+        grammars.constraint(option_value("regex", "a"))
