@@ -110,6 +110,8 @@ class ChatRequest:
     tools: tuple[dict[str, Any], ...] = ()
     # the thinker's text must follow this: (json | regex | choice | grammar, spec) (gateway/structured_request.py)
     structured: tuple[str, str] | None = None
+    # a (legacy) completion's prompt: these token ids exactly, no chat template (`messages` is empty then)
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

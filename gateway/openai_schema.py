@@ -219,7 +219,7 @@ class StageSampling(StrictBody):
         return _overrides(self, self.max_tokens)
 
 
-def _overrides(s: StageSampling | ChatCompletionRequest, max_tokens: int | None) -> SamplingOverrides:
+def _overrides(s: StageSampling | SamplingBody, max_tokens: int | None) -> SamplingOverrides:
     return SamplingOverrides(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
                              max_tokens=max_tokens, repetition_penalty=s.repetition_penalty,
                              stop_token_ids=_tuple(s.stop_token_ids), stop=_tuple(s.stop),
@@ -290,15 +290,13 @@ class StructuredOutputs(StrictBody):
     json_object: bool | None = None
 
 
-class ChatCompletionRequest(StrictBody):
+class SamplingBody(StrictBody):
+    """The fields a chat completion and a (legacy) completion share: the thinker's sampling, streaming,
+    `n`, priority and the structured outputs."""
+
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None  # None = the first served model name (as vLLM does)
-    messages: list[Message] = Field(min_length=1)
-    modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
-    audio: AudioOutput | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # wins over max_tokens (OpenAI deprecated the latter)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -317,20 +315,8 @@ class ChatCompletionRequest(StrictBody):
     bad_words: list[str] | None = None  # vLLM's: words the thinker's text must not produce
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stage_params: StageParams | None = None
-    # vLLM(-Omni)'s processor kwargs: only Qwen-Omni's use_audio_in_video (a video's soundtrack interleaved
-    # with its frames); any other key is a 400 (the processor's settings come from the model folder)
-    mm_processor_kwargs: MMProcessorKwargs | None = None
-    # OpenAI's: each generated text token's log-probability, with top_logprobs alternatives (0-20)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
     n: int | None = None  # OpenAI's: this many choices, each its own run (gateway/choices.py)
     priority: int = 0  # vLLM's: lower runs sooner (the stages' --scheduling-policy priority)
-    # OpenAI's function calling (gateway/tool_calls.py): the tools render into the prompt; with
-    # --enable-auto-tool-choice the thinker's <tool_call> blocks come back as `tool_calls`
-    tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
     # structured outputs (gateway/structured_request.py): OpenAI's response_format, vLLM's structured_outputs
     # and its older guided_* fields
     response_format: ResponseFormat | None = None
@@ -339,6 +325,26 @@ class ChatCompletionRequest(StrictBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+
+class ChatCompletionRequest(SamplingBody):
+    messages: list[Message] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
+    audio: AudioOutput | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # wins over max_tokens (OpenAI deprecated the latter)
+    stage_params: StageParams | None = None
+    # vLLM(-Omni)'s processor kwargs: only Qwen-Omni's use_audio_in_video (a video's soundtrack interleaved
+    # with its frames); any other key is a 400 (the processor's settings come from the model folder)
+    mm_processor_kwargs: MMProcessorKwargs | None = None
+    # OpenAI's: each generated text token's log-probability, with top_logprobs alternatives (0-20)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    # OpenAI's function calling (gateway/tool_calls.py): the tools render into the prompt; with
+    # --enable-auto-tool-choice the thinker's <tool_call> blocks come back as `tool_calls`
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
     # Accepted only at the values that mean "nothing special" (`refuse_unsupported`):
     functions: list[Any] | None = None
 
@@ -384,17 +390,19 @@ _HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prediction"
 _ignored_logged: set[str] = set()  # unknown top-level fields already named in the log (once each)
 
 
-def refuse_unsupported(req: ChatCompletionRequest) -> None:
-    """A 400 naming the first field set to a value omnimesh cannot honour (`_NEUTRAL`); other unknown
-    top-level fields are ignored, as vLLM does, and named once in the log so a typo can be found."""
+def refuse_unsupported(req: SamplingBody, unsupported: dict[str, Any] | None = None) -> None:
+    """A 400 naming the first field set to a value omnimesh cannot honour (`unsupported`: name -> the test
+    that its value asks for nothing; a chat's `_NEUTRAL` by default); other unknown top-level fields are
+    ignored, as vLLM does, and named once in the log so a typo can be found."""
     extra = req.model_extra or {}
-    for name, neutral in _NEUTRAL.items():
+    unsupported = _NEUTRAL if unsupported is None else unsupported
+    for name, neutral in unsupported.items():
         value = getattr(req, name, None) if name in type(req).model_fields else extra.get(name)
         if not neutral(value):
             shown = json.dumps(value)[:80]
             why = "omnimesh does not implement it; leave it out"
             raise invalid_request(f"{name}: {shown} is not supported; {why}", name)
-    fresh = sorted(set(extra) - set(_NEUTRAL) - _HARMLESS - _ignored_logged)
+    fresh = sorted(set(extra) - set(unsupported) - _HARMLESS - _ignored_logged)
     if fresh:
         _ignored_logged.update(fresh)
         logger.warning("request fields ignored (not part of omnimesh's API; each named once): %s", ", ".join(fresh))

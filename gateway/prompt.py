@@ -263,22 +263,31 @@ class PromptBuilder:
         the refusal of videos that alone exceed max_model_len (their preprocessing would be wasted work)."""
         return self._process(*self.render(request, add_generation_prompt), self.processor_for(request))[0]
 
+    def check_length(self, n: int, max_tokens: int | None, param: str = "messages") -> None:
+        """A prompt of `n` tokens and the `max_tokens` asked for (None: up to the limit) must fit
+        max_model_len with at least one generated token: else a 400 naming `param` or max_tokens."""
+        if n >= self.max_model_len:
+            shorten = ("shorten the messages or send less audio / smaller images / shorter videos"
+                       if param == "messages" else f"shorten the {param}")
+            raise invalid_request(
+                f"the prompt is {n} tokens, but this model's maximum context length (max_model_len) is "
+                f"{self.max_model_len} tokens; {shorten}", param)
+        if max_tokens is not None and n + max_tokens > self.max_model_len:
+            raise invalid_request(
+                f"the prompt is {n} tokens and max_tokens asks for {max_tokens} more, {n + max_tokens} in all, but "
+                f"this model's maximum context length (max_model_len) is {self.max_model_len} tokens; "
+                f"lower max_tokens to at most {self.max_model_len - n}", "max_tokens")
+
     def build(self, request: ChatRequest) -> PromptInputs:
+        if request.prompt_ids is not None:  # a completion's prompt, tokenized by its route (no template, no media)
+            ids = torch.tensor(request.prompt_ids, dtype=torch.int64)
+            self.check_length(int(ids.numel()), request.sampling.max_tokens, "prompt")
+            return PromptInputs(input_ids=ids, input_features=None, feature_attention_mask=None, pixel_values=None,
+                                image_grid_thw=None, prompt_tokens=int(ids.numel()))
         text, conv = self.render(request)
         input_ids, batch = self._process(text, conv, self.processor_for(request))
         n = int(input_ids.shape[0])
-        if n >= self.max_model_len:
-            raise invalid_request(
-                f"the prompt is {n} tokens, but this model's maximum context length (max_model_len) is "
-                f"{self.max_model_len} tokens; shorten the messages or send less audio / smaller images / "
-                "shorter videos",
-                "messages")
-        want = request.sampling.max_tokens
-        if want is not None and n + want > self.max_model_len:
-            raise invalid_request(
-                f"the prompt is {n} tokens and max_tokens asks for {want} more, {n + want} in all, but "
-                f"this model's maximum context length (max_model_len) is {self.max_model_len} tokens; "
-                f"lower max_tokens to at most {self.max_model_len - n}", "max_tokens")
+        self.check_length(n, request.sampling.max_tokens)
         has_audio = bool(conv.audio)
         has_images = bool(conv.images)
         has_videos = bool(conv.videos)

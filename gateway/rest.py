@@ -26,23 +26,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import importlib.metadata
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from gateway.audio_encoding import OutputAudioFormat, encode_audio, pcm16_bytes
 from gateway.auth import ApiKeyMiddleware
@@ -106,6 +105,7 @@ from gateway.structured_request import structured_spec
 from gateway.tool_calls import NO_TOOLS, ToolCallStream, ToolPlan, forced_calls, parse_tool_calls, tool_plan
 from gateway.transcription_api import TranscriptionRoutes
 from gateway.stage_scrape import StageSources, scrape_stages
+from gateway.sse import DONE, SSEResponse, StreamState, chain, sse
 from omnimesh.engine.metrics import merge_families, parse_exposition
 from omnimesh.v1 import stage_pb2
 
@@ -173,6 +173,26 @@ class _HandOffCollector(Collector):
         return [wire, frames, inlined, edge]
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a generating route's request becomes (`RestGateway.answer`): the runs through the pipeline (one
+    per choice and prompt, indexed as the response's choices) and how their events become the response."""
+
+    request_id: str
+    runs: Sequence[ChatRequest]
+    stream: bool
+    complete: Callable[[Indexed, AsyncIterator[Indexed]], Awaitable[Response]]  # the whole answer at the end
+    streamed: Callable[[Indexed, StreamState], AsyncIterator[bytes]]  # the SSE body
+
+
+class Timed(Protocol):
+    """A request in flight as the latency metrics see it."""
+
+    started: float  # perf_counter at arrival
+    first_text: bool
+    first_audio: bool
+
+
 @dataclass(slots=True)
 class _Call:
     """One chat completion in flight: what the response needs besides the events."""
@@ -194,13 +214,6 @@ class _Call:
     def logprobs(self) -> bool:
         """The client asked for `logprobs`: each choice carries its tokens' entries."""
         return self.request.sampling.logprobs is not None
-
-
-def _sse(obj: dict) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
-
-
-_DONE = b"data: [DONE]\n\n"
 
 
 class RestGateway:
@@ -314,15 +327,26 @@ class RestGateway:
 
     # ---------------------------------------------------------------------------------------- routes
     async def chat_completions(self, request: Request) -> Response:
-        m = self.metrics
+        async def prepare(raw: bytes, client_id: str | None, started: float) -> Answer:
+            call = await self.build(parse_chat_request(raw), client_id)
+            call.started = started
+            return Answer(call.request.request_id, choice_requests(call.request, call.n), call.stream,
+                          functools.partial(self._complete, call), functools.partial(self._stream, call))
+
+        return await self.answer("chat", request, prepare)
+
+    async def answer(self, endpoint: str, request: Request,
+                     prepare: Callable[[bytes, str | None, float], Awaitable[Answer]]) -> Response:
+        """A generating route: the body (size-capped) -> `prepare` -> the runs fanned out -> the first event
+        awaited (errors found up front keep their status, streamed or not) -> a whole answer or an SSE
+        stream. Metrics under `endpoint`; a PipelineError is its status, anything else a logged 500."""
         started = time.perf_counter()
-        m.running.inc()
+        self.metrics.running.inc()
         streaming = False
         try:
-            body = parse_chat_request(await read_body(request, self.loader.limits.max_request_bytes))
-            call = await self.build(body, request.headers.get("x-request-id"))
-            call.started = started
-            events = aiter(fan_out(self.pipeline, choice_requests(call.request, call.n)))
+            raw = await read_body(request, self.loader.limits.max_request_bytes)
+            ans = await prepare(raw, request.headers.get("x-request-id"), started)
+            events = aiter(fan_out(self.pipeline, ans.runs))
             try:
                 first = await anext(events)
             except StopAsyncIteration:
@@ -330,27 +354,27 @@ class RestGateway:
             except BaseException:
                 await close_events(events)
                 raise
-            if call.stream:
+            if ans.stream:
                 streaming = True  # the stream's own `finally` settles the metrics
-                stream = _Stream(self, call, events)
-                return _SSEResponse(stream, self._stream(call, first, stream))
-            return await self._complete(call, first, events)
+                state = StreamState(self, endpoint, ans.request_id, started, events)
+                return SSEResponse(state, ans.streamed(first, state))
+            return await ans.complete(first, events)
         except PipelineError as e:
-            self._finish("chat", e.http_status, started)
+            self._finish(endpoint, e.http_status, started)
             return error_json(e)
         except Exception as e:  # a bug, not the client's fault: say so, keep serving
-            log.exception("chat completion failed")
-            self._finish("chat", 500, started)
+            log.exception("%s request failed", endpoint)
+            self._finish(endpoint, 500, started)
             return error_json(internal_error(e))
         finally:
             if not streaming:
-                m.running.dec()
+                self.metrics.running.dec()
 
     def _finish(self, endpoint: str, status: int, started: float) -> None:
         self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
         self.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - started)
 
-    def _observe(self, call: _Call, ev: Event) -> None:
+    def _observe(self, call: Timed, ev: Event) -> None:
         if isinstance(ev, TextDelta) and not call.first_text:
             call.first_text = True
             self.metrics.ttft.observe(time.perf_counter() - call.started)
@@ -368,7 +392,7 @@ class RestGateway:
         rate = self.pipeline.sample_rate
         finished: dict[int, Finished] = {}
         try:
-            async for i, ev in _chain(first, events):
+            async for i, ev in chain(first, events):
                 self._observe(call, ev)
                 if isinstance(ev, TextDelta):
                     text[i].append(ev.text)
@@ -412,7 +436,7 @@ class RestGateway:
         """A choice's `logprobs`: its tokens' entries when the request asked for them, else None."""
         return choice_logprobs(entries, as_ids=self.tokens_as_ids) if call.logprobs else None
 
-    async def _stream(self, call: _Call, first: Indexed, stream: _Stream) -> AsyncIterator[bytes]:
+    async def _stream(self, call: _Call, first: Indexed, stream: StreamState) -> AsyncIterator[bytes]:
         rid = call.request.request_id
         audio_ids = [f"audio_{uuid.uuid4().hex}" for _ in range(call.n)]
         status, events = 499, stream.events  # 499 (client closed) unless the stream gets to its end
@@ -429,7 +453,7 @@ class RestGateway:
             c = ChatCompletionChunk(id=rid, created=call.created, model=call.model,
                                     choices=[ChunkChoice(index=i, delta=delta, finish_reason=finish,
                                                          logprobs=logprobs)], usage=usage)
-            return _sse(dump(c, drop_none=True))
+            return sse(dump(c, drop_none=True))
 
         parsers = [ToolCallStream() for _ in range(call.n)] if call.tools.parse else None
         held: list[list[str]] = [[] for _ in range(call.n)]  # a forced call's JSON, sent as tool_calls at the end
@@ -446,7 +470,7 @@ class RestGateway:
             for i in range(call.n):
                 yield chunk(i, Delta(role="assistant", content=""))
             finished: dict[int, Finished] = {}
-            async for i, ev in _chain(first, events):
+            async for i, ev in chain(first, events):
                 self._observe(call, ev)
                 if isinstance(ev, TextDelta) and ev.usage is not None:
                     so_far[i] = ev.usage
@@ -490,19 +514,19 @@ class RestGateway:
                 raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
             if call.include_usage:
                 usage = self._usage(total_usage([finished[i] for i in range(call.n)]))
-                yield _sse(dump(ChatCompletionChunk(id=rid, created=call.created, model=call.model, choices=[],
+                yield sse(dump(ChatCompletionChunk(id=rid, created=call.created, model=call.model, choices=[],
                                                     usage=usage)))
-            yield _DONE
+            yield DONE
             status = 200
         except PipelineError as e:
             status = e.http_status
-            yield _sse(dump(error_response(e)))
-            yield _DONE
+            yield sse(dump(error_response(e)))
+            yield DONE
         except Exception as e:
             log.exception("chat completion stream failed")
             status = 500
-            yield _sse(dump(error_response(internal_error(e))))
-            yield _DONE
+            yield sse(dump(error_response(internal_error(e))))
+            yield DONE
         finally:
             stream.settle(status)  # bookkeeping first: the await below may be cancelled
             await stream.close_events()
@@ -563,47 +587,6 @@ class RestGateway:
         return Response(merge_families([own, *scraped]), media_type=CONTENT_TYPE_LATEST)
 
 
-class _Stream:
-    """Bookkeeping of one streamed response, settled exactly once however the stream ends."""
-
-    def __init__(self, gw: RestGateway, call: _Call, events: AsyncIterator[Indexed]) -> None:
-        self.gw, self.call, self.events = gw, call, events
-        self.settled = self.events_closed = False
-
-    def settle(self, status: int) -> None:
-        if not self.settled:
-            self.settled = True
-            self.gw.metrics.running.dec()
-            self.gw._finish("chat", status, self.call.started)
-
-    async def close_events(self) -> None:
-        if not self.events_closed:
-            self.events_closed = True
-            await close_events(self.events)
-
-
-class _SSEResponse(StreamingResponse):
-    """A StreamingResponse that always closes its generator and the pipeline's events, even when the
-    client disconnects before the first byte (Starlette then never starts or finishes the generator)."""
-
-    def __init__(self, stream: _Stream, body: AsyncIterator[bytes]) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Request-Id": stream.call.request.request_id})
-        self._stream_state = stream
-        self._body = body
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self._body.aclose()  # type: ignore[attr-defined]
-            except Exception:
-                log.debug("closing the SSE generator failed", exc_info=True)
-            self._stream_state.settle(499)
-            await self._stream_state.close_events()
-
-
 def _settings(mm: MMProcessorKwargs | None) -> tuple[tuple[str, float], ...]:
     """A request's processor settings as `ChatRequest.processor_kwargs`."""
     return tuple(sorted(mm.settings().items())) if mm is not None else ()
@@ -611,12 +594,6 @@ def _settings(mm: MMProcessorKwargs | None) -> tuple[tuple[str, float], ...]:
 
 def _tool_call(c: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
-
-
-async def _chain(first: Indexed, rest: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
-    yield first
-    async for item in rest:
-        yield item
 
 
 def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,

@@ -1,7 +1,7 @@
 """A chat request's structured output: OpenAI's `response_format`, vLLM's `structured_outputs` and its older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` -> one (kind, spec) for the thinker.
 
-Data flow: ChatCompletionRequest -> `structured_spec` (at most one of them; the spec compiled once here, so a
+Data flow: a chat or completion request body -> `structured_spec` (at most one of them; the spec compiled once here, so a
 bad schema, regex or grammar is a 400 naming its field before any stage works) -> ChatRequest.structured ->
 the thinker's `structured_output` option (services/llm/structured_output.py masks its logits by it).
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.events import PipelineError
 from gateway.media import invalid_request
-from gateway.openai_schema import ChatCompletionRequest
+from gateway.openai_schema import SamplingBody
 from services.llm.structured_output import grammar_for
 
 
@@ -31,7 +31,7 @@ def _spec(kind: str, value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def structured_spec(body: ChatCompletionRequest) -> tuple[str, str] | None:
+def structured_spec(body: SamplingBody) -> tuple[str, str] | None:
     """(kind, spec) with kind json | regex | choice | grammar, or None when the request asks for none."""
     found: list[tuple[str, str, str]] = []  # (field, kind, spec)
     rf = body.response_format
