@@ -326,6 +326,10 @@ class SamplingBody(StrictBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    def overrides(self, max_tokens: int | None) -> SamplingOverrides:
+        """The thinker's sampling fields as the stages take them, with the route's `max_tokens`."""
+        return _overrides(self, max_tokens)
+
 
 class ChatCompletionRequest(SamplingBody):
     messages: list[Message] = Field(min_length=1)

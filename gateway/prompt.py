@@ -19,7 +19,9 @@ the mask marks real frames): each clip's audio-token count depends on its own le
 cannot share one (n_mel, T) row; this is exactly what the thinker's `get_audio_features` takes. Problems
 with the request (no user message, prompt too long, a template the messages break) are 400
 `PipelineError`s. `chat_template` (vLLM's --chat-template, `load_chat_template`) replaces the model's
-template; it is tried on a probe conversation at start-up. `encode` gives /tokenize the same ids. CPU-bound: call it off the event loop (`await asyncio.to_thread(builder, request)`).
+template; it is tried on a probe conversation at start-up. `encode` gives /tokenize the same ids. A request
+with `prompt_ids` (a /v1/completions prompt, tokenized by its route) skips all of this: its ids are the
+prompt, checked against max_model_len like any other. CPU-bound: call it off the event loop (`await asyncio.to_thread(builder, request)`).
 
     builder = PromptBuilder(model_dir, max_model_len=4096)   # or PromptBuilder(processor, ...)
     inputs = builder(chat_request)                            # = builder.build(chat_request)

@@ -12,7 +12,8 @@ typed fields) are 400, as OpenAI answers, not FastAPI's 422. A 429 (a stage refu
 header names the request (`chatcmpl-<id>`, the id every stage logs); chat responses carry that id back in
 `X-Request-Id`.
 
-Also: OpenAI's `POST /v1/audio/transcriptions` / `translations` (`gateway/transcription_api.py`),
+Also: OpenAI's legacy `POST /v1/completions` (`gateway/completions_api.py`, with a prompt builder), OpenAI's
+`POST /v1/audio/transcriptions` / `translations` (`gateway/transcription_api.py`),
 `GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), vLLM's `POST /tokenize` and
 `/detokenize` (`gateway/tokenize_api.py`), `GET /version`, `GET /health` (200 / 503
 naming the stages down), `GET /metrics` (Prometheus
@@ -59,6 +60,7 @@ from gateway.events import (
     ToolCall,
     check_request_id,
 )
+from gateway.completions_api import CompletionRoutes
 from gateway.choices import MAX_CHOICES, Indexed, choice_requests, close_events, fan_out, total_usage
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway import video_process
@@ -634,6 +636,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     app.add_api_route("/v1/models", gw.models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", gw.model, methods=["GET"])
     if prompts is not None:
+        app.add_api_route("/v1/completions", CompletionRoutes(gw, prompts).completions, methods=["POST"])
         routes = TokenizeRoutes(gw, prompts)
         app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
