@@ -15,12 +15,15 @@ JSON, or an SSE stream of `text_completion` chunks ending in `data: [DONE]` (gat
 - `logprobs: k` (0 to --max-logprobs): OpenAI's legacy shape per choice: `tokens`, `token_logprobs`,
   `top_logprobs` (the k likeliest and the sampled token, token text -> logprob) and `text_offset` (each
   token's character offset in the choice's text, counted over the tokens' texts as vLLM does, except that
-  a special token, which the text skips, takes no room). The values
-  are the thinker's raw distribution, as the chat route's. `echo` with `logprobs` needs the prompt's
-  log-probabilities, which the thinker does not compute: a 400.
+  a generated special token, which the text skips, takes no room). The values are the thinker's raw
+  distribution, as the chat route's. With `echo` the prompt's tokens come first (the thinker scores the
+  prompt as it prefills, as for `prompt_logprobs`; the first token has no context: null), and vLLM's
+  `max_tokens: 0` answers the prompt alone (what lm-eval's loglikelihood requests send).
+- vLLM's `prompt_logprobs: k`: each choice's `prompt_logprobs` in vLLM's shape (gateway/prompt_logprobs.py);
+  not with `stream` (a 400, as vLLM).
 - `usage` counts each prompt once and every choice's completion tokens; `stream_options` as in a chat.
 - The thinker's sampling fields, `stop`, structured outputs and `priority` work as in a chat completion;
-  `suffix`, `best_of` > 1, beam search and `prompt_logprobs` are 400s naming the field.
+  `suffix`, `best_of` > 1 and beam search are 400s naming the field.
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ from gateway.openai_schema import (
     validate_body,
 )
 from gateway.prompt import PromptBuilder
+from gateway.prompt_logprobs import prompt_logprobs_json, token_text
 from gateway.sse import DONE, StreamState, chain, sse
 from gateway.structured_request import structured_spec
 from omnimesh.v1 import stage_pb2
+from services.llm.token_logprobs import TokenBytes
 
 if TYPE_CHECKING:
     from gateway.rest import Answer, RestGateway
@@ -70,7 +75,6 @@ UNSUPPORTED: dict[str, Any] = {
     "suffix": lambda v: not v,
     "best_of": lambda v: v is None or v == 1,
     "use_beam_search": lambda v: not v,
-    "prompt_logprobs": lambda v: v is None,
     "prompt_embeds": lambda v: v is None,
 }
 
@@ -109,9 +113,9 @@ class _Out(BaseModel):
 
 class CompletionLogprobs(_Out):
     text_offset: list[int]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (no context)
     tokens: list[str]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
 
 
 class CompletionChoice(_Out):
@@ -119,6 +123,7 @@ class CompletionChoice(_Out):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
 
 
 class Completion(_Out):
@@ -140,7 +145,10 @@ class _Completion:
     echo: tuple[str, ...]  # per choice: the prompt's text with `echo`, else ""
     n: int
     stream: bool
-    logprobs: bool
+    logprobs: int | None  # the legacy logprobs' alternatives per token
+    prompt_logprobs: int | None  # vLLM's, as asked (the runs may score more: echo with logprobs)
+    first_tokens: tuple[int, ...]  # per choice: its prompt's first token (echoed logprobs start with it)
+    prompt_only: bool  # echo with max_tokens 0: the answer is the prompt (the runs generate one token, dropped)
     include_usage: bool
     continuous_usage: bool
     created: int
@@ -158,6 +166,7 @@ class CompletionRoutes:
         tokenizer = builder.processor.tokenizer
         # the thinker's text skips special tokens: they take no room in it (text_offset)
         self.silent = frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+        self.token_bytes = TokenBytes(tokenizer)  # an echoed prompt's first token (the thinker sends the rest)
 
     async def completions(self, request: Request) -> Response:
         from gateway.rest import Answer  # rest imports this module to route it
@@ -177,11 +186,18 @@ class CompletionRoutes:
         n = 1 if body.n is None else body.n
         if not 1 <= n <= MAX_CHOICES:
             raise invalid_request(f"n: must be in [1, {MAX_CHOICES}] choices, got {n}", "n")
-        if body.echo and body.logprobs is not None:
-            raise invalid_request("logprobs: with echo, the answer would need the prompt's log-probabilities, which "
-                                  "omnimesh does not compute; send echo or logprobs, not both", "logprobs")
-        sampling = replace(body.overrides(body.max_tokens), logprobs=body.logprobs)
+        if body.stream and body.prompt_logprobs is not None:
+            raise invalid_request("prompt_logprobs: not available with stream: true (as in vLLM); ask without "
+                                  "streaming, or use echo with logprobs", "prompt_logprobs")
+        prompt_only = body.echo and body.max_tokens == 0
+        if body.max_tokens == 0 and not body.echo:
+            raise invalid_request("max_tokens: 0 asks for no text; it is only for echo (the prompt alone)", "max_tokens")
+        sampling = replace(body.overrides(1 if prompt_only else body.max_tokens), logprobs=body.logprobs)
         check_sampling(sampling, "", gw.max_logprobs)
+        scored = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry theirs
+            scored = max(body.logprobs, scored or 0)
+        sampling = replace(sampling, prompt_logprobs=scored)
         prompts = _prompts(body.prompt)
         if len(prompts) * n > MAX_RUNS:
             raise invalid_request(f"prompt: {len(prompts)} prompts x n={n} is {len(prompts) * n} runs; at most "
@@ -200,7 +216,8 @@ class CompletionRoutes:
             runs.extend(choice_requests(base, n))
         so = body.stream_options
         return _Completion(request_id=rid, model=model, runs=tuple(runs), echo=tuple(e for e in echo for _ in range(n)),
-                           n=n, stream=body.stream, logprobs=body.logprobs is not None,
+                           n=n, stream=body.stream, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
+                           first_tokens=tuple(i[0] for i in ids for _ in range(n)), prompt_only=prompt_only,
                            include_usage=bool(so and so.include_usage),
                            continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
                            created=int(time.time()), started=started,
@@ -233,22 +250,40 @@ class CompletionRoutes:
     # ---------------------------------------------------------------------------------------- answers
     def _logprobs(self, call: _Completion, i: int, entries: Sequence[stage_pb2.TokenLogprob]
                   ) -> CompletionLogprobs | None:
-        """The legacy `logprobs` of choice `i`'s next tokens (advancing its text offsets), or None."""
-        if not call.logprobs:
+        """The legacy `logprobs` of choice `i`'s next generated tokens (advancing its text offsets), or None."""
+        if call.logprobs is None:
             return None
         out = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
         for e in entries:
-            token = self._token_text(e)
-            out.tokens.append(token)
-            out.token_logprobs.append(e.logprob)
             out.text_offset.append(call.offsets[i])
+            self._add(out, e, call.logprobs)
             if e.token_id not in self.silent:
-                call.offsets[i] += len(token)
-            out.top_logprobs.append({**{self._token_text(t): t.logprob for t in e.top}, token: e.logprob})
+                call.offsets[i] += len(out.tokens[-1])
         return out
 
+    def _echoed(self, call: _Completion, i: int, prompt: Sequence[stage_pb2.TokenLogprob]) -> CompletionLogprobs | None:
+        """The legacy `logprobs` of choice `i`'s echoed prompt: its first token (no context: null), then the
+        thinker's entries for the others; offsets over the tokens' texts from 0."""
+        if call.logprobs is None or not call.echo[i]:
+            return None
+        first = stage_pb2.TokenLogprob(token_id=call.first_tokens[i], token=self.token_bytes(call.first_tokens[i]))
+        out = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[self._token_text(first)],
+                                 top_logprobs=[None])
+        at = len(out.tokens[0])
+        for e in prompt:
+            out.text_offset.append(at)
+            self._add(out, e, call.logprobs)
+            at += len(out.tokens[-1])
+        return out
+
+    def _add(self, out: CompletionLogprobs, e: stage_pb2.TokenLogprob, k: int) -> None:
+        token = self._token_text(e)
+        out.tokens.append(token)
+        out.token_logprobs.append(e.logprob)
+        out.top_logprobs.append({**{self._token_text(t): t.logprob for t in e.top[:k]}, token: e.logprob})
+
     def _token_text(self, e: stage_pb2.TokenLogprob | stage_pb2.TopLogprob) -> str:
-        return f"token_id:{e.token_id}" if self.gw.tokens_as_ids else e.token.decode("utf-8", errors="replace")
+        return token_text(e, self.gw.tokens_as_ids)
 
     def _usage(self, call: _Completion, finished: dict[int, Finished]) -> Usage:
         """Each prompt's tokens once (its choices share it), every choice's completion tokens."""
@@ -262,32 +297,49 @@ class CompletionRoutes:
         runs = len(call.runs)
         text: list[list[str]] = [[e] for e in call.echo]
         entries: list[list[stage_pb2.TokenLogprob]] = [[] for _ in range(runs)]
+        prompt: list[list[stage_pb2.TokenLogprob]] = [[] for _ in range(runs)]
         finished: dict[int, Finished] = {}
         try:
             async for i, ev in chain(first, events):
                 self.gw._observe(call, ev)
                 if isinstance(ev, TextDelta):
-                    text[i].append(ev.text)
-                    entries[i].extend(ev.logprobs)
+                    prompt[i].extend(ev.prompt_logprobs)
+                    if not call.prompt_only:
+                        text[i].append(ev.text)
+                        entries[i].extend(ev.logprobs)
                 elif isinstance(ev, Finished):
-                    finished[i] = ev
+                    finished[i] = _settled(call, ev)
                     if len(finished) == runs:
                         break
         finally:
             await close_events(events)
         if len(finished) < runs:
             raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
-        choices = [CompletionChoice(index=i, text="".join(text[i]), logprobs=self._logprobs(call, i, entries[i]),
-                                    finish_reason=finished[i].finish_reason) for i in range(runs)]
+        choices = [CompletionChoice(index=i, text="".join(text[i]), finish_reason=finished[i].finish_reason,
+                                    logprobs=_joined(self._echoed(call, i, prompt[i]),
+                                                     self._logprobs(call, i, entries[i])),
+                                    prompt_logprobs=self._prompt_logprobs(call, prompt[i]))
+                   for i in range(runs)]
         body = Completion(id=call.request_id, created=call.created, model=call.model, choices=choices,
                           usage=self._usage(call, finished))
         self.gw._finish("completions", 200, call.started)
-        return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": call.request_id})
+        data = body.model_dump(mode="json")
+        if call.prompt_logprobs is None:
+            for c in data["choices"]:
+                del c["prompt_logprobs"]
+        return JSONResponse(data, headers={"X-Request-Id": call.request_id})
+
+    def _prompt_logprobs(self, call: _Completion, entries: Sequence[stage_pb2.TokenLogprob]
+                         ) -> list[dict[str, Any] | None] | None:
+        k = call.prompt_logprobs
+        return None if k is None else prompt_logprobs_json(entries, k, self.gw.tokens_as_ids)
 
     async def _stream(self, call: _Completion, first: Indexed, state: StreamState) -> AsyncIterator[bytes]:
         runs = len(call.runs)
         status = 499  # client closed, unless the stream gets to its end
         so_far: list[tuple[int, int] | None] = [None] * runs  # continuous_usage_stats: (prompt, completion)
+        # echoed prompts not sent yet: with logprobs they wait for the prompt's entries (the first delta's)
+        echo = [e if call.logprobs is not None else "" for e in call.echo]
 
         def chunk(i: int, text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None) -> bytes:
             usage = None
@@ -296,25 +348,33 @@ class CompletionRoutes:
             c = Completion(id=call.request_id, created=call.created, model=call.model, usage=usage,
                            choices=[CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish)])
             data = c.model_dump(mode="json")
+            for choice in data["choices"]:
+                del choice["prompt_logprobs"]  # never streamed (a 400 up front)
             if usage is None:
                 del data["usage"]
             return sse(data)
 
         try:
-            for i, echo in enumerate(call.echo):
-                if echo:
-                    yield chunk(i, echo)
+            for i, text in enumerate(call.echo):
+                if text and not echo[i]:
+                    yield chunk(i, text)
             finished: dict[int, Finished] = {}
             async for i, ev in chain(first, state.events):
                 self.gw._observe(call, ev)
                 if isinstance(ev, TextDelta):
                     if ev.usage is not None:
                         so_far[i] = ev.usage
-                    if ev.text or ev.logprobs:
+                    if echo[i]:
+                        yield chunk(i, echo[i], self._echoed(call, i, ev.prompt_logprobs))
+                        echo[i] = ""
+                    if (ev.text or ev.logprobs) and not call.prompt_only:
                         yield chunk(i, ev.text, self._logprobs(call, i, ev.logprobs))
                 elif isinstance(ev, Finished):
-                    finished[i] = ev
+                    finished[i] = ev = _settled(call, ev)
                     so_far[i] = (ev.prompt_tokens, ev.completion_tokens)
+                    if echo[i]:  # no delta came (a stop id first): the prompt has no entries then
+                        yield chunk(i, echo[i], self._echoed(call, i, ()))
+                        echo[i] = ""
                     yield chunk(i, "", finish=ev.finish_reason)
                     if len(finished) == runs:
                         break
@@ -337,6 +397,19 @@ class CompletionRoutes:
         finally:
             state.settle(status)
             await state.close_events()
+
+
+def _settled(call: _Completion, f: Finished) -> Finished:
+    """A run's end as the client sees it: with `max_tokens: 0` (echo) its one generated token is not theirs."""
+    return replace(f, completion_tokens=0, finish_reason="length") if call.prompt_only else f
+
+
+def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    """Two runs of legacy logprobs (the echoed prompt's, the generated tokens') as one."""
+    if a is None or b is None:
+        return a if b is None else b
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
 
 
 def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:

@@ -87,6 +87,7 @@ class SamplingOverrides:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: int | None = None  # thinker: each token's log-probability and this many alternatives (0-20)
+    prompt_logprobs: int | None = None  # vLLM's, thinker: each prompt token's (from the second), this many alternatives
     min_p: float | None = None  # vLLM's: drop ids below min_p x the top probability
     ignore_eos: bool | None = None  # vLLM's: the model's own stop ids do not stop the stage
     logit_bias: tuple[tuple[int, float], ...] | None = None  # OpenAI's: (token id, added to its logit)
@@ -121,6 +122,8 @@ class TextDelta:
     logprobs: tuple[stage_pb2.TokenLogprob, ...] = ()
     # (prompt tokens, tokens the thinker generated up to this delta): vLLM's continuous_usage_stats
     usage: tuple[int, int] | None = None
+    # on a run's first delta, when the request asked for prompt_logprobs: each prompt token's entry from the second
+    prompt_logprobs: tuple[stage_pb2.TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

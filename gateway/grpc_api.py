@@ -89,6 +89,7 @@ def _overrides(p: stage_pb2.SamplingParams, param: str, max_logprobs: int) -> Sa
                           include_stop_str_in_output=opt("include_stop_str_in_output"),  # type: ignore[arg-type]
                           presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
                           logprobs=opt("logprobs"), min_p=opt("min_p"),  # type: ignore[arg-type]
+                          prompt_logprobs=opt("prompt_logprobs"),  # type: ignore[arg-type]
                           ignore_eos=p.ignore_eos or None,
                           logit_bias=tuple(sorted(p.logit_bias.items())) or None,
                           allowed_token_ids=tuple(p.allowed_token_ids) or None, bad_words=tuple(p.bad_words) or None)
@@ -205,8 +206,9 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             events = aiter(fan_out(self.pipeline, choice_requests(chat, n)))
             async for i, ev in events:
                 if isinstance(ev, TextDelta):
-                    if ev.text or ev.logprobs:  # logprobs only when asked (sampling.logprobs)
-                        yield omni_pb2.GenerateResponse(text_delta=ev.text, logprobs=ev.logprobs, index=i)
+                    if ev.text or ev.logprobs or ev.prompt_logprobs:  # those only when asked (sampling)
+                        yield omni_pb2.GenerateResponse(text_delta=ev.text, logprobs=ev.logprobs, index=i,
+                                                        prompt_logprobs=ev.prompt_logprobs)
                 elif isinstance(ev, AudioDelta):
                     if "audio" in chat.modalities and ev.pcm.size:
                         chunk = omni_pb2.AudioChunk(pcm16=pcm16_bytes(ev.pcm), sample_rate=ev.sample_rate, seq=seq[i])

@@ -8,7 +8,7 @@ the pydantic models below and serialised with `dump`.
 Defaults chosen to match OpenAI: `modalities` defaults to ["text"] (no audio unless asked for); when
 "audio" is asked for without an `audio` object the pipeline's default voice and "wav" are used. Unknown
 top-level fields are accepted and ignored (clients send many; each is named once in the log), except ones
-whose silent omission would change the answer (`refuse_unsupported`): `prompt_logprobs`,
+whose silent omission would change the answer (`refuse_unsupported`):
 `functions`, and vLLM's beam search and the like, at any value but their neutral one.
 OpenAI's `logit_bias` and vLLM's `allowed_token_ids` and `bad_words` reach the stages' samplers; structured outputs:
 gateway/structured_request.py. vLLM-Omni's
@@ -226,7 +226,8 @@ def _overrides(s: StageSampling | SamplingBody, max_tokens: int | None) -> Sampl
                              min_tokens=s.min_tokens, include_stop_str_in_output=s.include_stop_str_in_output,
                              presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                              min_p=s.min_p, ignore_eos=s.ignore_eos, logit_bias=_bias(s.logit_bias),
-                             allowed_token_ids=_tuple(s.allowed_token_ids), bad_words=_tuple(s.bad_words))
+                             allowed_token_ids=_tuple(s.allowed_token_ids), bad_words=_tuple(s.bad_words),
+                             prompt_logprobs=getattr(s, "prompt_logprobs", None))
 
 
 def _bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:
@@ -313,6 +314,8 @@ class SamplingBody(StrictBody):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be picked
     bad_words: list[str] | None = None  # vLLM's: words the thinker's text must not produce
+    # vLLM's: each prompt token's log-probability (from the second) with this many alternatives (not streamed)
+    prompt_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None  # OpenAI's: this many choices, each its own run (gateway/choices.py)
@@ -382,7 +385,6 @@ class ChatCompletionRequest(SamplingBody):
 # Fields OpenAI or vLLM define that omnimesh does not implement, each with the test that its value asks for
 # nothing (then it is accepted and changes nothing): anything else would silently change the answer -> 400
 _NEUTRAL: dict[str, Any] = {
-    "prompt_logprobs": lambda v: v is None,
     "functions": lambda v: not v,
     # vLLM's extra sampling / decoding parameters
     "best_of": lambda v: v is None or v == 1,
@@ -556,6 +558,12 @@ def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOG
     elif s.logprobs is not None and not 0 <= s.logprobs <= (s.logprobs if max_logprobs < 0 else max_logprobs):
         problems.append(("logprobs", f"must be in [0, {max_logprobs}] alternatives per token (--max-logprobs), "
                                      f"got {s.logprobs}"))
+    if s.prompt_logprobs is not None and param.endswith("talker"):
+        problems.append(("prompt_logprobs", "applies to the thinker's prompt tokens only"))
+    elif s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= (
+            s.prompt_logprobs if max_logprobs < 0 else max_logprobs):
+        problems.append(("prompt_logprobs", f"must be in [0, {max_logprobs}] alternatives per token (--max-logprobs), "
+                                            f"got {s.prompt_logprobs}"))
     if s.include_stop_str_in_output and param.endswith("talker"):
         problems.append(("include_stop_str_in_output", "applies to the thinker's text only; the talker emits audio "
                                                        "codes"))
@@ -710,6 +718,8 @@ class ChatCompletion(_Out):
     model: str
     choices: list[Choice]
     usage: Usage
+    # vLLM's, when asked (gateway/prompt_logprobs.py); left out of the JSON otherwise
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class DeltaAudio(_Out):

@@ -355,10 +355,12 @@ class StagePipeline:
                 if text:
                     generated += sum(int(f.shape[0]) for f in part.tensors
                                      if f.name == "token_ids" and f.piece_offset == 0 and len(f.shape) == 1)
-                if text and (part.text or part.logprobs):
-                    events.put_nowait(TextDelta(part.text, tuple(part.logprobs), (prompt_tokens, generated)))
+                if text and (part.text or part.logprobs or part.prompt_logprobs):
+                    events.put_nowait(TextDelta(part.text, tuple(part.logprobs), (prompt_tokens, generated),
+                                                tuple(part.prompt_logprobs)))
                     part.text = ""
                     del part.logprobs[:]  # the client's, like the text: the talker never reads them
+                    del part.prompt_logprobs[:]
                 if audio:
                     chunk = source.assemble(part)
                     if chunk is not None and "pcm" in chunk.tensors and chunk.tensors["pcm"].numel():
@@ -398,7 +400,8 @@ def _joined(deltas: list[TextDelta | AudioDelta]) -> Event:
         return deltas[0]
     if isinstance(deltas[0], TextDelta):
         texts = [d for d in deltas if isinstance(d, TextDelta)]
-        return TextDelta("".join(d.text for d in texts), tuple(e for d in texts for e in d.logprobs), texts[-1].usage)
+        return TextDelta("".join(d.text for d in texts), tuple(e for d in texts for e in d.logprobs), texts[-1].usage,
+                         tuple(e for d in texts for e in d.prompt_logprobs))
     pcm = [d.pcm for d in deltas if isinstance(d, AudioDelta)]
     return AudioDelta(pcm=np.concatenate(pcm), sample_rate=deltas[0].sample_rate)
 

@@ -102,6 +102,7 @@ from gateway.openai_schema import (
     resolve_voice,
 )
 from gateway.prompt import PromptBuilder
+from gateway.prompt_logprobs import prompt_logprobs_json
 from gateway.tokenize_api import TokenizeRoutes
 from gateway.structured_request import structured_spec
 from gateway.tool_calls import NO_TOOLS, ToolCallStream, ToolPlan, forced_calls, parse_tool_calls, tool_plan
@@ -266,6 +267,9 @@ class RestGateway:
             voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline.voices,
                                   self.pipeline.default_voice, "audio.voice")
         tools = tool_plan(body, self.auto_tool_choice, modalities)
+        if body.stream and sampling.prompt_logprobs is not None:
+            raise invalid_request("prompt_logprobs: not available with stream: true (as in vLLM); ask without "
+                                  "streaming", "prompt_logprobs")
         structured = await asyncio.to_thread(structured_spec, body)  # compiling a big schema takes a while
         if structured is not None and (tools.parse or tools.structured is not None):
             raise invalid_request("response_format: a structured output and tool calls (tool_choice \"auto\") "
@@ -390,6 +394,7 @@ class RestGateway:
     async def _complete(self, call: _Call, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
         text: list[list[str]] = [[] for _ in range(call.n)]
         logprobs: list[list[stage_pb2.TokenLogprob]] = [[] for _ in range(call.n)]
+        prompt: list[stage_pb2.TokenLogprob] = []  # prompt_logprobs: the first choice's (the prompt is theirs alike)
         audio: list[list[np.ndarray]] = [[] for _ in range(call.n)]
         rate = self.pipeline.sample_rate
         finished: dict[int, Finished] = {}
@@ -399,6 +404,8 @@ class RestGateway:
                 if isinstance(ev, TextDelta):
                     text[i].append(ev.text)
                     logprobs[i].extend(ev.logprobs)
+                    if i == 0:
+                        prompt.extend(ev.prompt_logprobs)
                 elif isinstance(ev, AudioDelta):
                     audio[i].append(np.asarray(ev.pcm, dtype=np.float32).reshape(-1))
                     rate = ev.sample_rate
@@ -429,10 +436,15 @@ class RestGateway:
                                              expires_at=call.created, transcript=transcript)
             choices.append(Choice(index=i, message=message, finish_reason=finish,
                                   logprobs=self._logprobs(call, logprobs[i])))
+        k = call.request.sampling.prompt_logprobs
         body = ChatCompletion(id=call.request.request_id, created=call.created, model=call.model, choices=choices,
-                              usage=self._usage(total_usage([finished[i] for i in range(call.n)])))
+                              usage=self._usage(total_usage([finished[i] for i in range(call.n)])),
+                              prompt_logprobs=None if k is None else prompt_logprobs_json(prompt, k, self.tokens_as_ids))
         self._finish("chat", 200, call.started)
-        return JSONResponse(dump(body), headers={"X-Request-Id": call.request.request_id})
+        payload = dump(body)
+        if k is None:
+            del payload["prompt_logprobs"]
+        return JSONResponse(payload, headers={"X-Request-Id": call.request.request_id})
 
     def _logprobs(self, call: _Call, entries: Sequence[stage_pb2.TokenLogprob]) -> ChoiceLogprobs | None:
         """A choice's `logprobs`: its tokens' entries when the request asked for them, else None."""

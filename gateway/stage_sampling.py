@@ -44,6 +44,8 @@ def _to_proto(s: SamplingOverrides) -> stage_pb2.SamplingParams:
         msg.frequency_penalty = s.frequency_penalty
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     if s.min_p is not None:
         msg.min_p = s.min_p
     if s.ignore_eos:

@@ -81,6 +81,8 @@ class ChunkEncoder:
         part.text = chunk.text
         if chunk.logprobs:
             part.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs:
+            part.prompt_logprobs.extend(chunk.prompt_logprobs)
         inline = 0  # inline bytes in the current part
         for name, tensor in chunk.tensors.items():
             if self._by_reference(part, name, tensor):
@@ -147,6 +149,7 @@ class ChunkAssembler:
     _partial: dict[str, _Partial] = field(default_factory=dict)
     _text: list[str] = field(default_factory=list)
     _logprobs: list[stage_pb2.TokenLogprob] = field(default_factory=list)
+    _prompt_logprobs: list[stage_pb2.TokenLogprob] = field(default_factory=list)
 
     def add(self, part: stage_pb2.Chunk) -> StageChunk | None:
         """Take one part; the whole chunk once its last part (more=False) is in, else None. A FrameError drops
@@ -155,6 +158,8 @@ class ChunkAssembler:
             self._text.append(part.text)
         if part.logprobs:
             self._logprobs.extend(part.logprobs)
+        if part.prompt_logprobs:
+            self._prompt_logprobs.extend(part.prompt_logprobs)
         try:
             for frame in part.tensors:
                 self._frame(frame, part.seq)
@@ -162,7 +167,7 @@ class ChunkAssembler:
             # the chunk is lost: give the part's unclaimed references back to their producers at once (the
             # claimed ones are kept until their tensors go) and drop what was collected of the chunk
             discard_refs(self.reader, part)
-            self._tensors, self._partial, self._text, self._logprobs = {}, {}, [], []
+            self._tensors, self._partial, self._text, self._logprobs, self._prompt_logprobs = {}, {}, [], [], []
             raise
         if part.more:
             return None
@@ -170,8 +175,8 @@ class ChunkAssembler:
             raise FrameError(f"{frame_where(name, self.request_id)}: chunk {part.seq} ended after {partial.received} "
                              f"of {partial.buffer.nbytes} bytes")
         chunk = StageChunk(tensors=self._tensors, text="".join(self._text), seq=part.seq, final=part.final,
-                           logprobs=self._logprobs)
-        self._tensors, self._text, self._logprobs = {}, [], []
+                           logprobs=self._logprobs, prompt_logprobs=self._prompt_logprobs)
+        self._tensors, self._text, self._logprobs, self._prompt_logprobs = {}, [], [], []
         return chunk
 
     def _frame(self, frame: tensor_pb2.TensorFrame, seq: int) -> None:

@@ -49,6 +49,7 @@ class StageChunk:
     seq: int = 0
     final: bool = False
     logprobs: list[stage_pb2.TokenLogprob] = field(default_factory=list)  # the thinker's, when asked
+    prompt_logprobs: list[stage_pb2.TokenLogprob] = field(default_factory=list)  # the thinker's first chunk's, when asked
 
 
 def dtype_name(dtype: torch.dtype, what: str) -> str:

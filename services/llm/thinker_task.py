@@ -14,6 +14,9 @@ Chunks the stage's writer has not sent yet when the next one comes are merged th
 (`ThinkerHandler.merge_outputs`, see stage_servicer), so under load the stream coalesces by itself.
 `logprobs` (a sampling parameter): each token's chunk also carries its log-probability entry
 (services/llm/token_logprobs.py; not for a stop id, which adds no text), merged along with the text.
+`prompt_logprobs` (vLLM's): the prompt run carries each row's next prompt token as its target; the engine
+scores them as it prefills (lm_shard.score_rows) and the first token's chunk carries every prompt token's
+entry from the second on, with its rank (such a request skips the prefix cache: skipped rows have no scores).
 `min_tokens`: the sampler picks no stop id before that many tokens, and a stop string counts only when it
 completes in the token that reaches min_tokens or a later one (`StopStrings.push(armed=...)`).
 """
@@ -33,7 +36,8 @@ from omnimesh.transport.frames import StageChunk
 from services.llm.detokenizer import Detokenizer, StopStrings
 from services.llm.prefix_keys import prompt_prefix_keys
 from services.llm.structured_output import Constraint, Grammars
-from services.llm.token_logprobs import TokenBytes, token_logprob
+from omnimesh.v1 import stage_pb2
+from services.llm.token_logprobs import TokenBytes, prompt_logprobs, token_logprob
 
 EDGE = "gateway -> thinker"
 MERGED = ("token_ids", "token_embeds")  # what several tokens' chunks stack into one (along dim 0)
@@ -64,6 +68,7 @@ class ThinkerTask(BatchedTask):
         self.structured: str | None = None  # the structured_output option (services/llm/structured_output.py)
         self.grammars: Grammars | None = None  # the stage's compiler for it (its handler's)
         self.constraint: Constraint | None = None  # ... compiled by `prompt_run`
+        self.prompt_scores: list[stage_pb2.TokenLogprob] = []  # prompt_logprobs: the prefill's, until the first token
 
     def feed(self, chunk: StageChunk) -> None:
         if self.inputs is not None:
@@ -128,17 +133,24 @@ class ThinkerTask(BatchedTask):
             self.sampler = Sampler(replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room)),
                                    self.sampler.generator)
         capture = prompt.mm_mask if self.talker_inputs and bool(prompt.mm_mask.any()) else None
-        keys = None
-        if self.prefix_caching:  # token ids and positions, media rows by their items' digests (prefix_keys.py)
+        keys = targets = None
+        k = self.sampler.params.prompt_logprobs
+        if k is not None:  # each row scored against the prompt token after it (the last row: the first sample)
+            targets = torch.cat([prompt.ids.view(-1)[1:].long(), torch.tensor([-1])])
+        elif self.prefix_caching:  # token ids and positions, media rows by their items' digests (prefix_keys.py)
+            # (not with prompt logprobs: rows the cache served would have no scores, as vLLM skips the cache)
             hashes = {name: t.get(name) for name in ("audio_hashes", "image_hashes", "video_hashes")}
             keys = prompt_prefix_keys(self.thinker, prompt, hashes, captured=capture is not None)
-        return InputRun(prompt.embeds, prompt.positions, prompt.visual, prompt.deepstack, capture, prefix_keys=keys)
+        return InputRun(prompt.embeds, prompt.positions, prompt.visual, prompt.deepstack, capture, prefix_keys=keys,
+                        targets=targets, score_k=k or 0)
 
     def on_output(self, out: RunOutput) -> tuple[list[StageChunk], InputRun | None]:
         """The engine ran some of this request's rows: sample when it returned logits. Returns the chunks to
         emit and the next input row (None when the request ended or no token was sampled)."""
         if out.captured is not None:
             self.captured.append(out.captured)
+        if out.scores is not None:
+            self.prompt_scores.extend(prompt_logprobs(out.scores, self.token_bytes))
         self.cached_tokens = out.cached_tokens
         if out.logits is None:
             return [], None  # a prefill chunk (or a recompute after preemption): no token yet
@@ -169,17 +181,18 @@ class ThinkerTask(BatchedTask):
         if stop or at_max:
             raw += self.detok.finish()
         text, stop_str = self.stops.push(raw, armed=self.completion_tokens >= self.sampler.params.min_tokens)
+        scored, self.prompt_scores = self.prompt_scores, []  # all of them by the first token: on its chunk
         if stop or at_max or stop_str:
             if not stop_str:
                 text += self.stops.finish()  # release held-back text (never after a stop-string match)
             self.finished = True
             self.finish_reason = "stop" if (stop or stop_str) else "length"
-            return self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs)), None
+            return self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs, prompt_logprobs=scored)), None
         embed, positions = self.thinker.token_input(token, len(self.token_ids), prompt.rope_delta)
         self.token_ids.append(token)
         if self.talker_inputs:
             tensors["token_embeds"] = embed.view(1, -1)  # (1, H)
-        return (self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs)),
+        return (self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs, prompt_logprobs=scored)),
                 InputRun(embed.view(1, -1), positions))
 
     def _send(self, chunk: StageChunk) -> list[StageChunk]:
@@ -213,7 +226,8 @@ def merge_token_chunks(chunks: list[StageChunk]) -> StageChunk:
                 tensors[name] = tensor
     tensors.update({name: torch.cat(parts) for name, parts in stacked.items() if parts})
     return StageChunk(tensors=tensors, text="".join(c.text for c in chunks), final=chunks[-1].final,
-                      logprobs=[entry for c in chunks for entry in c.logprobs])
+                      logprobs=[entry for c in chunks for entry in c.logprobs],
+                      prompt_logprobs=[entry for c in chunks for entry in c.prompt_logprobs])
 
 
 def _layers(deep: torch.Tensor | None) -> list[torch.Tensor] | None:

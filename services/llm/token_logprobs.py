@@ -12,11 +12,14 @@ and vLLM do, so the JSON stays valid.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from omnimesh.v1 import stage_pb2
+
+if TYPE_CHECKING:
+    from omnimesh.models.qwen3_omni.lm_shard import PromptScores
 
 FLOOR = -9999.0  # what -inf is sent as
 
@@ -56,6 +59,20 @@ class TokenBytes:
         if all(c in decoder for c in symbol):  # a byte-level symbol (or an ASCII special token: the same)
             return bytes(decoder[c] for c in symbol)
         return str(self.tokenizer.decode([token_id])).encode("utf-8")  # other vocabularies
+
+
+def prompt_logprobs(scores: PromptScores, token_bytes: TokenBytes) -> list[stage_pb2.TokenLogprob]:
+    """The engine's scored prompt rows (each row's next prompt token, its rank and the likeliest ids) as
+    entries, as `token_logprob` makes them for generated tokens."""
+    out = []
+    for token, value, rank, top_values, top_ids in zip(scores.targets.tolist(), scores.logprobs.tolist(),
+                                                         scores.ranks.tolist(), scores.top_logprobs.tolist(),
+                                                         scores.top_ids.tolist(), strict=True):
+        entry = stage_pb2.TokenLogprob(token_id=token, token=token_bytes(token), logprob=max(value, FLOOR), rank=rank)
+        for v, i in zip(top_values, top_ids, strict=True):
+            entry.top.add(token_id=i, token=token_bytes(i), logprob=max(v, FLOOR))
+        out.append(entry)
+    return out
 
 
 def token_logprob(logits: torch.Tensor, token: int, k: int, token_bytes: TokenBytes) -> stage_pb2.TokenLogprob:

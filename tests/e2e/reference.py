@@ -171,6 +171,20 @@ class ReferenceModel:
         return Reference(self.tokenizer.decode(gen, skip_special_tokens=True), gen, wav_np)
 
     @torch.no_grad()
+    def prompt_logprobs(self, req: ChatRequest) -> tuple[list[int], torch.Tensor]:
+        """The prompt's ids and log_softmax of the thinker's logits at each row but the last (row i predicts
+        prompt token i + 1), (n - 1, V): vLLM's prompt_logprobs."""
+        p = self.prompts(req)
+        kwargs: dict = {}
+        if p.input_features is not None:
+            kwargs.update(input_features=p.input_features, feature_attention_mask=p.feature_attention_mask)
+        if p.pixel_values is not None:
+            kwargs.update(pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
+        ids = p.input_ids.view(1, -1)
+        logits = self.model.thinker(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs).logits
+        return ids[0].tolist(), torch.log_softmax(logits[0, :-1].float(), dim=-1)
+
+    @torch.no_grad()
     def text_logprobs(self, req: ChatRequest, *, max_tokens: int) -> tuple[list[int], torch.Tensor]:
         """Greedy text-only `generate` -> (the generated ids, EOS included when it stopped there;
         log_softmax of the thinker's raw logits at each step, (n, V))."""

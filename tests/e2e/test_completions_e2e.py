@@ -88,3 +88,34 @@ def test_streamed_echo_equals_the_whole_answer(mesh):
                     pieces.append(c["text"])
                     finish = c["finish_reason"] or finish
     assert "".join(pieces) == whole and finish in ("stop", "length")
+
+
+def check_prompt_logprobs(got: list, ids: list[int], rows, k: int, tokenizer) -> None:
+    """vLLM's shape: None, then per prompt token from the second {id: {logprob, rank, decoded_token}} holding
+    the token and its k likeliest alternatives (ranks 1..k)."""
+    assert got[0] is None and len(got) == len(ids)
+    token_bytes = TokenBytes(tokenizer)
+    for row, (position, token) in enumerate(zip(got[1:], ids[1:], strict=True)):
+        mine = position[str(token)]
+        assert mine["logprob"] == pytest.approx(float(rows[row][token]), abs=TOLERANCE)
+        assert mine["decoded_token"] == token_bytes(token).decode("utf-8", errors="replace")
+        assert mine["rank"] >= 1
+        best = rows[row].topk(k)
+        for rank, (i, value) in enumerate(zip(best.indices.tolist(), best.values.tolist(), strict=True), start=1):
+            assert position[str(i)]["logprob"] == pytest.approx(value, abs=TOLERANCE)
+            assert position[str(i)]["rank"] == (mine["rank"] if i == token else rank)
+        assert len(position) in (k, k + 1)
+
+
+def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(mesh, reference):
+    """lm-eval's loglikelihood request: the prompt alone, each token but the first scored."""
+    ids = reference.tokenizer("The river runs to the sea")["input_ids"]
+    body = _post(mesh, {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "prompt_logprobs": 2})
+    req = ChatRequest(request_id="ref", model="m", messages=(), modalities=("text",), prompt_ids=tuple(ids))
+    _, rows = reference.prompt_logprobs(req)
+    [choice] = body["choices"]
+    assert choice["text"] == reference.tokenizer.decode(ids) and body["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
+    assert lp["token_logprobs"][1:] == pytest.approx([float(rows[i][t]) for i, t in enumerate(ids[1:])], abs=TOLERANCE)
+    check_prompt_logprobs(choice["prompt_logprobs"], ids, rows, 2, reference.tokenizer)

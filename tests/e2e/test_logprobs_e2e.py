@@ -88,3 +88,32 @@ def test_without_logprobs_there_are_none(mesh):
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
     r = httpx.post(f"{mesh.rest}/v1/chat/completions", json=_body("Hi", None, None, top_logprobs=0), timeout=TIMEOUT_S)
     assert all(e["top_logprobs"] == [] for e in r.json()["choices"][0]["logprobs"]["content"]), r.text
+
+
+@pytest.mark.parametrize("media", [False, True], ids=["text", "audio+image"])
+def test_chat_prompt_logprobs_equal_the_thinkers_forward(mesh, reference, media):
+    """vLLM's `prompt_logprobs` on a chat (the templated prompt, media rows included), REST and gRPC."""
+    from test_completions_e2e import check_prompt_logprobs
+
+    wav, png = (sine_wav(), png_bytes()) if media else (None, None)
+    body = {**_body("Tell me about the sea.", wav, png), "logprobs": False, "top_logprobs": None, "prompt_logprobs": 2}
+    r = httpx.post(f"{mesh.rest}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    req = chat_request("Tell me about the sea.", wav, png, max_tokens=MAX_TOKENS, talker_max=1, modalities=("text",))
+    ids, rows = reference.prompt_logprobs(req)
+    got = r.json()["prompt_logprobs"]
+    check_prompt_logprobs(got, ids, rows, 2, reference.tokenizer)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    if media:
+        return
+    request = omni_pb2.GenerateRequest(
+        model=MODEL, modalities=["text"],
+        messages=[omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text="Tell me about the sea.")])],
+        sampling=stage_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=2))
+    with grpc.insecure_channel(mesh.grpc) as ch:
+        out = list(omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=TIMEOUT_S))
+    entries = [e for resp in out for e in resp.prompt_logprobs]
+    assert [e.token_id for e in entries] == ids[1:]
+    assert [e.logprob for e in entries] == pytest.approx([p[str(t)]["logprob"] for p, t in zip(got[1:], ids[1:])],
+                                                         abs=1e-6)
+    assert out[0].prompt_logprobs  # on the first response

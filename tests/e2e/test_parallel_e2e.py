@@ -3,7 +3,8 @@ pp=2, vocoder tp=2 — answers exactly like `transformers` generate (and so like
 token for token, audio within 1e-4. It also runs a vocoder window schedule other than the default
 (`--audio-windows 2,3,6`): the vocoder advertises it, the talker chunks its codes to match, and the audio is
 still exact. The split thinker caches prompt prefixes (`enable_prefix_caching`): a request sent again is
-served mostly from cached blocks that every pp x tp rank reads, and still equals generate. A thinker rank killed mid-request fails that request promptly with 503, the thinker goes
+served mostly from cached blocks that every pp x tp rank reads, and still equals generate; it scores prompts
+(`prompt_logprobs`) as transformers' forward does. A thinker rank killed mid-request fails that request promptly with 503, the thinker goes
 NOT_SERVING and the gateway's /health names it; nothing hangs; `omnimesh serve` then restarts the thinker
 (all its ranks) and it answers as before. This module runs its own mesh."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from mesh_harness import children, kill_rank_mid_request, nice, rank_pids, stage_pid, start_mesh, thread_nices
@@ -120,6 +122,21 @@ def test_split_thinker_serves_a_cached_prefix_exactly(split_mesh, tiny_model_dir
         finished.append(done)
     again = finished[1]
     assert again.cached_tokens == (again.prompt_tokens - 1) // 16 * 16 > finished[0].cached_tokens
+
+
+def test_split_thinker_scores_the_prompt(split_mesh, reference) -> None:
+    """prompt_logprobs on the pp=2 x tp=2 thinker: the last pp rank's TP ranks all-gather each scored row's
+    logits (a collective every TP rank joins) and the scores equal transformers' forward."""
+    from test_completions_e2e import check_prompt_logprobs
+
+    from gateway.events import ChatRequest
+
+    ids = reference.tokenizer("Rivers of the north run cold and clear")["input_ids"]
+    r = httpx.post(f"{split_mesh.rest}/v1/completions", timeout=60, json={
+        "model": "tiny-qwen3-omni", "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0, "prompt_logprobs": 3})
+    assert r.status_code == 200, r.text
+    _, rows = reference.prompt_logprobs(ChatRequest(request_id="ref", model="m", messages=(), prompt_ids=tuple(ids)))
+    check_prompt_logprobs(r.json()["choices"][0]["prompt_logprobs"], ids, rows, 3, reference.tokenizer)
 
 
 def test_thinker_rank_killed_mid_request(split_mesh) -> None:

@@ -85,7 +85,7 @@ def test_prompts_and_choices_in_vllm_order_with_legacy_logprobs(server, pipeline
     assert [c["text"] for c in body["choices"]] == ["<11> abc", "<11> abc", "<13> abc", "<13> abc"]
     assert body["choices"][0]["logprobs"] == {"tokens": [" ab", "c"], "token_logprobs": [-0.5, -0.25],
                                               "text_offset": [0, 3],
-                                              "top_logprobs": [{" ab": -0.5, "x": -1.0}, {"d": -0.125, "c": -0.25}]}
+                                              "top_logprobs": [{" ab": -0.5}, {"d": -0.125, "c": -0.25}]}  # k = 1
     # each prompt counted once, every choice's completion tokens
     assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 8
     assert body["usage"]["total_tokens"] == 11
@@ -96,6 +96,71 @@ def test_echo_puts_the_prompt_first_and_ids_are_decoded(server, pipeline, builde
     assert text == "Once uponHello world"
     ids = builder.processor.tokenizer(" a time")["input_ids"]
     assert post(server, {"prompt": ids, "echo": True}).json()["choices"][0]["text"] == " a timeHello world"
+
+
+def with_prompt(request: ChatRequest) -> list[Event | BaseException]:
+    """`scripted`, its first delta carrying an entry per prompt token from the second (ids + 100, rank 2)."""
+    assert request.prompt_ids is not None
+    prompt = tuple(_entry(f"p{t}".encode(), t, -1.5, [(b"best", 1, -0.75), (f"p{t}".encode(), t, -1.5)])
+                   for t in request.prompt_ids[1:])
+    for e in prompt:
+        e.rank = 2
+    events = scripted(request)
+    first = events[0]
+    assert isinstance(first, TextDelta)
+    return [TextDelta(first.text, first.logprobs, prompt_logprobs=prompt), *events[1:]]
+
+
+def test_prompt_logprobs_in_vllms_shape(server, pipeline):
+    pipeline.script = with_prompt
+    r = post(server, {"prompt": [5, 6, 7], "prompt_logprobs": 1, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert pipeline.requests[0].sampling.prompt_logprobs == 1
+    choice = r.json()["choices"][0]
+    assert choice["prompt_logprobs"] == [
+        None, {"6": {"logprob": -1.5, "rank": 2, "decoded_token": "p6"},
+               "1": {"logprob": -0.75, "rank": 1, "decoded_token": "best"}},
+        {"7": {"logprob": -1.5, "rank": 2, "decoded_token": "p7"},
+         "1": {"logprob": -0.75, "rank": 1, "decoded_token": "best"}}]
+    assert choice["logprobs"] is None
+    assert "prompt_logprobs" not in post(server, {"prompt": [5]}).json()["choices"][0]  # only when asked
+
+
+def test_echo_with_logprobs_scores_the_prompt_and_max_tokens_0_answers_it_alone(server, pipeline, builder):
+    pipeline.script = with_prompt
+    ids = [5, 6, 7]
+    r = post(server, {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert pipeline.requests[-1].sampling.prompt_logprobs == 1  # asked for by echo + logprobs
+    choice = r.json()["choices"][0]
+    first = builder.processor.tokenizer.convert_ids_to_tokens(5)
+    prompt_text = builder.processor.tokenizer.decode(ids)
+    assert choice["text"] == prompt_text + "<5> abc"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [first, "p6", "p7", " ab", "c"] and lp["token_logprobs"] == [None, -1.5, -1.5, -0.5, -0.25]
+    assert lp["top_logprobs"][:2] == [None, {"best": -0.75, "p6": -1.5}]
+    assert lp["text_offset"] == [0, len(first), len(first) + 2, len(prompt_text), len(prompt_text) + 3]
+    assert "prompt_logprobs" not in choice  # not asked for itself
+    # lm-eval's loglikelihood request: the prompt alone, scored
+    alone = post(server, {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0}).json()
+    assert pipeline.requests[-1].sampling.max_tokens == 1  # one token generated, and dropped
+    assert alone["choices"][0]["text"] == prompt_text and alone["choices"][0]["finish_reason"] == "length"
+    assert alone["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.5, -1.5]
+    assert alone["choices"][0]["logprobs"]["top_logprobs"][1] == {"p6": -1.5}  # k = 0: the prompt token alone
+    assert alone["usage"]["completion_tokens"] == 0
+
+
+def test_streamed_echo_with_logprobs_waits_for_the_prompts_entries(server, pipeline):
+    pipeline.script = with_prompt
+    body = {"prompt": [[5, 6], [8, 9]], "echo": True, "logprobs": 0, "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
+        events = _events(r)
+    firsts = {}
+    for e in events:
+        for c in e["choices"]:
+            firsts.setdefault(c["index"], c)
+    assert firsts[0]["logprobs"]["token_logprobs"] == [None, -1.5] and firsts[1]["logprobs"]["tokens"][1] == "p9"
+    assert all("prompt_logprobs" not in c for e in events for c in e["choices"])
 
 
 def _events(r: httpx.Response) -> list[dict]:
@@ -126,7 +191,7 @@ def test_stream_continuous_usage_and_logprob_offsets_after_echo(server, pipeline
         events = _events(r)
     lps = [c["logprobs"] for e in events for c in e["choices"] if c["logprobs"]]
     assert [lp["text_offset"] for lp in lps] == [[0], [3]]
-    assert lps[0]["top_logprobs"] == [{" ab": -0.5, "x": -1.0}]  # the sampled one is among them
+    assert lps[0]["top_logprobs"] == [{" ab": -0.5}]  # k = 0: the sampled one alone
     assert events[-2]["usage"]["completion_tokens"] == 2  # the finish chunk knows the whole count
 
 
@@ -159,10 +224,12 @@ def test_the_openai_client(server, pipeline):
     ({"prompt": [True]}, 400, "prompt", "one kind per request"),
     ({"prompt": "a", "suffix": "z"}, 400, "suffix", "not supported"),
     ({"prompt": "a", "best_of": 3}, 400, "best_of", "not supported"),
-    ({"prompt": "a", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
-    ({"prompt": "a", "echo": True, "logprobs": 1}, 400, "logprobs", "send echo or logprobs"),
+    ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "not available with stream"),
+    ({"prompt": "a", "prompt_logprobs": 21}, 400, "prompt_logprobs", "--max-logprobs"),
+    ({"prompt": "a", "prompt_logprobs": -1}, 400, "prompt_logprobs", "must be in [0, 20]"),
     ({"prompt": "a", "logprobs": 21}, 400, "logprobs", "--max-logprobs"),
-    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens", "only for echo"),
+    ({"prompt": "a", "max_tokens": -1, "echo": True}, 400, "max_tokens", ">= 1"),
     ({"prompt": "a", "n": 17}, 400, "n", "[1, 16]"),
     ({"prompt": ["a"] * 20, "n": 4}, 400, "prompt", "80 runs"),
     ({"prompt": "a", "temperature": 3}, 400, "temperature", "[0, 2]"),

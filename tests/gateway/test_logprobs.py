@@ -106,3 +106,18 @@ def test_max_logprobs_flag_is_checked(bad: int) -> None:
 
     with pytest.raises(ValueError, match=r"--max-logprobs must be >= 0 \(or -1: up to the vocabulary\), got -2"):
         ServeArgs(max_logprobs=bad)
+
+
+def test_chat_prompt_logprobs_are_vllms_top_level_field(rest_server, pipeline) -> None:  # type: ignore[no-untyped-def]
+    """The thinker's prompt entries (on the first delta) -> `prompt_logprobs`: None for the first prompt token,
+    then {id: {logprob, rank, decoded_token}} with the prompt token first and k alternatives."""
+    scored = entry(12, b"Yo", -1.5, (11, b"Hi", -0.25), (12, b"Yo", -1.5))
+    scored.rank = 2
+    pipeline.script = lambda request: [TextDelta("Hi", (), prompt_logprobs=(scored,)),
+                                       Finished(finish_reason="stop", prompt_tokens=2, completion_tokens=1)]
+    r = post(rest_server, prompt_logprobs=1)
+    assert r.status_code == 200, r.text
+    assert pipeline.requests[0].sampling.prompt_logprobs == 1
+    assert r.json()["prompt_logprobs"] == [None, {"12": {"logprob": -1.5, "rank": 2, "decoded_token": "Yo"},
+                                                  "11": {"logprob": -0.25, "rank": 1, "decoded_token": "Hi"}}]
+    assert "prompt_logprobs" not in post(rest_server).json()  # only when asked

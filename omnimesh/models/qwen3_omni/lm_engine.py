@@ -16,8 +16,10 @@ Data flow per step:
     admit(task)                                                       open: refused when the queue is full
     feed(rid, InputRun(embeds (n, H), positions (P, n), ...))        the task's next input rows
     step(ready rids) -> LMScheduler.schedule -> BatchLayout + LMBatch -> ranks -> LMBatchResult
-        -> {rid: RunOutput(logits (V,) | None, last_hidden (1, 1, H), captured rows)} for the requests
-           that ran (logits None: a prefill chunk that did not finish its run, or a recompute)
+        -> {rid: RunOutput(logits (V,) | None, last_hidden (1, 1, H), captured rows, scores)} for the
+           requests that ran (logits None: a prefill chunk that did not finish its run, or a recompute;
+           scores: the step's rows of a run with `targets`, vLLM's prompt_logprobs, scored on the last rank
+           and trimmed to the request's own `score_k`; a recompute after a preemption scores nothing again)
     remove(rid)                                                        blocks back to the free list
 
 Prefix caching (`enable_prefix_caching`, vLLM's --enable-prefix-caching): a request's first input run may
@@ -45,7 +47,7 @@ from omnimesh.engine.kv_blocks import BlockAllocator, prefix_hashes
 from omnimesh.engine.lm_scheduler import LMScheduler, ScheduledSeq
 from omnimesh.engine.task import BatchedTask, StageRequestError
 from omnimesh.models.qwen3_omni.lm_backend import ShardedBackend
-from omnimesh.models.qwen3_omni.lm_shard import LMBatch, LMBatchResult, LMInitCache
+from omnimesh.models.qwen3_omni.lm_shard import LMBatch, LMBatchResult, LMInitCache, PromptScores
 from omnimesh.models.qwen3_omni.paged_kv import BatchLayout
 from omnimesh.parallel.mp_executor import RankFailure
 
@@ -66,6 +68,8 @@ class InputRun:
     capture: torch.Tensor | None = None  # (n,) bool: rows whose hidden at the capture layer comes back
     want_logits: bool = True  # False for rows re-fed after a preemption (their token was already sampled)
     prefix_keys: torch.Tensor | None = None  # (m, k) int64: see the module docstring (a request's first run only)
+    targets: torch.Tensor | None = None  # (n,) int64: the token after each row, scored (prompt logprobs); -1: none
+    score_k: int = 0  # with targets: alternatives per scored row
 
     @property
     def n(self) -> int:
@@ -80,7 +84,8 @@ class InputRun:
                 self.embeds[sl], self.positions[:, sl],
                 None if self.visual is None else self.visual[sl],
                 None if self.deepstack is None else self.deepstack[:, vis],
-                None if self.capture is None else self.capture[sl], want_logits)
+                None if self.capture is None else self.capture[sl], want_logits,
+                targets=None if self.targets is None else self.targets[sl], score_k=self.score_k)
 
         # only the run's last row yields logits: the first part never does
         return (part(slice(0, k), slice(0, cut_vis), False),
@@ -93,6 +98,7 @@ class RunOutput:
     last_hidden: torch.Tensor  # (1, 1, H) final-norm hidden of that row
     captured: torch.Tensor | None  # (c, H) hidden at the capture layer of this step's capture rows
     cached_tokens: int = 0  # prompt tokens the prefix cache served when the request first started
+    scores: PromptScores | None = None  # this step's scored rows of the request, in order (prompt logprobs)
 
 
 @dataclass(eq=False)
@@ -225,7 +231,7 @@ class LMEngine:
         for sched in preempted:
             seq = self.seqs[sched.rid]
             # recomputed rows: their token was sampled and their captured rows were handed over already
-            seq.pending = [replace(r, want_logits=False, capture=None) for r in seq.history] + seq.pending
+            seq.pending = [replace(r, want_logits=False, capture=None, targets=None) for r in seq.history] + seq.pending
             seq.history, seq.fed, seq.registered = [], 0, 0
             log.info("%s: preempted request %s (KV cache full); it is recomputed when blocks free up", self.role, sched.rid)
         runs: list[tuple[_Seq, list[InputRun]]] = []
@@ -258,9 +264,16 @@ class LMEngine:
 
     def _apply(self, runs: list[tuple[_Seq, list[InputRun]]], result: LMBatchResult) -> dict[str, RunOutput]:
         out: dict[str, RunOutput] = {}
-        cap_at = 0
+        cap_at = score_at = 0
         for i, (seq, taken) in enumerate(runs):
             n = sum(r.n for r in taken)
+            scored = sum(int((r.targets >= 0).sum()) for r in taken if r.targets is not None)
+            scores = None
+            if scored and result.scores is not None:
+                k = max(r.score_k for r in taken)
+                s = result.scores.rows(score_at, score_at + scored)
+                scores = replace(s, top_logprobs=s.top_logprobs[:, :k], top_ids=s.top_ids[:, :k])
+                score_at += scored
             caps = sum(int(r.capture.sum()) for r in taken if r.capture is not None)
             captured = None
             if caps and result.captured is not None:
@@ -281,7 +294,7 @@ class LMEngine:
             wants = taken[-1].want_logits  # the last row of a whole run (a split's first part says False)
             out[seq.sched.rid] = RunOutput(logits=result.logits[i] if wants else None,
                                            last_hidden=result.last_hidden[i].view(1, 1, -1), captured=captured,
-                                           cached_tokens=seq.sched.first_hit or 0)
+                                           cached_tokens=seq.sched.first_hit or 0, scores=scores)
         return out
 
     def _capture_positions(self, runs: list[InputRun], start: int) -> list[int]:
@@ -330,13 +343,22 @@ class LMEngine:
 
     def _command(self, runs: list[tuple[_Seq, list[InputRun]]]) -> LMBatch:
         embeds, positions, visual, deep, capture, logit_rows, seqs = [], [], [], [], [], [], []
-        row = 0
+        score_rows: list[torch.Tensor] = []
+        score_targets: list[torch.Tensor] = []
+        score_k = row = 0
         any_visual = any(r.visual is not None for _, taken in runs for r in taken)
         any_capture = any(r.capture is not None for _, taken in runs for r in taken)
         for seq, taken in runs:
             n = sum(r.n for r in taken)
             seqs.append((n, seq.sched.cached, seq.sched.blocks))
+            at = row
             for r in taken:
+                if r.targets is not None:
+                    keep = r.targets >= 0
+                    score_rows.append(at + torch.nonzero(keep).view(-1))
+                    score_targets.append(r.targets[keep])
+                    score_k = max(score_k, r.score_k)
+                at += r.n
                 embeds.append(r.embeds)
                 positions.append(r.positions)
                 if any_visual:
@@ -356,4 +378,11 @@ class LMEngine:
                        logit_rows=torch.tensor(logit_rows, dtype=torch.long),
                        visual_pos_mask=vis if deepstack is not None else None, deepstack=deepstack,
                        capture_layer=self.capture_layer if cap_rows is not None and cap_rows.numel() else None,
-                       capture_rows=cap_rows if cap_rows is not None and cap_rows.numel() else None)
+                       capture_rows=cap_rows if cap_rows is not None and cap_rows.numel() else None,
+                       score_rows=_cat(score_rows), score_targets=_cat(score_targets), score_k=score_k)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The parts end to end, or None when they hold nothing."""
+    out = torch.cat(parts) if parts else None
+    return out if out is not None and out.numel() else None

@@ -8,7 +8,10 @@ one KV cache per open request for exactly those layers and heads.
 Commands (sent by the driver to every rank, executed in lock-step):
     LMInitCache(block_size, kv_bytes | None, ...)   size the paged KV pool (min over ranks) -> num_blocks
     LMBatch(x (1, N, H), position_ids, layout, logit_rows, ...)   one continuous-batching step over the pool:
-        the new tokens of many requests packed; -> LMBatchResult(logits (M, V), last hidden (M, H), captured)
+        the new tokens of many requests packed; -> LMBatchResult(logits (M, V), last hidden (M, H), captured,
+        scores): `score_rows` (S,) with their `score_targets` (S,) come back scored on the last pp rank (vLLM's
+        prompt_logprobs): the target's log-probability and rank and the `score_k` likeliest ids, computed
+        SCORE_CHUNK rows at a time so a long prompt never holds (S, V) logits at once
     LMStep(handle, x (1, T, H), position_ids, visual_pos_mask, deepstack, capture_layer)
         every rank: pipeline_step over its layers (hidden crosses pp boundaries, see parallel_text_model)
         last pp rank: logits of the last position (all-gathered over TP) -> LMStepResult
@@ -97,6 +100,42 @@ class LMBatch:
     deepstack: list[torch.Tensor] | None = None  # [(n_visual rows of this step, H)] per deepstack layer
     capture_layer: int | None = None
     capture_rows: torch.Tensor | None = None  # (C,) packed rows whose hidden at capture_layer comes back
+    score_rows: torch.Tensor | None = None  # (S,) packed rows scored against `score_targets` (prompt logprobs)
+    score_targets: torch.Tensor | None = None  # (S,) the token that follows each of those rows
+    score_k: int = 0  # alternatives per scored row
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """Scored rows (vLLM's prompt_logprobs), from the raw logits' log_softmax."""
+
+    targets: torch.Tensor  # (S,) int64: the scored tokens
+    logprobs: torch.Tensor  # (S,) float32: each target's log-probability
+    ranks: torch.Tensor  # (S,) int64: 1 + the ids strictly likelier than the target
+    top_logprobs: torch.Tensor  # (S, k) float32, best first
+    top_ids: torch.Tensor  # (S, k) int64
+
+    def rows(self, start: int, stop: int) -> PromptScores:
+        return PromptScores(self.targets[start:stop], self.logprobs[start:stop], self.ranks[start:stop],
+                            self.top_logprobs[start:stop], self.top_ids[start:stop])
+
+
+SCORE_CHUNK = 128  # scored rows per head call: (128, V) float32 logits at a time
+
+
+def score_rows(logits_of: Any, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> PromptScores:
+    """`hidden` (S, H) final-norm rows -> their targets' scores; `logits_of` is the head (all TP ranks call it
+    the same number of times: its all-gather needs them all)."""
+    parts = []
+    for at in range(0, hidden.shape[0], SCORE_CHUNK):
+        logprobs = torch.log_softmax(logits_of(hidden[at:at + SCORE_CHUNK]).float(), dim=-1)  # (s, V)
+        target = targets[at:at + SCORE_CHUNK].to(logprobs.device).view(-1, 1)
+        value = logprobs.gather(1, target)  # (s, 1)
+        top = torch.topk(logprobs, k, dim=-1) if k else None
+        parts.append((target.view(-1).cpu(), value.view(-1).cpu(), ((logprobs > value).sum(-1) + 1).cpu(),
+                      top.values.cpu() if top is not None else logprobs.new_zeros(len(target), 0).cpu(),
+                      top.indices.cpu() if top is not None else torch.zeros(len(target), 0, dtype=torch.long)))
+    return PromptScores(*(torch.cat(p) for p in zip(*parts, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -104,6 +143,7 @@ class LMBatchResult:
     logits: torch.Tensor  # (M, V)
     last_hidden: torch.Tensor  # (M, H) final-norm hidden of those rows
     captured: torch.Tensor | None  # (C, H)
+    scores: PromptScores | None = None  # of the batch's score_rows, in order
 
 
 @dataclass(frozen=True)
@@ -247,12 +287,16 @@ class LMShard:
             return None
         rows = out.hidden[0, command.logit_rows.to(out.hidden.device)]  # (M, H)
         logits = self.model.compute_logits(rows)  # (M, V): the all-gather needs every TP rank
+        scores = None
+        if command.score_rows is not None and command.score_targets is not None:
+            scored = out.hidden[0, command.score_rows.to(out.hidden.device)]  # (S, H)
+            scores = score_rows(self.model.compute_logits, scored, command.score_targets, command.score_k)
         if self.ps.tp_rank != 0:
             return None
         captured = None
         if command.capture_rows is not None and out.captured is not None:
             captured = out.captured[0, command.capture_rows.to(out.captured.device)].cpu()  # (C, H)
-        return LMBatchResult(logits=logits.cpu(), last_hidden=rows.cpu(), captured=captured)
+        return LMBatchResult(logits=logits.cpu(), last_hidden=rows.cpu(), captured=captured, scores=scores)
 
     def _predict(self, command: LMPredict) -> LMPredictResult | None:
         if self.predictor is None:

@@ -68,6 +68,8 @@ class SamplingParams:
     vocab_size: int = 0  # ids the head can produce (0 = unknown); bounds the caller's stop_token_ids
     # the thinker returns each token's log-probability (raw model distribution) and this many alternatives
     logprobs: int | None = None
+    # vLLM's: each prompt token's log-probability (from the second) and this many alternatives (thinker only)
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (id, added to its logit in [-100, 100])
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these ids may be picked (empty = all)
     # vLLM's bad_words as token sequences: a sequence's last id is banned where the generated tokens end with the
@@ -93,9 +95,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= (self.vocab_size or self.logprobs):
-            raise ValueError(f"logprobs must be in [0, {self.vocab_size}] alternatives per token (the vocabulary), "
-                             f"got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= (self.vocab_size or k):
+                raise ValueError(f"{name} must be in [0, {self.vocab_size}] alternatives per token (the vocabulary), "
+                                 f"got {k}")
         for i, bias in self.logit_bias:
             if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
                 raise ValueError(f"logit_bias of token {i} must be in [-100, 100], got {bias}")
