@@ -4,8 +4,9 @@ Data flow of `Generate`: `GenerateRequest` -> `OmniServicer.build` (the REST fro
 voice, modalities, sampling ranges incl. stop / stop_token_ids, media decoded by `MediaLoader`: WAV audio,
 images, video files of which only the sampled frames are kept) ->
 `ChatRequest` -> `pipeline.run` (`n` > 1: one run per choice, gateway/choices.py) -> a server stream of
-`text_delta`, `audio` (mono PCM16 chunks numbered by `seq` from 0) and one `done`, per choice, each
-response naming its choice in `index`.
+`text_delta`, `audio` (mono PCM16 chunks numbered by `seq` from 0), `tool_calls` and one `done`, per choice,
+each response naming its choice in `index`. `tools` / `tool_choice` work as REST's (gateway/tool_calls.py:
+`ToolAnswer` shapes each choice's text into content and calls).
 Any failure, before or during generation, is one `error` message (code = the `grpc.StatusCode` value,
 INVALID_ARGUMENT for a bad request) that ends the stream; the RPC itself then ends OK, as the proto says
 errors travel inside the stream.
@@ -20,6 +21,7 @@ large as the REST body limit are accepted (gRPC's default is 4 MiB). Inside a ru
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -42,8 +44,10 @@ from gateway.events import (
     SamplingOverrides,
     TextDelta,
     TextPart,
+    ToolCall,
     check_request_id,
 )
+from gateway.tool_calls import ToolAnswer, ToolPlan, plan_tools
 from gateway.choices import MAX_CHOICES, choice_requests, close_events, fan_out
 from gateway.input_limits import InputLimits
 from gateway.processor_kwargs import check_settings
@@ -67,7 +71,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 OMNI_SERVICE_NAME = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name  # "omnimesh.v1.Omni"
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
 _MEDIA_KINDS = {"audio_wav": "audio", "audio": "audio", "image": "image", "video": "video"}  # ContentPart oneof -> modality
 def grpc_server_options(limits: InputLimits) -> list[tuple[str, int]]:
     """Server options so a request may be as large as the REST body limit (gRPC's default is 4 MiB)."""
@@ -97,6 +101,11 @@ def _overrides(p: stage_pb2.SamplingParams, param: str, max_logprobs: int) -> Sa
     return s
 
 
+def _calls(calls: list[ToolCall], index: int) -> omni_pb2.GenerateResponse:
+    return omni_pb2.GenerateResponse(tool_calls=omni_pb2.ToolCalls(calls=[
+        omni_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]), index=index)
+
+
 def _error(err: PipelineError) -> omni_pb2.GenerateResponse:
     return omni_pb2.GenerateResponse(error=stage_pb2.Error(code=err.grpc_code, message=err.message))
 
@@ -106,9 +115,10 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     def __init__(self, pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                  limits: InputLimits | None = None, video_sampling: VideoSampling | None = None,
-                 max_logprobs: int = MAX_LOGPROBS) -> None:
+                 max_logprobs: int = MAX_LOGPROBS, auto_tool_choice: bool = False) -> None:
         self.pipeline = pipeline
         self.max_logprobs = max_logprobs  # --max-logprobs
+        self.auto_tool_choice = auto_tool_choice  # --enable-auto-tool-choice (with --tool-call-parser)
         self.served_model_names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
         if not self.served_model_names:
             raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
@@ -117,8 +127,9 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         sampling = video_sampling or video_sampling_of(getattr(pipeline, "prepare", None))
         self.loader = MediaLoader(limits or InputLimits(), video_sampling=sampling)
 
-    async def build(self, req: omni_pb2.GenerateRequest) -> ChatRequest:
-        """`GenerateRequest` -> `ChatRequest`; any problem is a `PipelineError` (INVALID_ARGUMENT / NOT_FOUND)."""
+    async def build(self, req: omni_pb2.GenerateRequest) -> tuple[ChatRequest, ToolPlan]:
+        """`GenerateRequest` -> (`ChatRequest`, what its tool calls are); any problem is a `PipelineError`
+        (INVALID_ARGUMENT / NOT_FOUND)."""
         model = resolve_model(req.model or None, self.served_model_names)
         rid = check_request_id(req.request_id) if req.request_id else f"omni-{uuid.uuid4().hex}"
         modalities = normalize_modalities(list(req.modalities) or None, default=("text", "audio"))
@@ -148,6 +159,12 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             if m.role not in _ROLES:
                 raise invalid_request(f"messages[{i}].role: '{m.role}' is not one of {', '.join(_ROLES)}",
                                       f"messages[{i}].role")
+            if m.tool_calls and m.role != "assistant":
+                raise invalid_request(f"messages[{i}].tool_calls: only assistant messages make calls (this is a "
+                                      f"'{m.role}' message)", f"messages[{i}].tool_calls")
+            if m.role == "tool" and not m.tool_call_id:
+                raise invalid_request(f"messages[{i}]: a 'tool' message needs the tool_call_id of the call it "
+                                      "answers", f"messages[{i}].tool_call_id")
             parts: list[ContentPart] = []
             for j, p in enumerate(m.content):
                 where = f"messages[{i}].content[{j}]"
@@ -171,7 +188,9 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                     parts.append(await self.loader.video_from_bytes(p.video, f"{where}.video",
                                                                     with_audio=req.use_audio_in_video,
                                                                     sampling=video_sampling))
-            messages.append(ChatMessage(role=m.role, content=tuple(parts)))  # type: ignore[arg-type]
+            calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls)
+            messages.append(ChatMessage(role=m.role, content=tuple(parts), tool_calls=calls,  # type: ignore[arg-type]
+                                        tool_call_id=m.tool_call_id or None))
         self.loader.check_audio_seconds(audio_seconds(messages))
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
         structured = None
@@ -183,11 +202,39 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             except ValueError as e:
                 raise invalid_request(f"structured_output: {e}", "structured_output") from None
             structured = (so.kind, so.spec)
+        plan = self._tools(req, modalities)
+        if structured is not None and (plan.parse or plan.structured is not None):
+            raise invalid_request("structured_output: a structured output and tool calls cannot both shape one "
+                                  "answer; send tool_choice \"none\" or leave one out", "structured_output")
         return ChatRequest(request_id=rid, model=pipeline_model,
                            messages=tuple(messages), modalities=modalities,
                            voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages,
                            priority=req.priority, processor_kwargs=tuple(sorted(settings.items())),
-                           structured=structured)
+                           structured=plan.structured or structured, tools=plan.tools), plan
+
+    def _tools(self, req: omni_pb2.GenerateRequest, modalities: tuple[str, ...]) -> ToolPlan:
+        """The request's tools as REST's (`plan_tools`): each {"type": "function", "function": {...}}."""
+        tools = []
+        for i, t in enumerate(req.tools):
+            if not t.name:
+                raise invalid_request(f"tools[{i}].name: a function needs a name", f"tools[{i}].name")
+            function: dict = {"name": t.name}
+            if t.description:
+                function["description"] = t.description
+            if t.parameters:
+                try:
+                    schema = json.loads(t.parameters)
+                except ValueError as e:
+                    raise invalid_request(f"tools[{i}].parameters: not JSON: {e}", f"tools[{i}].parameters") from None
+                if not isinstance(schema, dict):
+                    raise invalid_request(f"tools[{i}].parameters: must be a JSON schema object", f"tools[{i}].parameters")
+                function["parameters"] = schema
+            tools.append({"type": "function", "function": function})
+        choice = req.tool_choice or None
+        named = choice if choice not in (None, "none", "auto", "required") else None
+        return plan_tools(tuple(tools), None if named else choice, named,
+                          req.parallel_tool_calls if req.HasField("parallel_tool_calls") else None,
+                          self.auto_tool_choice, modalities)
 
     async def Generate(self, request: omni_pb2.GenerateRequest,  # noqa: N802 (gRPC method name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[omni_pb2.GenerateResponse]:
@@ -195,7 +242,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         try:
             if n > MAX_CHOICES:
                 raise invalid_request(f"n: must be in [1, {MAX_CHOICES}] choices, got {n}", "n")
-            chat = await self.build(request)
+            chat, plan = await self.build(request)
         except PipelineError as e:
             yield _error(e)
             return
@@ -203,22 +250,31 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         seq = [0] * n  # each choice's audio chunks are numbered from 0
         done = 0
         try:
+            shaped = [ToolAnswer(plan) for _ in range(n)]  # parsed, forced or plain text (gateway/tool_calls.py)
             events = aiter(fan_out(self.pipeline, choice_requests(chat, n)))
             async for i, ev in events:
                 if isinstance(ev, TextDelta):
-                    if ev.text or ev.logprobs or ev.prompt_logprobs:  # those only when asked (sampling)
-                        yield omni_pb2.GenerateResponse(text_delta=ev.text, logprobs=ev.logprobs, index=i,
+                    text, calls = shaped[i].push(ev.text)
+                    if text or ev.logprobs or ev.prompt_logprobs:  # those only when asked (sampling)
+                        yield omni_pb2.GenerateResponse(text_delta=text, logprobs=ev.logprobs, index=i,
                                                         prompt_logprobs=ev.prompt_logprobs)
+                    if calls:
+                        yield _calls(calls, i)
                 elif isinstance(ev, AudioDelta):
                     if "audio" in chat.modalities and ev.pcm.size:
                         chunk = omni_pb2.AudioChunk(pcm16=pcm16_bytes(ev.pcm), sample_rate=ev.sample_rate, seq=seq[i])
                         seq[i] += 1
                         yield omni_pb2.GenerateResponse(audio=chunk, index=i)
                 elif isinstance(ev, Finished):
+                    text, calls = shaped[i].finish()  # a forced answer not whole (max_tokens) comes as text
+                    if text:
+                        yield omni_pb2.GenerateResponse(text_delta=text, index=i)
+                    if calls:
+                        yield _calls(calls, i)
                     usage = stage_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                                             cached_tokens=ev.cached_tokens)
-                    yield omni_pb2.GenerateResponse(done=stage_pb2.Done(finish_reason=ev.finish_reason, usage=usage),
-                                                    index=i)
+                    done_msg = stage_pb2.Done(finish_reason=shaped[i].finish_reason(ev.finish_reason), usage=usage)
+                    yield omni_pb2.GenerateResponse(done=done_msg, index=i)
                     done += 1
                     if done == n:
                         return
@@ -242,14 +298,16 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
 async def create_grpc_server(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                              limits: InputLimits | None = None, max_logprobs: int = MAX_LOGPROBS,
-                             api_keys: tuple[str, ...] = ()) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+                             api_keys: tuple[str, ...] = (), auto_tool_choice: bool = False
+                             ) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """A `grpc.aio` server (not yet bound or started) serving Omni + health ("" and Omni SERVING) + reflection;
     with `api_keys`, Omni calls need one of them (`gateway/auth.py`)."""
     limits = limits or InputLimits()
     server, health = make_server([OMNI_SERVICE_NAME], options=grpc_server_options(limits),
                                  interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else ())
     omni_pb2_grpc.add_OmniServicer_to_server(
-        OmniServicer(pipeline, served_model_names=served_model_names, limits=limits, max_logprobs=max_logprobs),
+        OmniServicer(pipeline, served_model_names=served_model_names, limits=limits, max_logprobs=max_logprobs,
+                     auto_tool_choice=auto_tool_choice),
         server)
     for name in ("", OMNI_SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -105,7 +105,7 @@ from gateway.prompt import PromptBuilder
 from gateway.prompt_logprobs import prompt_logprobs_json
 from gateway.tokenize_api import TokenizeRoutes
 from gateway.structured_request import structured_spec
-from gateway.tool_calls import NO_TOOLS, ToolCallStream, ToolPlan, forced_calls, parse_tool_calls, tool_plan
+from gateway.tool_calls import NO_TOOLS, ToolAnswer, ToolPlan, forced_calls, parse_tool_calls, tool_plan
 from gateway.transcription_api import TranscriptionRoutes
 from gateway.stage_scrape import StageSources, scrape_stages
 from gateway.sse import DONE, SSEResponse, StreamState, chain, sse
@@ -469,12 +469,10 @@ class RestGateway:
                                                          logprobs=logprobs)], usage=usage)
             return sse(dump(c, drop_none=True))
 
-        parsers = [ToolCallStream() for _ in range(call.n)] if call.tools.parse else None
-        held: list[list[str]] = [[] for _ in range(call.n)]  # a forced call's JSON, sent as tool_calls at the end
+        shaped = [ToolAnswer(call.tools) for _ in range(call.n)]  # parsed, forced or plain text (tool_calls.py)
 
-        def calls_chunk(i: int, calls: list[ToolCall], first_index: int | None = None) -> bytes:
-            if first_index is None:
-                first_index = parsers[i].calls - len(calls) if parsers is not None else 0
+        def calls_chunk(i: int, calls: list[ToolCall]) -> bytes:
+            first_index = shaped[i].calls - len(calls)
             return chunk(i, Delta(tool_calls=[
                 DeltaToolCall(index=first_index + k, id=c.id, type="function",
                               function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
@@ -490,13 +488,10 @@ class RestGateway:
                     so_far[i] = ev.usage
                 elif isinstance(ev, Finished):
                     so_far[i] = (ev.prompt_tokens, ev.completion_tokens)
-                if isinstance(ev, TextDelta) and call.tools.forced is not None:
-                    held[i].append(ev.text)
-                    if ev.logprobs:
-                        yield chunk(i, Delta(content=""), logprobs=self._logprobs(call, ev.logprobs))
-                elif isinstance(ev, TextDelta):
-                    text, calls = (ev.text, []) if parsers is None else parsers[i].push(ev.text)
-                    if text or ev.logprobs:  # a token holding part of a character: its entry, no text yet
+                if isinstance(ev, TextDelta):
+                    text, calls = shaped[i].push(ev.text)
+                    # a token holding part of a character, or a forced call's held JSON: its entry, no text yet
+                    if text or ev.logprobs:
                         yield chunk(i, Delta(content=text), logprobs=self._logprobs(call, ev.logprobs))
                     if calls:
                         yield calls_chunk(i, calls)
@@ -506,22 +501,12 @@ class RestGateway:
                         yield chunk(i, Delta(audio=DeltaAudio(id=audio_ids[i], data=data)))
                 elif isinstance(ev, Finished):
                     finished[i] = ev
-                    reason = ev.finish_reason
-                    if call.tools.forced is not None:
-                        forced = forced_calls(call.tools, "".join(held[i]))
-                        if forced:
-                            yield calls_chunk(i, forced, 0)
-                        elif held[i]:  # not whole (max_tokens): what there is, as text
-                            yield chunk(i, Delta(content="".join(held[i])))
-                    if parsers is not None:
-                        text, calls = parsers[i].finish()
-                        if text:
-                            yield chunk(i, Delta(content=text))
-                        if calls:
-                            yield calls_chunk(i, calls)
-                        if parsers[i].calls:
-                            reason = "tool_calls"
-                    yield chunk(i, Delta(), reason)
+                    text, calls = shaped[i].finish()  # a forced answer not whole (max_tokens) comes as text
+                    if text:
+                        yield chunk(i, Delta(content=text))
+                    if calls:
+                        yield calls_chunk(i, calls)
+                    yield chunk(i, Delta(), shaped[i].finish_reason(ev.finish_reason))
                     if len(finished) == call.n:
                         break
             if len(finished) < call.n:

@@ -100,7 +100,8 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     rest = uvicorn.Server(config)
     rest.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # we own the signals
     grpc_server, _health = await create_grpc_server(pipeline, served_model_names=pipeline.served_models, limits=limits,
-                                                    max_logprobs=args.max_logprobs, api_keys=keys)
+                                                    max_logprobs=args.max_logprobs, api_keys=keys,
+                                                    auto_tool_choice=args.enable_auto_tool_choice)
     bind(grpc_server, args.host, args.grpc_port, front.grpc_credentials())
     await grpc_server.start()
     log.info("gateway: %d start-up objects frozen out of the garbage collector's scans", freeze_startup_heap())

@@ -45,13 +45,24 @@ NO_TOOLS = ToolPlan((), parse=False)
 
 
 def tool_plan(body: ChatCompletionRequest, auto_enabled: bool, modalities: tuple[str, ...]) -> ToolPlan:
-    """What the request's `tools` / `tool_choice` ask for, as vLLM answers them: "none" renders the tools and
-    parses nothing; "auto" (the default with tools) needs --enable-auto-tool-choice; "required" and a named
-    function constrain the answer to the calls' JSON (structured outputs), with or without the flag.
-    Mistakes are 400s naming the field."""
-    tools = tuple(t.model_dump(exclude_none=True) for t in body.tools or ())
+    """A REST body's `tools` / `tool_choice` / `parallel_tool_calls` (`plan_tools`)."""
     choice = body.tool_choice
-    if choice is None:
+    return plan_tools(tuple(t.model_dump(exclude_none=True) for t in body.tools or ()),
+                      choice if isinstance(choice, str) or choice is None else None,
+                      None if isinstance(choice, str) or choice is None else choice.function.name,
+                      body.parallel_tool_calls, auto_enabled, modalities)
+
+
+def plan_tools(tools: tuple[dict, ...], choice: str | None, named: str | None, parallel_tool_calls: bool | None,
+               auto_enabled: bool, modalities: tuple[str, ...]) -> ToolPlan:
+    """What a request's tools (OpenAI's `{"type": "function", "function": {...}}` each) and tool choice
+    ("none", "auto", "required", None, or `named`: one function) ask for, as vLLM answers them: "none" renders
+    the tools and parses nothing; "auto" (the default with tools) needs --enable-auto-tool-choice; "required"
+    and a named function constrain the answer to the calls' JSON (structured outputs), with or without the
+    flag. Mistakes are 400s naming the field."""
+    if named is not None:
+        choice = named
+    elif choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
         return ToolPlan(tools, parse=False)
@@ -65,8 +76,8 @@ def tool_plan(body: ChatCompletionRequest, auto_enabled: bool, modalities: tuple
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise invalid_request(f"tools: function names must be unique, got {names}", "tools")
-    if not isinstance(choice, str):  # a named function: the answer is its arguments
-        name = choice.function.name
+    if named is not None:  # a named function: the answer is its arguments
+        name = named
         if name not in names:
             raise invalid_request(f"tool_choice: function {name!r} is not among the tools ({', '.join(names)})",
                                   "tool_choice")
@@ -77,7 +88,7 @@ def tool_plan(body: ChatCompletionRequest, auto_enabled: bool, modalities: tuple
         calls = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]}, "parameters": _parameters(t)},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
         schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if body.parallel_tool_calls is False:
+        if parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan(tools, parse=False, forced="required", structured=("json", json.dumps(schema)))
     if not auto_enabled:
@@ -186,6 +197,45 @@ class ToolCallStream:
             return held + START + block, []
         self.calls += 1
         return held, [call]
+
+
+class ToolAnswer:
+    """One streamed choice's text shaped by its `ToolPlan`: `push(text)` -> (content to send now, calls
+    completed now); `finish()` -> the same at the end. Parsed (auto): `ToolCallStream`. Forced: everything is
+    held, and at the end it is the calls (`forced_calls`), or the text when it is not whole. No tools: the
+    text as it comes. `calls` counts the calls made so far (a delta's first call index is `calls - len(new)`)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self._parser = ToolCallStream() if plan.parse else None
+        self._held: list[str] = []
+        self.calls = 0
+
+    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self.plan.forced is not None:
+            self._held.append(text)
+            return "", []
+        if self._parser is None:
+            return text, []
+        content, calls = self._parser.push(text)
+        self.calls += len(calls)
+        return content, calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if self.plan.forced is not None:
+            text = "".join(self._held)
+            calls = forced_calls(self.plan, text) or []
+            self.calls += len(calls)
+            return ("" if calls else text), calls
+        if self._parser is None:
+            return "", []
+        content, calls = self._parser.finish()
+        self.calls += len(calls)
+        return content, calls
+
+    def finish_reason(self, reason: str) -> str:
+        """The choice's finish reason: "tool_calls" when parsed calls were made (a forced answer keeps its own)."""
+        return "tool_calls" if self._parser is not None and self.calls else reason
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -57,6 +57,7 @@ class BlockAllocator:
         self._payload: dict[int, dict[int, Any]] = {}  # block -> {offset in block: what the engine attached}
         self.queried_tokens = 0  # prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
         self.hit_tokens = 0  # of those, tokens found (prefix_cache_hits)
+        self.payload_bytes = 0  # of what is attached (tensors' nbytes): at most one row per cached token
 
     @property
     def num_free(self) -> int:
@@ -139,14 +140,18 @@ class BlockAllocator:
 
     def attach(self, block: int, offset: int, value: Any) -> None:
         """Keep `value` with the row at `offset` of `block` while the block keeps its contents."""
-        self._payload.setdefault(block, {})[offset] = value
+        rows = self._payload.setdefault(block, {})
+        self.payload_bytes += int(getattr(value, "nbytes", 0)) - int(getattr(rows.get(offset), "nbytes", 0))
+        rows[offset] = value
 
     def payload(self, block: int) -> dict[int, Any]:
         """What was attached to the block's rows since it was last handed out (offset -> value)."""
         return self._payload.get(block, {})
 
     def _evict(self, block: int) -> None:
-        self._payload.pop(block, None)
+        rows = self._payload.pop(block, None)
+        if rows:
+            self.payload_bytes -= sum(int(getattr(v, "nbytes", 0)) for v in rows.values())
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._block_of[h]

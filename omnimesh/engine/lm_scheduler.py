@@ -187,5 +187,6 @@ class LMScheduler:
         out = {"running": len(self.running), "waiting": len(self.waiting),
                "kv_cache_usage": self.allocator.usage(), "preemptions": self.preemptions}
         if self.allocator.prefix_caching:
-            out.update(prefix_cache_queries=self.allocator.queried_tokens, prefix_cache_hits=self.allocator.hit_tokens)
+            out.update(prefix_cache_queries=self.allocator.queried_tokens, prefix_cache_hits=self.allocator.hit_tokens,
+                       prefix_cache_kept_bytes=self.allocator.payload_bytes)
         return out

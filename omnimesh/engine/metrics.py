@@ -171,7 +171,10 @@ class _LoadCollector(Collector):
         out: list[Metric] = []
         for key, name, doc in (("running", "omnimesh:num_requests_running", "Requests being stepped"),
                                ("waiting", "omnimesh:num_requests_waiting", "Requests waiting for a batch slot"),
-                               ("kv_cache_usage", "omnimesh:kv_cache_usage_perc", "KV-cache blocks in use, 0..1")):
+                               ("kv_cache_usage", "omnimesh:kv_cache_usage_perc", "KV-cache blocks in use, 0..1"),
+                               ("prefix_cache_kept_bytes", "omnimesh:prefix_cache_kept_bytes",
+                                "Host memory of the media rows' hidden states kept with cached blocks for speech-out "
+                                "requests (at most one row per cached token; freed with the block)")):
             if stats.get(key) is not None:
                 g = GaugeMetricFamily(name, doc, labels=names)
                 g.add_metric(values, float(stats[key]))

@@ -26,6 +26,7 @@ MODEL = "tiny-qwen3-omni"
 TIMEOUT_S = 120
 SYSTEM = ("You are a careful assistant for sailors. Answer in short plain sentences, name the sources you use, "
           "and say so when you do not know. Never guess a tide table or a weather report.")
+HIDDEN = 64  # the tiny thinker's hidden size (omnimesh/models/qwen3_omni/tiny_config.py)
 PCM16_TOLERANCE = 4  # as test_api_e2e.py: the vocoder's chunking may round the last bits differently
 
 
@@ -111,6 +112,9 @@ def test_a_repeated_clip_is_served_from_the_cache_past_its_rows(cached, mesh):
     for got in spoken:
         assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
         assert _pcm(got).shape == _pcm(want).shape and np.abs(_pcm(got) - _pcm(want)).max() <= PCM16_TOLERANCE
+    # those kept rows are host memory the thinker reports: whole rows of the thinker's hidden size (float32)
+    kept = _metric(cached, "omnimesh:prefix_cache_kept_bytes")
+    assert kept > 0 and kept % (4 * HIDDEN) == 0
 
 
 def test_grpc_usage_counts_the_cached_tokens(cached):

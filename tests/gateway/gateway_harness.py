@@ -131,8 +131,9 @@ class GrpcServer:
     """A `grpc.aio` server with `OmniServicer(pipeline)` + health + reflection on its own loop thread."""
 
     def __init__(self, pipeline: Any, limits: InputLimits | None = None, api_keys: tuple[str, ...] = (),
-                 max_logprobs: int = 20) -> None:
+                 max_logprobs: int = 20, auto_tool_choice: bool = False) -> None:
         self.pipeline = pipeline
+        self.auto_tool_choice = auto_tool_choice
         self.limits = limits or InputLimits()
         self.max_logprobs = max_logprobs
         self.api_keys = api_keys
@@ -144,7 +145,8 @@ class GrpcServer:
 
     async def _start(self) -> None:
         self.server, self.health = await create_grpc_server(self.pipeline, limits=self.limits, api_keys=self.api_keys,
-                                                            max_logprobs=self.max_logprobs)
+                                                            max_logprobs=self.max_logprobs,
+                                                            auto_tool_choice=self.auto_tool_choice)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import grpc
 import pytest
@@ -116,9 +117,9 @@ def test_replicas_that_serve_something_else_are_refused(caplog) -> None:
 class WordTask(StageTask):
     """Two text chunks naming its replica, then done; `fail_after_first`: an UNAVAILABLE after the first."""
 
-    def __init__(self, rid: str, word: str, fail_after_first: bool) -> None:
+    def __init__(self, rid: str, word: str, fail_after_first: bool, gate: threading.Event | None = None) -> None:
         super().__init__(rid)
-        self.word, self.fail_after_first = word, fail_after_first
+        self.word, self.fail_after_first, self.gate = word, fail_after_first, gate
         self.fed, self.steps = False, 0
 
     def feed(self, chunk: StageChunk) -> None:
@@ -129,6 +130,8 @@ class WordTask(StageTask):
         return self.fed and not self.finished
 
     def step(self) -> list[StageChunk]:
+        if self.gate is not None:  # held in its stage (still in flight) until the test opens the gate
+            assert self.gate.wait(30.0), "the test never opened the gate"
         self.steps += 1
         if self.steps == 2 and self.fail_after_first:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, "thinker: a rank died")
@@ -140,8 +143,9 @@ class WordTask(StageTask):
 class WordThinker:
     name = "thinker"
 
-    def __init__(self, word: str, full: bool = False, fail_after_first: bool = False) -> None:
-        self.word, self.full, self.fail_after_first = word, full, fail_after_first
+    def __init__(self, word: str, full: bool = False, fail_after_first: bool = False,
+                 gate: threading.Event | None = None) -> None:
+        self.word, self.full, self.fail_after_first, self.gate = word, full, fail_after_first, gate
         self.broken = False
         self.opened: list[str] = []
 
@@ -154,7 +158,7 @@ class WordThinker:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, "thinker: rank 1 died")
         if self.full:
             raise StageRequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "thinker: 256 requests already wait")
-        return WordTask(msg.request_id, self.word, self.fail_after_first)
+        return WordTask(msg.request_id, self.word, self.fail_after_first, self.gate)
 
 
 def _prompt(request: ChatRequest) -> PromptInputs:
@@ -182,11 +186,20 @@ async def _pipeline(*clients: StageClient) -> StagePipeline:
 
 
 async def test_requests_spread_over_replicas_and_concurrent_ones_balance() -> None:
-    a, b = WordThinker("a"), WordThinker("b")
+    gate = threading.Event()
+    gate.set()
+    a, b = WordThinker("a", gate=gate), WordThinker("b", gate=gate)
     async with served_stage(a, EngineLoop("thinker")) as sa, served_stage(b, EngineLoop("thinker")) as sb:
         pipe = await _pipeline(_client(sa), _client(sb))
         assert [await _answer(pipe, f"r{i}") for i in range(4)] == ["a1 a2 ", "b1 b2 ", "a1 a2 ", "b1 b2 "]
-        answers = await asyncio.gather(*(_answer(pipe, f"c{i}") for i in range(6)))
+        gate.clear()  # the 6 below stay in flight until all are placed, however slowly the host runs them
+        together = asyncio.gather(*(_answer(pipe, f"c{i}") for i in range(6)))
+        deadline = asyncio.get_running_loop().time() + 30.0
+        while len(a.opened) + len(b.opened) < 4 + 6:
+            assert asyncio.get_running_loop().time() < deadline, (a.opened, b.opened)
+            await asyncio.sleep(0.01)
+        gate.set()
+        answers = await together
         assert sorted(answers) == ["a1 a2 "] * 3 + ["b1 b2 "] * 3  # 6 at once: 3 in flight on each
         assert [r.in_flight for r in pipe.stages["thinker"].replicas] == [0, 0]
         health = await pipe.health_detail()

@@ -334,6 +334,26 @@ def test_allocator_reference_counts_and_evicts_least_recently_freed() -> None:
     assert alloc.queried_tokens == 13 + 5 + 13 and alloc.hit_tokens == 12 + 4 + 8
 
 
+def test_kept_rows_are_counted_until_their_block_is_reused() -> None:
+    """`payload_bytes` (the stage's omnimesh:prefix_cache_kept_bytes): what `attach` keeps, a row replaced counted
+    once, all of a block's rows dropped when the block is handed out again."""
+    alloc = BlockAllocator(2, BLOCK, prefix_caching=True)
+    a: list[int] = []
+    alloc.grow(a, 2 * BLOCK)
+    row = torch.zeros(8)  # 32 bytes
+    alloc.attach(a[0], 0, row)
+    alloc.attach(a[0], 1, row)
+    alloc.attach(a[0], 1, torch.zeros(4))  # replaced: 16 bytes instead of 32
+    alloc.attach(a[1], 3, row)
+    assert alloc.payload_bytes == 32 + 16 + 32
+    blocks = list(a)
+    alloc.free(a)
+    assert alloc.payload_bytes == 80  # a free block keeps its rows (it may still be matched) ...
+    b: list[int] = []
+    alloc.grow(b, BLOCK)  # ... until it is reused: the table's last block first
+    assert b == [blocks[1]] and alloc.payload(b[0]) == {} and alloc.payload_bytes == 48
+
+
 def test_allocator_without_caching_never_matches_or_registers() -> None:
     alloc = BlockAllocator(4, BLOCK)
     a: list[int] = []
