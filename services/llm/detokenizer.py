@@ -1,8 +1,11 @@
 """Incremental detokenizer and stop strings for the thinker's text.
 
-`Detokenizer`: token ids in, text deltas out, never splitting a UTF-8 character. Each call decodes the ids
-generated so far (skipping special tokens) and returns what is new; when the text ends in an incomplete
-byte sequence (U+FFFD) the delta is held back until the next token completes it.
+`Detokenizer`: token ids in, text deltas out, never splitting a UTF-8 character. Each call decodes a short
+window of the ids (skipping special tokens; vLLM's prefix / read offsets): the tokens since the start of the
+last delta, so a step costs the same at token 8000 as at token 8 (decoding every id generated so far made a
+long answer quadratic on the thinker's compute thread); the window's text minus the text of its old part is
+the new delta. When the text ends in an incomplete byte sequence (U+FFFD) the delta is held back until the
+next token completes it. The deltas join into exactly `decode(all ids)` for byte-level BPE vocabularies.
 
 `StopStrings`: the detokenizer's deltas in, the deltas to emit out, ending the text at the first stop
 string (OpenAI's / vLLM's `stop`): before it by default, after it with vLLM's `include_stop_str_in_output`.
@@ -22,7 +25,8 @@ class Detokenizer:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self.prefix = 0  # ids[prefix:read]: the tokens of the last delta (context for the next one)
+        self.read = 0  # ids[:read] are in the deltas returned so far
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
@@ -32,12 +36,13 @@ class Detokenizer:
         return self._delta(final=True)
 
     def _delta(self, final: bool) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not final:
-            return ""
-        delta = text[len(self.text):] if text.startswith(self.text) else text
-        self.text = text
-        return delta
+        decode = self.tokenizer.decode
+        seen = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        text = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(text) <= len(seen) or (text.endswith("\ufffd") and not final):
+            return ""  # nothing new yet (a special token), or a character not whole yet
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(seen):]
 
 
 class StopStrings:
