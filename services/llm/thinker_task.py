@@ -59,6 +59,7 @@ class ThinkerTask(BatchedTask):
         self.inputs: dict[str, torch.Tensor] | None = None
         self.prompt: PreparedPrompt | None = None
         self.token_ids: list[int] = []  # prompt + generated tokens (what the repetition penalty sees)
+        self._history = torch.empty(0, dtype=torch.long)  # the same ids in a buffer of max_model_len (`history`)
         self.captured: list[torch.Tensor] = []  # hidden at accept_hidden_layer of the prompt's media rows
         if stream_interval < 1 or eager_tokens < 1:
             raise ValueError(f"stream_interval and eager_tokens must be >= 1, got {stream_interval}, {eager_tokens}")
@@ -100,6 +101,7 @@ class ThinkerTask(BatchedTask):
     def close(self) -> None:
         super().close()
         self.inputs = self.prompt = None  # the encoder's tensors may be slots of its shm arena: free them now
+        self._history = torch.empty(0, dtype=torch.long)
         self.captured = []
 
     def prompt_run(self) -> InputRun:
@@ -127,6 +129,8 @@ class ThinkerTask(BatchedTask):
         self.prompt = prompt
         self.token_ids = prompt.ids.tolist()
         self.prompt_tokens = len(self.token_ids)
+        self._history = torch.empty(max(self.max_model_len, self.prompt_tokens + 1), dtype=torch.long)
+        self._history[:self.prompt_tokens] = prompt.ids.view(-1)
         room = self.max_model_len - self.prompt_tokens  # a long prompt leaves only so much room
         p = self.sampler.params
         if room < p.max_tokens:  # and min_tokens with it: no request can ask for more than fits
@@ -164,12 +168,11 @@ class ThinkerTask(BatchedTask):
             self.captured = []
         grammar_done = self.constraint is not None and self.constraint.complete
         if self.constraint is None:
-            token = self.sampler.sample(out.logits, torch.tensor(self.token_ids, dtype=torch.long))
+            token = self.sampler.sample(out.logits, self.history)
         elif grammar_done:  # the grammar takes nothing more: the answer ends here
             token = self.constraint.stop_id
         else:
-            token = self.sampler.sample(self.constraint.allowed_logits(out.logits),
-                                        torch.tensor(self.token_ids, dtype=torch.long))
+            token = self.sampler.sample(self.constraint.allowed_logits(out.logits), self.history)
             self.constraint.accept(token)
         self.completion_tokens += 1
         tensors["token_ids"] = torch.tensor([token], dtype=torch.long)
@@ -189,11 +192,18 @@ class ThinkerTask(BatchedTask):
             self.finish_reason = "stop" if (stop or stop_str) else "length"
             return self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs, prompt_logprobs=scored)), None
         embed, positions = self.thinker.token_input(token, len(self.token_ids), prompt.rope_delta)
+        self._history[len(self.token_ids)] = token
         self.token_ids.append(token)
         if self.talker_inputs:
             tensors["token_embeds"] = embed.view(1, -1)  # (1, H)
         return (self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs, prompt_logprobs=scored)),
                 InputRun(embed.view(1, -1), positions))
+
+    @property
+    def history(self) -> torch.Tensor:
+        """The prompt and generated ids (n,): a view of a buffer written once per token, so a step costs the same
+        however long the prompt (a tensor built from the list each step cost O(prompt) per request)."""
+        return self._history[:len(self.token_ids)]
 
     def _send(self, chunk: StageChunk) -> list[StageChunk]:
         """This token's chunk goes out now (the first `eager_tokens` tokens, the last one, every
