@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -204,6 +205,10 @@ class CompletionRoutes:
                                   f"{MAX_RUNS} per request: split them over several requests", "prompt")
         structured = await asyncio.to_thread(structured_spec, body)
         ids = await asyncio.to_thread(self._token_ids, prompts, body.add_special_tokens)
+        if body.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens; an echo shows what ran
+            kept = [self.builder.truncated(torch.tensor(i), body.truncate_prompt_tokens).tolist() for i in ids]
+            prompts = [p if len(k) == len(i) else k for p, i, k in zip(prompts, ids, kept, strict=True)]
+            ids = kept
         echo = await asyncio.to_thread(self._echo_texts, prompts, ids) if body.echo else [""] * len(prompts)
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
         rid = f"cmpl-{suffix}"

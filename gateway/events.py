@@ -88,6 +88,7 @@ class SamplingOverrides:
     frequency_penalty: float | None = None
     logprobs: int | None = None  # thinker: each token's log-probability and this many alternatives (0-20)
     prompt_logprobs: int | None = None  # vLLM's, thinker: each prompt token's (from the second), this many alternatives
+    skip_special_tokens: bool | None = None  # vLLM's, thinker: False keeps special tokens in the text
     min_p: float | None = None  # vLLM's: drop ids below min_p x the top probability
     ignore_eos: bool | None = None  # vLLM's: the model's own stop ids do not stop the stage
     logit_bias: tuple[tuple[int, float], ...] | None = None  # OpenAI's: (token id, added to its logit)
@@ -113,6 +114,7 @@ class ChatRequest:
     structured: tuple[str, str] | None = None
     # a (legacy) completion's prompt: these token ids exactly, no chat template (`messages` is empty then)
     prompt_ids: tuple[int, ...] | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
 
 
 @dataclass(frozen=True, slots=True)

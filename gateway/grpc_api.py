@@ -94,6 +94,7 @@ def _overrides(p: stage_pb2.SamplingParams, param: str, max_logprobs: int) -> Sa
                           presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
                           logprobs=opt("logprobs"), min_p=opt("min_p"),  # type: ignore[arg-type]
                           prompt_logprobs=opt("prompt_logprobs"),  # type: ignore[arg-type]
+                          skip_special_tokens=opt("skip_special_tokens"),  # type: ignore[arg-type]
                           ignore_eos=p.ignore_eos or None,
                           logit_bias=tuple(sorted(p.logit_bias.items())) or None,
                           allowed_token_ids=tuple(p.allowed_token_ids) or None, bad_words=tuple(p.bad_words) or None)

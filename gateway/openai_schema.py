@@ -227,7 +227,8 @@ def _overrides(s: StageSampling | SamplingBody, max_tokens: int | None) -> Sampl
                              presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                              min_p=s.min_p, ignore_eos=s.ignore_eos, logit_bias=_bias(s.logit_bias),
                              allowed_token_ids=_tuple(s.allowed_token_ids), bad_words=_tuple(s.bad_words),
-                             prompt_logprobs=getattr(s, "prompt_logprobs", None))
+                             prompt_logprobs=getattr(s, "prompt_logprobs", None),
+                             skip_special_tokens=getattr(s, "skip_special_tokens", None))
 
 
 def _bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:
@@ -316,6 +317,8 @@ class SamplingBody(StrictBody):
     bad_words: list[str] | None = None  # vLLM's: words the thinker's text must not produce
     # vLLM's: each prompt token's log-probability (from the second) with this many alternatives (not streamed)
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool | None = None  # vLLM's: false keeps special tokens in the text (default true)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None  # OpenAI's: this many choices, each its own run (gateway/choices.py)
@@ -564,6 +567,8 @@ def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOG
             s.prompt_logprobs if max_logprobs < 0 else max_logprobs):
         problems.append(("prompt_logprobs", f"must be in [0, {max_logprobs}] alternatives per token (--max-logprobs), "
                                             f"got {s.prompt_logprobs}"))
+    if s.skip_special_tokens is not None and param.endswith("talker"):
+        problems.append(("skip_special_tokens", "applies to the thinker's text only; the talker emits audio codes"))
     if s.include_stop_str_in_output and param.endswith("talker"):
         problems.append(("include_stop_str_in_output", "applies to the thinker's text only; the talker emits audio "
                                                        "codes"))

@@ -280,14 +280,41 @@ class PromptBuilder:
                 f"this model's maximum context length (max_model_len) is {self.max_model_len} tokens; "
                 f"lower max_tokens to at most {self.max_model_len - n}", "max_tokens")
 
+    def truncated(self, ids: torch.Tensor, k: int | None) -> torch.Tensor:
+        """vLLM's truncate_prompt_tokens: the prompt's last `k` ids (-1: max_model_len); cutting into media
+        (their placeholders would no longer match the encoder's rows) is a 400."""
+        if k is None:
+            return ids
+        if k == -1:
+            k = self.max_model_len
+        if not 1 <= k <= self.max_model_len:
+            raise invalid_request(f"truncate_prompt_tokens: must be in [1, {self.max_model_len}] (max_model_len) or "
+                                  f"-1, got {k}", "truncate_prompt_tokens")
+        if ids.numel() <= k:
+            return ids
+        cut = ids[:ids.numel() - k]
+        if bool(torch.isin(cut, self._media_ids).any()):
+            raise invalid_request(f"truncate_prompt_tokens: keeping the last {k} of {ids.numel()} tokens would cut "
+                                  "into the prompt's audio, images or video; keep more tokens or send less media",
+                                  "truncate_prompt_tokens")
+        return ids[ids.numel() - k:]
+
+    @functools.cached_property
+    def _media_ids(self) -> torch.Tensor:
+        """The placeholder ids media rows take in a prompt."""
+        tokenizer = self.processor.tokenizer
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|audio_pad|>", "<|image_pad|>", "<|video_pad|>")]
+        return torch.tensor([i for i in ids if isinstance(i, int) and i >= 0], dtype=torch.int64)
+
     def build(self, request: ChatRequest) -> PromptInputs:
         if request.prompt_ids is not None:  # a completion's prompt, tokenized by its route (no template, no media)
-            ids = torch.tensor(request.prompt_ids, dtype=torch.int64)
+            ids = self.truncated(torch.tensor(request.prompt_ids, dtype=torch.int64), request.truncate_prompt_tokens)
             self.check_length(int(ids.numel()), request.sampling.max_tokens, "prompt")
             return PromptInputs(input_ids=ids, input_features=None, feature_attention_mask=None, pixel_values=None,
                                 image_grid_thw=None, prompt_tokens=int(ids.numel()))
         text, conv = self.render(request)
         input_ids, batch = self._process(text, conv, self.processor_for(request))
+        input_ids = self.truncated(input_ids, request.truncate_prompt_tokens)
         n = int(input_ids.shape[0])
         self.check_length(n, request.sampling.max_tokens)
         has_audio = bool(conv.audio)

@@ -283,7 +283,7 @@ class RestGateway:
             modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
             stage_params=stages, priority=check_priority(body.priority),
             processor_kwargs=_settings(body.mm_processor_kwargs), tools=tools.tools,
-            structured=tools.structured or structured)
+            structured=tools.structured or structured, truncate_prompt_tokens=body.truncate_prompt_tokens)
         audio_format: OutputAudioFormat | None = None
         if "audio" in modalities:  # the schema checked it is one of OUTPUT_AUDIO_FORMATS
             audio_format = cast(OutputAudioFormat, body.audio.format) if body.audio is not None else "wav"

@@ -46,6 +46,8 @@ def _to_proto(s: SamplingOverrides) -> stage_pb2.SamplingParams:
         msg.logprobs = s.logprobs
     if s.prompt_logprobs is not None:
         msg.prompt_logprobs = s.prompt_logprobs
+    if s.skip_special_tokens is not None:
+        msg.skip_special_tokens = s.skip_special_tokens
     if s.min_p is not None:
         msg.min_p = s.min_p
     if s.ignore_eos:

@@ -22,8 +22,9 @@ from typing import Any
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens  # vLLM's: False keeps them in the text
         self.ids: list[int] = []
         self.prefix = 0  # ids[prefix:read]: the tokens of the last delta (context for the next one)
         self.read = 0  # ids[:read] are in the deltas returned so far
@@ -37,8 +38,8 @@ class Detokenizer:
 
     def _delta(self, final: bool) -> str:
         decode = self.tokenizer.decode
-        seen = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        seen = decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
+        text = decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
         if len(text) <= len(seen) or (text.endswith("\ufffd") and not final):
             return ""  # nothing new yet (a special token), or a character not whole yet
         self.prefix, self.read = self.read, len(self.ids)

@@ -28,14 +28,15 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
     """`text`: the stage emits text tokens (the thinker); a stage that does not refuses `logprobs`."""
     if msg is None:
         return defaults
-    for name in ("logprobs", "prompt_logprobs"):
+    for name in ("logprobs", "prompt_logprobs", "skip_special_tokens"):
         if msg.HasField(name) and not text:
             raise ValueError(f"{name} are for the thinker's text tokens; this stage emits audio codes")
     if msg.bad_words and not text:
         raise ValueError("bad_words are for the thinker's text; this stage emits audio codes")
     changes: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty", "min_tokens",
-                 "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs"):
+                 "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs",
+                 "skip_special_tokens"):
         if msg.HasField(name):
             changes[name] = getattr(msg, name)
     own = () if msg.ignore_eos else defaults.stop_token_ids  # vLLM's ignore_eos: the model's own stop ids go

@@ -50,7 +50,7 @@ class ThinkerTask(BatchedTask):
         super().__init__(request_id, batcher)
         self.thinker = thinker
         self.sampler = Sampler(params)
-        self.detok = Detokenizer(tokenizer)
+        self.detok = Detokenizer(tokenizer, params.skip_special_tokens)
         self.token_bytes = token_bytes or TokenBytes(tokenizer)  # for logprobs: one per handler, cached
         self.stops = StopStrings(params.stop, include_stop=params.include_stop_str_in_output)
         self.talker_inputs = talker_inputs

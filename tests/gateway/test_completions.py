@@ -260,3 +260,37 @@ def test_prompt_length_is_checked_by_the_builder(builder):
     from gateway.events import SamplingOverrides
     with pytest.raises(PipelineError, match="lower max_tokens to at most 4"):
         builder.build(replace(ok, sampling=SamplingOverrides(max_tokens=5)))
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(server, pipeline, builder):
+    ids = list(range(20, 40))
+    r = post(server, {"prompt": ids, "truncate_prompt_tokens": 5, "echo": True})
+    assert r.status_code == 200, r.text
+    assert pipeline.requests[-1].prompt_ids == tuple(ids[-5:])
+    assert r.json()["choices"][0]["text"] == builder.processor.tokenizer.decode(ids[-5:]) + "Hello world"  # what ran
+    assert post(server, {"prompt": ids, "truncate_prompt_tokens": -1}).status_code == 200  # max_model_len
+    assert pipeline.requests[-1].prompt_ids == tuple(ids)
+    for bad in (0, 65, -2):
+        r = post(server, {"prompt": ids, "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_truncating_a_chat_never_cuts_its_media(builder):
+    import numpy as np
+
+    from gateway.events import AudioPart, ChatMessage, TextPart
+
+    clip = AudioPart(np.zeros(16000, dtype=np.float32), 16000)
+    chat = ChatRequest(request_id="r", model="m", messages=(
+        ChatMessage("user", (TextPart("a long question " * 3), clip, TextPart("and more"))),))
+    whole = PromptBuilder(builder.processor, max_model_len=512).build(chat).input_ids
+    roomy = PromptBuilder(builder.processor, max_model_len=512)
+    from dataclasses import replace
+
+    pad = builder.processor.tokenizer.convert_tokens_to_ids("<|audio_pad|>")
+    keep = int(whole.numel()) - whole.tolist().index(pad)  # from the clip's first row on: the text before it goes
+    inputs = roomy.build(replace(chat, truncate_prompt_tokens=keep))
+    assert inputs.input_ids.tolist() == whole[-keep:].tolist() and inputs.input_features is not None
+    with pytest.raises(PipelineError, match="would cut into the prompt's audio") as e:
+        roomy.build(replace(chat, truncate_prompt_tokens=keep - 1))
+    assert e.value.param == "truncate_prompt_tokens"

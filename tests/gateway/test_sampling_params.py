@@ -229,3 +229,19 @@ def test_priority_reaches_the_request(rest_server: RestServer, grpc_server: Grpc
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
     out = generate(grpc_server, priority=4)
     assert out[-1].WhichOneof("kind") == "done" and pipeline.requests[-1].priority == 4
+
+
+def test_skip_special_tokens_and_prompt_logprobs_reach_the_thinker(rest_server: RestServer, grpc_server: GrpcServer,
+                                                                   pipeline: ScriptedPipeline) -> None:
+    """vLLM's skip_special_tokens and prompt_logprobs: the thinker's, from REST and gRPC; the talker refuses them."""
+    assert post(rest_server, {"skip_special_tokens": False, "prompt_logprobs": 2}).status_code == 200
+    thinker, talker = wire(pipeline.requests[-1])
+    assert thinker.HasField("skip_special_tokens") and not thinker.skip_special_tokens and thinker.prompt_logprobs == 2
+    assert not talker.HasField("skip_special_tokens") and not talker.HasField("prompt_logprobs")
+    post(rest_server, {})
+    assert not wire(pipeline.requests[-1])[0].HasField("skip_special_tokens")  # unset: the stage's default (true)
+    out = generate(grpc_server, sampling=stage_pb2.SamplingParams(skip_special_tokens=False))
+    assert out[-1].WhichOneof("kind") == "done", out
+    assert not wire(pipeline.requests[-1])[0].skip_special_tokens
+    out = generate(grpc_server, stage_params={"talker": stage_pb2.SamplingParams(skip_special_tokens=False)})
+    assert "stage_params.talker.skip_special_tokens: applies to the thinker's text only" in out[0].error.message

@@ -59,3 +59,39 @@ def test_each_step_decodes_a_short_window(tokenizer: Any) -> None:
     d = Detokenizer(counting)
     assert "".join([d.push(i) for i in ids] + [d.finish()]) == TEXT * 20
     assert len(ids) > 1000 and counting.longest <= 8
+
+
+def test_special_tokens_stay_when_asked(tokenizer: Any) -> None:
+    """vLLM's skip_special_tokens=False: the same deltas with the special tokens' spellings in them."""
+    ids = tokenizer("Hi there", add_special_tokens=False)["input_ids"]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    seq = [*ids, im_end, *ids]
+    d = Detokenizer(tokenizer, skip_special_tokens=False)
+    assert "".join([d.push(i) for i in seq] + [d.finish()]) == "Hi there<|im_end|>Hi there"
+
+
+def test_the_thinker_keeps_special_tokens_when_asked(model_dir: Path, thinker: Any, tokenizer: Any) -> None:
+    import torch
+
+    from omnimesh.transport.frames import StageChunk
+    from omnimesh.v1 import stage_pb2
+    from tests.services.test_lm_batching import Driver, token_ids
+
+    ids = torch.tensor(tokenizer("The sea is")["input_ids"])
+
+    def run(**sampling: Any) -> tuple[str, list[int]]:
+        task = thinker.open(stage_pb2.Open(request_id="s", sampling=stage_pb2.SamplingParams(
+            temperature=0, max_tokens=5, **sampling)))
+        task.feed(StageChunk(tensors={"input_ids": ids}, final=True))
+        d = Driver(thinker)
+        d.add(task)
+        chunks = d.run()["s"]
+        return "".join(c.text for c in chunks), token_ids(chunks)
+
+    kept, generated = run(skip_special_tokens=False)
+    plain, same = run()
+    assert generated == same
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    assert any(t in special for t in generated), "the prompt should make the tiny model say a special token"
+    assert kept == tokenizer.decode(generated, skip_special_tokens=False) != plain
+    assert plain == tokenizer.decode(generated, skip_special_tokens=True)

@@ -70,6 +70,7 @@ class SamplingParams:
     logprobs: int | None = None
     # vLLM's: each prompt token's log-probability (from the second) and this many alternatives (thinker only)
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True  # vLLM's: the thinker's text leaves special tokens out
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (id, added to its logit in [-100, 100])
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these ids may be picked (empty = all)
     # vLLM's bad_words as token sequences: a sequence's last id is banned where the generated tokens end with the
