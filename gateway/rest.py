@@ -106,6 +106,7 @@ from gateway.prompt_logprobs import prompt_logprobs_json
 from gateway.tokenize_api import TokenizeRoutes
 from gateway.structured_request import structured_spec
 from gateway.tool_calls import NO_TOOLS, ToolAnswer, ToolPlan, forced_calls, parse_tool_calls, tool_plan
+from gateway.speech_api import SpeechRoutes
 from gateway.transcription_api import TranscriptionRoutes
 from gateway.stage_scrape import StageSources, scrape_stages
 from gateway.sse import DONE, SSEResponse, StreamState, chain, sse
@@ -186,6 +187,7 @@ class Answer:
     stream: bool
     complete: Callable[[Indexed, AsyncIterator[Indexed]], Awaitable[Response]]  # the whole answer at the end
     streamed: Callable[[Indexed, StreamState], AsyncIterator[bytes]]  # the SSE body
+    media_type: str = "text/event-stream"  # of the streamed body
 
 
 class Timed(Protocol):
@@ -363,7 +365,7 @@ class RestGateway:
             if ans.stream:
                 streaming = True  # the stream's own `finally` settles the metrics
                 state = StreamState(self, endpoint, ans.request_id, started, events)
-                return SSEResponse(state, ans.streamed(first, state))
+                return SSEResponse(state, ans.streamed(first, state), ans.media_type)
             return await ans.complete(first, events)
         except PipelineError as e:
             self._finish(endpoint, e.http_status, started)
@@ -627,6 +629,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     if front is not None:
         front.install(app)
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/audio/speech", SpeechRoutes(gw).speech, methods=["POST"])
     audio = TranscriptionRoutes(gw)
     app.add_api_route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"])
     app.add_api_route("/v1/audio/translations", audio.translations, methods=["POST"])

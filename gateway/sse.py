@@ -60,10 +60,11 @@ class StreamState:
 
 class SSEResponse(StreamingResponse):
     """A StreamingResponse that always closes its generator and the pipeline's events, even when the
-    client disconnects before the first byte (Starlette then never starts or finishes the generator)."""
+    client disconnects before the first byte (Starlette then never starts or finishes the generator).
+    Server-sent events by default; `media_type` for another stream (raw PCM audio)."""
 
-    def __init__(self, stream: StreamState, body: AsyncIterator[bytes]) -> None:
-        super().__init__(body, media_type="text/event-stream",
+    def __init__(self, stream: StreamState, body: AsyncIterator[bytes], media_type: str = "text/event-stream") -> None:
+        super().__init__(body, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Request-Id": stream.request_id})
         self._stream_state = stream
         self._body = body

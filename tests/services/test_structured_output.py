@@ -118,3 +118,11 @@ def test_a_tokenizer_llguidance_cannot_read_leaves_the_stage_serving() -> None:
     assert grammars.unavailable is not None
     with pytest.raises(ValueError, match="structured outputs are unavailable on this thinker"):
         grammars.constraint(option_value("regex", "a"))
+
+
+def test_one_choice_holds_the_thinker_to_any_text(handler: Any) -> None:
+    """What /v1/audio/speech relies on: a choice of one string makes the thinker say exactly it, quotes,
+    newlines, backslashes and non-ASCII characters included."""
+    said = 'Say "héllo wörld" — 世界!\nA back\\slash, a tab\tand 🎉.'
+    text, task = answer(handler, "choice", json.dumps([said]), max_tokens=128)
+    assert text == said and task.finish_reason == "stop"

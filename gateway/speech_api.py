@@ -1,0 +1,187 @@
+"""OpenAI's `POST /v1/audio/speech` (text to speech) on an omni model: the thinker says the input, the talker
+and vocoder speak it.
+
+Data flow: JSON body (`model`, `input` up to 4096 characters, `voice`, `response_format`, `instructions`,
+`speed`, `stream_format`) -> one chat: a system turn asking to say the user's text word for word (the
+`instructions` added to it) and the text as the user turn, audio out in `voice` -> the thinker held to
+exactly that text by a structured output (choice of one string: services/llm/structured_output.py), so
+what the talker reads is the input whatever the weights would rather say -> the pipeline's audio ->
+the whole file in `response_format` (mp3 by default, as OpenAI's; wav, flac, opus, aac, or OpenAI's `pcm`:
+raw 24 kHz mono 16-bit little-endian), or streamed: `response_format` "pcm" sends the samples as they come
+(chunked), `stream_format` "sse" sends `speech.audio.delta` events (base64 of the format's bytes: pcm
+chunks as they come, any other format whole at the end) and a `speech.audio.done` event with the usage
+(input_tokens: the prompt's; output_tokens: the text tokens spoken). `speed` other than 1 is a 400: the model
+speaks at its own pace. The response's `X-Request-Id` names the request (`speech-<id>`) in every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import Field
+
+from gateway.audio_encoding import OutputAudioFormat, encode_audio, pcm16_bytes
+from gateway.choices import Indexed, close_events
+from gateway.events import (AudioDelta, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides, TextPart,
+                            check_request_id)
+from gateway.http_errors import internal_error
+from gateway.media import invalid_request
+from gateway.openai_schema import StrictBody, error_response, parse_json_object, resolve_model, resolve_voice, validate_body
+from gateway.sse import DONE, StreamState, chain, sse
+from gateway.structured_request import require_llguidance
+
+if TYPE_CHECKING:
+    from gateway.rest import Answer, RestGateway
+
+log = logging.getLogger(__name__)
+MAX_INPUT_CHARS = 4096  # OpenAI's limit
+SYSTEM = "You are a text-to-speech voice. Say the user's text exactly as written, word for word, and nothing else."
+SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+_ENCODING: dict[str, OutputAudioFormat] = {"mp3": "mp3", "opus": "opus", "aac": "aac", "flac": "flac", "wav": "wav",
+                                           "pcm": "pcm16"}
+MEDIA_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
+               "pcm": "audio/pcm"}
+
+
+class SpeechRequest(StrictBody):
+    model: str | None = None
+    input: str
+    voice: str | None = None  # None: the pipeline's default voice
+    response_format: SpeechFormat = "mp3"
+    instructions: str | None = Field(default=None, max_length=MAX_INPUT_CHARS)
+    speed: float = 1.0
+    stream_format: Literal["audio", "sse"] = "audio"
+
+
+@dataclass(slots=True)
+class _Speech:
+    request: ChatRequest
+    fmt: SpeechFormat
+    sse: bool
+    started: float
+    sample_rate: int
+    first_text: bool = False
+    first_audio: bool = False
+    pcm: list[np.ndarray] = field(default_factory=list)
+
+
+class SpeechRoutes:
+    """`POST /v1/audio/speech` on one `RestGateway` (its pipeline, model names, metrics, error shape)."""
+
+    def __init__(self, gw: RestGateway) -> None:
+        self.gw = gw
+
+    async def speech(self, request: Request) -> Response:
+        from gateway.rest import Answer  # rest imports this module to route it
+
+        async def prepare(raw: bytes, client_id: str | None, started: float) -> Answer:
+            call = self.build(validate_body(SpeechRequest, parse_json_object(raw)), client_id, started)
+            streamed = call.sse or call.fmt == "pcm"
+            return Answer(call.request.request_id, (call.request,), streamed,
+                          lambda first, events: self._complete(call, first, events),
+                          lambda first, state: self._stream(call, first, state),
+                          "text/event-stream" if call.sse else MEDIA_TYPES[call.fmt])
+
+        return await self.gw.answer("speech", request, prepare)
+
+    def build(self, body: SpeechRequest, client_id: str | None, started: float) -> _Speech:
+        gw = self.gw
+        model = resolve_model(body.model, gw.served_model_names)
+        if not body.input.strip():
+            raise invalid_request("input: there is no text to speak", "input")
+        if len(body.input) > MAX_INPUT_CHARS:
+            raise invalid_request(f"input: at most {MAX_INPUT_CHARS} characters, got {len(body.input)}", "input")
+        if body.speed != 1.0:
+            raise invalid_request(f"speed: only 1.0 is supported (the model speaks at its own pace), got {body.speed}",
+                                  "speed")
+        voice = resolve_voice(body.voice, gw.pipeline.voices, gw.pipeline.default_voice, "voice")
+        require_llguidance("input")  # the thinker is held to the input by a structured output
+        suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
+        system = SYSTEM if not body.instructions else f"{SYSTEM} How to speak: {body.instructions}"
+        pipeline_model = model if model in gw.pipeline.served_models else gw.pipeline.served_models[0]
+        chat = ChatRequest(request_id=f"speech-{suffix}", model=pipeline_model, modalities=("text", "audio"),
+                           messages=(ChatMessage("system", (TextPart(system),)),
+                                     ChatMessage("user", (TextPart(body.input),))),
+                           voice=voice, sampling=SamplingOverrides(temperature=0.0),
+                           structured=("choice", json.dumps([body.input])))
+        return _Speech(chat, body.response_format, body.stream_format == "sse", started, gw.pipeline.sample_rate)
+
+    async def _complete(self, call: _Speech, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
+        finished = None
+        try:
+            async for _, ev in chain(first, events):
+                self._take(call, ev)
+                if isinstance(ev, Finished):
+                    finished = ev
+                    break
+        finally:
+            await close_events(events)
+        if finished is None:
+            raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
+        data = await asyncio.to_thread(encode_audio, self._wave(call), call.sample_rate, _ENCODING[call.fmt])
+        self.gw._finish("speech", 200, call.started)
+        return Response(data, media_type=MEDIA_TYPES[call.fmt], headers={"X-Request-Id": call.request.request_id})
+
+    async def _stream(self, call: _Speech, first: Indexed, state: StreamState) -> AsyncIterator[bytes]:
+        status = 499  # client closed, unless the stream gets to its end
+        try:
+            finished = None
+            async for _, ev in chain(first, state.events):
+                self._take(call, ev)
+                if isinstance(ev, AudioDelta) and call.fmt == "pcm" and np.size(ev.pcm):
+                    data = pcm16_bytes(ev.pcm)
+                    yield sse(_delta(data)) if call.sse else data
+                elif isinstance(ev, Finished):
+                    finished = ev
+                    break
+            if finished is None:
+                raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
+            if call.sse:
+                if call.fmt != "pcm":  # a compressed file is whole only at the end
+                    data = await asyncio.to_thread(encode_audio, self._wave(call), call.sample_rate,
+                                                   _ENCODING[call.fmt])
+                    yield sse(_delta(data))
+                usage = {"input_tokens": finished.prompt_tokens, "output_tokens": finished.completion_tokens,
+                         "total_tokens": finished.prompt_tokens + finished.completion_tokens}
+                yield sse({"type": "speech.audio.done", "usage": usage})
+                yield DONE
+            status = 200
+        except PipelineError as e:
+            status = e.http_status
+            if call.sse:  # a raw audio stream has no room for an error: it just ends short
+                yield sse(error_response(e).model_dump(mode="json"))
+                yield DONE
+        except Exception as e:
+            log.exception("speech stream failed")
+            status = 500
+            if call.sse:
+                yield sse(error_response(internal_error(e)).model_dump(mode="json"))
+                yield DONE
+        finally:
+            state.settle(status)
+            await state.close_events()
+
+    def _take(self, call: _Speech, ev: object) -> None:
+        self.gw._observe(call, ev)  # type: ignore[arg-type]
+        if isinstance(ev, AudioDelta):
+            call.pcm.append(np.asarray(ev.pcm, dtype=np.float32).reshape(-1))
+            call.sample_rate = ev.sample_rate
+
+    @staticmethod
+    def _wave(call: _Speech) -> np.ndarray:
+        return np.concatenate(call.pcm) if call.pcm else np.zeros(0, np.float32)
+
+
+def _delta(data: bytes) -> dict[str, str]:
+    return {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
+

@@ -1,0 +1,104 @@
+"""OpenAI's `POST /v1/audio/speech` (gateway/speech_api.py) against a scripted pipeline: the chat it runs (the
+input as the user turn, the thinker held to exactly it by a one-string choice, audio out in the voice), every
+response format with its content type (mp3 by default, `pcm` raw and streamed as the samples come), the
+`sse` stream's delta and done events with the usage, the official `openai` client, and each bad body as a
+400 naming its field. Through a real mesh: tests/e2e/test_speech_e2e.py."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import wave
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from gateway_harness import SAMPLE_RATE, RestServer, tone
+
+from gateway.audio_encoding import pcm16_bytes
+
+
+def post(server: RestServer, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/audio/speech", json=body, timeout=10)
+
+
+def test_the_chat_it_runs(rest_server, pipeline) -> None:
+    r = post(rest_server, {"model": "tiny-omni", "input": 'Say "hi" — twice.', "voice": "chelsie",
+                           "instructions": "Cheerfully.", "response_format": "wav"})
+    assert r.status_code == 200, r.text
+    [req] = pipeline.requests
+    assert req.modalities == ("text", "audio") and req.voice == "Chelsie" and req.sampling.temperature == 0
+    assert req.structured == ("choice", json.dumps(['Say "hi" — twice.']))
+    system, user = req.messages
+    assert system.role == "system" and "word for word" in system.content[0].text
+    assert system.content[0].text.endswith("How to speak: Cheerfully.")
+    assert user.role == "user" and user.content[0].text == 'Say "hi" — twice.'
+    assert r.headers["content-type"] == "audio/wav" and r.headers["x-request-id"] == req.request_id
+    with wave.open(io.BytesIO(r.content)) as w:  # the scripted 0.2 s tone, whole
+        assert w.getframerate() == SAMPLE_RATE and w.getnframes() == int(0.2 * SAMPLE_RATE)
+    assert req.request_id.startswith("speech-")
+
+
+@pytest.mark.parametrize(("fmt", "media_type", "magic"), [
+    ("mp3", "audio/mpeg", None), ("opus", "audio/ogg", b"OggS"), ("aac", "audio/aac", b"\xff"),
+    ("flac", "audio/flac", b"fLaC"), ("wav", "audio/wav", b"RIFF")])
+def test_each_format(rest_server, pipeline, fmt, media_type, magic) -> None:
+    body = {"input": "hello", "response_format": fmt} if fmt != "mp3" else {"input": "hello"}  # mp3: the default
+    r = post(rest_server, body)
+    assert r.status_code == 200 and r.headers["content-type"] == media_type
+    assert len(r.content) > 100 and (magic is None or r.content.startswith(magic))
+
+
+def test_pcm_streams_the_samples_as_they_come(rest_server, pipeline) -> None:
+    with httpx.stream("POST", f"{rest_server.base_url}/v1/audio/speech", json={"input": "hello",
+                      "response_format": "pcm"}, timeout=10) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/pcm"
+        data = b"".join(r.iter_bytes())
+    assert data == pcm16_bytes(tone(0.2))  # the two scripted chunks, raw 16-bit
+
+
+def test_sse_deltas_and_done(rest_server, pipeline) -> None:
+    for fmt in ("pcm", "wav"):
+        with httpx.stream("POST", f"{rest_server.base_url}/v1/audio/speech", timeout=10,
+                          json={"input": "hello", "response_format": fmt, "stream_format": "sse"}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        events = [json.loads(line[6:]) for line in lines[:-1]]
+        deltas = [base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"]
+        assert len(deltas) == (2 if fmt == "pcm" else 1)  # pcm as it comes; a file whole at the end
+        assert events[-1] == {"type": "speech.audio.done",
+                              "usage": {"input_tokens": 7, "output_tokens": 2, "total_tokens": 9}}
+        if fmt == "pcm":
+            assert b"".join(deltas) == pcm16_bytes(tone(0.2))
+        else:
+            assert deltas[0].startswith(b"RIFF")
+
+
+def test_the_openai_client(rest_server, pipeline) -> None:
+    client = openai.OpenAI(base_url=f"{rest_server.base_url}/v1", api_key="none")
+    audio = client.audio.speech.create(model="tiny-omni", voice="ethan", input="Hello there.",  # type: ignore[arg-type]
+                                       response_format="wav")
+    with wave.open(io.BytesIO(audio.content)) as w:
+        samples = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    assert samples.size == int(0.2 * SAMPLE_RATE)
+
+
+@pytest.mark.parametrize(("body", "param", "needle"), [
+    ({}, "input", "Field required"),
+    ({"input": "  "}, "input", "no text to speak"),
+    ({"input": "a" * 4097}, "input", "at most 4096 characters"),
+    ({"input": "a", "speed": 1.5}, "speed", "only 1.0"),
+    ({"input": "a", "voice": "alloy"}, "voice", "unknown voice 'alloy'"),
+    ({"input": "a", "response_format": "ogg"}, "response_format", "'mp3'"),
+    ({"input": "a", "stream_format": "chunks"}, "stream_format", "'audio'"),
+    ({"input": "a", "model": "tts-1"}, "model", "tts-1"),
+])
+def test_bad_bodies(rest_server, pipeline, body, param, needle) -> None:
+    r = post(rest_server, body)
+    assert r.status_code == (404 if param == "model" else 400), r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+    assert pipeline.requests == []
