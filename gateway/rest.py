@@ -15,7 +15,8 @@ header names the request (`chatcmpl-<id>`, the id every stage logs); chat respon
 Also: OpenAI's legacy `POST /v1/completions` (`gateway/completions_api.py`, with a prompt builder), OpenAI's
 `POST /v1/audio/transcriptions` / `translations` (`gateway/transcription_api.py`),
 `GET /v1/models` (and `/v1/models/{model}`, 404 for a name not served), vLLM's `POST /tokenize` and
-`/detokenize` (`gateway/tokenize_api.py`), `GET /version`, `GET /health` (200 / 503
+`/detokenize` (`gateway/tokenize_api.py`), `GET /version`, vLLM's `GET /load` (`{"server_load"}`: generating
+requests in flight) and `GET|POST /ping` (/health by SageMaker's name), `GET /health` (200 / 503
 naming the stages down), `GET /metrics` (Prometheus
 text, `omnimesh:` prefix): the gateway's own series (a per-app registry; no `stage` label) followed by
 every stage replica's, scraped over the Stage `Metrics` RPC at each request and merged into one family per
@@ -550,6 +551,11 @@ class RestGateway:
     def _card(self, name: str) -> ModelCard:
         return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len)
 
+    async def load(self, request: Request) -> Response:
+        """vLLM's `GET /load`: the generating requests in flight on this gateway (what a load balancer weighs)."""
+        running = self.metrics.registry.get_sample_value("omnimesh:requests_running") or 0.0
+        return JSONResponse({"server_load": int(running)})
+
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VERSION})
 
@@ -642,6 +648,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
         app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
     app.add_api_route("/version", gw.version, methods=["GET"])
     app.add_api_route("/health", gw.health, methods=["GET"])
+    app.add_api_route("/ping", gw.health, methods=["GET", "POST"])  # vLLM's (SageMaker's): /health by another name
+    app.add_api_route("/load", gw.load, methods=["GET"])
     app.add_api_route("/metrics", gw.metrics_text, methods=["GET"])
 
     @app.exception_handler(StarletteHTTPException)

@@ -421,6 +421,24 @@ def test_health_names_the_stage_that_is_down(rest_server: RestServer, pipeline: 
     r = httpx.get(f"{rest_server.base_url}/health", timeout=10)
     assert r.status_code == 503
     assert r.json()["down"] == ["vocoder"] and "vocoder" in r.json()["message"]
+    # vLLM's /ping (GET and POST, SageMaker's name) answers as /health
+    assert [httpx.request(m, f"{rest_server.base_url}/ping", timeout=10).status_code for m in ("GET", "POST")] == [503] * 2
+    pipeline.stages["vocoder"] = True
+    assert httpx.post(f"{rest_server.base_url}/ping", timeout=10).status_code == 200
+
+
+def test_load_counts_the_requests_in_flight(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    """vLLM's /load: a streamed request holds its place until its stream ends."""
+    assert httpx.get(f"{rest_server.base_url}/load", timeout=10).json() == {"server_load": 0}
+    pipeline.event_delay_s = 0.3
+    with httpx.stream("POST", f"{rest_server.base_url}/v1/chat/completions", timeout=10,
+                      json={"messages": USER_HI, "stream": True}) as r:
+        assert httpx.get(f"{rest_server.base_url}/load", timeout=10).json() == {"server_load": 1}
+        r.read()
+    deadline = time.monotonic() + 5.0  # the stream settles just after its last byte
+    while httpx.get(f"{rest_server.base_url}/load", timeout=10).json() != {"server_load": 0}:
+        assert time.monotonic() < deadline, "the stream never settled"
+        time.sleep(0.02)
 
 
 def test_metrics_count_requests_by_status(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
