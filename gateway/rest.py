@@ -635,7 +635,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     if front is not None:
         front.install(app)
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/audio/speech", SpeechRoutes(gw).speech, methods=["POST"])
+    app.add_api_route("/v1/audio/speech", SpeechRoutes(gw, prompts).speech, methods=["POST"])
     audio = TranscriptionRoutes(gw)
     app.add_api_route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"])
     app.add_api_route("/v1/audio/translations", audio.translations, methods=["POST"])

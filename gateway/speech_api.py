@@ -11,7 +11,8 @@ raw 24 kHz mono 16-bit little-endian), or streamed: `response_format` "pcm" send
 (chunked), `stream_format` "sse" sends `speech.audio.delta` events (base64 of the format's bytes: pcm
 chunks as they come, any other format whole at the end) and a `speech.audio.done` event with the usage
 (input_tokens: the prompt's; output_tokens: the text tokens spoken). `speed` other than 1 is a 400: the model
-speaks at its own pace. The response's `X-Request-Id` names the request (`speech-<id>`) in every stage.
+speaks at its own pace. The thinker's max_tokens leave room for the whole input (`_sized`: its bytes + the
+stop, within max_model_len; the stage default would cut a long one). The response's `X-Request-Id` names the request (`speech-<id>`) in every stage.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -41,6 +42,7 @@ from gateway.sse import DONE, StreamState, chain, sse
 from gateway.structured_request import require_llguidance
 
 if TYPE_CHECKING:
+    from gateway.prompt import PromptBuilder
     from gateway.rest import Answer, RestGateway
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class SpeechRequest(StrictBody):
 @dataclass(slots=True)
 class _Speech:
     request: ChatRequest
+    text: str  # the input to say
     fmt: SpeechFormat
     sse: bool
     started: float
@@ -78,14 +81,15 @@ class _Speech:
 class SpeechRoutes:
     """`POST /v1/audio/speech` on one `RestGateway` (its pipeline, model names, metrics, error shape)."""
 
-    def __init__(self, gw: RestGateway) -> None:
-        self.gw = gw
+    def __init__(self, gw: RestGateway, builder: PromptBuilder | None = None) -> None:
+        self.gw, self.builder = gw, builder  # the prompt builder sizes max_tokens (without one: the input's bytes)
 
     async def speech(self, request: Request) -> Response:
         from gateway.rest import Answer  # rest imports this module to route it
 
         async def prepare(raw: bytes, client_id: str | None, started: float) -> Answer:
             call = self.build(validate_body(SpeechRequest, parse_json_object(raw)), client_id, started)
+            call.request = await asyncio.to_thread(self._sized, call.request, call.text)
             streamed = call.sse or call.fmt == "pcm"
             return Answer(call.request.request_id, (call.request,), streamed,
                           lambda first, events: self._complete(call, first, events),
@@ -114,7 +118,22 @@ class SpeechRoutes:
                                      ChatMessage("user", (TextPart(body.input),))),
                            voice=voice, sampling=SamplingOverrides(temperature=0.0),
                            structured=("choice", json.dumps([body.input])))
-        return _Speech(chat, body.response_format, body.stream_format == "sse", started, gw.pipeline.sample_rate)
+        return _Speech(chat, body.input, body.response_format, body.stream_format == "sse", started, gw.pipeline.sample_rate)
+
+    def _sized(self, chat: ChatRequest, text: str) -> ChatRequest:
+        """The thinker's max_tokens: room for the input however the grammar lets it be tokenized (a token is at
+        least one byte) and the stop, within max_model_len (the stage default, 1024, would cut a long input);
+        an input whose own tokens do not fit is a 400."""
+        want = len(text.encode("utf-8")) + 1
+        if self.builder is not None:
+            room = self.builder.max_model_len - int(self.builder.encode(chat).numel())
+            own = len(self.builder.processor.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
+            if own > room:
+                raise invalid_request(f"input: its {own - 1} tokens do not fit this model's maximum context length "
+                                      f"(max_model_len {self.builder.max_model_len}) after the prompt; send a shorter "
+                                      "text", "input")
+            want = min(want, room)
+        return replace(chat, sampling=replace(chat.sampling, max_tokens=want))
 
     async def _complete(self, call: _Speech, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
         finished = None

@@ -30,6 +30,7 @@ def test_the_chat_it_runs(rest_server, pipeline) -> None:
     assert r.status_code == 200, r.text
     [req] = pipeline.requests
     assert req.modalities == ("text", "audio") and req.voice == "Chelsie" and req.sampling.temperature == 0
+    assert req.sampling.max_tokens == len('Say "hi" — twice.'.encode()) + 1  # no prompt builder: the bytes bound
     assert req.structured == ("choice", json.dumps(['Say "hi" — twice.']))
     system, user = req.messages
     assert system.role == "system" and "word for word" in system.content[0].text
@@ -102,3 +103,23 @@ def test_bad_bodies(rest_server, pipeline, body, param, needle) -> None:
     err = r.json()["error"]
     assert err["param"] == param and needle in err["message"], err
     assert pipeline.requests == []
+
+
+def test_max_tokens_leave_room_for_the_whole_input(shared_pipeline, pipeline, tmp_path) -> None:
+    """The thinker's default (1024 tokens) would cut a long input: the route asks for the input's bytes + 1
+    (a token is at least a byte), within max_model_len after the prompt; an input whose own tokens cannot fit
+    is a 400 before anything runs."""
+    from gateway.prompt import PromptBuilder
+    from gateway.rest import create_app
+    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+
+    builder = PromptBuilder(build_tiny_qwen3_omni(tmp_path / "tiny"), max_model_len=256)
+    with RestServer(create_app(shared_pipeline, served_model_names=("tiny-omni",), prompts=builder)) as server:
+        assert post(server, {"input": "héllo", "response_format": "wav"}).status_code == 200
+        assert pipeline.requests[-1].sampling.max_tokens == len("héllo".encode()) + 1
+        text = "the sea " * 20  # more bytes than the room after the prompt, yet its tokens fit
+        assert post(server, {"input": text, "response_format": "wav"}).status_code == 200
+        prompt = int(builder.encode(pipeline.requests[-1]).numel())
+        assert pipeline.requests[-1].sampling.max_tokens == min(len(text) + 1, 256 - prompt)
+        r = post(server, {"input": "the sea " * 200})
+        assert r.status_code == 400 and "do not fit" in r.json()["error"]["message"], r.text
