@@ -124,6 +124,7 @@ class CompletionChoice(_Out):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
 
 
@@ -321,6 +322,7 @@ class CompletionRoutes:
         if len(finished) < runs:
             raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
         choices = [CompletionChoice(index=i, text="".join(text[i]), finish_reason=finished[i].finish_reason,
+                                    stop_reason=finished[i].stop_reason,
                                     logprobs=_joined(self._echoed(call, i, prompt[i]),
                                                      self._logprobs(call, i, entries[i])),
                                     prompt_logprobs=self._prompt_logprobs(call, prompt[i]))
@@ -346,12 +348,14 @@ class CompletionRoutes:
         # echoed prompts not sent yet: with logprobs they wait for the prompt's entries (the first delta's)
         echo = [e if call.logprobs is not None else "" for e in call.echo]
 
-        def chunk(i: int, text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None) -> bytes:
+        def chunk(i: int, text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None,
+                  stop_reason: str | int | None = None) -> bytes:
             usage = None
             if call.continuous_usage and (known := so_far[i]) is not None:
                 usage = Usage(prompt_tokens=known[0], completion_tokens=known[1], total_tokens=sum(known))
             c = Completion(id=call.request_id, created=call.created, model=call.model, usage=usage,
-                           choices=[CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish)])
+                           choices=[CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish,
+                                                     stop_reason=stop_reason)])
             data = c.model_dump(mode="json")
             for choice in data["choices"]:
                 del choice["prompt_logprobs"]  # never streamed (a 400 up front)
@@ -380,7 +384,7 @@ class CompletionRoutes:
                     if echo[i]:  # no delta came (a stop id first): the prompt has no entries then
                         yield chunk(i, echo[i], self._echoed(call, i, ()))
                         echo[i] = ""
-                    yield chunk(i, "", finish=ev.finish_reason)
+                    yield chunk(i, "", finish=ev.finish_reason, stop_reason=ev.stop_reason)
                     if len(finished) == runs:
                         break
             if len(finished) < runs:
@@ -406,7 +410,7 @@ class CompletionRoutes:
 
 def _settled(call: _Completion, f: Finished) -> Finished:
     """A run's end as the client sees it: with `max_tokens: 0` (echo) its one generated token is not theirs."""
-    return replace(f, completion_tokens=0, finish_reason="length") if call.prompt_only else f
+    return replace(f, completion_tokens=0, finish_reason="length", stop_reason=None) if call.prompt_only else f
 
 
 def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:

@@ -140,6 +140,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # of the prompt tokens, those the thinker's prefix cache served
+    stop_reason: str | int | None = None  # vLLM's: the stop string or request stop id that ended it (None: EOS etc.)
 
 
 Event = TextDelta | AudioDelta | Finished

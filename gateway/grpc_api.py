@@ -275,6 +275,10 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                     usage = stage_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                                             cached_tokens=ev.cached_tokens)
                     done_msg = stage_pb2.Done(finish_reason=shaped[i].finish_reason(ev.finish_reason), usage=usage)
+                    if isinstance(ev.stop_reason, str):
+                        done_msg.stop_string = ev.stop_reason
+                    elif ev.stop_reason is not None:
+                        done_msg.stop_token_id = ev.stop_reason
                     yield omni_pb2.GenerateResponse(done=done_msg, index=i)
                     done += 1
                     if done == n:

@@ -714,6 +714,7 @@ class Choice(_Out):
     message: ResponseMessage
     finish_reason: str
     logprobs: ChoiceLogprobs | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletion(_Out):
@@ -745,6 +746,7 @@ class ChunkChoice(_Out):
     delta: Delta
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    stop_reason: int | str | None = None  # on the finish chunk, when a stop string or stop id ended the choice
 
 
 class ChatCompletionChunk(_Out):

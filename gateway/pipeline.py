@@ -266,6 +266,7 @@ class StagePipeline:
                 prompt_tokens=done.usage.prompt_tokens if done else int(prompt.input_ids.numel()),
                 completion_tokens=done.usage.completion_tokens if done else 0,
                 cached_tokens=done.usage.cached_tokens if done else 0,
+                stop_reason=_stop_reason(done),
             )
         except StageCallError as exc:
             raise stage_error(exc) from exc
@@ -377,6 +378,12 @@ class StagePipeline:
         except Exception as exc:  # a relay bug must fail the request, not hang it
             log.exception("relay %s -> %s failed", source.stage, sink.stage if sink else "client")
             events.put_nowait(PipelineError(f"gateway relay failed: {exc}", http_status=500, grpc_code=13, kind="internal_error"))
+
+
+def _stop_reason(done: stage_pb2.Done | None) -> str | int | None:
+    """The thinker's Done's stop string or stop token id (vLLM's stop_reason), None when it names neither."""
+    which = done.WhichOneof("stop_reason") if done is not None else None
+    return None if which is None else getattr(done, which)
 
 
 def merge_ready(item: Event, events: asyncio.Queue) -> tuple[Event, list[Event | BaseException | None]]:

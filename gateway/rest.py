@@ -438,7 +438,7 @@ class RestGateway:
                 message.audio = MessageAudio(id=f"audio_{uuid.uuid4().hex}", data=base64.b64encode(data).decode(),
                                              expires_at=call.created, transcript=transcript)
             choices.append(Choice(index=i, message=message, finish_reason=finish,
-                                  logprobs=self._logprobs(call, logprobs[i])))
+                                  logprobs=self._logprobs(call, logprobs[i]), stop_reason=finished[i].stop_reason))
         k = call.request.sampling.prompt_logprobs
         body = ChatCompletion(id=call.request.request_id, created=call.created, model=call.model, choices=choices,
                               usage=self._usage(total_usage([finished[i] for i in range(call.n)])),
@@ -463,13 +463,14 @@ class RestGateway:
         if call.continuous_usage and isinstance(first[1], TextDelta):
             so_far[first[0]] = first[1].usage
 
-        def chunk(i: int, delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> bytes:
+        def chunk(i: int, delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None,
+                  stop_reason: str | int | None = None) -> bytes:
             usage = None
             if call.continuous_usage and (known := so_far[i]) is not None:
                 usage = Usage(prompt_tokens=known[0], completion_tokens=known[1], total_tokens=sum(known))
             c = ChatCompletionChunk(id=rid, created=call.created, model=call.model,
                                     choices=[ChunkChoice(index=i, delta=delta, finish_reason=finish,
-                                                         logprobs=logprobs)], usage=usage)
+                                                         logprobs=logprobs, stop_reason=stop_reason)], usage=usage)
             return sse(dump(c, drop_none=True))
 
         shaped = [ToolAnswer(call.tools) for _ in range(call.n)]  # parsed, forced or plain text (tool_calls.py)
@@ -509,7 +510,7 @@ class RestGateway:
                         yield chunk(i, Delta(content=text))
                     if calls:
                         yield calls_chunk(i, calls)
-                    yield chunk(i, Delta(), shaped[i].finish_reason(ev.finish_reason))
+                    yield chunk(i, Delta(), shaped[i].finish_reason(ev.finish_reason), stop_reason=ev.stop_reason)
                     if len(finished) == call.n:
                         break
             if len(finished) < call.n:

@@ -77,6 +77,7 @@ class EngineDone:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens the prefix cache served
+    stop_reason: str | int | None = None  # the task's (vLLM's stop_reason)
 
 
 @dataclass(slots=True)
@@ -443,7 +444,8 @@ class EngineLoop:
             entry.queue.put_nowait(chunk)
         if entry.task.finished:
             t = entry.task
-            self._finish(rid, EngineDone(t.finish_reason, t.prompt_tokens, t.completion_tokens, t.cached_tokens))
+            self._finish(rid, EngineDone(t.finish_reason, t.prompt_tokens, t.completion_tokens, t.cached_tokens,
+                                         t.stop_reason))
 
 
 def _pressing(task: StageTask) -> bool:

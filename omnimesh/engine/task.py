@@ -34,6 +34,7 @@ class StageTask(ABC):
         self.request_id = request_id
         self.finished = False
         self.finish_reason = "stop"
+        self.stop_reason: str | int | None = None  # vLLM's: the stop string or request stop id that ended it
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)

@@ -142,7 +142,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 elif isinstance(event, EngineDone):
                     usage = stage_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                                             cached_tokens=event.cached_tokens)
-                    yield stage_pb2.StageResponse(done=stage_pb2.Done(finish_reason=event.finish_reason, usage=usage))
+                    done = stage_pb2.Done(finish_reason=event.finish_reason, usage=usage)
+                    if isinstance(event.stop_reason, str):
+                        done.stop_string = event.stop_reason
+                    elif event.stop_reason is not None:
+                        done.stop_token_id = event.stop_reason
+                    yield stage_pb2.StageResponse(done=done)
                     break
                 elif isinstance(event, EngineFailed):
                     yield _error(event.code, event.message)

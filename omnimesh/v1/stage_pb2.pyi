@@ -150,12 +150,16 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
-    __slots__ = ("finish_reason", "usage")
+    __slots__ = ("finish_reason", "usage", "stop_string", "stop_token_id")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    stop_string: str
+    stop_token_id: int
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")

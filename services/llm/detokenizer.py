@@ -60,6 +60,7 @@ class StopStrings:
         self.include_stop = include_stop  # emit the matched stop string as the text's end
         self.pending = ""  # text not emitted yet: a suffix that a stop string could start with
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped the text
 
     def push(self, delta: str, armed: bool = True) -> tuple[str, bool]:
         if self.stopped:
@@ -71,6 +72,7 @@ class StopStrings:
             hits = [(i, len(s)) for s in self.stops if (i := text.find(s)) >= 0]
             if hits:
                 start, length = min(hits)
+                self.matched = text[start:start + length]
                 self.pending, self.stopped = "", True
                 return text[:start + length if self.include_stop else start], True
         keep = self._held(text)

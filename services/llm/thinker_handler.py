@@ -78,6 +78,8 @@ class ThinkerHandler:
                            eager_tokens=count_option(msg, "eager_tokens", 1, "tokens"), token_bytes=self.token_bytes,
                            prefix_caching=self.batcher is not None and self.batcher.engine.allocator.prefix_caching)
         task.priority = priority_option(msg, self.batcher.engine.scheduler.policy if self.batcher else "fcfs")
+        task.requested_stops = frozenset(int(i) for i in msg.sampling.stop_token_ids)
+        task.own_stops = frozenset(self.defaults.stop_token_ids)
         # compiled with the prompt, on the compute thread (a big schema takes a while: not on the event loop)
         task.structured, task.grammars = msg.options.get(STRUCTURED_OPTION), self.grammars
         if self.batcher is not None:

@@ -70,6 +70,8 @@ class ThinkerTask(BatchedTask):
         self.grammars: Grammars | None = None  # the stage's compiler for it (its handler's)
         self.constraint: Constraint | None = None  # ... compiled by `prompt_run`
         self.prompt_scores: list[stage_pb2.TokenLogprob] = []  # prompt_logprobs: the prefill's, until the first token
+        self.requested_stops: frozenset[int] = frozenset()  # the request's stop_token_ids (stop_reason names them)
+        self.own_stops: frozenset[int] = frozenset()  # the model's own stop ids (they leave stop_reason unset)
 
     def feed(self, chunk: StageChunk) -> None:
         if self.inputs is not None:
@@ -190,6 +192,10 @@ class ThinkerTask(BatchedTask):
                 text += self.stops.finish()  # release held-back text (never after a stop-string match)
             self.finished = True
             self.finish_reason = "stop" if (stop or stop_str) else "length"
+            if stop_str:
+                self.stop_reason = self.stops.matched
+            elif stop and not grammar_done and token in self.requested_stops and token not in self.own_stops:
+                self.stop_reason = token  # vLLM's: a request's stop id (the model's own EOS says nothing)
             return self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs, prompt_logprobs=scored)), None
         embed, positions = self.thinker.token_input(token, len(self.token_ids), prompt.rope_delta)
         self._history[len(self.token_ids)] = token

@@ -5,6 +5,8 @@ as a REST client sees them, non-streaming and streaming (greedy, text only):
   include_stop_str_in_output, with finish_reason "stop", in both response modes;
 - a stop string that the text starts with ends the request at once; with `min_tokens` the request runs on
   to at least that many tokens, the text still the plain greedy text (stop strings never change tokens);
+- vLLM's `stop_reason` names the stop string or the request's stop token id that ended an answer (None for
+  max_tokens or the model's own EOS), on chat, completions and gRPC;
 - min_tokens above max_tokens is a 400 naming min_tokens, from the gateway when max_tokens is given and from
   the thinker stage when it is left to the stage's default (1024).
 """
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
+
+from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
 
 MODEL = "tiny-qwen3-omni"
 PROMPT = "Tell me about the sea."
@@ -99,3 +104,35 @@ def test_min_tokens_above_max_tokens_is_400(mesh):
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert "min_tokens" in message and "2000" in message and "1024" in message, message
+
+
+def test_stop_reason_names_what_stopped_the_answer(mesh):
+    """vLLM's `stop_reason`: the stop string matched, or the request's stop token id generated; None otherwise.
+    On chat (whole and on the streamed finish chunk), completions and gRPC alike."""
+    plain, _, _ = complete(mesh)
+    stop = _stop_in_the_middle(plain)
+    whole = httpx.post(f"{mesh.rest}/v1/chat/completions", json=_body(stop=[stop]), timeout=TIMEOUT_S).json()
+    assert whole["choices"][0]["stop_reason"] == stop
+    finish_chunks = []
+    with httpx.stream("POST", f"{mesh.rest}/v1/chat/completions", json=_body(stop=[stop], stream=True),
+                      timeout=TIMEOUT_S) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                finish_chunks += [c for c in json.loads(line[6:])["choices"] if c.get("finish_reason")]
+    assert [c.get("stop_reason") for c in finish_chunks] == [stop]
+    # a request's stop id: a +100 bias makes the model say it first
+    [x] = httpx.post(f"{mesh.rest}/tokenize", json={"prompt": "x"}, timeout=TIMEOUT_S).json()["tokens"]
+    by_id = httpx.post(f"{mesh.rest}/v1/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stop_token_ids": [x],
+        "logit_bias": {str(x): 100}}).json()
+    assert by_id["choices"][0]["stop_reason"] == x and by_id["choices"][0]["finish_reason"] == "stop"
+    plain_completion = httpx.post(f"{mesh.rest}/v1/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}).json()
+    assert plain_completion["choices"][0]["stop_reason"] is None  # max_tokens or the model's own EOS
+    request = omni_pb2.GenerateRequest(
+        model=MODEL, modalities=["text"],
+        messages=[omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text=PROMPT)])],
+        sampling=stage_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop]))
+    with grpc.insecure_channel(mesh.grpc) as ch:
+        done = [r.done for r in omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=TIMEOUT_S) if r.HasField("done")]
+    assert done[0].WhichOneof("stop_reason") == "stop_string" and done[0].stop_string == stop

@@ -63,7 +63,8 @@ def test_a_text_prompt_reaches_the_thinker_as_its_tokens(server, pipeline, build
     assert req.prompt_ids == tuple(ids) and req.messages == () and req.modalities == ("text",)
     assert req.sampling.max_tokens == 16 and req.sampling.temperature == 0 and req.sampling.stop == ("\n",)  # OpenAI's default
     assert body["id"] == req.request_id and body["id"].startswith("cmpl-") and body["object"] == "text_completion"
-    assert body["choices"] == [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "stop"}]
+    assert body["choices"] == [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "stop",
+                               "stop_reason": None}]
     assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
                              "prompt_tokens_details": None}
     assert r.headers["x-request-id"] == body["id"]

@@ -52,6 +52,7 @@ class Run:
         self.deltas = [c.text for c in chunks]
         self.text = "".join(self.deltas)
         self.finish_reason = task.finish_reason
+        self.stop_reason = task.stop_reason
         self.logits = rec.stacked("r")
         assert len(chunks) == len(self.tokens) == task.completion_tokens  # one chunk per token
 
@@ -63,6 +64,7 @@ def test_min_tokens_holds_back_a_stop_id_exactly(thinker: Any) -> None:
     assert first not in plain.tokens[1:6], "pick a prompt whose first token does not recur at once"
     stopped = Run(thinker, ids, stop_token_ids=[first])
     assert stopped.tokens == [first] and stopped.finish_reason == "stop"  # the stop id the model emits first
+    assert stopped.stop_reason == first and plain.stop_reason is None  # vLLM's stop_reason names the request's id
 
     got = Run(thinker, ids, stop_token_ids=[first], min_tokens=6)
     stop_ids = [*thinker.defaults.stop_token_ids, first]  # the model's EOS is held back too
@@ -106,7 +108,7 @@ def test_min_tokens_passes_over_a_stop_string_until_it_is_reached(thinker: Any) 
 
     early = Run(thinker, ids, stop=[stop])
     p0 = plain.text.index(stop)
-    assert early.finish_reason == "stop" and early.text == plain.text[:p0]
+    assert early.finish_reason == "stop" and early.text == plain.text[:p0] and early.stop_reason == stop
     n0 = len(early.tokens)  # the token that completed the first occurrence
 
     got = Run(thinker, ids, stop=[stop], min_tokens=n0 + 1)
@@ -164,3 +166,12 @@ def test_talker_min_tokens_holds_back_its_stop_id(model_dir: Path, thinker: Any)
     stop_ids = {*talker.defaults.stop_token_ids, first}
     assert got.completion_tokens >= 5 and got_codes.shape[1] >= 5
     assert not set(got_codes[0, :5].tolist()) & stop_ids
+
+
+def test_the_models_own_stop_leaves_stop_reason_unset(thinker: Any) -> None:
+    """vLLM's stop_reason stays None when the model's own EOS ends the answer, even when the request lists it."""
+    eos = thinker.defaults.stop_token_ids[0]
+    ids = prompts([7], seed=0)[0]
+    first = Run(thinker, ids).tokens[0]
+    got = Run(thinker, ids, stop_token_ids=[first, eos], logit_bias={eos: 100.0})
+    assert got.tokens == [eos] and got.finish_reason == "stop" and got.stop_reason is None
