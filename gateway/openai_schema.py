@@ -469,14 +469,15 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-def validate_body(model: type[BodyT], obj: dict[str, Any]) -> BodyT:
-    """A JSON object -> `model`; every schema violation a 400 naming the dotted path of the first."""
+def validate_body(model: type[BodyT], obj: Any, where: tuple[int | str, ...] = ()) -> BodyT:
+    """A JSON object -> `model`; every schema violation a 400 naming the dotted path of the first (under
+    `where`, the object's own place in a body, e.g. ("input", 2))."""
     try:
         return model.model_validate(obj)
     except ValidationError as e:
         errors = e.errors(include_url=False)
-        first = _path(tuple(errors[0]["loc"])) or None
-        text = "; ".join(f"{_path(tuple(x['loc'])) or 'body'}: {_message(x)}" for x in errors[:5])
+        first = _path((*where, *errors[0]["loc"])) or None
+        text = "; ".join(f"{_path((*where, *x['loc'])) or 'body'}: {_message(x)}" for x in errors[:5])
         if len(errors) > 5:
             text += f"; ... ({len(errors) - 5} more)"
         raise invalid_request(text, first) from None

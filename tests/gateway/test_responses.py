@@ -1,0 +1,132 @@
+"""OpenAI's `POST /v1/responses` (gateway/responses_api.py) against a scripted pipeline: the chat it runs
+(instructions as the system turn, the input's text, image and audio parts, an earlier assistant turn), the
+`response` object (one assistant message, usage with cached input tokens, "incomplete" at
+max_output_tokens), the event stream in order with sequence numbers, `text.format` as a structured output,
+the official `openai` client (`output_text`, streaming), and every unsupported or bad field as a 400 naming
+it. Through a real mesh: tests/e2e/test_responses_e2e.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import openai
+import pytest
+from test_rest import wav_file
+
+from gateway.events import AudioPart, Finished, ImagePart, TextDelta, TextPart
+
+PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP8z8DAwMDAxMDAwMDAAAANHQEDasKb6QAAAABJRU5ErkJggg==")
+
+
+def post(server, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/responses", json={"model": "tiny-omni", **body}, timeout=10)
+
+
+def test_a_string_input_and_instructions(rest_server, pipeline) -> None:
+    r = post(rest_server, {"input": "Hi there", "instructions": "Be brief.", "max_output_tokens": 9,
+                           "temperature": 0.5, "metadata": {"k": "v"}})
+    assert r.status_code == 200, r.text
+    [req] = pipeline.requests
+    assert [(m.role, m.content) for m in req.messages] == [("system", (TextPart("Be brief."),)),
+                                                          ("user", (TextPart("Hi there"),))]
+    assert req.modalities == ("text",) and req.sampling.max_tokens == 9 and req.sampling.temperature == 0.5
+    body = r.json()
+    assert body["id"] == req.request_id and body["id"].startswith("resp_") and body["object"] == "response"
+    assert body["status"] == "completed" and body["incomplete_details"] is None and body["store"] is False
+    [item] = body["output"]
+    assert item["type"] == "message" and item["role"] == "assistant" and item["status"] == "completed"
+    assert item["content"] == [{"type": "output_text", "text": "Hello world", "annotations": []}]
+    assert body["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 2,
+                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 9}
+    assert body["metadata"] == {"k": "v"} and body["instructions"] == "Be brief." and body["max_output_tokens"] == 9
+
+
+def test_message_items_with_media_and_an_earlier_turn(rest_server, pipeline) -> None:
+    audio = {"data": base64.b64encode(wav_file(0.25)).decode(), "format": "wav"}
+    r = post(rest_server, {"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                     {"type": "input_image", "image_url": f"data:image/png;base64,{PNG}"},
+                                     {"type": "input_audio", "input_audio": audio}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "A picture.", "annotations": []}]},
+        {"role": "developer", "content": "Now say more."}]})
+    assert r.status_code == 200, r.text
+    user, assistant, dev = pipeline.requests[-1].messages
+    assert isinstance(user.content[1], ImagePart) and isinstance(user.content[2], AudioPart)
+    assert assistant.role == "assistant" and assistant.content == (TextPart("A picture."),)
+    assert dev.role == "system" and dev.content == (TextPart("Now say more."),)
+
+
+def test_max_output_tokens_makes_it_incomplete(rest_server, pipeline) -> None:
+    pipeline.script = lambda request: [TextDelta("cut"), Finished("length", prompt_tokens=5, completion_tokens=3,
+                                                                  cached_tokens=4)]
+    body = post(rest_server, {"input": "x", "max_output_tokens": 3}).json()
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["output"][0]["status"] == "incomplete" and body["usage"]["input_tokens_details"]["cached_tokens"] == 4
+
+
+def test_text_format_is_a_structured_output(rest_server, pipeline) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    r = post(rest_server, {"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    assert pipeline.requests[-1].structured == ("json", json.dumps(schema))
+    assert r.json()["text"] == {"format": {"type": "json_schema", "name": "s", "schema": schema}}
+    post(rest_server, {"input": "x", "text": {"format": {"type": "json_object"}}})
+    assert pipeline.requests[-1].structured == ("json", '{"type": "object"}')
+
+
+def test_the_event_stream(rest_server, pipeline) -> None:
+    with httpx.stream("POST", f"{rest_server.base_url}/v1/responses", timeout=10,
+                      json={"model": "tiny-omni", "input": "Hi", "stream": True}) as r:
+        assert r.status_code == 200
+        lines = list(r.iter_lines())
+    kinds = [line[len("event: "):] for line in lines if line.startswith("event: ")]
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert [e["type"] for e in events] == kinds and [e["sequence_number"] for e in events] == list(range(len(kinds)))
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hello world"
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "Hello world"
+    assert events[0]["response"]["status"] == "in_progress" and events[-1]["response"]["usage"]["total_tokens"] == 9
+
+
+def test_the_openai_client(rest_server, pipeline) -> None:
+    client = openai.OpenAI(base_url=f"{rest_server.base_url}/v1", api_key="none")
+    out = client.responses.create(model="tiny-omni", input="Hi", instructions="Be brief.")
+    assert out.output_text == "Hello world" and out.status == "completed" and out.usage.output_tokens == 2
+    deltas = [e.delta for e in client.responses.create(model="tiny-omni", input="Hi", stream=True)
+              if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == "Hello world"
+
+
+@pytest.mark.parametrize(("body", "param", "needle"), [
+    ({}, "input", "Field required"),
+    ({"input": []}, "input", "at least one message"),
+    ({"input": 5}, "input", "at least one message"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
+    ({"input": "x", "background": True}, "background", "not supported"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", "not supported"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ">= 1"),
+    ({"input": "x", "n": 2}, "n", "one output"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].image_url",
+     "needs its image_url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content",
+     "input_text"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0]", "'user'"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema", "needs its schema"),
+    ({"input": "x", "text": {"format": {"type": "json_object"}}, "guided_regex": "a"}, "text.format",
+     "one structured output"),
+    ({"input": "x", "model": "gpt-5"}, "model", "gpt-5"),
+])
+def test_bad_bodies(rest_server, pipeline, body, param, needle) -> None:
+    r = post(rest_server, body) if "model" in body else httpx.post(f"{rest_server.base_url}/v1/responses",
+                                                                     json={"model": "tiny-omni", **body}, timeout=10)
+    assert r.status_code == (404 if param == "model" else 400), r.text
+    err = r.json()["error"]
+    assert err["param"].startswith(param) and needle in err["message"], err
+    assert pipeline.requests == []
