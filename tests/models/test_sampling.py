@@ -207,6 +207,8 @@ def test_greedy_batch_picks_what_each_sampler_would() -> None:
     samplers = [Sampler(params) for _ in range(6)]
     assert greedy_batch(samplers, logits.clone(), [h.tolist() for h in histories]) == want
     assert all(s.num_sampled == 1 for s in samplers)
+    # the talker hands its histories as views of its code buffers: the same picks
+    assert greedy_batch([Sampler(params) for _ in range(6)], logits.clone(), histories) == want
     for odd in (replace(params, temperature=0.7), replace(params, repetition_penalty=1.1),
                 replace(params, suppress_tokens=()), replace(params, min_tokens=3),
                 replace(params, presence_penalty=0.5), replace(params, frequency_penalty=-0.5)):
@@ -286,3 +288,17 @@ def test_operator_defaults_go_over_the_models() -> None:
                          ({"top_p": 0}, r"x: top_p must be in \(0, 1\]")]:
         with pytest.raises(ValueError, match=message):
             with_defaults(model, bad, "x")
+
+
+def test_the_talkers_code_buffer_is_its_codes() -> None:
+    """`talker.history(state)` is a view of a buffer written once per code (doubled when full): always the
+    codes sampled so far, past the first 64."""
+    from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerState, history
+
+    state = TalkerState(sampler=Sampler(SamplingParams(max_tokens=1000)), predictor_sampler=None, handle=None,
+                        prefill_embeds=None, prefill_positions=None, rope_delta=0, tts_eos=torch.zeros(1),
+                        tts_pad=torch.zeros(1))
+    for t in range(200):
+        Qwen3OmniTalker._took(None, state, (t * 7) % 31)  # type: ignore[arg-type]  # touches only the state
+        assert history(state).tolist() == state.codes
+    assert state.code_buffer.numel() == 256

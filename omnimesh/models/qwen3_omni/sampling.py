@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -220,8 +220,10 @@ def _suppress_mask(ids: tuple[int, ...], vocab: int, device: str) -> torch.Tenso
     return torch.isin(torch.arange(vocab, device=device), torch.tensor(ids, dtype=torch.long, device=device))
 
 
-def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[list[int]]) -> list[int] | None:
-    """`sample` for B greedy requests at once: logits (B, V), per request its penalty history (ids) -> ids,
+def greedy_batch(samplers: list[Sampler], logits: torch.Tensor,
+                 histories: Sequence[Sequence[int] | torch.Tensor]) -> list[int] | None:
+    """`sample` for B greedy requests at once: logits (B, V), per request its penalty history (ids: a list, or
+    a tensor (n,) the caller keeps, which joins the batch's without a copy per element) -> ids,
     each what its own `sample` would pick (the same per-element arithmetic, one op per step instead of a
     dozen per request). None when the batch does not qualify (a request samples, holds stop ids back for
     min_tokens now, has frequency / presence penalties, a logit_bias or allowed_token_ids, or the requests
@@ -236,7 +238,7 @@ def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[
     V = logits.shape[-1]
     if cpu_kernels.use(logits):  # the same arithmetic in one call (no per-request tensors)
         lengths = [len(h) for h in histories]
-        history = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.long)  # (sum n_b,)
+        history = _joined(histories)  # (sum n_b,)
         offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long)  # (B + 1,)
         suppress = _suppress_mask(first.suppress_tokens, V, "cpu") if first.suppress_tokens else None
         tokens = cpu_kernels.ops().greedy_pick(logits, history, offsets, first.repetition_penalty, suppress).tolist()
@@ -246,7 +248,7 @@ def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[
     scores = logits.to(torch.float32)  # (B, V)
     if first.repetition_penalty != 1.0:
         rows = torch.repeat_interleave(torch.arange(len(histories)), torch.tensor([len(h) for h in histories]))
-        cols = torch.tensor([i for h in histories for i in h], dtype=torch.long, device=scores.device)  # (sum n_b,)
+        cols = _joined(histories).to(scores.device)  # (sum n_b,)
         keep = cols < V  # ids past the head cannot be generated: ignored
         seen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         seen[rows[keep].to(scores.device), cols[keep]] = True  # (B, V)
@@ -258,6 +260,13 @@ def greedy_batch(samplers: list[Sampler], logits: torch.Tensor, histories: list[
     for s in samplers:  # only now: a failure above leaves every sampler as it was
         s.num_sampled += 1
     return tokens
+
+
+def _joined(histories: Sequence[Sequence[int] | torch.Tensor]) -> torch.Tensor:
+    """The histories end to end as one int64 tensor."""
+    parts = [h.long().view(-1) if isinstance(h, torch.Tensor) else torch.tensor(list(h), dtype=torch.long)
+             for h in histories]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def apply_repetition_penalty(scores: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:

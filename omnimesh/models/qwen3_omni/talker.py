@@ -67,6 +67,8 @@ class TalkerState:
     text: list[torch.Tensor] = field(default_factory=list)  # projected text entries, entry g used at step g
     text_done: bool = False
     codes: list[int] = field(default_factory=list)  # sampled codec tokens c0, c1, ... (first code group)
+    # the same codes in a buffer written once per code (`history`): the penalty reads a view, not a new tensor
+    code_buffer: torch.Tensor = field(default_factory=lambda: torch.empty(64, dtype=torch.long))
     last_hidden: torch.Tensor | None = None  # (1, 1, H) final hidden of the latest talker token
     steps_done: int = 0  # talker decode steps run (= code groups emitted)
     finished: bool = False
@@ -262,13 +264,12 @@ class Qwen3OmniTalker:
     def sample_next(self, state: TalkerState, logits: torch.Tensor, last_hidden: torch.Tensor) -> None:
         """The decoder's output for the latest input: sample the next codec token (c0 of the next group)."""
         state.last_hidden = last_hidden  # (1, 1, H)
-        history = torch.tensor(state.codes, dtype=torch.long)  # (n,) generated codec tokens only
-        self._took(state, state.sampler.sample(logits, history))
+        self._took(state, state.sampler.sample(logits, history(state)))  # generated codec tokens only
 
     def sample_next_batch(self, states: list[TalkerState], logits: torch.Tensor, last_hidden: list[torch.Tensor]) -> bool:
         """`sample_next` for B requests of one step, logits (B, V), when they are greedy alike (`greedy_batch`:
         one go, the same tokens). False (nothing changed) when they are not: sample them one by one."""
-        tokens = greedy_batch([s.sampler for s in states], logits, [s.codes for s in states])
+        tokens = greedy_batch([s.sampler for s in states], logits, [history(s) for s in states])
         if tokens is None:
             return False
         for state, token, hidden in zip(states, tokens, last_hidden):
@@ -277,6 +278,10 @@ class Qwen3OmniTalker:
         return True
 
     def _took(self, state: TalkerState, token: int) -> None:
+        n = len(state.codes)
+        if n == state.code_buffer.numel():  # doubled when full: amortised O(1) per code
+            state.code_buffer = torch.cat([state.code_buffer, torch.empty_like(state.code_buffer)])
+        state.code_buffer[n] = token
         state.codes.append(token)
         if state.sampler.is_stop(token) or len(state.codes) >= state.sampler.params.max_tokens:
             state.finished = True
@@ -336,3 +341,9 @@ class Qwen3OmniTalker:
         last = model.codec_embedding[self.num_code_groups - 2](torch.tensor([[residuals[-1]]], dtype=torch.long))
         embeds.append(last)  # (1, 1, H)
         return residuals, torch.cat(embeds, dim=1).sum(1, keepdim=True)  # (1, 1, H)
+
+
+def history(state: TalkerState) -> torch.Tensor:
+    """The request's generated codes (n,): a view of its buffer (a tensor built from the list each step cost
+    O(codes) per request per step)."""
+    return state.code_buffer[:len(state.codes)]
