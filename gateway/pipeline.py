@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, PipelineError, TextDelta
-from gateway.prompt import PromptInputs
+from gateway.prompt import PromptBuilder, PromptInputs
 from gateway.replicas import RETRY_CODES, Lease, Replica
 from gateway.stage_mesh import REPLICA_GRACE_S, StageMesh
 from gateway.request_log import RequestLog
@@ -154,7 +154,7 @@ class StagePipeline:
         self._in_flight.add(rid)
         started, done, error = time.monotonic(), None, None
         try:
-            prompt = await asyncio.to_thread(self.prepare, request)
+            prompt = await asyncio.to_thread(self._prepared, request, self.hashes_media())
             if self.request_log is not None:
                 self.request_log.received(request, int(prompt.input_ids.numel()))
             async with contextlib.aclosing(self._attempts(request, prompt, want_audio, voice)) as events:
@@ -171,6 +171,18 @@ class StagePipeline:
             self._in_flight.discard(rid)
             if self.request_log is not None:
                 self.request_log.finished(rid, time.monotonic() - started, done, error)
+
+    def hashes_media(self) -> bool:
+        """Does a thinker replica cache prefixes (then its media rows are named by the items' digests)? True
+        until one answered Info (the safe side), and when the mesh has no thinker of its own to ask."""
+        thinkers = self.stages.get("thinker")
+        known = thinkers.known() if thinkers is not None else []
+        return not known or any(r.info is not None and r.info.prefix_caching for r in known)
+
+    def _prepared(self, request: ChatRequest, hash_media: bool) -> PromptInputs:
+        if isinstance(self.prepare, PromptBuilder):
+            return self.prepare.build(request, hash_media=hash_media)
+        return self.prepare(request)
 
     async def _attempts(self, request: ChatRequest, prompt: PromptInputs, want_audio: bool,
                         voice: str) -> AsyncGenerator[Event, None]:

@@ -306,7 +306,9 @@ class PromptBuilder:
         ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|audio_pad|>", "<|image_pad|>", "<|video_pad|>")]
         return torch.tensor([i for i in ids if isinstance(i, int) and i >= 0], dtype=torch.int64)
 
-    def build(self, request: ChatRequest) -> PromptInputs:
+    def build(self, request: ChatRequest, hash_media: bool = True) -> PromptInputs:
+        """The thinker's inputs; `hash_media` False skips the media items' digests (no thinker replica caches
+        prefixes: nothing would read them)."""
         if request.prompt_ids is not None:  # a completion's prompt, tokenized by its route (no template, no media)
             ids = self.truncated(torch.tensor(request.prompt_ids, dtype=torch.int64), request.truncate_prompt_tokens)
             self.check_length(int(ids.numel()), request.sampling.max_tokens, "prompt")
@@ -332,7 +334,7 @@ class PromptBuilder:
             video_second_per_grid=_tensor(batch.get("video_second_per_grid"), torch.float32) if has_videos else None,
             use_audio_in_video=conv.audio_from_video is not None,
             media_hashes=media_digests(conv.audio, conv.images, conv.videos,
-                                       {**self._base_kwargs, **dict(request.processor_kwargs)}),
+                                       {**self._base_kwargs, **dict(request.processor_kwargs)}) if hash_media else {},
         )
 
 

@@ -184,7 +184,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "pipeline_parallel_size", "tensor_parallel_size", "device", "speakers", "sample_rate", "host_id", "transport", "window_codes", "first_window_codes", "window_schedule")
+    __slots__ = ("stage", "model", "family", "pipeline_parallel_size", "tensor_parallel_size", "device", "speakers", "sample_rate", "host_id", "transport", "window_codes", "first_window_codes", "window_schedule", "prefix_caching")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class StageInfo(_message.Message):
     WINDOW_CODES_FIELD_NUMBER: _ClassVar[int]
     FIRST_WINDOW_CODES_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -211,7 +212,8 @@ class StageInfo(_message.Message):
     window_codes: int
     first_window_codes: int
     window_schedule: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., speakers: _Optional[_Iterable[str]] = ..., sample_rate: _Optional[int] = ..., host_id: _Optional[str] = ..., transport: _Optional[str] = ..., window_codes: _Optional[int] = ..., first_window_codes: _Optional[int] = ..., window_schedule: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefix_caching: bool
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., speakers: _Optional[_Iterable[str]] = ..., sample_rate: _Optional[int] = ..., host_id: _Optional[str] = ..., transport: _Optional[str] = ..., window_codes: _Optional[int] = ..., first_window_codes: _Optional[int] = ..., window_schedule: _Optional[_Iterable[int]] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class MetricsRequest(_message.Message):
     __slots__ = ()

@@ -61,7 +61,8 @@ class ThinkerHandler:
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
                                    pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
-                                   device="cuda" if self.layout.backend == "nccl" else "cpu")
+                                   device="cuda" if self.layout.backend == "nccl" else "cpu",
+                                   prefix_caching=self.batcher is not None and self.batcher.engine.allocator.prefix_caching)
 
     # chunks waiting together in a request's output queue go out as one (see stage_servicer)
     merge_outputs = staticmethod(merge_token_chunks)

@@ -180,3 +180,7 @@ def test_media_items_are_named_by_their_content_and_settings(builder: PromptBuil
     assert build(b, blue, a)["image_hashes"] != out["image_hashes"]
     assert build(red, max_pixels=4096.0)["image_hashes"] != build(red, max_pixels=8192.0)["image_hashes"]
     assert builder.build(request(user(TextPart("no media")))).media_hashes == {}
+    # no thinker replica caches prefixes: the digests are not made (the pipeline asks with hash_media=False)
+    plain = ChatRequest(request_id="r", model="m", messages=(user(TextPart("what?"), a, red),))
+    assert builder.build(plain, hash_media=False).media_hashes == {}
+    assert torch.equal(builder.build(plain, hash_media=False).input_ids, builder.build(plain).input_ids)

@@ -144,13 +144,14 @@ class WordThinker:
     name = "thinker"
 
     def __init__(self, word: str, full: bool = False, fail_after_first: bool = False,
-                 gate: threading.Event | None = None) -> None:
+                 gate: threading.Event | None = None, prefix_caching: bool = False) -> None:
         self.word, self.full, self.fail_after_first, self.gate = word, full, fail_after_first, gate
+        self.prefix_caching = prefix_caching
         self.broken = False
         self.opened: list[str] = []
 
     def info(self) -> stage_pb2.StageInfo:
-        return stage_pb2.StageInfo(stage="thinker", model="m", host_id="h")
+        return stage_pb2.StageInfo(stage="thinker", model="m", host_id="h", prefix_caching=self.prefix_caching)
 
     def open(self, msg: stage_pb2.Open) -> StageTask:
         self.opened.append(msg.request_id)
@@ -306,3 +307,20 @@ async def test_an_id_stays_taken_until_its_frames_are_taken_back() -> None:
             await asyncio.sleep(0.01)
         assert await _answer(pipe, "again") == "a1 a2 "
         await pipe.close()
+
+
+async def test_media_are_hashed_only_for_a_thinker_that_caches_prefixes() -> None:
+    """The gateway names media items by their digests only when a thinker replica says (StageInfo) it caches
+    prefixes; before any replica answered it does, to be safe."""
+    plain, caching = WordThinker("a"), WordThinker("b", prefix_caching=True)
+    async with served_stage(plain, EngineLoop("thinker")) as sa, served_stage(caching, EngineLoop("thinker")) as sb:
+        pipe = await _pipeline(_client(sa))
+        assert pipe.hashes_media() is False
+        await pipe.close()
+        pipe = await _pipeline(_client(sa), _client(sb))
+        assert pipe.hashes_media() is True
+        await pipe.close()
+    unknown = StagePipeline({"thinker": [StageClient("thinker", f"127.0.0.1:{free_port()}")]}, _prompt,
+                            served_models=("m",))
+    assert unknown.hashes_media() is True  # nothing answered Info yet
+    await unknown.close()

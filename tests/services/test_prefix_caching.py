@@ -390,6 +390,8 @@ def test_a_request_that_cannot_start_gives_its_matched_blocks_back() -> None:
 def test_the_flag_reaches_the_thinker_only(model_dir: Path) -> None:
     args = ServeArgs(max_model_len=64, enable_prefix_caching=True)
     assert talker_handler(model_dir, args).batcher.engine.allocator.prefix_caching is False  # no ids to key by
+    assert caching_thinker(model_dir).info().prefix_caching  # what the gateway reads: it hashes media only then
+    assert not thinker_handler(model_dir, ServeArgs(max_model_len=64, kv_cache_memory="1MiB")).info().prefix_caching
     assert not ServeArgs().stage_configs()["thinker"].enable_prefix_caching
     with pytest.raises(ValueError, match="enable_prefix_caching must be true or false"):
         ServeArgs(stage_overrides='{"thinker": {"enable_prefix_caching": "yes"}}').stage_configs()
