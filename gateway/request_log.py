@@ -33,7 +33,13 @@ class RequestLog:
         parts = [p for m in request.messages for p in m.content]
         text = "\n".join(f"{m.role}: " + " ".join(p.text for p in m.content if isinstance(p, TextPart))
                          for m in request.messages)
-        if self.max_log_len is not None and len(text) > self.max_log_len:
+        if request.prompt_ids is not None:  # a completion's prompt: its token ids, as vLLM logs them
+            ids = list(request.prompt_ids)
+            if self.max_log_len is not None and len(ids) > self.max_log_len:
+                text = f"token ids {ids[:self.max_log_len]}... ({len(ids) - self.max_log_len} more)"
+            else:
+                text = f"token ids {ids}"
+        elif self.max_log_len is not None and len(text) > self.max_log_len:
             text = text[:self.max_log_len] + f"... ({len(text) - self.max_log_len} more characters)"
         stages = "; ".join(f"{name}: {_sampling(s)}" for name, s in request.stage_params.items()) or "none"
         log.info("Received request %s: model=%s, modalities=%s, voice=%s, prompt=%r (%d tokens, %d audio, "

@@ -1,7 +1,8 @@
 """`--enable-log-requests` / `--max-log-len` in a real `omnimesh gateway` on the shared mesh's stages: a
 request that completes logs a `Received` line (id, model, prompt cut to --max-log-len, token count,
 sampling, stage_params) and a `Finished` line with its finish reason and tokens; one refused after
-arriving logs its status and error; a stream the client drops logs `cancelled`. The shared mesh (flag
+arriving logs its status and error; a stream the client drops logs `cancelled`; a completion's prompt is
+logged as its token ids. The shared mesh (flag
 off) logs no such line."""
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def test_requests_are_logged_when_asked(mesh, tiny_model_dir) -> None:
             assert s.status_code == 200
             next(s.iter_lines())
         proc.wait_for_line(r"Finished request chatcmpl-log-3: cancelled \(the client stopped reading\)", timeout_s=20)
+        # a completion's prompt is logged as its token ids (cut to --max-log-len ids), as vLLM logs them
+        ids = list(range(20, 40))
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 2},
+                          headers={"X-Request-Id": "log-4"}, timeout=60).status_code == 200
+        got = proc.wait_for_line(r"Received request cmpl-log-4: .*prompt='(.*)' \(20 tokens", timeout_s=10).group(1)
+        assert got == f"token ids {ids[:12]}... (8 more)", got
     finally:
         assert proc.stop() == 0, proc.output()
     assert not any(re.search(r"(Received|Finished) request", line) for line in mesh.proc.lines)
