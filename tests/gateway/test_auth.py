@@ -63,13 +63,16 @@ def test_rest_needs_a_key_on_v1_only(locked_rest: RestServer, pipeline: Scripted
         assert r.json() == {"error": {"message": r.json()["error"]["message"], "type": "invalid_request_error",
                                       "param": None, "code": "invalid_api_key"}} and needle in r.text
         assert httpx.get(f"{locked_rest.base_url}/v1/models", headers=headers, timeout=10).status_code == 401
+        for path, body in (("/v1/responses", {"input": "hi"}), ("/v1/audio/speech", {"input": "hi"})):
+            assert httpx.post(f"{locked_rest.base_url}{path}", json=body, headers=headers,
+                              timeout=10).status_code == 401, path
     assert pipeline.requests == []  # refused before the pipeline saw anything
     for key in KEYS:
         r = httpx.post(url, json={"messages": USER_HI}, headers={"Authorization": f"Bearer {key}"}, timeout=10)
         assert r.status_code == 200, r.text
     assert len(pipeline.requests) == 2
-    assert httpx.get(f"{locked_rest.base_url}/health", timeout=10).status_code == 200
-    assert httpx.get(f"{locked_rest.base_url}/metrics", timeout=10).status_code == 200
+    for path in ("/health", "/metrics", "/ping", "/load"):  # outside /v1: open, as vLLM's
+        assert httpx.get(f"{locked_rest.base_url}{path}", timeout=10).status_code == 200, path
 
 
 def test_openai_client_with_and_without_the_key(locked_rest: RestServer, pipeline: ScriptedPipeline) -> None:
