@@ -5,7 +5,8 @@ vLLM reads `VLLM_API_KEY`) -> `parse_api_keys` -> a tuple of keys (comma-separat
 at once, so one can be rotated without downtime) ->
 - REST: `ApiKeyMiddleware` (plain ASGI, so streamed responses pass untouched) answers a `/v1/...` request
   whose `Authorization` header is not `Bearer <one of the keys>` with OpenAI's 401 body before any handler
-  runs; `/health` and `/metrics` stay open, as in vLLM, for probes and Prometheus;
+  runs (the `/v1/realtime` WebSocket handshake: refused, close code 1008 with the reason); `/health` and
+  `/metrics` stay open, as in vLLM, for probes and Prometheus;
 - gRPC: `ApiKeyInterceptor` does the same for `omnimesh.v1.Omni` methods from the `authorization`
   metadata (UNAUTHENTICATED); `grpc.health.v1` and reflection stay open.
 /tokenize and /detokenize need the key too (vLLM leaves them open, but they decode a body's media);
@@ -72,13 +73,17 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PATH_PREFIXES):
+        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(PROTECTED_PATH_PREFIXES):
             await self.app(scope, receive, send)
             return
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
         why = check_bearer(header, self.keys)
         if why is None:
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":  # /v1/realtime: the handshake is refused (HTTP 403) with the reason
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008, "reason": why})
             return
         body = json.dumps({"error": {"message": why, "type": "invalid_request_error", "param": None,
                                      "code": "invalid_api_key"}}).encode()

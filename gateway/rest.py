@@ -107,6 +107,7 @@ from gateway.prompt_logprobs import prompt_logprobs_json
 from gateway.tokenize_api import TokenizeRoutes
 from gateway.structured_request import structured_spec
 from gateway.tool_calls import NO_TOOLS, ToolAnswer, ToolPlan, forced_calls, parse_tool_calls, tool_plan
+from gateway.realtime_api import RealtimeRoutes
 from gateway.responses_api import ResponsesRoutes
 from gateway.speech_api import SpeechRoutes
 from gateway.transcription_api import TranscriptionRoutes
@@ -639,6 +640,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
     app.add_api_route("/v1/audio/speech", SpeechRoutes(gw, prompts).speech, methods=["POST"])
     app.add_api_route("/v1/responses", ResponsesRoutes(gw).responses, methods=["POST"])
+    app.add_api_websocket_route("/v1/realtime", RealtimeRoutes(gw).realtime)
     audio = TranscriptionRoutes(gw)
     app.add_api_route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"])
     app.add_api_route("/v1/audio/translations", audio.translations, methods=["POST"])

@@ -1,0 +1,396 @@
+"""OpenAI's Realtime API on a WebSocket (`/v1/realtime`): a spoken conversation with the omni model, turn by turn.
+
+Data flow: the client's JSON events on one WebSocket -> `RealtimeSession` keeps the session settings and the
+conversation (items: user audio / text, system text, assistant transcripts) -> `response.create` turns the
+conversation into a `ChatRequest` (the session's `instructions` as the system turn, each audio item an
+`AudioPart` at its 24 kHz) and runs it through the pipeline -> the answer streams back as Realtime events:
+`response.created`, `response.output_item.added`, `conversation.item.created`, `response.content_part.added`,
+`response.audio_transcript.delta` / `response.audio.delta` (base64 pcm16 at the pipeline's 24 kHz) — or
+`response.text.delta` for a text-only response — their `.done` events and `response.done` with the usage.
+The assistant's transcript joins the conversation for the next turn.
+
+Supported client events: `session.update`, `input_audio_buffer.append` / `.commit` / `.clear`,
+`conversation.item.create` (message items: `input_text`, `input_audio` (base64 pcm16 at 24 kHz) and an
+assistant's `text`), `conversation.item.delete`, `response.create` (its `response` may set modalities,
+instructions, voice, temperature, max_output_tokens), `response.cancel`. Turns are the client's: server VAD
+is not run (`turn_detection` must stay null; anything else is an error event naming it), formats are pcm16
+only, tools are refused. Every problem is an `error` event (invalid_request_error, with the client's
+`event_id`); the socket stays open. One response at a time (another `response.create` meanwhile is an error).
+With `--api-key`, the handshake needs `Authorization: Bearer <key>` (gateway/auth.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from fastapi import WebSocket, WebSocketDisconnect
+
+from gateway.audio_encoding import pcm16_bytes
+from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides,
+                            TextDelta, TextPart)
+from gateway.openai_schema import check_sampling, resolve_voice
+
+if TYPE_CHECKING:
+    from gateway.rest import RestGateway
+
+log = logging.getLogger(__name__)
+INPUT_RATE = 24_000  # pcm16 input audio, as OpenAI's Realtime API sends it
+MAX_EVENT_BYTES = 16 * 2**20  # one client event (an audio chunk is far smaller)
+
+
+class RealtimeError(Exception):
+    """A client mistake: answered as an `error` event, the session goes on."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+@dataclass
+class _Item:
+    id: str
+    role: str  # user | system | assistant
+    parts: list[TextPart | AudioPart]
+
+    def to_json(self) -> dict[str, Any]:
+        content = [{"type": "input_audio", "transcript": None} if isinstance(p, AudioPart)
+                   else {"type": "input_text" if self.role != "assistant" else "text", "text": p.text}
+                   for p in self.parts]
+        return {"id": self.id, "object": "realtime.item", "type": "message", "status": "completed", "role": self.role,
+                "content": content}
+
+
+@dataclass
+class _Settings:
+    modalities: tuple[str, ...] = ("text", "audio")
+    instructions: str = ""
+    voice: str | None = None
+    temperature: float | None = None
+    max_response_output_tokens: int | None = None  # None: "inf" (the thinker's own limit)
+
+
+@dataclass
+class RealtimeSession:
+    gw: RestGateway
+    ws: WebSocket
+    model: str
+    id: str = field(default_factory=lambda: f"sess_{uuid.uuid4().hex}")
+    settings: _Settings = field(default_factory=_Settings)
+    items: list[_Item] = field(default_factory=list)
+    buffer: list[np.ndarray] = field(default_factory=list)  # appended input audio not committed yet
+    response: asyncio.Task | None = None
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    # ------------------------------------------------------------------------------------ plumbing
+    async def send(self, kind: str, **fields: Any) -> None:
+        async with self.send_lock:
+            await self.ws.send_text(json.dumps({"type": kind, "event_id": f"event_{uuid.uuid4().hex}", **fields}))
+
+    async def error(self, message: str, param: str | None, code: str, event_id: str | None) -> None:
+        await self.send("error", error={"type": "invalid_request_error", "code": code, "message": message,
+                                        "param": param, "event_id": event_id})
+
+    def session_json(self) -> dict[str, Any]:
+        s = self.settings
+        return {"id": self.id, "object": "realtime.session", "model": self.model, "modalities": list(s.modalities),
+                "instructions": s.instructions, "voice": s.voice or self.gw.pipeline.default_voice,
+                "input_audio_format": "pcm16", "output_audio_format": "pcm16", "input_audio_transcription": None,
+                "turn_detection": None, "tools": [], "tool_choice": "auto",
+                "temperature": s.temperature if s.temperature is not None else 0.8,
+                "max_response_output_tokens": s.max_response_output_tokens or "inf"}
+
+    async def run(self) -> None:
+        await self.send("session.created", session=self.session_json())
+        try:
+            while True:
+                raw = await self.ws.receive_text()
+                event_id = None
+                try:
+                    if len(raw) > MAX_EVENT_BYTES:
+                        raise RealtimeError(f"an event is at most {MAX_EVENT_BYTES} bytes; send audio in smaller "
+                                            "chunks", None, "event_too_large")
+                    event = json.loads(raw)
+                    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+                        raise RealtimeError("an event is a JSON object with a string 'type'", "type")
+                    event_id = event.get("event_id")
+                    await self.handle(event)
+                except json.JSONDecodeError as e:
+                    await self.error(f"not JSON: {e}", None, "invalid_json", None)
+                except RealtimeError as e:
+                    await self.error(e.message, e.param, e.code, event_id)
+                except PipelineError as e:
+                    await self.error(e.message, e.param, "invalid_value", event_id)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            if self.response is not None and not self.response.done():
+                self.response.cancel()  # the client went away: its response stops in the stages
+                with contextlib.suppress(BaseException):
+                    await self.response
+
+    # ---------------------------------------------------------------------------------- client events
+    async def handle(self, event: dict[str, Any]) -> None:
+        kind = event["type"]
+        if kind == "session.update":
+            self.update(event.get("session") or {})
+            await self.send("session.updated", session=self.session_json())
+        elif kind == "input_audio_buffer.append":
+            self.buffer.append(_pcm16(event.get("audio"), "audio"))
+            self._check_audio()
+        elif kind == "input_audio_buffer.commit":
+            if not self.buffer:
+                raise RealtimeError("the input audio buffer is empty: append audio before committing",
+                                    None, "input_audio_buffer_commit_empty")
+            wave = np.concatenate(self.buffer)
+            self.buffer = []
+            previous = self.items[-1].id if self.items else None
+            item = _Item(f"item_{uuid.uuid4().hex}", "user", [AudioPart(wave, INPUT_RATE)])
+            self.items.append(item)
+            await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id)
+            await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json())
+        elif kind == "input_audio_buffer.clear":
+            self.buffer = []
+            await self.send("input_audio_buffer.cleared")
+        elif kind == "conversation.item.create":
+            previous = self.items[-1].id if self.items else None
+            item = self._item(event.get("item"))
+            self.items.append(item)
+            self._check_audio()
+            await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json())
+        elif kind == "conversation.item.delete":
+            item_id = event.get("item_id")
+            if not any(i.id == item_id for i in self.items):
+                raise RealtimeError(f"no conversation item {item_id!r}", "item_id", "item_not_found")
+            self.items = [i for i in self.items if i.id != item_id]
+            await self.send("conversation.item.deleted", item_id=item_id)
+        elif kind == "response.create":
+            if self.response is not None and not self.response.done():
+                raise RealtimeError("a response is already in progress; cancel it or wait for response.done",
+                                    None, "conversation_already_has_active_response")
+            chat, modalities = self._chat(event.get("response") or {})
+            self.response = asyncio.create_task(self._respond(chat, modalities))
+        elif kind == "response.cancel":
+            if self.response is None or self.response.done():
+                raise RealtimeError("no response is in progress", None, "response_cancel_not_active")
+            self.response.cancel()
+        else:
+            raise RealtimeError(f"unknown event type {kind!r}", "type", "unknown_event")
+
+    def update(self, s: dict[str, Any]) -> None:
+        """`session.update`: what omnimesh can do is taken, the rest is an error naming it."""
+        if not isinstance(s, dict):
+            raise RealtimeError("session must be an object", "session")
+        new = _Settings(**vars(self.settings))
+        for key, value in s.items():
+            where = f"session.{key}"
+            if key == "modalities":
+                new.modalities = _modalities(value, where)
+            elif key == "instructions":
+                if not isinstance(value, str):
+                    raise RealtimeError("instructions must be a string", where)
+                new.instructions = value
+            elif key == "voice":
+                new.voice = resolve_voice(value, self.gw.pipeline.voices, self.gw.pipeline.default_voice, where)
+            elif key == "temperature":
+                new.temperature = _temperature(value, where)
+            elif key == "max_response_output_tokens":
+                new.max_response_output_tokens = _max_tokens(value, where)
+            elif key in ("input_audio_format", "output_audio_format"):
+                if value != "pcm16":
+                    raise RealtimeError(f"only pcm16 (24 kHz mono 16-bit) is supported, got {value!r}", where)
+            elif key == "turn_detection":
+                if value is not None:
+                    raise RealtimeError("server VAD is not run here: set turn_detection null and end each turn "
+                                        "with input_audio_buffer.commit and response.create", where)
+            elif key in ("tools", "tool_choice", "input_audio_transcription"):
+                if value not in (None, [], "auto", "none"):
+                    raise RealtimeError(f"{key} is not supported on the Realtime API here", where)
+            elif key not in ("model", "type", "object", "id"):
+                raise RealtimeError(f"unknown session field {key!r}", where)
+        self.settings = new
+
+    def _item(self, raw: Any) -> _Item:
+        if not isinstance(raw, dict) or raw.get("type", "message") != "message":
+            raise RealtimeError("item must be a message ({\"type\": \"message\", \"role\", \"content\"})", "item")
+        role = raw.get("role")
+        if role not in ("user", "system", "assistant"):
+            raise RealtimeError(f"item.role must be user, system or assistant, got {role!r}", "item.role")
+        content = raw.get("content")
+        if not isinstance(content, list) or not content:
+            raise RealtimeError("item.content must be a non-empty list of parts", "item.content")
+        parts: list[TextPart | AudioPart] = []
+        for j, p in enumerate(content):
+            where = f"item.content[{j}]"
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind in ("input_text", "text") and isinstance(p.get("text"), str):
+                parts.append(TextPart(p["text"]))
+            elif kind == "input_audio" and role == "user":
+                parts.append(AudioPart(_pcm16(p.get("audio"), f"{where}.audio"), INPUT_RATE))
+            else:
+                raise RealtimeError(f"{where}: a part is input_text / text with its text, or input_audio (user "
+                                    "items) with base64 pcm16 audio", where)
+        return _Item(raw.get("id") or f"item_{uuid.uuid4().hex}", role, parts)
+
+    def _check_audio(self) -> None:
+        seconds = sum(p.waveform.size / p.sample_rate for i in self.items for p in i.parts if isinstance(p, AudioPart))
+        seconds += sum(b.size for b in self.buffer) / INPUT_RATE
+        limit = self.gw.loader.limits.max_audio_seconds
+        if seconds > limit:
+            self.buffer = []
+            raise RealtimeError(f"the conversation's audio would be {seconds:.1f} s, over this server's "
+                                f"max_audio_seconds of {limit:g} s; the buffer was cleared (delete older items)",
+                                None, "audio_too_long")
+
+    def _chat(self, r: dict[str, Any]) -> tuple[ChatRequest, tuple[str, ...]]:
+        """`response.create` -> the pipeline's request (the response's own settings over the session's)."""
+        if not isinstance(r, dict):
+            raise RealtimeError("response must be an object", "response")
+        s = self.settings
+        modalities = _modalities(r["modalities"], "response.modalities") if "modalities" in r else s.modalities
+        instructions = r.get("instructions", s.instructions)
+        voice = resolve_voice(r["voice"], self.gw.pipeline.voices, self.gw.pipeline.default_voice,
+                              "response.voice") if "voice" in r else s.voice
+        temperature = _temperature(r["temperature"], "response.temperature") if "temperature" in r else s.temperature
+        max_tokens = (_max_tokens(r["max_output_tokens"], "response.max_output_tokens") if "max_output_tokens" in r
+                      else s.max_response_output_tokens)
+        if not any(i.role == "user" for i in self.items):
+            raise RealtimeError("the conversation has no user item yet: commit audio or create a user item first",
+                                None, "conversation_empty")
+        messages = [ChatMessage("system", (TextPart(instructions),))] if instructions else []
+        messages += [ChatMessage(i.role, tuple(i.parts)) for i in self.items]  # type: ignore[arg-type]
+        sampling = SamplingOverrides(temperature=temperature, max_tokens=max_tokens)
+        check_sampling(sampling, "response")
+        want_audio = "audio" in modalities
+        if want_audio:
+            voice = voice or resolve_voice(None, self.gw.pipeline.voices, self.gw.pipeline.default_voice, "voice")
+        chat = ChatRequest(request_id=f"resp_{uuid.uuid4().hex}", model=self.gw.pipeline.served_models[0],
+                           messages=tuple(messages), modalities=("text", "audio") if want_audio else ("text",),
+                           voice=voice if want_audio else None, sampling=sampling)
+        return chat, modalities
+
+    # ------------------------------------------------------------------------------------ responses
+    async def _respond(self, chat: ChatRequest, modalities: tuple[str, ...]) -> None:
+        rid, item_id = chat.request_id, f"item_{uuid.uuid4().hex}"
+        audio = "audio" in modalities
+        where = {"response_id": rid, "item_id": item_id, "output_index": 0, "content_index": 0}
+        base = {"id": rid, "object": "realtime.response", "modalities": list(modalities)}
+        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant", "content": []}
+        text: list[str] = []
+        status, usage, reason = "in_progress", None, None
+        started = time.perf_counter()
+        self.gw.metrics.running.inc()
+        await self.send("response.created", response={**base, "status": "in_progress", "output": []})
+        await self.send("response.output_item.added", response_id=rid, output_index=0,
+                        item={**item, "status": "in_progress"})
+        await self.send("conversation.item.created", previous_item_id=self.items[-1].id if self.items else None,
+                        item={**item, "status": "in_progress"})
+        part = {"type": "audio", "transcript": ""} if audio else {"type": "text", "text": ""}
+        await self.send("response.content_part.added", **where, part=part)
+        events = aiter(self.gw.pipeline.run(chat))
+        try:
+            async for ev in events:
+                if isinstance(ev, TextDelta) and ev.text:
+                    text.append(ev.text)
+                    await self.send("response.audio_transcript.delta" if audio else "response.text.delta", **where,
+                                    delta=ev.text)
+                elif isinstance(ev, AudioDelta) and audio and np.size(ev.pcm):
+                    await self.send("response.audio.delta", **where, delta=base64.b64encode(pcm16_bytes(ev.pcm)).decode())
+                elif isinstance(ev, Finished):
+                    status = "incomplete" if ev.finish_reason == "length" else "completed"
+                    reason = "max_output_tokens" if status == "incomplete" else None
+                    usage = {"total_tokens": ev.prompt_tokens + ev.completion_tokens, "input_tokens": ev.prompt_tokens,
+                             "output_tokens": ev.completion_tokens,
+                             "input_token_details": {"cached_tokens": ev.cached_tokens}}
+                    break
+        except asyncio.CancelledError:
+            status, reason = "cancelled", "client_cancelled"
+        except PipelineError as e:
+            status = "failed"
+            await self.error(e.message, e.param, "response_failed", None)
+        except Exception as e:  # a bug: say so, keep the session
+            log.exception("realtime response %s failed", rid)
+            status = "failed"
+            await self.error(f"internal error: {type(e).__name__}: {e}", None, "server_error", None)
+        finally:
+            with contextlib.suppress(Exception):
+                await events.aclose()  # type: ignore[attr-defined]  # the stages stop at once
+            self.gw.metrics.running.dec()
+            self.gw._finish("realtime", 200 if status in ("completed", "incomplete") else 499 if status == "cancelled"
+                            else 500, started)
+        transcript = "".join(text)
+        if status in ("completed", "incomplete", "cancelled"):
+            done_part = {"type": "audio", "transcript": transcript} if audio else {"type": "text", "text": transcript}
+            if audio:
+                await self.send("response.audio.done", **where)
+                await self.send("response.audio_transcript.done", **where, transcript=transcript)
+            else:
+                await self.send("response.text.done", **where, text=transcript)
+            await self.send("response.content_part.done", **where, part=done_part)
+            final = {**item, "status": "completed" if status == "completed" else "incomplete", "content": [done_part]}
+            await self.send("response.output_item.done", response_id=rid, output_index=0, item=final)
+            if transcript:  # the next turn hears what was said
+                self.items.append(_Item(item_id, "assistant", [TextPart(transcript)]))
+        details = {"type": status, "reason": reason} if reason else None
+        await self.send("response.done", response={**base, "status": status, "status_details": details,
+                                                   "output": [], "usage": usage})
+
+
+def _pcm16(data: Any, where: str) -> np.ndarray:
+    """Base64 pcm16 (24 kHz mono little-endian) -> float32 samples."""
+    if not isinstance(data, str) or not data:
+        raise RealtimeError(f"{where} must be base64 pcm16 audio", where)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise RealtimeError(f"{where} is not valid base64", where) from None
+    if len(raw) % 2:
+        raise RealtimeError(f"{where}: pcm16 has 2 bytes per sample, got {len(raw)} bytes", where)
+    return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def _modalities(value: Any, where: str) -> tuple[str, ...]:
+    if value in (["text"], ("text",)):
+        return ("text",)
+    if isinstance(value, (list, tuple)) and set(value) == {"text", "audio"}:
+        return ("text", "audio")
+    raise RealtimeError(f"modalities must be [\"text\"] or [\"text\", \"audio\"], got {value!r}", where)
+
+
+def _temperature(value: Any, where: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 2:
+        raise RealtimeError(f"temperature must be a number in [0, 2], got {value!r}", where)
+    return float(value)
+
+
+def _max_tokens(value: Any, where: str) -> int | None:
+    if value == "inf":
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RealtimeError(f"must be a whole number >= 1 or \"inf\", got {value!r}", where)
+    return value
+
+
+class RealtimeRoutes:
+    """The `/v1/realtime` WebSocket on one `RestGateway`."""
+
+    def __init__(self, gw: RestGateway) -> None:
+        self.gw = gw
+
+    async def realtime(self, ws: WebSocket) -> None:
+        model = ws.query_params.get("model")
+        if model and model not in self.gw.served_model_names:
+            await ws.close(code=1008, reason=f"the model {model!r} does not exist; served: "
+                                             f"{', '.join(self.gw.served_model_names)}")
+            return
+        await ws.accept()
+        await RealtimeSession(self.gw, ws, model or self.gw.served_model_names[0]).run()

@@ -1,0 +1,71 @@
+"""OpenAI's Realtime API through the shared mesh, over a real WebSocket: a spoken turn (24 kHz pcm16 appended in
+chunks and committed) answers with exactly the text and audio of the same conversation sent as a chat
+completion (the instructions as its system turn, the clip as a WAV), and a second, text-only turn sees the
+first answer in the conversation. Gateway-level events and errors: tests/gateway/test_realtime.py."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import wave
+
+import httpx
+import numpy as np
+from reference import sine_wav
+from websockets.sync.client import connect
+
+MODEL = "tiny-qwen3-omni"
+TIMEOUT_S = 120.0
+PCM16_TOLERANCE = 4  # as test_api_e2e.py: the vocoder's chunking may round the last bits differently
+INSTRUCTIONS = "You are a friendly voice."
+
+
+def _until(conn, kind: str) -> list[dict]:
+    out = []
+    while not out or out[-1]["type"] != kind:
+        out.append(json.loads(conn.recv(timeout=TIMEOUT_S)))
+        assert out[-1]["type"] != "error", out[-1]
+    return out
+
+
+def test_a_spoken_turn_is_the_same_chat(mesh):
+    clip = sine_wav(1.0, rate=24_000)
+    with wave.open(io.BytesIO(clip)) as w:
+        pcm = w.readframes(w.getnframes())
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+        _until(ws, "session.created")
+        ws.send(json.dumps({"type": "session.update", "session": {
+            "instructions": INSTRUCTIONS, "voice": "ethan", "temperature": 0, "max_response_output_tokens": 8}}))
+        _until(ws, "session.updated")
+        for at in range(0, len(pcm), 9600):  # 0.2 s chunks
+            ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                "audio": base64.b64encode(pcm[at:at + 9600]).decode()}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        _until(ws, "conversation.item.created")
+        ws.send(json.dumps({"type": "response.create"}))
+        events = _until(ws, "response.done")
+        transcript = "".join(e["delta"] for e in events if e["type"] == "response.audio_transcript.delta")
+        audio = np.frombuffer(b"".join(base64.b64decode(e["delta"]) for e in events
+                                       if e["type"] == "response.audio.delta"), dtype="<i2").astype(np.int32)
+        ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say it again."}]}}))
+        _until(ws, "conversation.item.created")
+        ws.send(json.dumps({"type": "response.create", "response": {"modalities": ["text"]}}))
+        second = "".join(e["delta"] for e in _until(ws, "response.done") if e["type"] == "response.text.delta")
+    user_audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}}
+    first_turn = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": [user_audio]}]
+    chat = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "messages": first_turn, "modalities": ["text", "audio"],
+        "audio": {"voice": "ethan", "format": "wav"}, "temperature": 0, "max_tokens": 8}).json()
+    message = chat["choices"][0]["message"]
+    assert transcript == message["content"] and transcript
+    with wave.open(io.BytesIO(base64.b64decode(message["audio"]["data"]))) as w:
+        want = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.int32)
+    assert audio.shape == want.shape and audio.size > 0
+    assert np.abs(audio - want).max() <= PCM16_TOLERANCE
+    again = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "temperature": 0, "max_tokens": 8, "messages": [
+            *first_turn, {"role": "assistant", "content": transcript},
+            {"role": "user", "content": "Say it again."}]}).json()
+    assert second == again["choices"][0]["message"]["content"]

@@ -1,0 +1,178 @@
+"""OpenAI's Realtime API on `/v1/realtime` (gateway/realtime_api.py) against a scripted pipeline, with a real
+WebSocket client: the session events, committed audio becoming a user item at 24 kHz, the chat a response runs
+(instructions first, the conversation in order, the assistant's earlier transcript), the response's event
+sequence (transcript and audio deltas, their done events, response.done with usage), a text-only response,
+cancelling a response, the key on the handshake, and every client mistake as an `error` event that leaves the
+session open. Through a real mesh: tests/e2e/test_realtime_e2e.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from gateway_harness import RestServer, ScriptedPipeline, tone
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import ClientConnection, connect
+
+from gateway.audio_encoding import pcm16_bytes
+from gateway.events import AudioPart, TextPart
+from gateway.rest import create_app
+
+TIMEOUT_S = 10.0
+
+
+def url(server: RestServer) -> str:
+    return server.base_url.replace("http://", "ws://") + "/v1/realtime?model=tiny-omni"
+
+
+@pytest.fixture()
+def ws(rest_server: RestServer, pipeline: ScriptedPipeline) -> Iterator[ClientConnection]:
+    with connect(url(rest_server), open_timeout=TIMEOUT_S) as conn:
+        created = recv(conn)
+        assert created["type"] == "session.created" and created["session"]["turn_detection"] is None
+        yield conn
+
+
+def recv(conn: ClientConnection) -> dict[str, Any]:
+    return json.loads(conn.recv(timeout=TIMEOUT_S))
+
+
+def send(conn: ClientConnection, **event: Any) -> None:
+    conn.send(json.dumps(event))
+
+
+def until(conn: ClientConnection, kind: str) -> list[dict[str, Any]]:
+    """Every event up to and including the first of `kind`."""
+    out = []
+    while True:
+        out.append(recv(conn))
+        if out[-1]["type"] == kind:
+            return out
+
+
+def audio_b64(seconds: float) -> str:
+    return base64.b64encode(pcm16_bytes(tone(seconds, rate=24_000))).decode()
+
+
+def test_a_spoken_turn(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
+    send(ws, type="session.update", session={"instructions": "Be brief.", "voice": "chelsie", "temperature": 0.3})
+    updated = recv(ws)
+    assert updated["type"] == "session.updated" and updated["session"]["voice"] == "Chelsie"
+    send(ws, type="input_audio_buffer.append", audio=audio_b64(0.2))
+    send(ws, type="input_audio_buffer.append", audio=audio_b64(0.3))
+    send(ws, type="input_audio_buffer.commit", event_id="c1")
+    committed, created = recv(ws), recv(ws)
+    assert committed["type"] == "input_audio_buffer.committed" and created["type"] == "conversation.item.created"
+    assert created["item"]["role"] == "user" and created["item"]["content"] == [{"type": "input_audio",
+                                                                                 "transcript": None}]
+    send(ws, type="response.create")
+    events = until(ws, "response.done")
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.created", "response.output_item.added", "conversation.item.created",
+                         "response.content_part.added"]
+    assert kinds[-5:] == ["response.audio.done", "response.audio_transcript.done", "response.content_part.done",
+                          "response.output_item.done", "response.done"]
+    transcript = "".join(e["delta"] for e in events if e["type"] == "response.audio_transcript.delta")
+    audio = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.audio.delta")
+    assert transcript == "Hello world" and audio == pcm16_bytes(tone(0.2))
+    done = events[-1]["response"]
+    assert done["status"] == "completed" and done["usage"]["input_tokens"] == 7 and done["usage"]["output_tokens"] == 2
+    [req] = pipeline.requests
+    assert req.modalities == ("text", "audio") and req.voice == "Chelsie" and req.sampling.temperature == 0.3
+    system, user = req.messages
+    assert system.content == (TextPart("Be brief."),)
+    [clip] = user.content
+    assert isinstance(clip, AudioPart) and clip.sample_rate == 24_000 and clip.waveform.size == int(0.5 * 24_000)
+    np.testing.assert_allclose(clip.waveform[:100], tone(0.2, rate=24_000)[:100], atol=1 / 32768)
+    # the next turn: a text item, a text-only response; the assistant's transcript is in the conversation
+    send(ws, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                    "content": [{"type": "input_text", "text": "And then?"}]})
+    assert recv(ws)["type"] == "conversation.item.created"
+    send(ws, type="response.create", response={"modalities": ["text"], "instructions": "Answer in text."})
+    events = until(ws, "response.done")
+    assert "".join(e["delta"] for e in events if e["type"] == "response.text.delta") == "Hello world"
+    assert not any(e["type"].startswith("response.audio") for e in events)
+    second = pipeline.requests[-1]
+    assert second.modalities == ("text",)
+    assert [(m.role, m.content) for m in second.messages[2:]] == [("assistant", (TextPart("Hello world"),)),
+                                                                   ("user", (TextPart("And then?"),))]
+    assert second.messages[0].content == (TextPart("Answer in text."),)
+
+
+def test_cancelling_a_response(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
+    pipeline.event_delay_s = 0.5
+    send(ws, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                    "content": [{"type": "input_text", "text": "Talk."}]})
+    recv(ws)
+    send(ws, type="response.create")
+    assert recv(ws)["type"] == "response.created"
+    send(ws, type="response.create")  # one at a time
+    errors = [e for e in until(ws, "error")]
+    assert errors[-1]["error"]["code"] == "conversation_already_has_active_response"
+    send(ws, type="response.cancel")
+    done = until(ws, "response.done")[-1]["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled"
+    assert pipeline.closed  # the run was closed in the stages
+
+
+@pytest.mark.parametrize(("event", "code", "param"), [
+    ({"type": "session.update", "session": {"turn_detection": {"type": "server_vad"}}}, "invalid_value",
+     "session.turn_detection"),
+    ({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}, "invalid_value",
+     "session.input_audio_format"),
+    ({"type": "session.update", "session": {"voice": "alloy"}}, "invalid_value", "session.voice"),
+    ({"type": "session.update", "session": {"temperature": 3}}, "invalid_value", "session.temperature"),
+    ({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}, "invalid_value",
+     "session.tools"),
+    ({"type": "input_audio_buffer.append", "audio": "%%%"}, "invalid_value", "audio"),
+    ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}, "invalid_value", "audio"),
+    ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty", None),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "tool", "content": []}},
+     "invalid_value", "item.role"),
+    ({"type": "conversation.item.delete", "item_id": "nope"}, "item_not_found", "item_id"),
+    ({"type": "response.create"}, "conversation_empty", None),
+    ({"type": "response.cancel"}, "response_cancel_not_active", None),
+    ({"type": "dance"}, "unknown_event", "type"),
+])
+def test_mistakes_are_error_events(ws: ClientConnection, pipeline: ScriptedPipeline, event: dict, code: str,
+                                   param: str | None) -> None:
+    send(ws, event_id="e1", **event)
+    err = recv(ws)
+    assert err["type"] == "error" and err["error"]["code"] == code and err["error"]["param"] == param, err
+    assert err["error"]["event_id"] == "e1"
+    ws.send("not json")
+    assert recv(ws)["error"]["code"] == "invalid_json"
+    send(ws, type="session.update", session={})  # the session goes on
+    assert recv(ws)["type"] == "session.updated"
+    assert pipeline.requests == []
+
+
+def test_too_much_audio_is_refused_and_the_buffer_cleared(shared_pipeline: ScriptedPipeline) -> None:
+    from tests.gateway.conftest import TEST_LIMITS  # max_audio_seconds 5
+
+    with RestServer(create_app(shared_pipeline, served_model_names=("tiny-omni",), limits=TEST_LIMITS)) as server, \
+            connect(url(server), open_timeout=TIMEOUT_S) as conn:
+        recv(conn)
+        for _ in range(3):
+            send(conn, type="input_audio_buffer.append", audio=audio_b64(2.0))
+        err = recv(conn)
+        assert err["error"]["code"] == "audio_too_long" and "max_audio_seconds of 5 s" in err["error"]["message"]
+        send(conn, type="input_audio_buffer.commit")
+        assert recv(conn)["error"]["code"] == "input_audio_buffer_commit_empty"  # cleared
+
+
+def test_the_handshake_needs_the_key_and_a_served_model(shared_pipeline: ScriptedPipeline) -> None:
+    with RestServer(create_app(shared_pipeline, served_model_names=("tiny-omni",), api_keys=("sk-1",))) as server:
+        with pytest.raises(InvalidStatus) as refused:
+            connect(url(server), open_timeout=TIMEOUT_S)
+        assert refused.value.response.status_code == 403
+        with connect(url(server), additional_headers={"Authorization": "Bearer sk-1"},
+                     open_timeout=TIMEOUT_S) as conn:
+            assert recv(conn)["type"] == "session.created"
+        with pytest.raises(InvalidStatus):
+            connect(url(server).replace("tiny-omni", "gpt-4o-realtime"),
+                    additional_headers={"Authorization": "Bearer sk-1"}, open_timeout=TIMEOUT_S)
