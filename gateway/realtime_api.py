@@ -267,7 +267,7 @@ class RealtimeSession:
             raise RealtimeError("the conversation has no user item yet: commit audio or create a user item first",
                                 None, "conversation_empty")
         messages = [ChatMessage("system", (TextPart(instructions),))] if instructions else []
-        messages += [ChatMessage(i.role, tuple(i.parts)) for i in self.items]  # type: ignore[arg-type]
+        messages += [ChatMessage(i.role, tuple(i.parts)) for i in self.items if i.parts]  # type: ignore[arg-type]
         sampling = SamplingOverrides(temperature=temperature, max_tokens=max_tokens)
         check_sampling(sampling, "response")
         want_audio = "audio" in modalities
@@ -294,6 +294,8 @@ class RealtimeSession:
                         item={**item, "status": "in_progress"})
         await self.send("conversation.item.created", previous_item_id=self.items[-1].id if self.items else None,
                         item={**item, "status": "in_progress"})
+        answer = _Item(item_id, "assistant", [])  # in the conversation from now on, as the event says; its text
+        self.items.append(answer)  # comes at the end (later items created meanwhile follow it)
         part = {"type": "audio", "transcript": ""} if audio else {"type": "text", "text": ""}
         await self.send("response.content_part.added", **where, part=part)
         events = aiter(self.gw.pipeline.run(chat))
@@ -338,8 +340,10 @@ class RealtimeSession:
             await self.send("response.content_part.done", **where, part=done_part)
             final = {**item, "status": "completed" if status == "completed" else "incomplete", "content": [done_part]}
             await self.send("response.output_item.done", response_id=rid, output_index=0, item=final)
-            if transcript:  # the next turn hears what was said
-                self.items.append(_Item(item_id, "assistant", [TextPart(transcript)]))
+        if transcript and status != "failed":  # the next turn hears what was said
+            answer.parts = [TextPart(transcript)]
+        else:
+            self.items = [i for i in self.items if i is not answer]
         details = {"type": status, "reason": reason} if reason else None
         await self.send("response.done", response={**base, "status": status, "status_details": details,
                                                    "output": [], "usage": usage})
