@@ -12,9 +12,11 @@ The assistant's transcript joins the conversation for the next turn.
 Supported client events: `session.update`, `input_audio_buffer.append` / `.commit` / `.clear`,
 `conversation.item.create` (message items: `input_text`, `input_audio` (base64 pcm16 at 24 kHz) and an
 assistant's `text`), `conversation.item.delete`, `response.create` (its `response` may set modalities,
-instructions, voice, temperature, max_output_tokens), `response.cancel`. Turns are the client's: server VAD
-is not run (`turn_detection` must stay null; anything else is an error event naming it), formats are pcm16
-only, tools are refused. Every problem is an `error` event (invalid_request_error, with the client's
+instructions, voice, temperature, max_output_tokens), `response.cancel`. Turns are the client's by default (`turn_detection` null:
+commit, then response.create); with `turn_detection: {"type": "server_vad", ...}` an energy detector
+(gateway/realtime_vad.py) cuts the appended audio into turns: `input_audio_buffer.speech_started` (a response
+in progress is cancelled, with `interrupt_response`), `.speech_stopped`, the turn committed and, with
+`create_response`, answered. Formats are pcm16 only, tools are refused. Every problem is an `error` event (invalid_request_error, with the client's
 `event_id`); the socket stays open. One response at a time (another `response.create` meanwhile is an error).
 With `--api-key`, the handshake needs `Authorization: Bearer <key>` (gateway/auth.py).
 """
@@ -39,6 +41,7 @@ from gateway.audio_encoding import pcm16_bytes
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides,
                             TextDelta, TextPart)
 from gateway.openai_schema import check_sampling, resolve_voice
+from gateway.realtime_vad import FRAME_MS, EnergyVAD, Started, Stopped
 
 if TYPE_CHECKING:
     from gateway.rest import RestGateway
@@ -77,6 +80,7 @@ class _Settings:
     voice: str | None = None
     temperature: float | None = None
     max_response_output_tokens: int | None = None  # None: "inf" (the thinker's own limit)
+    turn_detection: dict[str, Any] | None = None  # server_vad's settings (gateway/realtime_vad.py), None: the client's
 
 
 @dataclass
@@ -90,6 +94,8 @@ class RealtimeSession:
     buffer: list[np.ndarray] = field(default_factory=list)  # appended input audio not committed yet
     response: asyncio.Task | None = None
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    vad: EnergyVAD | None = None  # with turn_detection server_vad: it cuts the appended audio into turns
+    turn_id: str = ""  # the item the turn in progress will become (server_vad)
 
     # ------------------------------------------------------------------------------------ plumbing
     async def send(self, kind: str, **fields: Any) -> None:
@@ -105,7 +111,7 @@ class RealtimeSession:
         return {"id": self.id, "object": "realtime.session", "model": self.model, "modalities": list(s.modalities),
                 "instructions": s.instructions, "voice": s.voice or self.gw.pipeline.default_voice,
                 "input_audio_format": "pcm16", "output_audio_format": "pcm16", "input_audio_transcription": None,
-                "turn_detection": None, "tools": [], "tool_choice": "auto",
+                "turn_detection": s.turn_detection, "tools": [], "tool_choice": "auto",
                 "temperature": s.temperature if s.temperature is not None else 0.8,
                 "max_response_output_tokens": s.max_response_output_tokens or "inf"}
 
@@ -142,24 +148,30 @@ class RealtimeSession:
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event["type"]
         if kind == "session.update":
-            self.update(event.get("session") or {})
+            heard = self.update(event.get("session") or {})
             await self.send("session.updated", session=self.session_json())
+            await self._turns(heard)
         elif kind == "input_audio_buffer.append":
-            self.buffer.append(_pcm16(event.get("audio"), "audio"))
+            samples = _pcm16(event.get("audio"), "audio")
+            if self.vad is None:
+                self.buffer.append(samples)
+            else:
+                await self._turns(self.vad.push(samples))
             self._check_audio()
         elif kind == "input_audio_buffer.commit":
+            turn = self.vad.flush() if self.vad is not None else None
+            if turn is not None:
+                self.buffer.append(turn)
             if not self.buffer:
                 raise RealtimeError("the input audio buffer is empty: append audio before committing",
                                     None, "input_audio_buffer_commit_empty")
             wave = np.concatenate(self.buffer)
             self.buffer = []
-            previous = self.items[-1].id if self.items else None
-            item = _Item(f"item_{uuid.uuid4().hex}", "user", [AudioPart(wave, INPUT_RATE)])
-            self.items.append(item)
-            await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id)
-            await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json())
+            await self._commit(wave, f"item_{uuid.uuid4().hex}")
         elif kind == "input_audio_buffer.clear":
             self.buffer = []
+            if self.vad is not None:
+                self.vad.clear()
             await self.send("input_audio_buffer.cleared")
         elif kind == "conversation.item.create":
             previous = self.items[-1].id if self.items else None
@@ -177,8 +189,7 @@ class RealtimeSession:
             if self.response is not None and not self.response.done():
                 raise RealtimeError("a response is already in progress; cancel it or wait for response.done",
                                     None, "conversation_already_has_active_response")
-            chat, modalities = self._chat(event.get("response") or {})
-            self.response = asyncio.create_task(self._respond(chat, modalities))
+            self._start(event.get("response") or {})
         elif kind == "response.cancel":
             if self.response is None or self.response.done():
                 raise RealtimeError("no response is in progress", None, "response_cancel_not_active")
@@ -186,8 +197,39 @@ class RealtimeSession:
         else:
             raise RealtimeError(f"unknown event type {kind!r}", "type", "unknown_event")
 
-    def update(self, s: dict[str, Any]) -> None:
-        """`session.update`: what omnimesh can do is taken, the rest is an error naming it."""
+    def _start(self, overrides: dict[str, Any]) -> None:
+        chat, modalities = self._chat(overrides)
+        self.response = asyncio.create_task(self._respond(chat, modalities))
+
+    async def _commit(self, wave: np.ndarray, item_id: str) -> None:
+        """A user turn of audio joins the conversation."""
+        previous = self.items[-1].id if self.items else None
+        item = _Item(item_id, "user", [AudioPart(wave, INPUT_RATE)])
+        self.items.append(item)
+        await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id)
+        await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json())
+
+    async def _turns(self, events: list[Started | Stopped]) -> None:
+        """server_vad: speech started (a response in progress is cut short, with interrupt_response) / stopped
+        (the turn is committed and, with create_response, answered)."""
+        td = self.settings.turn_detection or {}
+        for ev in events:
+            if isinstance(ev, Started):
+                self.turn_id = f"item_{uuid.uuid4().hex}"
+                await self.send("input_audio_buffer.speech_started", audio_start_ms=ev.ms, item_id=self.turn_id)
+                if td.get("interrupt_response", True) and self.response is not None and not self.response.done():
+                    self.response.cancel()
+                    with contextlib.suppress(BaseException):
+                        await self.response
+            else:
+                await self.send("input_audio_buffer.speech_stopped", audio_end_ms=ev.ms, item_id=self.turn_id)
+                await self._commit(ev.audio, self.turn_id)
+                if td.get("create_response", True) and (self.response is None or self.response.done()):
+                    self._start({})
+
+    def update(self, s: dict[str, Any]) -> list[Started | Stopped]:
+        """`session.update`: what omnimesh can do is taken, the rest is an error naming it. Turning server_vad
+        on runs the detector over the audio appended before: what it heard comes back."""
         if not isinstance(s, dict):
             raise RealtimeError("session must be an object", "session")
         new = _Settings(**vars(self.settings))
@@ -209,15 +251,22 @@ class RealtimeSession:
                 if value != "pcm16":
                     raise RealtimeError(f"only pcm16 (24 kHz mono 16-bit) is supported, got {value!r}", where)
             elif key == "turn_detection":
-                if value is not None:
-                    raise RealtimeError("server VAD is not run here: set turn_detection null and end each turn "
-                                        "with input_audio_buffer.commit and response.create", where)
+                new.turn_detection = _turn_detection(value, where)
             elif key in ("tools", "tool_choice", "input_audio_transcription"):
                 if value not in (None, [], "auto", "none"):
                     raise RealtimeError(f"{key} is not supported on the Realtime API here", where)
             elif key not in ("model", "type", "object", "id"):
                 raise RealtimeError(f"unknown session field {key!r}", where)
+        heard: list[Started | Stopped] = []
+        if new.turn_detection != self.settings.turn_detection:
+            td = new.turn_detection
+            self.vad = None if td is None else EnergyVAD(td["threshold"], td["prefix_padding_ms"],
+                                                          td["silence_duration_ms"], INPUT_RATE)
+            if self.vad is not None and self.buffer:  # audio appended before: the detector hears it first
+                pending, self.buffer = self.buffer, []
+                heard = self.vad.push(np.concatenate(pending))
         self.settings = new
+        return heard
 
     def _item(self, raw: Any) -> _Item:
         if not isinstance(raw, dict) or raw.get("type", "message") != "message":
@@ -244,6 +293,7 @@ class RealtimeSession:
     def _check_audio(self) -> None:
         seconds = sum(p.waveform.size / p.sample_rate for i in self.items for p in i.parts if isinstance(p, AudioPart))
         seconds += sum(b.size for b in self.buffer) / INPUT_RATE
+        seconds += self.vad.buffered_seconds if self.vad is not None else 0.0
         limit = self.gw.loader.limits.max_audio_seconds
         if seconds > limit:
             self.buffer = []
@@ -360,6 +410,29 @@ def _pcm16(data: Any, where: str) -> np.ndarray:
     if len(raw) % 2:
         raise RealtimeError(f"{where}: pcm16 has 2 bytes per sample, got {len(raw)} bytes", where)
     return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def _turn_detection(value: Any, where: str) -> dict[str, Any] | None:
+    """None (the client commits turns) or server_vad's settings, checked, with OpenAI's defaults."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type", "server_vad") != "server_vad":
+        raise RealtimeError("turn_detection must be null or {\"type\": \"server_vad\", ...} (an energy detector "
+                            "here; semantic_vad is not run)", where)
+    out: dict[str, Any] = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                           "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
+    for key, v in value.items():
+        if key == "type":
+            continue
+        if key not in out:
+            raise RealtimeError(f"unknown turn_detection field {key!r}", f"{where}.{key}")
+        ok = (isinstance(v, bool) if key in ("create_response", "interrupt_response")
+              else isinstance(v, (int, float)) and not isinstance(v, bool) and
+              (0 <= v <= 1 if key == "threshold" else v >= (0 if key == "prefix_padding_ms" else FRAME_MS)))
+        if not ok:
+            raise RealtimeError(f"turn_detection.{key}: {v!r} is out of range", f"{where}.{key}")
+        out[key] = v if key in ("create_response", "interrupt_response", "threshold") else int(v)
+    return out
 
 
 def _modalities(value: Any, where: str) -> tuple[str, ...]:

@@ -120,8 +120,12 @@ def test_cancelling_a_response(ws: ClientConnection, pipeline: ScriptedPipeline)
 
 
 @pytest.mark.parametrize(("event", "code", "param"), [
-    ({"type": "session.update", "session": {"turn_detection": {"type": "server_vad"}}}, "invalid_value",
+    ({"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad"}}}, "invalid_value",
      "session.turn_detection"),
+    ({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "threshold": 2}}},
+     "invalid_value", "session.turn_detection.threshold"),
+    ({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "eagerness": "low"}}},
+     "invalid_value", "session.turn_detection.eagerness"),
     ({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}, "invalid_value",
      "session.input_audio_format"),
     ({"type": "session.update", "session": {"voice": "alloy"}}, "invalid_value", "session.voice"),
@@ -176,3 +180,58 @@ def test_the_handshake_needs_the_key_and_a_served_model(shared_pipeline: Scripte
         with pytest.raises(InvalidStatus):
             connect(url(server).replace("tiny-omni", "gpt-4o-realtime"),
                     additional_headers={"Authorization": "Bearer sk-1"}, open_timeout=TIMEOUT_S)
+
+
+def _pcm(*segments: tuple[str, float]) -> bytes:
+    """Silence and 440 Hz speech-loud tone segments at 24 kHz, as pcm16."""
+    parts = [tone(s, rate=24_000) if kind == "tone" else np.zeros(int(s * 24_000), np.float32) for kind, s in segments]
+    return pcm16_bytes(np.concatenate(parts))
+
+
+def test_server_vad_cuts_turns_and_answers_them(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
+    send(ws, type="session.update", session={"turn_detection": {"type": "server_vad", "silence_duration_ms": 300,
+                                                                "prefix_padding_ms": 100}})
+    assert recv(ws)["session"]["turn_detection"] == {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 100,
+                                                     "silence_duration_ms": 300, "create_response": True,
+                                                     "interrupt_response": True}
+    pcm = _pcm(("silence", 0.5), ("tone", 0.4), ("silence", 0.5))
+    for at in range(0, len(pcm), 4800):  # 0.1 s chunks
+        send(ws, type="input_audio_buffer.append", audio=base64.b64encode(pcm[at:at + 4800]).decode())
+    events = until(ws, "response.done")
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                         "input_audio_buffer.committed", "conversation.item.created"]
+    assert events[0]["audio_start_ms"] == 500 and events[1]["audio_end_ms"] == 900
+    assert events[0]["item_id"] == events[1]["item_id"] == events[2]["item_id"]
+    assert "response.created" in kinds and events[-1]["response"]["status"] == "completed"
+    [clip] = pipeline.requests[-1].messages[-1].content
+    assert isinstance(clip, AudioPart) and clip.waveform.size == int(0.5 * 24_000)  # 0.1 s padding + 0.4 s speech
+
+
+def test_speech_interrupts_a_response(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
+    pipeline.event_delay_s = 0.5
+    send(ws, type="session.update", session={"turn_detection": {"type": "server_vad", "silence_duration_ms": 200}})
+    recv(ws)
+    send(ws, type="input_audio_buffer.append", audio=base64.b64encode(_pcm(("tone", 0.3), ("silence", 0.3))).decode())
+    assert "response.created" in [e["type"] for e in until(ws, "response.created")]
+    send(ws, type="input_audio_buffer.append", audio=base64.b64encode(_pcm(("tone", 0.1))).decode())  # talks over it
+    events = until(ws, "response.done")
+    assert "input_audio_buffer.speech_started" in [e["type"] for e in events]
+    assert events[-1]["response"]["status"] == "cancelled"
+
+
+def test_the_energy_detector() -> None:
+    from gateway.realtime_vad import EnergyVAD, Started, Stopped
+
+    vad = EnergyVAD(threshold=0.5, prefix_padding_ms=200, silence_duration_ms=400)
+    quiet = tone(1.0, rate=24_000) * 0.05  # RMS 0.018 < 0.05: not speech at threshold 0.5
+    assert vad.push(quiet) == [] and vad.buffered_seconds == pytest.approx(0.2)  # only the padding is kept
+    events = vad.push(np.concatenate([tone(0.6, rate=24_000), np.zeros(24_000, np.float32)]))
+    assert [type(e) for e in events] == [Started, Stopped]
+    assert events[0].ms == 1000 and events[1].ms == 1600
+    assert events[1].audio.size == int(0.8 * 24_000)  # 0.2 s padding + 0.6 s speech, not the silence after it
+    assert EnergyVAD(threshold=0.1).push(quiet)[0] == Started(0)  # a lower threshold (0.01) hears it
+    vad.push(tone(0.1, rate=24_000))
+    assert vad.flush() is not None and vad.flush() is None  # a commit ends the turn in progress
+    with pytest.raises(ValueError, match="threshold"):
+        EnergyVAD(threshold=1.5)
