@@ -16,7 +16,8 @@ instructions, voice, temperature, max_output_tokens), `response.cancel`. Turns a
 commit, then response.create); with `turn_detection: {"type": "server_vad", ...}` an energy detector
 (gateway/realtime_vad.py) cuts the appended audio into turns: `input_audio_buffer.speech_started` (a response
 in progress is cancelled, with `interrupt_response`), `.speech_stopped`, the turn committed and, with
-`create_response`, answered. Formats are pcm16 only, tools are refused. Every problem is an `error` event (invalid_request_error, with the client's
+`create_response`, answered. `input_audio_transcription` transcribes each committed clip beside the
+response (`conversation.item.input_audio_transcription.completed`). Formats are pcm16 only, tools are refused. Every problem is an `error` event (invalid_request_error, with the client's
 `event_id`); the socket stays open. One response at a time (another `response.create` meanwhile is an error).
 With `--api-key`, the handshake needs `Authorization: Bearer <key>` (gateway/auth.py).
 """
@@ -42,6 +43,7 @@ from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Fin
                             TextDelta, TextPart)
 from gateway.openai_schema import check_sampling, resolve_voice
 from gateway.realtime_vad import FRAME_MS, EnergyVAD, Started, Stopped
+from gateway.transcription_api import collect_text, instruction
 
 if TYPE_CHECKING:
     from gateway.rest import RestGateway
@@ -64,9 +66,10 @@ class _Item:
     id: str
     role: str  # user | system | assistant
     parts: list[TextPart | AudioPart]
+    transcript: str | None = None  # its audio's, once input_audio_transcription made it
 
     def to_json(self) -> dict[str, Any]:
-        content = [{"type": "input_audio", "transcript": None} if isinstance(p, AudioPart)
+        content = [{"type": "input_audio", "transcript": self.transcript} if isinstance(p, AudioPart)
                    else {"type": "input_text" if self.role != "assistant" else "text", "text": p.text}
                    for p in self.parts]
         return {"id": self.id, "object": "realtime.item", "type": "message", "status": "completed", "role": self.role,
@@ -81,6 +84,7 @@ class _Settings:
     temperature: float | None = None
     max_response_output_tokens: int | None = None  # None: "inf" (the thinker's own limit)
     turn_detection: dict[str, Any] | None = None  # server_vad's settings (gateway/realtime_vad.py), None: the client's
+    input_audio_transcription: dict[str, Any] | None = None  # {"model", "language", "prompt"}: each user clip's text
 
 
 @dataclass
@@ -96,6 +100,7 @@ class RealtimeSession:
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     vad: EnergyVAD | None = None  # with turn_detection server_vad: it cuts the appended audio into turns
     turn_id: str = ""  # the item the turn in progress will become (server_vad)
+    side_tasks: set[asyncio.Task] = field(default_factory=set)  # input transcriptions in flight
 
     # ------------------------------------------------------------------------------------ plumbing
     async def send(self, kind: str, **fields: Any) -> None:
@@ -110,7 +115,8 @@ class RealtimeSession:
         s = self.settings
         return {"id": self.id, "object": "realtime.session", "model": self.model, "modalities": list(s.modalities),
                 "instructions": s.instructions, "voice": s.voice or self.gw.pipeline.default_voice,
-                "input_audio_format": "pcm16", "output_audio_format": "pcm16", "input_audio_transcription": None,
+                "input_audio_format": "pcm16", "output_audio_format": "pcm16",
+                "input_audio_transcription": s.input_audio_transcription,
                 "turn_detection": s.turn_detection, "tools": [], "tool_choice": "auto",
                 "temperature": s.temperature if s.temperature is not None else 0.8,
                 "max_response_output_tokens": s.max_response_output_tokens or "inf"}
@@ -139,10 +145,11 @@ class RealtimeSession:
         except WebSocketDisconnect:
             pass
         finally:
-            if self.response is not None and not self.response.done():
-                self.response.cancel()  # the client went away: its response stops in the stages
-                with contextlib.suppress(BaseException):
-                    await self.response
+            for task in [self.response, *self.side_tasks]:
+                if task is not None and not task.done():
+                    task.cancel()  # the client went away: its runs stop in the stages
+                    with contextlib.suppress(BaseException):
+                        await task
 
     # ---------------------------------------------------------------------------------- client events
     async def handle(self, event: dict[str, Any]) -> None:
@@ -208,6 +215,28 @@ class RealtimeSession:
         self.items.append(item)
         await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id)
         await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json())
+        if self.settings.input_audio_transcription is not None:
+            task = asyncio.create_task(self._transcribe(item, wave, self.settings.input_audio_transcription))
+            self.side_tasks.add(task)
+            task.add_done_callback(self.side_tasks.discard)
+
+    async def _transcribe(self, item: _Item, wave: np.ndarray, how: dict[str, Any]) -> None:
+        """`input_audio_transcription`: the thinker transcribes the clip (as /v1/audio/transcriptions does, greedy)
+        beside the response; the text comes as its own event and in the item."""
+        ask = instruction("transcribe", how.get("language"), how.get("prompt"))
+        chat = ChatRequest(request_id=f"trsc-{uuid.uuid4().hex}", model=self.gw.pipeline.served_models[0],
+                           modalities=("text",), sampling=SamplingOverrides(temperature=0.0),
+                           messages=(ChatMessage("user", (AudioPart(wave, INPUT_RATE), TextPart(ask))),))
+        where = {"item_id": item.id, "content_index": 0}
+        try:
+            text, _ = await collect_text(self.gw.pipeline, chat)
+        except PipelineError as e:
+            await self.send("conversation.item.input_audio_transcription.failed", **where,
+                            error={"type": "transcription_error", "code": "transcription_failed",
+                                   "message": e.message, "param": None})
+            return
+        item.transcript = text
+        await self.send("conversation.item.input_audio_transcription.completed", **where, transcript=text)
 
     async def _turns(self, events: list[Started | Stopped]) -> None:
         """server_vad: speech started (a response in progress is cut short, with interrupt_response) / stopped
@@ -252,7 +281,9 @@ class RealtimeSession:
                     raise RealtimeError(f"only pcm16 (24 kHz mono 16-bit) is supported, got {value!r}", where)
             elif key == "turn_detection":
                 new.turn_detection = _turn_detection(value, where)
-            elif key in ("tools", "tool_choice", "input_audio_transcription"):
+            elif key == "input_audio_transcription":
+                new.input_audio_transcription = _transcription(value, where)
+            elif key in ("tools", "tool_choice"):
                 if value not in (None, [], "auto", "none"):
                     raise RealtimeError(f"{key} is not supported on the Realtime API here", where)
             elif key not in ("model", "type", "object", "id"):
@@ -410,6 +441,19 @@ def _pcm16(data: Any, where: str) -> np.ndarray:
     if len(raw) % 2:
         raise RealtimeError(f"{where}: pcm16 has 2 bytes per sample, got {len(raw)} bytes", where)
     return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def _transcription(value: Any, where: str) -> dict[str, Any] | None:
+    """None, or {"model", "language", "prompt"} (any model name: the served model transcribes)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RealtimeError("input_audio_transcription must be null or an object", where)
+    for key, v in value.items():
+        if key not in ("model", "language", "prompt") or not (v is None or isinstance(v, str)):
+            raise RealtimeError(f"input_audio_transcription.{key}: a string model, language or prompt",
+                                f"{where}.{key}")
+    return {"model": value.get("model") or "", "language": value.get("language"), "prompt": value.get("prompt")}
 
 
 def _turn_detection(value: Any, where: str) -> dict[str, Any] | None:

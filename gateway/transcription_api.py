@@ -19,7 +19,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import FormData, UploadFile
 
-from gateway.events import ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides, TextDelta, TextPart
+from gateway.events import (ChatMessage, ChatRequest, Finished, Pipeline, PipelineError, SamplingOverrides, TextDelta,
+                            TextPart)
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.media import invalid_request
 from gateway.openai_schema import check_sampling, resolve_model
@@ -138,24 +139,26 @@ class TranscriptionRoutes:
         pipeline_model = model if model in self.gw.pipeline.served_models else self.gw.pipeline.served_models[0]
         chat = ChatRequest(request_id=f"trsc-{uuid.uuid4().hex}", model=pipeline_model, modalities=("text",),
                            messages=(ChatMessage("user", (audio, TextPart(ask))),), sampling=sampling)
-        text, done = await self._collect(chat)
+        text, done = await collect_text(self.gw.pipeline, chat)
         if fmt == "text":
             return PlainTextResponse(text)
         return JSONResponse({"text": text, "usage": {"type": "tokens", "input_tokens": done.prompt_tokens,
                                                      "output_tokens": done.completion_tokens,
                                                      "total_tokens": done.prompt_tokens + done.completion_tokens}})
 
-    async def _collect(self, chat: ChatRequest) -> tuple[str, Finished]:
-        parts: list[str] = []
-        events = aiter(self.gw.pipeline.run(chat))
-        try:
-            async for ev in events:
-                if isinstance(ev, TextDelta):
-                    parts.append(ev.text)
-                elif isinstance(ev, Finished):
-                    return "".join(parts), ev
-        finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()  # the pipeline cancels the request in the stages if it is still running
-        raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
+
+async def collect_text(pipeline: Pipeline, chat: ChatRequest) -> tuple[str, Finished]:
+    """A text-only run's whole text and its end (the Realtime API's input transcriptions use it too)."""
+    parts: list[str] = []
+    events = aiter(pipeline.run(chat))
+    try:
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+            elif isinstance(ev, Finished):
+                return "".join(parts), ev
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()  # the pipeline cancels the request in the stages if it is still running
+    raise internal_error(RuntimeError("the pipeline ended without a Finished event"))

@@ -235,3 +235,21 @@ def test_the_energy_detector() -> None:
     assert vad.flush() is not None and vad.flush() is None  # a commit ends the turn in progress
     with pytest.raises(ValueError, match="threshold"):
         EnergyVAD(threshold=1.5)
+
+
+def test_input_audio_transcription(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
+    """Each committed clip is also transcribed (the thinker, greedy, as /v1/audio/transcriptions asks it)."""
+    send(ws, type="session.update", session={"input_audio_transcription": {"model": "whisper-1", "language": "en"}})
+    assert recv(ws)["session"]["input_audio_transcription"] == {"model": "whisper-1", "language": "en",
+                                                                "prompt": None}
+    send(ws, type="input_audio_buffer.append", audio=audio_b64(0.3))
+    send(ws, type="input_audio_buffer.commit")
+    events = until(ws, "conversation.item.input_audio_transcription.completed")
+    item_id = next(e["item_id"] for e in events if e["type"] == "input_audio_buffer.committed")
+    assert events[-1]["item_id"] == item_id and events[-1]["transcript"] == "Hello world"
+    [req] = pipeline.requests
+    clip, ask = req.messages[0].content
+    assert isinstance(clip, AudioPart) and isinstance(ask, TextPart) and "Transcribe the audio" in ask.text
+    assert "'en'" in ask.text and req.sampling.temperature == 0 and req.modalities == ("text",)
+    send(ws, type="session.update", session={"input_audio_transcription": {"model": 5}})
+    assert recv(ws)["error"]["param"] == "session.input_audio_transcription.model"
