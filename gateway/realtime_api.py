@@ -9,7 +9,7 @@ conversation into a `ChatRequest` (the session's `instructions` as the system tu
 `response.text.delta` for a text-only response — their `.done` events and `response.done` with the usage.
 The assistant's transcript joins the conversation for the next turn.
 
-Supported client events: `session.update`, `input_audio_buffer.append` / `.commit` / `.clear`,
+Supported client events (the settings they may change: gateway/realtime_settings.py): `session.update`, `input_audio_buffer.append` / `.commit` / `.clear`,
 `conversation.item.create` (message items: `input_text`, `input_audio` (base64 pcm16 at 24 kHz) and an
 assistant's `text`), `conversation.item.delete`, `response.create` (its `response` may set modalities,
 instructions, voice, temperature, max_output_tokens), `response.cancel`. Turns are the client's by default (`turn_detection` null:
@@ -42,7 +42,9 @@ from gateway.audio_encoding import pcm16_bytes
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides,
                             TextDelta, TextPart)
 from gateway.openai_schema import check_sampling, resolve_voice
-from gateway.realtime_vad import FRAME_MS, EnergyVAD, Started, Stopped
+from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
+                                       check_temperature, updated)
+from gateway.realtime_vad import EnergyVAD, Started, Stopped
 from gateway.transcription_api import collect_text, instruction
 
 if TYPE_CHECKING:
@@ -51,14 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INPUT_RATE = 24_000  # pcm16 input audio, as OpenAI's Realtime API sends it
 MAX_EVENT_BYTES = 16 * 2**20  # one client event (an audio chunk is far smaller)
-
-
-class RealtimeError(Exception):
-    """A client mistake: answered as an `error` event, the session goes on."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
 
 
 @dataclass
@@ -77,23 +71,12 @@ class _Item:
 
 
 @dataclass
-class _Settings:
-    modalities: tuple[str, ...] = ("text", "audio")
-    instructions: str = ""
-    voice: str | None = None
-    temperature: float | None = None
-    max_response_output_tokens: int | None = None  # None: "inf" (the thinker's own limit)
-    turn_detection: dict[str, Any] | None = None  # server_vad's settings (gateway/realtime_vad.py), None: the client's
-    input_audio_transcription: dict[str, Any] | None = None  # {"model", "language", "prompt"}: each user clip's text
-
-
-@dataclass
 class RealtimeSession:
     gw: RestGateway
     ws: WebSocket
     model: str
     id: str = field(default_factory=lambda: f"sess_{uuid.uuid4().hex}")
-    settings: _Settings = field(default_factory=_Settings)
+    settings: RealtimeSettings = field(default_factory=RealtimeSettings)
     items: list[_Item] = field(default_factory=list)
     buffer: list[np.ndarray] = field(default_factory=list)  # appended input audio not committed yet
     response: asyncio.Task | None = None
@@ -259,35 +242,7 @@ class RealtimeSession:
     def update(self, s: dict[str, Any]) -> list[Started | Stopped]:
         """`session.update`: what omnimesh can do is taken, the rest is an error naming it. Turning server_vad
         on runs the detector over the audio appended before: what it heard comes back."""
-        if not isinstance(s, dict):
-            raise RealtimeError("session must be an object", "session")
-        new = _Settings(**vars(self.settings))
-        for key, value in s.items():
-            where = f"session.{key}"
-            if key == "modalities":
-                new.modalities = _modalities(value, where)
-            elif key == "instructions":
-                if not isinstance(value, str):
-                    raise RealtimeError("instructions must be a string", where)
-                new.instructions = value
-            elif key == "voice":
-                new.voice = resolve_voice(value, self.gw.pipeline.voices, self.gw.pipeline.default_voice, where)
-            elif key == "temperature":
-                new.temperature = _temperature(value, where)
-            elif key == "max_response_output_tokens":
-                new.max_response_output_tokens = _max_tokens(value, where)
-            elif key in ("input_audio_format", "output_audio_format"):
-                if value != "pcm16":
-                    raise RealtimeError(f"only pcm16 (24 kHz mono 16-bit) is supported, got {value!r}", where)
-            elif key == "turn_detection":
-                new.turn_detection = _turn_detection(value, where)
-            elif key == "input_audio_transcription":
-                new.input_audio_transcription = _transcription(value, where)
-            elif key in ("tools", "tool_choice"):
-                if value not in (None, [], "auto", "none"):
-                    raise RealtimeError(f"{key} is not supported on the Realtime API here", where)
-            elif key not in ("model", "type", "object", "id"):
-                raise RealtimeError(f"unknown session field {key!r}", where)
+        new = updated(self.settings, s, self.gw.pipeline)
         heard: list[Started | Stopped] = []
         if new.turn_detection != self.settings.turn_detection:
             td = new.turn_detection
@@ -337,12 +292,12 @@ class RealtimeSession:
         if not isinstance(r, dict):
             raise RealtimeError("response must be an object", "response")
         s = self.settings
-        modalities = _modalities(r["modalities"], "response.modalities") if "modalities" in r else s.modalities
+        modalities = check_modalities(r["modalities"], "response.modalities") if "modalities" in r else s.modalities
         instructions = r.get("instructions", s.instructions)
         voice = resolve_voice(r["voice"], self.gw.pipeline.voices, self.gw.pipeline.default_voice,
                               "response.voice") if "voice" in r else s.voice
-        temperature = _temperature(r["temperature"], "response.temperature") if "temperature" in r else s.temperature
-        max_tokens = (_max_tokens(r["max_output_tokens"], "response.max_output_tokens") if "max_output_tokens" in r
+        temperature = check_temperature(r["temperature"], "response.temperature") if "temperature" in r else s.temperature
+        max_tokens = (check_max_tokens(r["max_output_tokens"], "response.max_output_tokens") if "max_output_tokens" in r
                       else s.max_response_output_tokens)
         if not any(i.role == "user" for i in self.items):
             raise RealtimeError("the conversation has no user item yet: commit audio or create a user item first",
@@ -441,64 +396,6 @@ def _pcm16(data: Any, where: str) -> np.ndarray:
     if len(raw) % 2:
         raise RealtimeError(f"{where}: pcm16 has 2 bytes per sample, got {len(raw)} bytes", where)
     return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
-
-
-def _transcription(value: Any, where: str) -> dict[str, Any] | None:
-    """None, or {"model", "language", "prompt"} (any model name: the served model transcribes)."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise RealtimeError("input_audio_transcription must be null or an object", where)
-    for key, v in value.items():
-        if key not in ("model", "language", "prompt") or not (v is None or isinstance(v, str)):
-            raise RealtimeError(f"input_audio_transcription.{key}: a string model, language or prompt",
-                                f"{where}.{key}")
-    return {"model": value.get("model") or "", "language": value.get("language"), "prompt": value.get("prompt")}
-
-
-def _turn_detection(value: Any, where: str) -> dict[str, Any] | None:
-    """None (the client commits turns) or server_vad's settings, checked, with OpenAI's defaults."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or value.get("type", "server_vad") != "server_vad":
-        raise RealtimeError("turn_detection must be null or {\"type\": \"server_vad\", ...} (an energy detector "
-                            "here; semantic_vad is not run)", where)
-    out: dict[str, Any] = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
-                           "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
-    for key, v in value.items():
-        if key == "type":
-            continue
-        if key not in out:
-            raise RealtimeError(f"unknown turn_detection field {key!r}", f"{where}.{key}")
-        ok = (isinstance(v, bool) if key in ("create_response", "interrupt_response")
-              else isinstance(v, (int, float)) and not isinstance(v, bool) and
-              (0 <= v <= 1 if key == "threshold" else v >= (0 if key == "prefix_padding_ms" else FRAME_MS)))
-        if not ok:
-            raise RealtimeError(f"turn_detection.{key}: {v!r} is out of range", f"{where}.{key}")
-        out[key] = v if key in ("create_response", "interrupt_response", "threshold") else int(v)
-    return out
-
-
-def _modalities(value: Any, where: str) -> tuple[str, ...]:
-    if value in (["text"], ("text",)):
-        return ("text",)
-    if isinstance(value, (list, tuple)) and set(value) == {"text", "audio"}:
-        return ("text", "audio")
-    raise RealtimeError(f"modalities must be [\"text\"] or [\"text\", \"audio\"], got {value!r}", where)
-
-
-def _temperature(value: Any, where: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 2:
-        raise RealtimeError(f"temperature must be a number in [0, 2], got {value!r}", where)
-    return float(value)
-
-
-def _max_tokens(value: Any, where: str) -> int | None:
-    if value == "inf":
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise RealtimeError(f"must be a whole number >= 1 or \"inf\", got {value!r}", where)
-    return value
 
 
 class RealtimeRoutes:
