@@ -11,7 +11,8 @@ The assistant's transcript joins the conversation for the next turn.
 
 Supported client events (the settings they may change: gateway/realtime_settings.py): `session.update`, `input_audio_buffer.append` / `.commit` / `.clear`,
 `conversation.item.create` (message items: `input_text`, `input_audio` (base64 pcm16 at 24 kHz) and an
-assistant's `text`), `conversation.item.delete`, `response.create` (its `response` may set modalities,
+assistant's `text`), `conversation.item.delete`, `conversation.item.truncate` (the transcript cut in proportion
+to the audio played), `response.create` (its `response` may set modalities,
 instructions, voice, temperature, max_output_tokens), `response.cancel`. Turns are the client's by default (`turn_detection` null:
 commit, then response.create); with `turn_detection: {"type": "server_vad", ...}` an energy detector
 (gateway/realtime_vad.py) cuts the appended audio into turns: `input_audio_buffer.speech_started` (a response
@@ -61,6 +62,8 @@ class _Item:
     role: str  # user | system | assistant
     parts: list[TextPart | AudioPart]
     transcript: str | None = None  # its audio's, once input_audio_transcription made it
+    audio_samples: int = 0  # an assistant item: the samples of speech it sent (conversation.item.truncate)
+    audio_rate: int = 24_000
 
     def to_json(self) -> dict[str, Any]:
         content = [{"type": "input_audio", "transcript": self.transcript} if isinstance(p, AudioPart)
@@ -169,6 +172,8 @@ class RealtimeSession:
             self.items.append(item)
             self._check_audio()
             await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json())
+        elif kind == "conversation.item.truncate":
+            await self._truncate(event)
         elif kind == "conversation.item.delete":
             item_id = event.get("item_id")
             if not any(i.id == item_id for i in self.items):
@@ -186,6 +191,26 @@ class RealtimeSession:
             self.response.cancel()
         else:
             raise RealtimeError(f"unknown event type {kind!r}", "type", "unknown_event")
+
+    async def _truncate(self, event: dict[str, Any]) -> None:
+        """`conversation.item.truncate`: the client played only `audio_end_ms` of an assistant item's speech (the
+        user cut in). The conversation keeps the text it had heard: the transcript cut in proportion to the
+        audio played (the talker gives no word timings, so this is an estimate to the character)."""
+        item = next((i for i in self.items if i.id == event.get("item_id")), None)
+        if item is None or item.role != "assistant":
+            raise RealtimeError(f"no assistant item {event.get('item_id')!r}", "item_id", "item_not_found")
+        end = event.get("audio_end_ms")
+        total_ms = item.audio_samples * 1000 // item.audio_rate
+        if not isinstance(end, int) or isinstance(end, bool) or not 0 <= end <= total_ms:
+            raise RealtimeError(f"audio_end_ms must be a whole number in [0, {total_ms}] (the item's audio), got "
+                                f"{end!r}", "audio_end_ms")
+        if item.parts and total_ms:
+            text = item.parts[0].text if isinstance(item.parts[0], TextPart) else ""
+            kept = text[:round(len(text) * end / total_ms)]
+            item.parts = [TextPart(kept)] if kept else []
+        item.audio_samples = end * item.audio_rate // 1000
+        await self.send("conversation.item.truncated", item_id=item.id, content_index=event.get("content_index", 0),
+                        audio_end_ms=end)
 
     def _start(self, overrides: dict[str, Any]) -> None:
         chat, modalities = self._chat(overrides)
@@ -342,6 +367,8 @@ class RealtimeSession:
                     await self.send("response.audio_transcript.delta" if audio else "response.text.delta", **where,
                                     delta=ev.text)
                 elif isinstance(ev, AudioDelta) and audio and np.size(ev.pcm):
+                    answer.audio_samples += int(np.size(ev.pcm))
+                    answer.audio_rate = ev.sample_rate
                     await self.send("response.audio.delta", **where, delta=base64.b64encode(pcm16_bytes(ev.pcm)).decode())
                 elif isinstance(ev, Finished):
                     status = "incomplete" if ev.finish_reason == "length" else "completed"

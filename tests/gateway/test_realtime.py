@@ -253,3 +253,25 @@ def test_input_audio_transcription(ws: ClientConnection, pipeline: ScriptedPipel
     assert "'en'" in ask.text and req.sampling.temperature == 0 and req.modalities == ("text",)
     send(ws, type="session.update", session={"input_audio_transcription": {"model": 5}})
     assert recv(ws)["error"]["param"] == "session.input_audio_transcription.model"
+
+
+def test_truncating_an_answer_keeps_the_heard_part(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
+    """conversation.item.truncate: the user heard 0.1 s of the 0.2 s answer, so the next turn's conversation keeps
+    half its transcript (in proportion: there are no word timings)."""
+    send(ws, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                    "content": [{"type": "input_text", "text": "Talk."}]})
+    recv(ws)
+    send(ws, type="response.create")
+    events = until(ws, "response.done")
+    item_id = next(e["item"]["id"] for e in events if e["type"] == "response.output_item.added")
+    send(ws, type="conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=100)
+    truncated = recv(ws)
+    del truncated["event_id"]
+    assert truncated == {"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
+                         "audio_end_ms": 100}
+    send(ws, type="conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=150)
+    assert recv(ws)["error"]["param"] == "audio_end_ms"  # past what is left of it
+    send(ws, type="response.create", response={"modalities": ["text"]})
+    until(ws, "response.done")
+    assert [(m.role, m.content) for m in pipeline.requests[-1].messages] == [
+        ("user", (TextPart("Talk."),)), ("assistant", (TextPart("Hello "),))]  # 11 characters x 100 / 200 ms
