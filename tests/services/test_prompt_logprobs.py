@@ -132,3 +132,18 @@ def test_only_the_thinker_scores_prompts() -> None:
         merge_sampling(SamplingParams(), msg, text=False)
     with pytest.raises(ValueError, match=r"prompt_logprobs must be in \[0, 64\]"):
         SamplingParams(prompt_logprobs=65, vocab_size=64)
+
+
+def test_the_memory_profile_step_runs_the_head_and_the_scoring(model_dir: Path) -> None:
+    """`LMShard.profile_step` (what `--gpu-memory-utilization` measures on CUDA) runs the layers, a step's
+    logits and a scored chunk; here on CPU, where only its shapes can be checked (tests/parallel/test_cuda_ranks.py
+    measures it on a GPU)."""
+    from omnimesh.models.qwen3_omni.lm_shard import LMShard, LMShardSpec
+    from omnimesh.parallel.parallel_state import ParallelState
+
+    shard = LMShard(LMShardSpec(model_dir, "thinker"), ParallelState.single("cpu"))
+    calls: list[int] = []
+    head = shard.model.compute_logits
+    shard.model.compute_logits = lambda rows: calls.append(int(rows.shape[0])) or head(rows)  # type: ignore[method-assign]
+    shard.profile_step(torch.device("cpu"), 300, 256)
+    assert calls == [256, lm_shard.SCORE_CHUNK]  # the step's logits, then one scored chunk

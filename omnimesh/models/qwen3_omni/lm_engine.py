@@ -130,7 +130,7 @@ class LMEngine:
         self._inflight: set[str] = set()
         self._admitted: set[str] = set()  # requests opened through `admit` and not yet removed
         tokens = max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, block_size)
-        init = LMInitCache(block_size, kv_bytes, gpu_memory_utilization, profile_tokens=tokens)
+        init = LMInitCache(block_size, kv_bytes, gpu_memory_utilization, profile_tokens=tokens, logit_rows=max_num_seqs)
         num_blocks = int(backend.submit(init).result())
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         if self.allocator.capacity_tokens < max_model_len:

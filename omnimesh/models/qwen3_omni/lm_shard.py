@@ -86,6 +86,7 @@ class LMInitCache:
     kv_bytes: int | None  # per-rank budget; None on CUDA: measured from `gpu_memory_utilization`
     gpu_memory_utilization: float = 0.9
     profile_tokens: int = 2048  # CUDA: activations of a step this large are kept free
+    logit_rows: int = 256  # CUDA: ... and of the head over this many rows (--max-num-seqs; at least a score chunk)
 
 
 @dataclass(frozen=True)
@@ -258,13 +259,9 @@ class LMShard:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        H, T = self.model.config.hidden_size, command.profile_tokens
-        x = torch.zeros(1, T, H, dtype=self.dtype, device=device)
-        positions = torch.arange(T, device=device).view(1, 1, T).expand(3, 1, T)
-        self.model(x, positions, self.model.new_cache())  # rank-local: collectives stay within the TP group
+        self.profile_step(device, command.profile_tokens, command.logit_rows)
         torch.cuda.synchronize(device)
         activations = torch.cuda.max_memory_allocated(device) - before
-        del x
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * command.gpu_memory_utilization) - (total - free) - activations
@@ -273,6 +270,21 @@ class LMShard:
                              f"{activations / 2**30:.2f} GiB for activations at --gpu-memory-utilization "
                              f"{command.gpu_memory_utilization}; raise it, or lower --max-num-batched-tokens")
         return budget
+
+    def profile_step(self, device: torch.device, tokens: int, logit_rows: int) -> None:
+        """A throw-away step of `tokens` rows through this rank's layers, and on the last pp rank the head over
+        `logit_rows` of them scored as prompt_logprobs scores them (the (rows, V) logits and their log_softmax
+        are a step's largest transient after the activations); its peak memory is what `_cuda_budget` keeps
+        free. Rank-local but for the head's all-gather, which every TP rank of the last stage joins."""
+        H = self.model.config.hidden_size
+        x = torch.zeros(1, tokens, H, dtype=self.dtype, device=device)
+        positions = torch.arange(tokens, device=device).view(1, 1, tokens).expand(3, 1, tokens)
+        out = self.model(x, positions, self.model.new_cache())  # rank-local: collectives stay within the TP group
+        if self.ps.is_last_pp_rank:  # as `_batch`: the step's logits stay while its scored rows are scored
+            logits = self.model.compute_logits(out.hidden[0, :max(1, min(tokens, logit_rows))])
+            scored = out.hidden[0, :max(1, min(tokens, SCORE_CHUNK))]
+            score_rows(self.model.compute_logits, scored, torch.zeros(scored.shape[0], dtype=torch.long), 20)
+            del logits
 
     def _batch(self, command: LMBatch) -> LMBatchResult | None:
         if self.pool is None:
