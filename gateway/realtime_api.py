@@ -349,18 +349,18 @@ class RealtimeSession:
         text: list[str] = []
         status, usage, reason = "in_progress", None, None
         started = time.perf_counter()
+        answer = _Item(item_id, "assistant", [])  # in the conversation from its created event on; its text
+        events = aiter(self.gw.pipeline.run(chat))  # comes at the end (later items created meanwhile follow it)
         self.gw.metrics.running.inc()
-        await self.send("response.created", response={**base, "status": "in_progress", "output": []})
-        await self.send("response.output_item.added", response_id=rid, output_index=0,
-                        item={**item, "status": "in_progress"})
-        await self.send("conversation.item.created", previous_item_id=self.items[-1].id if self.items else None,
-                        item={**item, "status": "in_progress"})
-        answer = _Item(item_id, "assistant", [])  # in the conversation from now on, as the event says; its text
-        self.items.append(answer)  # comes at the end (later items created meanwhile follow it)
-        part = {"type": "audio", "transcript": ""} if audio else {"type": "text", "text": ""}
-        await self.send("response.content_part.added", **where, part=part)
-        events = aiter(self.gw.pipeline.run(chat))
-        try:
+        try:  # (a cancel may come at any await, these first sends included: the `finally` settles it all)
+            await self.send("response.created", response={**base, "status": "in_progress", "output": []})
+            await self.send("response.output_item.added", response_id=rid, output_index=0,
+                            item={**item, "status": "in_progress"})
+            await self.send("conversation.item.created", previous_item_id=self.items[-1].id if self.items else None,
+                            item={**item, "status": "in_progress"})
+            self.items.append(answer)
+            part = {"type": "audio", "transcript": ""} if audio else {"type": "text", "text": ""}
+            await self.send("response.content_part.added", **where, part=part)
             async for ev in events:
                 if isinstance(ev, TextDelta) and ev.text:
                     text.append(ev.text)

@@ -275,3 +275,25 @@ def test_truncating_an_answer_keeps_the_heard_part(ws: ClientConnection, pipelin
     until(ws, "response.done")
     assert [(m.role, m.content) for m in pipeline.requests[-1].messages] == [
         ("user", (TextPart("Talk."),)), ("assistant", (TextPart("Hello "),))]  # 11 characters x 100 / 200 ms
+
+
+def test_a_client_gone_mid_response_leaves_nothing_running(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    """The socket closes during a response: its run is closed in the stages and /load falls back to 0."""
+    import time
+
+    import httpx
+
+    pipeline.event_delay_s = 0.3
+    with connect(url(rest_server), open_timeout=TIMEOUT_S) as conn:
+        recv(conn)
+        send(conn, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": "Talk."}]})
+        recv(conn)
+        send(conn, type="response.create")
+        assert recv(conn)["type"] == "response.created"
+        assert httpx.get(f"{rest_server.base_url}/load", timeout=TIMEOUT_S).json() == {"server_load": 1}
+    deadline = time.monotonic() + TIMEOUT_S
+    while httpx.get(f"{rest_server.base_url}/load", timeout=TIMEOUT_S).json() != {"server_load": 0}:
+        assert time.monotonic() < deadline, "the response kept running after the client left"
+        time.sleep(0.02)
+    assert pipeline.closed == [pipeline.requests[0].request_id]
