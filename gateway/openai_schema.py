@@ -44,6 +44,7 @@ from gateway.audio_encoding import OUTPUT_AUDIO_FORMATS
 from gateway.events import PipelineError, SamplingOverrides
 from gateway.media import invalid_request
 from gateway.processor_kwargs import KEYS, check_settings
+from gateway.prompt_logprobs import token_text
 from omnimesh.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)
@@ -703,8 +704,7 @@ def choice_logprobs(entries: Sequence[stage_pb2.TokenLogprob], as_ids: bool = Fa
     """The thinker's entries (services/llm/token_logprobs.py) in OpenAI's `choices[].logprobs` shape;
     `as_ids` (--return-tokens-as-token-ids): each `token` is 'token_id:<id>', as vLLM writes it."""
     def top(e: stage_pb2.TopLogprob | stage_pb2.TokenLogprob) -> dict[str, Any]:
-        token = f"token_id:{e.token_id}" if as_ids else e.token.decode("utf-8", errors="replace")
-        return {"token": token, "logprob": e.logprob, "bytes": list(e.token)}
+        return {"token": token_text(e, as_ids), "logprob": e.logprob, "bytes": list(e.token)}
 
     return ChoiceLogprobs(content=[TokenLogprob(**top(e), top_logprobs=[TopLogprob(**top(t)) for t in e.top])
                                    for e in entries])

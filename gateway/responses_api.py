@@ -33,7 +33,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, field_validator
 
-from gateway.choices import Indexed, close_events
+from gateway.choices import Indexed
 from gateway.events import ChatRequest, Finished, PipelineError, TextDelta, check_request_id
 from gateway.http_errors import internal_error
 from gateway.media import invalid_request
@@ -52,7 +52,7 @@ from gateway.openai_schema import (
     resolve_model,
     validate_body,
 )
-from gateway.sse import DONE, StreamState, chain, sse
+from gateway.sse import DONE, StreamState, chain, run_to_end, sse
 from gateway.structured_request import require_llguidance, structured_spec
 from services.llm.structured_output import grammar_for
 
@@ -237,19 +237,13 @@ class ResponsesRoutes:
 
     async def _complete(self, call: _Response, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
         text: list[str] = []
-        finished = None
-        try:
-            async for _, ev in chain(first, events):
-                self.gw._observe(call, ev)
-                if isinstance(ev, TextDelta):
-                    text.append(ev.text)
-                elif isinstance(ev, Finished):
-                    finished = ev
-                    break
-        finally:
-            await close_events(events)
-        if finished is None:
-            raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
+
+        def take(ev: object) -> None:
+            self.gw._observe(call, ev)  # type: ignore[arg-type]
+            if isinstance(ev, TextDelta):
+                text.append(ev.text)
+
+        finished = await run_to_end(first, events, take)
         status = "incomplete" if finished.finish_reason == "length" else "completed"
         self.gw._finish("responses", 200, call.started)
         return JSONResponse(self._object(call, status, "".join(text), finished),

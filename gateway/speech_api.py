@@ -32,13 +32,13 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from gateway.audio_encoding import OutputAudioFormat, encode_audio, pcm16_bytes
-from gateway.choices import Indexed, close_events
+from gateway.choices import Indexed
 from gateway.events import (AudioDelta, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides, TextPart,
                             check_request_id)
 from gateway.http_errors import internal_error
 from gateway.media import invalid_request
 from gateway.openai_schema import StrictBody, error_response, parse_json_object, resolve_model, resolve_voice, validate_body
-from gateway.sse import DONE, StreamState, chain, sse
+from gateway.sse import DONE, StreamState, chain, run_to_end, sse
 from gateway.structured_request import require_llguidance
 
 if TYPE_CHECKING:
@@ -136,17 +136,7 @@ class SpeechRoutes:
         return replace(chat, sampling=replace(chat.sampling, max_tokens=want))
 
     async def _complete(self, call: _Speech, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
-        finished = None
-        try:
-            async for _, ev in chain(first, events):
-                self._take(call, ev)
-                if isinstance(ev, Finished):
-                    finished = ev
-                    break
-        finally:
-            await close_events(events)
-        if finished is None:
-            raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
+        await run_to_end(first, events, lambda ev: self._take(call, ev))
         data = await asyncio.to_thread(encode_audio, self._wave(call), call.sample_rate, _ENCODING[call.fmt])
         self.gw._finish("speech", 200, call.started)
         return Response(data, media_type=MEDIA_TYPES[call.fmt], headers={"X-Request-Id": call.request.request_id})

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.choices import close_events
+from gateway.events import Finished
+from gateway.http_errors import internal_error
 
 if TYPE_CHECKING:
     from gateway.rest import RestGateway
@@ -29,6 +31,19 @@ DONE = b"data: [DONE]\n\n"
 def sse(obj: dict[str, Any]) -> bytes:
     """One SSE `data:` event holding `obj` as compact JSON."""
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+async def run_to_end(first: Any, events: AsyncIterator[Any], take: Callable[[Any], None]) -> Finished:
+    """A single run's indexed events (`first`, then the rest) handed to `take` up to its `Finished`, which it
+    returns; the events are closed however it ends, and a run that ends without one is a 500."""
+    try:
+        async for _, ev in chain(first, events):
+            take(ev)
+            if isinstance(ev, Finished):
+                return ev
+    finally:
+        await close_events(events)
+    raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
 
 
 async def chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

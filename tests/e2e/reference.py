@@ -175,11 +175,7 @@ class ReferenceModel:
         """The prompt's ids and log_softmax of the thinker's logits at each row but the last (row i predicts
         prompt token i + 1), (n - 1, V): vLLM's prompt_logprobs."""
         p = self.prompts(req)
-        kwargs: dict = {}
-        if p.input_features is not None:
-            kwargs.update(input_features=p.input_features, feature_attention_mask=p.feature_attention_mask)
-        if p.pixel_values is not None:
-            kwargs.update(pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
+        kwargs = _media(p)
         ids = p.input_ids.view(1, -1)
         logits = self.model.thinker(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs).logits
         return ids[0].tolist(), torch.log_softmax(logits[0, :-1].float(), dim=-1)
@@ -189,11 +185,7 @@ class ReferenceModel:
         """Greedy text-only `generate` -> (the generated ids, EOS included when it stopped there;
         log_softmax of the thinker's raw logits at each step, (n, V))."""
         p = self.prompts(req)
-        kwargs: dict = {}
-        if p.input_features is not None:
-            kwargs.update(input_features=p.input_features, feature_attention_mask=p.feature_attention_mask)
-        if p.pixel_values is not None:
-            kwargs.update(pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
+        kwargs = _media(p)
         ids = p.input_ids.view(1, -1)
         out = self.model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), return_audio=False, thinker_max_new_tokens=max_tokens,
@@ -201,3 +193,13 @@ class ReferenceModel:
             thinker_output_logits=True, thinker_return_dict_in_generate=True, **kwargs)
         logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # (n, V)
         return out.sequences[0, ids.shape[1]:].tolist(), logprobs
+
+
+def _media(p) -> dict:  # type: ignore[no-untyped-def]
+    """A prompt's audio and image inputs as the thinker's forward / generate take them."""
+    kwargs: dict = {}
+    if p.input_features is not None:
+        kwargs.update(input_features=p.input_features, feature_attention_mask=p.feature_attention_mask)
+    if p.pixel_values is not None:
+        kwargs.update(pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
+    return kwargs

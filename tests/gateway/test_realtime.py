@@ -297,3 +297,18 @@ def test_a_client_gone_mid_response_leaves_nothing_running(rest_server: RestServ
         assert time.monotonic() < deadline, "the response kept running after the client left"
         time.sleep(0.02)
     assert pipeline.closed == [pipeline.requests[0].request_id]
+
+
+def test_a_failed_transcription_is_its_own_event(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
+    from gateway.events import PipelineError
+
+    pipeline.script = lambda request: [PipelineError("thinker is full", http_status=429, grpc_code=8,
+                                                     kind="rate_limit_error")]
+    send(ws, type="session.update", session={"input_audio_transcription": {"model": "whisper-1"}})
+    recv(ws)
+    send(ws, type="input_audio_buffer.append", audio=audio_b64(0.2))
+    send(ws, type="input_audio_buffer.commit")
+    failed = until(ws, "conversation.item.input_audio_transcription.failed")[-1]
+    assert failed["error"]["message"] == "thinker is full" and failed["content_index"] == 0
+    send(ws, type="session.update", session={})  # the session goes on
+    assert recv(ws)["type"] == "session.updated"

@@ -130,3 +130,16 @@ def test_bad_bodies(rest_server, pipeline, body, param, needle) -> None:
     err = r.json()["error"]
     assert err["param"].startswith(param) and needle in err["message"], err
     assert pipeline.requests == []
+
+
+def test_a_failure_midstream_is_an_error_event(rest_server, pipeline) -> None:
+    from gateway.events import PipelineError
+
+    pipeline.script = lambda request: [TextDelta("a"), PipelineError("thinker died", http_status=503, grpc_code=14,
+                                                                      kind="service_unavailable")]
+    with httpx.stream("POST", f"{rest_server.base_url}/v1/responses", timeout=10,
+                      json={"model": "tiny-omni", "input": "Hi", "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["type"] == "error" and events[-1]["message"] == "thinker died"
+    assert events[-1]["code"] == "service_unavailable"
+    assert "response.completed" not in [e["type"] for e in events]

@@ -123,3 +123,20 @@ def test_max_tokens_leave_room_for_the_whole_input(shared_pipeline, pipeline, tm
         assert pipeline.requests[-1].sampling.max_tokens == min(len(text) + 1, 256 - prompt)
         r = post(server, {"input": "the sea " * 200})
         assert r.status_code == 400 and "do not fit" in r.json()["error"]["message"], r.text
+
+
+def test_a_failure_midstream(rest_server, pipeline) -> None:
+    """sse: an error event then [DONE]; raw pcm: the stream just ends short (it has no room for an error)."""
+    from gateway.events import AudioDelta, PipelineError
+
+    pipeline.script = lambda request: [AudioDelta(tone(0.1), SAMPLE_RATE),
+                                       PipelineError("vocoder died", http_status=503, grpc_code=14,
+                                                     kind="service_unavailable")]
+    with httpx.stream("POST", f"{rest_server.base_url}/v1/audio/speech", timeout=10,
+                      json={"input": "hi", "response_format": "pcm", "stream_format": "sse"}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["message"] == "vocoder died"
+    with httpx.stream("POST", f"{rest_server.base_url}/v1/audio/speech", timeout=10,
+                      json={"input": "hi", "response_format": "pcm"}) as r:
+        assert b"".join(r.iter_bytes()) == pcm16_bytes(tone(0.1))
+    assert post(rest_server, {"input": "hi", "response_format": "wav"}).status_code == 503  # whole: its status
