@@ -97,6 +97,16 @@ class SamplingOverrides:
 
 
 @dataclass(frozen=True, slots=True)
+class TemplateOptions:
+    """How the messages become the prompt besides the template itself (defaults: a chat's prompt, ending with
+    the assistant's turn start); checked in gateway/chat_template_options.py."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the final message stays open and the model continues it
+    kwargs: dict[str, Any] = field(default_factory=dict)  # vLLM's chat_template_kwargs: variables the template reads
+
+
+@dataclass(frozen=True, slots=True)
 class ChatRequest:
     request_id: str
     model: str
@@ -115,6 +125,7 @@ class ChatRequest:
     # a (legacy) completion's prompt: these token ids exactly, no chat template (`messages` is empty then)
     prompt_ids: tuple[int, ...] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
+    template: TemplateOptions = field(default_factory=TemplateOptions)
 
 
 @dataclass(frozen=True, slots=True)

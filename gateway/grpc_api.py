@@ -33,6 +33,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from gateway.audio_encoding import pcm16_bytes
 from gateway.auth import ApiKeyInterceptor
+from gateway.chat_template_options import parse_kwargs_json, template_options
 from gateway.events import (
     AudioDelta,
     ChatMessage,
@@ -204,6 +205,10 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 raise invalid_request(f"structured_output: {e}", "structured_output") from None
             structured = (so.kind, so.spec)
         plan = self._tools(req, modalities)
+        template = template_options(req.add_generation_prompt if req.HasField("add_generation_prompt") else None,
+                                    req.continue_final_message,
+                                    parse_kwargs_json(req.chat_template_kwargs, "chat_template_kwargs"),
+                                    [m.role for m in messages], audio_out="audio" in modalities)
         if structured is not None and (plan.parse or plan.structured is not None):
             raise invalid_request("structured_output: a structured output and tool calls cannot both shape one "
                                   "answer; send tool_choice \"none\" or leave one out", "structured_output")
@@ -211,7 +216,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                            messages=tuple(messages), modalities=modalities,
                            voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages,
                            priority=req.priority, processor_kwargs=tuple(sorted(settings.items())),
-                           structured=plan.structured or structured, tools=plan.tools), plan
+                           structured=plan.structured or structured, tools=plan.tools, template=template), plan
 
     def _tools(self, req: omni_pb2.GenerateRequest, modalities: tuple[str, ...]) -> ToolPlan:
         """The request's tools as REST's (`plan_tools`): each {"type": "function", "function": {...}}."""

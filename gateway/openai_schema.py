@@ -17,6 +17,9 @@ come from the model folder).
 `tools` / `tool_choice` and the messages' `tool_calls` / `tool_call_id` are OpenAI's function calling
 (checked and parsed in gateway/tool_calls.py).
 `stream_options.continuous_usage_stats` (vLLM's, with include_usage) puts the usage so far on every chunk.
+vLLM's `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs` (`TemplateFields`, shared
+with /tokenize) shape the prompt (gateway/chat_template_options.py); `echo` puts a final assistant message
+before each choice's content.
 Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate, whatever `audio.format`
 says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `message.audio.data`.
 `stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does. `logprobs`
@@ -41,7 +44,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.audio_encoding import OUTPUT_AUDIO_FORMATS
-from gateway.events import PipelineError, SamplingOverrides
+from gateway.chat_template_options import template_options
+from gateway.events import PipelineError, SamplingOverrides, TemplateOptions
 from gateway.media import invalid_request
 from gateway.processor_kwargs import KEYS, check_settings
 from gateway.prompt_logprobs import token_text
@@ -338,8 +342,26 @@ class SamplingBody(StrictBody):
         return _overrides(self, max_tokens)
 
 
-class ChatCompletionRequest(SamplingBody):
+class TemplateFields(StrictBody):
+    """vLLM's fields for how the messages become the prompt (chat and /tokenize;
+    gateway/chat_template_options.py): None is the default (a new assistant turn, the model's variables)."""
+
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None  # the final message stays open and the model continues it
+    chat_template_kwargs: dict[str, Any] | None = None  # variables the chat template reads
+
+    def template(self, messages: Sequence[Message], audio_out: bool) -> TemplateOptions:
+        """These fields, checked against the messages and the output (400s naming the field)."""
+        return template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs,
+                                [m.role for m in messages], audio_out=audio_out)
+
+
+class ChatCompletionRequest(SamplingBody, TemplateFields):
+    model_config = SamplingBody.model_config  # unknown fields kept for `refuse_unsupported` (not TemplateFields')
     messages: list[Message] = Field(min_length=1)
+    # vLLM's: each choice's content starts with the final message's text when that is the assistant's (with
+    # continue_final_message: the start of the message the model continued)
+    echo: bool = False
     modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
     audio: AudioOutput | None = None
     max_tokens: int | None = None
@@ -393,7 +415,6 @@ _NEUTRAL: dict[str, Any] = {
     # vLLM's extra sampling / decoding parameters
     "best_of": lambda v: v is None or v == 1,
     "use_beam_search": lambda v: not v,
-    "echo": lambda v: not v,
 }
 # OpenAI fields that only label, store or route a request (nothing here to honour): never logged
 _HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prediction"})

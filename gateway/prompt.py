@@ -4,7 +4,7 @@ Data flow:
     ChatRequest.messages --render_conversation--> HF-style conversation (text / {"type": "audio"} /
       {"type": "image"} / {"type": "video"} parts) + the audio arrays (16 kHz), PIL images and sampled
       video frames in order of appearance
-    --tokenizer.apply_chat_template (add_generation_prompt)--> prompt text with one <|audio_pad|> /
+    --tokenizer.apply_chat_template (the request's TemplateOptions)--> prompt text with one <|audio_pad|> /
       <|image_pad|> / <|video_pad|> per item
     --processor (Qwen3OmniMoeProcessor API: Whisper features, Qwen2-VL patches, placeholder expansion)-->
     PromptInputs (torch, CPU): input_ids (L,), input_features (n_audio, n_mel, T), feature_attention_mask
@@ -182,19 +182,21 @@ class PromptBuilder:
     def __call__(self, request: ChatRequest) -> PromptInputs:
         return self.build(request)
 
-    def render(self, request: ChatRequest, add_generation_prompt: bool = True) -> tuple[str, Conversation]:
-        """The prompt text (one placeholder per media item) and the media, in prompt order."""
+    def render(self, request: ChatRequest) -> tuple[str, Conversation]:
+        """The prompt text (one placeholder per media item) and the media, in prompt order; how it ends and the
+        template's own variables are the request's `template` (gateway/chat_template_options.py)."""
         if not any(m.role == "user" for m in request.messages):
             raise invalid_request("messages: at least one user message is required", "messages")
         conv = render_conversation(request.messages)
         if request.tools and not self.renders_tools:
             raise invalid_request("tools: this model's chat template does not render tools; start the server with "
                                   "a --chat-template that does", "tools")
+        options = request.template
         try:
-            text = self.processor.tokenizer.apply_chat_template(conv.messages, tokenize=False,
-                                                                add_generation_prompt=add_generation_prompt,
-                                                                chat_template=self.chat_template,
-                                                                tools=list(request.tools) or None)
+            text = self.processor.tokenizer.apply_chat_template(
+                conv.messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, chat_template=self.chat_template,
+                tools=list(request.tools) or None, **options.kwargs)
         except Exception as e:  # jinja's raise_exception / TemplateError: the messages break the template
             whose = "the model's" if self.chat_template is None else "the --chat-template"
             raise invalid_request(f"messages: {whose} chat template rejected them: {e}", "messages") from None
@@ -260,10 +262,10 @@ class PromptBuilder:
                 f"the videos alone are {n} tokens, but this model's maximum context length (max_model_len) is "
                 f"{self.max_model_len} tokens; send a shorter or smaller video", "messages")
 
-    def encode(self, request: ChatRequest, add_generation_prompt: bool = True) -> torch.Tensor:
+    def encode(self, request: ChatRequest) -> torch.Tensor:
         """The prompt's token ids (L,) as the thinker would get them (/tokenize): no prompt-length checks, only
         the refusal of videos that alone exceed max_model_len (their preprocessing would be wasted work)."""
-        return self._process(*self.render(request, add_generation_prompt), self.processor_for(request))[0]
+        return self._process(*self.render(request), self.processor_for(request))[0]
 
     def check_length(self, n: int, max_tokens: int | None, param: str = "messages") -> None:
         """A prompt of `n` tokens and the `max_tokens` asked for (None: up to the limit) must fit

@@ -217,6 +217,8 @@ class _Call:
     n: int = 1  # choices (OpenAI's `n`): as many runs of the request (gateway/choices.py)
     tools: ToolPlan = NO_TOOLS  # what the answer's tool calls are (gateway/tool_calls.py): parsed, forced or none
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
+    echo: str = ""  # vLLM's echo: the final assistant message's text, before each choice's content
+    spoken_lead: str = ""  # a continued assistant message's start: the talker speaks it before the generated text
 
     @property
     def logprobs(self) -> bool:
@@ -280,7 +282,10 @@ class RestGateway:
             raise invalid_request("response_format: a structured output and tool calls (tool_choice \"auto\") "
                                   "cannot both shape one answer; send tool_choice \"none\" or leave one out",
                                   "response_format")
+        template = body.template(body.messages, "audio" in modalities)
         messages = await self.chat_messages(body.messages, body.mm_processor_kwargs)
+        final = "".join(p.text for p in messages[-1].content if isinstance(p, TextPart)) \
+            if messages[-1].role == "assistant" else ""  # joined as the chat template joins a message's parts
         # an alias from --served-model-name runs the pipeline's own model
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
         request = ChatRequest(
@@ -288,7 +293,8 @@ class RestGateway:
             modalities=modalities, voice=voice if "audio" in modalities else None, sampling=sampling,
             stage_params=stages, priority=check_priority(body.priority),
             processor_kwargs=_settings(body.mm_processor_kwargs), tools=tools.tools,
-            structured=tools.structured or structured, truncate_prompt_tokens=body.truncate_prompt_tokens)
+            structured=tools.structured or structured, truncate_prompt_tokens=body.truncate_prompt_tokens,
+            template=template)
         audio_format: OutputAudioFormat | None = None
         if "audio" in modalities:  # the schema checked it is one of OUTPUT_AUDIO_FORMATS
             audio_format = cast(OutputAudioFormat, body.audio.format) if body.audio is not None else "wav"
@@ -297,7 +303,8 @@ class RestGateway:
                      continuous_usage=bool(body.stream_options and body.stream_options.include_usage
                                            and body.stream_options.continuous_usage_stats),
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n,
-                     tools=tools)
+                     tools=tools, echo=final if body.echo else "",
+                     spoken_lead=final if template.continue_final_message else "")
 
     async def chat_messages(self, messages: list[Message], mm: MMProcessorKwargs | None = None
                             ) -> tuple[ChatMessage, ...]:
@@ -425,12 +432,13 @@ class RestGateway:
         choices = []
         for i in range(call.n):
             transcript = "".join(text[i])
-            message = ResponseMessage(content=transcript)
+            message = ResponseMessage(content=call.echo + transcript)
             finish = finished[i].finish_reason
             if call.tools.parse:
                 content, calls = parse_tool_calls(transcript)
                 if calls:
-                    message = ResponseMessage(content=content, tool_calls=[_tool_call(c) for c in calls])
+                    message = ResponseMessage(content=call.echo + (content or "") if call.echo else content,
+                                              tool_calls=[_tool_call(c) for c in calls])
                     finish = "tool_calls"
             elif call.tools.forced is not None and (forced := forced_calls(call.tools, transcript)):
                 message = ResponseMessage(content=None, tool_calls=[_tool_call(c) for c in forced])
@@ -438,7 +446,7 @@ class RestGateway:
                 wave = np.concatenate(audio[i]) if audio[i] else np.zeros(0, np.float32)
                 data = await asyncio.to_thread(encode_audio, wave, rate, call.audio_format)
                 message.audio = MessageAudio(id=f"audio_{uuid.uuid4().hex}", data=base64.b64encode(data).decode(),
-                                             expires_at=call.created, transcript=transcript)
+                                             expires_at=call.created, transcript=call.spoken_lead + transcript)
             choices.append(Choice(index=i, message=message, finish_reason=finish,
                                   logprobs=self._logprobs(call, logprobs[i]), stop_reason=finished[i].stop_reason))
         k = call.request.sampling.prompt_logprobs
@@ -487,6 +495,8 @@ class RestGateway:
         try:
             for i in range(call.n):
                 yield chunk(i, Delta(role="assistant", content=""))
+                if call.echo:
+                    yield chunk(i, Delta(content=call.echo))
             finished: dict[int, Finished] = {}
             async for i, ev in chain(first, events):
                 self._observe(call, ev)

@@ -1,7 +1,8 @@
 """vLLM's `POST /tokenize` and `POST /detokenize`, on the gateway's own tokenizer and chat template.
 
 Data flow of /tokenize: body -> `TokenizeRequest` (strict: `messages` as in a chat completion, media
-included, or a plain `prompt`; exactly one) -> messages: the same `ChatRequest` -> `PromptBuilder.encode`
+included, with the chat's template fields, or a plain `prompt`; exactly one) -> messages: the same
+`ChatRequest` -> `PromptBuilder.encode`
 as a chat would build (chat template, --chat-template when given, and every audio / image placeholder
 expanded, so `count` is the chat's `usage.prompt_tokens`); prompt: the tokenizer alone ->
 `{"count", "max_model_len", "tokens", "token_strs"}`. /detokenize: `{"tokens": [...]}` -> `{"prompt"}`;
@@ -23,8 +24,8 @@ from pydantic import model_validator
 from gateway.events import ChatRequest, PipelineError
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.media import invalid_request
-from gateway.openai_schema import (MMProcessorKwargs, Message, StrictBody, ToolDef, parse_json_object, resolve_model,
-                                    validate_body)
+from gateway.openai_schema import (MMProcessorKwargs, Message, StrictBody, TemplateFields, ToolDef, parse_json_object,
+                                    resolve_model, validate_body)
 from gateway.prompt import PromptBuilder
 
 if TYPE_CHECKING:
@@ -33,11 +34,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class TokenizeRequest(StrictBody):
+class TokenizeRequest(TemplateFields):  # the template fields: messages only, as the chat's
     model: str | None = None
     messages: list[Message] | None = None
     prompt: str | None = None
-    add_generation_prompt: bool = True  # messages only: end with the assistant's turn, as a chat does
     add_special_tokens: bool | None = None  # default: False for messages (the template has them), True for a prompt
     return_token_strs: bool = False
     mm_processor_kwargs: MMProcessorKwargs | None = None  # messages only: as the chat's (use_audio_in_video)
@@ -118,8 +118,9 @@ class TokenizeRoutes:
             messages = await self.gw.chat_messages(req.messages, mm)
             chat = ChatRequest(request_id="tokenize", model=self.gw.served_model_names[0], messages=messages,
                                processor_kwargs=tuple(sorted(mm.settings().items())) if mm is not None else (),
-                               tools=tuple(t.model_dump(exclude_none=True) for t in req.tools or ()))
-            ids = (await asyncio.to_thread(self.builder.encode, chat, req.add_generation_prompt)).tolist()
+                               tools=tuple(t.model_dump(exclude_none=True) for t in req.tools or ()),
+                               template=req.template(req.messages, audio_out=False))
+            ids = (await asyncio.to_thread(self.builder.encode, chat)).tolist()
         else:
             ids = await asyncio.to_thread(tokenize_prompt, self.builder, req.prompt or "",
                                           req.add_special_tokens is not False)

@@ -60,7 +60,7 @@ class ToolCalls(_message.Message):
     def __init__(self, calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "messages", "modalities", "voice", "sampling", "stage_params", "request_id", "use_audio_in_video", "n", "priority", "mm_processor_kwargs", "structured_output", "tools", "tool_choice", "parallel_tool_calls")
+    __slots__ = ("model", "messages", "modalities", "voice", "sampling", "stage_params", "request_id", "use_audio_in_video", "n", "priority", "mm_processor_kwargs", "structured_output", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
     class StageParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,9 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     modalities: _containers.RepeatedScalarFieldContainer[str]
@@ -105,7 +108,10 @@ class GenerateRequest(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: str
     parallel_tool_calls: bool
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., modalities: _Optional[_Iterable[str]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., mm_processor_kwargs: _Optional[_Mapping[str, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template_kwargs: str
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., modalities: _Optional[_Iterable[str]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., mm_processor_kwargs: _Optional[_Mapping[str, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("kind", "spec")

@@ -7,6 +7,9 @@ samples one token and returns its chunk: the text delta, `token_ids` (1,), and, 
 audio, `token_embeds` (1, H) for the talker (the first chunk also carries the TalkerPrompt); a token that
 does not end the request is fed back as the next input row. The final token (a stop id, a stop string,
 or max tokens) is never spoken: its chunk has no `token_embeds` and ends the stream (final=True).
+A prompt that continues an assistant message (vLLM's continue_final_message; `Qwen3OmniThinker.assistant_lead`)
+gives the talker a prompt that stops at that message's `<|im_start|>assistant\n`, and the first token's chunk
+carries the message's own rows before the token's: the talker speaks the whole message, as if generated.
 Streaming (`stream_interval`, the stage's --stream-interval; `eager_tokens`, a request option): the first
 `eager_tokens` tokens and the last leave at once, the others every `stream_interval` tokens as one chunk
 (texts joined, `token_ids` (k,) and `token_embeds` (k, H) stacked): fewer messages through the gateway.
@@ -164,9 +167,13 @@ class ThinkerTask(BatchedTask):
         if prompt is None:
             raise RuntimeError("logits before the prompt was prepared")
         tensors: dict[str, torch.Tensor] = {}
+        spoken: list[torch.Tensor] = []  # this chunk's rows of text for the talker
         if self.completion_tokens == 0 and self.talker_inputs:
             hidden = torch.cat(self.captured) if self.captured else prompt.embeds.new_zeros(0, prompt.embeds.shape[1])
-            tensors.update(talker_prompt_to_tensors(self.thinker.talker_prompt(prompt, hidden)))
+            lead = self.thinker.assistant_lead(prompt.ids)  # a continued assistant message: spoken first
+            tensors.update(talker_prompt_to_tensors(self.thinker.talker_prompt(prompt, hidden, lead)))
+            if lead:
+                spoken.append(prompt.embeds[prompt.ids.numel() - lead:])  # (lead, H)
             self.captured = []
         grammar_done = self.constraint is not None and self.constraint.complete
         if self.constraint is None:
@@ -196,12 +203,15 @@ class ThinkerTask(BatchedTask):
                 self.stop_reason = self.stops.matched
             elif stop and not grammar_done and token in self.requested_stops and token not in self.own_stops:
                 self.stop_reason = token  # vLLM's: a request's stop id (the model's own EOS says nothing)
+            if spoken:
+                tensors["token_embeds"] = spoken[0]
             return self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs, prompt_logprobs=scored)), None
         embed, positions = self.thinker.token_input(token, len(self.token_ids), prompt.rope_delta)
         self._history[len(self.token_ids)] = token
         self.token_ids.append(token)
         if self.talker_inputs:
-            tensors["token_embeds"] = embed.view(1, -1)  # (1, H)
+            spoken.append(embed.view(1, -1))
+            tensors["token_embeds"] = torch.cat(spoken) if len(spoken) > 1 else spoken[0]  # (k, H)
         return (self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs, prompt_logprobs=scored)),
                 InputRun(embed.view(1, -1), positions))
 

@@ -7,12 +7,13 @@ is refused."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gateway.events import AudioPart, ChatMessage, ChatRequest, PipelineError, TextPart
+from gateway.events import AudioPart, ChatMessage, ChatRequest, PipelineError, TemplateOptions, TextPart
 from gateway.prompt import PromptBuilder, load_chat_template
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
@@ -63,7 +64,8 @@ def test_the_prompt_is_what_transformers_renders_with_it(processor, caplog: pyte
     built = custom.build(req)
     assert built.input_ids.tolist() == list(processor.tokenizer(expected)["input_ids"])
     assert built.input_ids.tolist() != default.build(req).input_ids.tolist()
-    assert custom.encode(req, add_generation_prompt=False).tolist() == list(
+    bare = replace(req, template=TemplateOptions(add_generation_prompt=False))
+    assert custom.encode(bare).tolist() == list(
         processor.tokenizer(expected.removesuffix("[assistant]"))["input_ids"])
     with pytest.raises(PipelineError, match="could not prepare the prompt") as e:  # the template dropped the audio
         custom.build(chat(user(TextPart("listen"), AudioPart(np.zeros(16_000, np.float32), 16_000))))

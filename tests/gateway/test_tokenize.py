@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from gateway_harness import RestServer, ScriptedPipeline
-from test_rest import wav_file
+from test_rest import png_data_uri, wav_file
 
 from gateway.events import AudioPart, ChatMessage, ChatRequest, TextPart
 from gateway.media import decode_wav
@@ -58,6 +58,22 @@ def test_messages_are_tokenized_as_the_chat_prompt(server: RestServer, builder: 
     assert got["tokens"].count(builder.processor.tokenizer.convert_tokens_to_ids("<|audio_pad|>")) > 1  # expanded
     bare = post(server, "/tokenize", {**body, "add_generation_prompt": False}).json()
     assert bare["tokens"] == got["tokens"][:bare["count"]] and bare["count"] < got["count"]
+
+
+def test_messages_take_the_chat_template_options(server: RestServer, builder: PromptBuilder) -> None:
+    """continue_final_message and chat_template_kwargs as a chat takes them (vLLM's /tokenize fields)."""
+    tok = builder.processor.tokenizer
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}],
+            "add_generation_prompt": False, "continue_final_message": True}
+    r = post(server, "/tokenize", body)
+    assert r.status_code == 200, r.text
+    assert tok.decode(r.json()["tokens"]).endswith("<|im_start|>assistant\nOnce upon")
+    image = {"type": "image_url", "image_url": {"url": png_data_uri()}}
+    seen = post(server, "/tokenize", {"messages": [{"role": "user", "content": [image]}],
+                                      "chat_template_kwargs": {"add_vision_id": True}}).json()
+    assert "Picture 1: " in tok.decode(seen["tokens"])
+    wrong = post(server, "/tokenize", {**body, "add_generation_prompt": True})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "continue_final_message"
 
 
 def test_prompt_tokens_strs_and_detokenize_round_trip(server: RestServer, builder: PromptBuilder) -> None:

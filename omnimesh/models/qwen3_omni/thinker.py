@@ -194,12 +194,31 @@ class Qwen3OmniThinker:
         joint[:, rows["video"][visual]] = torch.stack(video_deepstack)
         return joint
 
-    def talker_prompt(self, prompt: PreparedPrompt, multimodal_hidden: torch.Tensor) -> TalkerPrompt:
+    def assistant_lead(self, ids: torch.Tensor) -> int:
+        """How many rows end the prompt `ids` (L,) after its last `<|im_start|>assistant\\n` while that turn
+        is open (no `<|im_end|>` or turn start after them): an assistant message the client began (vLLM's continue_final_message), which the
+        talker speaks before the generated text, as if the thinker had written it. 0 for a prompt that ends
+        with the assistant start (or has none: the talker refuses that)."""
+        ids = ids.view(-1)
+        cfg = self.config
+        starts = torch.nonzero((ids[:-1] == cfg.im_start_token_id) & (ids[1:] == cfg.assistant_token_id)).flatten()
+        if starts.numel() == 0:
+            return 0
+        begin = int(starts[-1]) + 3  # im_start, assistant, "\n": the rows the talker's prefill takes
+        tail = ids[begin:]
+        if tail.numel() == 0 or bool(((tail == cfg.im_start_token_id) | (tail == cfg.im_end_token_id)).any()):
+            return 0
+        return ids.numel() - begin
+
+    def talker_prompt(self, prompt: PreparedPrompt, multimodal_hidden: torch.Tensor, lead: int = 0) -> TalkerPrompt:
         """What the talker needs, once `multimodal_hidden` (n_mm, H) — the hidden at `accept_hidden_layer` of
-        the prompt's media rows — is known."""
+        the prompt's media rows — is known. `lead` (`assistant_lead`): the prompt's last rows are an assistant
+        message being continued; the talker's prompt stops before them (the caller sends their embeddings as the
+        first text to speak)."""
+        end = prompt.ids.numel() - lead
         return TalkerPrompt(
-            input_ids=prompt.ids.clone(),
-            prompt_embeds=prompt.embeds.clone(),  # (L, H)
+            input_ids=prompt.ids[:end].clone(),
+            prompt_embeds=prompt.embeds[:end].clone(),  # (L - lead, H)
             multimodal_hidden=multimodal_hidden.clone(),  # (n_mm, H)
             tts_embeds=self._embed(torch.tensor(self.tts_ids, dtype=torch.long)),  # (3, H)
             image_grid_thw=None if prompt.image_grid_thw is None else prompt.image_grid_thw.clone(),
