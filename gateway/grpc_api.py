@@ -62,6 +62,7 @@ from gateway.openai_schema import (
     resolve_model,
     resolve_voice,
 )
+from omnimesh import tracing
 from omnimesh.server.grpc_server import make_server
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
 from gateway.structured_request import require_llguidance
@@ -245,6 +246,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
     async def Generate(self, request: omni_pb2.GenerateRequest,  # noqa: N802 (gRPC method name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[omni_pb2.GenerateResponse]:
         n = request.n or 1
+        # the caller's traceparent metadata, when tracing: this RPC's task only, so it is never reset
+        tracing.set_request_parent((m[0], m[1]) for m in context.invocation_metadata() or () if isinstance(m[1], str))
         try:
             if n > MAX_CHOICES:
                 raise invalid_request(f"n: must be in [1, {MAX_CHOICES}] choices, got {n}", "n")

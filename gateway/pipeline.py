@@ -41,6 +41,7 @@ import torch
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, PipelineError, TextDelta
 from gateway.prompt import PromptBuilder, PromptInputs
 from gateway.replicas import RETRY_CODES, Lease, Replica
+from gateway.run_span import RunSpan
 from gateway.stage_mesh import REPLICA_GRACE_S, StageMesh
 from gateway.request_log import RequestLog
 from gateway.stage_sampling import talker_sampling, thinker_sampling
@@ -153,14 +154,18 @@ class StagePipeline:
             )
         self._in_flight.add(rid)
         started, done, error = time.monotonic(), None, None
+        span = RunSpan.start(request)  # tracing on: this run's span, the stages' spans under it
         try:
             prompt = await asyncio.to_thread(self._prepared, request, self.hashes_media())
             if self.request_log is not None:
                 self.request_log.received(request, int(prompt.input_ids.numel()))
-            async with contextlib.aclosing(self._attempts(request, prompt, want_audio, voice)) as events:
+            trace = span.headers() if span is not None else {}
+            async with contextlib.aclosing(self._attempts(request, prompt, want_audio, voice, trace)) as events:
                 async for event in events:  # closing `run` closes this: the stages hear of the cancel at once
                     if isinstance(event, Finished):
                         done = event
+                    if span is not None:
+                        span.saw(event)
                     yield event
         except (GeneratorExit, asyncio.CancelledError):
             raise  # the client went away: logged as cancelled
@@ -169,6 +174,8 @@ class StagePipeline:
             raise
         finally:
             self._in_flight.discard(rid)
+            if span is not None:
+                span.end(done, error)
             if self.request_log is not None:
                 self.request_log.finished(rid, time.monotonic() - started, done, error)
 
@@ -185,7 +192,7 @@ class StagePipeline:
         return self.prepare(request)
 
     async def _attempts(self, request: ChatRequest, prompt: PromptInputs, want_audio: bool,
-                        voice: str) -> AsyncGenerator[Event, None]:
+                        voice: str, trace: Mapping[str, str]) -> AsyncGenerator[Event, None]:
         """Run the request on one replica of each stage; when a replica is unreachable or full
         (UNAVAILABLE / RESOURCE_EXHAUSTED) before the client got anything, run it again on another one of
         that stage (under a new id in the stages: `ID#1`, ...) — once per replica, at most."""
@@ -196,7 +203,8 @@ class StagePipeline:
             sent = ok = False
             try:
                 sid = request.request_id if attempt == 0 else f"{request.request_id}#{attempt}"
-                async with contextlib.aclosing(self._run(request, sid, prompt, want_audio, voice, plan)) as events:
+                async with contextlib.aclosing(self._run(request, sid, prompt, want_audio, voice, plan,
+                                                         trace)) as events:
                     async for event in events:
                         sent = True
                         ok = isinstance(event, Finished)  # the front end may stop reading here
@@ -219,14 +227,15 @@ class StagePipeline:
                     lease.done(ok)
 
     async def _run(self, request: ChatRequest, rid: str, prompt: PromptInputs, want_audio: bool, voice: str,
-                   plan: dict[str, Lease]) -> AsyncGenerator[Event, None]:
+                   plan: dict[str, Lease], trace: Mapping[str, str]) -> AsyncGenerator[Event, None]:
+        """One attempt on the planned replicas; `trace`: the run span's context, sent with every stage call."""
         deadline = time.time() + self.request_timeout_s
         legs: list[_Leg] = []
         events: asyncio.Queue = asyncio.Queue()
         relays: list[asyncio.Task] = []
         ok = False
         try:
-            features = await self._encode(rid, prompt, deadline, plan, legs)
+            features = await self._encode(rid, prompt, deadline, plan, legs, trace)
             thinker_replica = plan["thinker"].replica
             out = self.mesh.mode(thinker_replica, plan["talker"].replica.host, "talker") if want_audio else "grpc"
             thinker = await thinker_replica.client.open(
@@ -234,7 +243,7 @@ class StagePipeline:
                 {"talker_inputs": "1" if want_audio else "0",
                  "eager_tokens": str(self.mesh.eager_tokens if want_audio else 1), **_priority(request),
                  **_structured(request)},
-                deadline, transport=out,
+                deadline, transport=out, metadata=trace,
             )
             legs.append(_Leg(thinker, thinker_replica, out))
             await self._send_prompt(thinker, prompt, features)
@@ -248,11 +257,13 @@ class StagePipeline:
                     deadline,
                     whole_input=whole,
                     transport=out,
+                    metadata=trace,
                 )
                 legs.append(_Leg(talker, replica, out))
                 replica = plan["vocoder"].replica
                 out = self.mesh.mode(replica, self.mesh.host_id, "gateway")
-                vocoder = await replica.client.open(rid, None, {}, deadline, whole_input=whole, transport=out)
+                vocoder = await replica.client.open(rid, None, {}, deadline, whole_input=whole, transport=out,
+                                                    metadata=trace)
                 legs.append(_Leg(vocoder, replica, out))
             relays.append(asyncio.create_task(self._relay(thinker, talker, events, text=True,
                                                           prompt_tokens=int(prompt.input_ids.numel()))))
@@ -343,14 +354,14 @@ class StagePipeline:
             await thinker.send_part(part)
 
     async def _encode(self, rid: str, prompt: PromptInputs, deadline: float, plan: dict[str, Lease],
-                      legs: list[_Leg]) -> list[stage_pb2.Chunk]:
+                      legs: list[_Leg], trace: Mapping[str, str]) -> list[stage_pb2.Chunk]:
         """Run the encoder when the prompt has audio or images -> its output parts (passed on unread)."""
         tensors = _encoder_inputs(prompt)
         if not tensors:
             return []
         replica = plan["encoder"].replica
         out = self.mesh.mode(replica, plan["thinker"].replica.host, "thinker")
-        encoder = await replica.client.open(rid, None, {}, deadline, transport=out)
+        encoder = await replica.client.open(rid, None, {}, deadline, transport=out, metadata=trace)
         legs.append(_Leg(encoder, replica, out))
         await encoder.send(StageChunk(tensors=tensors, final=True))
         return [part async for part in encoder.parts()]

@@ -113,6 +113,7 @@ from gateway.speech_api import SpeechRoutes
 from gateway.transcription_api import TranscriptionRoutes
 from gateway.stage_scrape import StageSources, scrape_stages
 from gateway.sse import DONE, SSEResponse, StreamState, chain, sse
+from omnimesh import tracing
 from omnimesh.engine.metrics import merge_families, parse_exposition
 from omnimesh.v1 import stage_pb2
 
@@ -361,6 +362,7 @@ class RestGateway:
         started = time.perf_counter()
         self.metrics.running.inc()
         streaming = False
+        trace = tracing.set_request_parent(request.headers.items())  # the client's traceparent, when tracing
         try:
             raw = await read_body(request, self.loader.limits.max_request_bytes)
             ans = await prepare(raw, request.headers.get("x-request-id"), started)
@@ -385,6 +387,7 @@ class RestGateway:
             self._finish(endpoint, 500, started)
             return error_json(internal_error(e))
         finally:
+            tracing.reset_request_parent(trace)  # the runs' spans have started under it by now
             if not streaming:
                 self.metrics.running.dec()
 

@@ -28,6 +28,7 @@ from gateway.prompt import PromptBuilder, load_chat_template
 from gateway.request_log import RequestLog
 from gateway.stage_discovery import StageDiscovery, parse_dns_target
 from gateway.rest import create_app
+from omnimesh import tracing
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
 from omnimesh.server.grpc_server import bind
@@ -75,6 +76,7 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
 
 async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str, list[str]]) -> None:
     keys = parse_api_keys(args.api_key)  # first: a bad $OMNIMESH_API_KEY stops us before any stage is dialled
+    tracing.init("omnimesh-gateway", args.otlp_traces_endpoint)  # RuntimeError naming the packages when missing
     front = HttpFront.from_args(args)  # and an unreadable --ssl-keyfile
     pipeline, discovery = build_pipeline(args, model_dir, stage_addrs)
     if discovery is not None:
@@ -121,6 +123,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
         await discovery.stop()
     video_warmup.cancel()
     await pipeline.close()
+    tracing.shutdown()  # the spans still batched leave now
 
 
 async def _start_video_decoding() -> None:

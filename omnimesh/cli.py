@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from omnimesh.config.serve_args import GATEWAY_FIELDS, STAGE_EXCLUDED, ServeArgs, add_arguments, from_namespace
+from omnimesh import tracing
 from omnimesh.config.stage_config import STAGES
 from omnimesh.log_setup import setup_logging
 
@@ -175,6 +176,10 @@ def cmd_stage(ns: argparse.Namespace) -> int:
 
     port = ns.stage_port if ns.stage_port is not None else 50051 + STAGES.index(ns.stage_name)
     cfg = args.stage_configs()[stage]
+    try:
+        tracing.init(f"omnimesh-{stage}", args.otlp_traces_endpoint)
+    except RuntimeError as exc:  # the packages are missing: the message says what to install
+        return _fail(str(exc))
     try:
         run_stage(handler_factory(ns.stage_name, model_dir, args), ns.stage_host, port,
                   transport=cfg.transport, shm_arena_size=cfg.shm_arena_size,

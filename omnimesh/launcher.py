@@ -82,6 +82,8 @@ class MeshLauncher:
             argv.append("--enforce-eager")
         if a.disable_log_stats:
             argv.append("--disable-log-stats")
+        if a.otlp_traces_endpoint is not None:
+            argv += ["--otlp-traces-endpoint", a.otlp_traces_endpoint]
         if a.served_model_name is not None:  # the stage's metrics carry it as model_name
             argv += ["--served-model-name", a.served_model_name]
         cfg = a.stage_configs()[stage]
@@ -119,7 +121,8 @@ class MeshLauncher:
                             ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template),
                             ("--max-log-len", a.max_log_len), ("--limit-mm-per-prompt", a.limit_mm_per_prompt),
                             ("--input-limits", a.input_limits), ("--max-logprobs", a.max_logprobs),
-                            ("--mm-processor-kwargs", a.mm_processor_kwargs), ("--tool-call-parser", a.tool_call_parser)):
+                            ("--mm-processor-kwargs", a.mm_processor_kwargs), ("--tool-call-parser", a.tool_call_parser),
+                            ("--otlp-traces-endpoint", a.otlp_traces_endpoint)):
             if value is not None:
                 argv += [flag, str(value)]
         if a.enable_log_requests:

@@ -80,6 +80,11 @@ class ServeArgs:
                                    "--enable-log-requests", action="store_true")
     max_log_len: int | None = _f(None, "with --enable-log-requests: the most prompt characters a line shows (default: all)",
                                  "--max-log-len")
+    otlp_traces_endpoint: str | None = _f(None, "export OpenTelemetry traces (as vLLM's flag) to this OTLP/gRPC "
+                                          "receiver, e.g. http://127.0.0.1:4317: one trace per request, the "
+                                          "gateway's llm_request span with each stage's span under it, continuing "
+                                          "a client's W3C traceparent (needs omnimesh[otel])",
+                                          "--otlp-traces-endpoint")
     disable_log_stats: bool = _f(False, "no periodic load line from the stages (as vLLM's: every 10 s while a stage has "
                                  "work, throughput, running / waiting requests, KV-cache usage; "
                                  "OMNIMESH_LOG_STATS_INTERVAL sets the seconds)", "--disable-log-stats",
@@ -237,6 +242,10 @@ class ServeArgs:
             from gateway.auth import parse_api_keys
 
             parse_api_keys(self.api_key)
+        if self.otlp_traces_endpoint is not None:
+            from omnimesh.tracing import check_endpoint
+
+            check_endpoint(self.otlp_traces_endpoint)
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0 characters, got {self.max_log_len}")
         if not self.disable_log_stats:
@@ -376,7 +385,7 @@ GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
      "stage_dns_refresh", "limit_mm_per_prompt", "input_limits", "max_logprobs", "return_tokens_as_token_ids",
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser",
-     "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len"}
+     "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "api_key", "async_chunk",

@@ -193,14 +193,17 @@ class EngineLoop:
             self._bulk.shutdown()
         self._closed = True
 
-    def submit(self, task: StageTask, timeout_s: float | None = None, whole_input: bool = False) -> asyncio.Queue:
+    def submit(self, task: StageTask, timeout_s: float | None = None, whole_input: bool = False,
+               trace: object = None) -> asyncio.Queue:
+        """Queue `task`; its events come on the returned queue. `trace`: the caller's trace context, under which
+        the request's span in this stage is written (omnimesh/tracing.py; nothing when tracing is off)."""
         if task.request_id in self._entries:
             raise StageRequestError(
                 grpc.StatusCode.ALREADY_EXISTS, f"request {task.request_id} is already running in {self.name}"
             )
         deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
         queue: asyncio.Queue = asyncio.Queue()
-        timing = self._metrics.request() if self._metrics is not None else None
+        timing = self._metrics.request(trace) if self._metrics is not None else None
         self._entries[task.request_id] = _Entry(task=task, queue=queue, deadline=deadline, whole_input=whole_input,
                                                 timing=timing)
         self._wake.set()

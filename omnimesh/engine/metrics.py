@@ -3,7 +3,9 @@
 Data flow: the `EngineLoop` calls `request()` on submit and then, on the returned `RequestTiming`,
 `ready()` (first time the request can step), `stepped(t)` (a step that included it started at t),
 `output()` (a step gave it output chunks) and `finished(task, event)`, and `step(n, seconds)` per
-engine step; those become counters and histograms in the engine's own `CollectorRegistry`. Load gauges
+engine step; those become counters and histograms in the engine's own `CollectorRegistry`. With tracing on
+(omnimesh/tracing.py) `finished` also writes the request's span in this stage from the same timestamps,
+under the caller's trace context given to `request(trace)`. Load gauges
 (running / waiting requests, KV-cache usage, preemptions) are read at scrape time from a stats source the
 loop binds with `bind_stats`.
 `render()` -> Prometheus text, served by the stage's `Metrics` RPC; the gateway scrapes every stage and
@@ -21,6 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+from omnimesh import tracing
 
 if TYPE_CHECKING:
     from omnimesh.engine.loop import EngineDone, EngineFailed
@@ -91,8 +95,9 @@ class EngineMetrics:
         """The bound stats source's values now ({} when none is bound)."""
         return self._stats() if self._stats is not None else {}
 
-    def request(self) -> RequestTiming:
-        return RequestTiming(self)
+    def request(self, trace: Any = None) -> RequestTiming:
+        """A request's timing; `trace`: the caller's trace context (tracing.extract), its span's parent."""
+        return RequestTiming(self, trace)
 
     def step(self, requests: int, seconds: float, first_output: bool = False) -> None:
         """One engine step advanced `requests` requests in `seconds` (from the loop, on the asyncio thread);
@@ -109,22 +114,25 @@ class EngineMetrics:
 class RequestTiming:
     """One request's timestamps (time.monotonic) inside the engine loop."""
 
-    __slots__ = ("m", "submitted", "ready_at", "scheduled", "last_output")
+    __slots__ = ("m", "submitted", "ready_at", "first_step", "first_output", "last_output", "trace", "traced")
 
-    def __init__(self, metrics: EngineMetrics) -> None:
+    def __init__(self, metrics: EngineMetrics, trace: Any = None) -> None:
         self.m = metrics
         self.submitted = time.monotonic()
         self.ready_at = 0.0
-        self.scheduled = False
+        self.first_step = 0.0
+        self.first_output = 0.0
         self.last_output = 0.0
+        self.trace = trace  # the caller's context: this stage's span goes under it
+        self.traced = tracing.enabled()
 
     def ready(self) -> None:
         if not self.ready_at:
             self.ready_at = time.monotonic()
 
     def stepped(self, started: float) -> None:
-        if not self.scheduled:
-            self.scheduled = True
+        if not self.first_step:
+            self.first_step = started
             self.m.queue.labels(**self.m.labels).observe(max(0.0, started - (self.ready_at or self.submitted)))
 
     def output(self) -> None:
@@ -133,9 +141,12 @@ class RequestTiming:
             self.m.itl.labels(**self.m.labels).observe(now - self.last_output)
         else:
             self.m.ttft.labels(**self.m.labels).observe(now - self.submitted)
+            self.first_output = now
         self.last_output = now
 
     def finished(self, task: StageTask, event: EngineDone | EngineFailed) -> None:
+        if self.traced:
+            self._span(task, event)
         m, labels = self.m, self.m.labels
         m.prompt_tokens.labels(**labels).inc(max(0, task.prompt_tokens))
         m.generation_tokens.labels(**labels).inc(max(0, task.completion_tokens))
@@ -151,6 +162,26 @@ class RequestTiming:
         m.success.labels(**labels, finished_reason=reason).inc()
         if reason != "cancelled":
             m.e2e.labels(**labels).observe(time.monotonic() - self.submitted)
+
+
+    def _span(self, task: StageTask, event: EngineDone | EngineFailed) -> None:
+        """This request's span in this stage (vLLM's gen_ai.* names where they exist)."""
+        now = time.monotonic()
+        code = getattr(event, "code", None)  # EngineFailed
+        reason = None if code is not None else getattr(event, "finish_reason", "stop")
+        since = {"time_in_queue": self.first_step - (self.ready_at or self.submitted) if self.first_step else None,
+                 "time_to_first_token": self.first_output - self.submitted if self.first_output else None}
+        tracing.record(f"{self.m.stage}_request", self.trace, self.submitted,
+                       {"inputs_ready": self.ready_at, "first_step": self.first_step,
+                        "first_output": self.first_output},
+                       {"gen_ai.request.id": task.request_id, "omnimesh.stage": self.m.stage,
+                        "gen_ai.response.model": self.m.labels.get("model_name"),
+                        "gen_ai.usage.prompt_tokens": max(0, task.prompt_tokens),
+                        "gen_ai.usage.completion_tokens": max(0, task.completion_tokens),
+                        **{f"gen_ai.latency.{k}": v for k, v in since.items() if v is not None},
+                        "gen_ai.latency.e2e": now - self.submitted, "omnimesh.finish_reason": reason,
+                        "omnimesh.error_code": code.name if code is not None else None},
+                       error=f"{code.name}: {getattr(event, 'message', '')}" if code is not None else None)
 
 
 class _LoadCollector(Collector):

@@ -11,6 +11,8 @@ touches the others. A `cancel` message, or the client cancelling the RPC, frees 
 After its answer (done or error) a stream stays open, dropping input, until the caller half-closes or
 cancels: a caller still writing (the gateway relaying the thinker into a talker that already failed)
 then reads the stage's own answer instead of a transport error.
+The call's `traceparent` metadata (the gateway's span, omnimesh/tracing.py) is the parent of the request's
+span in this stage, which the engine writes when the request ends.
 `Metrics` answers the engine's Prometheus text (`EngineMetrics.render`), scraped by the gateway.
 `Release` takes back the shared-memory frames of a request its caller gave up on, and a stream the
 caller cancels does the same for its own unclaimed frames (see `SlotOwner`).
@@ -26,6 +28,7 @@ from typing import Protocol
 
 import grpc
 
+from omnimesh import tracing
 from omnimesh.engine.loop import EngineDone, EngineEvent, EngineFailed, EngineLoop
 from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.engine.task import StageRequestError, StageTask
@@ -108,7 +111,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 # submitted task is ever closed, and closing is what gives that count back
                 raise StageRequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} arrived past its deadline")
             task = self.handler.open(opened)
-            queue = self.engine.submit(task, timeout_s=timeout, whole_input=opened.whole_input)
+            queue = self.engine.submit(task, timeout_s=timeout, whole_input=opened.whole_input,
+                                       trace=_trace_parent(context))
         except (StageRequestError, ValueError) as exc:
             if isinstance(exc, StageRequestError):
                 yield _error(exc.code, exc.message)
@@ -220,6 +224,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         except Exception as exc:  # a reader that dies silently would leave the request waiting for its deadline
             log.exception("%s: reading the input of request %s failed", self.handler.name, rid)
             self.engine.fail(rid, grpc.StatusCode.INTERNAL, f"{self.handler.name}: reading input failed: {exc!r}")
+
+
+def _trace_parent(context: grpc.aio.ServicerContext) -> object:
+    """The caller's trace context from the call's metadata (None when tracing is off or none came)."""
+    if not tracing.enabled():
+        return None
+    return tracing.extract([(m[0], m[1]) for m in context.invocation_metadata() or ()
+                            if isinstance(m[1], str)])
 
 
 async def _drain(request_iterator: AsyncIterator[stage_pb2.StageRequest]) -> None:

@@ -183,9 +183,11 @@ class StageClient:
         deadline_unix_s: float = 0.0,
         whole_input: bool = False,
         transport: str = "",
+        metadata: Mapping[str, str] | None = None,
     ) -> StageStream:
-        """Open a request; `transport` says where the stage puts its output tensors (grpc | shm | cuda-ipc)."""
-        call = self._process()
+        """Open a request; `transport` says where the stage puts its output tensors (grpc | shm | cuda-ipc);
+        `metadata` goes with the call (the trace context: omnimesh/tracing.py)."""
+        call = self._process(metadata=tuple(metadata.items())) if metadata else self._process()
         opened = stage_pb2.Open(
             request_id=request_id, sampling=sampling, options=dict(options or {}), deadline_unix_s=deadline_unix_s,
             whole_input=whole_input, transport=transport,

@@ -81,7 +81,7 @@ def test_the_gateway_takes_its_api_key_from_the_environment() -> None:
 
 def test_dockerfile_pins_torch_before_the_project() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
-    assert text.index("torch==2.13.0") < text.index("pip install --no-cache-dir .")
+    assert text.index("torch==2.13.0") < text.index('pip install --no-cache-dir ".[otel]"')
 
 
 def test_dockerfile_installs_the_tcmalloc_every_process_reexecutes_on() -> None:
@@ -108,7 +108,7 @@ def test_dockerfile_builds_the_cpu_kernels_with_a_compiler_it_installs() -> None
     eager PyTorch ops and warn."""
     text = (DEPLOY / "Dockerfile").read_text()
     assert "libtcmalloc-minimal4 g++" in text
-    assert text.index("pip install --no-cache-dir .") < text.index("RUN python -m omnimesh.kernels.cpu_kernels")
+    assert text.index('pip install --no-cache-dir ".[otel]"') < text.index("RUN python -m omnimesh.kernels.cpu_kernels")
 
 
 def test_the_kernel_source_ships_in_the_package() -> None:

@@ -26,11 +26,12 @@ class Proc:
     """A child process whose output is collected in the background (so pipes never fill up)."""
 
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # over this process's environment
     proc: subprocess.Popen = field(init=False)
     lines: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omnimesh.cli", *self.argv], cwd=REPO, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -79,10 +80,10 @@ class Mesh:
     stages: dict[str, str]  # name -> host:port
 
 
-def start_mesh(model_dir: Path, *extra: str) -> Mesh:
+def start_mesh(model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Mesh:
     port, grpc_port = free_port(), free_port()
     proc = Proc(["serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port),
-                 "--stage-base-port", "0", *extra])
+                 "--stage-base-port", "0", *extra], env or {})
     try:
         m = proc.wait_for_line(r"omnimesh serving .* stages (.*)$")
     except Exception:
