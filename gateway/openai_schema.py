@@ -124,11 +124,16 @@ class MessageToolCall(StrictBody):
     function: FunctionCall
 
 
+class AudioRef(StrictBody):
+    id: str = Field(min_length=1)  # an earlier answer's message.audio.id (gateway/audio_memory.py)
+
+
 class Message(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]  # developer = system (newer OpenAI name)
     content: list[ContentPart]
     tool_calls: list[MessageToolCall] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this answers
+    audio: AudioRef | None = None  # assistant turns: an earlier spoken answer, its transcript as the text
 
     @field_validator("content", mode="before")
     @classmethod
@@ -138,7 +143,8 @@ class Message(StrictBody):
     @model_validator(mode="before")
     @classmethod
     def _calls_may_come_without_content(cls, v: Any) -> Any:
-        if isinstance(v, dict) and v.get("role") == "assistant" and v.get("tool_calls") and v.get("content") is None:
+        if isinstance(v, dict) and v.get("role") == "assistant" and (v.get("tool_calls") or v.get("audio")) \
+                and v.get("content") is None:
             return {**v, "content": []}
         return v
 
@@ -148,6 +154,9 @@ class Message(StrictBody):
             raise ValueError(f"tool_calls: only assistant messages make calls (this is a '{self.role}' message)")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a 'tool' message needs the tool_call_id of the call it answers")
+        if self.audio is not None and self.role != "assistant":
+            raise ValueError(f"audio: only assistant messages refer to an earlier spoken answer (this is a "
+                             f"'{self.role}' message)")
         return self
 
 
@@ -671,7 +680,7 @@ class Usage(_Out):
 class MessageAudio(_Out):
     id: str
     data: str  # base64 of the whole file in the requested format
-    expires_at: int  # = created: audio is not stored, ids cannot be referenced in later turns
+    expires_at: int  # until when a later turn may send {"role": "assistant", "audio": {"id": ...}} (audio_memory.py)
     transcript: str
 
 
@@ -753,6 +762,7 @@ class ChatCompletion(_Out):
 class DeltaAudio(_Out):
     id: str
     data: str | None = None  # base64 mono little-endian int16 at the pipeline's sample rate
+    expires_at: int | None = None  # on a choice's first audio delta, as OpenAI's (gateway/audio_memory.py)
     transcript: str | None = None
 
 

@@ -46,6 +46,7 @@ from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.audio_encoding import OutputAudioFormat, encode_audio, pcm16_bytes
+from gateway.audio_memory import AudioMemory
 from gateway.auth import ApiKeyMiddleware
 from gateway.events import (
     AudioDelta,
@@ -244,6 +245,7 @@ class RestGateway:
         self.served_model_names = served_model_names
         self.loader = loader
         self.metrics = RestMetrics()
+        self.audio_memory = AudioMemory()  # spoken answers' transcripts, for later turns' assistant audio ids
         self.metrics.registry.register(_HandOffCollector(pipeline))
         self.metrics.registry.register(video_process.METRICS)  # this process's video decodes
         self.metrics.registry.register(video_process.AUDIO_METRICS)  # and its compressed audio files
@@ -340,9 +342,21 @@ class RestGateway:
             elif p.video_url is not None and p.type == "video_url":
                 parts.append(await self.loader.video_from_url(p.video_url.url, f"{where}.video_url.url",
                                                               with_audio=use_audio_in_video, sampling=sampling))
+        if m.audio is not None and not any(isinstance(p, TextPart) and p.text for p in parts):
+            parts = [TextPart(self._earlier_answer(m.audio.id, f"messages[{i}].audio.id"))]
         role = "system" if m.role == "developer" else m.role
         calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
         return ChatMessage(role=role, content=tuple(parts), tool_calls=calls, tool_call_id=m.tool_call_id)
+
+    def _earlier_answer(self, audio_id: str, param: str) -> str:
+        """The transcript of this gateway's spoken answer `audio_id` (OpenAI's multi-turn audio), else a 400."""
+        transcript = self.audio_memory.transcript(audio_id)
+        if transcript is None:
+            raise invalid_request(
+                f"{param}: no spoken answer {audio_id!r} on this gateway (unknown, or past its expires_at; answers are "
+                f"kept {self.audio_memory.ttl_s / 3600:g} h by the gateway that gave them); send its transcript as the "
+                "message's content instead", param)
+        return transcript
 
     # ---------------------------------------------------------------------------------------- routes
     async def chat_completions(self, request: Request) -> Response:
@@ -448,8 +462,10 @@ class RestGateway:
             if call.audio_format is not None:
                 wave = np.concatenate(audio[i]) if audio[i] else np.zeros(0, np.float32)
                 data = await asyncio.to_thread(encode_audio, wave, rate, call.audio_format)
-                message.audio = MessageAudio(id=f"audio_{uuid.uuid4().hex}", data=base64.b64encode(data).decode(),
-                                             expires_at=call.created, transcript=call.spoken_lead + transcript)
+                audio_id, spoken = f"audio_{uuid.uuid4().hex}", call.spoken_lead + transcript
+                message.audio = MessageAudio(id=audio_id, data=base64.b64encode(data).decode(),
+                                             expires_at=self.audio_memory.remember(audio_id, spoken),
+                                             transcript=spoken)
             choices.append(Choice(index=i, message=message, finish_reason=finish,
                                   logprobs=self._logprobs(call, logprobs[i]), stop_reason=finished[i].stop_reason))
         k = call.request.sampling.prompt_logprobs
@@ -469,6 +485,8 @@ class RestGateway:
     async def _stream(self, call: _Call, first: Indexed, stream: StreamState) -> AsyncIterator[bytes]:
         rid = call.request.request_id
         audio_ids = [f"audio_{uuid.uuid4().hex}" for _ in range(call.n)]
+        said = [[call.spoken_lead] for _ in range(call.n)]  # each spoken choice's transcript, kept at its end
+        audio_sent = [False] * call.n
         status, events = 499, stream.events  # 499 (client closed) unless the stream gets to its end
 
         # continuous_usage_stats: each choice's (prompt, completion) tokens so far, from its text deltas
@@ -508,6 +526,7 @@ class RestGateway:
                 elif isinstance(ev, Finished):
                     so_far[i] = (ev.prompt_tokens, ev.completion_tokens)
                 if isinstance(ev, TextDelta):
+                    said[i].append(ev.text)
                     text, calls = shaped[i].push(ev.text)
                     # a token holding part of a character, or a forced call's held JSON: its entry, no text yet
                     if text or ev.logprobs:
@@ -517,9 +536,13 @@ class RestGateway:
                 elif isinstance(ev, AudioDelta):
                     if call.audio_format is not None and np.size(ev.pcm):
                         data = base64.b64encode(pcm16_bytes(ev.pcm)).decode()
-                        yield chunk(i, Delta(audio=DeltaAudio(id=audio_ids[i], data=data)))
+                        expires = None if audio_sent[i] else self.audio_memory.expiry()
+                        audio_sent[i] = True
+                        yield chunk(i, Delta(audio=DeltaAudio(id=audio_ids[i], data=data, expires_at=expires)))
                 elif isinstance(ev, Finished):
                     finished[i] = ev
+                    if call.audio_format is not None:  # a later turn may name this answer by its audio id
+                        self.audio_memory.remember(audio_ids[i], "".join(said[i]))
                     text, calls = shaped[i].finish()  # a forced answer not whole (max_tokens) comes as text
                     if text:
                         yield chunk(i, Delta(content=text))
