@@ -294,18 +294,37 @@ def test_lanes_plan_a_first_window_beside_a_step_in_flight(model: tuple[Any, Any
         task.close()
 
 
+LONG = 243  # codes of the long request: one 240-code window (~0.3 s here, ~10x the new one's first), then 3
+
+
+@pytest.fixture(scope="module")
+def long_codes(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (4, LONG), their one-piece waveform)."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    codes = torch.randint(0, 256, (4, LONG), generator=torch.Generator().manual_seed(99))
+    ref = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).code2wav.eval()
+    with torch.no_grad():
+        return codes, ref(codes.unsqueeze(0)).view(-1)
+
+
 async def test_a_first_window_does_not_wait_for_a_long_step(model: tuple[Any, Any], codes: dict[str, torch.Tensor],
-                                                            one_piece: dict[str, torch.Tensor]) -> None:
+                                                            one_piece: dict[str, torch.Tensor],
+                                                            long_codes: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Two slots (the CPU stage): while one request decodes a long window, a new request's first window runs
     beside it and its audio comes out first; both streams still equal one-piece decoding."""
     c2w, backend = model
     loop = EngineLoop("vocoder", max_inflight=2, batcher=VocoderBatcher(first_lane=True))
     loop.start()
     arrived: dict[str, float] = {}
+    one_piece = {**one_piece, "f": long_codes[1]}
     try:
-        long_q = loop.submit(VocoderTask("f", c2w, (80,), backend))
-        loop.feed("f", StageChunk(tensors={"codes": codes["f"]}, final=True))  # one 80-code window, then 3
-        await asyncio.sleep(0.02)  # its long step is running
+        long_q = loop.submit(VocoderTask("f", c2w, (LONG - 3,), backend))
+        loop.feed("f", StageChunk(tensors={"codes": long_codes[0]}, final=True))
+        deadline = time.monotonic() + 10
+        while loop._entries["f"].inflight is None:  # until its long step runs (not a guess at how soon)
+            assert time.monotonic() < deadline, "the long request never started"
+            await asyncio.sleep(0.001)
         new_q = loop.submit(VocoderTask("c", c2w, (2, WINDOW), backend))
         loop.feed("c", StageChunk(tensors={"codes": codes["c"]}, final=True))
 
