@@ -47,6 +47,7 @@ from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_ma
                                        check_temperature, updated)
 from gateway.realtime_vad import EnergyVAD, Started, Stopped
 from gateway.transcription_api import collect_text, instruction
+from omnimesh import tracing
 
 if TYPE_CHECKING:
     from gateway.rest import RestGateway
@@ -438,4 +439,9 @@ class RealtimeRoutes:
                                              f"{', '.join(self.gw.served_model_names)}")
             return
         await ws.accept()
-        await RealtimeSession(self.gw, ws, model or self.gw.served_model_names[0]).run()
+        # the handshake's traceparent, when tracing: every response of the session is a run under it
+        trace = tracing.set_request_parent(ws.headers.items())
+        try:
+            await RealtimeSession(self.gw, ws, model or self.gw.served_model_names[0]).run()
+        finally:
+            tracing.reset_request_parent(trace)

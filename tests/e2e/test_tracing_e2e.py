@@ -107,3 +107,23 @@ def _gateway_span(traces, request_id: str, timeout_s: float = 20.0):
             return found[0]
         time.sleep(0.05)
     raise AssertionError(f"no llm_request span names request {request_id}")
+
+
+def test_a_realtime_session_traces_each_response_under_its_handshake(mesh, traces):
+    import json
+
+    from websockets.sync.client import connect
+
+    header, trace, client_span = _traceparent()
+    url = mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"
+    with connect(url, additional_headers={"traceparent": header}, open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "session.update", "session": {"modalities": ["text"], "temperature": 0,
+                                                                  "max_response_output_tokens": 4}}))
+        ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]}}))
+        ws.send(json.dumps({"type": "response.create"}))
+        while (event := json.loads(ws.recv(timeout=60)))["type"] != "response.done":
+            assert event["type"] != "error", event
+    spans = traces.wait(trace, {"llm_request", "thinker_request"})
+    assert spans["llm_request"].parent_id == client_span
+    assert spans["thinker_request"].parent_id == spans["llm_request"].span_id
