@@ -80,6 +80,22 @@ UNSUPPORTED: dict[str, Any] = {
 }
 
 
+def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], add_special_tokens: bool, where: str) -> list[int]:
+    """One raw prompt (text, tokenized; or token ids, each checked against the vocabulary) -> its ids; an
+    empty prompt or an id outside the vocabulary is a 400 naming `where` (REST's `prompt[i]`, gRPC's fields)."""
+    if isinstance(prompt, str):
+        ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+    else:
+        ids, size = list(prompt), len(tokenizer)
+        for j, t in enumerate(ids):
+            if not 0 <= t < size:
+                raise invalid_request(f"{where}[{j}]: {t} is not a token id of this model (0 to {size - 1})",
+                                      f"{where}[{j}]")
+    if not ids:
+        raise invalid_request(f"{where}: the prompt is empty; send at least one token", where)
+    return ids
+
+
 class CompletionRequest(SamplingBody):
     prompt: Any  # a string, strings, token ids or token-id lists: `_one_prompt_shape`
     max_tokens: int | None = DEFAULT_MAX_TOKENS
@@ -231,23 +247,9 @@ class CompletionRoutes:
 
     def _token_ids(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
         tokenizer = self.builder.processor.tokenizer
-        size = len(tokenizer)
         single = len(prompts) == 1
-        out = []
-        for i, prompt in enumerate(prompts):
-            where = "prompt" if single else f"prompt[{i}]"
-            if isinstance(prompt, str):
-                ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
-            else:
-                ids = prompt
-                for j, t in enumerate(ids):
-                    if not 0 <= t < size:
-                        raise invalid_request(f"{where}[{j}]: {t} is not a token id of this model (0 to {size - 1})",
-                                              f"{where}[{j}]")
-            if not ids:
-                raise invalid_request(f"{where}: the prompt is empty; send at least one token", where)
-            out.append(ids)
-        return out
+        return [prompt_token_ids(tokenizer, p, add_special_tokens, "prompt" if single else f"prompt[{i}]")
+                for i, p in enumerate(prompts)]
 
     def _echo_texts(self, prompts: list[str | list[int]], ids: list[list[int]]) -> list[str]:
         tokenizer = self.builder.processor.tokenizer

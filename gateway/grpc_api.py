@@ -6,7 +6,9 @@ images, video files of which only the sampled frames are kept) ->
 `ChatRequest` -> `pipeline.run` (`n` > 1: one run per choice, gateway/choices.py) -> a server stream of
 `text_delta`, `audio` (mono PCM16 chunks numbered by `seq` from 0), `tool_calls` and one `done`, per choice,
 each response naming its choice in `index`. `tools` / `tool_choice` work as REST's (gateway/tool_calls.py:
-`ToolAnswer` shapes each choice's text into content and calls).
+`ToolAnswer` shapes each choice's text into content and calls). A raw `prompt` / `prompt_token_ids` instead
+of messages is REST's legacy completion: the ids (tokenized with the pipeline's PromptBuilder, checked by
+`completions_api.prompt_token_ids`) go to the thinker alone, text out.
 Any failure, before or during generation, is one `error` message (code = the `grpc.StatusCode` value,
 INVALID_ARGUMENT for a bad request) that ends the stream; the RPC itself then ends OK, as the proto says
 errors travel inside the stream.
@@ -34,6 +36,7 @@ from grpc_health.v1.health import aio as health_aio
 from gateway.audio_encoding import pcm16_bytes
 from gateway.auth import ApiKeyInterceptor
 from gateway.chat_template_options import parse_kwargs_json, template_options
+from gateway.completions_api import prompt_token_ids
 from gateway.events import (
     AudioDelta,
     ChatMessage,
@@ -48,10 +51,11 @@ from gateway.events import (
     ToolCall,
     check_request_id,
 )
-from gateway.tool_calls import ToolAnswer, ToolPlan, plan_tools
+from gateway.tool_calls import NO_TOOLS, ToolAnswer, ToolPlan, plan_tools
 from gateway.choices import MAX_CHOICES, choice_requests, close_events, fan_out
 from gateway.input_limits import InputLimits
 from gateway.processor_kwargs import check_settings
+from gateway.prompt import PromptBuilder
 from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
 from gateway.openai_schema import (
     MAX_LOGPROBS,
@@ -118,7 +122,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     def __init__(self, pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                  limits: InputLimits | None = None, video_sampling: VideoSampling | None = None,
-                 max_logprobs: int = MAX_LOGPROBS, auto_tool_choice: bool = False) -> None:
+                 max_logprobs: int = MAX_LOGPROBS, auto_tool_choice: bool = False,
+                 prompts: PromptBuilder | None = None) -> None:
         self.pipeline = pipeline
         self.max_logprobs = max_logprobs  # --max-logprobs
         self.auto_tool_choice = auto_tool_choice  # --enable-auto-tool-choice (with --tool-call-parser)
@@ -127,15 +132,19 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
         # the proto carries media bytes, never URLs; video frames are sampled as the pipeline's prompt
         # builder samples them (`video_sampling` None: its processor's, else the default)
-        sampling = video_sampling or video_sampling_of(getattr(pipeline, "prepare", None))
+        prepare = getattr(pipeline, "prepare", None)
+        sampling = video_sampling or video_sampling_of(prepare)
         self.loader = MediaLoader(limits or InputLimits(), video_sampling=sampling)
+        # its tokenizer takes raw prompts (`prompt`); a pipeline without a PromptBuilder refuses them
+        self.prompts = prompts if prompts is not None else (prepare if isinstance(prepare, PromptBuilder) else None)
 
     async def build(self, req: omni_pb2.GenerateRequest) -> tuple[ChatRequest, ToolPlan]:
         """`GenerateRequest` -> (`ChatRequest`, what its tool calls are); any problem is a `PipelineError`
         (INVALID_ARGUMENT / NOT_FOUND)."""
         model = resolve_model(req.model or None, self.served_model_names)
         rid = check_request_id(req.request_id) if req.request_id else f"omni-{uuid.uuid4().hex}"
-        modalities = normalize_modalities(list(req.modalities) or None, default=("text", "audio"))
+        raw = bool(req.prompt or req.prompt_token_ids)  # a completion: text out by default, and only text
+        modalities = normalize_modalities(list(req.modalities) or None, default=("text",) if raw else ("text", "audio"))
         voice = None
         if "audio" in modalities or req.voice:
             voice = resolve_voice(req.voice or None, self.pipeline.voices, self.pipeline.default_voice, "voice")
@@ -148,8 +157,15 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                                       "stage_params")
             stages[name] = _overrides(p, f"stage_params.{name}", self.max_logprobs)
         check_thinker_min_tokens(sampling, stages.get("thinker"), "sampling")
+        pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
+        if raw:
+            ids = await asyncio.to_thread(self._raw_prompt, req, modalities)
+            return ChatRequest(request_id=rid, model=pipeline_model, messages=(), modalities=("text",),
+                               sampling=sampling, stage_params=stages, priority=req.priority,
+                               structured=await self._structured(req), prompt_ids=tuple(ids)), NO_TOOLS
         if not req.messages:
-            raise invalid_request("messages: at least one message is required", "messages")
+            raise invalid_request("messages: at least one message is required (or a raw prompt / "
+                                  "prompt_token_ids)", "messages")
         self.loader.check_counts([_MEDIA_KINDS[kind] for m in req.messages for p in m.content
                                   if (kind := p.WhichOneof("part")) in _MEDIA_KINDS])  # before decoding any
         try:
@@ -195,16 +211,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             messages.append(ChatMessage(role=m.role, content=tuple(parts), tool_calls=calls,  # type: ignore[arg-type]
                                         tool_call_id=m.tool_call_id or None))
         self.loader.check_audio_seconds(audio_seconds(messages))
-        pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
-        structured = None
-        if req.HasField("structured_output"):
-            so = req.structured_output
-            require_llguidance("structured_output")
-            try:
-                await asyncio.to_thread(grammar_for, so.kind, so.spec)  # off the loop: a big schema takes a while
-            except ValueError as e:
-                raise invalid_request(f"structured_output: {e}", "structured_output") from None
-            structured = (so.kind, so.spec)
+        structured = await self._structured(req)
         plan = self._tools(req, modalities)
         template = template_options(req.add_generation_prompt if req.HasField("add_generation_prompt") else None,
                                     req.continue_final_message,
@@ -218,6 +225,44 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                            voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages,
                            priority=req.priority, processor_kwargs=tuple(sorted(settings.items())),
                            structured=plan.structured or structured, tools=plan.tools, template=template), plan
+
+    async def _structured(self, req: omni_pb2.GenerateRequest) -> tuple[str, str] | None:
+        """`structured_output` as (kind, spec), compiled once to check it (400 naming the field), or None."""
+        if not req.HasField("structured_output"):
+            return None
+        so = req.structured_output
+        require_llguidance("structured_output")
+        try:
+            await asyncio.to_thread(grammar_for, so.kind, so.spec)  # off the loop: a big schema takes a while
+        except ValueError as e:
+            raise invalid_request(f"structured_output: {e}", "structured_output") from None
+        return so.kind, so.spec
+
+    def _raw_prompt(self, req: omni_pb2.GenerateRequest, modalities: tuple[str, ...]) -> list[int]:
+        """A completion's prompt (`prompt` or `prompt_token_ids`) -> its token ids; what a raw prompt cannot
+        carry (messages, audio out, tools, template fields) is a 400 naming the field."""
+        given = [name for name, on in (("messages", bool(req.messages)), ("prompt", bool(req.prompt)),
+                                       ("prompt_token_ids", bool(req.prompt_token_ids))) if on]
+        if len(given) > 1:
+            raise invalid_request(f"{given[1]}: give one of messages, prompt and prompt_token_ids, not "
+                                  f"{' and '.join(given)}", given[1])
+        if "audio" in modalities:
+            raise invalid_request("modalities: a raw prompt gives text only (the talker speaks an assistant turn); "
+                                  "send messages for speech", "modalities")
+        for name, on in (("tools", bool(req.tools)), ("tool_choice", bool(req.tool_choice)),
+                         ("use_audio_in_video", req.use_audio_in_video),
+                         ("mm_processor_kwargs", bool(req.mm_processor_kwargs)),
+                         ("add_generation_prompt", req.HasField("add_generation_prompt")),
+                         ("continue_final_message", req.continue_final_message),
+                         ("chat_template_kwargs", bool(req.chat_template_kwargs))):
+            if on:
+                raise invalid_request(f"{name}: applies to messages only; a raw prompt runs as it is", name)
+        if self.prompts is None:
+            raise invalid_request("prompt: this server has no tokenizer for raw prompts", "prompt")
+        tokenizer = self.prompts.processor.tokenizer
+        if req.prompt:
+            return prompt_token_ids(tokenizer, req.prompt, True, "prompt")
+        return prompt_token_ids(tokenizer, list(req.prompt_token_ids), False, "prompt_token_ids")
 
     def _tools(self, req: omni_pb2.GenerateRequest, modalities: tuple[str, ...]) -> ToolPlan:
         """The request's tools as REST's (`plan_tools`): each {"type": "function", "function": {...}}."""

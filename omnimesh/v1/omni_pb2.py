@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from omnimesh.v1 import stage_pb2 as omnimesh_dot_v1_dot_stage__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16omnimesh/v1/omni.proto\x12\x0bomnimesh.v1\x1a\x17omnimesh/v1/stage.proto\"m\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\taudio_wav\x18\x02 \x01(\x0cH\x00\x12\x0f\n\x05image\x18\x03 \x01(\x0cH\x00\x12\x0f\n\x05video\x18\x04 \x01(\x0cH\x00\x12\x0f\n\x05\x61udio\x18\x05 \x01(\x0cH\x00\x42\x06\n\x04part\"\x87\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12)\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x18.omnimesh.v1.ContentPart\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.omnimesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"1\n\tToolCalls\x12$\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x15.omnimesh.v1.ToolCall\"\xb4\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.omnimesh.v1.ChatMessage\x12\x12\n\nmodalities\x18\x03 \x03(\t\x12\r\n\x05voice\x18\x04 \x01(\t\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.omnimesh.v1.SamplingParams\x12\x43\n\x0cstage_params\x18\x06 \x03(\x0b\x32-.omnimesh.v1.GenerateRequest.StageParamsEntry\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x1a\n\x12use_audio_in_video\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x10\n\x08priority\x18\n \x01(\x05\x12P\n\x13mm_processor_kwargs\x18\x0b \x03(\x0b\x32\x33.omnimesh.v1.GenerateRequest.MmProcessorKwargsEntry\x12\x38\n\x11structured_output\x18\x0c \x01(\x0b\x32\x1d.omnimesh.v1.StructuredOutput\x12 \n\x05tools\x18\r \x03(\x0b\x32\x11.omnimesh.v1.Tool\x12\x13\n\x0btool_choice\x18\x0e \x01(\t\x12 \n\x13parallel_tool_calls\x18\x0f \x01(\x08H\x00\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x10 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x11 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x12 \x01(\t\x1aO\n\x10StageParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.omnimesh.v1.SamplingParams:\x02\x38\x01\x1a\x38\n\x16MmProcessorKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"=\n\nAudioChunk\x12\r\n\x05pcm16\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"\xc0\x02\n\x10GenerateResponse\x12\x14\n\ntext_delta\x18\x01 \x01(\tH\x00\x12(\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x17.omnimesh.v1.AudioChunkH\x00\x12!\n\x04\x64one\x18\x03 \x01(\x0b\x32\x11.omnimesh.v1.DoneH\x00\x12#\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.omnimesh.v1.ErrorH\x00\x12,\n\ntool_calls\x18\x08 \x01(\x0b\x32\x16.omnimesh.v1.ToolCallsH\x00\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.omnimesh.v1.TokenLogprob\x12\r\n\x05index\x18\x06 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.omnimesh.v1.TokenLogprobB\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t2\xa0\x01\n\x04Omni\x12I\n\x08Generate\x12\x1c.omnimesh.v1.GenerateRequest\x1a\x1d.omnimesh.v1.GenerateResponse0\x01\x12M\n\nListModels\x12\x1e.omnimesh.v1.ListModelsRequest\x1a\x1f.omnimesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16omnimesh/v1/omni.proto\x12\x0bomnimesh.v1\x1a\x17omnimesh/v1/stage.proto\"m\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\taudio_wav\x18\x02 \x01(\x0cH\x00\x12\x0f\n\x05image\x18\x03 \x01(\x0cH\x00\x12\x0f\n\x05video\x18\x04 \x01(\x0cH\x00\x12\x0f\n\x05\x61udio\x18\x05 \x01(\x0cH\x00\x42\x06\n\x04part\"\x87\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12)\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x18.omnimesh.v1.ContentPart\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.omnimesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"1\n\tToolCalls\x12$\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x15.omnimesh.v1.ToolCall\"\xde\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.omnimesh.v1.ChatMessage\x12\x12\n\nmodalities\x18\x03 \x03(\t\x12\r\n\x05voice\x18\x04 \x01(\t\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.omnimesh.v1.SamplingParams\x12\x43\n\x0cstage_params\x18\x06 \x03(\x0b\x32-.omnimesh.v1.GenerateRequest.StageParamsEntry\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x1a\n\x12use_audio_in_video\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x10\n\x08priority\x18\n \x01(\x05\x12P\n\x13mm_processor_kwargs\x18\x0b \x03(\x0b\x32\x33.omnimesh.v1.GenerateRequest.MmProcessorKwargsEntry\x12\x38\n\x11structured_output\x18\x0c \x01(\x0b\x32\x1d.omnimesh.v1.StructuredOutput\x12 \n\x05tools\x18\r \x03(\x0b\x32\x11.omnimesh.v1.Tool\x12\x13\n\x0btool_choice\x18\x0e \x01(\t\x12 \n\x13parallel_tool_calls\x18\x0f \x01(\x08H\x00\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x10 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x11 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x12 \x01(\t\x12\x0e\n\x06prompt\x18\x13 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x14 \x03(\x03\x1aO\n\x10StageParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.omnimesh.v1.SamplingParams:\x02\x38\x01\x1a\x38\n\x16MmProcessorKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"=\n\nAudioChunk\x12\r\n\x05pcm16\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"\xc0\x02\n\x10GenerateResponse\x12\x14\n\ntext_delta\x18\x01 \x01(\tH\x00\x12(\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x17.omnimesh.v1.AudioChunkH\x00\x12!\n\x04\x64one\x18\x03 \x01(\x0b\x32\x11.omnimesh.v1.DoneH\x00\x12#\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.omnimesh.v1.ErrorH\x00\x12,\n\ntool_calls\x18\x08 \x01(\x0b\x32\x16.omnimesh.v1.ToolCallsH\x00\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.omnimesh.v1.TokenLogprob\x12\r\n\x05index\x18\x06 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.omnimesh.v1.TokenLogprobB\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t2\xa0\x01\n\x04Omni\x12I\n\x08Generate\x12\x1c.omnimesh.v1.GenerateRequest\x1a\x1d.omnimesh.v1.GenerateResponse0\x01\x12M\n\nListModels\x12\x1e.omnimesh.v1.ListModelsRequest\x1a\x1f.omnimesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,21 +47,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALLS']._serialized_start=433
   _globals['_TOOLCALLS']._serialized_end=482
   _globals['_GENERATEREQUEST']._serialized_start=485
-  _globals['_GENERATEREQUEST']._serialized_end=1305
-  _globals['_GENERATEREQUEST_STAGEPARAMSENTRY']._serialized_start=1118
-  _globals['_GENERATEREQUEST_STAGEPARAMSENTRY']._serialized_end=1197
-  _globals['_GENERATEREQUEST_MMPROCESSORKWARGSENTRY']._serialized_start=1199
-  _globals['_GENERATEREQUEST_MMPROCESSORKWARGSENTRY']._serialized_end=1255
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1307
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1353
-  _globals['_AUDIOCHUNK']._serialized_start=1355
-  _globals['_AUDIOCHUNK']._serialized_end=1416
-  _globals['_GENERATERESPONSE']._serialized_start=1419
-  _globals['_GENERATERESPONSE']._serialized_end=1739
-  _globals['_LISTMODELSREQUEST']._serialized_start=1741
-  _globals['_LISTMODELSREQUEST']._serialized_end=1760
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1762
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1798
-  _globals['_OMNI']._serialized_start=1801
-  _globals['_OMNI']._serialized_end=1961
+  _globals['_GENERATEREQUEST']._serialized_end=1347
+  _globals['_GENERATEREQUEST_STAGEPARAMSENTRY']._serialized_start=1160
+  _globals['_GENERATEREQUEST_STAGEPARAMSENTRY']._serialized_end=1239
+  _globals['_GENERATEREQUEST_MMPROCESSORKWARGSENTRY']._serialized_start=1241
+  _globals['_GENERATEREQUEST_MMPROCESSORKWARGSENTRY']._serialized_end=1297
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1349
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1395
+  _globals['_AUDIOCHUNK']._serialized_start=1397
+  _globals['_AUDIOCHUNK']._serialized_end=1458
+  _globals['_GENERATERESPONSE']._serialized_start=1461
+  _globals['_GENERATERESPONSE']._serialized_end=1781
+  _globals['_LISTMODELSREQUEST']._serialized_start=1783
+  _globals['_LISTMODELSREQUEST']._serialized_end=1802
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1804
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1840
+  _globals['_OMNI']._serialized_start=1843
+  _globals['_OMNI']._serialized_end=2003
 # @@protoc_insertion_point(module_scope)

@@ -60,7 +60,7 @@ class ToolCalls(_message.Message):
     def __init__(self, calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "messages", "modalities", "voice", "sampling", "stage_params", "request_id", "use_audio_in_video", "n", "priority", "mm_processor_kwargs", "structured_output", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+    __slots__ = ("model", "messages", "modalities", "voice", "sampling", "stage_params", "request_id", "use_audio_in_video", "n", "priority", "mm_processor_kwargs", "structured_output", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "prompt", "prompt_token_ids")
     class StageParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class GenerateRequest(_message.Message):
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     modalities: _containers.RepeatedScalarFieldContainer[str]
@@ -111,7 +113,9 @@ class GenerateRequest(_message.Message):
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template_kwargs: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., modalities: _Optional[_Iterable[str]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., mm_processor_kwargs: _Optional[_Mapping[str, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., modalities: _Optional[_Iterable[str]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., mm_processor_kwargs: _Optional[_Mapping[str, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("kind", "spec")

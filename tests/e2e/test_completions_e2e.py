@@ -119,3 +119,23 @@ def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(mesh, reference):
     assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
     assert lp["token_logprobs"][1:] == pytest.approx([float(rows[i][t]) for i, t in enumerate(ids[1:])], abs=TOLERANCE)
     check_prompt_logprobs(choice["prompt_logprobs"], ids, rows, 2, reference.tokenizer)
+
+
+def test_grpc_raw_prompts_equal_generate(mesh, reference):
+    """gRPC's `prompt` / `prompt_token_ids`: the same tokens as REST's prompt, the same greedy text as `generate`."""
+    import grpc
+
+    from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
+
+    prompt = "The sea is"
+    ids = list(reference.tokenizer(prompt)["input_ids"])
+    gen, _ = _reference(reference, ids)
+    sampling = stage_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    with grpc.insecure_channel(mesh.grpc) as ch:
+        stub = omni_pb2_grpc.OmniStub(ch)
+        for request in (omni_pb2.GenerateRequest(model=MODEL, prompt=prompt, sampling=sampling),
+                        omni_pb2.GenerateRequest(model=MODEL, prompt_token_ids=ids, sampling=sampling)):
+            out = list(stub.Generate(request, timeout=TIMEOUT_S))
+            assert out[-1].WhichOneof("kind") == "done", out[-1]
+            assert "".join(r.text_delta for r in out if r.WhichOneof("kind") == "text_delta") == _text(reference, gen)
+            assert out[-1].done.usage.prompt_tokens == len(ids)
