@@ -66,9 +66,14 @@ _HTTP = {
 }
 
 
-def stage_error(exc: StageCallError) -> PipelineError:
+def stage_error(exc: StageCallError, timeout_s: float = 0.0) -> PipelineError:
+    """A stage's failure as the client's error; a deadline says which limit it was (`timeout_s`, the gateway's
+    --request-timeout)."""
     status, kind = _HTTP.get(exc.code, (500, "internal_error"))
-    return PipelineError(exc.message, http_status=status, grpc_code=exc.code.value[0], kind=kind, stage=exc.stage)
+    message = exc.message
+    if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s:
+        message += f" (the gateway's --request-timeout is {timeout_s:g} s)"
+    return PipelineError(message, http_status=status, grpc_code=exc.code.value[0], kind=kind, stage=exc.stage)
 
 
 @dataclass(slots=True)
@@ -229,7 +234,7 @@ class StagePipeline:
     async def _run(self, request: ChatRequest, rid: str, prompt: PromptInputs, want_audio: bool, voice: str,
                    plan: dict[str, Lease], trace: Mapping[str, str]) -> AsyncGenerator[Event, None]:
         """One attempt on the planned replicas; `trace`: the run span's context, sent with every stage call."""
-        deadline = time.time() + self.request_timeout_s
+        deadline = time.time() + self.request_timeout_s if self.request_timeout_s else 0.0  # 0: none
         legs: list[_Leg] = []
         events: asyncio.Queue = asyncio.Queue()
         relays: list[asyncio.Task] = []
@@ -292,7 +297,7 @@ class StagePipeline:
                 stop_reason=_stop_reason(done),
             )
         except StageCallError as exc:
-            raise stage_error(exc) from exc
+            raise stage_error(exc, self.request_timeout_s) from exc
         except PipelineError as exc:
             if exc.grpc_code == grpc.StatusCode.ALREADY_EXISTS.value[0]:
                 ok = True  # the id is another gateway's request in that stage: its frames are not ours to release
@@ -397,7 +402,7 @@ class StagePipeline:
         except asyncio.CancelledError:
             raise
         except StageCallError as exc:
-            events.put_nowait(stage_error(exc))
+            events.put_nowait(stage_error(exc, self.request_timeout_s))
         except Exception as exc:  # a relay bug must fail the request, not hang it
             log.exception("relay %s -> %s failed", source.stage, sink.stage if sink else "client")
             events.put_nowait(PipelineError(f"gateway relay failed: {exc}", http_status=500, grpc_code=13, kind="internal_error"))

@@ -69,7 +69,7 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
     clients = {stage: [client(stage, a) for a in addrs if stage not in targets] for stage, addrs in stage_addrs.items()}
     request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
     pipeline = StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk,
-                             request_log=request_log)
+                             request_log=request_log, request_timeout_s=args.request_timeout)
     discovery = StageDiscovery(targets, pipeline.stages, client, args.stage_dns_refresh) if targets else None
     return pipeline, discovery
 

@@ -122,7 +122,8 @@ class MeshLauncher:
                             ("--max-log-len", a.max_log_len), ("--limit-mm-per-prompt", a.limit_mm_per_prompt),
                             ("--input-limits", a.input_limits), ("--max-logprobs", a.max_logprobs),
                             ("--mm-processor-kwargs", a.mm_processor_kwargs), ("--tool-call-parser", a.tool_call_parser),
-                            ("--otlp-traces-endpoint", a.otlp_traces_endpoint)):
+                            ("--otlp-traces-endpoint", a.otlp_traces_endpoint),
+                            ("--request-timeout", a.request_timeout)):
             if value is not None:
                 argv += [flag, str(value)]
         if a.enable_log_requests:

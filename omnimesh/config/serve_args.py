@@ -37,6 +37,9 @@ class ServeArgs:
     stage_base_port: int = _f(50051, "first port of the stage services (encoder, thinker, talker, vocoder; a stage "
                               "with replicas takes one port per replica, in that order); 0 = any free port",
                               "--stage-base-port")
+    request_timeout: float = _f(600.0, "seconds a request may take end to end at the gateway (its deadline in every "
+                                "stage); past it the stages drop it and the client gets 504 / DEADLINE_EXCEEDED "
+                                "naming this flag (0: no limit)", "--request-timeout")
     stage_dns_refresh: float = _f(10.0, "seconds between DNS lookups of the stages the gateway's --stages names as "
                                   "dns:///HOST:PORT (each address one replica; new ones join, gone ones retire)",
                                   "--stage-dns-refresh")
@@ -205,6 +208,8 @@ class ServeArgs:
         for name in ("port", "grpc_port"):
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"--{name.replace('_', '-')} must be a port number 1-65535, got {getattr(self, name)}")
+        if not self.request_timeout >= 0:
+            raise ValueError(f"--request-timeout must be >= 0 seconds (0: no limit), got {self.request_timeout}")
         if not self.stage_dns_refresh > 0:
             raise ValueError(f"--stage-dns-refresh must be > 0 seconds, got {self.stage_dns_refresh}")
         if self.stage_restarts < 0:
@@ -383,12 +388,14 @@ HTTP_FRONT_FIELDS = frozenset(
 )  # gateway/http_front.py
 GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
-     "stage_dns_refresh", "limit_mm_per_prompt", "input_limits", "max_logprobs", "return_tokens_as_token_ids",
+     "stage_dns_refresh", "request_timeout", "limit_mm_per_prompt", "input_limits", "max_logprobs",
+     "return_tokens_as_token_ids",
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser",
      "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
-    {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "api_key", "async_chunk",
+    {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "request_timeout",
+     "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
      "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser"}

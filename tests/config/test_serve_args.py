@@ -432,3 +432,13 @@ def test_scheduling_policy_reaches_the_llm_stages(tmp_path) -> None:
     assert json.loads(argv[argv.index("--stage-overrides") + 1])["thinker"]["scheduling_policy"] == "priority"
     with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority, got 'lifo'"):
         ServeArgs(scheduling_policy="lifo")
+
+
+def test_request_timeout_is_checked_and_reaches_the_gateway(tmp_path) -> None:
+    from omnimesh.launcher import MeshLauncher
+
+    with pytest.raises(ValueError, match="--request-timeout must be >= 0 seconds"):
+        ServeArgs(request_timeout=-1)
+    argv = MeshLauncher(ServeArgs(request_timeout=30), tmp_path)._gateway_argv({})
+    assert argv[argv.index("--request-timeout") + 1] == "30"
+    assert "--request-timeout" not in MeshLauncher(ServeArgs(), tmp_path)._stage_argv("thinker", 1)
