@@ -235,7 +235,7 @@ class PromptBuilder:
         """Prompt text + media -> input_ids (L,) (placeholders expanded) and the processor's batch (this
         builder's processor, or `processor`)."""
         processor = processor if processor is not None else self.processor
-        self._check_video_tokens(conv, processor)
+        self._check_media_tokens(conv, processor)
         try:
             video: dict[str, Any] = {"videos": conv.videos, "fps": conv.video_fps} if conv.videos else {}
             if conv.audio_from_video is not None:
@@ -250,17 +250,33 @@ class PromptBuilder:
                                "expected (1, L) for one prompt")
         return ids[0], batch  # (L,)
 
-    def _check_video_tokens(self, conv: Conversation, processor: Any) -> None:
-        """Videos that alone exceed max_model_len are refused from their shapes, before the processor
-        resizes hundreds of frames into float patches only for the length check to fail."""
+    def _check_media_tokens(self, conv: Conversation, processor: Any) -> None:
+        """Images and videos that alone exceed max_model_len are refused from their shapes and the processor's
+        resize rule, before the processor resizes them into float patches only for the length check to fail: a
+        request's own min_pixels could otherwise blow a 32x32 image up to gigabytes of floats first."""
+        n = 0
+        images = getattr(processor, "image_processor", None)
+        patches = getattr(images, "get_number_of_image_patches", None)
+        if conv.images and patches is not None:
+            merge = int(getattr(images, "merge_size", 1) or 1)
+            for image in conv.images:
+                height, width = (image.size[1], image.size[0]) if hasattr(image, "size") and not hasattr(
+                    image, "shape") else image.shape[:2]
+                n += int(patches(height, width, {})) // merge**2
+            if n >= self.max_model_len:
+                raise invalid_request(
+                    f"the images alone are {n} tokens at this request's processor settings, but this model's maximum "
+                    f"context length (max_model_len) is {self.max_model_len} tokens; send smaller images or a lower "
+                    "mm_processor_kwargs min_pixels / max_pixels", "messages")
         counter = getattr(getattr(processor, "video_processor", None), "token_count", None)
         if not conv.videos or counter is None:
             return
-        n = sum(counter(v) for v in conv.videos)
-        if n >= self.max_model_len:
+        videos = sum(counter(v) for v in conv.videos)
+        if n + videos >= self.max_model_len:
             raise invalid_request(
-                f"the videos alone are {n} tokens, but this model's maximum context length (max_model_len) is "
-                f"{self.max_model_len} tokens; send a shorter or smaller video", "messages")
+                f"the videos alone are {videos} tokens (with the images {n + videos}), but this model's maximum "
+                f"context length (max_model_len) is {self.max_model_len} tokens; send a shorter or smaller video",
+                "messages")
 
     def encode(self, request: ChatRequest) -> torch.Tensor:
         """The prompt's token ids (L,) as the thinker would get them (/tokenize): no prompt-length checks, only

@@ -102,6 +102,27 @@ def test_a_video_beyond_max_model_len_is_refused_from_its_shape(builder: PromptB
     assert e.value.http_status == 400 and resized == []
 
 
+def test_an_image_blown_up_by_its_requests_min_pixels_is_refused_from_its_shape(builder: PromptBuilder) -> None:
+    """A request's own min_pixels would resize a 32x32 image into ~2000 tokens of float patches (gigabytes at
+    larger settings) before the length check: its token count comes from the resize rule first, and it is the
+    count the processor then gives."""
+    from dataclasses import replace
+
+    image = ImagePart(Image.new("RGB", (32, 32), (10, 200, 30)))
+    fits = replace(request(user(image, TextPart("what is it?"))), processor_kwargs=(("max_pixels", 65536.0),
+                                                                                   ("min_pixels", 65536.0)))
+    pad = builder.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((builder.build(fits).input_ids == pad).sum()) == 65536 // (16 * 16 * 4)  # 256 tokens: it fits
+    big = replace(fits, processor_kwargs=(("max_pixels", 2e6), ("min_pixels", 2e6)))
+    processor = builder.processor_for(big)
+    resized: list[object] = []
+    processor.image_processor._preprocess = lambda *a, **k: resized.append(a)  # never reached
+    with pytest.raises(PipelineError, match="the images alone are 2025 tokens at this request's processor settings.*"
+                                            "is 512 tokens") as e:
+        builder.build(big)
+    assert e.value.http_status == 400 and resized == []
+
+
 def test_use_audio_in_video_interleaves_the_soundtrack(builder: PromptBuilder) -> None:
     """A video carrying its soundtrack: the soundtrack is the second audio (after the standalone clip, in
     prompt order), its `<|audio_pad|>`s sit between the video's temporal patches inside the vision span."""
