@@ -49,6 +49,22 @@ def test_bad_words_ban_the_token_that_would_complete_one() -> None:
         merge_sampling(SamplingParams(), stage_pb2.SamplingParams(bad_words=["x"]), text=False)
 
 
+def test_many_bad_words_ban_exactly_what_the_plain_rule_bans() -> None:
+    """The prefix table (one lookup per prefix length) against vLLM's rule word by word: the last id of every
+    word whose other ids end the generated tokens, over random words of 1-4 ids and random histories."""
+    rng = torch.Generator().manual_seed(3)
+    words = tuple(tuple(torch.randint(0, 6, (int(n),), generator=rng).tolist())
+                  for n in torch.randint(1, 5, (300,), generator=rng))
+    sampler = Sampler(SamplingParams(temperature=0, bad_words_ids=words))
+    for _ in range(200):
+        generated = torch.randint(0, 6, (int(torch.randint(0, 6, (1,), generator=rng)),), generator=rng).tolist()
+        history = torch.tensor([9, 9, *generated])
+        sampler.num_sampled = len(generated)
+        want = {w[-1] for w in words if len(generated) >= len(w) - 1 and generated[len(generated) - len(w) + 1:] == list(w[:-1])}
+        scores = sampler._ban_bad_words(torch.zeros(8), history)
+        assert {i for i in range(8) if scores[i] == -float("inf")} == want, (generated, want)
+
+
 def test_the_stage_checks_ids_against_its_vocabulary() -> None:
     defaults = SamplingParams(vocab_size=10)
     merged = merge_sampling(defaults, stage_pb2.SamplingParams(logit_bias={3: 1.5, 1: -2.0}, allowed_token_ids=[4, 4, 2]))

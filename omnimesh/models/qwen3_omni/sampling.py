@@ -145,6 +145,14 @@ class Sampler:
         self._bias = (torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long),
                       torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)) if params.logit_bias else None
         self._allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long) if params.allowed_token_ids else None
+        # bad words by the length of their prefix: {n: {the n ids before the last: [last ids]}}, so a step looks up
+        # one tuple per distinct length, however many words a request bans
+        self._bad: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for word in params.bad_words_ids:
+            self._bad.setdefault(len(word) - 1, {}).setdefault(tuple(word[:-1]), []).append(word[-1])
+        single = self._bad.pop(0, {}).get((), [])  # one-id words: banned at every step, one tensor
+        self._bad_always = torch.tensor(sorted(set(single)), dtype=torch.long) if single else None
+        self._bad_longest = max(self._bad, default=0)
         self.num_sampled = 0  # tokens picked so far by `sample` (what min_tokens counts)
         self._generated: dict[int, int] = {}  # id -> times picked; kept only when the output penalties are on
 
@@ -189,9 +197,14 @@ class Sampler:
 
     def _ban_bad_words(self, scores: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
         """vLLM's bad_words: the last id of each word whose other ids the generated tokens end with."""
-        generated = [] if history is None or not self.num_sampled else history[-self.num_sampled:].tolist()
-        banned = [w[-1] for w in self.params.bad_words_ids
-                  if len(w) == 1 or (len(generated) >= len(w) - 1 and generated[len(generated) - len(w) + 1:] == list(w[:-1]))]
+        recent: list[int] = []  # the generated tokens a prefix can end with (the longest prefix's worth)
+        if history is not None and self.num_sampled and self._bad_longest:
+            recent = history[-min(self.num_sampled, self._bad_longest):].tolist()
+        if self._bad_always is not None:
+            always = self._bad_always[self._bad_always < scores.shape[-1]].to(scores.device)
+            scores = scores.index_fill(0, always, -float("inf"))
+        banned = [last for n, prefixes in self._bad.items() if len(recent) >= n
+                  for last in prefixes.get(tuple(recent[len(recent) - n:]), ())]
         banned = [i for i in banned if i < scores.shape[-1]]
         if not banned:
             return scores
