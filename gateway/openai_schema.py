@@ -523,6 +523,7 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
 
 # ------------------------------------------------------------------------- checks shared with gRPC
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_BAD_WORDS = 1024  # tokenized on the thinker's event loop when a request opens: a bound, not a taste
 INT32_MAX = 2**31 - 1  # the wire's token counts are int32
 
 
@@ -580,6 +581,8 @@ def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOG
             problems.append(("bad_words", "bad words apply to the thinker's text only; the talker emits audio codes"))
         elif any(not w.strip() for w in s.bad_words):
             problems.append(("bad_words", "bad words must not be empty or only spaces"))
+        elif len(s.bad_words) > MAX_BAD_WORDS:  # each is tokenized when the thinker opens the request
+            problems.append(("bad_words", f"at most {MAX_BAD_WORDS} bad words, got {len(s.bad_words)}"))
     if s.stop:
         if param.endswith("talker"):
             why = "stop strings apply to the thinker's text only; the talker emits audio codes (use stop_token_ids)"

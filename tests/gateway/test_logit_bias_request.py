@@ -47,6 +47,7 @@ def test_the_fields_reach_the_stages() -> None:
     ({"allowed_token_ids": [-1]}, "allowed_token_ids[0]", "token id >= 0"),
     ({"logit_bias": {"5": "x"}}, "logit_bias.5", "number"),
     ({"bad_words": ["ok", "  "]}, "bad_words", "must not be empty"),
+    ({"bad_words": [f"w{i}" for i in range(1025)]}, "bad_words", "at most 1024 bad words, got 1025"),
 ])
 def test_bad_values_are_400s(fields: dict, param: str, needle: str) -> None:
     with pytest.raises(PipelineError) as e:
