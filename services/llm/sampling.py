@@ -69,16 +69,14 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
 def bad_word_ids(tokenizer: Any, words: Any) -> tuple[tuple[int, ...], ...]:
     """vLLM's bad_words as token sequences: each word as it starts the text and after a space (both
     spellings a BPE vocabulary may generate)."""
-    out: list[tuple[int, ...]] = []
+    texts: list[str] = []
     for word in words:
         stripped = str(word).lstrip()
         if not stripped:
             raise ValueError("bad_words must not be empty or only spaces")
-        for text in (stripped, " " + stripped):
-            ids = tuple(int(i) for i in tokenizer.encode(text, add_special_tokens=False))
-            if ids and ids not in out:
-                out.append(ids)
-    return tuple(out)
+        texts += [stripped, " " + stripped]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # one batched call
+    return tuple(dict.fromkeys(tuple(int(i) for i in ids) for ids in encoded if ids))  # first spelling first
 
 
 def operator_defaults(defaults: SamplingParams, overrides: dict[str, Any] | None, stage: str) -> SamplingParams:
