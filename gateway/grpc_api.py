@@ -56,7 +56,7 @@ from gateway.choices import MAX_CHOICES, choice_requests, close_events, fan_out
 from gateway.input_limits import InputLimits
 from gateway.processor_kwargs import check_settings
 from gateway.prompt import PromptBuilder
-from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
+from gateway.media import MediaLoader, audio_seconds, invalid_request, too_large, video_sampling_of
 from gateway.openai_schema import (
     MAX_LOGPROBS,
     STAGE_NAMES,
@@ -166,6 +166,13 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         if not req.messages:
             raise invalid_request("messages: at least one message is required (or a raw prompt / "
                                   "prompt_token_ids)", "messages")
+        limits = self.loader.limits  # as REST's (openai_schema.check_turns): before any message is read
+        if len(req.messages) > limits.max_messages:
+            raise too_large(f"messages: {len(req.messages)} of them; at most {limits.max_messages} in one request "
+                            "(--input-limits max_messages)", "messages")
+        if (n_parts := sum(len(m.content) for m in req.messages)) > limits.max_content_parts:
+            raise too_large(f"messages: {n_parts} content parts in all; at most {limits.max_content_parts} in one "
+                            "request (--input-limits max_content_parts)", "messages")
         self.loader.check_counts([_MEDIA_KINDS[kind] for m in req.messages for p in m.content
                                   if (kind := p.WhichOneof("part")) in _MEDIA_KINDS])  # before decoding any
         try:

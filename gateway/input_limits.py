@@ -31,6 +31,11 @@ class InputLimits:
     # checked before decoding; a 2-minute 1080p clip at 2 fps (240 frames, 498M pixels) is over it
     max_video_pixels: int = 256 * 1024 * 1024
     max_media_items: int = 32  # audio clips + images + videos in one request (400 beyond)
+    # messages (or Responses input items) of one request, and their content parts together: counted on the
+    # parsed JSON before any validation, which costs ~16 us a message on the gateway (a 50 MB body of 1.5M
+    # messages held it for 24 s)
+    max_messages: int = 4096
+    max_content_parts: int = 16384
     max_fetch_bytes: int = 32 * 1024 * 1024  # one remote media download
     fetch_timeout_s: float = 10.0  # one remote media download, start to end (400 beyond)
     # decoding one video's frames (every frame up to the last sampled one is decoded): a small file can hold
@@ -42,7 +47,7 @@ class InputLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_image_pixels", "max_video_pixels", "max_media_items",
-                     "max_fetch_bytes"):
+                     "max_fetch_bytes", "max_messages", "max_content_parts"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"InputLimits.{name} must be positive, got {getattr(self, name)}")
         for name in ("max_audio_seconds", "max_video_seconds", "fetch_timeout_s", "video_decode_timeout_s"):

@@ -46,7 +46,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from gateway.audio_encoding import OUTPUT_AUDIO_FORMATS
 from gateway.chat_template_options import template_options
 from gateway.events import PipelineError, SamplingOverrides, TemplateOptions
-from gateway.media import invalid_request
+from gateway.input_limits import InputLimits
+from gateway.media import invalid_request, too_large
 from gateway.processor_kwargs import KEYS, check_settings
 from gateway.prompt_logprobs import token_text
 from omnimesh.v1 import stage_pb2
@@ -514,11 +515,29 @@ def validate_body(model: type[BodyT], obj: Any, where: tuple[int | str, ...] = (
         raise invalid_request(text, first) from None
 
 
-def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
-    """Raw body -> validated request; malformed JSON and every schema violation -> 400."""
-    req = validate_body(ChatCompletionRequest, parse_json_object(raw))
+def parse_chat_request(raw: bytes, limits: InputLimits | None = None) -> ChatCompletionRequest:
+    """Raw body -> validated request; malformed JSON and every schema violation -> 400, too many messages or
+    parts for `limits` -> 413 (before validating them). CPU-bound for big bodies: call it off the event loop."""
+    obj = parse_json_object(raw)
+    check_turns(obj.get("messages"), limits, "messages")
+    req = validate_body(ChatCompletionRequest, obj)
     refuse_unsupported(req)
     return req
+
+
+def check_turns(items: Any, limits: InputLimits | None, param: str) -> None:
+    """A body's messages (or Responses input items), still raw JSON, within `limits`' max_messages and
+    max_content_parts (a string content is one part): 413 naming `param`. Only len() calls, so a huge list
+    is refused before the per-message validation that would cost seconds."""
+    if limits is None or not isinstance(items, list):
+        return
+    if len(items) > limits.max_messages:
+        raise too_large(f"{param}: {len(items)} of them; at most {limits.max_messages} in one request "
+                        "(--input-limits max_messages)", param)
+    parts = sum(len(c) if isinstance(c := m.get("content"), list) else 1 for m in items if isinstance(m, dict))
+    if parts > limits.max_content_parts:
+        raise too_large(f"{param}: {parts} content parts in all; at most {limits.max_content_parts} in one request "
+                        "(--input-limits max_content_parts)", param)
 
 
 # ------------------------------------------------------------------------- checks shared with gRPC

@@ -38,6 +38,7 @@ from gateway.events import ChatRequest, Finished, PipelineError, TextDelta, chec
 from gateway.http_errors import internal_error
 from gateway.media import invalid_request
 from gateway.openai_schema import (
+    check_turns,
     ContentPart,
     ImageURL,
     InputAudio,
@@ -149,11 +150,17 @@ class ResponsesRoutes:
     def __init__(self, gw: RestGateway) -> None:
         self.gw = gw
 
+    def _parse(self, raw: bytes) -> ResponsesRequest:
+        """The body, its input items counted before they are validated (as a chat's messages)."""
+        obj = parse_json_object(raw)
+        check_turns(obj.get("input"), self.gw.loader.limits, "input")
+        return validate_body(ResponsesRequest, obj)
+
     async def responses(self, request: Request) -> Response:
         from gateway.rest import Answer  # rest imports this module to route it
 
         async def prepare(raw: bytes, client_id: str | None, started: float) -> Answer:
-            body = validate_body(ResponsesRequest, parse_json_object(raw))
+            body = await asyncio.to_thread(self._parse, raw)
             refuse_unsupported(body, UNSUPPORTED)
             call = await self.build(body, client_id, started)
             return Answer(call.request.request_id, (call.request,), body.stream,

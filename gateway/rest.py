@@ -361,7 +361,8 @@ class RestGateway:
     # ---------------------------------------------------------------------------------------- routes
     async def chat_completions(self, request: Request) -> Response:
         async def prepare(raw: bytes, client_id: str | None, started: float) -> Answer:
-            call = await self.build(parse_chat_request(raw), client_id)
+            body = await asyncio.to_thread(parse_chat_request, raw, self.loader.limits)  # big bodies: seconds
+            call = await self.build(body, client_id)
             call.started = started
             return Answer(call.request.request_id, choice_requests(call.request, call.n), call.stream,
                           functools.partial(self._complete, call), functools.partial(self._stream, call))

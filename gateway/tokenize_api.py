@@ -24,7 +24,9 @@ from pydantic import model_validator
 from gateway.events import ChatRequest, PipelineError
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.media import invalid_request
-from gateway.openai_schema import (MMProcessorKwargs, Message, StrictBody, TemplateFields, ToolDef, parse_json_object,
+from gateway.input_limits import InputLimits
+from gateway.openai_schema import (MMProcessorKwargs, Message, StrictBody, TemplateFields, ToolDef, check_turns,
+                                    parse_json_object,
                                     resolve_model, validate_body)
 from gateway.prompt import PromptBuilder
 
@@ -58,8 +60,10 @@ class DetokenizeRequest(StrictBody):
     tokens: list[int]
 
 
-def parse_tokenize(raw: bytes) -> TokenizeRequest:
-    return validate_body(TokenizeRequest, parse_json_object(raw))
+def parse_tokenize(raw: bytes, limits: InputLimits | None = None) -> TokenizeRequest:
+    obj = parse_json_object(raw)
+    check_turns(obj.get("messages"), limits, "messages")
+    return validate_body(TokenizeRequest, obj)
 
 
 def parse_detokenize(raw: bytes) -> DetokenizeRequest:
@@ -111,7 +115,7 @@ class TokenizeRoutes:
         return JSONResponse(body)
 
     async def _tokenize(self, raw: bytes) -> dict[str, Any]:
-        req = parse_tokenize(raw)
+        req = await asyncio.to_thread(parse_tokenize, raw, self.gw.loader.limits)
         resolve_model(req.model, self.gw.served_model_names)
         if req.messages is not None:
             mm = req.mm_processor_kwargs

@@ -60,6 +60,11 @@ def test_messages_are_tokenized_as_the_chat_prompt(server: RestServer, builder: 
     assert bare["tokens"] == got["tokens"][:bare["count"]] and bare["count"] < got["count"]
 
 
+def test_too_many_messages_are_counted_before_validation(server: RestServer) -> None:
+    r = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}] * 4097})
+    assert r.status_code == 413 and "at most 4096" in r.json()["error"]["message"]
+
+
 def test_messages_take_the_chat_template_options(server: RestServer, builder: PromptBuilder) -> None:
     """continue_final_message and chat_template_kwargs as a chat takes them (vLLM's /tokenize fields)."""
     tok = builder.processor.tokenizer
