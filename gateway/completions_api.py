@@ -190,7 +190,8 @@ class CompletionRoutes:
         from gateway.rest import Answer  # rest imports this module to route it
 
         async def prepare(raw: bytes, client_id: str | None, started: float) -> Answer:
-            call = await self.build(parse_completion_request(raw), client_id, started)
+            body = await asyncio.to_thread(parse_completion_request, raw)  # off the loop: a big body takes a while
+            call = await self.build(body, client_id, started)
             return Answer(call.request_id, call.runs, call.stream,
                           lambda first, events: self._complete(call, first, events),
                           lambda first, state: self._stream(call, first, state))

@@ -88,7 +88,8 @@ class SpeechRoutes:
         from gateway.rest import Answer  # rest imports this module to route it
 
         async def prepare(raw: bytes, client_id: str | None, started: float) -> Answer:
-            call = self.build(validate_body(SpeechRequest, parse_json_object(raw)), client_id, started)
+            body = await asyncio.to_thread(lambda: validate_body(SpeechRequest, parse_json_object(raw)))  # off the loop
+            call = self.build(body, client_id, started)
             call.request = await asyncio.to_thread(self._sized, call.request, call.text)
             streamed = call.sse or call.fmt == "pcm"
             return Answer(call.request.request_id, (call.request,), streamed,
