@@ -8,12 +8,15 @@ import io
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
 import wave
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -263,3 +266,65 @@ def machine_info() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         info["commit"] = None
     return info
+
+
+
+
+def measure_streams(url: str, bodies: list[dict], concurrency: int) -> dict[str, list[float]]:
+    """`bodies` streamed with `concurrency` in flight -> TTFT, TTFP and latency per request and the turn's
+    requests per second (`SideBySide.run`'s measure); a failed request raises."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda b: stream_chat(url, b), bodies))
+    wall = time.perf_counter() - t0
+    for r in results:
+        if r.error:
+            raise RuntimeError(r.error)
+    return {"ttft": [r.ttft for r in results], "ttfp": [r.ttfp for r in results],
+            "latency": [r.latency for r in results], "rps": [len(bodies) / wall]}
+
+
+def headline(model_dir: Path, workload: str) -> str:
+    """A bench's first line: the model, what was sent, and this machine's CPUs and commit."""
+    info = machine_info()
+    return f"model: {model_dir.name}; {workload}; {info['cpus_usable']} CPUs, commit {info.get('commit', '?')}"
+
+class SideBySide:
+    """Two (or more) meshes measured in one run, alternating: in each round and at each concurrency the same
+    requests go to every mesh in turn (the baseline first), so drift of the host's speed hits all alike.
+    `samples[(mesh, c)][metric]` collects what `measure` returned for each turn."""
+
+    def __init__(self, meshes: list[tuple[str, str]], levels: list[int]) -> None:
+        self.meshes = meshes  # (name, url), the baseline first
+        self.levels = levels
+        self.samples: dict[tuple[str, int], dict[str, list[float]]] = {}
+
+    def run(self, rounds: int, requests: int, bodies: Callable[[int, int], list[dict]],
+            measure: Callable[[str, list[dict], int], dict[str, list[float]]]) -> None:
+        """`bodies(first_index, n)` -> n request bodies; `measure(url, bodies, c)` -> {metric: values}."""
+        seq = 0
+        for _ in range(rounds):
+            for c in self.levels:
+                batch = bodies(seq, requests)
+                seq += requests
+                for name, url in self.meshes:
+                    got = self.samples.setdefault((name, c), {})
+                    for metric, values in measure(url, batch, c).items():
+                        got.setdefault(metric, []).extend(values)
+
+    def print(self, spec: list[tuple[str, str, float | None]]) -> None:
+        """Per concurrency, each (label, metric, quantile; None: the median of per-turn values) for the
+        baseline and the second mesh, with the ratio second / baseline."""
+        (base, _), (other, _) = self.meshes[0], self.meshes[1]
+
+        def value(name: str, c: int, metric: str, q: float | None) -> float:
+            got = self.samples[(name, c)][metric]
+            return statistics.median(got) if q is None else percentile(got, q)
+
+        ratio = f"{other}/{base}"
+        width = max(10, len(ratio) + 2)
+        print(f"{'c':>3} {'metric':<16}{base:>12}{other:>12}{ratio:>{width}}")
+        for c in self.levels:
+            for label, metric, q in spec:
+                a, b = value(base, c, metric, q), value(other, c, metric, q)
+                print(f"{c:>3} {label:<16}{a:>12.4f}{b:>12.4f}{b / a:>{width}.3f}")

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine_info, model_folder, percentile, stream_chat  # noqa: E402
+from bench.common import SideBySide, headline, measure_streams, model_folder  # noqa: E402
 from bench.mesh_process import MeshProcess  # noqa: E402
 
 PARAGRAPH = ("The harbour office keeps the tide tables, the weather reports and the list of moorings. Boats "
@@ -59,18 +56,6 @@ def thinker_counter(url: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def run(url: str, bodies: list[dict], concurrency: int) -> tuple[list[float], list[float], float]:
-    """-> (TTFT per request, latency per request, wall seconds for all)."""
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda b: stream_chat(url, b), bodies))
-    wall = time.perf_counter() - t0
-    for r in results:
-        if r.error:
-            raise RuntimeError(r.error)
-    return [r.ttft for r in results], [r.latency for r in results], wall
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: the built-in tiny model)")
@@ -86,40 +71,23 @@ def main() -> int:
     with MeshProcess(model_dir) as plain, MeshProcess(model_dir, "--enable-prefix-caching") as cached:
         system, n_system = system_prompt(plain.url, args.system_tokens)
         for mesh in (plain, cached):  # warm-up; the cache's first prefix is computed here, as a deployment's would be
-            run(mesh.url, [body(system, 10_000, args.max_tokens, args.audio)], 1)
-        stats: dict[tuple[str, int], tuple[list[float], list[float], list[float]]] = {}
+            measure_streams(mesh.url, [body(system, 10_000, args.max_tokens, args.audio)], 1)
         tokens = {name: (thinker_counter(m.url, "omnimesh:prompt_tokens_total"),
                          thinker_counter(m.url, "omnimesh:prefix_cache_hits_total"))
                   for name, m in (("off", plain), ("on", cached))}
-        seq = 0
-        for _ in range(args.rounds):
-            for c in levels:
-                bodies = [body(system, seq + i, args.max_tokens, args.audio) for i in range(args.requests)]
-                seq += args.requests
-                for name, mesh in (("off", plain), ("on", cached)):
-                    ttft, lat, wall = run(mesh.url, bodies, c)
-                    got = stats.setdefault((name, c), ([], [], []))
-                    got[0].extend(ttft)
-                    got[1].extend(lat)
-                    got[2].append(args.requests / wall)
+        table = SideBySide([("no cache", plain.url), ("cache", cached.url)], levels)
+        table.run(args.rounds, args.requests,
+                  lambda first, n: [body(system, first + i, args.max_tokens, args.audio) for i in range(n)], measure_streams)
         computed = {}
         for name, m in (("off", plain), ("on", cached)):
             prompt = thinker_counter(m.url, "omnimesh:prompt_tokens_total") - tokens[name][0]
             hits = thinker_counter(m.url, "omnimesh:prefix_cache_hits_total") - tokens[name][1]
             computed[name] = (prompt, hits)
-    info = machine_info()
-    print(f"model: {model_dir.name}; system prompt {n_system} tokens + a question each; {args.max_tokens} tokens "
-          f"out, greedy, {'text+audio' if args.audio else 'text'}; {args.requests} requests x {args.rounds} rounds "
-          f"per concurrency and mesh; {info['cpus_usable']} CPUs, commit {info.get('commit', '?')}")
-    print(f"{'c':>3} {'metric':<16}{'no cache':>12}{'cache':>12}{'cache/no':>10}")
-    for c in levels:
-        off, on = stats[("off", c)], stats[("on", c)]
-        rows = [("TTFT p50 (s)", percentile(off[0], 0.5), percentile(on[0], 0.5)),
-                ("TTFT p95 (s)", percentile(off[0], 0.95), percentile(on[0], 0.95)),
-                ("latency p50 (s)", percentile(off[1], 0.5), percentile(on[1], 0.5)),
-                ("requests/s", statistics.median(off[2]), statistics.median(on[2]))]
-        for label, a, b in rows:
-            print(f"{c:>3} {label:<16}{a:>12.4f}{b:>12.4f}{b / a:>10.2f}")
+    print(headline(model_dir, f"system prompt {n_system} tokens + a question each; {args.max_tokens} tokens out, "
+                              f"greedy, {'text+audio' if args.audio else 'text'}; {args.requests} requests x "
+                              f"{args.rounds} rounds per concurrency and mesh"))
+    table.print([("TTFT p50 (s)", "ttft", 0.5), ("TTFT p95 (s)", "ttft", 0.95), ("latency p50 (s)", "latency", 0.5),
+                 ("requests/s", "rps", None)])
     for name, (prompt, hits) in computed.items():
         print(f"thinker, cache {name}: {prompt:.0f} prompt tokens, {hits:.0f} from the cache, "
               f"{prompt - hits:.0f} computed")

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from mesh_harness import Mesh, start_mesh  # noqa: E402
 from reference import ReferenceModel  # noqa: E402
-from trace_collector import TraceCollector  # noqa: E402
+from bench.otlp_receiver import TraceCollector  # noqa: E402
 
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni  # noqa: E402
 

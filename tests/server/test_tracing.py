@@ -18,8 +18,7 @@ from omnimesh.engine.loop import EngineDone, EngineFailed
 from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.launcher import MeshLauncher
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-from trace_collector import TraceCollector  # noqa: E402
+from bench.otlp_receiver import TraceCollector
 
 ENDPOINT = "http://127.0.0.1:4317"
 

@@ -1,5 +1,7 @@
-"""An OTLP/gRPC trace receiver on 127.0.0.1 for the e2e tests: what an OpenTelemetry collector would get from
-a mesh started with `--otlp-traces-endpoint`. Spans are kept by trace id, with their service's name."""
+"""An OTLP/gRPC trace receiver on 127.0.0.1: what an OpenTelemetry collector would get from a mesh started with
+`--otlp-traces-endpoint`. Spans are kept with their service's name. The e2e tests check the mesh's traces with
+it (tests/e2e/test_tracing_e2e.py) and bench/tracing_overhead.py gives the traced mesh somewhere to send them.
+Needs the `otel` extra (opentelemetry-proto comes with the exporter)."""
 
 from __future__ import annotations
 
