@@ -26,11 +26,11 @@ import pytest
 from mesh_harness import start_mesh
 from reference import chat_request, mp4_bytes, openai_content, png_bytes, sine_wav
 
-from omnimesh.v1 import omni_pb2, omni_pb2_grpc
+from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 MODEL = "tiny-qwen3-omni"
 TIMEOUT_S = 120.0
-LONG = 2000  # A's tokens (min_tokens = max_tokens: no early stop): it holds the seat ~5 s, under load too
+LONG = 4000  # A's tokens (min_tokens = max_tokens: no early stop): it holds the seat 4-10 s (max_model_len 4096)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +57,12 @@ def _post(mesh, body: dict) -> httpx.Response:
 
 
 def _thinker_waiting(mesh) -> float:
-    """The thinker's `num_requests_waiting` gauge, scraped through the gateway's /metrics."""
-    for line in httpx.get(f"{mesh.rest}/metrics", timeout=TIMEOUT_S).text.splitlines():
-        if line.startswith("omnimesh:num_requests_waiting{") and 'stage="thinker"' in line:
+    """The thinker's `num_requests_waiting` gauge, from its own Metrics RPC (the gateway's /metrics scrapes
+    every stage and leaves out one slower than 2 s: under load that read 0 while B waited)."""
+    with grpc.insecure_channel(mesh.stages["thinker"]) as ch:
+        text = stage_pb2_grpc.StageStub(ch).Metrics(stage_pb2.MetricsRequest(), timeout=TIMEOUT_S).text
+    for line in text.splitlines():
+        if line.startswith("omnimesh:num_requests_waiting{"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
