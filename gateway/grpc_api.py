@@ -56,12 +56,13 @@ from gateway.choices import MAX_CHOICES, choice_requests, close_events, fan_out
 from gateway.input_limits import InputLimits
 from gateway.processor_kwargs import check_settings
 from gateway.prompt import PromptBuilder
-from gateway.media import MediaLoader, audio_seconds, invalid_request, too_large, video_sampling_of
+from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
 from gateway.openai_schema import (
     MAX_LOGPROBS,
     STAGE_NAMES,
     check_sampling,
     check_thinker_min_tokens,
+    check_turn_counts,
     normalize_modalities,
     resolve_model,
     resolve_voice,
@@ -122,8 +123,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     def __init__(self, pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                  limits: InputLimits | None = None, video_sampling: VideoSampling | None = None,
-                 max_logprobs: int = MAX_LOGPROBS, auto_tool_choice: bool = False,
-                 prompts: PromptBuilder | None = None) -> None:
+                 max_logprobs: int = MAX_LOGPROBS, auto_tool_choice: bool = False) -> None:
         self.pipeline = pipeline
         self.max_logprobs = max_logprobs  # --max-logprobs
         self.auto_tool_choice = auto_tool_choice  # --enable-auto-tool-choice (with --tool-call-parser)
@@ -136,7 +136,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         sampling = video_sampling or video_sampling_of(prepare)
         self.loader = MediaLoader(limits or InputLimits(), video_sampling=sampling)
         # its tokenizer takes raw prompts (`prompt`); a pipeline without a PromptBuilder refuses them
-        self.prompts = prompts if prompts is not None else (prepare if isinstance(prepare, PromptBuilder) else None)
+        self.prompts = prepare if isinstance(prepare, PromptBuilder) else None
 
     async def build(self, req: omni_pb2.GenerateRequest) -> tuple[ChatRequest, ToolPlan]:
         """`GenerateRequest` -> (`ChatRequest`, what its tool calls are); any problem is a `PipelineError`
@@ -166,13 +166,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         if not req.messages:
             raise invalid_request("messages: at least one message is required (or a raw prompt / "
                                   "prompt_token_ids)", "messages")
-        limits = self.loader.limits  # as REST's (openai_schema.check_turns): before any message is read
-        if len(req.messages) > limits.max_messages:
-            raise too_large(f"messages: {len(req.messages)} of them; at most {limits.max_messages} in one request "
-                            "(--input-limits max_messages)", "messages")
-        if (n_parts := sum(len(m.content) for m in req.messages)) > limits.max_content_parts:
-            raise too_large(f"messages: {n_parts} content parts in all; at most {limits.max_content_parts} in one "
-                            "request (--input-limits max_content_parts)", "messages")
+        check_turn_counts(len(req.messages), sum(len(m.content) for m in req.messages), self.loader.limits,
+                          "messages")  # as REST's, before any message is read
         self.loader.check_counts([_MEDIA_KINDS[kind] for m in req.messages for p in m.content
                                   if (kind := p.WhichOneof("part")) in _MEDIA_KINDS])  # before decoding any
         try:

@@ -531,12 +531,18 @@ def check_turns(items: Any, limits: InputLimits | None, param: str) -> None:
     is refused before the per-message validation that would cost seconds."""
     if limits is None or not isinstance(items, list):
         return
-    if len(items) > limits.max_messages:
-        raise too_large(f"{param}: {len(items)} of them; at most {limits.max_messages} in one request "
-                        "(--input-limits max_messages)", param)
     parts = sum(len(c) if isinstance(c := m.get("content"), list) else 1 for m in items if isinstance(m, dict))
-    if parts > limits.max_content_parts:
-        raise too_large(f"{param}: {parts} content parts in all; at most {limits.max_content_parts} in one request "
+    check_turn_counts(len(items), parts, limits, param)
+
+
+def check_turn_counts(n_items: int, n_parts: int, limits: InputLimits, param: str) -> None:
+    """`n_items` messages with `n_parts` content parts in all within --input-limits (REST's raw JSON, gRPC's
+    messages alike): 413 / INVALID_ARGUMENT naming `param`."""
+    if n_items > limits.max_messages:
+        raise too_large(f"{param}: {n_items} of them; at most {limits.max_messages} in one request "
+                        "(--input-limits max_messages)", param)
+    if n_parts > limits.max_content_parts:
+        raise too_large(f"{param}: {n_parts} content parts in all; at most {limits.max_content_parts} in one request "
                         "(--input-limits max_content_parts)", param)
 
 

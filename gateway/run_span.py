@@ -30,11 +30,10 @@ class RunSpan:
             return None
         s = request.sampling
         span = tracing.start_span("llm_request", tracing.request_parent(), {
-            k: v for k, v in {
-                "gen_ai.request.id": request.request_id, "gen_ai.response.model": request.model,
-                "gen_ai.request.max_tokens": s.max_tokens, "gen_ai.request.temperature": s.temperature,
-                "gen_ai.request.top_p": s.top_p, "omnimesh.modalities": ",".join(request.modalities),
-                "omnimesh.voice": request.voice}.items() if v is not None})
+            "gen_ai.request.id": request.request_id, "gen_ai.response.model": request.model,
+            "gen_ai.request.max_tokens": s.max_tokens, "gen_ai.request.temperature": s.temperature,
+            "gen_ai.request.top_p": s.top_p, "omnimesh.modalities": ",".join(request.modalities),
+            "omnimesh.voice": request.voice})
         return cls(span, time.monotonic())
 
     def headers(self) -> dict[str, str]:

@@ -120,30 +120,33 @@ def inject(span: Any) -> dict[str, str]:
     return carrier
 
 
+def _known(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The attributes with a value (None: not known for this request, so not set)."""
+    return {k: v for k, v in (attributes or {}).items() if v is not None}
+
+
 def start_span(name: str, parent: Any = None, attributes: Mapping[str, Any] | None = None,
-               start_ns: int | None = None, server: bool = True) -> Any:
-    """A started span under `parent` (a context from `extract`; None: the current one), or None when tracing
-    is off. End it with `end`."""
+               start_ns: int | None = None) -> Any:
+    """A started server span under `parent` (a context from `extract`; None: the current one), or None when
+    tracing is off. End it with `end`."""
     if _tracer is None:
         return None
     from opentelemetry.trace import SpanKind
 
-    return _tracer.start_span(name, context=parent, kind=SpanKind.SERVER if server else SpanKind.INTERNAL,
-                              attributes=dict(attributes or {}), start_time=start_ns)
+    return _tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=_known(attributes),
+                              start_time=start_ns)
 
 
-def end(span: Any, attributes: Mapping[str, Any] | None = None, error: str | None = None,
-        end_ns: int | None = None) -> None:
+def end(span: Any, attributes: Mapping[str, Any] | None = None, error: str | None = None) -> None:
     """Set the final attributes, mark an error (its description) and end the span; None: nothing to do."""
     if span is None:
         return
-    if attributes:
-        span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    span.set_attributes(_known(attributes))
     if error is not None:
         from opentelemetry.trace import Status, StatusCode
 
         span.set_status(Status(StatusCode.ERROR, error))
-    span.end(end_time=end_ns)
+    span.end()
 
 
 def wall_ns(monotonic_s: float) -> int:

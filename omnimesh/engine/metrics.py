@@ -163,7 +163,6 @@ class RequestTiming:
         if reason != "cancelled":
             m.e2e.labels(**labels).observe(time.monotonic() - self.submitted)
 
-
     def _span(self, task: StageTask, event: EngineDone | EngineFailed) -> None:
         """This request's span in this stage (vLLM's gen_ai.* names where they exist)."""
         now = time.monotonic()

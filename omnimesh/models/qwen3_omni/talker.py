@@ -46,9 +46,7 @@ from omnimesh.models.qwen3_omni.sampling import (
     greedy_batch,
     talker_sampling_params,
 )
-from omnimesh.models.qwen3_omni.thinker import TalkerPrompt
-
-_ASSISTANT_PREFIX = 3  # im_start, assistant, "\n": the prompt must end with them
+from omnimesh.models.qwen3_omni.thinker import ASSISTANT_PREFIX, TalkerPrompt, last_assistant_start
 
 
 @dataclass
@@ -122,8 +120,7 @@ class Qwen3OmniTalker:
         params = params if params is not None else talker_sampling_params(self.config)
         ids = prompt.input_ids.view(-1)  # (L,)
         cfg = self.config
-        starts = torch.nonzero((ids[:-1] == cfg.im_start_token_id) & (ids[1:] == cfg.assistant_token_id)).flatten()
-        if starts.numel() == 0 or int(starts[-1]) != ids.numel() - _ASSISTANT_PREFIX:
+        if last_assistant_start(ids, cfg) != ids.numel() - ASSISTANT_PREFIX:
             raise ValueError(
                 "the prompt must end with the assistant start `<|im_start|>assistant\\n` "
                 f"(ids {cfg.im_start_token_id}, {cfg.assistant_token_id}, newline); the talker speaks the text "
@@ -133,7 +130,7 @@ class Qwen3OmniTalker:
         user_embeds, user_ids = self._user_part(prompt, ids)  # (U, H), (U,)
         tts_bos, tts_eos, tts_pad = proj_text(prompt.tts_embeds).unbind(0)  # 3 x (H,)
         assistant = proj_text(
-            torch.cat([prompt.prompt_embeds[-_ASSISTANT_PREFIX:], first_text_embed.view(1, -1)], dim=0)
+            torch.cat([prompt.prompt_embeds[-ASSISTANT_PREFIX:], first_text_embed.view(1, -1)], dim=0)
         )  # (4, H)
         text_rows = torch.cat(
             [assistant[:3], tts_pad.expand(4, -1), tts_bos.view(1, -1), assistant[3:4]], dim=0

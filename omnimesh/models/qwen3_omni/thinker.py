@@ -41,6 +41,15 @@ from omnimesh.models.qwen3_omni.lm_backend import HFBackend, LMBackend
 from omnimesh.models.qwen3_omni.mrope import MropeSpec, decode_positions, prompt_positions
 
 
+ASSISTANT_PREFIX = 3  # im_start, assistant, "\n": the rows of an assistant turn's start the talker's prefill takes
+
+
+def last_assistant_start(ids: torch.Tensor, config: Qwen3OmniMoeConfig) -> int | None:
+    """Where the last `<|im_start|>assistant` of the prompt ids (L,) begins (None: there is none)."""
+    starts = torch.nonzero((ids[:-1] == config.im_start_token_id) & (ids[1:] == config.assistant_token_id)).flatten()
+    return int(starts[-1]) if starts.numel() else None
+
+
 @dataclass
 class TalkerPrompt:
     """What the talker needs from the prompt (thinker -> talker, once per request)."""
@@ -201,10 +210,10 @@ class Qwen3OmniThinker:
         with the assistant start (or has none: the talker refuses that)."""
         ids = ids.view(-1)
         cfg = self.config
-        starts = torch.nonzero((ids[:-1] == cfg.im_start_token_id) & (ids[1:] == cfg.assistant_token_id)).flatten()
-        if starts.numel() == 0:
+        start = last_assistant_start(ids, cfg)
+        if start is None:
             return 0
-        begin = int(starts[-1]) + 3  # im_start, assistant, "\n": the rows the talker's prefill takes
+        begin = start + ASSISTANT_PREFIX
         tail = ids[begin:]
         if tail.numel() == 0 or bool(((tail == cfg.im_start_token_id) | (tail == cfg.im_end_token_id)).any()):
             return 0
