@@ -259,10 +259,8 @@ class PromptBuilder:
         patches = getattr(images, "get_number_of_image_patches", None)
         if conv.images and patches is not None:
             merge = int(getattr(images, "merge_size", 1) or 1)
-            for image in conv.images:
-                height, width = (image.size[1], image.size[0]) if hasattr(image, "size") and not hasattr(
-                    image, "shape") else image.shape[:2]
-                n += int(patches(height, width, {})) // merge**2
+            for image in conv.images:  # PIL images: size is (width, height)
+                n += int(patches(image.size[1], image.size[0], {})) // merge**2
             if n >= self.max_model_len:
                 raise invalid_request(
                     f"the images alone are {n} tokens at this request's processor settings, but this model's maximum "

@@ -87,11 +87,11 @@ def test_the_prompt_is_what_apply_chat_template_renders(builder: PromptBuilder) 
 
 
 def test_template_variables_reach_the_template(builder: PromptBuilder) -> None:
-    import numpy as np
+    from PIL import Image
 
     from gateway.events import ImagePart
 
-    image = ChatMessage("user", (ImagePart(np.zeros((32, 32, 3), np.uint8)), TextPart("what is it?")))
+    image = ChatMessage("user", (ImagePart(Image.new("RGB", (32, 32))), TextPart("what is it?")))
     plain, _ = builder.render(chat(TemplateOptions(), (image,)))
     named, _ = builder.render(chat(TemplateOptions(kwargs={"add_vision_id": True}), (image,)))
     assert "Picture 1: <|vision_start|>" in named and "Picture 1" not in plain
