@@ -246,6 +246,14 @@ def _grpc_request(prompt: str = PROMPT, *, model: str = MODEL, modalities=("text
     )
 
 
+def _long_grpc_request() -> omni_pb2.GenerateRequest:
+    """A request that runs ~1.3 s here (1500 thinker tokens), so that one sent while it streams surely finds it
+    still running, even on a loaded machine: a short one can be done before a second one's channel is up."""
+    req = _grpc_request()
+    req.sampling.max_tokens, req.sampling.ignore_eos = 1500, True
+    return req
+
+
 def test_grpc_generate_matches_rest(mesh):
     rest = _post(mesh, _body())
     assert rest.status_code == 200, rest.text
@@ -333,8 +341,8 @@ def test_grpc_duplicate_request_id_in_flight_is_already_exists(mesh):
         pcm = b"".join(r.audio.pcm16 for r in responses if r.WhichOneof("kind") == "audio")
         return text, pcm, responses[-1]
 
-    alone = answer(run(_grpc_request()))  # the answer without a collision (greedy: the same every time)
-    req = _grpc_request()
+    alone = answer(run(_long_grpc_request()))  # the answer without a collision (greedy: the same every time)
+    req = _long_grpc_request()
     req.request_id = "client-id-7"
     with grpc.insecure_channel(mesh.grpc) as ch:
         first = omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=TIMEOUT_S)
@@ -371,8 +379,8 @@ def test_an_id_another_gateway_runs_is_refused_by_the_stage(mesh, tiny_model_dir
                                sampling=SamplingOverrides(temperature=0.0, max_tokens=MAX_TOKENS))
             async with grpc.aio.insecure_channel(mesh.grpc) as ch:
                 stub = omni_pb2_grpc.OmniStub(ch)
-                alone = [r async for r in stub.Generate(_grpc_request(), timeout=TIMEOUT_S)]
-                req = _grpc_request()
+                alone = [r async for r in stub.Generate(_long_grpc_request(), timeout=TIMEOUT_S)]
+                req = _long_grpc_request()
                 req.request_id = "shared-id"
                 first = stub.Generate(req, timeout=TIMEOUT_S)
                 got = [await first.read()]  # its first text: every stage has it open (or about to)
