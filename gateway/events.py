@@ -126,6 +126,8 @@ class ChatRequest:
     prompt_ids: tuple[int, ...] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     template: TemplateOptions = field(default_factory=TemplateOptions)
+    # the thinker's text reasons until this marker (--reasoning-parser): a structured output shapes what follows
+    reasoning_end: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +182,7 @@ class Pipeline(Protocol):
     """What the front ends need from the stage chain."""
 
     served_models: tuple[str, ...]
+    no_audio: str | None  # why this server speaks no audio (None: it does)
 
     @property
     def voices(self) -> tuple[str, ...]: ...

@@ -56,6 +56,7 @@ from gateway.choices import MAX_CHOICES, choice_requests, close_events, fan_out
 from gateway.input_limits import InputLimits
 from gateway.processor_kwargs import check_settings
 from gateway.prompt import PromptBuilder
+from gateway.reasoning import END, AnswerSplit, ReasoningParser, thinks
 from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
 from gateway.openai_schema import (
     MAX_LOGPROBS,
@@ -63,6 +64,7 @@ from gateway.openai_schema import (
     check_sampling,
     check_thinker_min_tokens,
     check_turn_counts,
+    default_modalities,
     normalize_modalities,
     resolve_model,
     resolve_voice,
@@ -123,8 +125,10 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     def __init__(self, pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                  limits: InputLimits | None = None, video_sampling: VideoSampling | None = None,
-                 max_logprobs: int = MAX_LOGPROBS, auto_tool_choice: bool = False) -> None:
+                 max_logprobs: int = MAX_LOGPROBS, auto_tool_choice: bool = False,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.pipeline = pipeline
+        self.reasoning = reasoning  # --reasoning-parser
         self.max_logprobs = max_logprobs  # --max-logprobs
         self.auto_tool_choice = auto_tool_choice  # --enable-auto-tool-choice (with --tool-call-parser)
         self.served_model_names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
@@ -144,10 +148,11 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         model = resolve_model(req.model or None, self.served_model_names)
         rid = check_request_id(req.request_id) if req.request_id else f"omni-{uuid.uuid4().hex}"
         raw = bool(req.prompt or req.prompt_token_ids)  # a completion: text out by default, and only text
-        modalities = normalize_modalities(list(req.modalities) or None, default=("text",) if raw else ("text", "audio"))
+        modalities = normalize_modalities(list(req.modalities) or None,
+                                          default=("text",) if raw else default_modalities(self.pipeline))
         voice = None
         if "audio" in modalities or req.voice:
-            voice = resolve_voice(req.voice or None, self.pipeline.voices, self.pipeline.default_voice, "voice")
+            voice = resolve_voice(req.voice or None, self.pipeline, "voice")
         sampling = (_overrides(req.sampling, "sampling", self.max_logprobs) if req.HasField("sampling")
                     else SamplingOverrides())
         stages: dict[str, SamplingOverrides] = {}
@@ -222,11 +227,13 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         if structured is not None and (plan.parse or plan.structured is not None):
             raise invalid_request("structured_output: a structured output and tool calls cannot both shape one "
                                   "answer; send tool_choice \"none\" or leave one out", "structured_output")
+        thinking = thinks(self.reasoning, template.kwargs, audio_out="audio" in modalities)
         return ChatRequest(request_id=rid, model=pipeline_model,
                            messages=tuple(messages), modalities=modalities,
                            voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages,
                            priority=req.priority, processor_kwargs=tuple(sorted(settings.items())),
-                           structured=plan.structured or structured, tools=plan.tools, template=template), plan
+                           structured=plan.structured or structured, tools=plan.tools, template=template,
+                           reasoning_end=END if thinking else None), plan
 
     async def _structured(self, req: omni_pb2.GenerateRequest) -> tuple[str, str] | None:
         """`structured_output` as (kind, spec), compiled once to check it (400 naming the field), or None."""
@@ -307,10 +314,16 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         done = 0
         try:
             shaped = [ToolAnswer(plan) for _ in range(n)]  # parsed, forced or plain text (gateway/tool_calls.py)
+            include = not request.HasField("include_reasoning") or request.include_reasoning
+            # --reasoning-parser: the thought apart from the answer (which `shaped` reads)
+            thoughts = [AnswerSplit(self.reasoning, chat.reasoning_end is not None, include) for _ in range(n)]
             events = aiter(fan_out(self.pipeline, choice_requests(chat, n)))
             async for i, ev in events:
                 if isinstance(ev, TextDelta):
-                    text, calls = shaped[i].push(ev.text)
+                    thought, answer = thoughts[i].push(ev.text)
+                    if thought:
+                        yield omni_pb2.GenerateResponse(reasoning_delta=thought, index=i)
+                    text, calls = shaped[i].push(answer)
                     if text or ev.logprobs or ev.prompt_logprobs:  # those only when asked (sampling)
                         yield omni_pb2.GenerateResponse(text_delta=text, logprobs=ev.logprobs, index=i,
                                                         prompt_logprobs=ev.prompt_logprobs)
@@ -322,6 +335,14 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                         seq[i] += 1
                         yield omni_pb2.GenerateResponse(audio=chunk, index=i)
                 elif isinstance(ev, Finished):
+                    thought, answer = thoughts[i].finish()  # held back in case a marker was starting
+                    if thought:
+                        yield omni_pb2.GenerateResponse(reasoning_delta=thought, index=i)
+                    text, calls = shaped[i].push(answer)
+                    if text:
+                        yield omni_pb2.GenerateResponse(text_delta=text, index=i)
+                    if calls:
+                        yield _calls(calls, i)
                     text, calls = shaped[i].finish()  # a forced answer not whole (max_tokens) comes as text
                     if text:
                         yield omni_pb2.GenerateResponse(text_delta=text, index=i)
@@ -358,7 +379,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
 async def create_grpc_server(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,
                              limits: InputLimits | None = None, max_logprobs: int = MAX_LOGPROBS,
-                             api_keys: tuple[str, ...] = (), auto_tool_choice: bool = False
+                             api_keys: tuple[str, ...] = (), auto_tool_choice: bool = False,
+                             reasoning: ReasoningParser | None = None
                              ) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """A `grpc.aio` server (not yet bound or started) serving Omni + health ("" and Omni SERVING) + reflection;
     with `api_keys`, Omni calls need one of them (`gateway/auth.py`)."""
@@ -367,7 +389,7 @@ async def create_grpc_server(pipeline: Pipeline, *, served_model_names: Sequence
                                  interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else ())
     omni_pb2_grpc.add_OmniServicer_to_server(
         OmniServicer(pipeline, served_model_names=served_model_names, limits=limits, max_logprobs=max_logprobs,
-                     auto_tool_choice=auto_tool_choice),
+                     auto_tool_choice=auto_tool_choice, reasoning=reasoning),
         server)
     for name in ("", OMNI_SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -45,7 +45,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from gateway.audio_encoding import OUTPUT_AUDIO_FORMATS
 from gateway.chat_template_options import template_options
-from gateway.events import PipelineError, SamplingOverrides, TemplateOptions
+from gateway.events import Pipeline, PipelineError, SamplingOverrides, TemplateOptions
 from gateway.input_limits import InputLimits
 from gateway.media import invalid_request, too_large
 from gateway.processor_kwargs import KEYS, check_settings
@@ -372,6 +372,7 @@ class ChatCompletionRequest(SamplingBody, TemplateFields):
     # vLLM's: each choice's content starts with the final message's text when that is the assistant's (with
     # continue_final_message: the start of the message the model continued)
     echo: bool = False
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning (--reasoning-parser) from the answer
     modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
     audio: AudioOutput | None = None
     max_tokens: int | None = None
@@ -666,17 +667,26 @@ def unknown_model(requested: str, served_names: tuple[str, ...]) -> PipelineErro
                          http_status=404, grpc_code=5, kind="not_found_error", param="model")
 
 
-def resolve_voice(requested: str | None, voices: tuple[str, ...], default: str, param: str) -> str:
-    """The pipeline's spelling of the voice (matched case-insensitively); unknown -> 400."""
+def resolve_voice(requested: str | None, pipeline: Pipeline, param: str) -> str:
+    """The pipeline's spelling of the voice (matched case-insensitively); unknown -> 400, and so is any voice
+    on a server that speaks no audio (saying why)."""
+    voices = pipeline.voices
     if not voices:
-        raise invalid_request("audio output is not available on this server (it has no voices: no talker / "
-                              "vocoder stage); ask for modalities [\"text\"]", param)
+        why = pipeline.no_audio or "it has no voices: no talker / vocoder stage"
+        raise invalid_request(f"audio output is not available on this server: {why}; ask for modalities "
+                              "[\"text\"]", param)
     if requested is None or requested == "":
-        return default
+        return pipeline.default_voice
     for v in voices:
         if v.lower() == requested.lower():
             return v
     raise invalid_request(f"{param}: unknown voice '{requested}'; available: {', '.join(voices)}", param)
+
+
+def default_modalities(pipeline: Pipeline) -> tuple[Literal["text", "audio"], ...]:
+    """Where a protocol's default is speech (gRPC, Realtime): text and audio, or text alone on a server that
+    speaks no audio (a thinker-only model)."""
+    return ("text", "audio") if pipeline.voices else ("text",)
 
 
 def normalize_modalities(requested: Sequence[str] | None, default: tuple[str, ...]) -> tuple[Literal["text", "audio"], ...]:
@@ -727,6 +737,8 @@ class ResponseMessage(_Out):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None when the answer is only tool calls
     refusal: None = None
+    reasoning: str | None = None  # --reasoning-parser: the thought before the answer (vLLM's name)
+    reasoning_content: str | None = None  # the same, under vLLM's former name (DeepSeek-style clients read it)
     audio: MessageAudio | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)  # as vLLM: [] when none
 
@@ -797,6 +809,8 @@ class DeltaAudio(_Out):
 class Delta(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # as ResponseMessage's
+    reasoning_content: str | None = None
     audio: DeltaAudio | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

@@ -50,6 +50,7 @@ from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageCallError, StageClient, StageStream
 from omnimesh.queue_runs import take_run
 from omnimesh.v1 import stage_pb2
+from services.llm.structured_output import AFTER_OPTION as STRUCTURED_AFTER_OPTION
 from services.llm.structured_output import OPTION as STRUCTURED_OPTION
 from services.llm.structured_output import option_value
 
@@ -95,6 +96,7 @@ class StagePipeline:
         async_chunk: bool = True,
         request_timeout_s: float = 600.0,
         request_log: RequestLog | None = None,
+        no_audio: str | None = None,
     ):
         missing = {"thinker"} - set(stages)
         if missing:
@@ -106,6 +108,9 @@ class StagePipeline:
         self.async_chunk = async_chunk
         self.request_timeout_s = request_timeout_s
         self.request_log = request_log  # --enable-log-requests
+        if no_audio is None and not {"talker", "vocoder"} <= set(stages):
+            no_audio = "this gateway was given no talker / vocoder stage (--stages)"
+        self.no_audio = no_audio  # why this gateway speaks no audio (a thinker-only model, ...); None: it does
         self.output_transport = self.mesh.output_transport  # each stage's, for /metrics
         self.received_bytes: dict[str, int] = dict.fromkeys(stages, 0)
         self.tensor_bytes: dict[str, int] = dict.fromkeys(stages, 0)
@@ -143,6 +148,10 @@ class StagePipeline:
     async def run(self, request: ChatRequest) -> AsyncIterator[Event]:
         want_audio = "audio" in request.modalities
         voice = (request.voice or self.mesh.default_voice).lower()
+        if want_audio and self.no_audio is not None:
+            raise PipelineError(f"audio output is not available on this server: {self.no_audio}; ask for modalities "
+                                "[\"text\"]", http_status=400, grpc_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                kind="invalid_request_error", param="modalities")
         if want_audio and voice not in self.voices:
             raise PipelineError(
                 f"unknown voice {request.voice!r}; available: {', '.join(self.voices)}",
@@ -458,8 +467,12 @@ def _encoder_inputs(prompt: PromptInputs) -> dict[str, torch.Tensor]:
 
 
 def _structured(request: ChatRequest) -> dict[str, str]:
-    """The thinker's `structured_output` option (services/llm/structured_output.py), when the request has one."""
-    return {} if request.structured is None else {STRUCTURED_OPTION: option_value(*request.structured)}
+    """The thinker's `structured_output` option (services/llm/structured_output.py), when the request has one,
+    and where it starts: after the reasoning's end marker (--reasoning-parser), when the answer reasons first."""
+    if request.structured is None:
+        return {}
+    after = {} if request.reasoning_end is None else {STRUCTURED_AFTER_OPTION: request.reasoning_end}
+    return {STRUCTURED_OPTION: option_value(*request.structured), **after}
 
 
 def _priority(request: ChatRequest) -> dict[str, str]:

@@ -42,7 +42,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from gateway.audio_encoding import pcm16_bytes
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides,
                             TextDelta, TextPart)
-from gateway.openai_schema import check_sampling, resolve_voice
+from gateway.openai_schema import check_sampling, default_modalities, resolve_voice
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
                                        check_temperature, updated)
 from gateway.realtime_vad import EnergyVAD, Started, Stopped
@@ -320,8 +320,7 @@ class RealtimeSession:
         s = self.settings
         modalities = check_modalities(r["modalities"], "response.modalities") if "modalities" in r else s.modalities
         instructions = r.get("instructions", s.instructions)
-        voice = resolve_voice(r["voice"], self.gw.pipeline.voices, self.gw.pipeline.default_voice,
-                              "response.voice") if "voice" in r else s.voice
+        voice = resolve_voice(r["voice"], self.gw.pipeline, "response.voice") if "voice" in r else s.voice
         temperature = check_temperature(r["temperature"], "response.temperature") if "temperature" in r else s.temperature
         max_tokens = (check_max_tokens(r["max_output_tokens"], "response.max_output_tokens") if "max_output_tokens" in r
                       else s.max_response_output_tokens)
@@ -334,7 +333,7 @@ class RealtimeSession:
         check_sampling(sampling, "response")
         want_audio = "audio" in modalities
         if want_audio:
-            voice = voice or resolve_voice(None, self.gw.pipeline.voices, self.gw.pipeline.default_voice, "voice")
+            voice = voice or resolve_voice(None, self.gw.pipeline, "voice")
         chat = ChatRequest(request_id=f"resp_{uuid.uuid4().hex}", model=self.gw.pipeline.served_models[0],
                            messages=tuple(messages), modalities=("text", "audio") if want_audio else ("text",),
                            voice=voice if want_audio else None, sampling=sampling)
@@ -442,6 +441,7 @@ class RealtimeRoutes:
         # the handshake's traceparent, when tracing: every response of the session is a run under it
         trace = tracing.set_request_parent(ws.headers.items())
         try:
-            await RealtimeSession(self.gw, ws, model or self.gw.served_model_names[0]).run()
+            settings = RealtimeSettings(modalities=default_modalities(self.gw.pipeline))  # text alone: no speech here
+            await RealtimeSession(self.gw, ws, model or self.gw.served_model_names[0], settings=settings).run()
         finally:
             tracing.reset_request_parent(trace)

@@ -49,7 +49,7 @@ def updated(settings: RealtimeSettings, s: Any, pipeline: Pipeline) -> RealtimeS
                 raise RealtimeError("instructions must be a string", where)
             new.instructions = value
         elif key == "voice":
-            new.voice = resolve_voice(value, pipeline.voices, pipeline.default_voice, where)
+            new.voice = resolve_voice(value, pipeline, where)
         elif key == "temperature":
             new.temperature = check_temperature(value, where)
         elif key == "max_response_output_tokens":

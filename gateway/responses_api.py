@@ -12,6 +12,8 @@ stream: `response.created`, `response.in_progress`, `response.output_item.added`
 `response.content_part.added`, `response.output_text.delta` per text delta, the matching `.done` events and
 `response.completed` (or `response.incomplete`), each with its `sequence_number`.
 
+- A reasoning model (--reasoning-parser, gateway/reasoning.py): a `reasoning` item (its `reasoning_text`) before the
+  message, streamed as `response.reasoning_text.delta` events at output 0 before the message opens at output 1.
 - Sampling: `temperature`, `top_p`, `max_output_tokens`, vLLM's extras the chat takes (`top_k`, `seed`, `stop`,
   ...) at the top level; `text.format` json_schema / json_object becomes the thinker's structured output.
 - omnimesh stores nothing: `previous_response_id`, `conversation`, `background` and `store: true` answered
@@ -53,6 +55,7 @@ from gateway.openai_schema import (
     resolve_model,
     validate_body,
 )
+from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.sse import DONE, StreamState, chain, run_to_end, sse
 from gateway.structured_request import require_llguidance, structured_spec
 from services.llm.structured_output import grammar_for
@@ -135,6 +138,7 @@ class _Response:
     created: int
     started: float
     item_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    reasoning_id: str = field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
     first_text: bool = False
     first_audio: bool = False
     sequence: int = 0
@@ -188,9 +192,10 @@ class ResponsesRoutes:
             raise invalid_request("text.format: give one structured output per request", "text.format")
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
         pipeline_model = model if model in gw.pipeline.served_models else gw.pipeline.served_models[0]
+        thinking = thinks(gw.reasoning, {}, audio_out=False)  # --reasoning-parser: a reasoning item first
         chat = ChatRequest(request_id=f"resp_{suffix}", model=pipeline_model, messages=messages, modalities=("text",),
                            sampling=sampling, priority=check_priority(body.priority), structured=structured or other,
-                           truncate_prompt_tokens=body.truncate_prompt_tokens)
+                           truncate_prompt_tokens=body.truncate_prompt_tokens, reasoning_end=END if thinking else None)
         return _Response(chat, body, model, body.stream, int(time.time()), started)
 
     @staticmethod
@@ -221,12 +226,16 @@ class ResponsesRoutes:
         return out
 
     # ---------------------------------------------------------------------------------------- answers
-    def _object(self, call: _Response, status: str, text: str, finished: Finished | None) -> dict[str, Any]:
-        """The `response` object (OpenAI's shape) as it stands."""
+    def _object(self, call: _Response, status: str, text: str, finished: Finished | None,
+                thought: str | None = None) -> dict[str, Any]:
+        """The `response` object (OpenAI's shape) as it stands: a reasoning item (--reasoning-parser) before the
+        message when the model reasoned."""
         b = call.body
         output = [] if status == "in_progress" else [{
             "type": "message", "id": call.item_id, "status": "completed" if status == "completed" else "incomplete",
             "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+        if thought is not None and status != "in_progress":
+            output.insert(0, self._reasoning_item(call, thought))
         usage = None
         if finished is not None:
             usage = {"input_tokens": finished.prompt_tokens,
@@ -242,6 +251,14 @@ class ResponsesRoutes:
                 "tools": [], "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
                 "metadata": b.metadata or {}}
 
+    def _split(self, call: _Response) -> AnswerSplit:
+        return AnswerSplit(self.gw.reasoning, call.request.reasoning_end is not None)
+
+    @staticmethod
+    def _reasoning_item(call: _Response, thought: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": call.reasoning_id, "summary": [], "status": "completed",
+                "content": [{"type": "reasoning_text", "text": thought}]}
+
     async def _complete(self, call: _Response, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
         text: list[str] = []
 
@@ -253,43 +270,96 @@ class ResponsesRoutes:
         finished = await run_to_end(first, events, take)
         status = "incomplete" if finished.finish_reason == "length" else "completed"
         self.gw._finish("responses", 200, call.started)
-        return JSONResponse(self._object(call, status, "".join(text), finished),
+        thought, answer = self._split(call).whole("".join(text))
+        return JSONResponse(self._object(call, status, answer, finished, thought),
                             headers={"X-Request-Id": call.request.request_id})
 
     def _event(self, call: _Response, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": call.next_sequence(), **fields}
         return f"event: {kind}\n".encode() + sse(data)
 
+    def _open_message(self, call: _Response, where: dict[str, Any]) -> list[bytes]:
+        return [self._event(call, "response.output_item.added", output_index=where["output_index"], item={
+                    "type": "message", "id": call.item_id, "status": "in_progress", "role": "assistant", "content": []}),
+                self._event(call, "response.content_part.added", **where,
+                            part={"type": "output_text", "text": "", "annotations": []})]
+
+    def _thought_events(self, call: _Response, thought: str, opened: bool) -> list[bytes]:
+        """A piece of reasoning as events: its item opened first (output 0, before the message)."""
+        where = {"item_id": call.reasoning_id, "output_index": 0, "content_index": 0}
+        out = [] if opened else [
+            self._event(call, "response.output_item.added", output_index=0, item={
+                "type": "reasoning", "id": call.reasoning_id, "summary": [], "status": "in_progress", "content": []}),
+            self._event(call, "response.content_part.added", **where, part={"type": "reasoning_text", "text": ""})]
+        return out + [self._event(call, "response.reasoning_text.delta", **where, delta=thought)]
+
+    def _close_thought(self, call: _Response, thought: str) -> list[bytes]:
+        where = {"item_id": call.reasoning_id, "output_index": 0, "content_index": 0}
+        return [self._event(call, "response.reasoning_text.done", **where, text=thought),
+                self._event(call, "response.content_part.done", **where, part={"type": "reasoning_text", "text": thought}),
+                self._event(call, "response.output_item.done", output_index=0, item=self._reasoning_item(call, thought))]
+
+    def _text_events(self, call: _Response, piece: tuple[str, str], thoughts: list[str], text: list[str],
+                     where: dict[str, Any], message: bool) -> list[bytes]:
+        """One delta's (reasoning, answer) as events; the answer's first text closes the reasoning item and opens
+        the message after it (`where` moves to output 1)."""
+        thought, answer = piece
+        out = self._thought_events(call, thought, opened=bool(thoughts)) if thought else []
+        if thought:
+            thoughts.append(thought)
+        if answer:
+            if not message:
+                out += self._start_message(call, thoughts, where)
+            text.append(answer)
+            out.append(self._event(call, "response.output_text.delta", **where, delta=answer, logprobs=[]))
+        return out
+
+    def _start_message(self, call: _Response, thoughts: list[str], where: dict[str, Any]) -> list[bytes]:
+        """After the reasoning (if any: its item is closed first) the message item, at the next output index."""
+        out = self._close_thought(call, "".join(thoughts)) if thoughts else []
+        where["output_index"] = 1 if thoughts else 0
+        return out + self._open_message(call, where)
+
     async def _stream(self, call: _Response, first: Indexed, state: StreamState) -> AsyncIterator[bytes]:
         status = 499  # client closed, unless the stream gets to its end
-        where = {"item_id": call.item_id, "output_index": 0, "content_index": 0}
+        where: dict[str, Any] = {"item_id": call.item_id, "output_index": 0, "content_index": 0}
+        split = self._split(call)
+        thoughts: list[str] = []  # --reasoning-parser: the reasoning item (output 0), before the message
+        message = False  # the message item is open (at its first answer text; at once without reasoning)
         try:
             yield self._event(call, "response.created", response=self._object(call, "in_progress", "", None))
             yield self._event(call, "response.in_progress", response=self._object(call, "in_progress", "", None))
-            yield self._event(call, "response.output_item.added", output_index=0, item={
-                "type": "message", "id": call.item_id, "status": "in_progress", "role": "assistant", "content": []})
-            yield self._event(call, "response.content_part.added", **where,
-                              part={"type": "output_text", "text": "", "annotations": []})
+            if call.request.reasoning_end is None:  # no reasoning to come: the message at once
+                message = True
+                for event in self._start_message(call, [], where):
+                    yield event
             text: list[str] = []
             finished = None
             async for _, ev in chain(first, state.events):
                 self.gw._observe(call, ev)
-                if isinstance(ev, TextDelta) and ev.text:
-                    text.append(ev.text)
-                    yield self._event(call, "response.output_text.delta", **where, delta=ev.text, logprobs=[])
-                elif isinstance(ev, Finished):
+                if isinstance(ev, Finished):
                     finished = ev
                     break
+                if not isinstance(ev, TextDelta) or not ev.text:
+                    continue
+                for event in self._text_events(call, split.push(ev.text), thoughts, text, where, message):
+                    yield event
+                message = message or bool(text)
             if finished is None:
                 raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
-            whole = "".join(text)
+            for event in self._text_events(call, split.finish(), thoughts, text, where, message):
+                yield event
+            if not message:  # all reasoning: the message item still comes, empty
+                for event in self._start_message(call, thoughts, where):
+                    yield event
+            whole, thought = "".join(text), "".join(thoughts) if thoughts else None
             done = "incomplete" if finished.finish_reason == "length" else "completed"
             part = {"type": "output_text", "text": whole, "annotations": []}
             yield self._event(call, "response.output_text.done", **where, text=whole, logprobs=[])
             yield self._event(call, "response.content_part.done", **where, part=part)
-            yield self._event(call, "response.output_item.done", output_index=0,
+            yield self._event(call, "response.output_item.done", output_index=where["output_index"],
                               item=self._object(call, done, whole, finished)["output"][0])
-            yield self._event(call, f"response.{done}", response=self._object(call, done, whole, finished))
+            yield self._event(call, f"response.{done}", response=self._object(call, done, whole, finished, thought))
             yield DONE
             status = 200
         except PipelineError as e:

@@ -109,6 +109,7 @@ from gateway.tokenize_api import TokenizeRoutes
 from gateway.structured_request import structured_spec
 from gateway.tool_calls import NO_TOOLS, ToolAnswer, ToolPlan, forced_calls, parse_tool_calls, tool_plan
 from gateway.realtime_api import RealtimeRoutes
+from gateway.reasoning import END, AnswerSplit, ReasoningParser, thinks
 from gateway.responses_api import ResponsesRoutes
 from gateway.speech_api import SpeechRoutes
 from gateway.transcription_api import TranscriptionRoutes
@@ -221,6 +222,13 @@ class _Call:
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
     echo: str = ""  # vLLM's echo: the final assistant message's text, before each choice's content
     spoken_lead: str = ""  # a continued assistant message's start: the talker speaks it before the generated text
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: the text's reasoning apart from its answer
+    thinking: bool = False  # this answer starts with reasoning (with a parser; gateway/reasoning.py)
+    include_reasoning: bool = True  # vLLM's include_reasoning: false drops it
+
+    def splitter(self) -> AnswerSplit:
+        """A choice's text -> (reasoning to send, answer), whole or delta by delta."""
+        return AnswerSplit(self.reasoning, self.thinking, self.include_reasoning)
 
     @property
     def logprobs(self) -> bool:
@@ -234,8 +242,10 @@ class RestGateway:
     def __init__(self, pipeline: Pipeline, served_model_names: tuple[str, ...], loader: MediaLoader,
                  stage_metrics: StageSources | None = None, max_model_len: int | None = None,
                  max_logprobs: int = MAX_LOGPROBS, tokens_as_ids: bool = False,
-                 prompt_tokens_details: bool = False, auto_tool_choice: bool = False) -> None:
+                 prompt_tokens_details: bool = False, auto_tool_choice: bool = False,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.pipeline = pipeline
+        self.reasoning = reasoning  # --reasoning-parser
         self.auto_tool_choice = auto_tool_choice  # --enable-auto-tool-choice (with --tool-call-parser)
         self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
         self.max_logprobs = max_logprobs  # --max-logprobs
@@ -274,8 +284,7 @@ class RestGateway:
         modalities = normalize_modalities(body.modalities, default=("text",))
         voice = None
         if "audio" in modalities or (body.audio is not None and body.audio.voice):
-            voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline.voices,
-                                  self.pipeline.default_voice, "audio.voice")
+            voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline, "audio.voice")
         tools = tool_plan(body, self.auto_tool_choice, modalities)
         if body.stream and sampling.prompt_logprobs is not None:
             raise invalid_request("prompt_logprobs: not available with stream: true (as in vLLM); ask without "
@@ -286,6 +295,7 @@ class RestGateway:
                                   "cannot both shape one answer; send tool_choice \"none\" or leave one out",
                                   "response_format")
         template = body.template(body.messages, "audio" in modalities)
+        thinking = thinks(self.reasoning, template.kwargs, audio_out="audio" in modalities)
         messages = await self.chat_messages(body.messages, body.mm_processor_kwargs)
         final = "".join(p.text for p in messages[-1].content if isinstance(p, TextPart)) \
             if messages[-1].role == "assistant" else ""  # joined as the chat template joins a message's parts
@@ -297,7 +307,7 @@ class RestGateway:
             stage_params=stages, priority=check_priority(body.priority),
             processor_kwargs=_settings(body.mm_processor_kwargs), tools=tools.tools,
             structured=tools.structured or structured, truncate_prompt_tokens=body.truncate_prompt_tokens,
-            template=template)
+            template=template, reasoning_end=END if thinking else None)
         audio_format: OutputAudioFormat | None = None
         if "audio" in modalities:  # the schema checked it is one of OUTPUT_AUDIO_FORMATS
             audio_format = cast(OutputAudioFormat, body.audio.format) if body.audio is not None else "wav"
@@ -307,7 +317,8 @@ class RestGateway:
                                            and body.stream_options.continuous_usage_stats),
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n,
                      tools=tools, echo=final if body.echo else "",
-                     spoken_lead=final if template.continue_final_message else "")
+                     spoken_lead=final if template.continue_final_message else "", reasoning=self.reasoning,
+                     thinking=thinking, include_reasoning=body.include_reasoning)
 
     async def chat_messages(self, messages: list[Message], mm: MMProcessorKwargs | None = None
                             ) -> tuple[ChatMessage, ...]:
@@ -449,7 +460,7 @@ class RestGateway:
             raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
         choices = []
         for i in range(call.n):
-            transcript = "".join(text[i])
+            thought, transcript = call.splitter().whole("".join(text[i]))
             message = ResponseMessage(content=call.echo + transcript)
             finish = finished[i].finish_reason
             if call.tools.parse:
@@ -460,6 +471,10 @@ class RestGateway:
                     finish = "tool_calls"
             elif call.tools.forced is not None and (forced := forced_calls(call.tools, transcript)):
                 message = ResponseMessage(content=None, tool_calls=[_tool_call(c) for c in forced])
+            if call.reasoning is not None:
+                if not transcript and not message.tool_calls and not call.echo:
+                    message.content = None  # all thought, no answer (vLLM's): max_tokens cut the reasoning
+                message.reasoning = message.reasoning_content = thought
             if call.audio_format is not None:
                 wave = np.concatenate(audio[i]) if audio[i] else np.zeros(0, np.float32)
                 data = await asyncio.to_thread(encode_audio, wave, rate, call.audio_format)
@@ -506,6 +521,11 @@ class RestGateway:
             return sse(dump(c, drop_none=True))
 
         shaped = [ToolAnswer(call.tools) for _ in range(call.n)]  # parsed, forced or plain text (tool_calls.py)
+        # --reasoning-parser: each choice's text split into its reasoning and its answer (which `shaped` reads)
+        thoughts = [call.splitter() for _ in range(call.n)]
+
+        def thought_chunk(i: int, text: str, logprobs: ChoiceLogprobs | None) -> bytes:
+            return chunk(i, Delta(reasoning=text, reasoning_content=text), logprobs=logprobs)
 
         def calls_chunk(i: int, calls: list[ToolCall]) -> bytes:
             first_index = shaped[i].calls - len(calls)
@@ -528,10 +548,15 @@ class RestGateway:
                     so_far[i] = (ev.prompt_tokens, ev.completion_tokens)
                 if isinstance(ev, TextDelta):
                     said[i].append(ev.text)
-                    text, calls = shaped[i].push(ev.text)
+                    thought, answer = thoughts[i].push(ev.text)
+                    text, calls = shaped[i].push(answer)
+                    entries, carried = self._logprobs(call, ev.logprobs), False
+                    if thought:  # the entries go with the answer's text when it has some
+                        yield thought_chunk(i, thought, None if text else entries)
+                        carried = not text
                     # a token holding part of a character, or a forced call's held JSON: its entry, no text yet
-                    if text or ev.logprobs:
-                        yield chunk(i, Delta(content=text), logprobs=self._logprobs(call, ev.logprobs))
+                    if text or ev.logprobs and not carried:
+                        yield chunk(i, Delta(content=text), logprobs=entries)
                     if calls:
                         yield calls_chunk(i, calls)
                 elif isinstance(ev, AudioDelta):
@@ -544,6 +569,14 @@ class RestGateway:
                     finished[i] = ev
                     if call.audio_format is not None:  # a later turn may name this answer by its audio id
                         self.audio_memory.remember(audio_ids[i], "".join(said[i]))
+                    thought, answer = thoughts[i].finish()  # held back in case a marker was starting
+                    if thought:
+                        yield thought_chunk(i, thought, None)
+                    text, calls = shaped[i].push(answer)
+                    if text:
+                        yield chunk(i, Delta(content=text))
+                    if calls:
+                        yield calls_chunk(i, calls)
                     text, calls = shaped[i].finish()  # a forced answer not whole (max_tokens) comes as text
                     if text:
                         yield chunk(i, Delta(content=text))
@@ -648,7 +681,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
                media_transport: object | None = None, max_logprobs: int = MAX_LOGPROBS,
                return_tokens_as_token_ids: bool = False, prompt_tokens_details: bool = False,
                auto_tool_choice: bool = False, stage_metrics: StageSources | None = None, api_keys: tuple[str, ...] = (),
-               front: HttpFront | None = None, prompts: PromptBuilder | None = None) -> FastAPI:
+               front: HttpFront | None = None, prompts: PromptBuilder | None = None,
+               reasoning: ReasoningParser | None = None) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
     ask for; `allowed_media_domains` the hosts http(s) media may come from (empty = none);
     `media_transport` an `httpx.AsyncBaseTransport` for tests; `stage_metrics` the stages whose series
@@ -658,7 +692,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     for the video frame sampling of `video_url` parts (its processor's; else `pipeline.prepare`'s, else the
     default); `prompt_tokens_details` adds `usage.prompt_tokens_details.cached_tokens`
     (--enable-prompt-tokens-details); `auto_tool_choice` parses tool calls out of the text
-    (--enable-auto-tool-choice, gateway/tool_calls.py)."""
+    (--enable-auto-tool-choice, gateway/tool_calls.py); `reasoning` splits a thinking model's reasoning from its
+    answer (--reasoning-parser, gateway/reasoning.py)."""
     names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
@@ -667,7 +702,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     loader = MediaLoader(limits or InputLimits(), allowed_media_domains, transport=media_transport,  # type: ignore[arg-type]
                          video_sampling=sampling)
     gw = RestGateway(pipeline, names, loader, stage_metrics, prompts.max_model_len if prompts is not None else None,
-                     max_logprobs, return_tokens_as_token_ids, prompt_tokens_details, auto_tool_choice)
+                     max_logprobs, return_tokens_as_token_ids, prompt_tokens_details, auto_tool_choice, reasoning)
     app = FastAPI(title="omnimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     if api_keys:  # /v1 needs one of them; /health and /metrics stay open (gateway/auth.py)

@@ -25,11 +25,13 @@ from gateway.input_limits import InputLimits, describe_limits, limits_from_flags
 from gateway.pipeline import StagePipeline
 from gateway.processor_kwargs import parse_mm_processor_kwargs
 from gateway.prompt import PromptBuilder, load_chat_template
+from gateway.reasoning import ReasoningParser
 from gateway.request_log import RequestLog
 from gateway.stage_discovery import StageDiscovery, parse_dns_target
 from gateway.rest import create_app
 from omnimesh import tracing
 from omnimesh.config.serve_args import ServeArgs
+from omnimesh.models.qwen3_omni.checkpoint_stages import has_audio_output, thinker_only
 from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
 from omnimesh.server.grpc_server import bind
 from omnimesh.transport.stage_client import StageClient
@@ -68,8 +70,9 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
     targets = {stage: t for stage, addrs in stage_addrs.items() for a in addrs if (t := parse_dns_target(a)) is not None}
     clients = {stage: [client(stage, a) for a in addrs if stage not in targets] for stage, addrs in stage_addrs.items()}
     request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
+    no_audio = None if has_audio_output(model_dir) else thinker_only(model_dir)
     pipeline = StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk,
-                             request_log=request_log, request_timeout_s=args.request_timeout)
+                             request_log=request_log, request_timeout_s=args.request_timeout, no_audio=no_audio)
     discovery = StageDiscovery(targets, pipeline.stages, client, args.stage_dns_refresh) if targets else None
     return pipeline, discovery
 
@@ -82,6 +85,8 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     if discovery is not None:
         discovery.start()  # before connect(): it waits for each stage's first replica
     await pipeline.connect()
+    if pipeline.no_audio is not None:
+        log.info("gateway: text out only: %s", pipeline.no_audio)
     domains = frozenset(d.strip() for d in (args.allowed_media_domains or "").split(",") if d.strip())
     limits = limits_from_flags(args.limit_mm_per_prompt, args.input_limits)
     if limits != InputLimits():
@@ -90,11 +95,13 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
         log.info("gateway: an API key is required on /v1 and the gRPC Omni service (%d key%s accepted)",
                  len(keys), "" if len(keys) == 1 else "s")
     prompts = pipeline.prepare if isinstance(pipeline.prepare, PromptBuilder) else None  # /tokenize
+    reasoning = ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None  # --reasoning-parser
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains, limits=limits,
                      max_logprobs=args.max_logprobs, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                      prompt_tokens_details=args.enable_prompt_tokens_details,
                      auto_tool_choice=args.enable_auto_tool_choice,
-                     stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=prompts)
+                     stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=prompts,
+                     reasoning=reasoning)
     video_warmup = asyncio.create_task(_start_video_decoding())  # in the background: serving starts meanwhile
     if (described := front.describe()) is not None:
         log.info("%s", described)
@@ -103,7 +110,8 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     rest.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # we own the signals
     grpc_server, _health = await create_grpc_server(pipeline, served_model_names=pipeline.served_models, limits=limits,
                                                     max_logprobs=args.max_logprobs, api_keys=keys,
-                                                    auto_tool_choice=args.enable_auto_tool_choice)
+                                                    auto_tool_choice=args.enable_auto_tool_choice,
+                                                    reasoning=reasoning)
     bind(grpc_server, args.host, args.grpc_port, front.grpc_credentials())
     await grpc_server.start()
     log.info("gateway: %d start-up objects frozen out of the garbage collector's scans", freeze_startup_heap())

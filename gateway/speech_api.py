@@ -109,7 +109,7 @@ class SpeechRoutes:
         if body.speed != 1.0:
             raise invalid_request(f"speed: only 1.0 is supported (the model speaks at its own pace), got {body.speed}",
                                   "speed")
-        voice = resolve_voice(body.voice, gw.pipeline.voices, gw.pipeline.default_voice, "voice")
+        voice = resolve_voice(body.voice, gw.pipeline, "voice")
         require_llguidance("input")  # the thinker is held to the input by a structured output
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
         system = SYSTEM if not body.instructions else f"{SYSTEM} How to speak: {body.instructions}"

@@ -5,7 +5,7 @@
     omnimesh stage encoder|thinker|talker|vocoder --model DIR --port P                   one stage service
     omnimesh stage NAME ... --num-nodes N --node-rank R --master-addr A --master-port P  one stage over N hosts
     omnimesh gateway --model DIR --stages thinker=HOST:PORT,...                          the front door alone
-    omnimesh make-tiny --family qwen3-omni --out DIR                                     the built-in tiny model
+    omnimesh make-tiny --family qwen3-omni --out DIR [--thinker-only]                    the built-in tiny model
 
 Every value is checked before anything starts; a wrong one exits with status 2 and a message that
 names the fix, and a valid setting this version cannot run yet says so and exits with status 3.
@@ -95,7 +95,9 @@ def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> 
     from omnimesh.models.qwen3_omni.parallel_plan import check_layout
     from omnimesh.models.qwen3_omni.stage_loading import load_config
 
-    layouts = args.stage_configs()
+    from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages
+
+    layouts = {stage: cfg for stage, cfg in args.stage_configs().items() if stage in model_stages(model_dir)}
     if only is not None:
         layouts = {only: layouts[only]}
     try:
@@ -104,6 +106,16 @@ def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> 
         return _fail(str(exc))
     for line in advice:
         print(f"omnimesh: advice: {line}", file=sys.stderr)
+    return None
+
+
+def _check_stage_exists(model_dir: Path, stage: str) -> int | None:
+    """A thinker-only checkpoint has no talker or vocoder to serve (exit 2, saying what to start instead)."""
+    from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, thinker_only
+
+    if stage not in (stages := model_stages(model_dir)):
+        return _fail(f"stage {stage}: {thinker_only(model_dir)}; it serves text only: start the "
+                     f"{' and '.join(stages)} stages and a gateway over them")
     return None
 
 
@@ -157,6 +169,8 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     stage = ns.stage_name
+    if (rc := _check_stage_exists(model_dir, stage)) is not None:
+        return rc
     if (rc := _check_devices(args, stage)) is not None or (rc := _check_nodes(args, stage)) is not None:
         return rc
     if (rc := _check_layout(args, model_dir, only=stage)) is not None or (rc := _check_supported(args, stage)) is not None:
@@ -249,7 +263,7 @@ def cmd_make_tiny(ns: argparse.Namespace) -> int:
         return _fail(f"--family {ns.family!r}: the built-in tiny models are: qwen3-omni")
     from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 
-    out = build_tiny_qwen3_omni(Path(ns.out), seed=ns.seed)
+    out = build_tiny_qwen3_omni(Path(ns.out), seed=ns.seed, audio_output=not ns.thinker_only)
     print(out)
     return 0
 
@@ -284,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--family", default="qwen3-omni")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--thinker-only", action="store_true",
+                      help="the thinker-only variant (enable_audio_output false, no talker or vocoder weights), as "
+                           "Qwen3-Omni-30B-A3B-Thinking is laid out: text out only")
     tiny.set_defaults(func=cmd_make_tiny)
     return parser
 

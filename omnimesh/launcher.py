@@ -31,6 +31,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from omnimesh.config.serve_args import HTTP_FRONT_FIELDS, ServeArgs
+from omnimesh.config.stage_config import STAGES
+from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, thinker_only
 from omnimesh.node_launcher import node_argv
 from omnimesh.proc_utils import die_with_parent, free_port
 
@@ -122,6 +124,7 @@ class MeshLauncher:
                             ("--max-log-len", a.max_log_len), ("--limit-mm-per-prompt", a.limit_mm_per_prompt),
                             ("--input-limits", a.input_limits), ("--max-logprobs", a.max_logprobs),
                             ("--mm-processor-kwargs", a.mm_processor_kwargs), ("--tool-call-parser", a.tool_call_parser),
+                            ("--reasoning-parser", a.reasoning_parser),
                             ("--otlp-traces-endpoint", a.otlp_traces_endpoint),
                             ("--request-timeout", a.request_timeout)):
             if value is not None:
@@ -183,7 +186,11 @@ class MeshLauncher:
         base = self.args.stage_base_port
         addrs: dict[str, list[str]] = {}
         stage_children: list[Child] = []
-        for stage, replica, name in stage_processes(self.args):
+        stages = model_stages(self.model_dir)
+        if stages != STAGES:  # a thinker-only checkpoint: text out only
+            print(f"omnimesh: {thinker_only(self.model_dir)}; starting the {' and '.join(stages)} stages only",
+                  file=sys.stderr, flush=True)
+        for stage, replica, name in stage_processes(self.args, stages):
             port = base + len(stage_children) if base else free_port()
             addrs.setdefault(stage, []).append(f"127.0.0.1:{port}")
             stage_children.append(self._spawn(name, self._stage_argv(stage, port, replica), addrs[stage][-1]))
@@ -288,12 +295,12 @@ class MeshLauncher:
                     child.proc.wait()
 
 
-def stage_processes(args: ServeArgs) -> list[tuple[str, int, str]]:
-    """(stage, replica, the name logs use) of every stage process, in start order (and port order under
-    --stage-base-port): `vocoder` alone, or `vocoder#0`, `vocoder#1` with two replicas."""
+def stage_processes(args: ServeArgs, stages: tuple[str, ...] = STAGES) -> list[tuple[str, int, str]]:
+    """(stage, replica, the name logs use) of every process of the model's `stages`, in start order (and port
+    order under --stage-base-port): `vocoder` alone, or `vocoder#0`, `vocoder#1` with two replicas."""
     out = []
     for stage, cfg in args.stage_configs().items():
-        for k in range(cfg.num_replicas):
+        for k in range(cfg.num_replicas if stage in stages else 0):
             out.append((stage, k, stage if cfg.num_replicas == 1 else f"{stage}#{k}"))
     return out
 

@@ -148,8 +148,10 @@ class HeadlessNode:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
+        from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages
+
         launcher = MeshLauncher(self.args, self.model_dir)
-        ports = spread_stages(self.args)
+        ports = {s: p for s, p in spread_stages(self.args).items() if s in model_stages(self.model_dir)}
         try:
             for stage in ports:
                 argv = launcher._stage_argv(stage, 0)  # its flags as node 0 gives them, with this --node-rank

@@ -173,6 +173,10 @@ class ServeArgs:
     tool_call_parser: str | None = _f(None, "how tool calls look in the model's text, as vLLM's: hermes (Qwen2.5 / Qwen3 "
                                       "/ Qwen3-Omni: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)",
                                       "--tool-call-parser")
+    reasoning_parser: str | None = _f(None, "split a thinking model's reasoning from its answer, as vLLM's: qwen3 or "
+                                      "deepseek_r1 (<think>...</think>; Qwen3-Omni-30B-A3B-Thinking): chat answers "
+                                      "carry it in message.reasoning (and reasoning_content), streamed as "
+                                      "delta.reasoning", "--reasoning-parser")
     enable_prompt_tokens_details: bool = _f(False, "chat completions' usage says how many prompt tokens the thinker's "
                                             "prefix cache served (prompt_tokens_details.cached_tokens; see "
                                             "--enable-prefix-caching), as vLLM's",
@@ -262,6 +266,9 @@ class ServeArgs:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r}: omnimesh knows "
                              f"{', '.join(TOOL_CALL_PARSERS)}")
+        from gateway.reasoning import check_parser
+
+        check_parser(self.reasoning_parser)
         if self.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be >= 0 (or -1: up to the vocabulary), got {self.max_logprobs}")
         from gateway.input_limits import limits_from_flags
@@ -391,14 +398,14 @@ GATEWAY_FIELDS = frozenset(
      "stage_dns_refresh", "request_timeout", "limit_mm_per_prompt", "input_limits", "max_logprobs",
      "return_tokens_as_token_ids",
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser",
-     "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
+     "reasoning_parser", "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "request_timeout",
      "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
-     "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser"}
+     "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"}
 ) | HTTP_FRONT_FIELDS
 
 

@@ -56,6 +56,8 @@ class TinyTokenizerSpec:
     chat_template: str
     named_tokens: Mapping[str, str] = field(default_factory=dict)
     """Extra named special tokens (attribute -> token text), e.g. {"image_token": "<|image_pad|>"}."""
+    text_tokens: Mapping[str, int] = field(default_factory=dict)
+    """Added tokens that are not special (matched before BPE, kept on decode) -> exact id, as Qwen3's <think>."""
     model_max_length: int = 4096
     corpus_path: Path = TINY_CORPUS_PATH
 
@@ -65,8 +67,8 @@ class TinyTokenizerSpec:
                 f"ordinary_limit={self.ordinary_limit} must be in (256, vocab_size={self.vocab_size}]: "
                 "a byte-level BPE needs 256 ids for its byte alphabet alone."
             )
-        fixed = {**self.special_tokens, **self.word_tokens}
-        if len(fixed) != len(self.special_tokens) + len(self.word_tokens):
+        fixed = {**self.special_tokens, **self.word_tokens, **self.text_tokens}
+        if len(fixed) != len(self.special_tokens) + len(self.word_tokens) + len(self.text_tokens):
             both = sorted(set(self.special_tokens) & set(self.word_tokens))
             raise ValueError(f"tokens {both} are listed both as special tokens and as word tokens")
         ids = list(fixed.values())
@@ -165,6 +167,7 @@ def assign_ids(spec: TinyTokenizerSpec, trained: Sequence[str]) -> dict[str, int
     vocab: dict[str, int] = {t: i for i, t in enumerate(ordinary)}
     vocab.update(words_bl)
     vocab.update(spec.special_tokens)
+    vocab.update(spec.text_tokens)
     used = set(vocab.values())
     for i in range(spec.vocab_size):
         if i not in used:
@@ -192,9 +195,9 @@ def build_tokenizer(spec: TinyTokenizerSpec) -> PreTrainedTokenizerBase:
     vocab = assign_ids(spec, trained)
     special_ids = {i for t, i in vocab.items() if t in spec.special_tokens or t.startswith("<|reserved_")}
     added = {
-        i: AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+        i: AddedToken(t, special=i in special_ids, normalized=False, lstrip=False, rstrip=False, single_word=False)
         for t, i in vocab.items()
-        if i in special_ids
+        if i in special_ids or t in spec.text_tokens
     }
     by_id = sorted(spec.special_tokens, key=lambda t: spec.special_tokens[t])
     tokenizer = Qwen2Tokenizer(
@@ -220,7 +223,7 @@ def build_tokenizer(spec: TinyTokenizerSpec) -> PreTrainedTokenizerBase:
 def _check_layout(tokenizer: PreTrainedTokenizerBase, spec: TinyTokenizerSpec) -> None:
     if len(tokenizer) != spec.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} ids, expected vocab_size={spec.vocab_size}")
-    for token, want in {**spec.special_tokens, **spec.word_tokens}.items():
+    for token, want in {**spec.special_tokens, **spec.word_tokens, **spec.text_tokens}.items():
         got = tokenizer.encode(token, add_special_tokens=False)
         if got != [want]:
             raise ValueError(f"{token!r} encodes to {got}, expected the single id [{want}]")

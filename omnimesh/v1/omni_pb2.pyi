@@ -60,7 +60,7 @@ class ToolCalls(_message.Message):
     def __init__(self, calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "messages", "modalities", "voice", "sampling", "stage_params", "request_id", "use_audio_in_video", "n", "priority", "mm_processor_kwargs", "structured_output", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "prompt", "prompt_token_ids")
+    __slots__ = ("model", "messages", "modalities", "voice", "sampling", "stage_params", "request_id", "use_audio_in_video", "n", "priority", "mm_processor_kwargs", "structured_output", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "prompt", "prompt_token_ids", "include_reasoning")
     class StageParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class GenerateRequest(_message.Message):
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_REASONING_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     modalities: _containers.RepeatedScalarFieldContainer[str]
@@ -115,7 +116,8 @@ class GenerateRequest(_message.Message):
     chat_template_kwargs: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., modalities: _Optional[_Iterable[str]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., mm_processor_kwargs: _Optional[_Mapping[str, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    include_reasoning: bool
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., modalities: _Optional[_Iterable[str]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., mm_processor_kwargs: _Optional[_Mapping[str, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., include_reasoning: _Optional[bool] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("kind", "spec")
@@ -136,12 +138,13 @@ class AudioChunk(_message.Message):
     def __init__(self, pcm16: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text_delta", "audio", "done", "error", "tool_calls", "logprobs", "index", "prompt_logprobs")
+    __slots__ = ("text_delta", "audio", "done", "error", "tool_calls", "reasoning_delta", "logprobs", "index", "prompt_logprobs")
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_DELTA_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -150,10 +153,11 @@ class GenerateResponse(_message.Message):
     done: _stage_pb2.Done
     error: _stage_pb2.Error
     tool_calls: ToolCalls
+    reasoning_delta: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_stage_pb2.TokenLogprob]
     index: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_stage_pb2.TokenLogprob]
-    def __init__(self, text_delta: _Optional[str] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., done: _Optional[_Union[_stage_pb2.Done, _Mapping]] = ..., error: _Optional[_Union[_stage_pb2.Error, _Mapping]] = ..., tool_calls: _Optional[_Union[ToolCalls, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_stage_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_stage_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    def __init__(self, text_delta: _Optional[str] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., done: _Optional[_Union[_stage_pb2.Done, _Mapping]] = ..., error: _Optional[_Union[_stage_pb2.Error, _Mapping]] = ..., tool_calls: _Optional[_Union[ToolCalls, _Mapping]] = ..., reasoning_delta: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_stage_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_stage_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

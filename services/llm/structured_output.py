@@ -10,6 +10,10 @@ and before each token masks the logits to what the grammar allows (`Constraint.a
 logits still give `logprobs`, as vLLM's default), then feeds it the sampled token. Once the grammar is
 complete only a stop id may follow: the request ends there ("stop").
 
+With a reasoning model (--reasoning-parser) the `structured_after` option names the end of the reasoning
+(`</think>`): the tokens before the text passes it are sampled freely, and the grammar shapes the answer after it,
+as vLLM's structured outputs with reasoning do.
+
 Data flow: gateway: request fields -> (kind, spec) -> `grammar_for` (400 on a bad spec) -> option;
 thinker: option -> `Grammars.constraint` (ValueError -> INVALID_ARGUMENT) -> per token: allowed_logits (V,)
 -> sample -> `accept(token)`.
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 
 KINDS = ("json", "regex", "choice", "grammar")
 OPTION = "structured_output"
+AFTER_OPTION = "structured_after"  # the grammar starts once the text has passed this marker (reasoning's end)
 
 
 def grammar_for(kind: str, spec: str) -> str:

@@ -28,6 +28,7 @@ from services.llm.sampling import bad_word_ids, merge_sampling, operator_default
 from services.llm.thinker_batcher import ThinkerBatcher
 from services.llm.thinker_task import ThinkerTask, merge_token_chunks
 from services.llm.token_logprobs import TokenBytes
+from services.llm.structured_output import AFTER_OPTION as STRUCTURED_AFTER_OPTION
 from services.llm.structured_output import OPTION as STRUCTURED_OPTION
 from services.llm.structured_output import Grammars
 from services.options import count_option, priority_option
@@ -70,6 +71,9 @@ class ThinkerHandler:
     def open(self, msg: stage_pb2.Open) -> ThinkerTask:
         if self.failure.message is not None:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"thinker: {self.failure.message}")
+        if msg.options.get("talker_inputs") == "1" and self.thinker.accept_hidden_layer is None:
+            raise StageRequestError(grpc.StatusCode.INVALID_ARGUMENT, "thinker: talker_inputs asked of a thinker-only "
+                                    "checkpoint (enable_audio_output is false): it feeds no talker")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
         if msg.sampling.bad_words:  # vLLM's: tokenized here, where the tokenizer is
             params = replace(params, bad_words_ids=bad_word_ids(self.tokenizer, msg.sampling.bad_words))
@@ -83,6 +87,7 @@ class ThinkerHandler:
         task.own_stops = frozenset(self.defaults.stop_token_ids)
         # compiled with the prompt, on the compute thread (a big schema takes a while: not on the event loop)
         task.structured, task.grammars = msg.options.get(STRUCTURED_OPTION), self.grammars
+        task.structured_after = msg.options.get(STRUCTURED_AFTER_OPTION) or None
         if self.batcher is not None:
             self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
         return task

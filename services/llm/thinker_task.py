@@ -71,6 +71,8 @@ class ThinkerTask(BatchedTask):
         self.held: list[StageChunk] = []  # one chunk per token not sent yet (see `_send`)
         self.structured: str | None = None  # the structured_output option (services/llm/structured_output.py)
         self.grammars: Grammars | None = None  # the stage's compiler for it (its handler's)
+        self.structured_after: str | None = None  # the grammar waits until the text has passed this (reasoning)
+        self._reasoned = ""  # the text so far, while it waits (only as much as can hold the marker)
         self.constraint: Constraint | None = None  # ... compiled by `prompt_run`
         self.prompt_scores: list[stage_pb2.TokenLogprob] = []  # prompt_logprobs: the prefill's, until the first token
         self.requested_stops: frozenset[int] = frozenset()  # the request's stop_token_ids (stop_reason names them)
@@ -175,14 +177,15 @@ class ThinkerTask(BatchedTask):
             if lead:
                 spoken.append(prompt.embeds[prompt.ids.numel() - lead:])  # (lead, H)
             self.captured = []
-        grammar_done = self.constraint is not None and self.constraint.complete
-        if self.constraint is None:
+        grammar = self.constraint if self.structured_after is None else None  # none yet while it reasons
+        grammar_done = grammar is not None and grammar.complete
+        if grammar is None:
             token = self.sampler.sample(out.logits, self.history)
         elif grammar_done:  # the grammar takes nothing more: the answer ends here
-            token = self.constraint.stop_id
+            token = grammar.stop_id
         else:
-            token = self.sampler.sample(self.constraint.allowed_logits(out.logits), self.history)
-            self.constraint.accept(token)
+            token = self.sampler.sample(grammar.allowed_logits(out.logits), self.history)
+            grammar.accept(token)
         self.completion_tokens += 1
         tensors["token_ids"] = torch.tensor([token], dtype=torch.long)
         stop = grammar_done or self.sampler.is_stop(token)
@@ -192,6 +195,12 @@ class ThinkerTask(BatchedTask):
         raw = "" if stop else self.detok.push(token)
         if stop or at_max:
             raw += self.detok.finish()
+        if self.structured_after is not None:  # reasoning: does the answer (and its grammar) start now?
+            self._reasoned += raw
+            if self.structured_after in self._reasoned:
+                self.structured_after, self._reasoned = None, ""
+            else:
+                self._reasoned = self._reasoned[-len(self.structured_after):]
         text, stop_str = self.stops.push(raw, armed=self.completion_tokens >= self.sampler.params.min_tokens)
         scored, self.prompt_scores = self.prompt_scores, []  # all of them by the first token: on its chunk
         if stop or at_max or stop_str:

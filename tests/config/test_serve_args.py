@@ -208,6 +208,8 @@ def test_launcher_starts_every_replica_on_its_own_port_and_devices(tmp_path) -> 
                                      '"talker": {"replicas": 2}}')
     assert stage_processes(args) == [("encoder", 0, "encoder"), ("thinker", 0, "thinker"), ("talker", 0, "talker#0"),
                                      ("talker", 1, "talker#1"), ("vocoder", 0, "vocoder#0"), ("vocoder", 1, "vocoder#1")]
+    # a thinker-only checkpoint's stages: the talker's and vocoder's replicas are not started
+    assert stage_processes(args, ("encoder", "thinker")) == [("encoder", 0, "encoder"), ("thinker", 0, "thinker")]
     launcher = MeshLauncher(args, tmp_path)
     for replica, devices in ((0, "0,1"), (1, "2,3")):
         argv = launcher._stage_argv("vocoder", 50055 + replica, replica)

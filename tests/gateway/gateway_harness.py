@@ -47,6 +47,7 @@ class ScriptedPipeline:
 
     served_models: tuple[str, ...] = ("tiny-omni",)
     voices: tuple[str, ...] = ("Ethan", "Chelsie")
+    no_audio: str | None = None
     default_voice = "Ethan"
     sample_rate = SAMPLE_RATE
 
@@ -131,9 +132,10 @@ class GrpcServer:
     """A `grpc.aio` server with `OmniServicer(pipeline)` + health + reflection on its own loop thread."""
 
     def __init__(self, pipeline: Any, limits: InputLimits | None = None, api_keys: tuple[str, ...] = (),
-                 max_logprobs: int = 20, auto_tool_choice: bool = False) -> None:
+                 max_logprobs: int = 20, auto_tool_choice: bool = False, reasoning: Any = None) -> None:
         self.pipeline = pipeline
         self.auto_tool_choice = auto_tool_choice
+        self.reasoning = reasoning
         self.limits = limits or InputLimits()
         self.max_logprobs = max_logprobs
         self.api_keys = api_keys
@@ -146,7 +148,8 @@ class GrpcServer:
     async def _start(self) -> None:
         self.server, self.health = await create_grpc_server(self.pipeline, limits=self.limits, api_keys=self.api_keys,
                                                             max_logprobs=self.max_logprobs,
-                                                            auto_tool_choice=self.auto_tool_choice)
+                                                            auto_tool_choice=self.auto_tool_choice,
+                                                            reasoning=self.reasoning)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
 

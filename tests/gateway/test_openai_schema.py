@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from gateway.events import PipelineError, SamplingOverrides
-from gateway.openai_schema import (ChatCompletionChunk, ChunkChoice, Delta, check_sampling, dump, error_response,
-                                   normalize_modalities, parse_chat_request, resolve_model, resolve_voice)
+from gateway.openai_schema import (ChatCompletionChunk, ChunkChoice, Delta, check_sampling, default_modalities, dump,
+                                   error_response, normalize_modalities, parse_chat_request, resolve_model, resolve_voice)
 
 
 def parse(obj: object) -> object:
@@ -118,12 +119,19 @@ def test_model_voice_and_modalities_resolution() -> None:
         resolve_model("c", ("a", "b"))
     assert e.value.http_status == 404 and e.value.grpc_code == 5
     assert error_response(e.value).error.code == "model_not_found"
-    assert resolve_voice("ETHAN", ("Ethan", "Chelsie"), "Ethan", "audio.voice") == "Ethan"
-    assert resolve_voice(None, ("Ethan", "Chelsie"), "Chelsie", "audio.voice") == "Chelsie"
+    def speaking(voices: tuple[str, ...], default: str, no_audio: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(voices=voices, default_voice=default, no_audio=no_audio)
+
+    assert resolve_voice("ETHAN", speaking(("Ethan", "Chelsie"), "Ethan"), "audio.voice") == "Ethan"
+    assert resolve_voice(None, speaking(("Ethan", "Chelsie"), "Chelsie"), "audio.voice") == "Chelsie"
     with pytest.raises(PipelineError, match="available: Ethan, Chelsie"):
-        resolve_voice("alloy", ("Ethan", "Chelsie"), "Ethan", "audio.voice")
-    with pytest.raises(PipelineError, match="audio output is not available"):
-        resolve_voice(None, (), "", "audio.voice")
+        resolve_voice("alloy", speaking(("Ethan", "Chelsie"), "Ethan"), "audio.voice")
+    with pytest.raises(PipelineError, match="audio output is not available on this server: it has no voices"):
+        resolve_voice(None, speaking((), ""), "audio.voice")
+    with pytest.raises(PipelineError, match="not available on this server: the model m has no audio output"):
+        resolve_voice("Ethan", speaking((), "", "the model m has no audio output"), "audio.voice")
+    assert default_modalities(speaking(("Ethan",), "Ethan")) == ("text", "audio")  # type: ignore[arg-type]
+    assert default_modalities(speaking((), "")) == ("text",)  # type: ignore[arg-type]
     assert normalize_modalities(None, ("text",)) == ("text",)
     assert normalize_modalities(["audio"], ("text",)) == ("text", "audio")
     assert normalize_modalities(None, ("text", "audio")) == ("text", "audio")

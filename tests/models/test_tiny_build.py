@@ -180,3 +180,27 @@ def test_generate_with_audio_and_image_inputs(model: Qwen3OmniMoeForConditionalG
         out = model.generate(**inputs, return_audio=False, thinker_eos_token_id=model.config.im_end_token_id,
                              thinker_max_new_tokens=4)
     assert out.shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_the_thinker_only_build_is_laid_out_as_a_thinking_checkpoint(folder: Path, tmp_path: Path) -> None:
+    """`--thinker-only`: config `enable_audio_output: false`, weights `thinker.*` only and equal to the full
+    build's, `<think>` / `</think>` as added tokens decoded as text; the stages it has; transformers loads it
+    without a talker."""
+    from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages
+    from omnimesh.models.qwen3_omni.tiny_config import THINK_TOKENS
+
+    out = build_tiny_qwen3_omni(tmp_path / "thinking", audio_output=False)
+    assert json.loads((out / "config.json").read_text())["enable_audio_output"] is False
+    with safe_open(str(out / "model.safetensors"), "pt") as f, safe_open(str(folder / "model.safetensors"), "pt") as g:
+        keys = list(f.keys())
+        assert keys and all(k.startswith("thinker.") for k in keys)
+        assert sorted(keys) == sorted(k for k in g.keys() if k.startswith("thinker."))
+        assert all(torch.equal(f.get_tensor(k), g.get_tensor(k)) for k in keys)
+    assert model_stages(out) == ("encoder", "thinker") and model_stages(folder) == ("encoder", "thinker", "talker", "vocoder")
+    tok, full = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(folder)
+    ids = tok.encode("<think>\nhm</think>ok", add_special_tokens=False)
+    assert ids[0] == THINK_TOKENS["<think>"] and THINK_TOKENS["</think>"] in ids
+    assert tok.decode(ids, skip_special_tokens=True) == "<think>\nhm</think>ok"
+    assert tok.encode("The sea is calm.") == full.encode("The sea is calm.")
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(out)
+    assert not model.has_talker and not hasattr(model, "talker")

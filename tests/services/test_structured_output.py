@@ -126,3 +126,25 @@ def test_one_choice_holds_the_thinker_to_any_text(handler: Any) -> None:
     said = 'Say "héllo wörld" — 世界!\nA back\\slash, a tab\tand 🎉.'
     text, task = answer(handler, "choice", json.dumps([said]), max_tokens=128)
     assert text == said and task.finish_reason == "stop"
+
+
+def test_the_grammar_waits_for_the_end_of_the_reasoning(handler: Any) -> None:
+    """`structured_after` (a reasoning model under --reasoning-parser: `</think>`): the tokens up to the one whose
+    text passes the marker are the model's own (as with no grammar), and the grammar shapes what follows. The
+    marker here is a piece of the free answer's own text, so the random model surely writes it."""
+    ids = prompts([12], seed=3)[0]
+
+    def run(**options: str) -> list[str]:
+        task = open_thinker(handler, "r", ids, 24, **options)
+        d = Driver(handler)
+        d.add(task)
+        return [c.text for c in d.run()["r"]]
+
+    free = run()  # stream_interval 1: one token a chunk
+    so_far = ["".join(free[:k]) for k in range(len(free) + 1)]
+    # the first token whose text completes a 2-character piece not seen before: the marker ends in it
+    k = next(k for k in range(1, len(free)) if len(so_far[k]) >= 2 and so_far[k][-2:] not in so_far[k - 1])
+    shaped = run(structured_output=option_value("regex", "[ab]{3}-[0-9]{2}"), structured_after=so_far[k][-2:])
+    assert shaped[:k] == free[:k]  # reasoning: untouched
+    assert re.fullmatch(r"[ab]{3}-[0-9]{2}", "".join(shaped[k:]))  # the answer: the grammar's
+    assert not re.fullmatch(r"[ab]{3}-[0-9]{2}", "".join(free[k:]))

@@ -117,11 +117,12 @@ class Qwen3OmniThinker:
         self.video_token_id = int(tc.video_token_id)
         self.audio_n_window = int(tc.audio_config.n_window)
         self.deepstack_layers = len(tc.vision_config.deepstack_visual_indexes)
-        self.accept_hidden_layer = int(tk.accept_hidden_layer)
+        # the layer whose hidden the talker reads; None for a thinker-only checkpoint (nothing to capture)
+        self.accept_hidden_layer: int | None = int(tk.accept_hidden_layer) if config.enable_audio_output else None
         self.tts_ids = (int(config.tts_bos_token_id), int(config.tts_eos_token_id), int(config.tts_pad_token_id))
         self.mrope = MropeSpec.for_thinker(config)
         n_layers = int(tc.text_config.num_hidden_layers)
-        if not 0 <= self.accept_hidden_layer <= n_layers:
+        if self.accept_hidden_layer is not None and not 0 <= self.accept_hidden_layer <= n_layers:
             raise ValueError(
                 f"talker_config.accept_hidden_layer={self.accept_hidden_layer} is outside 0..{n_layers} "
                 f"(the thinker has {n_layers} layers)"

@@ -36,6 +36,7 @@ from omnimesh.models.qwen3_omni.tiny_config import (
     ORDINARY_VOCAB_LIMIT,
     ROLE_TOKENS,
     SPECIAL_TOKENS,
+    THINK_TOKENS,
     THINKER_VOCAB,
     tiny_qwen3_omni_config,
 )
@@ -157,8 +158,9 @@ FOLDER_FILES = (
 )
 
 
-def tiny_tokenizer_spec() -> TinyTokenizerSpec:
-    """The tiny tokenizer's layout, with every id taken from `tiny_config.py`."""
+def tiny_tokenizer_spec(thinking: bool = False) -> TinyTokenizerSpec:
+    """The tiny tokenizer's layout, with every id taken from `tiny_config.py`; `thinking`: the thinker-only
+    variant's, which also has the reasoning markers `<think>` / `</think>` (not special: decoded as text)."""
     return TinyTokenizerSpec(
         vocab_size=THINKER_VOCAB,
         ordinary_limit=ORDINARY_VOCAB_LIMIT,
@@ -168,6 +170,7 @@ def tiny_tokenizer_spec() -> TinyTokenizerSpec:
         pad_token="<|endoftext|>",
         named_tokens=dict(MEDIA_TOKENS),
         chat_template=QWEN3_OMNI_CHAT_TEMPLATE,
+        text_tokens=dict(THINK_TOKENS) if thinking else {},
     )
 
 
@@ -264,18 +267,23 @@ def make_code2wav_audible(model: Qwen3OmniMoeForConditionalGeneration, seed: int
             mod.weight.normal_(0.0, gain / math.sqrt(fan_in), generator=gen)
 
 
-def build_tiny_model(seed: int = 0) -> Qwen3OmniMoeForConditionalGeneration:
-    """The tiny model in float32, every weight a function of `seed`; the caller's RNG is left untouched."""
+def build_tiny_model(seed: int = 0, audio_output: bool = True) -> Qwen3OmniMoeForConditionalGeneration:
+    """The tiny model in float32, every weight a function of `seed`; the caller's RNG is left untouched.
+    `audio_output=False`: the thinker-only variant (config `enable_audio_output: false`, like
+    Qwen3-Omni-30B-A3B-Thinking), whose thinker equals the full model's (it is built first, from the same seed)."""
+    config = tiny_qwen3_omni_config()
+    config.enable_audio_output = audio_output
     previous = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         torch.set_default_dtype(torch.float32)
         try:
-            model = Qwen3OmniMoeForConditionalGeneration(tiny_qwen3_omni_config())
+            model = Qwen3OmniMoeForConditionalGeneration(config)
         finally:
             torch.set_default_dtype(previous)
-    fill_routed_experts(model, seed)
-    make_code2wav_audible(model, seed)
+    if audio_output:
+        fill_routed_experts(model, seed)
+        make_code2wav_audible(model, seed)
     model.generation_config = tiny_generation_config()
     return model.eval()
 
@@ -292,8 +300,9 @@ def _check_out_dir(out_dir: Path) -> None:
             )
 
 
-def build_tiny_qwen3_omni(out_dir: Path, seed: int = 0) -> Path:
-    """Write the tiny Qwen3-Omni Hugging Face folder to `out_dir` and return it.
+def build_tiny_qwen3_omni(out_dir: Path, seed: int = 0, audio_output: bool = True) -> Path:
+    """Write the tiny Qwen3-Omni Hugging Face folder to `out_dir` and return it (`audio_output=False`: the
+    thinker-only variant, weights `thinker.*` only).
 
     Loads offline with `Qwen3OmniMoeForConditionalGeneration.from_pretrained`, `AutoTokenizer`,
     `WhisperFeatureExtractor`, `Qwen2VLImageProcessor` and `processor.load_processor`.
@@ -302,9 +311,9 @@ def build_tiny_qwen3_omni(out_dir: Path, seed: int = 0) -> Path:
     _check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    model = build_tiny_model(seed)
+    model = build_tiny_model(seed, audio_output)
     model.save_pretrained(out_dir)
-    build_tokenizer(tiny_tokenizer_spec()).save_pretrained(out_dir)
+    build_tokenizer(tiny_tokenizer_spec(thinking=not audio_output)).save_pretrained(out_dir)
     text = json.dumps(preprocessor_config(), indent=2, sort_keys=True) + "\n"
     (out_dir / "preprocessor_config.json").write_text(text, encoding="utf-8")
     text = json.dumps(video_preprocessor_config(), indent=2, sort_keys=True) + "\n"

@@ -35,6 +35,8 @@ SPECIAL_TOKENS: dict[str, int] = {
 # Role words are ordinary (non-special) tokens in the real vocab; the talker finds user/assistant turns
 # by these ids, so the tokenizer must map each word to exactly one token at this id.
 ROLE_TOKENS: dict[str, int] = {"user": 413, "assistant": 414, "system": 415}
+# the reasoning markers of the thinker-only (Thinking) variant: added tokens that are not special, as in Qwen3's vocab
+THINK_TOKENS: dict[str, int] = {"<think>": 416, "</think>": 417}
 
 CODEC_VOCAB = 1280
 CODEBOOK_SIZE = 256
