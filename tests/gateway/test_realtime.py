@@ -312,3 +312,24 @@ def test_a_failed_transcription_is_its_own_event(ws: ClientConnection, pipeline:
     assert failed["error"]["message"] == "thinker is full" and failed["content_index"] == 0
     send(ws, type="session.update", session={})  # the session goes on
     assert recv(ws)["type"] == "session.updated"
+
+
+def test_a_server_without_speech_defaults_sessions_to_text() -> None:
+    """A thinker-only model's gateway (no voices): the session starts text-only and answers; asking for audio
+    is an error event naming why, and the session goes on."""
+    pipeline = ScriptedPipeline()
+    pipeline.voices = ()
+    pipeline.no_audio = "the model m has no audio output"
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",))) as server, \
+            connect(url(server), open_timeout=TIMEOUT_S) as conn:
+        assert recv(conn)["session"]["modalities"] == ["text"]
+        send(conn, type="conversation.item.create",
+             item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]})
+        assert recv(conn)["type"] == "conversation.item.created"
+        send(conn, type="response.create", response={"modalities": ["text", "audio"]})
+        error = recv(conn)
+        assert error["type"] == "error" and "the model m has no audio output" in error["error"]["message"]
+        send(conn, type="response.create")
+        events = until(conn, "response.done")
+        assert events[-1]["response"]["status"] == "completed"
+        assert pipeline.requests[-1].modalities == ("text",)
