@@ -24,7 +24,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.events import TemplateOptions
+from gateway.events import ChatMessage, TemplateOptions, TextPart
 from gateway.media import invalid_request
 
 # apply_chat_template's own parameters: not template variables; where a request sets each instead
@@ -101,3 +101,11 @@ def parse_kwargs_json(text: str, param: str) -> dict[str, Any]:
         raise invalid_request(f"{param}: not JSON: {e}", param) from None
     return check_kwargs(value, param)
 
+
+
+def final_assistant_text(messages: Sequence[ChatMessage]) -> str:
+    """The final message's text when it is the assistant's (what continue_final_message continues and echo
+    repeats), its parts joined as the chat template joins them; else ''."""
+    if not messages or messages[-1].role != "assistant":
+        return ""
+    return "".join(p.text for p in messages[-1].content if isinstance(p, TextPart))

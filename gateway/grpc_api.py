@@ -35,7 +35,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from gateway.audio_encoding import pcm16_bytes
 from gateway.auth import ApiKeyInterceptor
-from gateway.chat_template_options import parse_kwargs_json, template_options
+from gateway.chat_template_options import final_assistant_text, parse_kwargs_json, template_options
 from gateway.completions_api import prompt_token_ids
 from gateway.events import (
     AudioDelta,
@@ -227,7 +227,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         if structured is not None and (plan.parse or plan.structured is not None):
             raise invalid_request("structured_output: a structured output and tool calls cannot both shape one "
                                   "answer; send tool_choice \"none\" or leave one out", "structured_output")
-        thinking = thinks(self.reasoning, template.kwargs, audio_out="audio" in modalities)
+        thinking = thinks(self.reasoning, template.kwargs, audio_out="audio" in modalities,
+                          continued=final_assistant_text(messages) if template.continue_final_message else "")
         return ChatRequest(request_id=rid, model=pipeline_model,
                            messages=tuple(messages), modalities=modalities,
                            voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages,

@@ -11,7 +11,8 @@ shapes only the answer: the thinker starts the grammar once the text has passed 
 The rules (vLLM's `qwen3` parser): a leading `<think>` is dropped; the text up to the first `</think>` is
 reasoning and the rest is the answer; with no `</think>` at all the whole text is reasoning (the thought was cut
 off by max_tokens). A request with `chat_template_kwargs: {"enable_thinking": false}` (qwen3) does not think:
-all of its text is the answer. `include_reasoning: false` (vLLM's request field) drops the reasoning.
+all of its text is the answer, as is one continuing an assistant message that already holds `</think>`.
+`include_reasoning: false` (vLLM's request field) drops the reasoning.
 
 Data flow: the thinker's text deltas -> `ReasoningStream.push` (holds back a tail that may be the start of a
 marker, so the split never depends on how the text was cut into deltas) -> (reasoning, answer) pieces ->
@@ -113,10 +114,12 @@ class AnswerSplit:
         return (t1 + t2) or None, a1 + a2
 
 
-def thinks(parser: ReasoningParser | None, chat_template_kwargs: dict[str, Any], audio_out: bool) -> bool:
-    """Whether a request's answer starts with reasoning (a parser is on and the request thinks). Speech then is
-    a 400: the talker would speak the reasoning too."""
-    if parser is None or not parser.thinking(chat_template_kwargs):
+def thinks(parser: ReasoningParser | None, chat_template_kwargs: dict[str, Any], audio_out: bool,
+           continued: str = "") -> bool:
+    """Whether a request's answer starts with reasoning (a parser is on and the request thinks; `continued`: the
+    assistant message it continues, whose `</think>` means the reasoning is already over). Speech then is a 400:
+    the talker would speak the reasoning too."""
+    if parser is None or not parser.thinking(chat_template_kwargs) or END in continued:
         return False
     if audio_out:
         from gateway.media import invalid_request

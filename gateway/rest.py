@@ -64,6 +64,7 @@ from gateway.events import (
 )
 from gateway.completions_api import CompletionRoutes
 from gateway.choices import MAX_CHOICES, Indexed, choice_requests, close_events, fan_out, total_usage
+from gateway.chat_template_options import final_assistant_text
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway import video_process
 from gateway.http_front import HttpFront
@@ -223,12 +224,12 @@ class _Call:
     echo: str = ""  # vLLM's echo: the final assistant message's text, before each choice's content
     spoken_lead: str = ""  # a continued assistant message's start: the talker speaks it before the generated text
     reasoning: ReasoningParser | None = None  # --reasoning-parser: the text's reasoning apart from its answer
-    thinking: bool = False  # this answer starts with reasoning (with a parser; gateway/reasoning.py)
     include_reasoning: bool = True  # vLLM's include_reasoning: false drops it
 
     def splitter(self) -> AnswerSplit:
-        """A choice's text -> (reasoning to send, answer), whole or delta by delta."""
-        return AnswerSplit(self.reasoning, self.thinking, self.include_reasoning)
+        """A choice's text -> (reasoning to send, answer), whole or delta by delta (it reasons first when the
+        request carries the reasoning's end marker: gateway/reasoning.py)."""
+        return AnswerSplit(self.reasoning, self.request.reasoning_end is not None, self.include_reasoning)
 
     @property
     def logprobs(self) -> bool:
@@ -295,10 +296,10 @@ class RestGateway:
                                   "cannot both shape one answer; send tool_choice \"none\" or leave one out",
                                   "response_format")
         template = body.template(body.messages, "audio" in modalities)
-        thinking = thinks(self.reasoning, template.kwargs, audio_out="audio" in modalities)
         messages = await self.chat_messages(body.messages, body.mm_processor_kwargs)
-        final = "".join(p.text for p in messages[-1].content if isinstance(p, TextPart)) \
-            if messages[-1].role == "assistant" else ""  # joined as the chat template joins a message's parts
+        final = final_assistant_text(messages)
+        thinking = thinks(self.reasoning, template.kwargs, audio_out="audio" in modalities,
+                          continued=final if template.continue_final_message else "")
         # an alias from --served-model-name runs the pipeline's own model
         pipeline_model = model if model in self.pipeline.served_models else self.pipeline.served_models[0]
         request = ChatRequest(
@@ -318,7 +319,7 @@ class RestGateway:
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n,
                      tools=tools, echo=final if body.echo else "",
                      spoken_lead=final if template.continue_final_message else "", reasoning=self.reasoning,
-                     thinking=thinking, include_reasoning=body.include_reasoning)
+                     include_reasoning=body.include_reasoning)
 
     async def chat_messages(self, messages: list[Message], mm: MMProcessorKwargs | None = None
                             ) -> tuple[ChatMessage, ...]:

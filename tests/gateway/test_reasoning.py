@@ -174,6 +174,26 @@ def test_enable_thinking_false_leaves_the_text_whole(scripted) -> None:
     assert message["reasoning"] is None and message["content"] == "".join(ANSWER)
 
 
+def test_a_continued_message_past_its_reasoning_is_all_answer(scripted) -> None:
+    """continue_final_message: an assistant message that already closed its thought continues the answer; one
+    still inside it continues the thought (REST and gRPC alike)."""
+    server, pipeline = scripted
+    for lead, reasons in (("<think>\nNine point eight.</think>\n\nNo", False), ("<think>\nNine point", True)):
+        messages = [*USER, {"role": "assistant", "content": lead}]
+        body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+        message = _post(server, **body).json()["choices"][0]["message"]
+        assert (pipeline.requests[-1].reasoning_end is not None) is reasons
+        assert (message["reasoning"] is not None) is reasons and message["content"] == ("\n\nNo, 9.8 is more." if reasons
+                                                                                      else "".join(ANSWER))
+    with GrpcServer(pipeline, reasoning=QWEN3) as g, grpc.insecure_channel(f"127.0.0.1:{g.port}") as ch:
+        request = omni_pb2.GenerateRequest(model="tiny-omni", modalities=["text"], continue_final_message=True,
+                                           add_generation_prompt=False, messages=[
+            omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text="Is 9.11 more than 9.8?")]),
+            omni_pb2.ChatMessage(role="assistant", content=[omni_pb2.ContentPart(text="a</think>b")])])
+        out = list(omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=10))
+    assert "".join(r.text_delta for r in out) == "".join(ANSWER) and pipeline.requests[-1].reasoning_end is None
+
+
 def test_cut_off_reasoning_has_no_answer(scripted) -> None:
     server, pipeline = scripted
     pipeline.script = lambda request: [TextDelta("<think>\nLet me see"), Finished("length", 9, 4)]
