@@ -493,6 +493,9 @@ class RestGateway:
         payload = dump(body)
         if k is None:
             del payload["prompt_logprobs"]
+        if call.reasoning is None:  # a server without --reasoning-parser answers no reasoning fields
+            for choice in payload["choices"]:
+                del choice["message"]["reasoning"], choice["message"]["reasoning_content"]
         return JSONResponse(payload, headers={"X-Request-Id": call.request.request_id})
 
     def _logprobs(self, call: _Call, entries: Sequence[stage_pb2.TokenLogprob]) -> ChoiceLogprobs | None:
