@@ -7,7 +7,9 @@
   random weights never write `</think>`: a thought cut off by max_tokens), streamed alike;
 - speech is a 400 naming the checkpoint on REST, /v1/audio/speech and gRPC; gRPC's default is text then;
 - a structured output waits for the end of the reasoning: `logit_bias` makes `</think>` the first token, and
-  only after it does the grammar hold the answer to its choices.
+  only after it does the grammar hold the answer to its choices;
+- the full model served text only (a gateway over the shared mesh's encoder and thinker): the same text, and
+  speech a 400 saying the gateway has no talker / vocoder stage.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from mesh_harness import REPO, Mesh, start_mesh
+from mesh_harness import REPO, Mesh, start_gateway, start_mesh
 
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.models.qwen3_omni.tiny_config import THINK_TOKENS
@@ -104,3 +106,17 @@ def test_the_grammar_shapes_the_answer_after_the_reasoning(thinking: Mesh) -> No
     # thinking off: the grammar holds the whole text (the bias cannot put the marker in)
     plain = _chat(thinking.rest, NAME, logit_bias={end: 100}, structured_outputs={"choice": choices}, **OFF).json()
     assert plain["choices"][0]["message"]["content"] in choices
+
+
+def test_the_full_model_served_text_only(mesh: Mesh, tiny_model_dir: Path) -> None:
+    """A text-only deployment of a model that has a talker: a gateway over its encoder and thinker alone answers
+    text as the whole mesh does, and speech with a 400 saying it was given no talker / vocoder stage."""
+    stages = {name: mesh.stages[name] for name in ("encoder", "thinker")}
+    proc, url = start_gateway(tiny_model_dir, stages)
+    try:
+        assert _chat(url, "tiny-qwen3-omni").json()["choices"][0]["message"]["content"] == \
+            _chat(mesh.rest, "tiny-qwen3-omni").json()["choices"][0]["message"]["content"]
+        r = _chat(url, "tiny-qwen3-omni", modalities=["text", "audio"])
+        assert r.status_code == 400 and "given no talker / vocoder stage" in r.json()["error"]["message"], r.text
+    finally:
+        assert proc.stop() == 0, proc.output()
