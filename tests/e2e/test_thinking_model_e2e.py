@@ -81,6 +81,7 @@ def test_its_answer_is_the_full_models_text_split_as_reasoning(thinking: Mesh, m
 def test_speech_is_refused_naming_the_checkpoint(thinking: Mesh) -> None:
     r = _chat(thinking.rest, NAME, modalities=["text", "audio"], **OFF)
     assert r.status_code == 400 and "has no audio output" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "modalities"
     r = httpx.post(f"{thinking.rest}/v1/audio/speech", json={"model": NAME, "input": "Hello."}, timeout=60)
     assert r.status_code == 400 and "enable_audio_output" in r.json()["error"]["message"], r.text
     request = omni_pb2.GenerateRequest(
