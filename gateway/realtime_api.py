@@ -7,7 +7,9 @@ conversation into a `ChatRequest` (the session's `instructions` as the system tu
 `response.created`, `response.output_item.added`, `conversation.item.created`, `response.content_part.added`,
 `response.audio_transcript.delta` / `response.audio.delta` (base64 pcm16 at the pipeline's 24 kHz) — or
 `response.text.delta` for a text-only response — their `.done` events and `response.done` with the usage.
-The assistant's transcript joins the conversation for the next turn.
+The assistant's transcript joins the conversation for the next turn. A reasoning model's thought
+(--reasoning-parser, gateway/reasoning.py) is not said: only its answer is sent and remembered, and its responses
+are text only.
 
 Supported client events (the settings they may change: gateway/realtime_settings.py): `session.update`, `input_audio_buffer.append` / `.commit` / `.clear`,
 `conversation.item.create` (message items: `input_text`, `input_audio` (base64 pcm16 at 24 kHz) and an
@@ -43,6 +45,7 @@ from gateway.audio_encoding import pcm16_bytes
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides,
                             TextDelta, TextPart)
 from gateway.openai_schema import check_sampling, default_modalities, resolve_voice
+from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
                                        check_temperature, updated)
 from gateway.realtime_vad import EnergyVAD, Started, Stopped
@@ -334,9 +337,11 @@ class RealtimeSession:
         want_audio = "audio" in modalities
         if want_audio:
             voice = voice or resolve_voice(None, self.gw.pipeline, "voice")
+        thinking = thinks(self.gw.reasoning, {}, audio_out=want_audio)  # --reasoning-parser: the answer alone
         chat = ChatRequest(request_id=f"resp_{uuid.uuid4().hex}", model=self.gw.pipeline.served_models[0],
                            messages=tuple(messages), modalities=("text", "audio") if want_audio else ("text",),
-                           voice=voice if want_audio else None, sampling=sampling)
+                           voice=voice if want_audio else None, sampling=sampling,
+                           reasoning_end=END if thinking else None)
         return chat, modalities
 
     # ------------------------------------------------------------------------------------ responses
@@ -347,6 +352,7 @@ class RealtimeSession:
         base = {"id": rid, "object": "realtime.response", "modalities": list(modalities)}
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant", "content": []}
         text: list[str] = []
+        said = AnswerSplit(self.gw.reasoning, chat.reasoning_end is not None, include=False)  # a thought stays unsaid
         status, usage, reason = "in_progress", None, None
         started = time.perf_counter()
         answer = _Item(item_id, "assistant", [])  # in the conversation from its created event on; its text
@@ -362,15 +368,19 @@ class RealtimeSession:
             part = {"type": "audio", "transcript": ""} if audio else {"type": "text", "text": ""}
             await self.send("response.content_part.added", **where, part=part)
             async for ev in events:
-                if isinstance(ev, TextDelta) and ev.text:
-                    text.append(ev.text)
+                if isinstance(ev, TextDelta) and ev.text and (piece := said.push(ev.text)[1]):
+                    text.append(piece)
                     await self.send("response.audio_transcript.delta" if audio else "response.text.delta", **where,
-                                    delta=ev.text)
+                                    delta=piece)
                 elif isinstance(ev, AudioDelta) and audio and np.size(ev.pcm):
                     answer.audio_samples += int(np.size(ev.pcm))
                     answer.audio_rate = ev.sample_rate
                     await self.send("response.audio.delta", **where, delta=base64.b64encode(pcm16_bytes(ev.pcm)).decode())
                 elif isinstance(ev, Finished):
+                    if piece := said.finish()[1]:  # held back in case a marker was starting
+                        text.append(piece)
+                        await self.send("response.audio_transcript.delta" if audio else "response.text.delta",
+                                        **where, delta=piece)
                     status = "incomplete" if ev.finish_reason == "length" else "completed"
                     reason = "max_output_tokens" if status == "incomplete" else None
                     usage = {"total_tokens": ev.prompt_tokens + ev.completion_tokens, "input_tokens": ev.prompt_tokens,

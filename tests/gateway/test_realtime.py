@@ -19,7 +19,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
 from gateway.audio_encoding import pcm16_bytes
-from gateway.events import AudioPart, TextPart
+from gateway.events import AudioPart, Finished, TextDelta, TextPart
 from gateway.rest import create_app
 
 TIMEOUT_S = 10.0
@@ -333,3 +333,30 @@ def test_a_server_without_speech_defaults_sessions_to_text() -> None:
         events = until(conn, "response.done")
         assert events[-1]["response"]["status"] == "completed"
         assert pipeline.requests[-1].modalities == ("text",)
+
+
+def test_a_reasoning_models_thought_is_not_said() -> None:
+    """--reasoning-parser: a text response sends (and remembers) the answer alone; speech is an error event."""
+    from gateway.reasoning import ReasoningParser
+
+    pipeline = ScriptedPipeline()
+    pipeline.script = lambda request: [TextDelta("<think>\nHmm, a gre"), TextDelta("eting.</th"), TextDelta("ink>\n\nHi"),
+                                       TextDelta(" there."), Finished("stop", 9, 12)]
+    app = create_app(pipeline, served_model_names=("tiny-omni",), reasoning=ReasoningParser("qwen3"))
+    with RestServer(app) as server, connect(url(server), open_timeout=TIMEOUT_S) as conn:
+        recv(conn)
+        send(conn, type="conversation.item.create",
+             item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]})
+        recv(conn)
+        send(conn, type="response.create")  # the session default: text and audio
+        error = recv(conn)
+        assert error["type"] == "error" and "--reasoning-parser qwen3" in error["error"]["message"]
+        send(conn, type="response.create", response={"modalities": ["text"]})
+        events = until(conn, "response.done")
+        assert "".join(e["delta"] for e in events if e["type"] == "response.text.delta") == "\n\nHi there."
+        assert [e["text"] for e in events if e["type"] == "response.text.done"] == ["\n\nHi there."]
+        assert pipeline.requests[-1].reasoning_end == "</think>"
+        send(conn, type="response.create", response={"modalities": ["text"]})
+        until(conn, "response.done")
+    said = [m for m in pipeline.requests[-1].messages if m.role == "assistant"]
+    assert [p.text for p in said[0].content] == ["\n\nHi there."]  # the next turn hears the answer alone
