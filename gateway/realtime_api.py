@@ -49,7 +49,7 @@ from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
                                        check_temperature, updated)
 from gateway.realtime_vad import EnergyVAD, Started, Stopped
-from gateway.transcription_api import collect_text, instruction
+from gateway.transcription_api import collect_text, instruction, text_request
 from omnimesh import tracing
 
 if TYPE_CHECKING:
@@ -236,12 +236,12 @@ class RealtimeSession:
         """`input_audio_transcription`: the thinker transcribes the clip (as /v1/audio/transcriptions does, greedy)
         beside the response; the text comes as its own event and in the item."""
         ask = instruction("transcribe", how.get("language"), how.get("prompt"))
-        chat = ChatRequest(request_id=f"trsc-{uuid.uuid4().hex}", model=self.gw.pipeline.served_models[0],
-                           modalities=("text",), sampling=SamplingOverrides(temperature=0.0),
-                           messages=(ChatMessage("user", (AudioPart(wave, INPUT_RATE), TextPart(ask))),))
+        chat = text_request(f"trsc-{uuid.uuid4().hex}", self.gw.pipeline.served_models[0],
+                            (ChatMessage("user", (AudioPart(wave, INPUT_RATE), TextPart(ask))),),
+                            SamplingOverrides(temperature=0.0), self.gw.reasoning)
         where = {"item_id": item.id, "content_index": 0}
         try:
-            text, _ = await collect_text(self.gw.pipeline, chat)
+            text, _ = await collect_text(self.gw.pipeline, chat, self.gw.reasoning)
         except PipelineError as e:
             await self.send("conversation.item.input_audio_transcription.failed", **where,
                             error={"type": "transcription_error", "code": "transcription_failed",

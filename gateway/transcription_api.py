@@ -4,7 +4,8 @@ Data flow: multipart form (size-capped as every body: `file` an audio file: WAV,
 `prompt`, `response_format` json | text, `temperature`, vLLM's `max_completion_tokens`) -> one user message [the audio, an instruction
 ("Transcribe the audio into text." / "Translate the audio into English text.", with the language and the
 prompt as hints)] -> the same pipeline a text-only chat runs (greedy unless `temperature` says otherwise,
-the thinker's own stop) -> `{"text", "usage"}` (json) or the bare text (text). A chat completion with that
+the thinker's own stop) -> `{"text", "usage"}` (json) or the bare text (text); a reasoning model's thought
+(--reasoning-parser) left out. A chat completion with that
 message gives the same text (the e2e test checks it). Formats that need timestamps (srt, vtt,
 verbose_json), `timestamp_granularities[]` and `stream` are 400s naming the field: the model gives none.
 """
@@ -24,6 +25,7 @@ from gateway.events import (ChatMessage, ChatRequest, Finished, Pipeline, Pipeli
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.media import invalid_request
 from gateway.openai_schema import check_sampling, resolve_model
+from gateway.reasoning import END, AnswerSplit, ReasoningParser, thinks
 
 if TYPE_CHECKING:
     from gateway.rest import RestGateway
@@ -137,9 +139,9 @@ class TranscriptionRoutes:
         self.gw.loader.check_audio_seconds(audio.waveform.size / audio.sample_rate)
         ask = instruction(task, _field(form, "language"), _field(form, "prompt"))
         pipeline_model = model if model in self.gw.pipeline.served_models else self.gw.pipeline.served_models[0]
-        chat = ChatRequest(request_id=f"trsc-{uuid.uuid4().hex}", model=pipeline_model, modalities=("text",),
-                           messages=(ChatMessage("user", (audio, TextPart(ask))),), sampling=sampling)
-        text, done = await collect_text(self.gw.pipeline, chat)
+        chat = text_request(f"trsc-{uuid.uuid4().hex}", pipeline_model, (ChatMessage("user", (audio, TextPart(ask))),),
+                            sampling, self.gw.reasoning)
+        text, done = await collect_text(self.gw.pipeline, chat, self.gw.reasoning)
         if fmt == "text":
             return PlainTextResponse(text)
         return JSONResponse({"text": text, "usage": {"type": "tokens", "input_tokens": done.prompt_tokens,
@@ -147,8 +149,17 @@ class TranscriptionRoutes:
                                                      "total_tokens": done.prompt_tokens + done.completion_tokens}})
 
 
-async def collect_text(pipeline: Pipeline, chat: ChatRequest) -> tuple[str, Finished]:
-    """A text-only run's whole text and its end (the Realtime API's input transcriptions use it too)."""
+def text_request(request_id: str, model: str, messages: tuple[ChatMessage, ...], sampling: SamplingOverrides,
+                 reasoning: ReasoningParser | None) -> ChatRequest:
+    """A text-only chat whose answer alone is wanted (a reasoning model thinks first: `collect_text` drops it)."""
+    return ChatRequest(request_id=request_id, model=model, modalities=("text",), messages=messages, sampling=sampling,
+                       reasoning_end=END if thinks(reasoning, {}, audio_out=False) else None)
+
+
+async def collect_text(pipeline: Pipeline, chat: ChatRequest,
+                       reasoning: ReasoningParser | None = None) -> tuple[str, Finished]:
+    """A text-only run's whole answer and its end (the Realtime API's input transcriptions use it too); a reasoning
+    model's thought (--reasoning-parser) left out."""
     parts: list[str] = []
     events = aiter(pipeline.run(chat))
     try:
@@ -156,7 +167,8 @@ async def collect_text(pipeline: Pipeline, chat: ChatRequest) -> tuple[str, Fini
             if isinstance(ev, TextDelta):
                 parts.append(ev.text)
             elif isinstance(ev, Finished):
-                return "".join(parts), ev
+                split = AnswerSplit(reasoning, chat.reasoning_end is not None, include=False)
+                return split.whole("".join(parts))[1], ev
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:

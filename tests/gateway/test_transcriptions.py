@@ -101,3 +101,17 @@ def test_audio_refused_by_limit_mm_per_prompt(pipeline: ScriptedPipeline) -> Non
         assert r.status_code == 400 and r.json()["error"]["message"] == ("this server takes no audio input "
                                                                          "(--limit-mm-per-prompt audio=0)")
     assert not pipeline.requests
+
+
+def test_a_reasoning_models_thought_is_left_out(pipeline: ScriptedPipeline) -> None:
+    """--reasoning-parser: the transcript is the answer after `</think>`, never the thought."""
+    from gateway.events import Finished, TextDelta
+    from gateway.reasoning import ReasoningParser
+
+    pipeline.script = lambda request: [TextDelta("<think>\nSomeone gree"), TextDelta("ts.</think>\n\nHello"),
+                                       TextDelta(" world"), Finished("stop", 7, 9)]
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",), reasoning=ReasoningParser("qwen3"))) as s:
+        r = post(s)
+        assert r.status_code == 200 and r.json()["text"] == "\n\nHello world", r.text
+        assert pipeline.requests[-1].reasoning_end == "</think>"
+        assert post(s, response_format="text").text == "\n\nHello world"
