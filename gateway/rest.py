@@ -715,7 +715,9 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     if front is not None:
         front.install(app)
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/audio/speech", SpeechRoutes(gw, prompts).speech, methods=["POST"])
+    speech = SpeechRoutes(gw, prompts)
+    app.add_api_route("/v1/audio/speech", speech.speech, methods=["POST"])
+    app.add_api_route("/v1/audio/voices", speech.voices, methods=["GET"])
     app.add_api_route("/v1/responses", ResponsesRoutes(gw).responses, methods=["POST"])
     app.add_api_websocket_route("/v1/realtime", RealtimeRoutes(gw).realtime)
     audio = TranscriptionRoutes(gw)

@@ -21,6 +21,7 @@ import asyncio
 import base64
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from gateway.audio_encoding import OutputAudioFormat, encode_audio, pcm16_bytes
@@ -83,6 +84,16 @@ class SpeechRoutes:
 
     def __init__(self, gw: RestGateway, builder: PromptBuilder | None = None) -> None:
         self.gw, self.builder = gw, builder  # the prompt builder sizes max_tokens (without one: the input's bytes)
+
+    async def voices(self, request: Request) -> Response:
+        """`GET /v1/audio/voices` (as Kokoro-FastAPI and other OpenAI-style speech servers answer it): the voices
+        `voice` may name and the default one; none, with the reason, on a server that speaks no audio."""
+        pipeline = self.gw.pipeline
+        body: dict[str, object] = {"voices": list(pipeline.voices), "default": pipeline.default_voice or None}
+        if not pipeline.voices:
+            body["reason"] = pipeline.no_audio or "no talker / vocoder stage"
+        self.gw._finish("voices", 200, time.perf_counter())
+        return JSONResponse(body)
 
     async def speech(self, request: Request) -> Response:
         from gateway.rest import Answer  # rest imports this module to route it

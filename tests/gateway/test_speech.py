@@ -15,9 +15,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from gateway_harness import SAMPLE_RATE, RestServer, tone
+from gateway_harness import SAMPLE_RATE, RestServer, ScriptedPipeline, tone
 
 from gateway.audio_encoding import pcm16_bytes
+from gateway.rest import create_app
 
 
 def post(server: RestServer, body: dict) -> httpx.Response:
@@ -140,3 +141,16 @@ def test_a_failure_midstream(rest_server, pipeline) -> None:
                       json={"input": "hi", "response_format": "pcm"}) as r:
         assert b"".join(r.iter_bytes()) == pcm16_bytes(tone(0.1))
     assert post(rest_server, {"input": "hi", "response_format": "wav"}).status_code == 503  # whole: its status
+
+
+def test_the_voices_it_speaks(rest_server, pipeline) -> None:
+    """GET /v1/audio/voices: what `voice` may name and the default; none, with the reason, without speech."""
+    r = httpx.get(f"{rest_server.base_url}/v1/audio/voices", timeout=10)
+    assert r.status_code == 200 and r.json() == {"voices": ["Ethan", "Chelsie"], "default": "Ethan"}
+    silent = ScriptedPipeline()
+    silent.voices, silent.default_voice, silent.no_audio = (), "", "the model m has no audio output"
+    with RestServer(create_app(silent, served_model_names=("tiny-omni",), api_keys=("k",))) as server:
+        url = f"{server.base_url}/v1/audio/voices"
+        assert httpx.get(url, timeout=10).status_code == 401  # under /v1: the key is needed
+        body = httpx.get(url, headers={"Authorization": "Bearer k"}, timeout=10).json()
+    assert body == {"voices": [], "default": None, "reason": "the model m has no audio output"}
