@@ -9,7 +9,8 @@
 - a structured output waits for the end of the reasoning: `logit_bias` makes `</think>` the first token, and
   only after it does the grammar hold the answer to its choices;
 - the full model served text only (a gateway over the shared mesh's encoder and thinker): the same text, and
-  speech a 400 saying the gateway has no talker / vocoder stage.
+  speech a 400 saying the gateway has no talker / vocoder stage; `/v1/audio/voices` lists none there, and the
+  tiny talker's speakers on the whole mesh.
 """
 
 from __future__ import annotations
@@ -119,5 +120,9 @@ def test_the_full_model_served_text_only(mesh: Mesh, tiny_model_dir: Path) -> No
             _chat(mesh.rest, "tiny-qwen3-omni").json()["choices"][0]["message"]["content"]
         r = _chat(url, "tiny-qwen3-omni", modalities=["text", "audio"])
         assert r.status_code == 400 and "given no talker / vocoder stage" in r.json()["error"]["message"], r.text
+        voices = httpx.get(f"{url}/v1/audio/voices", timeout=30).json()
+        assert voices["voices"] == [] and "no talker / vocoder stage" in voices["reason"]
+        full = httpx.get(f"{mesh.rest}/v1/audio/voices", timeout=30).json()
+        assert full == {"voices": ["ethan", "aiden", "chelsie"], "default": "ethan"}  # the tiny talker's speakers
     finally:
         assert proc.stop() == 0, proc.output()
