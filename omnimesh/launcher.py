@@ -190,6 +190,9 @@ class MeshLauncher:
         if stages != STAGES:  # a thinker-only checkpoint: text out only
             print(f"omnimesh: {thinker_only(self.model_dir)}; starting the {' and '.join(stages)} stages only",
                   file=sys.stderr, flush=True)
+        elif self.args.stage_configs()["talker"].num_replicas == 0:  # --stage-overrides leave speech out
+            print("omnimesh: num_replicas 0 for the talker and vocoder: text out only; starting the encoder and "
+                  "thinker stages only", file=sys.stderr, flush=True)
         for stage, replica, name in stage_processes(self.args, stages):
             port = base + len(stage_children) if base else free_port()
             addrs.setdefault(stage, []).append(f"127.0.0.1:{port}")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from omnimesh.allocator import check_mode
-from omnimesh.config.stage_config import (STAGES, TRANSPORT_CHOICES, StageConfig, parse_bytes, parse_json_object, parse_size,
+from omnimesh.config.stage_config import (SPEECH_STAGES, STAGES, TRANSPORT_CHOICES, StageConfig, parse_bytes, parse_json_object, parse_size,
                                           parse_stage_overrides, resolve_stage)
 from omnimesh.models.qwen3_omni.code_windows import DEFAULT_WINDOWS, parse_windows, windows_text
 
@@ -330,8 +330,12 @@ class ServeArgs:
             if overrides.get(stage, {}).get("default_sampling_params") is not None:
                 raise ValueError(f"--stage-overrides[{stage!r}].default_sampling_params: the {stage} does not sample; "
                                  f"only the thinker and the talker take sampling defaults")
-        return {stage: resolve_stage(model_stage, self._spread(model_stage, overrides.get(stage, {}), stage), stage)
-                for stage in STAGES}
+        configs = {stage: resolve_stage(model_stage, self._spread(model_stage, overrides.get(stage, {}), stage), stage)
+                   for stage in STAGES}
+        if len({configs[s].num_replicas == 0 for s in SPEECH_STAGES}) > 1:
+            raise ValueError("--stage-overrides: num_replicas 0 for one of the talker and vocoder needs it for the other "
+                             "too (speech needs both; both 0: a text-only mesh)")
+        return configs
 
     def _check_global_spread(self) -> None:
         """-pp x -tp that some stage takes as they are must divide over --num-nodes (said once, for the flags,
@@ -363,7 +367,7 @@ class ServeArgs:
         """pp x tp of every stage (or just `only`) must fit the devices of this host (before anything loads)."""
         on_a_cluster = self.distributed_executor_backend == "ray" and self.ray_address is not None  # Ray places them
         for stage, cfg in self.stage_configs().items():
-            if only is not None and stage != only:
+            if only is not None and stage != only or only is None and cfg.num_replicas == 0:
                 continue
             if cfg.world_size > available * cfg.num_nodes and not on_a_cluster:
                 raise ValueError(

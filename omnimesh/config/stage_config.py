@@ -59,7 +59,8 @@ class StageConfig:
     devices: str | None = field(default=None, metadata={"help": "comma-separated device ids, e.g. '0,1'"})
     num_replicas: int = field(default=1, metadata={
         "help": "independent copies of the stage under `omnimesh serve`, each with pp x tp ranks of its own; the "
-                "gateway sends each request to the least busy one"})
+                "gateway sends each request to the least busy one. 0 for the talker and vocoder (both): they do not "
+                "run, and the mesh answers text only"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of each device the stage may take"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests the stage runs at once"})
     max_waiting_requests: int = field(default=256, metadata={
@@ -115,8 +116,9 @@ class StageConfig:
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "num_replicas", "max_num_seqs", "num_nodes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+            least = 0 if name == "num_replicas" else 1  # 0 replicas: a stage not run (resolve_stage says which may)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
         mw = self.max_waiting_requests
         if not isinstance(mw, int) or isinstance(mw, bool) or mw < 0:
             raise ValueError(f"max_waiting_requests must be a whole number >= 0 (0: never queue), got {mw!r}")
@@ -329,8 +331,15 @@ def parse_size(value: Any, what: str) -> int:
     return parse_bytes(value, what)
 
 
+SPEECH_STAGES = ("talker", "vocoder")  # the stages a text-only mesh leaves out (num_replicas 0)
+
+
 def resolve_stage(defaults: StageConfig, overrides: dict[str, Any], stage: str) -> StageConfig:
     try:
-        return replace(defaults, **overrides)
+        cfg = replace(defaults, **overrides)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"stage {stage}: {exc}") from exc
+    if cfg.num_replicas == 0 and stage not in SPEECH_STAGES:
+        raise ValueError(f"stage {stage}: num_replicas 0 leaves out a stage every request needs; only the talker and "
+                         f"vocoder may be left out (both: a text-only mesh)")
+    return cfg

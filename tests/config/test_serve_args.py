@@ -88,7 +88,7 @@ def test_replicas_take_their_own_group_of_devices() -> None:
     assert cfg["thinker"].replica_devices(0) == []  # none given: the default placement
     with pytest.raises(ValueError, match=r"names 2 devices but pp x tp x num_replicas = 1 x 2 x 2 = 4; give exactly"):
         ServeArgs(stage_overrides='{"vocoder": {"tp": 2, "num_replicas": 2, "devices": "0,1"}}')
-    with pytest.raises(ValueError, match=r"num_replicas must be a whole number >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"num_replicas 0 for one of the talker and vocoder needs it for the other"):
         ServeArgs(stage_overrides='{"vocoder": {"replicas": 0}}')
 
 
@@ -210,6 +210,17 @@ def test_launcher_starts_every_replica_on_its_own_port_and_devices(tmp_path) -> 
                                      ("talker", 1, "talker#1"), ("vocoder", 0, "vocoder#0"), ("vocoder", 1, "vocoder#1")]
     # a thinker-only checkpoint's stages: the talker's and vocoder's replicas are not started
     assert stage_processes(args, ("encoder", "thinker")) == [("encoder", 0, "encoder"), ("thinker", 0, "thinker")]
+    # num_replicas 0 for the talker and vocoder: a text-only mesh (their layouts are not checked against devices)
+    text_only = ServeArgs(stage_overrides='{"talker": {"num_replicas": 0, "tp": 8}, "vocoder": {"replicas": 0}}')
+    assert stage_processes(text_only) == [("encoder", 0, "encoder"), ("thinker", 0, "thinker")]
+    text_only.check_devices(1, "CPUs")
+    for bad, needle in (('{"talker": {"num_replicas": 0}}', "needs it for the other too"),
+                        ('{"thinker": {"num_replicas": 0}}', "stage thinker: num_replicas 0 leaves out a stage"),
+                        ('{"encoder": {"num_replicas": 0}, "talker": {"num_replicas": 0}, "vocoder": {"num_replicas": 0}}',
+                         "stage encoder: num_replicas 0"),
+                        ('{"vocoder": {"num_replicas": -1}}', "num_replicas must be a whole number >= 0")):
+        with pytest.raises(ValueError, match=needle):
+            ServeArgs(stage_overrides=bad)
     launcher = MeshLauncher(args, tmp_path)
     for replica, devices in ((0, "0,1"), (1, "2,3")):
         argv = launcher._stage_argv("vocoder", 50055 + replica, replica)

@@ -8,9 +8,9 @@
 - speech is a 400 naming the checkpoint on REST, /v1/audio/speech and gRPC; gRPC's default is text then;
 - a structured output waits for the end of the reasoning: `logit_bias` makes `</think>` the first token, and
   only after it does the grammar hold the answer to its choices;
-- the full model served text only (a gateway over the shared mesh's encoder and thinker): the same text, and
-  speech a 400 saying the gateway has no talker / vocoder stage; `/v1/audio/voices` lists none there, and the
-  tiny talker's speakers on the whole mesh.
+- the full model served text only (`omnimesh serve` with num_replicas 0 for the talker and vocoder): only the
+  encoder and thinker start, the same text, speech a 400 saying the gateway has no talker / vocoder stage;
+  `/v1/audio/voices` lists none there, and the tiny talker's speakers on the whole mesh.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from mesh_harness import REPO, Mesh, start_gateway, start_mesh
+from mesh_harness import REPO, Mesh, start_mesh
 
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.models.qwen3_omni.tiny_config import THINK_TOKENS
@@ -111,11 +111,15 @@ def test_the_grammar_shapes_the_answer_after_the_reasoning(thinking: Mesh) -> No
 
 
 def test_the_full_model_served_text_only(mesh: Mesh, tiny_model_dir: Path) -> None:
-    """A text-only deployment of a model that has a talker: a gateway over its encoder and thinker alone answers
-    text as the whole mesh does, and speech with a 400 saying it was given no talker / vocoder stage."""
-    stages = {name: mesh.stages[name] for name in ("encoder", "thinker")}
-    proc, url = start_gateway(tiny_model_dir, stages)
+    """A text-only deployment of a model that has a talker (`num_replicas` 0 for the talker and vocoder): only the
+    encoder and thinker start, the text is the whole mesh's, speech is a 400 saying the gateway has no talker /
+    vocoder stage, and `/v1/audio/voices` lists none (the whole mesh lists the tiny talker's speakers)."""
+    none = '{"talker": {"num_replicas": 0}, "vocoder": {"num_replicas": 0}}'
+    text_only = start_mesh(tiny_model_dir, "--stage-overrides", none)
     try:
+        assert sorted(text_only.stages) == ["encoder", "thinker"]
+        assert "num_replicas 0 for the talker and vocoder: text out only" in text_only.proc.output()
+        url = text_only.rest
         assert _chat(url, "tiny-qwen3-omni").json()["choices"][0]["message"]["content"] == \
             _chat(mesh.rest, "tiny-qwen3-omni").json()["choices"][0]["message"]["content"]
         r = _chat(url, "tiny-qwen3-omni", modalities=["text", "audio"])
@@ -125,4 +129,4 @@ def test_the_full_model_served_text_only(mesh: Mesh, tiny_model_dir: Path) -> No
         full = httpx.get(f"{mesh.rest}/v1/audio/voices", timeout=30).json()
         assert full == {"voices": ["ethan", "aiden", "chelsie"], "default": "ethan"}  # the tiny talker's speakers
     finally:
-        assert proc.stop() == 0, proc.output()
+        assert text_only.proc.stop() == 0, text_only.proc.output()
