@@ -183,13 +183,16 @@ def test_generate_with_audio_and_image_inputs(model: Qwen3OmniMoeForConditionalG
 
 
 def test_the_thinker_only_build_is_laid_out_as_a_thinking_checkpoint(folder: Path, tmp_path: Path) -> None:
-    """`--thinker-only`: config `enable_audio_output: false`, weights `thinker.*` only and equal to the full
+    """`omnimesh make-tiny --thinker-only`: config `enable_audio_output: false`, weights `thinker.*` only and equal to the full
     build's, `<think>` / `</think>` as added tokens decoded as text; the stages it has; transformers loads it
     without a talker."""
     from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages
     from omnimesh.models.qwen3_omni.tiny_config import THINK_TOKENS
 
-    out = build_tiny_qwen3_omni(tmp_path / "thinking", audio_output=False)
+    from omnimesh.cli import main
+
+    out = tmp_path / "thinking"
+    assert main(["make-tiny", "--family", "qwen3-omni", "--out", str(out), "--thinker-only"]) == 0  # the command
     assert json.loads((out / "config.json").read_text())["enable_audio_output"] is False
     with safe_open(str(out / "model.safetensors"), "pt") as f, safe_open(str(folder / "model.safetensors"), "pt") as g:
         keys = list(f.keys())
