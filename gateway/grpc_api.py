@@ -1,4 +1,4 @@
-"""The gRPC front end: `omnimesh.v1.Omni` (Generate, ListModels) over the same `Pipeline` as REST.
+"""The gRPC front end: `omnimesh.v1.Omni` (Generate, ListModels, ListVoices) over the same `Pipeline` as REST.
 
 Data flow of `Generate`: `GenerateRequest` -> `OmniServicer.build` (the REST front end's checks: model,
 voice, modalities, sampling ranges incl. stop / stop_token_ids, media decoded by `MediaLoader`: WAV audio,
@@ -68,6 +68,7 @@ from gateway.openai_schema import (
     normalize_modalities,
     resolve_model,
     resolve_voice,
+    why_no_voices,
 )
 from omnimesh import tracing
 from omnimesh.server.grpc_server import make_server
@@ -377,6 +378,12 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
     async def ListModels(self, request: omni_pb2.ListModelsRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> omni_pb2.ListModelsResponse:
         return omni_pb2.ListModelsResponse(models=list(self.served_model_names))
+
+    async def ListVoices(self, request: omni_pb2.ListVoicesRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> omni_pb2.ListVoicesResponse:
+        voices = self.pipeline.voices
+        why = "" if voices else why_no_voices(self.pipeline)
+        return omni_pb2.ListVoicesResponse(voices=list(voices), default_voice=self.pipeline.default_voice, reason=why)
 
 
 async def create_grpc_server(pipeline: Pipeline, *, served_model_names: Sequence[str] | None = None,

@@ -672,15 +672,19 @@ def resolve_voice(requested: str | None, pipeline: Pipeline, param: str) -> str:
     on a server that speaks no audio (saying why)."""
     voices = pipeline.voices
     if not voices:
-        why = pipeline.no_audio or "it has no voices: no talker / vocoder stage"
-        raise invalid_request(f"audio output is not available on this server: {why}; ask for modalities "
-                              "[\"text\"]", param)
+        raise invalid_request(f"audio output is not available on this server: {why_no_voices(pipeline)}; ask for "
+                              "modalities [\"text\"]", param)
     if requested is None or requested == "":
         return pipeline.default_voice
     for v in voices:
         if v.lower() == requested.lower():
             return v
     raise invalid_request(f"{param}: unknown voice '{requested}'; available: {', '.join(voices)}", param)
+
+
+def why_no_voices(pipeline: Pipeline) -> str:
+    """Why a server lists no voices (its reason for refusing speech)."""
+    return pipeline.no_audio or "it has no voices: no talker / vocoder stage"
 
 
 def default_modalities(pipeline: Pipeline) -> tuple[Literal["text", "audio"], ...]:

@@ -38,7 +38,8 @@ from gateway.events import (AudioDelta, ChatMessage, ChatRequest, Finished, Pipe
                             check_request_id)
 from gateway.http_errors import internal_error
 from gateway.media import invalid_request
-from gateway.openai_schema import StrictBody, error_response, parse_json_object, resolve_model, resolve_voice, validate_body
+from gateway.openai_schema import (StrictBody, error_response, parse_json_object, resolve_model, resolve_voice,
+                                   validate_body, why_no_voices)
 from gateway.sse import DONE, StreamState, chain, run_to_end, sse
 from gateway.structured_request import require_llguidance
 
@@ -91,7 +92,7 @@ class SpeechRoutes:
         pipeline = self.gw.pipeline
         body: dict[str, object] = {"voices": list(pipeline.voices), "default": pipeline.default_voice or None}
         if not pipeline.voices:
-            body["reason"] = pipeline.no_audio or "no talker / vocoder stage"
+            body["reason"] = why_no_voices(pipeline)
         self.gw._finish("voices", 200, time.perf_counter())
         return JSONResponse(body)
 

@@ -168,3 +168,17 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, models: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListVoicesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListVoicesResponse(_message.Message):
+    __slots__ = ("voices", "default_voice", "reason")
+    VOICES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_VOICE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    voices: _containers.RepeatedScalarFieldContainer[str]
+    default_voice: str
+    reason: str
+    def __init__(self, voices: _Optional[_Iterable[str]] = ..., default_voice: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -44,6 +44,11 @@ class OmniStub:
                 request_serializer=omnimesh_dot_v1_dot_omni__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=omnimesh_dot_v1_dot_omni__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.ListVoices = channel.unary_unary(
+                '/omnimesh.v1.Omni/ListVoices',
+                request_serializer=omnimesh_dot_v1_dot_omni__pb2.ListVoicesRequest.SerializeToString,
+                response_deserializer=omnimesh_dot_v1_dot_omni__pb2.ListVoicesResponse.FromString,
+                _registered_method=True)
 
 
 class OmniServicer:
@@ -61,6 +66,13 @@ class OmniServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListVoices(self, request, context):
+        """as REST's GET /v1/audio/voices
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OmniServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +85,11 @@ def add_OmniServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=omnimesh_dot_v1_dot_omni__pb2.ListModelsRequest.FromString,
                     response_serializer=omnimesh_dot_v1_dot_omni__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'ListVoices': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVoices,
+                    request_deserializer=omnimesh_dot_v1_dot_omni__pb2.ListVoicesRequest.FromString,
+                    response_serializer=omnimesh_dot_v1_dot_omni__pb2.ListVoicesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +146,33 @@ class Omni:
             '/omnimesh.v1.Omni/ListModels',
             omnimesh_dot_v1_dot_omni__pb2.ListModelsRequest.SerializeToString,
             omnimesh_dot_v1_dot_omni__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVoices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnimesh.v1.Omni/ListVoices',
+            omnimesh_dot_v1_dot_omni__pb2.ListVoicesRequest.SerializeToString,
+            omnimesh_dot_v1_dot_omni__pb2.ListVoicesResponse.FromString,
             options,
             channel_credentials,
             insecure,

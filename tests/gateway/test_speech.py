@@ -11,14 +11,16 @@ import io
 import json
 import wave
 
+import grpc
 import httpx
 import numpy as np
 import openai
 import pytest
-from gateway_harness import SAMPLE_RATE, RestServer, ScriptedPipeline, tone
+from gateway_harness import SAMPLE_RATE, GrpcServer, RestServer, ScriptedPipeline, tone
 
 from gateway.audio_encoding import pcm16_bytes
 from gateway.rest import create_app
+from omnimesh.v1 import omni_pb2, omni_pb2_grpc
 
 
 def post(server: RestServer, body: dict) -> httpx.Response:
@@ -144,7 +146,8 @@ def test_a_failure_midstream(rest_server, pipeline) -> None:
 
 
 def test_the_voices_it_speaks(rest_server, pipeline) -> None:
-    """GET /v1/audio/voices: what `voice` may name and the default; none, with the reason, without speech."""
+    """GET /v1/audio/voices (and gRPC ListVoices): what `voice` may name and the default; none, with the reason,
+    without speech."""
     r = httpx.get(f"{rest_server.base_url}/v1/audio/voices", timeout=10)
     assert r.status_code == 200 and r.json() == {"voices": ["Ethan", "Chelsie"], "default": "Ethan"}
     silent = ScriptedPipeline()
@@ -154,3 +157,9 @@ def test_the_voices_it_speaks(rest_server, pipeline) -> None:
         assert httpx.get(url, timeout=10).status_code == 401  # under /v1: the key is needed
         body = httpx.get(url, headers={"Authorization": "Bearer k"}, timeout=10).json()
     assert body == {"voices": [], "default": None, "reason": "the model m has no audio output"}
+    with GrpcServer(silent) as g, grpc.insecure_channel(f"127.0.0.1:{g.port}") as ch:
+        listed = omni_pb2_grpc.OmniStub(ch).ListVoices(omni_pb2.ListVoicesRequest(), timeout=10)
+    assert (list(listed.voices), listed.default_voice, listed.reason) == ([], "", "the model m has no audio output")
+    with GrpcServer(pipeline) as g, grpc.insecure_channel(f"127.0.0.1:{g.port}") as ch:
+        listed = omni_pb2_grpc.OmniStub(ch).ListVoices(omni_pb2.ListVoicesRequest(), timeout=10)
+    assert (list(listed.voices), listed.default_voice, listed.reason) == (["Ethan", "Chelsie"], "Ethan", "")
