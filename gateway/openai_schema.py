@@ -362,8 +362,17 @@ class TemplateFields(StrictBody):
 
     def template(self, messages: Sequence[Message], audio_out: bool) -> TemplateOptions:
         """These fields, checked against the messages and the output (400s naming the field)."""
-        return template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs,
+        kwargs = with_effort(self.chat_template_kwargs, getattr(self, "reasoning_effort", None))
+        return template_options(self.add_generation_prompt, self.continue_final_message, kwargs,
                                 [m.role for m in messages], audio_out=audio_out)
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
+
+def with_effort(kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any] | None:
+    """The chat template's variables with OpenAI's reasoning effort among them (the client's own win)."""
+    return kwargs if effort is None else {"reasoning_effort": effort, **(kwargs or {})}
 
 
 class ChatCompletionRequest(SamplingBody, TemplateFields):
@@ -373,6 +382,8 @@ class ChatCompletionRequest(SamplingBody, TemplateFields):
     # continue_final_message: the start of the message the model continued)
     echo: bool = False
     include_reasoning: bool = True  # vLLM's: false drops the reasoning (--reasoning-parser) from the answer
+    # OpenAI's: how hard a reasoning model thinks; as vLLM, the chat template reads it (`reasoning_effort`)
+    reasoning_effort: ReasoningEffort | None = None
     modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
     audio: AudioOutput | None = None
     max_tokens: int | None = None

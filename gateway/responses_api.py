@@ -18,7 +18,9 @@ stream: `response.created`, `response.in_progress`, `response.output_item.added`
   ...) at the top level; `text.format` json_schema / json_object becomes the thinker's structured output.
 - omnimesh stores nothing: `previous_response_id`, `conversation`, `background` and `store: true` answered
   as stored are 400s naming the field (`store` is accepted and answered false), as are `tools` (function
-  calling lives on /v1/chat/completions) and `reasoning` effort (the thinker does not reason on request).
+  calling lives on /v1/chat/completions). `reasoning.effort` becomes the chat template's `reasoning_effort`
+  variable (as vLLM passes it; chat's `reasoning_effort` too); `reasoning.summary` is accepted, and no summary
+  is written.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, field_validator
 
 from gateway.choices import Indexed
-from gateway.events import ChatRequest, Finished, PipelineError, TextDelta, check_request_id
+from gateway.events import ChatRequest, Finished, PipelineError, TemplateOptions, TextDelta, check_request_id
 from gateway.http_errors import internal_error
 from gateway.media import invalid_request
 from gateway.openai_schema import (
@@ -45,6 +47,7 @@ from gateway.openai_schema import (
     ImageURL,
     InputAudio,
     Message,
+    ReasoningEffort,
     SamplingBody,
     StrictBody,
     check_priority,
@@ -54,6 +57,7 @@ from gateway.openai_schema import (
     refuse_unsupported,
     resolve_model,
     validate_body,
+    with_effort,
 )
 from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.sse import DONE, StreamState, chain, run_to_end, sse
@@ -69,7 +73,6 @@ UNSUPPORTED: dict[str, Any] = {
     "conversation": lambda v: v is None,
     "background": lambda v: not v,
     "tools": lambda v: not v,
-    "reasoning": lambda v: v is None or (isinstance(v, dict) and v.get("effort") is None),
     "prompt": lambda v: v is None,
     "prompt_logprobs": lambda v: v is None,
 }
@@ -106,8 +109,15 @@ class TextOptions(StrictBody):
     verbosity: str | None = None
 
 
+class ReasoningOptions(StrictBody):
+    effort: ReasoningEffort | None = None  # the chat template reads it (`reasoning_effort`), as vLLM passes it
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; no summary is written (`summary: []`)
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # its former name
+
+
 class ResponsesRequest(SamplingBody):
     input: Any  # a string, or message items (`InputItem`, checked one by one: `items`)
+    reasoning: ReasoningOptions | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     text: TextOptions | None = None
@@ -193,9 +203,11 @@ class ResponsesRoutes:
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
         pipeline_model = model if model in gw.pipeline.served_models else gw.pipeline.served_models[0]
         thinking = thinks(gw.reasoning, {}, audio_out=False)  # --reasoning-parser: a reasoning item first
+        effort = body.reasoning.effort if body.reasoning is not None else None
         chat = ChatRequest(request_id=f"resp_{suffix}", model=pipeline_model, messages=messages, modalities=("text",),
                            sampling=sampling, priority=check_priority(body.priority), structured=structured or other,
-                           truncate_prompt_tokens=body.truncate_prompt_tokens, reasoning_end=END if thinking else None)
+                           truncate_prompt_tokens=body.truncate_prompt_tokens, reasoning_end=END if thinking else None,
+                           template=TemplateOptions(kwargs=with_effort(None, effort) or {}))
         return _Response(chat, body, model, body.stream, int(time.time()), started)
 
     @staticmethod
@@ -246,7 +258,8 @@ class ResponsesRoutes:
         return {"id": call.request.request_id, "object": "response", "created_at": call.created, "status": status,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": call.model,
-                "output": output, "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
+                "output": output, "parallel_tool_calls": True, "previous_response_id": None,
+                "reasoning": b.reasoning.model_dump(exclude_none=True) if b.reasoning is not None else None,
                 "store": False, "temperature": b.temperature, "text": {"format": fmt}, "tool_choice": "auto",
                 "tools": [], "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
                 "metadata": b.metadata or {}}

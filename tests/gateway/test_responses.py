@@ -110,7 +110,7 @@ def test_the_openai_client(rest_server, pipeline) -> None:
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
     ({"input": "x", "background": True}, "background", "not supported"),
     ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", "not supported"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort", "Input should be"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ">= 1"),
     ({"input": "x", "n": 2}, "n", "one output"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].image_url",
@@ -143,3 +143,19 @@ def test_a_failure_midstream_is_an_error_event(rest_server, pipeline) -> None:
     assert events[-1]["type"] == "error" and events[-1]["message"] == "thinker died"
     assert events[-1]["code"] == "service_unavailable"
     assert "response.completed" not in [e["type"] for e in events]
+
+
+def test_reasoning_effort_reaches_the_chat_template(rest_server, pipeline) -> None:
+    """OpenAI's `reasoning.effort` (Responses) and `reasoning_effort` (chat) become the chat template's
+    `reasoning_effort` variable, as vLLM passes them (a template that reads it thinks harder or less); the
+    response echoes its `reasoning` settings; a client's own chat_template_kwargs win."""
+    r = post(rest_server, {"input": "x", "reasoning": {"effort": "low", "summary": "auto"}})
+    assert r.status_code == 200 and r.json()["reasoning"] == {"effort": "low", "summary": "auto"}, r.text
+    assert pipeline.requests[-1].template.kwargs == {"reasoning_effort": "low"}
+    chat = {"model": "tiny-omni", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"}
+    assert httpx.post(f"{rest_server.base_url}/v1/chat/completions", json=chat, timeout=10).status_code == 200
+    assert pipeline.requests[-1].template.kwargs == {"reasoning_effort": "high"}
+    chat["chat_template_kwargs"] = {"reasoning_effort": "medium", "x": 1}
+    httpx.post(f"{rest_server.base_url}/v1/chat/completions", json=chat, timeout=10)
+    assert pipeline.requests[-1].template.kwargs == {"reasoning_effort": "medium", "x": 1}
+    assert post(rest_server, {"input": "x"}).json()["reasoning"] is None
