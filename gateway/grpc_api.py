@@ -153,8 +153,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                                           default=("text",) if raw else default_modalities(self.pipeline))
         voice = None
         if "audio" in modalities or req.voice:
-            voice = resolve_voice(req.voice or None, self.pipeline,
-                                  "modalities" if "audio" in modalities and not self.pipeline.voices else "voice")
+            voice = resolve_voice(req.voice or None, self.pipeline, "voice", speaking="audio" in modalities)
         sampling = (_overrides(req.sampling, "sampling", self.max_logprobs) if req.HasField("sampling")
                     else SamplingOverrides())
         stages: dict[str, SamplingOverrides] = {}

@@ -678,13 +678,17 @@ def unknown_model(requested: str, served_names: tuple[str, ...]) -> PipelineErro
                          http_status=404, grpc_code=5, kind="not_found_error", param="model")
 
 
-def resolve_voice(requested: str | None, pipeline: Pipeline, param: str) -> str:
+def audio_unavailable(why: str, param: str = "modalities") -> PipelineError:
+    """The 400 for speech asked of a server that speaks none, saying why."""
+    return invalid_request(f"audio output is not available on this server: {why}; ask for modalities [\"text\"]", param)
+
+
+def resolve_voice(requested: str | None, pipeline: Pipeline, param: str, speaking: bool = True) -> str:
     """The pipeline's spelling of the voice (matched case-insensitively); unknown -> 400, and so is any voice
-    on a server that speaks no audio (saying why)."""
+    on a server that speaks no audio (saying why; naming `modalities` when the request asks for speech)."""
     voices = pipeline.voices
     if not voices:
-        raise invalid_request(f"audio output is not available on this server: {why_no_voices(pipeline)}; ask for "
-                              "modalities [\"text\"]", param)
+        raise audio_unavailable(why_no_voices(pipeline), "modalities" if speaking else param)
     if requested is None or requested == "":
         return pipeline.default_voice
     for v in voices:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, PipelineError, TextDelta
+from gateway.openai_schema import audio_unavailable
 from gateway.prompt import PromptBuilder, PromptInputs
 from gateway.replicas import RETRY_CODES, Lease, Replica
 from gateway.run_span import RunSpan
@@ -149,9 +150,7 @@ class StagePipeline:
         want_audio = "audio" in request.modalities
         voice = (request.voice or self.mesh.default_voice).lower()
         if want_audio and self.no_audio is not None:
-            raise PipelineError(f"audio output is not available on this server: {self.no_audio}; ask for modalities "
-                                "[\"text\"]", http_status=400, grpc_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                kind="invalid_request_error", param="modalities")
+            raise audio_unavailable(self.no_audio)
         if want_audio and voice not in self.voices:
             raise PipelineError(
                 f"unknown voice {request.voice!r}; available: {', '.join(self.voices)}",

@@ -285,8 +285,8 @@ class RestGateway:
         modalities = normalize_modalities(body.modalities, default=("text",))
         voice = None
         if "audio" in modalities or (body.audio is not None and body.audio.voice):
-            voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline,
-                                  "modalities" if "audio" in modalities and not self.pipeline.voices else "audio.voice")
+            voice = resolve_voice(body.audio.voice if body.audio else None, self.pipeline, "audio.voice",
+                                  speaking="audio" in modalities)
         tools = tool_plan(body, self.auto_tool_choice, modalities)
         if body.stream and sampling.prompt_logprobs is not None:
             raise invalid_request("prompt_logprobs: not available with stream: true (as in vLLM); ask without "

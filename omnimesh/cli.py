@@ -97,8 +97,9 @@ def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> 
 
     from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages
 
+    has = model_stages(model_dir)
     layouts = {stage: cfg for stage, cfg in args.stage_configs().items()
-               if stage in model_stages(model_dir) and (cfg.num_replicas > 0 or stage == only)}
+               if stage in has and (cfg.num_replicas > 0 or stage == only)}
     if only is not None:
         layouts = {only: layouts[only]}
     try:

@@ -151,9 +151,9 @@ class HeadlessNode:
         from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages
 
         launcher = MeshLauncher(self.args, self.model_dir)
-        cfgs = self.args.stage_configs()
+        cfgs, has = self.args.stage_configs(), model_stages(self.model_dir)
         ports = {s: p for s, p in spread_stages(self.args).items()
-                 if s in model_stages(self.model_dir) and cfgs[s].num_replicas > 0}  # the stages node 0 runs
+                 if s in has and cfgs[s].num_replicas > 0}  # the stages node 0 runs
         try:
             for stage in ports:
                 argv = launcher._stage_argv(stage, 0)  # its flags as node 0 gives them, with this --node-rank

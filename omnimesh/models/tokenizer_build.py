@@ -67,10 +67,11 @@ class TinyTokenizerSpec:
                 f"ordinary_limit={self.ordinary_limit} must be in (256, vocab_size={self.vocab_size}]: "
                 "a byte-level BPE needs 256 ids for its byte alphabet alone."
             )
+        kinds = {"special": self.special_tokens, "word": self.word_tokens, "text": self.text_tokens}
         fixed = {**self.special_tokens, **self.word_tokens, **self.text_tokens}
-        if len(fixed) != len(self.special_tokens) + len(self.word_tokens) + len(self.text_tokens):
-            both = sorted(set(self.special_tokens) & set(self.word_tokens))
-            raise ValueError(f"tokens {both} are listed both as special tokens and as word tokens")
+        if len(fixed) != sum(len(tokens) for tokens in kinds.values()):
+            twice = sorted(t for t in fixed if sum(t in tokens for tokens in kinds.values()) > 1)
+            raise ValueError(f"tokens {twice} are listed under more than one of the special, word and text tokens")
         ids = list(fixed.values())
         if len(set(ids)) != len(ids):
             dup = sorted({i for i in ids if ids.count(i) > 1})

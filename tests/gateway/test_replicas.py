@@ -324,3 +324,18 @@ async def test_media_are_hashed_only_for_a_thinker_that_caches_prefixes() -> Non
                             served_models=("m",))
     assert unknown.hashes_media() is True  # nothing answered Info yet
     await unknown.close()
+
+
+async def test_speech_from_a_pipeline_without_speech_stages_is_refused_before_any_stage() -> None:
+    """The pipeline's own guard (the front ends refuse first): a request for audio on a chain with no talker /
+    vocoder, or over a thinker-only model, is a 400 naming why, and no stage is dialled (the address is dead)."""
+    speech = ChatRequest(request_id="r", model="m", messages=(ChatMessage("user", ()),), modalities=("text", "audio"),
+                         voice="ethan")
+    for no_audio, why in ((None, "given no talker / vocoder stage"), ("the model m has no audio output", "model m")):
+        pipe = StagePipeline({"thinker": [StageClient("thinker", f"127.0.0.1:{free_port()}")]}, _prompt,
+                             served_models=("m",), no_audio=no_audio)
+        with pytest.raises(PipelineError, match=why) as refused:
+            async for _ in pipe.run(speech):
+                pass
+        assert refused.value.http_status == 400 and refused.value.param == "modalities"
+        await pipe.close()
