@@ -114,6 +114,7 @@ def test_qk_norm_rope_equals_eager_qkv_heads(heads: int, kv_heads: int, B: int, 
 
 def test_mrope_tables_equal_eager_m_rotary() -> None:
     class Config:
+        model_type = "qwen3_omni_moe_text"
         head_dim = 16
         rope_parameters = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
 

@@ -40,6 +40,7 @@ from omnimesh.models.qwen3_omni.paged_kv import BatchLayout, PagedBatch, PagedKV
 from omnimesh.models.qwen3_omni.parallel_code_predictor import ParallelCodePredictor, predict_residuals
 from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelTextModel, pipeline_step
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
+from omnimesh.models.qwen3_omni.text_arch import text_arch
 from omnimesh.parallel.parallel_state import ParallelState
 from omnimesh.parallel.partition import partition_layers
 
@@ -244,7 +245,7 @@ class LMShard:
                              f"or --gpu-memory-utilization")
         self.pool = None  # drop an older pool before allocating the new one
         self.pool = PagedKVPool(self.layer_range, num_blocks, command.block_size,
-                                max(1, config.num_key_value_heads // self.ps.tp_size), config.head_dim,
+                                max(1, config.num_key_value_heads // self.ps.tp_size), text_arch(config).head_dim,
                                 self.dtype, self.ps.device)
         log.info("%s rank %d: KV cache %d blocks x %d tokens (%.1f MiB)", self.role, self.ps.rank, num_blocks,
                  command.block_size, self.pool.nbytes() / 2**20)

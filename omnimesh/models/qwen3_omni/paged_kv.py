@@ -27,6 +27,7 @@ import torch
 
 from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni.parallel_text_model import gqa_attention
+from omnimesh.models.qwen3_omni.text_arch import text_arch
 
 PAGED_KERNEL_KEYS = 16384  # the CPU kernel's limit on a decode's keys (its softmax is not vectorised; SDPA beyond)
 
@@ -34,7 +35,8 @@ PAGED_KERNEL_KEYS = 16384  # the CPU kernel's limit on a decode's keys (its soft
 def block_bytes(config: Any, layers: int, tp: int, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one cache block takes on a rank holding `layers` layers and 1/tp of the KV heads."""
     kv_heads = max(1, config.num_key_value_heads // tp)
-    return 2 * layers * block_size * kv_heads * config.head_dim * torch.empty(0, dtype=dtype).element_size()
+    head_dim = text_arch(config).head_dim
+    return 2 * layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)

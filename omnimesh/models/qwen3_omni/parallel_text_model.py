@@ -1,10 +1,12 @@
-"""Qwen3-Omni's MoE text decoder (thinker LM or talker LM), tensor-parallel and cut into pipeline ranges.
+"""The Omni text decoders (thinker LM or talker LM), tensor-parallel and cut into pipeline ranges.
 
-Role: our own implementation of `Qwen3OmniMoeThinkerTextModel` / `Qwen3OmniMoeTalkerModel` for ONE rank of
+Role: our own implementation of `Qwen3OmniMoeThinkerTextModel` / `Qwen3OmniMoeTalkerModel` (and of Qwen2.5-Omni's
+dense `Qwen2_5OmniThinkerTextModel` / talker LM: text_arch.py says what differs) for ONE rank of
 a stage's pp x tp grid: its layers [start, end), its TP shard of every weight, the embedding only on the
 first pipeline rank, the final norm and the LM / codec head only on the last. The math mirrors transformers
 line for line (pre-norm RMSNorm, q/k per-head norm, GQA, interleaved M-RoPE, causal attention, router
-softmax -> top-k -> optional renorm, silu experts, the talker's sigmoid-gated shared expert, deepstack adds);
+softmax -> top-k -> optional renorm, silu experts, the talker's sigmoid-gated shared expert, deepstack adds;
+Qwen2.5-Omni: q/k/v biases, no q/k norm, contiguous M-RoPE sections, dense layers);
 tests/parallel/ check it against transformers (pp = tp = 1, 1e-5) and across gloo ranks (1e-4).
 
 TP sharding: attention by heads (q, k, v column-parallel, o row-parallel), dense MLPs by intermediate
@@ -43,6 +45,7 @@ from torch import nn
 from omnimesh.engine.step_gate import checkpoint
 from omnimesh.kernels import cpu_kernels
 from omnimesh.models.loader import checkpoint_files, iter_tensors
+from omnimesh.models.qwen3_omni.text_arch import text_arch
 from omnimesh.parallel.layers import (
     MergedColumnParallelLinear,
     ParallelExperts,
@@ -63,13 +66,13 @@ _SHOW = 5
 def check_parallel_layout(config: Any, pp: int, tp: int, custom_partition: list[int] | None = None) -> None:
     """Every size a pp x tp layout must divide, checked before any process-group work (ValueError names them)."""
     check_heads(config.num_attention_heads, config.num_key_value_heads, tp)
-    if config.num_experts > 0:
+    arch = text_arch(config)
+    if arch.num_experts > 0:
         divide(config.moe_intermediate_size, tp, "moe_intermediate_size")
     if getattr(config, "shared_expert_intermediate_size", 0):
         divide(config.shared_expert_intermediate_size, tp, "shared_expert_intermediate_size")
     n = config.num_hidden_layers
-    if any(i in config.mlp_only_layers or config.num_experts == 0 or (i + 1) % config.decoder_sparse_step
-           for i in range(n)):  # some dense layer (not in the Qwen3-Omni configs, but supported)
+    if not all(arch.sparse(i, is_talker=False) for i in range(n)):  # some dense layer (all of Qwen2.5-Omni's)
         divide(config.intermediate_size, tp, "intermediate_size")
     partition_layers(n, pp, custom_partition)
 
@@ -204,15 +207,19 @@ def _qk_weight(norms: tuple[RMSNorm, RMSNorm], heads: int, kv_heads: int) -> tor
 
 
 class MRotary(nn.Module):
-    """Interleaved M-RoPE (t, h, w sections) as Qwen3OmniMoeThinkerTextRotaryEmbedding computes it."""
+    """M-RoPE (t, h, w sections): interleaved as Qwen3OmniMoeThinkerTextRotaryEmbedding computes it, or in
+    contiguous sections as Qwen2_5OmniRotaryEmbedding does (`text_arch`'s `interleaved_mrope`)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         rope = config.rope_parameters
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"rope_type {rope['rope_type']!r} is not supported yet (only 'default')")
-        dim = config.head_dim
-        self.mrope_section = list(rope.get("mrope_section", [24, 20, 20]))
+        arch = text_arch(config)
+        dim, self.interleaved = arch.head_dim, arch.interleaved_mrope
+        self.mrope_section = list(rope.get("mrope_section", [24, 20, 20] if self.interleaved else [16, 24, 24]))
+        if sum(self.mrope_section) != dim // 2:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {dim // 2}")
         inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # (D/2,)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -221,6 +228,12 @@ class MRotary(nn.Module):
         """positions (3, 1, T) -> cos, sin (1, T, D)."""
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # (3, 1, T, D/2)
         out = []
+        if not self.interleaved:  # section i of the D/2 frequencies takes row i (t, h, w), then the halves repeat
+            for f in (freqs.cos(), freqs.sin()):
+                parts = [m[i % 3] for i, m in enumerate(f.split(self.mrope_section, dim=-1))]  # (1, T, s_i)
+                sectioned = torch.cat(parts, dim=-1)  # (1, T, D/2)
+                out.append(torch.cat((sectioned, sectioned), dim=-1).to(dtype))  # (1, T, D)
+            return out[0], out[1]
         for f in (freqs.cos(), freqs.sin()):
             thw = f[0].clone()  # (1, T, D/2): t everywhere, then h and w on their interleaved slots
             for dim, offset in ((1, 1), (2, 2)):
@@ -231,7 +244,8 @@ class MRotary(nn.Module):
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (3, 1, T) -> cos, signed_sin (1, T, D): what `qkv_heads` takes (one kernel on CPU)."""
-        if dtype == torch.float32 and positions.device.type == "cpu" and cpu_kernels.use(self.inv_freq):
+        if self.interleaved and dtype == torch.float32 and positions.device.type == "cpu" \
+                and cpu_kernels.use(self.inv_freq):
             return cpu_kernels.ops().mrope(positions.reshape(3, -1).float(), self.inv_freq, self.mrope_section[1],
                                            self.mrope_section[2])
         cos, sin = self(positions, dtype)
@@ -280,19 +294,23 @@ class ParallelAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, ps: ParallelState, dtype: torch.dtype) -> None:
         super().__init__()
         tp: dict[str, Any] = {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "ps": ps, "params_dtype": dtype}
-        self.layer_idx, self.head_dim = layer_idx, config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=config.attention_bias, **tp)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
-                                        bias=config.attention_bias, **tp)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        arch = text_arch(config)
+        self.layer_idx, self.head_dim = layer_idx, arch.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, arch.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=arch.qkv_bias, **tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * arch.head_dim, config.hidden_size,
+                                        bias=arch.o_bias, **tp)
+        self.qk_norms: tuple[RMSNorm, RMSNorm] | None = None
+        if arch.qk_norm:  # registered as q_norm / k_norm (the checkpoint's names)
+            self.q_norm = RMSNorm(arch.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(arch.head_dim, config.rms_norm_eps, dtype)
+            self.qk_norms = (self.q_norm, self.k_norm)
         self.n_rep = config.num_attention_heads // config.num_key_value_heads
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LMCache) -> torch.Tensor:
         T, D = x.shape[1], self.head_dim
         proj = self.qkv_proj
-        q, k, v = qkv_heads(proj(x), proj.q_size // D, proj.kv_size // D, D, (self.q_norm, self.k_norm),
+        q, k, v = qkv_heads(proj(x), proj.q_size // D, proj.kv_size // D, D, self.qk_norms,
                             cos.unsqueeze(1), sin.unsqueeze(1))  # (1, nh/tp | nkv/tp, T, D); sin: signed_sin
         o = cache.attend(self.layer_idx, q, k, v, self.n_rep, D**-0.5)  # (1, nh/tp, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(1, T, -1))  # (1, T, H), all-reduced
@@ -388,16 +406,17 @@ class ParallelDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = ParallelAttention(config, layer_idx, ps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        sparse = is_talker or (layer_idx not in config.mlp_only_layers and config.num_experts > 0
-                               and (layer_idx + 1) % config.decoder_sparse_step == 0)
+        sparse = text_arch(config).sparse(layer_idx, is_talker)
         self.mlp: nn.Module = (ParallelSparseMoe(config, ps, dtype, shared=is_talker) if sparse
                                else ParallelMLP(config.hidden_size, config.intermediate_size, ps, dtype, reduce=True))
         attn, D, self.layer_idx = self.self_attn, self.self_attn.head_dim, layer_idx
         # a decode-only batched step can run the whole layer as ONE kernel call (`cpu_kernels`' decode_layer),
         # its arguments read once here (the loader copies weights into these same parameters)
         self.fusable = fusable_layer(ps, dtype, attn, self.input_layernorm, self.post_attention_layernorm)
-        self._attn_args = (self.input_layernorm.weight, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight,
-                           attn.q_norm.eps)
+        norms = attn.qk_norms
+        self._attn_args = (self.input_layernorm.weight, attn.qkv_proj.weight,
+                           None if norms is None else norms[0].weight, None if norms is None else norms[1].weight,
+                           0.0 if norms is None else norms[0].eps)
         self._o_args = (D**-0.5, attn.o_proj.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
                         attn.qkv_proj.q_size // D, attn.qkv_proj.kv_size // D, D)
         mlp = self.mlp
@@ -437,7 +456,7 @@ class ParallelTextModel(nn.Module):
                  with_head: bool = True, with_embed: bool = True, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (Qwen3-Omni uses 'silu')")
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (the Omni LMs use 'silu')")
         check_parallel_layout(config, 1, ps.tp_size)
         n, (start, end) = config.num_hidden_layers, layer_range
         if not 0 <= start < end <= n:
@@ -446,6 +465,8 @@ class ParallelTextModel(nn.Module):
             raise ValueError(f"pipeline rank {ps.pp_rank} of {ps.pp_size} got layer_range {layer_range}: the first "
                              f"rank must start at 0 and the last must end at {n}; use partition_layers({n}, {ps.pp_size})")
         self.config, self.ps, self.is_talker = config, ps, is_talker
+        # Qwen3-Omni's talker names its input table codec_embedding; Qwen2.5-Omni's talker keeps embed_tokens
+        self.embed_name = "codec_embedding" if is_talker and text_arch(config).family == "qwen3_omni" else "embed_tokens"
         cpu_kernels.prepare(ps.device)  # fused CPU kernels for the small per-token ops (built once per machine)
         self.start, self.end, self.num_layers = start, end, n
         tp: dict[str, Any] = {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "ps": ps, "params_dtype": dtype}
@@ -519,7 +540,7 @@ class ParallelTextModel(nn.Module):
             param.checkpoint_name = key  # type: ignore[attr-defined]
             plan.setdefault(key, []).append((param, param.weight_loader, args))  # type: ignore[attr-defined]
 
-        embed_key = prefix + ("codec_embedding.weight" if self.is_talker else "embed_tokens.weight")
+        embed_key = f"{prefix}{self.embed_name}.weight"
         if self.embed is not None:
             add(embed_key, self.embed.weight)
         for idx, layer in zip(range(self.start, self.end), self.decoder_layers()):
@@ -534,8 +555,9 @@ class ParallelTextModel(nn.Module):
             add(p + "self_attn.o_proj.weight", attn.o_proj.weight)
             if attn.o_proj.bias is not None:
                 add(p + "self_attn.o_proj.bias", attn.o_proj.bias)
-            add(p + "self_attn.q_norm.weight", attn.q_norm.weight)
-            add(p + "self_attn.k_norm.weight", attn.k_norm.weight)
+            if attn.qk_norms is not None:
+                add(p + "self_attn.q_norm.weight", attn.qk_norms[0].weight)
+                add(p + "self_attn.k_norm.weight", attn.qk_norms[1].weight)
             mlp = layer.mlp
             dense = [(p + "mlp.", mlp)] if isinstance(mlp, ParallelMLP) else []
             if isinstance(mlp, ParallelSparseMoe):
@@ -570,7 +592,7 @@ class ParallelTextModel(nn.Module):
                                                           else "thinker.lm_head.weight")
         files = checkpoint_files(Path(model_dir))
         if head_key not in files and getattr(self.config, "tie_word_embeddings", False):
-            head_key = prefix + ("codec_embedding.weight" if self.is_talker else "embed_tokens.weight")
+            head_key = f"{prefix}{self.embed_name}.weight"
         plan = self.checkpoint_plan(prefix, head_key)
         missing = sorted(k for k in plan if k not in files)
         if missing:
