@@ -155,7 +155,7 @@ def _tensor(x: Any, dtype: torch.dtype) -> torch.Tensor | None:
 class PromptBuilder:
     """Applies one model's chat template and processor; checks the result against `max_model_len`.
 
-    `source` is a Hugging Face Qwen3-Omni folder (tiny or real; its processor is loaded offline with
+    `source` is a Hugging Face Qwen3-Omni or Qwen2.5-Omni folder (tiny or real; its processor is loaded offline with
     `omnimesh.models.qwen3_omni.processor.load_processor`) or an already built processor.
     """
 
@@ -318,8 +318,9 @@ class PromptBuilder:
     @functools.cached_property
     def _media_ids(self) -> torch.Tensor:
         """The placeholder ids media rows take in a prompt."""
-        tokenizer = self.processor.tokenizer
-        ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|audio_pad|>", "<|image_pad|>", "<|video_pad|>")]
+        tokenizer = self.processor.tokenizer  # the tokenizer names them (Qwen3-Omni <|audio_pad|>, Qwen2.5 <|AUDIO|>)
+        names = [getattr(tokenizer, a, None) for a in ("audio_token", "image_token", "video_token")]
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in names if t]
         return torch.tensor([i for i in ids if isinstance(i, int) and i >= 0], dtype=torch.int64)
 
     def build(self, request: ChatRequest, hash_media: bool = True) -> PromptInputs:
@@ -338,10 +339,11 @@ class PromptBuilder:
         has_audio = bool(conv.audio)
         has_images = bool(conv.images)
         has_videos = bool(conv.videos)
+        features, frames = _valid_frames(batch) if has_audio else (None, None)
         return PromptInputs(
             input_ids=input_ids,
-            input_features=_tensor(batch.get("input_features"), torch.float32) if has_audio else None,
-            feature_attention_mask=_tensor(batch.get("feature_attention_mask"), torch.int64) if has_audio else None,
+            input_features=features,
+            feature_attention_mask=frames,
             pixel_values=_tensor(batch.get("pixel_values"), torch.float32) if has_images else None,
             image_grid_thw=_tensor(batch.get("image_grid_thw"), torch.int64) if has_images else None,
             prompt_tokens=n,
@@ -352,6 +354,18 @@ class PromptBuilder:
             media_hashes=media_digests(conv.audio, conv.images, conv.videos,
                                        {**self._base_kwargs, **dict(request.processor_kwargs)}) if hash_media else {},
         )
+
+
+def _valid_frames(batch: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """input_features (n_audio, n_mel, T) and feature_attention_mask (n_audio, T) cut to the longest audio's
+    frames: Qwen2.5-Omni's processor pads every clip to the extractor's whole window (300 s: 30000 frames,
+    15 MB of float32 per clip), which the towers never read (they take the masked frames only)."""
+    features = _tensor(batch.get("input_features"), torch.float32)
+    mask = _tensor(batch.get("feature_attention_mask"), torch.int64)
+    if features is None or mask is None or mask.ndim != 2 or mask.shape[1] != features.shape[-1]:
+        return features, mask
+    longest = max(int(mask.sum(dim=1).max()), 1)
+    return features[..., :longest].contiguous(), mask[:, :longest].contiguous()
 
 
 def load_chat_template(value: str) -> str:

@@ -31,7 +31,7 @@ from gateway.stage_discovery import StageDiscovery, parse_dns_target
 from gateway.rest import create_app
 from omnimesh import tracing
 from omnimesh.config.serve_args import ServeArgs
-from omnimesh.models.qwen3_omni.checkpoint_stages import has_audio_output, thinker_only
+from omnimesh.models.qwen3_omni.checkpoint_stages import text_only_reason
 from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
 from omnimesh.server.grpc_server import bind
 from omnimesh.transport.stage_client import StageClient
@@ -70,7 +70,7 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
     targets = {stage: t for stage, addrs in stage_addrs.items() for a in addrs if (t := parse_dns_target(a)) is not None}
     clients = {stage: [client(stage, a) for a in addrs if stage not in targets] for stage, addrs in stage_addrs.items()}
     request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
-    no_audio = None if has_audio_output(model_dir) else thinker_only(model_dir)
+    no_audio = text_only_reason(model_dir)
     pipeline = StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk,
                              request_log=request_log, request_timeout_s=args.request_timeout, no_audio=no_audio)
     discovery = StageDiscovery(targets, pipeline.stages, client, args.stage_dns_refresh) if targets else None

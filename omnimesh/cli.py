@@ -5,7 +5,7 @@
     omnimesh stage encoder|thinker|talker|vocoder --model DIR --port P                   one stage service
     omnimesh stage NAME ... --num-nodes N --node-rank R --master-addr A --master-port P  one stage over N hosts
     omnimesh gateway --model DIR --stages thinker=HOST:PORT,...                          the front door alone
-    omnimesh make-tiny --family qwen3-omni --out DIR [--thinker-only]                    the built-in tiny model
+    omnimesh make-tiny [--family qwen3-omni|qwen2.5-omni] --out DIR [--thinker-only]     the built-in tiny model
 
 Every value is checked before anything starts; a wrong one exits with status 2 and a message that
 names the fix, and a valid setting this version cannot run yet says so and exits with status 3.
@@ -113,10 +113,10 @@ def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> 
 
 def _check_stage_exists(model_dir: Path, stage: str) -> int | None:
     """A thinker-only checkpoint has no talker or vocoder to serve (exit 2, saying what to start instead)."""
-    from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, thinker_only
+    from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, text_only_reason
 
     if stage not in (stages := model_stages(model_dir)):
-        return _fail(f"stage {stage}: {thinker_only(model_dir)}; it serves text only: start the "
+        return _fail(f"stage {stage}: {text_only_reason(model_dir)}; it serves text only: start the "
                      f"{' and '.join(stages)} stages and a gateway over them")
     return None
 
@@ -261,8 +261,15 @@ def parse_stage_addresses(text: str) -> dict[str, list[str]]:
 
 
 def cmd_make_tiny(ns: argparse.Namespace) -> int:
-    if ns.family != "qwen3-omni":
-        return _fail(f"--family {ns.family!r}: the built-in tiny models are: qwen3-omni")
+    if ns.family == "qwen2.5-omni":
+        if ns.thinker_only:
+            return _fail("--thinker-only: the tiny qwen2.5-omni model has no thinker-only variant (Qwen2.5-Omni "
+                         "ships none); drop the flag")
+        from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni
+
+        out = build_tiny_qwen2_5_omni(Path(ns.out), seed=ns.seed)
+        print(out)
+        return 0
     from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 
     out = build_tiny_qwen3_omni(Path(ns.out), seed=ns.seed, audio_output=not ns.thinker_only)
@@ -297,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.set_defaults(func=cmd_gateway)
 
     tiny = sub.add_parser("make-tiny", help="write the built-in tiny random-weight model folder")
-    tiny.add_argument("--family", default="qwen3-omni")
+    tiny.add_argument("--family", default="qwen3-omni", choices=("qwen3-omni", "qwen2.5-omni"))
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--thinker-only", action="store_true",

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from omnimesh.config.serve_args import HTTP_FRONT_FIELDS, ServeArgs
 from omnimesh.config.stage_config import STAGES
-from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, thinker_only
+from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, text_only_reason
 from omnimesh.node_launcher import node_argv
 from omnimesh.proc_utils import die_with_parent, free_port
 
@@ -187,8 +187,8 @@ class MeshLauncher:
         addrs: dict[str, list[str]] = {}
         stage_children: list[Child] = []
         stages = model_stages(self.model_dir)
-        if stages != STAGES:  # a thinker-only checkpoint: text out only
-            print(f"omnimesh: {thinker_only(self.model_dir)}; starting the {' and '.join(stages)} stages only",
+        if stages != STAGES:  # a thinker-only or Qwen2.5-Omni checkpoint: text out only
+            print(f"omnimesh: {text_only_reason(self.model_dir)}; starting the {' and '.join(stages)} stages only",
                   file=sys.stderr, flush=True)
         elif self.args.stage_configs()["talker"].num_replicas == 0:  # --stage-overrides leave speech out
             print("omnimesh: num_replicas 0 for the talker and vocoder: text out only; starting the encoder and "

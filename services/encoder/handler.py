@@ -14,6 +14,7 @@ import grpc
 
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.task import StageRequestError
+from omnimesh.models.qwen3_omni.checkpoint_stages import model_family
 from omnimesh.models.qwen3_omni.encoder import Qwen3OmniEncoder
 from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_encoder
 from omnimesh.server.stage_failure import StageFailure
@@ -26,8 +27,10 @@ from services.encoder.encoder_task import EncoderTask
 class EncoderHandler:
     name = "encoder"
 
-    def __init__(self, encoder: Qwen3OmniEncoder, model_name: str, layout: LMLayout, failure: StageFailure):
+    def __init__(self, encoder: Qwen3OmniEncoder, model_name: str, layout: LMLayout, failure: StageFailure,
+                 family: str = "qwen3-omni"):
         self.encoder = encoder
+        self.family = family
         self.model_name = model_name
         self.layout = layout
         self.failure = failure
@@ -35,7 +38,7 @@ class EncoderHandler:
         self.batcher = EncoderBatcher(encoder)  # the engine loop steps all ready requests in one call
 
     def info(self) -> stage_pb2.StageInfo:
-        return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
+        return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family=self.family,
                                    pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
                                    device="cuda" if self.layout.backend == "nccl" else "cpu")
 
@@ -48,4 +51,5 @@ class EncoderHandler:
 def build_handler(model_dir: Path, args: ServeArgs) -> EncoderHandler:
     failure = StageFailure()
     layout = lm_layout(args, "encoder", failure, model_dir)
-    return EncoderHandler(load_encoder(model_dir, resolve_dtype(args), layout), args.model_name(model_dir), layout, failure)
+    return EncoderHandler(load_encoder(model_dir, resolve_dtype(args), layout), args.model_name(model_dir), layout, failure,
+                          model_family(model_dir))

@@ -60,7 +60,8 @@ class ThinkerHandler:
         self.grammars = Grammars(tokenizer, vocab, self.defaults.stop_token_ids)  # structured outputs
 
     def info(self) -> stage_pb2.StageInfo:
-        return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
+        return stage_pb2.StageInfo(stage=self.name, model=self.model_name,
+                                   family="qwen2.5-omni" if self.thinker.qwen2_5 else "qwen3-omni",
                                    pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
                                    device="cuda" if self.layout.backend == "nccl" else "cpu",
                                    prefix_caching=self.batcher is not None and self.batcher.engine.allocator.prefix_caching)
@@ -72,8 +73,9 @@ class ThinkerHandler:
         if self.failure.message is not None:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"thinker: {self.failure.message}")
         if msg.options.get("talker_inputs") == "1" and self.thinker.accept_hidden_layer is None:
-            raise StageRequestError(grpc.StatusCode.INVALID_ARGUMENT, "thinker: talker_inputs asked of a thinker-only "
-                                    "checkpoint (enable_audio_output is false): it feeds no talker")
+            raise StageRequestError(grpc.StatusCode.INVALID_ARGUMENT, "thinker: talker_inputs asked of a thinker that "
+                                    "feeds no talker (a thinker-only checkpoint, enable_audio_output false, or a "
+                                    "Qwen2.5-Omni checkpoint, whose speech is not served yet)")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
         if msg.sampling.bad_words:  # vLLM's: tokenized here, where the tokenizer is
             params = replace(params, bad_words_ids=bad_word_ids(self.tokenizer, msg.sampling.bad_words))

@@ -115,6 +115,14 @@ def start_gateway(model_dir: Path, stages: dict[str, str], *extra: str, **client
     raise TimeoutError(f"gateway did not come up:\n{proc.output()}")
 
 
+def refused_stage(model_dir: Path, stage: str) -> str:
+    """`omnimesh stage STAGE` on a model that lacks it: checks it exits 2 before serving; returns its stderr."""
+    out = subprocess.run([sys.executable, "-m", "omnimesh.cli", "stage", stage, "--model", str(model_dir)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    return out.stderr
+
+
 def start_stage(model_dir: Path, stage: str) -> tuple[Proc, str]:
     port = free_port()
     proc = Proc(["stage", stage, "--model", str(model_dir), "--port", str(port)])

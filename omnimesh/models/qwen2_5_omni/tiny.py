@@ -13,6 +13,7 @@ Data flow:
     the tiny Qwen3-Omni tokenizer layout under Qwen2.5-Omni's token names -> tokenizer.json,
       tokenizer_config.json, chat_template.jinja
     Whisper feature extractor + Qwen2-VL image processor (patch 14) -> preprocessor_config.json
+    video sizes and sampling -> video_preprocessor_config.json (read by video_processor.video_settings)
 
 Run: python -c "from pathlib import Path; from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni; \
 print(build_tiny_qwen2_5_omni(Path('/tmp/tiny-qwen2.5-omni')))"
@@ -34,6 +35,7 @@ from omnimesh.models.qwen2_5_omni.tiny_config import (
     THINKER_VOCAB,
     tiny_qwen2_5_omni_config,
 )
+from omnimesh.models.qwen3_omni import tiny as qwen3_tiny
 from omnimesh.models.qwen3_omni.tiny import QWEN3_OMNI_CHAT_TEMPLATE, tiny_feature_extractor
 from omnimesh.models.tokenizer_build import TinyTokenizerSpec, build_tokenizer
 
@@ -62,9 +64,14 @@ SPEAKERS: dict[str, int] = {"Chelsie": 418, "Ethan": 419}
 # images resize to a multiple of patch 14 x merge 2 = 28, area in [MIN, MAX]: 56x56 -> 4x4 patches -> 4 tokens
 IMAGE_MIN_PIXELS = 28 * 28
 IMAGE_MAX_PIXELS = 224 * 224
+# video frames: one size per video, area in [MIN, MAX] (a 56x56 frame keeps its size: 4 tokens per pair of
+# frames); 2 frames a second, 4 to 16 frames (the tiny Qwen3-Omni's sampling)
+VIDEO_MIN_PIXELS = 28 * 28
+VIDEO_MAX_PIXELS = 56 * 56
 BIAS_STD = 0.02  # the LMs' q/k/v biases start at zero; drawn so that a model ignoring them shows
 FOLDER_FILES = ("config.json", "generation_config.json", "model.safetensors", "spk_dict.pt", "tokenizer.json",
-                "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json")
+                "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+                "video_preprocessor_config.json")
 
 
 def tiny_tokenizer_spec() -> TinyTokenizerSpec:
@@ -88,6 +95,11 @@ def preprocessor_config() -> dict[str, Any]:
     merged["min_pixels"], merged["max_pixels"] = IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS
     merged["processor_class"] = "Qwen2_5OmniProcessor"
     return merged
+
+
+def video_preprocessor_config() -> dict[str, Any]:
+    """The video processor's settings: the tiny Qwen3-Omni's layout with patch 14 and this model's frame area."""
+    return qwen3_tiny.video_preprocessor_config("Qwen2_5OmniProcessor", 14, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
 
 
 def tiny_generation_config() -> GenerationConfig:
@@ -138,6 +150,8 @@ def build_tiny_qwen2_5_omni(out_dir: Path, seed: int = 0, audio_output: bool = T
     build_tokenizer(tiny_tokenizer_spec()).save_pretrained(out_dir)
     text = json.dumps(preprocessor_config(), indent=2, sort_keys=True) + "\n"
     (out_dir / "preprocessor_config.json").write_text(text, encoding="utf-8")
+    text = json.dumps(video_preprocessor_config(), indent=2, sort_keys=True) + "\n"
+    (out_dir / "video_preprocessor_config.json").write_text(text, encoding="utf-8")
     written = sorted(p.name for p in out_dir.iterdir())
     if written != sorted(FOLDER_FILES):
         raise ValueError(f"tiny build wrote {written}, expected {sorted(FOLDER_FILES)}; update FOLDER_FILES")

@@ -1,8 +1,10 @@
-"""The encoder stage of Qwen3-Omni: the audio tower and the vision tower.
+"""The encoder stage of Qwen3-Omni and Qwen2.5-Omni: the audio tower and the vision tower.
 
 Role: turns raw media features into the embeddings the thinker scatters into its placeholder positions.
-It holds only `thinker.model.audio_tower` and `thinker.model.visual` (an encoder process loads nothing else)
-and computes the same numbers as the thinker's own `get_audio_features` / `get_image_features`.
+It holds only the thinker's audio tower and vision tower (an encoder process loads nothing else) and
+computes the same numbers as the thinker's own `get_audio_features` / `get_image_features`. Nothing here
+depends on the family: Qwen3-Omni's towers are transformers' modules or `encoder_shard`'s stand-ins;
+Qwen2.5-Omni's are the wrappers in `omnimesh.models.qwen2_5_omni.towers` (no deepstack: an empty list).
 
 Data flow:
     input_features (n_mel, T) | (B, n_mel, T) + feature_attention_mask (B, T)
@@ -11,7 +13,8 @@ Data flow:
         -> visual -> image_embeds (n_image_tokens, H) + deepstack [(n_image_tokens, H)] * len(deepstack idx)
     pixel_values_videos + video_grid_thw (t = frame pairs): the same tower, the same outputs (video_embeds)
 
-`n_audio_tokens` per audio is `audio_output_lengths(feature_lengths)`; `n_image_tokens` per image is
+`n_audio_tokens` per audio is `audio_output_lengths(feature_lengths)` (the tower's own `output_lengths`
+when it has one, else Qwen3-Omni's formula); `n_image_tokens` per image is
 `t * h * w / spatial_merge_size**2`. The prompt must hold exactly that many placeholder ids.
 
 Batching: `audio_frames` / `check_image` check one request's media (ValueError for anything a tower would
@@ -29,7 +32,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat
 
 
 class Qwen3OmniEncoder:
-    """Audio + vision towers of an already-loaded Qwen3-Omni thinker; stateless, request-safe."""
+    """Audio + vision towers of an already-loaded Qwen3-Omni or Qwen2.5-Omni thinker; stateless, request-safe."""
 
     def __init__(self, audio_tower: Any, visual: Any) -> None:
         """The towers: transformers' modules, or `encoder_shard`'s stand-ins over the stage's pp x tp ranks
@@ -38,9 +41,12 @@ class Qwen3OmniEncoder:
         self.visual: Any = visual
 
     def audio_output_lengths(self, feature_lengths: torch.Tensor) -> torch.Tensor:
-        """Audio tokens produced for each audio of `feature_lengths` (n_audios,) valid mel frames."""
+        """Audio tokens produced for each audio of `feature_lengths` (n_audios,) valid mel frames: the tower's
+        `output_lengths` if it has one (Qwen2.5-Omni), else Qwen3-Omni's formula (its modules and stand-ins)."""
         if self.audio_tower is None:
             raise ValueError("this encoder was built without an audio tower")
+        if hasattr(self.audio_tower, "output_lengths"):
+            return self.audio_tower.output_lengths(feature_lengths)  # (n_audios,)
         return _get_feat_extract_output_lengths(feature_lengths, self.audio_tower.config.n_window)
 
     def audio_frames(

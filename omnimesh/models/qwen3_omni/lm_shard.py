@@ -169,7 +169,7 @@ class LMShardSpec:
 
         config = load_config(self.model_dir)
         sub = config.thinker_config if self.role == "thinker" else config.talker_config
-        return sub.text_config  # type: ignore[union-attr]
+        return getattr(sub, "text_config", None) or sub  # Qwen2.5-Omni's talker config is its LM's config
 
 
 class LMShard:

@@ -1,4 +1,4 @@
-"""M-RoPE positions for one Qwen3-Omni request, computed outside the model (request-safe).
+"""M-RoPE positions for one Qwen3-Omni or Qwen2.5-Omni request, computed outside the model (request-safe).
 
 Role: the thinker and the talker both keep `rope_deltas` as module state, which is wrong as soon as two
 requests share a module. This file computes the same positions as the model's own `get_rope_index` for
@@ -12,7 +12,8 @@ Data flow:
                                   seq_len + rope_delta (what `generate` gets by adding 1 to the last column)
 
 The index logic itself is transformers' (`Qwen3OmniMoePreTrainedModelForConditionalGeneration
-.get_rope_index`), run against a tiny context object holding only the ids and sizes it reads. That also
+.get_rope_index`, or Qwen2.5-Omni's, picked by `MropeSpec.family`), run against a tiny context object
+holding only the ids and sizes it reads. That also
 sidesteps a transformers bug: the talker config has no `audio_config`, so the talker's own
 `get_rope_index` fails on prompts with audio AND an image; here the audio `n_window` is passed in.
 """
@@ -25,9 +26,15 @@ from typing import Any
 
 import torch
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
+from transformers import Qwen2_5OmniConfig
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniPreTrainedModelForConditionalGeneration as _Qwen2_5RopeOwner,
+)
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoePreTrainedModelForConditionalGeneration as _RopeOwner,
 )
+
+_OWNERS: dict[str, Any] = {"qwen3_omni": _RopeOwner, "qwen2_5_omni": _Qwen2_5RopeOwner}
 
 
 @dataclass(frozen=True)
@@ -42,15 +49,21 @@ class MropeSpec:
     spatial_merge_size: int
     position_id_per_seconds: float
     audio_n_window: int
+    family: str = "qwen3_omni"  # whose get_rope_index: "qwen3_omni" | "qwen2_5_omni"
+    seconds_per_chunk: float = 2.0  # Qwen2.5-Omni: a video's frames and soundtrack interleave per this many seconds
 
     @classmethod
-    def for_thinker(cls, config: Qwen3OmniMoeConfig) -> MropeSpec:
+    def for_thinker(cls, config: Qwen3OmniMoeConfig | Qwen2_5OmniConfig) -> MropeSpec:
+        """The thinker's ids and sizes; for a `Qwen2_5OmniConfig` also Qwen2.5-Omni's index and audio/video chunking."""
         tc: Any = config.thinker_config
+        qwen2_5 = isinstance(config, Qwen2_5OmniConfig)
         return cls(
             image_token_id=tc.image_token_id, video_token_id=tc.video_token_id, audio_token_id=tc.audio_token_id,
             vision_start_token_id=tc.vision_start_token_id, audio_start_token_id=tc.audio_start_token_id,
             spatial_merge_size=tc.vision_config.spatial_merge_size,
             position_id_per_seconds=tc.position_id_per_seconds, audio_n_window=tc.audio_config.n_window,
+            family="qwen2_5_omni" if qwen2_5 else "qwen3_omni",
+            seconds_per_chunk=float(tc.seconds_per_chunk) if qwen2_5 else 2.0,
         )
 
     @classmethod
@@ -74,17 +87,20 @@ class _RopeContext:
     """Stands in for `self` in `get_rope_index`: exactly the attributes that method reads."""
 
     def __init__(self, spec: MropeSpec) -> None:
+        self.owner: Any = _OWNERS[spec.family]
         self.spatial_merge_size = spec.spatial_merge_size
         self.config = SimpleNamespace(
             image_token_id=spec.image_token_id, video_token_id=spec.video_token_id,
             audio_token_id=spec.audio_token_id, vision_start_token_id=spec.vision_start_token_id,
             audio_start_token_id=spec.audio_start_token_id, position_id_per_seconds=spec.position_id_per_seconds,
-            audio_config=SimpleNamespace(n_window=spec.audio_n_window),
+            audio_config=SimpleNamespace(n_window=spec.audio_n_window), seconds_per_chunk=spec.seconds_per_chunk,
         )
 
     def get_llm_pos_ids_for_vision(self, *args: object) -> torch.Tensor:
-        method: Any = _RopeOwner.get_llm_pos_ids_for_vision
-        return method(self, *args)
+        return self.owner.get_llm_pos_ids_for_vision(self, *args)
+
+    def get_chunked_index(self, *args: object) -> list[tuple[int, int]]:  # Qwen2.5-Omni's audio-in-video chunks
+        return self.owner.get_chunked_index(self, *args)
 
 
 def prompt_positions(
@@ -101,9 +117,9 @@ def prompt_positions(
         raise ValueError(f"input_ids must be 1-D (L,), got shape {tuple(input_ids.shape)}")
     ids = input_ids.view(1, -1)  # (1, L)
     mask = torch.ones_like(ids)  # (1, L): one request, no padding
-    rope_index: Any = _RopeOwner.get_rope_index
-    mrope, delta = rope_index(
-        _RopeContext(spec),
+    context = _RopeContext(spec)
+    mrope, delta = context.owner.get_rope_index(
+        context,
         ids, image_grid_thw, video_grid_thw, mask, use_audio_in_video, audio_feature_lengths, video_second_per_grid,
     )  # (3, 1, L), (1, 1)
     text = torch.arange(ids.shape[1], device=ids.device, dtype=mrope.dtype).view(1, 1, -1)  # (1, 1, L)

@@ -1,4 +1,4 @@
-"""Checks a pp x tp layout against the Qwen3-Omni model it will split, before anything loads.
+"""Checks a pp x tp layout against the Qwen3-Omni (or Qwen2.5-Omni) model it will split, before anything loads.
 
 Role: the family adapter's half of the SPEC rules of thumb. For each stage it names the transformer
 stacks the stage splits (encoder: audio tower + vision tower; thinker: the LM; talker: the LM + code
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
+from transformers import Qwen2_5OmniConfig
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 
 from omnimesh.config.stage_config import StageConfig
@@ -39,11 +40,28 @@ class Stack:
     config: Any = None
 
 
-def stacks(config: Qwen3OmniMoeConfig) -> dict[str, list[Stack]]:
-    """The transformer stacks each stage splits over its ranks."""
+def _one_rank(what: str) -> Callable[..., None]:
+    """The check of a stack this version runs on one rank only."""
+    def check(config: Any, pp: int, tp: int, partition: list[int] | None) -> None:
+        if pp * tp > 1:
+            raise ValueError(f"{what} runs on one rank in this version; give it pp 1 and tp 1 (asked pp={pp}, tp={tp})")
+    return check
+
+
+def stacks(config: Qwen3OmniMoeConfig | Qwen2_5OmniConfig) -> dict[str, list[Stack]]:
+    """The transformer stacks each stage splits over its ranks (Qwen2.5-Omni: the encoder and thinker it serves)."""
     cfg: Any = config  # sub-configs are typed as `dict | PreTrainedConfig | None`; loaded ones are configs
     tc = cfg.thinker_config
     a, v, t = tc.audio_config, tc.vision_config, tc.text_config
+    if isinstance(config, Qwen2_5OmniConfig):
+        towers = _one_rank("Qwen2.5-Omni's encoder")
+        return {
+            "encoder": [Stack("audio tower", a.encoder_layers, a.encoder_attention_heads, a.encoder_attention_heads,
+                              check=towers, config=a),
+                        Stack("vision tower", v.depth, v.num_heads, v.num_heads, check=towers, config=v)],
+            "thinker": [Stack("thinker LM", t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads,
+                              t.vocab_size, check=check_parallel_layout, config=t)],
+        }
     tk, cp = cfg.talker_config.text_config, cfg.talker_config.code_predictor_config
     w = cfg.code2wav_config
     return {
@@ -69,7 +87,7 @@ def _divisors(*numbers: int) -> list[int]:
     return [d for d in range(1, min(numbers) + 1) if all(n % d == 0 for n in numbers)]
 
 
-def check_layout(config: Qwen3OmniMoeConfig, layouts: dict[str, StageConfig]) -> list[str]:
+def check_layout(config: Qwen3OmniMoeConfig | Qwen2_5OmniConfig, layouts: dict[str, StageConfig]) -> list[str]:
     """Raise ValueError for a layout the model cannot take; return advice lines for valid but poor ones."""
     advice: list[str] = []
     for stage, cfg in layouts.items():

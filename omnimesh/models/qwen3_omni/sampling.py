@@ -325,13 +325,14 @@ def apply_min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def thinker_sampling_params(
-    config: Qwen3OmniMoeConfig, generation_config: GenerationConfig | None = None, max_tokens: int = 1024,
+    config: Any, generation_config: GenerationConfig | None = None, max_tokens: int = 1024,
     seed: int | None = None,
 ) -> SamplingParams:
-    """What `generate` uses for the thinker: its generation config over transformers' global defaults.
+    """What `generate` uses for the thinker (config: `Qwen3OmniMoeConfig` or `Qwen2_5OmniConfig`): its generation config over transformers' global defaults.
 
     EOS is `config.im_end_token_id` (pass it as `thinker_eos_token_id` to `generate`: its own default is the
-    real model's 151645). `thinker_max_new_tokens` defaults to 1024 in `generate`.
+    real model's 151645). `thinker_max_new_tokens` defaults to 1024 in `generate`. A Qwen2.5-Omni config names
+    no `im_end_token_id`: there the generation config's `eos_token_id` (one id or a list) stops the thinker.
     """
     defaults = GenerationConfig._get_default_generation_params()
     gc = generation_config if generation_config is not None else GenerationConfig()
@@ -342,14 +343,22 @@ def thinker_sampling_params(
 
     do_sample = bool(pick("do_sample"))
     tc: Any = config.thinker_config
+    stops = _eos_ids(getattr(config, "im_end_token_id", None)) or _eos_ids(gc.eos_token_id)
+    if not stops:
+        raise ValueError("the model names no end-of-turn token: its config has no im_end_token_id and its "
+                         "generation_config.json no eos_token_id")
     return SamplingParams(
         temperature=float(pick("temperature")) if do_sample else 0.0,
         top_p=float(pick("top_p")), top_k=int(pick("top_k") or 0), seed=seed, max_tokens=max_tokens,
         repetition_penalty=float(pick("repetition_penalty")),
-        stop_token_ids=(int(config.im_end_token_id),),
+        stop_token_ids=stops,
         suppress_tokens=tuple(gc.suppress_tokens or ()),
         vocab_size=int(tc.text_config.vocab_size),
     )
+
+
+def _eos_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    return () if value is None else tuple(int(i) for i in (value if isinstance(value, list | tuple) else [value]))
 
 
 def talker_sampling_params(

@@ -1,4 +1,5 @@
-"""Which weights each Qwen3-Omni stage loads, and from where in the checkpoint.
+"""Which weights each Qwen3-Omni stage loads, and from where in the checkpoint (and Qwen2.5-Omni's encoder and
+thinker: the same thinker keys; its towers run on one rank, `qwen2_5_omni/towers.py`).
 
 Role: the family adapter's loading half. Each stage process calls exactly one of these and so holds
 only its own part of the model (the encoder never loads the LLMs, the vocoder never loads the talker).
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, Qwen2_5OmniConfig
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeCode2Wav,
@@ -55,11 +56,17 @@ from omnimesh.parallel.node_rendezvous import NodeSpec
 log = logging.getLogger(__name__)
 
 
-def load_config(model_dir: Path) -> Qwen3OmniMoeConfig:
+def load_config(model_dir: Path) -> Any:
+    """The folder's `Qwen3OmniMoeConfig` or `Qwen2_5OmniConfig` (ValueError for any other model)."""
     config = AutoConfig.from_pretrained(Path(model_dir), local_files_only=True)
-    if not isinstance(config, Qwen3OmniMoeConfig):
-        raise ValueError(f"{model_dir} holds a {type(config).__name__} ({config.model_type}), not a Qwen3-Omni model")
+    if not isinstance(config, Qwen3OmniMoeConfig | Qwen2_5OmniConfig):
+        raise ValueError(f"{model_dir} holds a {type(config).__name__} ({config.model_type}), not a Qwen3-Omni or "
+                         f"Qwen2.5-Omni model")
     return config
+
+
+def is_qwen2_5(config: Any) -> bool:
+    return isinstance(config, Qwen2_5OmniConfig)
 
 
 def _timed(what: str, model_dir: Path, fn):  # noqa: ANN001, ANN202
@@ -115,7 +122,15 @@ def load_thinker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LM
 def load_encoder(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LMLayout = LMLayout()) -> Qwen3OmniEncoder:
     """Both towers split over the layout's pp x tp ranks (in-process for pp = tp = 1); each rank loads only
     its own blocks of each tower."""
-    tc: Any = load_config(model_dir).thinker_config
+    config = load_config(model_dir)
+    if is_qwen2_5(config):
+        if layout.pp * layout.tp > 1:
+            raise ValueError(f"Qwen2.5-Omni's encoder runs on one rank in this version (asked pp={layout.pp}, "
+                             f"tp={layout.tp}); give the encoder stage pp 1 and tp 1 (--stage-overrides)")
+        from omnimesh.models.qwen2_5_omni.towers import load_qwen2_5_encoder
+
+        return _timed("audio + vision towers", model_dir, lambda: load_qwen2_5_encoder(model_dir, dtype))
+    tc: Any = config.thinker_config
     run, executor = _timed("audio + vision towers", model_dir, lambda: encoder_runner(
         EncoderShardSpec(model_dir, dtype, layout.partition), layout.pp, layout.tp, **layout.executor_args()))
     return Qwen3OmniEncoder(ShardedAudioTower(tc.audio_config, run), ShardedVisionTower(tc.vision_config, run, dtype))

@@ -1,4 +1,9 @@
-"""The thinker stage of Qwen3-Omni, step-wise and request-safe: prefill once, then one token per decode.
+"""The thinker stage of Qwen3-Omni (and of Qwen2.5-Omni), step-wise and request-safe: prefill once, then one
+token per decode.
+
+Qwen2.5-Omni differs here only in facts read from its config (`Qwen2_5OmniConfig`): its audio token count
+formula, its M-RoPE index (mrope.py), no deepstack features, and no talker hand-off yet (its speech is not
+served: `accept_hidden_layer` is None, as for a thinker-only checkpoint).
 
 Role: runs the thinker LLM for ONE request with an explicit `ThinkerState` (its own KV cache and rope
 delta; the module's `rope_deltas` attribute is never touched), and produces what the talker stage needs.
@@ -35,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
+from transformers import Qwen2_5OmniConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
 from omnimesh.models.qwen3_omni.lm_backend import HFBackend, LMBackend
@@ -106,21 +112,31 @@ class Qwen3OmniThinker:
     thinker stage builds a `ShardedBackend` over its pp x tp ranks (see stage_loading.py).
     """
 
-    def __init__(self, embed_tokens: nn.Module, backend: LMBackend, config: Qwen3OmniMoeConfig) -> None:
+    def __init__(self, embed_tokens: nn.Module, backend: LMBackend, config: Qwen3OmniMoeConfig | Qwen2_5OmniConfig
+                 ) -> None:
         self.embed_tokens = embed_tokens
         self.backend = backend
         self.config = config
         tc: Any = config.thinker_config
-        tk: Any = config.talker_config
         self.audio_token_id = int(tc.audio_token_id)
         self.image_token_id = int(tc.image_token_id)
         self.video_token_id = int(tc.video_token_id)
         self.audio_n_window = int(tc.audio_config.n_window)
-        self.deepstack_layers = len(tc.vision_config.deepstack_visual_indexes)
-        # the layer whose hidden the talker reads; None for a thinker-only checkpoint (nothing to capture)
-        self.accept_hidden_layer: int | None = int(tk.accept_hidden_layer) if config.enable_audio_output else None
-        self.tts_ids = (int(config.tts_bos_token_id), int(config.tts_eos_token_id), int(config.tts_pad_token_id))
-        self.mrope = MropeSpec.for_thinker(config)
+        # the layer whose hidden the talker reads; None where no talker is fed (nothing to capture)
+        self.accept_hidden_layer: int | None = None
+        self.tts_ids: tuple[int, int, int] | None = None
+        if isinstance(config, Qwen2_5OmniConfig):
+            self.qwen2_5 = True
+            self.deepstack_layers = 0
+            self.mrope = MropeSpec.for_thinker(config)
+        else:
+            self.qwen2_5 = False
+            tk: Any = config.talker_config
+            self.deepstack_layers = len(tc.vision_config.deepstack_visual_indexes)
+            if config.enable_audio_output:  # a thinker-only checkpoint feeds no talker
+                self.accept_hidden_layer = int(tk.accept_hidden_layer)
+            self.tts_ids = (int(config.tts_bos_token_id), int(config.tts_eos_token_id), int(config.tts_pad_token_id))
+            self.mrope = MropeSpec.for_thinker(config)
         n_layers = int(tc.text_config.num_hidden_layers)
         if self.accept_hidden_layer is not None and not 0 <= self.accept_hidden_layer <= n_layers:
             raise ValueError(
@@ -136,6 +152,12 @@ class Qwen3OmniThinker:
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)  # (..., H)
+
+    def audio_tokens(self, feature_lengths: torch.Tensor) -> torch.Tensor:
+        """Audio placeholder rows per audio of `feature_lengths` (n,) valid mel frames, by the family's formula."""
+        if self.qwen2_5:  # Qwen2.5-Omni: a stride-2 conv, then a stride-2 average pool
+            return (((feature_lengths - 1) // 2 + 1) - 2) // 2 + 1
+        return _get_feat_extract_output_lengths(feature_lengths, self.audio_n_window)
 
     def release(self, state: ThinkerState) -> None:
         """The request ended: free its KV cache wherever the backend keeps it."""
@@ -210,7 +232,8 @@ class Qwen3OmniThinker:
         talker speaks before the generated text, as if the thinker had written it. 0 for a prompt that ends
         with the assistant start (or has none: the talker refuses that)."""
         ids = ids.view(-1)
-        cfg = self.config
+        self._tts_ids()  # the talker's path only: Qwen3-Omni's config names the turn tokens
+        cfg: Any = self.config
         start = last_assistant_start(ids, cfg)
         if start is None:
             return 0
@@ -230,12 +253,17 @@ class Qwen3OmniThinker:
             input_ids=prompt.ids[:end].clone(),
             prompt_embeds=prompt.embeds[:end].clone(),  # (L - lead, H)
             multimodal_hidden=multimodal_hidden.clone(),  # (n_mm, H)
-            tts_embeds=self._embed(torch.tensor(self.tts_ids, dtype=torch.long)),  # (3, H)
+            tts_embeds=self._embed(torch.tensor(self._tts_ids(), dtype=torch.long)),  # (3, H)
             image_grid_thw=None if prompt.image_grid_thw is None else prompt.image_grid_thw.clone(),
             audio_feature_lengths=None if prompt.audio_feature_lengths is None else prompt.audio_feature_lengths.clone(),
             video_grid_thw=None if prompt.video_grid_thw is None else prompt.video_grid_thw.clone(),
             video_second_per_grid=None if prompt.video_second_per_grid is None else prompt.video_second_per_grid.clone(),
         )
+
+    def _tts_ids(self) -> tuple[int, int, int]:
+        if self.tts_ids is None:
+            raise ValueError("this thinker feeds no talker (a thinker-only or Qwen2.5-Omni checkpoint)")
+        return self.tts_ids
 
     @torch.no_grad()
     def token_input(self, token_id: int, seq_len: int, rope_delta: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,7 +317,7 @@ class Qwen3OmniThinker:
         if audio_embeds is not None:
             if audio_feature_lengths is None:
                 raise ValueError("audio_embeds given without audio_feature_lengths (valid mel frames per audio)")
-            expected = int(_get_feat_extract_output_lengths(audio_feature_lengths.view(-1), self.audio_n_window).sum())
+            expected = int(self.audio_tokens(audio_feature_lengths.view(-1)).sum())
             if expected != n_audio:
                 raise ValueError(
                     f"audio_feature_lengths {audio_feature_lengths.tolist()} give {expected} audio tokens, "

@@ -202,13 +202,15 @@ def preprocessor_config() -> dict[str, Any]:
     return merged
 
 
-def video_preprocessor_config() -> dict[str, Any]:
-    """The video processor's settings, in the shape of a Qwen2-VL `video_preprocessor_config.json`."""
+def video_preprocessor_config(processor_class: str = "Qwen3OmniMoeProcessor", patch_size: int = 16,
+                              min_pixels: int = VIDEO_MIN_PIXELS, max_pixels: int = VIDEO_MAX_PIXELS) -> dict[str, Any]:
+    """The video processor's settings, in the shape of a Qwen2-VL `video_preprocessor_config.json` (the
+    defaults: the tiny Qwen3-Omni's)."""
     return {
-        "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen3OmniMoeProcessor",
-        "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2,
-        "size": {"shortest_edge": VIDEO_MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS},
-        "min_pixels": VIDEO_MIN_PIXELS, "max_pixels": VIDEO_MAX_PIXELS,
+        "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": processor_class,
+        "patch_size": patch_size, "merge_size": 2, "temporal_patch_size": 2,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "min_pixels": min_pixels, "max_pixels": max_pixels,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
         "do_sample_frames": True, "fps": 2.0, "min_frames": 4, "max_frames": VIDEO_MAX_FRAMES,
     }

@@ -1,0 +1,72 @@
+"""The thinker adapter over a Qwen2.5-Omni config: its M-RoPE index, audio token count and talker hand-off.
+
+`mrope.prompt_positions` with a Qwen2.5-Omni spec equals the model's own `get_rope_index` on a prompt whose
+6 s video interleaves with its soundtrack in 2 s chunks (where Qwen2.5-Omni's index differs from Qwen3-Omni's,
+which the test shows too); `Qwen3OmniThinker` counts audio rows by Qwen2.5's formula, refuses a mismatched
+count, captures nothing for a talker and refuses to build a talker prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
+from reference import chat_request, mp4_bytes  # noqa: E402
+
+from gateway.prompt import PromptBuilder  # noqa: E402
+from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni  # noqa: E402
+from omnimesh.models.qwen3_omni.mrope import MropeSpec, prompt_positions  # noqa: E402
+from omnimesh.models.qwen3_omni.stage_loading import load_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_qwen2_5_omni(tmp_path_factory.mktemp("q25") / "model")
+
+
+def test_positions_equal_the_models_rope_index(folder: Path) -> None:
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    req = chat_request("hi", None, None, max_tokens=4, talker_max=0, modalities=("text",),
+                       mp4=mp4_bytes(n_frames=36, rate=6, sound=True), model_dir=folder, use_audio_in_video=True)
+    p = PromptBuilder(folder, max_model_len=4096)(req)
+    assert p.video_grid_thw is not None and p.feature_attention_mask is not None and p.video_second_per_grid is not None
+    lengths, seconds = p.feature_attention_mask.sum(-1), p.video_second_per_grid.float()
+    spec = MropeSpec.for_thinker(load_config(folder))
+    ours, delta = prompt_positions(p.input_ids, spec, None, lengths, p.video_grid_thw, seconds, True)
+    ids = p.input_ids.view(1, -1)
+    thinker = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder).thinker
+    ref, ref_delta = thinker.model.get_rope_index(ids, None, p.video_grid_thw, torch.ones_like(ids), True, lengths,
+                                                  p.video_second_per_grid)
+    assert torch.equal(ours[1:, 0].long(), ref[:, 0].long()) and delta == int(ref_delta)
+    assert torch.equal(ours[0, 0], torch.arange(ids.shape[1], dtype=ours.dtype))  # row 0: text positions
+    qwen3, _ = prompt_positions(p.input_ids, dataclasses.replace(spec, family="qwen3_omni"), None, lengths,
+                                p.video_grid_thw, seconds, True)
+    assert not torch.equal(qwen3, ours)  # the prompt tells the two families' rules apart
+
+
+def test_the_thinker_counts_audio_rows_by_qwen2_5s_rule(folder: Path) -> None:
+    from omnimesh.models.qwen3_omni.lm_backend import HFBackend
+    from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
+
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    full = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder)
+    text_model = full.thinker.model.language_model
+    thinker = Qwen3OmniThinker(text_model.embed_tokens, HFBackend(text_model, full.thinker.lm_head), full.config)
+    assert thinker.audio_tokens(torch.tensor([300, 457, 200])).tolist() == [75, 114, 50]
+    assert thinker.accept_hidden_layer is None and thinker.deepstack_layers == 0
+    audio = int(full.config.thinker_config.audio_token_id)
+    ids = torch.tensor([1, 2] + [audio] * 50 + [3])
+    embeds = torch.zeros(50, 64)
+    prompt = thinker.prepare(ids, audio_embeds=embeds, audio_feature_lengths=torch.tensor([200]))
+    assert prompt.positions.shape == (4, ids.numel()) and int(prompt.mm_mask.sum()) == 50
+    with pytest.raises(ValueError, match=r"audio_feature_lengths \[300\] give 75 audio tokens, the prompt has 50"):
+        thinker.prepare(ids, audio_embeds=embeds, audio_feature_lengths=torch.tensor([300]))
+    with pytest.raises(ValueError, match="feeds no talker"):
+        thinker.talker_prompt(prompt, torch.zeros(50, 64))
