@@ -70,3 +70,26 @@ def test_the_thinker_counts_audio_rows_by_qwen2_5s_rule(folder: Path) -> None:
         thinker.prepare(ids, audio_embeds=embeds, audio_feature_lengths=torch.tensor([300]))
     with pytest.raises(ValueError, match="feeds no talker"):
         thinker.talker_prompt(prompt, torch.zeros(50, 64))
+
+
+def test_the_checkpoint_serves_text_and_its_encoder_one_rank(folder: Path, tmp_path: Path) -> None:
+    import json
+
+    from omnimesh.config.stage_config import StageConfig
+    from omnimesh.models.qwen3_omni.checkpoint_stages import model_family, model_stages, text_only_reason
+    from omnimesh.models.qwen3_omni.parallel_plan import check_layout
+
+    assert model_family(folder) == "qwen2.5-omni" and model_stages(folder) == ("encoder", "thinker")
+    assert "is a Qwen2.5-Omni checkpoint" in (text_only_reason(folder) or "")
+    config = load_config(folder)
+    assert check_layout(config, {"encoder": StageConfig(), "thinker": StageConfig(pp=2, tp=2)}) == []
+    with pytest.raises(ValueError, match=r"stage encoder \(audio tower\): Qwen2.5-Omni's encoder runs on one rank"):
+        check_layout(config, {"encoder": StageConfig(tp=2)})
+    with pytest.raises(ValueError, match="tp=3 does not divide the thinker LM's 4 attention heads"):
+        check_layout(config, {"thinker": StageConfig(tp=3)})
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=r"holds a 'llama' model; omnimesh serves model_type 'qwen3_omni_moe' or "
+                                         r"'qwen2_5_omni'"):
+        model_family(other)
