@@ -189,10 +189,12 @@ class LMShard:
         self.dtype = spec.dtype
         self.predictor: ParallelCodePredictor | None = None
         self.codec_sums: dict[int, torch.Tensor] = {}  # LMPredict.key -> codec sum (first pp rank only)
-        if spec.role == "talker":
+        cp: Any = None
+        if spec.role == "talker":  # Qwen3-Omni's talker has a code predictor; Qwen2.5-Omni's one codec stream none
             from omnimesh.models.qwen3_omni.stage_loading import load_config
 
-            cp: Any = load_config(spec.model_dir).talker_config.code_predictor_config  # type: ignore[union-attr]
+            cp = getattr(load_config(spec.model_dir).talker_config, "code_predictor_config", None)
+        if cp is not None:
             cp_range = partition_layers(cp.num_hidden_layers, ps.pp_size)[ps.pp_rank]
             self.predictor = ParallelCodePredictor(cp, ps, cp_range, spec.dtype)
             self.predictor.load_weights(spec.model_dir)

@@ -67,18 +67,22 @@ class MropeSpec:
         )
 
     @classmethod
-    def for_talker(cls, config: Qwen3OmniMoeConfig) -> MropeSpec:
+    def for_talker(cls, config: Qwen3OmniMoeConfig | Qwen2_5OmniConfig) -> MropeSpec:
+        """The talker's ids and sizes (its positions follow its own prompt ids, with the thinker's media)."""
         tk: Any = config.talker_config
+        qwen2_5 = isinstance(config, Qwen2_5OmniConfig)
         return cls(
             image_token_id=tk.image_token_id, video_token_id=tk.video_token_id, audio_token_id=tk.audio_token_id,
             vision_start_token_id=tk.vision_start_token_id, audio_start_token_id=tk.audio_start_token_id,
             spatial_merge_size=tk.spatial_merge_size, position_id_per_seconds=tk.position_id_per_seconds,
             # The talker config lacks `audio_config`; the audio tower's window lives in the thinker config.
             audio_n_window=_audio_n_window(config),
+            family="qwen2_5_omni" if qwen2_5 else "qwen3_omni",
+            seconds_per_chunk=float(tk.seconds_per_chunk) if qwen2_5 else 2.0,
         )
 
 
-def _audio_n_window(config: Qwen3OmniMoeConfig) -> int:
+def _audio_n_window(config: Qwen3OmniMoeConfig | Qwen2_5OmniConfig) -> int:
     thinker: Any = config.thinker_config
     return int(thinker.audio_config.n_window)
 

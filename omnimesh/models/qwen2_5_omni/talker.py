@@ -1,0 +1,225 @@
+"""The talker of Qwen2.5-Omni, step-wise and request-safe, fed the thinker's rows as they are made.
+
+Role: turns the thinker's prompt and generated text into codec ids for ONE request (one stream, 50 codes a
+second of speech), exactly as `Qwen2_5OmniForConditionalGeneration.generate` does, but with the text arriving
+token by token. Holds `talker.thinker_to_talker_proj` and `talker.model.embed_tokens` (the codec table, in the
+thinker's width); the decoder + codec head run behind an `LMBackend` (transformers' modules in-process, or the
+stage's pp x tp ranks: `ParallelTextModel` runs this dense Qwen2 LM as it runs the thinker's).
+
+What comes from the thinker, all in the thinker's embedding width E:
+    prompt rows (L, E): final-norm hidden + layer-0 embedding at every prompt position, the media rows'
+        embeddings zeroed (their hidden kept), as `generate` builds them
+    reply row r_j (E,): the same sum at generated token j, for j = 0 .. n-2 (the final token n-1 is never fed
+        back to the thinker, so it has no hidden)
+    `TextRows`: the thinker's embeddings of each speaker's bos token, of tts_text_end and of tts_text_pad (the
+        talker stage reads those rows of the thinker's table, never the whole table)
+
+Data flow:
+    start(prompt ids (L,), prompt rows, token 0, r_0, speaker, media grids) -> Talker25State, prefill built:
+        [prompt rows; bos(speaker); r_0] (L + 2, E), + codec_pad's and codec_bos's embeddings on the last two,
+        -> thinker_to_talker_proj -> (L + 2, H); positions: the M-RoPE index of [prompt ids, the speaker's bos
+        id, generated token 0] (transformers' own for Qwen2.5-Omni, mrope.py)
+    push_text(state, r_j) for j = 1, 2, ...;  finish_text(state): the thinker's final token came: tts_text_end
+        is the next text entry, tts_text_pad every one after it
+    step(state) -> (1,) codec id | None: the first call runs the prefill and samples c_0 (emits nothing); call
+        g + 1 feeds proj(codec_embed(c_g) + text entry g), samples c_{g+1} and emits c_g. Text entry g is
+        r_{g+1}: decode step g needs the thinker to have fed generated token g + 1 (`can_step`).
+    The request ends at the first stop id (codec pad or codec end, never emitted) or max tokens.
+Sampling: `generate`'s talker defaults (`talker_sampling_params`); the repetition penalty reads the talker's
+whole input ids, its prompt's codec mask / pad / bos ids included, as `generate` passes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Qwen2_5OmniConfig
+
+from omnimesh.models.qwen3_omni.lm_backend import HFBackend, LMBackend
+from omnimesh.models.qwen3_omni.mrope import MropeSpec, decode_positions, prompt_positions
+from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
+
+
+def talker_sampling_params(config: Qwen2_5OmniConfig, do_sample: bool = True, max_tokens: int = 4096,
+                           seed: int | None = None, temperature: float = 0.9, top_k: int = 40, top_p: float = 0.8,
+                           repetition_penalty: float = 1.05) -> SamplingParams:
+    """`generate`'s talker defaults: sampled, T 0.9, top-k 40, top-p 0.8, penalty 1.05; it stops at the codec
+    pad or end id (`talker_eos_token_id`) and never picks the codec bos."""
+    tk: Any = config.talker_config
+    return SamplingParams(
+        temperature=temperature if do_sample else 0.0, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
+        repetition_penalty=repetition_penalty,
+        stop_token_ids=(int(tk.tts_codec_pad_token_id), int(tk.tts_codec_end_token_id)),
+        suppress_tokens=(int(tk.tts_codec_start_token_id),), vocab_size=int(tk.vocab_size),
+    )
+
+
+@dataclass(frozen=True)
+class TextRows:
+    """The rows of the thinker's embedding table the talker reads: per speaker (lower-cased name) its bos id and
+    row, and the rows of tts_text_end and tts_text_pad, each (E,)."""
+
+    speakers: dict[str, tuple[int, torch.Tensor]]
+    text_end: torch.Tensor
+    text_pad: torch.Tensor
+
+
+@dataclass
+class Talker25State:
+    """One request's talker state; owned by the caller, never shared."""
+
+    sampler: Sampler
+    handle: Any  # the backend's handle for this request's KV cache
+    prefill_embeds: torch.Tensor | None  # (1, P, H) until the first step runs it
+    prefill_positions: torch.Tensor | None  # (4, 1, P)
+    rope_delta: int
+    ids: torch.Tensor  # the talker's input ids so far (its prompt's codec ids, then its codes): the penalty's history
+    n_ids: int
+    seq_len: int = 0  # tokens in the KV cache
+    text: list[torch.Tensor] = field(default_factory=list)  # text entries (E,), entry g used at decode step g
+    text_done: bool = False
+    codes: list[int] = field(default_factory=list)  # sampled codec ids c_0, c_1, ...
+    steps_done: int = 0
+    finished: bool = False
+
+
+class Qwen2_5OmniTalker:
+    """Step-wise Qwen2.5-Omni talker: projection and codec table here, decoder + codec head behind `backend`."""
+
+    def __init__(self, proj: nn.Module, codec_embed: nn.Module, backend: LMBackend, config: Qwen2_5OmniConfig,
+                 text_rows: TextRows) -> None:
+        self.proj = proj
+        self.codec_embed = codec_embed
+        self.backend = backend
+        self.config = config
+        self.text_rows = text_rows
+        tk: Any = config.talker_config
+        self.codec_mask, self.codec_pad, self.codec_bos = (
+            int(tk.tts_codec_mask_token_id), int(tk.tts_codec_pad_token_id), int(tk.tts_codec_start_token_id))
+        tc: Any = config.thinker_config
+        self.media_ids = (int(tc.audio_token_id), int(tc.image_token_id), int(tc.video_token_id))
+        self.mrope = MropeSpec.for_talker(config)
+
+    @property
+    def speakers(self) -> list[str]:
+        return sorted(self.text_rows.speakers)
+
+    @classmethod
+    def from_hf(cls, model: Any) -> Qwen2_5OmniTalker:
+        """Over a whole transformers `Qwen2_5OmniForConditionalGeneration` with its speakers loaded (the reference
+        path: its talker's modules run in this process)."""
+        talker, table = model.talker, model.thinker.get_input_embeddings()
+        tk: Any = model.config.talker_config
+
+        def row(token: int) -> torch.Tensor:
+            return table(torch.tensor([token]))[0].detach()
+
+        speakers = {name.lower(): (int(p["bos_token"]), row(int(p["bos_token"]))) for name, p in model.speaker_map.items()}
+        rows = TextRows(speakers, row(int(tk.tts_text_end_token_id)), row(int(tk.tts_text_pad_token_id)))
+        return cls(talker.thinker_to_talker_proj, talker.model.embed_tokens,
+                   HFBackend(talker.model, talker.codec_head), model.config, rows)
+
+    def prompt_rows(self, ids: torch.Tensor, embeds: torch.Tensor, last_hidden: torch.Tensor) -> torch.Tensor:
+        """What the thinker sends for its prompt: final hidden (L, E) + layer-0 embeddings (L, E), the media rows'
+        embeddings zeroed, as `generate` builds them."""
+        media = torch.zeros_like(ids, dtype=torch.bool)
+        for media_id in self.media_ids:
+            media |= ids == media_id
+        return last_hidden + embeds.masked_fill(media.view(-1, 1), 0.0)  # (L, E)
+
+    @torch.no_grad()
+    def start(self, input_ids: torch.Tensor, prompt_rows: torch.Tensor, first_token: int, first_reply: torch.Tensor,
+              speaker: str, params: SamplingParams | None = None, generator: torch.Generator | None = None,
+              image_grid_thw: torch.Tensor | None = None, audio_feature_lengths: torch.Tensor | None = None,
+              video_grid_thw: torch.Tensor | None = None, video_second_per_grid: torch.Tensor | None = None,
+              use_audio_in_video: bool = False) -> Talker25State:
+        """Build the prefill exactly as `generate`; `first_token` is generated token 0, `first_reply` (E,) its row
+        r_0."""
+        voice = self.text_rows.speakers.get(speaker.lower())
+        if voice is None:
+            raise ValueError(f"unknown speaker {speaker!r}; valid speakers: {self.speakers}")
+        ids = input_ids.view(-1).long()  # (L,)
+        if prompt_rows.shape[0] != ids.numel():
+            raise ValueError(f"{prompt_rows.shape[0]} prompt rows for {ids.numel()} prompt ids")
+        bos_id, bos_row = voice
+        rows = torch.cat([prompt_rows, bos_row.view(1, -1), first_reply.view(1, -1)])  # (L + 2, E)
+        codec = self.codec_embed(torch.tensor([self.codec_pad, self.codec_bos]))  # (2, E)
+        rows = torch.cat([rows[:-2], rows[-2:] + codec])  # generate adds them in place to the last two rows
+        text_ids = torch.cat([ids, torch.tensor([bos_id, first_token])])  # (L + 2,)
+        positions, rope_delta = prompt_positions(
+            text_ids, self.mrope, image_grid_thw, audio_feature_lengths, video_grid_thw,
+            None if video_second_per_grid is None else video_second_per_grid.view(-1).float(), use_audio_in_video)
+        params = params if params is not None else talker_sampling_params(self.config)
+        history = torch.empty(ids.numel() + 2 + 64, dtype=torch.long)
+        history[:ids.numel()] = self.codec_mask
+        history[ids.numel():ids.numel() + 2] = torch.tensor([self.codec_pad, self.codec_bos])
+        return Talker25State(sampler=Sampler(params, generator), handle=self.backend.open(),
+                             prefill_embeds=self.proj(rows).unsqueeze(0), prefill_positions=positions,
+                             rope_delta=rope_delta, ids=history, n_ids=ids.numel() + 2)
+
+    def push_text(self, state: Talker25State, reply_row: torch.Tensor) -> None:
+        """Append r_j (E,) for the next generated (non-final) token j >= 1."""
+        if state.text_done:
+            raise ValueError("push_text after finish_text: the thinker's text already ended")
+        state.text.append(reply_row.view(-1))
+
+    def finish_text(self, state: Talker25State) -> None:
+        """The thinker sampled its final token: tts_text_end is the next entry, tts_text_pad every later one."""
+        if state.text_done:
+            raise ValueError("finish_text called twice")
+        state.text.append(self.text_rows.text_end)
+        state.text_done = True
+
+    def release(self, state: Talker25State) -> None:
+        self.backend.close(state.handle)
+
+    def can_step(self, state: Talker25State) -> bool:
+        """The prefill is pending, or text entry g of the next decode is known (or past the text's end)."""
+        if state.finished:
+            return False
+        return state.prefill_embeds is not None or state.steps_done < len(state.text) or state.text_done
+
+    def decode_input(self, state: Talker25State) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next decode's input row (H,) and positions (4, 1): proj(codec_embed(c_g) + text entry g)."""
+        g = state.steps_done
+        text = state.text[g] if g < len(state.text) else self.text_rows.text_pad  # (E,)
+        row = self.proj(self.codec_embed(torch.tensor([state.codes[-1]]))[0] + text)  # (H,)
+        positions = decode_positions(state.seq_len, state.rope_delta)[:, 0]  # (4, 1)
+        state.steps_done += 1
+        return row, positions
+
+    @torch.no_grad()
+    def step(self, state: Talker25State) -> torch.Tensor | None:
+        """One talker step: the prefill (returns None), else one decode that returns the previous code (1,)."""
+        if not self.can_step(state):
+            raise ValueError("talker step not possible: " + (
+                "the request finished" if state.finished else
+                f"text entry {state.steps_done} is not known yet (push_text or finish_text first)"))
+        if state.prefill_embeds is not None and state.prefill_positions is not None:
+            embeds, positions = state.prefill_embeds, state.prefill_positions
+            state.prefill_embeds = state.prefill_positions = None
+            self._forward_and_sample(state, embeds, positions)
+            return None
+        code = state.codes[-1]
+        row, positions = self.decode_input(state)
+        self._forward_and_sample(state, row.view(1, 1, -1), positions.unsqueeze(1))
+        return torch.tensor([code], dtype=torch.long)
+
+    def _forward_and_sample(self, state: Talker25State, inputs: torch.Tensor, positions: torch.Tensor) -> None:
+        out = self.backend.forward(state.handle, inputs, positions)
+        state.seq_len += inputs.shape[1]
+        self.sample_next(state, out.logits)
+
+    def sample_next(self, state: Talker25State, logits: torch.Tensor) -> None:
+        """The decoder's logits (V,) for the latest input: sample the next codec id."""
+        token = state.sampler.sample(logits, state.ids[:state.n_ids])
+        if state.n_ids == state.ids.numel():  # doubled when full: amortised O(1) per code
+            state.ids = torch.cat([state.ids, torch.empty_like(state.ids)])
+        state.ids[state.n_ids] = token
+        state.n_ids += 1
+        state.codes.append(token)
+        if state.sampler.is_stop(token) or len(state.codes) >= state.sampler.params.max_tokens:
+            state.finished = True
