@@ -275,8 +275,8 @@ class StagePipeline:
                 legs.append(_Leg(talker, replica, out))
                 replica = plan["vocoder"].replica
                 out = self.mesh.mode(replica, self.mesh.host_id, "gateway")
-                vocoder = await replica.client.open(rid, None, {}, deadline, whole_input=whole, transport=out,
-                                                    metadata=trace)
+                vocoder = await replica.client.open(rid, None, _vocoder_options(request, voice), deadline,
+                                                    whole_input=whole, transport=out, metadata=trace)
                 legs.append(_Leg(vocoder, replica, out))
             relays.append(asyncio.create_task(self._relay(thinker, talker, events, text=True,
                                                           prompt_tokens=int(prompt.input_ids.numel()))))
@@ -472,6 +472,13 @@ def _structured(request: ChatRequest) -> dict[str, str]:
         return {}
     after = {} if request.reasoning_end is None else {STRUCTURED_AFTER_OPTION: request.reasoning_end}
     return {STRUCTURED_OPTION: option_value(*request.structured), **after}
+
+
+def _vocoder_options(request: ChatRequest, voice: str) -> dict[str, str]:
+    """The voice, and the request's seed: a vocoder that conditions on the speaker and draws noise (Qwen2.5-Omni's
+    token2wav) reads them; Qwen3-Omni's code2wav reads neither."""
+    seed = request.sampling.seed
+    return {"speaker": voice, **({"seed": str(seed)} if seed is not None else {})}
 
 
 def _priority(request: ChatRequest) -> dict[str, str]:

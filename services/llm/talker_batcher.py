@@ -26,14 +26,16 @@ import torch
 
 from omnimesh.engine.task import StageTask
 from omnimesh.models.qwen3_omni.lm_engine import InputRun, LMEngine
-from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerState
+from omnimesh.models.qwen3_omni.talker import TalkerState
 from omnimesh.transport.frames import StageChunk
 from services.llm.talker_task import TalkerTask
 
 
 class TalkerBatcher:
-    def __init__(self, talker: Qwen3OmniTalker, engine: LMEngine, predict_batch: Any, first_output_rounds: int = 1):
-        """`predict_batch(prefix (B, 2, H), params tuple) -> [(codes, codec_sum (1, 1, H))]`;
+    def __init__(self, talker: Any, engine: LMEngine, predict_batch: Any, first_output_rounds: int = 1):
+        """`talker`: a `Qwen3OmniTalker`, or a `Qwen2_5OmniTalker` with `predict_batch` None (one codec stream: its
+        `next_inputs` makes the decoder rows where the code predictor would run);
+        `predict_batch(prefix (B, 2, H), params tuple) -> [(codes, codec_sum (1, 1, H))]`;
         `first_output_rounds`: see the module doc."""
         if first_output_rounds < 1:
             raise ValueError(f"first_output_rounds must be >= 1, got {first_output_rounds}")
@@ -118,14 +120,20 @@ class TalkerBatcher:
             task.finish_counts()
             chunks = out[task.request_id]
             if task.finished and isinstance(chunks, list):
+                final = self.talker.final_group(task.state)  # Qwen2.5-Omni at max tokens: its last code
+                if final is not None:
+                    task.held.append(final.view(-1, 1))
                 chunks.extend(task.flush())
 
     def _predict(self, tasks: list[TalkerTask], out: dict[str, list[StageChunk] | BaseException]) -> None:
         states = [cast(TalkerState, t.state) for t in tasks]
-        prefix, params = self.talker.predict_prefixes(states)  # (B, 2, H)
-        results = self.predict_batch(prefix, tuple(params))
-        sums = torch.cat([codec_sum for _, codec_sum in results])  # (B, 1, H)
-        groups, rows, positions = self.talker.after_predict(states, [codes for codes, _ in results], sums)
+        if self.predict_batch is None:  # one codec stream: c_g is the group, no predictor call
+            groups, rows, positions = self.talker.next_inputs(states)
+        else:
+            prefix, params = self.talker.predict_prefixes(states)  # (B, 2, H)
+            results = self.predict_batch(prefix, tuple(params))
+            sums = torch.cat([codec_sum for _, codec_sum in results])  # (B, 1, H)
+            groups, rows, positions = self.talker.after_predict(states, [codes for codes, _ in results], sums)
         for b, task in enumerate(tasks):
             self.engine.feed(task.key, InputRun(rows[b:b + 1], positions[:, b:b + 1]))  # (1, H), (4, 1)
             task.awaiting = True

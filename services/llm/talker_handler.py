@@ -1,5 +1,6 @@
-"""The talker stage service (services/llm, role talker): loads the talker + code predictor and opens a
-TalkerTask per request; sampling defaults are the ones `generate` uses for the talker.
+"""The talker stage service (services/llm, role talker): loads the talker (+ code predictor on Qwen3-Omni; one
+codec stream on Qwen2.5-Omni) and opens a TalkerTask per request; sampling defaults are the ones `generate`
+uses for the talker of the model's family.
 
 Run: `omnimesh stage talker --model DIR --port 50053`. Options: `speaker`; `chunk_schedule` (code groups per
 output chunk, a code_windows schedule such as 5,25; default 1: the gateway sets the vocoder's decode
@@ -15,6 +16,7 @@ import grpc
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.task import StageRequestError
 from omnimesh.models.qwen3_omni.code_windows import parse_windows
+from omnimesh.models.qwen2_5_omni import talker as qwen2_5_talker
 from omnimesh.models.qwen3_omni.sampling import talker_sampling_params
 from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_talker
 from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker
@@ -27,33 +29,35 @@ from services.llm.talker_batcher import TalkerBatcher
 from services.llm.talker_task import TalkerTask
 from services.options import count_option, priority_option
 
-DEFAULT_SPEAKER = "ethan"
-
-
 class TalkerHandler:
     name = "talker"
 
-    def __init__(self, talker: Qwen3OmniTalker, model_name: str, layout: LMLayout, failure: StageFailure,
+    def __init__(self, talker: Qwen3OmniTalker | qwen2_5_talker.Qwen2_5OmniTalker, model_name: str, layout: LMLayout, failure: StageFailure,
                  engine: LMEngine | None = None, max_model_len: int = 0, first_output_rounds: int = 1):
         """`engine` None: a handler that only validates requests (tests); the stage always has one.
         `first_output_rounds`: see TalkerBatcher."""
         self.layout = layout
         self.max_model_len = max_model_len
-        self.batcher = (TalkerBatcher(talker, engine, talker.backend.predict_batch,  # type: ignore[attr-defined]
-                                      first_output_rounds) if engine is not None else None)
+        qwen2_5 = isinstance(talker, qwen2_5_talker.Qwen2_5OmniTalker)
+        self.batcher = None
+        if engine is not None:  # Qwen2.5-Omni's one codec stream has no code predictor to call
+            predict = None if qwen2_5 else talker.backend.predict_batch  # type: ignore[attr-defined]
+            self.batcher = TalkerBatcher(talker, engine, predict, first_output_rounds)
+        self.family = "qwen2.5-omni" if qwen2_5 else "qwen3-omni"
         self.failure = failure
         # one request per pipeline rank at a time; in one process on CPU a second slot where a step of first
         # outputs starts at once beside a bulk step, which pauses for it (EngineLoop `preempt`, StepGate)
         self.preempt = layout.in_process_cpu
         self.max_inflight_steps = 2 if self.preempt else layout.pp
         self.talker = talker
-        self.defaults = talker_sampling_params(talker.config)
+        self.defaults = (qwen2_5_talker.talker_sampling_params(talker.config) if qwen2_5  # type: ignore[arg-type]
+                         else talker_sampling_params(talker.config))  # type: ignore[arg-type]
         self.model_name = model_name
-        # the default voice first: `generate` speaks as "Ethan" unless told otherwise
-        self.speakers = sorted(talker.speakers, key=lambda name: (name != DEFAULT_SPEAKER, name))
+        # the default voice first: the one `generate` speaks with unless told otherwise
+        self.speakers = sorted(talker.speakers, key=lambda name: (name != talker.default_speaker, name))
 
     def info(self) -> stage_pb2.StageInfo:
-        return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen3-omni",
+        return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family=self.family,
                                    pipeline_parallel_size=self.layout.pp, tensor_parallel_size=self.layout.tp,
                                    device="cuda" if self.layout.backend == "nccl" else "cpu", speakers=self.speakers)
 
@@ -80,7 +84,8 @@ def build_handler(model_dir: Path, args: ServeArgs) -> TalkerHandler:
     layout = lm_layout(args, "talker", failure, model_dir)
     talker = load_talker(model_dir, resolve_dtype(args), layout)
     # the talker's own context (prompt rows + codec tokens): its model limit, not the thinker's --max-model-len
-    max_len = int(talker.config.talker_config.text_config.max_position_embeddings)  # type: ignore[union-attr]
+    tk = talker.config.talker_config
+    max_len = int((getattr(tk, "text_config", None) or tk).max_position_embeddings)  # Qwen2.5: its own config
     engine = lm_engine(talker.backend, "talker", args, max_len)
     cfg = args.stage_configs()["talker"]
     handler = TalkerHandler(talker, args.model_name(model_dir), layout, failure, engine, max_len,

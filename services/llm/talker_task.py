@@ -1,5 +1,8 @@
 """TalkerTask: one request in the talker stage — speaks the thinker's text as codec code groups.
 
+`talker` is a `Qwen3OmniTalker`, or a `Qwen2_5OmniTalker` (one codec stream: groups of one code; its
+`token_embeds` rows are the thinker's r_j, see qwen2_5_omni/talker.py); both take the same calls here.
+
 Data flow: thinker chunks arrive (async: one per thinker token; whole: all at once). The first carries the
 TalkerPrompt and the first spoken token's embedding -> `talker.start`; later `token_embeds` ->
 `push_text`; the final chunk -> `finish_text`. The `TalkerBatcher` then steps it in continuous batches:
@@ -18,6 +21,7 @@ request ends.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -25,7 +29,7 @@ from omnimesh.engine.task import BatchedTask
 from omnimesh.models.qwen3_omni.code_windows import window_size
 from omnimesh.models.qwen3_omni.edges import talker_prompt_from_tensors
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
-from omnimesh.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerState
+from omnimesh.models.qwen3_omni.talker import TalkerState
 from omnimesh.models.qwen3_omni.thinker import TalkerPrompt
 from omnimesh.transport.frames import StageChunk
 
@@ -33,7 +37,7 @@ EDGE = "thinker -> talker"
 
 
 class TalkerTask(BatchedTask):
-    def __init__(self, request_id: str, talker: Qwen3OmniTalker, speaker: str, params: SamplingParams,
+    def __init__(self, request_id: str, talker: Any, speaker: str, params: SamplingParams,
                  *, max_model_len: int = 0, batcher: object = None, chunks: tuple[int, ...] = (1,)):
         super().__init__(request_id, batcher)
         if speaker.lower() not in talker.speakers:

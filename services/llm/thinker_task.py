@@ -5,7 +5,10 @@ Data flow: feed(final chunk: input_ids + encoder outputs) -> the `ThinkerBatcher
 when long) within continuous batches. Each time the engine returns logits for the request, `on_output`
 samples one token and returns its chunk: the text delta, `token_ids` (1,), and, when the request wants
 audio, `token_embeds` (1, H) for the talker (the first chunk also carries the TalkerPrompt); a token that
-does not end the request is fed back as the next input row. The final token (a stop id, a stop string,
+does not end the request is fed back as the next input row. Qwen2.5-Omni's talker reads other rows
+(`Qwen3OmniThinker.reply_rows`): its prompt is every prompt row's final hidden + embedding, the first chunk
+also carries `first_token`, and each later chunk's `token_embeds` is the row r_j of the token before (its
+embedding + the final hidden the engine returned with this step's logits), the final chunk's included. The final token (a stop id, a stop string,
 or max tokens) is never spoken: its chunk has no `token_embeds` and ends the stream (final=True).
 A prompt that continues an assistant message (vLLM's continue_final_message; `Qwen3OmniThinker.assistant_lead`)
 gives the talker a prompt that stops at that message's `<|im_start|>assistant\n`, and the first token's chunk
@@ -64,6 +67,7 @@ class ThinkerTask(BatchedTask):
         self.token_ids: list[int] = []  # prompt + generated tokens (what the repetition penalty sees)
         self._history = torch.empty(0, dtype=torch.long)  # the same ids in a buffer of max_model_len (`history`)
         self.captured: list[torch.Tensor] = []  # hidden at accept_hidden_layer of the prompt's media rows
+        self._fed_embed: torch.Tensor | None = None  # Qwen2.5-Omni: the embedding of the token fed last (for r_j)
         if stream_interval < 1 or eager_tokens < 1:
             raise ValueError(f"stream_interval and eager_tokens must be >= 1, got {stream_interval}, {eager_tokens}")
         self.stream_interval = stream_interval
@@ -143,12 +147,14 @@ class ThinkerTask(BatchedTask):
         if room < p.max_tokens:  # and min_tokens with it: no request can ask for more than fits
             self.sampler = Sampler(replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room)),
                                    self.sampler.generator)
-        capture = prompt.mm_mask if self.talker_inputs and bool(prompt.mm_mask.any()) else None
+        capture = self.thinker.capture_rows(prompt) if self.talker_inputs else None
         keys = targets = None
         k = self.sampler.params.prompt_logprobs
         if k is not None:  # each row scored against the prompt token after it (the last row: the first sample)
             targets = torch.cat([prompt.ids.view(-1)[1:].long(), torch.tensor([-1])])
-        elif self.prefix_caching:  # token ids and positions, media rows by their items' digests (prefix_keys.py)
+        elif self.prefix_caching and not (capture is not None and self.thinker.reply_rows):
+            # token ids and positions, media rows by their items' digests (prefix_keys.py); not for Qwen2.5-Omni's
+            # speech, whose talker reads every prompt row's hidden (the cache keeps only media rows' hidden)
             # (not with prompt logprobs: rows the cache served would have no scores, as vLLM skips the cache)
             hashes = {name: t.get(name) for name in ("audio_hashes", "image_hashes", "video_hashes")}
             keys = prompt_prefix_keys(self.thinker, prompt, hashes, captured=capture is not None)
@@ -170,13 +176,16 @@ class ThinkerTask(BatchedTask):
             raise RuntimeError("logits before the prompt was prepared")
         tensors: dict[str, torch.Tensor] = {}
         spoken: list[torch.Tensor] = []  # this chunk's rows of text for the talker
-        if self.completion_tokens == 0 and self.talker_inputs:
+        first = self.completion_tokens == 0
+        if first and self.talker_inputs:
             hidden = torch.cat(self.captured) if self.captured else prompt.embeds.new_zeros(0, prompt.embeds.shape[1])
             lead = self.thinker.assistant_lead(prompt.ids)  # a continued assistant message: spoken first
             tensors.update(talker_prompt_to_tensors(self.thinker.talker_prompt(prompt, hidden, lead)))
             if lead:
                 spoken.append(prompt.embeds[prompt.ids.numel() - lead:])  # (lead, H)
             self.captured = []
+        elif self.talker_inputs and self.thinker.reply_rows and self._fed_embed is not None:
+            spoken.append(self.thinker.reply_row(self._fed_embed, out.last_hidden))  # the previous token's r_j
         grammar = self.constraint if self.structured_after is None else None  # none yet while it reasons
         grammar_done = grammar is not None and grammar.complete
         if grammar is None:
@@ -188,6 +197,8 @@ class ThinkerTask(BatchedTask):
             grammar.accept(token)
         self.completion_tokens += 1
         tensors["token_ids"] = torch.tensor([token], dtype=torch.long)
+        if first and self.talker_inputs and self.thinker.reply_rows:
+            tensors["first_token"] = tensors["token_ids"]  # Qwen2.5-Omni's talker positions its prompt with it
         stop = grammar_done or self.sampler.is_stop(token)
         at_max = self.completion_tokens >= self.sampler.params.max_tokens
         k = self.sampler.params.logprobs
@@ -213,12 +224,16 @@ class ThinkerTask(BatchedTask):
             elif stop and not grammar_done and token in self.requested_stops and token not in self.own_stops:
                 self.stop_reason = token  # vLLM's: a request's stop id (the model's own EOS says nothing)
             if spoken:
-                tensors["token_embeds"] = spoken[0]
+                tensors["token_embeds"] = torch.cat(spoken) if len(spoken) > 1 else spoken[0]
             return self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs, prompt_logprobs=scored)), None
         embed, positions = self.thinker.token_input(token, len(self.token_ids), prompt.rope_delta)
         self._history[len(self.token_ids)] = token
         self.token_ids.append(token)
-        if self.talker_inputs:
+        if self.talker_inputs and self.thinker.reply_rows:  # its row r_j leaves with the next token's chunk
+            self._fed_embed = embed
+            if spoken:
+                tensors["token_embeds"] = spoken[0]  # (1, H)
+        elif self.talker_inputs:
             spoken.append(embed.view(1, -1))
             tensors["token_embeds"] = torch.cat(spoken) if len(spoken) > 1 else spoken[0]  # (k, H)
         return (self._send(StageChunk(tensors=tensors, text=text, logprobs=logprobs, prompt_logprobs=scored)),

@@ -23,6 +23,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.task import StageRequestError
 from omnimesh.kernels import cpu_kernels
+from omnimesh.models.qwen3_omni.checkpoint_stages import model_family
 from omnimesh.models.qwen3_omni.code2wav import CPU_CONV_ROWS
 from omnimesh.models.qwen3_omni.code2wav_shard import Code2WavTransformerBackend
 from omnimesh.models.qwen3_omni.code_windows import DEFAULT_WINDOWS, parse_windows
@@ -32,6 +33,7 @@ from omnimesh.server.stage_failure import StageFailure
 from omnimesh.stage_registry import lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
 from services.options import count_option
+from services.vocoder.token2wav_handler import Token2WavHandler, build_token2wav_handler
 from services.vocoder.vocoder_batcher import VocoderBatcher
 from services.vocoder.vocoder_task import SAMPLE_RATE, VocoderTask
 
@@ -78,7 +80,10 @@ class VocoderHandler:
         return VocoderTask(msg.request_id, self.code2wav, windows, self.transformer)
 
 
-def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler:
+def build_handler(model_dir: Path, args: ServeArgs) -> VocoderHandler | Token2WavHandler:
+    """Qwen3-Omni's code2wav (this module), or Qwen2.5-Omni's token2wav (token2wav_handler.py)."""
+    if model_family(model_dir) == "qwen2.5-omni":
+        return build_token2wav_handler(model_dir, args)
     failure = StageFailure()
     layout = lm_layout(args, "vocoder", failure, model_dir)
     code2wav, transformer = load_code2wav(model_dir, resolve_dtype(args), layout)

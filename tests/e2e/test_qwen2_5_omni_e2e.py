@@ -1,23 +1,30 @@
-"""A Qwen2.5-Omni checkpoint served by `omnimesh serve`: text out, through the encoder and thinker stages.
+"""A Qwen2.5-Omni checkpoint served by `omnimesh serve`: text and speech out, through all four stages.
 
 The tiny Qwen2.5-Omni folder (`omnimesh make-tiny --family qwen2.5-omni`, laid out like Qwen2.5-Omni-7B:
-`thinker.audio_tower.*`, `thinker.visual.*`, `thinker.model.*`, talker, token2wav, spk_dict.pt) is served with
-the thinker split over two pipeline ranks (gloo), the encoder on one rank:
+`thinker.audio_tower.*`, `thinker.visual.*`, `thinker.model.*`, `talker.*`, `token2wav.*`, spk_dict.pt) is served
+with the thinker split over two pipeline ranks and the talker over two tensor-parallel ranks (gloo), the encoder
+and token2wav on one rank each. Against `transformers` on the same folder (tests/e2e/reference_qwen2_5.py):
 
-- the launcher starts the encoder and thinker only and says why; `omnimesh stage talker` on it exits 2;
-- greedy text equals `Qwen2_5OmniThinkerForConditionalGeneration.generate` on the same folder token for token,
-  for a text prompt, one with an audio clip and an image, and one with a 6 s video whose soundtrack interleaves
-  with its frames in 2 s chunks (`use_audio_in_video`: where Qwen2.5-Omni's placeholder layout and M-RoPE index
-  differ from Qwen3-Omni's), whole and streamed, and each token's log-probability within 2e-5 of `generate`'s
-  (the random tiny weights barely feel positions: Qwen3-Omni's index on the video prompt gives the same text
-  but log-probabilities ~1e-4 off);
-- 8 requests at once (continuous batching, mixed text and media) each equal their own `generate`;
-- speech is a 400 naming the checkpoint; the stages report the family.
+- greedy text equals the thinker's `generate` token for token with each token's logprob within 2e-5, for a text
+  prompt, one with an audio clip and an image, and one with a 6 s video whose soundtrack interleaves with its
+  frames in 2 s chunks (`use_audio_in_video`: where Qwen2.5-Omni's placeholder layout and M-RoPE index differ
+  from Qwen3-Omni's; the random tiny weights barely feel positions, so the logprobs are what tells), whole
+  and streamed;
+- speech (`modalities: ["text", "audio"]`) equals transformers' talker stepped greedily and its token2wav under
+  the same seed: the codes' count, and the WAV's samples within 4 LSB of pcm16, for a text prompt and for one
+  with an audio clip and an image; a request's `seed` changes only the token2wav noise; streamed, the audio
+  arrives whole at the end (this token2wav is not streamed yet);
+- 8 requests at once (continuous batching, mixed media, some speaking) each equal their own reference;
+- the stages report the family and their layouts; voices are the checkpoint's speakers, Chelsie first (the
+  default voice of its `generate`), and `/v1/audio/speech` speaks with them.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import wave
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,21 +32,22 @@ from typing import Any
 
 import grpc
 import httpx
+import numpy as np
 import pytest
-import torch
-from mesh_harness import Mesh, refused_stage, start_mesh
+from mesh_harness import Mesh, start_mesh
 from reference import chat_request, mp4_bytes, openai_content, png_bytes, sine_wav
+from reference_qwen2_5 import Qwen2_5Reference
 
-from gateway.prompt import PromptBuilder
 from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni
-from omnimesh.models.qwen2_5_omni.tiny_config import SPECIAL_TOKENS
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 
 NAME = "tiny-qwen2.5-omni"
-LOGPROB_TOL = 2e-5  # nats; the mesh's Qwen2.5 layers run op by op (no fused kernel: q/k/v biases)
 MAX_TOKENS = 12
+TALKER_MAX = 40
+LOGPROB_TOL = 2e-5  # nats; the mesh's Qwen2.5 layers run op by op (no fused kernel: q/k/v biases)
 PROMPTS = ["Tell me about the sea.", "What do you hear and see?", "Count to ten.", "Describe a forest."]
 MEDIA = ("text", "audio+image", "video+sound")
+SPEAK = {"modalities": ["text", "audio"], "stage_params": {"talker": {"temperature": 0, "max_tokens": TALKER_MAX}}}
 
 
 def _mp4() -> bytes:
@@ -53,115 +61,138 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(model_dir: Path) -> Iterator[Mesh]:
-    m = start_mesh(model_dir, "--served-model-name", NAME, "--stage-overrides", '{"thinker": {"pp": 2}}')
+    # the random talker never says its codec end: an operator default bounds what /v1/audio/speech gets
+    overrides = {"thinker": {"pp": 2}, "talker": {"tp": 2, "default_sampling_params": {"max_tokens": 60}}}
+    m = start_mesh(model_dir, "--served-model-name", NAME, "--stage-overrides", json.dumps(overrides))
     yield m
     assert m.proc.stop() == 0, m.proc.output()
 
 
-class Reference:
-    """transformers' thinker on the same folder, greedy, stopping where the server's thinker stops."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
-
-        self.model_dir = model_dir
-        self.thinker = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir).thinker.eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.prompts = PromptBuilder(model_dir, max_model_len=4096)
-
-    def text(self, prompt: str, media: str) -> str:
-        return self.generate(prompt, media)[0]
-
-    @torch.no_grad()
-    def generate(self, prompt: str, media: str) -> tuple[str, list[float]]:
-        """Greedy text and each generated token's log-probability under the raw logits."""
-        clip, image = (sine_wav(), png_bytes()) if media == "audio+image" else (None, None)
-        video = _mp4() if media == "video+sound" else None
-        req = chat_request(prompt, clip, image, max_tokens=MAX_TOKENS, talker_max=0, modalities=("text",),
-                           mp4=video, model_dir=self.model_dir, use_audio_in_video=video is not None)
-        p = self.prompts(req)
-        kwargs: dict[str, Any] = {}
-        if p.input_features is not None:
-            kwargs.update(input_features=p.input_features, feature_attention_mask=p.feature_attention_mask)
-        if p.pixel_values is not None:
-            kwargs.update(pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
-        if p.pixel_values_videos is not None:
-            kwargs.update(pixel_values_videos=p.pixel_values_videos, video_grid_thw=p.video_grid_thw,
-                          video_second_per_grid=p.video_second_per_grid, use_audio_in_video=p.use_audio_in_video)
-        ids = p.input_ids.view(1, -1)
-        out = self.thinker.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                    do_sample=False, eos_token_id=[SPECIAL_TOKENS["<|im_end|>"],
-                                                                    SPECIAL_TOKENS["<|endoftext|>"]],
-                                    output_logits=True, return_dict_in_generate=True, **kwargs)
-        gen = out.sequences[0, ids.shape[1]:].tolist()
-        logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # (n, V)
-        return self.tokenizer.decode(gen, skip_special_tokens=True), [float(logprobs[i, t]) for i, t in enumerate(gen)]
-
-
 @pytest.fixture(scope="module")
-def reference(model_dir: Path) -> Reference:
-    return Reference(model_dir)
+def reference(model_dir: Path) -> Qwen2_5Reference:
+    return Qwen2_5Reference(model_dir)
+
+
+def _request(model_dir: Path, prompt: str, media: str) -> Any:
+    clip, image = (sine_wav(), png_bytes()) if media == "audio+image" else (None, None)
+    video = _mp4() if media == "video+sound" else None
+    return chat_request(prompt, clip, image, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX, mp4=video,
+                        model_dir=model_dir, use_audio_in_video=video is not None)
 
 
 def _body(prompt: str, media: str, **extra: Any) -> dict[str, Any]:
     clip, image = (sine_wav(), png_bytes()) if media == "audio+image" else (None, None)
     video = _mp4() if media == "video+sound" else None
-    content = openai_content(prompt, clip, image, video)
-    body = {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, **extra}
+    body = {"model": NAME, "messages": [{"role": "user", "content": openai_content(prompt, clip, image, video)}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
     if video is not None:
         body["mm_processor_kwargs"] = {"use_audio_in_video": True}
     return body
 
 
 def _chat(url: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=180)
 
 
-def test_only_the_encoder_and_thinker_run(served: Mesh, model_dir: Path) -> None:
-    assert sorted(served.stages) == ["encoder", "thinker"]
-    assert "is a Qwen2.5-Omni checkpoint: omnimesh serves its thinker" in served.proc.output()
-    assert f"stage talker: the model {NAME} is a Qwen2.5-Omni checkpoint" in refused_stage(model_dir, "talker")
+def _pcm(message: dict[str, Any]) -> np.ndarray:
+    with wave.open(io.BytesIO(base64.b64decode(message["audio"]["data"]))) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+
+
+def _pcm16(x: np.ndarray) -> np.ndarray:
+    return np.round(np.clip(x, -1, 1) * 32767).astype(np.int16)
+
+
+def test_the_four_stages_run_split_as_asked(served: Mesh) -> None:
+    assert sorted(served.stages) == ["encoder", "talker", "thinker", "vocoder"]
+    layouts = {"encoder": (1, 1), "thinker": (2, 1), "talker": (1, 2), "vocoder": (1, 1)}
     for stage, address in served.stages.items():
         with grpc.insecure_channel(address) as ch:
             info = stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=30)
         assert info.family == "qwen2.5-omni", (stage, info)
-        assert (info.pipeline_parallel_size, info.tensor_parallel_size) == ((2, 1) if stage == "thinker" else (1, 1))
+        assert (info.pipeline_parallel_size, info.tensor_parallel_size) == layouts[stage], stage
+    voices = httpx.get(f"{served.rest}/v1/audio/voices", timeout=30).json()
+    assert voices["voices"] == ["chelsie", "ethan"] and voices["default"] == "chelsie", voices
 
 
 @pytest.mark.parametrize("media", MEDIA)
-def test_text_equals_generate(served: Mesh, reference: Reference, media: str) -> None:
+def test_text_equals_generate(served: Mesh, model_dir: Path, reference: Qwen2_5Reference, media: str) -> None:
     prompt = PROMPTS[0] if media == "text" else PROMPTS[1]
-    want, logprobs = reference.generate(prompt, media)
-    assert want, "the reference generated no text"
+    want = reference.thinker(reference.prompts(_request(model_dir, prompt, media)), MAX_TOKENS)
+    assert want.text, "the reference generated no text"
     got = _chat(served.rest, _body(prompt, media, logprobs=True))
     assert got.status_code == 200, got.text
     choice = got.json()["choices"][0]
-    assert choice["message"]["content"] == want
+    assert choice["message"]["content"] == want.text
     entries = [e["logprob"] for e in choice["logprobs"]["content"]]
-    assert entries == pytest.approx(logprobs[:len(entries)], abs=LOGPROB_TOL) and len(entries) >= len(logprobs) - 1
+    assert entries == pytest.approx(want.logprobs[:len(entries)], abs=LOGPROB_TOL)
+    assert len(entries) >= len(want.logprobs) - 1
     deltas = []
     with httpx.stream("POST", f"{served.rest}/v1/chat/completions", json=_body(prompt, media, stream=True),
                       timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 deltas += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
-    assert "".join(deltas) == want
+    assert "".join(deltas) == want.text
 
 
-def test_concurrent_requests_each_equal_generate(served: Mesh, reference: Reference) -> None:
-    cases = [(p, MEDIA[i % 3]) for i, p in enumerate(PROMPTS * 2)]
-    want = [reference.text(p, m) for p, m in cases]
+@pytest.mark.parametrize("media", ["text", "audio+image"])
+def test_speech_equals_transformers(served: Mesh, model_dir: Path, reference: Qwen2_5Reference, media: str) -> None:
+    prompt = PROMPTS[0] if media == "text" else PROMPTS[1]
+    thinker, codes, wav = reference.speech(_request(model_dir, prompt, media), max_tokens=MAX_TOKENS,
+                                           talker_max=TALKER_MAX, speaker="chelsie", seed=0)
+    assert len(codes) >= 5 and float(wav.abs().max()) > 1e-2, "the reference should speak audibly"
+    got = _chat(served.rest, _body(prompt, media, **SPEAK))
+    assert got.status_code == 200, got.text
+    message = got.json()["choices"][0]["message"]
+    assert message["content"] == thinker.text and message["audio"]["transcript"] == thinker.text
+    pcm = _pcm(message)
+    assert pcm.shape == (len(codes) * 480,)
+    assert np.abs(pcm.astype(np.int32) - _pcm16(wav.numpy())).max() <= 4  # within 1e-4 before quantising
+    seeded = _chat(served.rest, _body(prompt, media, seed=7, **SPEAK)).json()["choices"][0]["message"]
+    other = reference.waveform(codes, "chelsie", seed=7).numpy()
+    assert seeded["content"] == thinker.text and np.abs(_pcm(seeded).astype(np.int32) - _pcm16(other)).max() <= 4
+    assert not np.array_equal(_pcm(seeded), pcm)
+
+
+def test_streamed_speech_arrives_whole_at_the_end(served: Mesh, model_dir: Path, reference: Qwen2_5Reference) -> None:
+    thinker, codes, wav = reference.speech(_request(model_dir, PROMPTS[0], "text"), max_tokens=MAX_TOKENS,
+                                           talker_max=TALKER_MAX, speaker="ethan", seed=0)
+    body = _body(PROMPTS[0], "text", stream=True, audio={"voice": "ethan", "format": "pcm16"}, **SPEAK)
+    text, audio = [], []
+    with httpx.stream("POST", f"{served.rest}/v1/chat/completions", json=body, timeout=180) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    text.append(choice["delta"].get("content") or "")
+                    if choice["delta"].get("audio", {}).get("data"):
+                        audio.append(np.frombuffer(base64.b64decode(choice["delta"]["audio"]["data"]), dtype="<i2"))
+    assert "".join(text) == thinker.text
+    assert len(audio) == 1  # token2wav decodes the whole stream at its end
+    assert np.abs(audio[0].astype(np.int32) - _pcm16(wav.numpy())).max() <= 4
+
+
+def test_concurrent_requests_each_equal_their_reference(served: Mesh, model_dir: Path,
+                                                        reference: Qwen2_5Reference) -> None:
+    cases = [(p, MEDIA[i % 3], i % 4 == 0) for i, p in enumerate(PROMPTS * 2)]
+    want = [reference.speech(_request(model_dir, p, m), max_tokens=MAX_TOKENS, talker_max=TALKER_MAX,
+                             speaker="chelsie", seed=0) if speak else
+            (reference.thinker(reference.prompts(_request(model_dir, p, m)), MAX_TOKENS), None, None)
+            for p, m, speak in cases]
     with ThreadPoolExecutor(len(cases)) as pool:
-        got = list(pool.map(lambda c: _chat(served.rest, _body(*c)), cases))
-    assert [g.json()["choices"][0]["message"]["content"] for g in got] == want
+        got = list(pool.map(lambda c: _chat(served.rest, _body(c[0], c[1], **(SPEAK if c[2] else {}))), cases))
+    for (thinker, codes, wav), response in zip(want, got):
+        message = response.json()["choices"][0]["message"]
+        assert message["content"] == thinker.text
+        if wav is not None:
+            assert np.abs(_pcm(message).astype(np.int32) - _pcm16(wav.numpy())).max() <= 4
 
 
-def test_speech_is_refused_naming_the_checkpoint(served: Mesh) -> None:
-    r = _chat(served.rest, _body(PROMPTS[0], "text", modalities=["text", "audio"]))
-    assert r.status_code == 400 and "is a Qwen2.5-Omni checkpoint" in r.json()["error"]["message"], r.text
-    assert r.json()["error"]["param"] == "modalities"
-    r = httpx.post(f"{served.rest}/v1/audio/speech", json={"model": NAME, "input": "Hello."}, timeout=60)
-    assert r.status_code == 400 and "not yet its talker and token2wav" in r.json()["error"]["message"], r.text
-    voices = httpx.get(f"{served.rest}/v1/audio/voices", timeout=30).json()
-    assert voices["voices"] == [], voices
+def test_the_speech_endpoint_speaks(served: Mesh) -> None:
+    r = httpx.post(f"{served.rest}/v1/audio/speech", json={"model": NAME, "input": "Hello there.", "voice": "ethan",
+                                                           "response_format": "wav"}, timeout=180)
+    assert r.status_code == 200, r.text
+    with wave.open(io.BytesIO(r.content)) as w:
+        assert w.getframerate() == 24000 and w.getnframes() == 60 * 480  # the talker's operator default: 60 codes

@@ -1,9 +1,12 @@
 """The thinker adapter over a Qwen2.5-Omni config: its M-RoPE index, audio token count and talker hand-off.
 
+(`thinker_prompt`: its talker reads every prompt row's final hidden + its embedding, the media rows' embeddings
+zeroed, and speaks only generated text; tests/models/test_qwen2_5_talker.py checks the rows the talker gets.)
+
 `mrope.prompt_positions` with a Qwen2.5-Omni spec equals the model's own `get_rope_index` on a prompt whose
 6 s video interleaves with its soundtrack in 2 s chunks (where Qwen2.5-Omni's index differs from Qwen3-Omni's,
 which the test shows too); `Qwen3OmniThinker` counts audio rows by Qwen2.5's formula, refuses a mismatched
-count, captures nothing for a talker and refuses to build a talker prompt.
+count, captures every prompt row's final hidden for its talker, and builds the talker's prompt rows.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def test_the_thinker_counts_audio_rows_by_qwen2_5s_rule(folder: Path) -> None:
     text_model = full.thinker.model.language_model
     thinker = Qwen3OmniThinker(text_model.embed_tokens, HFBackend(text_model, full.thinker.lm_head), full.config)
     assert thinker.audio_tokens(torch.tensor([300, 457, 200])).tolist() == [75, 114, 50]
-    assert thinker.accept_hidden_layer is None and thinker.deepstack_layers == 0
+    assert thinker.accept_hidden_layer == 4 and thinker.reply_rows and thinker.deepstack_layers == 0
     audio = int(full.config.thinker_config.audio_token_id)
     ids = torch.tensor([1, 2] + [audio] * 50 + [3])
     embeds = torch.zeros(50, 64)
@@ -68,23 +71,33 @@ def test_the_thinker_counts_audio_rows_by_qwen2_5s_rule(folder: Path) -> None:
     assert prompt.positions.shape == (4, ids.numel()) and int(prompt.mm_mask.sum()) == 50
     with pytest.raises(ValueError, match=r"audio_feature_lengths \[300\] give 75 audio tokens, the prompt has 50"):
         thinker.prepare(ids, audio_embeds=embeds, audio_feature_lengths=torch.tensor([300]))
-    with pytest.raises(ValueError, match="feeds no talker"):
-        thinker.talker_prompt(prompt, torch.zeros(50, 64))
+    capture = thinker.capture_rows(prompt)
+    assert capture is not None and bool(capture.all())  # every row's final hidden goes to the talker
+    hidden = torch.randn(ids.numel(), 64)
+    talk = thinker.talker_prompt(prompt, hidden)
+    want = hidden + prompt.embeds.masked_fill(prompt.mm_mask.view(-1, 1), 0.0)
+    assert torch.equal(talk.prompt_embeds, want) and torch.equal(talk.prompt_embeds[2:52], hidden[2:52])
+    assert thinker.assistant_lead(ids) == 0 and talk.multimodal_hidden.numel() == 0
+    row = thinker.reply_row(torch.ones(64), torch.full((1, 1, 64), 2.0))
+    assert row.shape == (1, 64) and bool((row == 3).all())
 
 
-def test_the_checkpoint_serves_text_and_its_encoder_one_rank(folder: Path, tmp_path: Path) -> None:
+def test_the_checkpoint_runs_four_stages_its_encoder_and_token2wav_on_one_rank(folder: Path, tmp_path: Path) -> None:
     import json
 
     from omnimesh.config.stage_config import StageConfig
     from omnimesh.models.qwen3_omni.checkpoint_stages import model_family, model_stages, text_only_reason
     from omnimesh.models.qwen3_omni.parallel_plan import check_layout
 
-    assert model_family(folder) == "qwen2.5-omni" and model_stages(folder) == ("encoder", "thinker")
-    assert "is a Qwen2.5-Omni checkpoint" in (text_only_reason(folder) or "")
+    assert model_family(folder) == "qwen2.5-omni"
+    assert model_stages(folder) == ("encoder", "thinker", "talker", "vocoder") and text_only_reason(folder) is None
     config = load_config(folder)
-    assert check_layout(config, {"encoder": StageConfig(), "thinker": StageConfig(pp=2, tp=2)}) == []
+    assert check_layout(config, {"encoder": StageConfig(), "thinker": StageConfig(pp=2, tp=2),
+                                 "talker": StageConfig(pp=2, tp=2), "vocoder": StageConfig()}) == []
     with pytest.raises(ValueError, match=r"stage encoder \(audio tower\): Qwen2.5-Omni's encoder runs on one rank"):
         check_layout(config, {"encoder": StageConfig(tp=2)})
+    with pytest.raises(ValueError, match=r"stage vocoder \(token2wav DiT\): Qwen2.5-Omni's token2wav runs on one rank"):
+        check_layout(config, {"vocoder": StageConfig(pp=2)})
     with pytest.raises(ValueError, match="tp=3 does not divide the thinker LM's 4 attention heads"):
         check_layout(config, {"thinker": StageConfig(tp=3)})
     other = tmp_path / "other"

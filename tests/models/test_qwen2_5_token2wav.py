@@ -50,7 +50,7 @@ def test_equals_generate_under_the_same_seed(folder: Path) -> None:
     got = ours(codes, "ethan", seed=1234)
     assert got.shape == wav.shape == (codes.numel() * SAMPLES_PER_CODE,)
     assert torch.equal(got, wav.float())
-    assert wav.abs().max() > 0
+    assert wav.abs().max() > 1e-2  # audible: the tiny builder redraws BigVGAN's convs
     assert torch.equal(ours(codes, "Ethan", seed=1234), got)
     assert not torch.equal(ours(codes, "ethan", seed=1235), got)
     assert not torch.equal(ours(codes, "chelsie", seed=1234), got)

@@ -177,7 +177,7 @@ def test_handlers_refuse_out_of_range_ids_in_open() -> None:
     config = tiny_qwen3_omni_config()
     thinker = ThinkerHandler(SimpleNamespace(config=config), None, None, "m", 64, LMLayout(),  # type: ignore[arg-type]
                              StageFailure())
-    talker = TalkerHandler(SimpleNamespace(config=config, speakers=["ethan"]), "m", LMLayout(),  # type: ignore[arg-type]
+    talker = TalkerHandler(SimpleNamespace(config=config, speakers=["ethan"], default_speaker="ethan"), "m", LMLayout(),  # type: ignore[arg-type]
                            StageFailure())
     bad = stage_pb2.Open(request_id="r", sampling=wire(stop_token_ids=[THINKER_VOCAB]))
     with pytest.raises(ValueError, match=rf"\[0, {THINKER_VOCAB}\)"):

@@ -14,8 +14,9 @@ What comes from the thinker, all in the thinker's embedding width E:
     `TextRows`: the thinker's embeddings of each speaker's bos token, of tts_text_end and of tts_text_pad (the
         talker stage reads those rows of the thinker's table, never the whole table)
 
-Data flow:
-    start(prompt ids (L,), prompt rows, token 0, r_0, speaker, media grids) -> Talker25State, prefill built:
+Data flow (the edge's `TalkerPrompt` carries the prompt ids, the prompt rows as `prompt_embeds`, generated token
+0's id as `first_token` and the media grids; thinker.py builds it):
+    start(TalkerPrompt, speaker, r_0) -> Talker25State, prefill built (not run):
         [prompt rows; bos(speaker); r_0] (L + 2, E), + codec_pad's and codec_bos's embeddings on the last two,
         -> thinker_to_talker_proj -> (L + 2, H); positions: the M-RoPE index of [prompt ids, the speaker's bos
         id, generated token 0] (transformers' own for Qwen2.5-Omni, mrope.py)
@@ -25,22 +26,32 @@ Data flow:
         g + 1 feeds proj(codec_embed(c_g) + text entry g), samples c_{g+1} and emits c_g. Text entry g is
         r_{g+1}: decode step g needs the thinker to have fed generated token g + 1 (`can_step`).
     The request ends at the first stop id (codec pad or codec end, never emitted) or max tokens.
+The talker stage's batcher (services/llm/talker_batcher.py) drives the same state through `prefill_input`,
+`needs_predict` (here: the next decode's text entry is known), `next_inputs` (B requests' decode rows at once;
+the place Qwen3-Omni's code predictor runs) and `sample_next` / `sample_next_batch`.
 Sampling: `generate`'s talker defaults (`talker_sampling_params`); the repetition penalty reads the talker's
 whole input ids, its prompt's codec mask / pad / bos ids included, as `generate` passes them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import Qwen2_5OmniConfig
 
 from omnimesh.models.qwen3_omni.lm_backend import HFBackend, LMBackend
-from omnimesh.models.qwen3_omni.mrope import MropeSpec, decode_positions, prompt_positions
-from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
+from omnimesh.models.qwen3_omni.mrope import MropeSpec, decode_positions, decode_positions_batch, prompt_positions
+from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams, greedy_batch
+from omnimesh.models.qwen3_omni.talker import take_prefill
+from omnimesh.models.qwen3_omni.thinker import TalkerPrompt
+
+DEFAULT_SPEAKER = "chelsie"  # `generate`'s default voice
 
 
 def talker_sampling_params(config: Qwen2_5OmniConfig, do_sample: bool = True, max_tokens: int = 4096,
@@ -89,6 +100,9 @@ class Talker25State:
 class Qwen2_5OmniTalker:
     """Step-wise Qwen2.5-Omni talker: projection and codec table here, decoder + codec head behind `backend`."""
 
+    default_speaker = DEFAULT_SPEAKER
+    num_code_groups = 1  # one codec stream (Qwen3-Omni's talker emits groups of 16)
+
     def __init__(self, proj: nn.Module, codec_embed: nn.Module, backend: LMBackend, config: Qwen2_5OmniConfig,
                  text_rows: TextRows) -> None:
         self.proj = proj
@@ -131,27 +145,27 @@ class Qwen2_5OmniTalker:
         return last_hidden + embeds.masked_fill(media.view(-1, 1), 0.0)  # (L, E)
 
     @torch.no_grad()
-    def start(self, input_ids: torch.Tensor, prompt_rows: torch.Tensor, first_token: int, first_reply: torch.Tensor,
-              speaker: str, params: SamplingParams | None = None, generator: torch.Generator | None = None,
-              image_grid_thw: torch.Tensor | None = None, audio_feature_lengths: torch.Tensor | None = None,
-              video_grid_thw: torch.Tensor | None = None, video_second_per_grid: torch.Tensor | None = None,
-              use_audio_in_video: bool = False) -> Talker25State:
-        """Build the prefill exactly as `generate`; `first_token` is generated token 0, `first_reply` (E,) its row
-        r_0."""
+    def start(self, prompt: TalkerPrompt, speaker: str, first_reply: torch.Tensor, params: SamplingParams | None = None,
+              generator: torch.Generator | None = None) -> Talker25State:
+        """Build the prefill exactly as `generate`; `first_reply` (E,) is r_0, generated token 0's row (its id is
+        the prompt's `first_token`)."""
         voice = self.text_rows.speakers.get(speaker.lower())
         if voice is None:
             raise ValueError(f"unknown speaker {speaker!r}; valid speakers: {self.speakers}")
-        ids = input_ids.view(-1).long()  # (L,)
+        if prompt.first_token is None:
+            raise ValueError("thinker -> talker: the prompt has no first_token (generated token 0's id)")
+        ids, prompt_rows, first_token = prompt.input_ids.view(-1).long(), prompt.prompt_embeds, int(prompt.first_token)
         if prompt_rows.shape[0] != ids.numel():
             raise ValueError(f"{prompt_rows.shape[0]} prompt rows for {ids.numel()} prompt ids")
+        seconds = prompt.video_second_per_grid
         bos_id, bos_row = voice
         rows = torch.cat([prompt_rows, bos_row.view(1, -1), first_reply.view(1, -1)])  # (L + 2, E)
         codec = self.codec_embed(torch.tensor([self.codec_pad, self.codec_bos]))  # (2, E)
         rows = torch.cat([rows[:-2], rows[-2:] + codec])  # generate adds them in place to the last two rows
         text_ids = torch.cat([ids, torch.tensor([bos_id, first_token])])  # (L + 2,)
         positions, rope_delta = prompt_positions(
-            text_ids, self.mrope, image_grid_thw, audio_feature_lengths, video_grid_thw,
-            None if video_second_per_grid is None else video_second_per_grid.view(-1).float(), use_audio_in_video)
+            text_ids, self.mrope, prompt.image_grid_thw, prompt.audio_feature_lengths, prompt.video_grid_thw,
+            None if seconds is None else seconds.view(-1).float(), prompt.use_audio_in_video)
         params = params if params is not None else talker_sampling_params(self.config)
         history = torch.empty(ids.numel() + 2 + 64, dtype=torch.long)
         history[:ids.numel()] = self.codec_mask
@@ -213,9 +227,51 @@ class Qwen2_5OmniTalker:
         state.seq_len += inputs.shape[1]
         self.sample_next(state, out.logits)
 
-    def sample_next(self, state: Talker25State, logits: torch.Tensor) -> None:
-        """The decoder's logits (V,) for the latest input: sample the next codec id."""
-        token = state.sampler.sample(logits, state.ids[:state.n_ids])
+    # --- the batched stage path (services/llm/talker_batcher.py)
+
+    def prefill_input(self, state: Talker25State) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill rows (P, H) and positions (4, P); the state then counts them as fed."""
+        return take_prefill(state)
+
+    def needs_predict(self, state: Talker25State) -> bool:
+        """The prefill ran, c_g is sampled and the next decode's text entry is known: `next_inputs` can run."""
+        return state.prefill_embeds is None and bool(state.codes) and self.can_step(state)
+
+    @torch.no_grad()
+    def next_inputs(self, states: Sequence[Talker25State]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """B requests' next decodes: (codes (B, 1) of c_g, decoder rows (B, H), positions (4, B)); each row is what
+        `step` feeds for its request."""
+        codes = torch.tensor([[s.codes[-1]] for s in states], dtype=torch.long)  # (B, 1)
+        texts = [s.text[s.steps_done] if s.steps_done < len(s.text) else self.text_rows.text_pad for s in states]
+        rows = self.proj(self.codec_embed(codes[:, 0]) + torch.stack(texts))  # (B, H)
+        positions = decode_positions_batch([s.seq_len for s in states], [s.rope_delta for s in states])  # (4, B)
+        for state in states:
+            state.steps_done += 1
+            state.seq_len += 1
+        return codes, rows, positions
+
+    def sample_next_batch(self, states: Sequence[Talker25State], logits: torch.Tensor, last_hidden: Any = None) -> bool:
+        """`sample_next` for B greedy requests in one go (`greedy_batch`); False (nothing taken) when they are not."""
+        tokens = greedy_batch([s.sampler for s in states], logits, [s.ids[:s.n_ids] for s in states])
+        if tokens is None:
+            return False
+        for state, token in zip(states, tokens):
+            self._took(state, token)
+        return True
+
+    def sample_next(self, state: Talker25State, logits: torch.Tensor, last_hidden: Any = None) -> None:
+        """The decoder's logits (V,) for the latest input: sample the next codec id (`last_hidden` unused: no code
+        predictor reads it here)."""
+        self._took(state, state.sampler.sample(logits, state.ids[:state.n_ids]))
+
+    def final_group(self, state: Talker25State) -> torch.Tensor | None:
+        """A request that ended at max tokens speaks its last code too (`generate` hands token2wav every code up to
+        the first stop id); one that ended at a stop id has nothing more."""
+        if not state.finished or not state.codes or state.sampler.is_stop(state.codes[-1]):
+            return None
+        return torch.tensor([state.codes[-1]], dtype=torch.long)
+
+    def _took(self, state: Talker25State, token: int) -> None:
         if state.n_ids == state.ids.numel():  # doubled when full: amortised O(1) per code
             state.ids = torch.cat([state.ids, torch.empty_like(state.ids)])
         state.ids[state.n_ids] = token
@@ -223,3 +279,38 @@ class Qwen2_5OmniTalker:
         state.codes.append(token)
         if state.sampler.is_stop(token) or len(state.codes) >= state.sampler.params.max_tokens:
             state.finished = True
+
+
+def thinker_rows(model_dir: Path, tokens: Sequence[int], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """Rows of the checkpoint's thinker embedding table (`thinker.model.embed_tokens.weight`), read one by one
+    (never the whole table: 152064 x 3584 on the real model) -> {token: (E,)}."""
+    from omnimesh.models.loader import checkpoint_files
+
+    key = "thinker.model.embed_tokens.weight"
+    files = checkpoint_files(Path(model_dir))
+    if key not in files:
+        raise ValueError(f"{model_dir} has no {key}: the talker reads the speakers' and text markers' rows from it")
+    with safe_open(str(files[key]), framework="pt") as f:
+        table = f.get_slice(key)
+        return {int(t): table[int(t):int(t) + 1][0].to(dtype) for t in tokens}
+
+
+def load_qwen2_5_talker(model_dir: Path, dtype: torch.dtype, backend: LMBackend) -> Qwen2_5OmniTalker:
+    """The talker stage's parts: the projection and codec table (checked loads of `talker.thinker_to_talker_proj.*`
+    and `talker.model.embed_tokens.*`), the speakers (spk_dict.pt) and their thinker rows; the decoder is
+    `backend` (the stage's pp x tp ranks)."""
+    from omnimesh.models.loader import build_submodule
+    from omnimesh.models.qwen2_5_omni.token2wav import load_speakers
+    from omnimesh.models.qwen3_omni.stage_loading import load_config
+
+    config = load_config(model_dir)
+    tk: Any = config.talker_config
+    proj = build_submodule(model_dir, config_path="talker_config", prefix="talker.thinker_to_talker_proj.",
+                           factory=lambda c: nn.Linear(c.embedding_size, c.hidden_size), dtype=dtype)
+    codec = build_submodule(model_dir, config_path="talker_config", prefix="talker.model.embed_tokens.",
+                            factory=lambda c: nn.Embedding(c.vocab_size, c.embedding_size), dtype=dtype)
+    speakers = {name: int(p["bos_token"]) for name, p in load_speakers(model_dir).items()}
+    end, pad = int(tk.tts_text_end_token_id), int(tk.tts_text_pad_token_id)
+    rows = thinker_rows(model_dir, [*speakers.values(), end, pad], dtype)
+    text = TextRows({name: (bos, rows[bos]) for name, bos in speakers.items()}, rows[end], rows[pad])
+    return Qwen2_5OmniTalker(proj, codec, backend, config, text)

@@ -1,12 +1,10 @@
 """Which model family a checkpoint is, and which stages omnimesh runs for it: all four, or the encoder and thinker.
 
-Role: two kinds of checkpoint are served text-out only, by the encoder and thinker stages:
-  - Qwen3-Omni's thinker-only checkpoints (Qwen3-Omni-30B-A3B-Thinking and -Captioner): their config.json sets
-    `enable_audio_output: false` (what `transformers` reads to build no talker) and their weights hold `thinker.*`;
-  - Qwen2.5-Omni checkpoints (`model_type` "qwen2_5_omni"): omnimesh serves their thinker (text, audio, images and
-    video in; text out); their talker and DiT + BigVGAN token2wav are not served yet.
-`omnimesh serve` starts just the encoder and thinker for them, `omnimesh stage talker|vocoder` refuses them with
-this module's reason, and the gateway answers a request for speech with a 400 that names it.
+Role: Qwen3-Omni (`model_type` "qwen3_omni_moe") and Qwen2.5-Omni ("qwen2_5_omni") checkpoints run all four
+stages. A thinker-only checkpoint (Qwen3-Omni-30B-A3B-Thinking and -Captioner: config.json
+`enable_audio_output: false`, what `transformers` reads to build no talker; weights `thinker.*` only) is served
+text out, by the encoder and thinker: `omnimesh serve` starts just those, `omnimesh stage talker|vocoder` refuses
+it with this module's reason, and the gateway answers a request for speech with a 400 that names it.
 
 Data flow: MODEL/config.json -> `model_type`, `enable_audio_output` (absent = true, `transformers`' default) ->
 `model_family`, `model_stages` (the launcher, the stage command) and `text_only_reason` (the reason the
@@ -40,9 +38,8 @@ def model_family(model_dir: Path) -> str:
 
 
 def has_audio_output(model_dir: Path) -> bool:
-    """False for a checkpoint served text-out only (see the module docstring)."""
-    config = _config(model_dir)
-    return config.get("model_type") != "qwen2_5_omni" and bool(config.get("enable_audio_output", True))
+    """False for a thinker-only checkpoint (config.json `enable_audio_output: false`)."""
+    return bool(_config(model_dir).get("enable_audio_output", True))
 
 
 def model_stages(model_dir: Path) -> tuple[str, ...]:
@@ -55,8 +52,5 @@ def text_only_reason(model_dir: Path) -> str | None:
     if has_audio_output(model_dir):
         return None
     name = Path(model_dir).name
-    if _config(model_dir).get("model_type") == "qwen2_5_omni":
-        return (f"the model {name} is a Qwen2.5-Omni checkpoint: omnimesh serves its thinker (text out) but not yet "
-                f"its talker and token2wav, so it has no audio output")
     return (f"the model {name} has no audio output: its config.json sets enable_audio_output to false "
             f"(a thinker-only checkpoint such as Qwen3-Omni-30B-A3B-Thinking), so it has no talker or vocoder")

@@ -6,7 +6,10 @@
                          (n_videos,) float32, use_audio_in_video (1,) when set (with the prompt ids)
     thinker -> talker    first chunk: the TalkerPrompt (prompt_ids, prompt_embeds, multimodal_hidden,
                          tts_embeds [, image_grid_thw, audio_feature_lengths, video_grid_thw,
-                         video_second_per_grid]); every chunk: token_embeds
+                         video_second_per_grid]; Qwen2.5-Omni: first_token (1,), use_audio_in_video (1,)
+                         when set, prompt_embeds = its final hidden + layer-0 embeddings, multimodal_hidden and
+                         tts_embeds empty); every chunk: token_embeds (Qwen2.5-Omni: each row r_j, the final
+                         hidden + embedding of the token before)
                          (n, H) of the generated tokens the talker speaks; final=True when the text ended
     talker -> vocoder    codes (num_code_groups, n) int64
     vocoder -> client    pcm (samples,) float32 at 24 kHz
@@ -51,6 +54,10 @@ def talker_prompt_to_tensors(prompt: TalkerPrompt) -> dict[str, torch.Tensor]:
     if prompt.video_grid_thw is not None and prompt.video_second_per_grid is not None:
         out["video_grid_thw"] = prompt.video_grid_thw
         out["video_second_per_grid"] = prompt.video_second_per_grid
+    if prompt.first_token is not None:
+        out["first_token"] = prompt.first_token
+    if prompt.use_audio_in_video:
+        out["use_audio_in_video"] = torch.ones(1, dtype=torch.int64)
     return out
 
 
@@ -65,6 +72,8 @@ def talker_prompt_from_tensors(tensors: dict[str, torch.Tensor]) -> TalkerPrompt
         audio_feature_lengths=tensors.get("audio_feature_lengths"),
         video_grid_thw=tensors.get("video_grid_thw"),
         video_second_per_grid=tensors.get("video_second_per_grid"),
+        first_token=require_ids(tensors, "first_token", edge) if "first_token" in tensors else None,
+        use_audio_in_video=flag(tensors, "use_audio_in_video"),
     )
 
 

@@ -55,12 +55,17 @@ def stacks(config: Qwen3OmniMoeConfig | Qwen2_5OmniConfig) -> dict[str, list[Sta
     a, v, t = tc.audio_config, tc.vision_config, tc.text_config
     if isinstance(config, Qwen2_5OmniConfig):
         towers = _one_rank("Qwen2.5-Omni's encoder")
+        tk, dit = cfg.talker_config, cfg.token2wav_config.dit_config
         return {
             "encoder": [Stack("audio tower", a.encoder_layers, a.encoder_attention_heads, a.encoder_attention_heads,
                               check=towers, config=a),
                         Stack("vision tower", v.depth, v.num_heads, v.num_heads, check=towers, config=v)],
             "thinker": [Stack("thinker LM", t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads,
                               t.vocab_size, check=check_parallel_layout, config=t)],
+            "talker": [Stack("talker LM", tk.num_hidden_layers, tk.num_attention_heads, tk.num_key_value_heads,
+                             tk.vocab_size, check=check_parallel_layout, config=tk)],
+            "vocoder": [Stack("token2wav DiT", dit.num_hidden_layers, dit.num_attention_heads, dit.num_attention_heads,
+                              check=_one_rank("Qwen2.5-Omni's token2wav"), config=dit)],
         }
     tk, cp = cfg.talker_config.text_config, cfg.talker_config.code_predictor_config
     w = cfg.code2wav_config

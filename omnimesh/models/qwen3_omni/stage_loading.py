@@ -149,8 +149,17 @@ def _talker_without_decoder(config: Any) -> nn.Module:
     return talker
 
 
-def load_talker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LMLayout = LMLayout()) -> Qwen3OmniTalker:
+def load_talker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LMLayout = LMLayout()) -> Any:
+    """`Qwen3OmniTalker`, or for a Qwen2.5-Omni checkpoint `Qwen2_5OmniTalker` (no code predictor); the decoder
+    layers + codec head split over the layout's ranks either way."""
     config = load_config(model_dir)
+    if is_qwen2_5(config):
+        from omnimesh.models.qwen2_5_omni.talker import load_qwen2_5_talker
+
+        decoder = _timed("talker decoder", model_dir, lambda: ShardedBackend.start(
+            LMShardSpec(model_dir, "talker", layout.partition, dtype), layout.pp, layout.tp, **layout.executor_args()))
+        return _timed("talker projection, codec table and speakers", model_dir,
+                      lambda: load_qwen2_5_talker(model_dir, dtype, decoder))
     talker = _timed("talker projections + code predictor", model_dir, lambda: build_submodule(
         model_dir, config_path="talker_config", factory=_talker_without_decoder, prefix="talker.", dtype=dtype))
     backend = _timed("talker decoder", model_dir, lambda: ShardedBackend.start(

@@ -79,6 +79,8 @@ class Qwen3OmniTalker:
     and the audio tower's `n_window`, which its own config lacks.
     """
 
+    default_speaker = "ethan"  # `generate` speaks as "Ethan" unless told otherwise
+
     def __init__(self, talker: nn.Module, config: Qwen3OmniMoeConfig, backend: LMBackend | None = None,
                  predictor: Any = None) -> None:
         """`talker` supplies the small per-step modules (text/hidden projections, codec embedding, and the code
@@ -214,12 +216,7 @@ class Qwen3OmniTalker:
 
     def prefill_input(self, state: TalkerState) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill rows (P, H) and positions (4, P); the state then counts them as fed."""
-        if state.prefill_embeds is None or state.prefill_positions is None:
-            raise ValueError("the talker prefill was already taken")
-        embeds, positions = state.prefill_embeds[0], state.prefill_positions[:, 0]
-        state.prefill_embeds = state.prefill_positions = None
-        state.seq_len = embeds.shape[0]
-        return embeds, positions
+        return take_prefill(state)
 
     def needs_predict(self, state: TalkerState) -> bool:
         """The prefill ran and c_g is sampled: the code predictor can run once text entry g is known."""
@@ -273,6 +270,10 @@ class Qwen3OmniTalker:
             state.last_hidden = hidden  # (1, 1, H)
             self._took(state, token)
         return True
+
+    def final_group(self, state: TalkerState) -> torch.Tensor | None:
+        """None: the final codec token (EOS or the max-tokens one) gets no group, as in `generate`."""
+        return None
 
     def _took(self, state: TalkerState, token: int) -> None:
         n = len(state.codes)
@@ -338,6 +339,17 @@ class Qwen3OmniTalker:
         last = model.codec_embedding[self.num_code_groups - 2](torch.tensor([[residuals[-1]]], dtype=torch.long))
         embeds.append(last)  # (1, 1, H)
         return residuals, torch.cat(embeds, dim=1).sum(1, keepdim=True)  # (1, 1, H)
+
+
+def take_prefill(state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A talker state's prefill rows (P, H) and positions (4, P), taken once (both families' states): the state
+    then counts them as fed."""
+    if state.prefill_embeds is None or state.prefill_positions is None:
+        raise ValueError("the talker prefill was already taken")
+    embeds, positions = state.prefill_embeds[0], state.prefill_positions[:, 0]
+    state.prefill_embeds = state.prefill_positions = None
+    state.seq_len = embeds.shape[0]
+    return embeds, positions
 
 
 def history(state: TalkerState) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The thinker stage of Qwen3-Omni (and of Qwen2.5-Omni), step-wise and request-safe: prefill once, then one
 token per decode.
 
-Qwen2.5-Omni differs here only in facts read from its config (`Qwen2_5OmniConfig`): its audio token count
-formula, its M-RoPE index (mrope.py), no deepstack features, and no talker hand-off yet (its speech is not
-served: `accept_hidden_layer` is None, as for a thinker-only checkpoint).
+Qwen2.5-Omni differs here in facts read from its config (`Qwen2_5OmniConfig`): its audio token count
+formula, its M-RoPE index (mrope.py), no deepstack features, and what its talker reads (`reply_rows`): the
+final-norm hidden (`accept_hidden_layer` = the layer count) of EVERY prompt row plus its layer-0 embedding with
+the media rows' embeddings zeroed (`talker_prompt`), then for each generated token j but the last the row
+r_j = its embedding + its final hidden (`reply_row`: known one step after j is sampled, when j has run).
 
 Role: runs the thinker LLM for ONE request with an explicit `ThinkerState` (its own KV cache and rope
 delta; the module's `rope_deltas` attribute is never touched), and produces what the talker stage needs.
@@ -68,6 +70,10 @@ class TalkerPrompt:
     audio_feature_lengths: torch.Tensor | None = None  # (n_audios,) int64 valid mel frames per audio
     video_grid_thw: torch.Tensor | None = None  # (n_videos, 3) int64
     video_second_per_grid: torch.Tensor | None = None  # (n_videos,) float32 seconds per temporal patch
+    # Qwen2.5-Omni only: generated token 0's id (1,) (its talker positions its prompt with it) and whether the
+    # prompt interleaves a video's soundtrack (its talker's M-RoPE index reads that; Qwen3-Omni's does not)
+    first_token: torch.Tensor | None = None
+    use_audio_in_video: bool = False
 
 
 @dataclass
@@ -85,6 +91,7 @@ class PreparedPrompt:
     audio_feature_lengths: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     video_second_per_grid: torch.Tensor | None = None
+    use_audio_in_video: bool = False
 
 
 @dataclass
@@ -112,6 +119,9 @@ class Qwen3OmniThinker:
     thinker stage builds a `ShardedBackend` over its pp x tp ranks (see stage_loading.py).
     """
 
+    qwen2_5 = False  # a Qwen2.5-Omni config (set in __init__)
+    reply_rows = False  # its talker reads rows r_j, not the tokens' embeddings (Qwen2.5-Omni with a talker)
+
     def __init__(self, embed_tokens: nn.Module, backend: LMBackend, config: Qwen3OmniMoeConfig | Qwen2_5OmniConfig
                  ) -> None:
         self.embed_tokens = embed_tokens
@@ -129,6 +139,9 @@ class Qwen3OmniThinker:
             self.qwen2_5 = True
             self.deepstack_layers = 0
             self.mrope = MropeSpec.for_thinker(config)
+            if config.enable_audio_output:  # its talker reads the final hidden of every prompt row
+                self.accept_hidden_layer = int(tc.text_config.num_hidden_layers)
+                self.reply_rows = True
         else:
             self.qwen2_5 = False
             tk: Any = config.talker_config
@@ -207,7 +220,8 @@ class Qwen3OmniThinker:
             deepstack=joint, mm_mask=mm_mask, image_grid_thw=image_grid_thw,
             audio_feature_lengths=None if audio_feature_lengths is None else audio_feature_lengths.view(-1),
             video_grid_thw=None if video_embeds is None else video_grid_thw,
-            video_second_per_grid=None if video_embeds is None else video_seconds)
+            video_second_per_grid=None if video_embeds is None else video_seconds,
+            use_audio_in_video=use_audio_in_video)
 
     @staticmethod
     def _joint_deepstack(visual: torch.Tensor, rows: dict[str, torch.Tensor], image_embeds: torch.Tensor | None,
@@ -232,8 +246,9 @@ class Qwen3OmniThinker:
         talker speaks before the generated text, as if the thinker had written it. 0 for a prompt that ends
         with the assistant start (or has none: the talker refuses that)."""
         ids = ids.view(-1)
-        self._tts_ids()  # the talker's path only: Qwen3-Omni's config names the turn tokens
-        cfg: Any = self.config
+        if self.reply_rows:  # Qwen2.5-Omni's talker speaks the generated text only, as its `generate`
+            return 0
+        cfg: Any = self.config  # Qwen3-Omni's: it names the turn tokens
         start = last_assistant_start(ids, cfg)
         if start is None:
             return 0
@@ -248,6 +263,13 @@ class Qwen3OmniThinker:
         the prompt's media rows — is known. `lead` (`assistant_lead`): the prompt's last rows are an assistant
         message being continued; the talker's prompt stops before them (the caller sends their embeddings as the
         first text to speak)."""
+        if self.reply_rows:  # Qwen2.5-Omni: final hidden (L, H) of every row + embeddings, media rows' zeroed
+            rows = multimodal_hidden + prompt.embeds.masked_fill(prompt.mm_mask.view(-1, 1), 0.0)
+            return TalkerPrompt(
+                input_ids=prompt.ids.clone(), prompt_embeds=rows, multimodal_hidden=rows[:0], tts_embeds=rows[:0],
+                image_grid_thw=prompt.image_grid_thw, audio_feature_lengths=prompt.audio_feature_lengths,
+                video_grid_thw=prompt.video_grid_thw, video_second_per_grid=prompt.video_second_per_grid,
+                use_audio_in_video=prompt.use_audio_in_video)
         end = prompt.ids.numel() - lead
         return TalkerPrompt(
             input_ids=prompt.ids[:end].clone(),
@@ -259,6 +281,18 @@ class Qwen3OmniThinker:
             video_grid_thw=None if prompt.video_grid_thw is None else prompt.video_grid_thw.clone(),
             video_second_per_grid=None if prompt.video_second_per_grid is None else prompt.video_second_per_grid.clone(),
         )
+
+    def capture_rows(self, prompt: PreparedPrompt) -> torch.Tensor | None:
+        """The prompt rows whose hidden at `accept_hidden_layer` the talker reads: the media rows (Qwen3-Omni; None
+        without media), every row (Qwen2.5-Omni)."""
+        if self.reply_rows:
+            return torch.ones_like(prompt.mm_mask)
+        return prompt.mm_mask if bool(prompt.mm_mask.any()) else None
+
+    @staticmethod
+    def reply_row(token_embed: torch.Tensor, last_hidden: torch.Tensor) -> torch.Tensor:
+        """Qwen2.5-Omni's talker row r_j (1, H) of a generated token: its embedding + its final-norm hidden."""
+        return token_embed.view(1, -1) + last_hidden.reshape(1, -1)
 
     def _tts_ids(self) -> tuple[int, int, int]:
         if self.tts_ids is None:

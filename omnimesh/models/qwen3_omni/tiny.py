@@ -256,10 +256,15 @@ def make_code2wav_audible(model: Qwen3OmniMoeForConditionalGeneration, seed: int
     The default init gives a waveform of ~1e-6 amplitude, which makes every absolute audio tolerance in the
     tests vacuous; with this the tiny vocoder's output peaks around 0.3, like speech.
     """
-    gen = torch.Generator().manual_seed(seed + 1)
     c2w = model.code2wav
+    redraw_convs(list(c2w.upsample.modules()) + list(c2w.decoder.modules()), seed + 1, gain)
+
+
+def redraw_convs(modules: list[torch.nn.Module], seed: int, gain: float) -> None:
+    """Every Conv1d / ConvTranspose1d among `modules` re-drawn with std gain / sqrt(fan_in), from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for mod in list(c2w.upsample.modules()) + list(c2w.decoder.modules()):
+        for mod in modules:
             if isinstance(mod, torch.nn.Conv1d):
                 fan_in = mod.weight.shape[1] * mod.weight.shape[2]
             elif isinstance(mod, torch.nn.ConvTranspose1d):
