@@ -8,8 +8,9 @@ audio, `token_embeds` (1, H) for the talker (the first chunk also carries the Ta
 does not end the request is fed back as the next input row. Qwen2.5-Omni's talker reads other rows
 (`Qwen3OmniThinker.reply_rows`): its prompt is every prompt row's final hidden + embedding, the first chunk
 also carries `first_token`, and each later chunk's `token_embeds` is the row r_j of the token before (its
-embedding + the final hidden the engine returned with this step's logits), the final chunk's included. The final token (a stop id, a stop string,
-or max tokens) is never spoken: its chunk has no `token_embeds` and ends the stream (final=True).
+embedding + the final hidden the engine returned with this step's logits), the final chunk's included.
+The final token (a stop id, a stop string, or max tokens) is never spoken: its chunk has no `token_embeds`
+(Qwen2.5-Omni: only the row of the token before it) and ends the stream (final=True).
 A prompt that continues an assistant message (vLLM's continue_final_message; `Qwen3OmniThinker.assistant_lead`)
 gives the talker a prompt that stops at that message's `<|im_start|>assistant\n`, and the first token's chunk
 carries the message's own rows before the token's: the talker speaks the whole message, as if generated.
