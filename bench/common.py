@@ -172,19 +172,31 @@ def resolve_device(device: str) -> str:
 
 
 class HFGenerate:
-    """`Qwen3OmniMoeForConditionalGeneration.generate` on the folder, as a user runs it: the same chat template
-    and processor as the gateway (`PromptBuilder`), greedy thinker and talker, speaker Ethan."""
+    """`Qwen3OmniMoeForConditionalGeneration.generate` (or `Qwen2_5OmniForConditionalGeneration.generate` for a
+    Qwen2.5-Omni folder) on the folder, as a user runs it: the same chat template and processor as the gateway
+    (`PromptBuilder`), greedy thinker and talker, speaker Ethan (the mesh side's voice; both families have it).
+    `end_ids`: where its thinker stops (Qwen3-Omni's `im_end_token_id`; Qwen2.5-Omni's generation config's EOS)."""
 
     def __init__(self, model_dir: Path, device: str = "cpu"):
-        from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+        from transformers import AutoConfig, AutoTokenizer, Qwen2_5OmniForConditionalGeneration, Qwen3OmniMoeForConditionalGeneration
 
         from gateway.prompt import PromptBuilder
 
         self.device = device
-        self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=hf_dtype(device))
-        self.model = self.model.to(device).eval()
-        # transformers bug (MODELS.md): with audio AND an image the talker needs the thinker's audio config
-        self.model.talker.config.audio_config = self.model.thinker.config.audio_config
+        self.qwen2_5 = AutoConfig.from_pretrained(model_dir).model_type == "qwen2_5_omni"
+        self.speaker = "Ethan"
+        cls = Qwen2_5OmniForConditionalGeneration if self.qwen2_5 else Qwen3OmniMoeForConditionalGeneration
+        self.model = cls.from_pretrained(model_dir, dtype=hf_dtype(device)).to(device).eval()  # type: ignore[attr-defined]
+        if self.qwen2_5:
+            eos = self.model.generation_config.eos_token_id
+            self.end_ids = list(eos) if isinstance(eos, list) else [eos]
+            tk = self.model.config.talker_config
+            self.extra = {"talker_eos_token_id": [tk.tts_codec_pad_token_id, tk.tts_codec_end_token_id]}
+        else:
+            self.end_ids = [self.model.config.im_end_token_id]
+            self.extra = {"return_audio": True}
+            # transformers bug (MODELS.md): with audio AND an image the talker needs the thinker's audio config
+            self.model.talker.config.audio_config = self.model.thinker.config.audio_config
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.prompts = PromptBuilder(model_dir, max_model_len=4096)
 
@@ -219,10 +231,9 @@ class HFGenerate:
             ).to(self.device)
         with torch.no_grad():
             seq, wavs = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), speaker="Ethan",
-                return_audio=True, thinker_max_new_tokens=max_tokens,
-                thinker_eos_token_id=self.model.config.im_end_token_id, thinker_do_sample=False,
-                talker_do_sample=False, talker_max_new_tokens=talker_max, **kwargs,
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), speaker=self.speaker,
+                thinker_max_new_tokens=max_tokens, thinker_eos_token_id=self.end_ids, thinker_do_sample=False,
+                talker_do_sample=False, talker_max_new_tokens=talker_max, **self.extra, **kwargs,
             )
         if isinstance(wavs, torch.Tensor):  # a batch of one: a (1, 1, samples) tensor
             wavs = [wavs.reshape(-1)]

@@ -263,9 +263,9 @@ def hf_side(side: HFSide, args: argparse.Namespace, device: str, concurrencies: 
 
 
 def _trim_eos(tokens: list[int], hf: HFGenerate) -> list[int]:
-    """Generated ids up to and including the first <|im_end|> (a batch row goes on with pads after it)."""
-    eos = hf.model.config.im_end_token_id
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+    """Generated ids up to and including the first end id (a batch row goes on with pads after it)."""
+    ends = [i for i, t in enumerate(tokens) if t in hf.end_ids]
+    return tokens[: ends[0] + 1] if ends else tokens
 
 
 # ------------------------------------------------------------------------------------------------- report
