@@ -5,7 +5,7 @@ collects the talker's `codes` (1, n) chunks and, once the stream ends, decodes t
 (`omnimesh.models.qwen2_5_omni.token2wav`): the DiT's attention spans the whole utterance, so its audio comes
 out at the end, as one `pcm` chunk (a streamed token2wav is not built yet). The noise the DiT starts from is
 drawn from the request's `seed` option (the client's `seed`; `DEFAULT_SEED` without one): the same codes and
-seed give the same samples, whatever else the stage runs.
+seed give the same samples, whatever else the stage runs. Two requests decode at once (two compute threads).
 
 Data flow: talker -> codes (1, n) int64 (ids below the DiT's `num_embeds`) ... final -> `step` ->
 token2wav(codes, speaker option, seed) -> pcm (480 n,) float32 at 24 kHz -> gateway.
@@ -70,7 +70,9 @@ class Token2WavTask(StageTask):
 
 class Token2WavHandler:
     name = "vocoder"
-    max_inflight_steps = 1
+    # two requests decode at once, on two compute threads: each draws its noise from a generator of its own and
+    # the modules are read-only, so each gives what it gives alone (`sample_mel`)
+    max_inflight_steps = 2
 
     def __init__(self, token2wav: Qwen2_5OmniToken2Wav, model_name: str, failure: StageFailure, num_embeds: int):
         self.token2wav = token2wav

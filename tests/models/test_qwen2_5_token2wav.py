@@ -3,8 +3,8 @@
 `Qwen2_5OmniForConditionalGeneration.generate` (greedy thinker and talker, so nothing but the DiT's noise draws
 from torch's generator) after `torch.manual_seed(s)` gives the same samples as `load_token2wav(folder)` on the
 codes `generate` decoded with seed s; two seeds give two waveforms, a seed repeated the same one, whatever ran
-before; 480 samples per code; a missing `token2wav.*` key, a missing spk_dict.pt and an unknown speaker are
-refused by name.
+before, and two decoding at once on two threads give what each gives alone; 480 samples per code; a missing
+`token2wav.*` key, a missing spk_dict.pt and an unknown speaker are refused by name.
 """
 
 from __future__ import annotations
@@ -55,6 +55,12 @@ def test_equals_generate_under_the_same_seed(folder: Path) -> None:
     assert not torch.equal(ours(codes, "ethan", seed=1235), got)
     assert not torch.equal(ours(codes, "chelsie", seed=1234), got)
     assert ours(codes[:0], "ethan", seed=1).numel() == 0
+    # two decodes at once on two threads (the vocoder stage runs two): each gives what it gives alone
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda s: ours(codes, "ethan", seed=s), [1234, 99] * 2))
+    assert torch.equal(both[0], got) and torch.equal(both[2], got) and torch.equal(both[1], both[3])
 
 
 def test_refusals_name_what_is_missing(folder: Path, tmp_path: Path) -> None:

@@ -4,13 +4,16 @@ Role: the vocoder half of Qwen2.5-Omni's speech. transformers' `Qwen2_5OmniToken
 the codes (50 a second, each repeated twice: 100 mel frames a second) into a mel spectrogram by integrating a
 flow from Gaussian noise (RK4, 10 steps, classifier-free guidance 0.5), conditioned on the speaker's embedding
 and reference mel from `spk_dict.pt`; BigVGAN turns the mel into samples (240 per mel frame: 480 per code).
-The noise is drawn from torch's global generator inside transformers; here each call draws it under its own
-seed (the global generator forked and restored around the call), so a request's audio depends on its seed
-alone, not on what ran before it in the process.
+transformers' `sample` draws that noise from torch's global generator; `sample_mel` here is the same loop
+(transformers' DiT forward and RK4 solver, its guidance and time schedule) with the noise drawn from a
+generator of the request's own, seeded: a request's audio depends on its seed alone, not on what ran before it,
+and two requests can decode at once on two threads (nothing global is touched).
 
 Data flow:
     load_speakers(model_dir) -> {name (lower case): {"bos_token", "cond" (1, enc_emb_dim), "ref_mel" (1, T, 80)}}
-    Qwen2_5OmniToken2Wav(module, speakers)(codes (n,) int64, speaker, seed) -> waveform (480 n,) float32
+    Qwen2_5OmniToken2Wav(module, speakers)(codes (n,) int64, speaker, seed)
+        -> sample_mel (noise (1, 2n, 80) from `seed` -> 10 RK4 steps of the guided DiT) -> mel (1, 80, 2n)
+        -> BigVGAN -> waveform (480 n,) float32
 """
 
 from __future__ import annotations
@@ -51,12 +54,43 @@ class Qwen2_5OmniToken2Wav:
         codes = codes.view(1, -1).long()
         if codes.shape[1] == 0:
             return torch.zeros(0)
-        devices = [codes.device] if codes.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            wav = self.module(codes, conditioning=voice["cond"].float(), reference_mel=voice["ref_mel"].float(),
-                              **self.options)
-        return wav.reshape(-1).float()
+        generator = torch.Generator(device=codes.device).manual_seed(seed)
+        mel = sample_mel(self.module.code2wav_dit_model, voice["cond"].float().to(codes.device),
+                         voice["ref_mel"].float().to(codes.device), codes, generator, **self.options)
+        return self.module.code2wav_bigvgan_model(mel).reshape(-1).float()
+
+
+@torch.no_grad()
+def sample_mel(dit: Any, conditioning: torch.Tensor, reference_mel: torch.Tensor, codes: torch.Tensor,
+               generator: torch.Generator, num_steps: int = 10, guidance_scale: float = 0.5,
+               sway_coefficient: float | None = -1.0) -> torch.Tensor:
+    """transformers' `Qwen2_5OmniToken2WavDiTModel.sample`, its noise drawn from `generator`: codes (B, n),
+    conditioning (B, enc_emb_dim), reference_mel (B, T, mel_dim) -> mel (B, mel_dim, n * repeats)."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+    duration = codes.shape[1] * dit.repeats
+    if duration > dit.config.max_position_embeddings:
+        raise ValueError(f"{codes.shape[1]} codes make {duration} mel frames, more than the DiT's "
+                         f"max_position_embeddings {dit.config.max_position_embeddings}")
+    noise = torch.randn([reference_mel.shape[0], duration, dit.mel_dim], dtype=reference_mel.dtype,
+                        device=codes.device, generator=generator)
+    speaker = conditioning.unsqueeze(1).repeat(1, duration, 1)
+
+    def velocity(time_step: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if guidance_scale < 1e-5:
+            return dit(hidden_states=hidden, speaker_embedding=speaker, condition_vector=reference_mel,
+                       quantized_code=codes, time_step=time_step, drop_audio_conditioning=False, drop_code=False,
+                       apply_cfg=False)
+        out = dit(hidden_states=hidden, quantized_code=codes, speaker_embedding=speaker,
+                  condition_vector=reference_mel, time_step=time_step, apply_cfg=True)
+        guided, null = torch.chunk(out, 2, dim=0)
+        return guided + (guided - null) * guidance_scale
+
+    times = torch.linspace(0, 1, num_steps, device=codes.device, dtype=speaker.dtype)
+    if sway_coefficient is not None:
+        times += sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
+    trajectory = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(times)
+    return trajectory[-1].permute(0, 2, 1)  # (B, mel_dim, frames)
 
 
 def load_token2wav(model_dir: Path) -> Qwen2_5OmniToken2Wav:
