@@ -43,7 +43,7 @@ class Qwen2_5OmniToken2Wav:
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0) -> None:
         self.module = module.float().eval()  # transformers runs it in float32 whatever the checkpoint's dtype
         self.speakers = speakers
-        self.options = {"num_steps": num_steps, "guidance_scale": guidance_scale, "sway_coefficient": sway_coefficient}
+        self.num_steps, self.guidance_scale, self.sway_coefficient = num_steps, guidance_scale, sway_coefficient
 
     @torch.no_grad()
     def __call__(self, codes: torch.Tensor, speaker: str, seed: int) -> torch.Tensor:
@@ -56,7 +56,8 @@ class Qwen2_5OmniToken2Wav:
             return torch.zeros(0)
         generator = torch.Generator(device=codes.device).manual_seed(seed)
         mel = sample_mel(self.module.code2wav_dit_model, voice["cond"].float().to(codes.device),
-                         voice["ref_mel"].float().to(codes.device), codes, generator, **self.options)
+                         voice["ref_mel"].float().to(codes.device), codes, generator, self.num_steps,
+                         self.guidance_scale, self.sway_coefficient)
         return self.module.code2wav_bigvgan_model(mel).reshape(-1).float()
 
 
