@@ -25,6 +25,7 @@ from omnimesh.engine.task import StageRequestError, StageTask
 from omnimesh.models.qwen2_5_omni.token2wav import SAMPLE_RATE, Qwen2_5OmniToken2Wav, load_token2wav
 from omnimesh.models.qwen3_omni.edges import require_ids
 from omnimesh.server.stage_failure import StageFailure
+from omnimesh.stage_registry import lm_layout
 from omnimesh.transport.frames import StageChunk
 from omnimesh.v1 import stage_pb2
 
@@ -80,10 +81,11 @@ class Token2WavHandler:
         self.failure = failure
         self.num_embeds = num_embeds
         self.default_speaker = "chelsie" if "chelsie" in token2wav.speakers else sorted(token2wav.speakers)[0]
+        self.device = "cpu"  # "cuda" when the stage runs on a GPU (its Info says so)
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen2.5-omni",
-                                   pipeline_parallel_size=1, tensor_parallel_size=1, device="cpu",
+                                   pipeline_parallel_size=1, tensor_parallel_size=1, device=self.device,
                                    sample_rate=SAMPLE_RATE, window_codes=WINDOW_CODES, first_window_codes=WINDOW_CODES,
                                    window_schedule=(WINDOW_CODES,))
 
@@ -104,7 +106,11 @@ class Token2WavHandler:
 
 
 def build_token2wav_handler(model_dir: Path, args: ServeArgs) -> Token2WavHandler:
-    """token2wav runs on one rank: its layout must be pp 1 x tp 1 (the layout check says so before start-up)."""
-    token2wav = load_token2wav(model_dir)
+    """token2wav runs on one rank (the layout check refuses more before start-up), on the stage's device."""
+    failure = StageFailure()
+    layout = lm_layout(args, "vocoder", failure, model_dir)
+    token2wav = load_token2wav(model_dir, layout.driver_device)
     num_embeds = int(token2wav.module.config.dit_config.num_embeds)
-    return Token2WavHandler(token2wav, args.model_name(model_dir), StageFailure(), num_embeds)
+    handler = Token2WavHandler(token2wav, args.model_name(model_dir), failure, num_embeds)
+    handler.device = "cuda" if layout.backend == "nccl" else "cpu"
+    return handler

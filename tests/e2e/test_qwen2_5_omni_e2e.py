@@ -34,6 +34,7 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+import torch
 from mesh_harness import Mesh, start_mesh
 from reference import chat_request, mp4_bytes, openai_content, png_bytes, sine_wav
 from reference_qwen2_5 import Qwen2_5Reference
@@ -196,3 +197,18 @@ def test_the_speech_endpoint_speaks(served: Mesh) -> None:
     assert r.status_code == 200, r.text
     with wave.open(io.BytesIO(r.content)) as w:
         assert w.getframerate() == 24000 and w.getnframes() == 60 * 480  # the talker's operator default: 60 codes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_it_speaks_on_cuda(model_dir: Path) -> None:
+    """`--device cuda` (bf16): the towers and token2wav on the stage's GPU, the thinker and talker ranks on NCCL;
+    a spoken answer comes back whole (no parity: bf16 rounds differently from the float32 reference)."""
+    m = start_mesh(model_dir, "--served-model-name", NAME, "--device", "cuda")
+    try:
+        got = _chat(m.rest, _body(PROMPTS[1], "audio+image", **SPEAK))
+        assert got.status_code == 200, got.text
+        message = got.json()["choices"][0]["message"]
+        assert message["content"] and _pcm(message).size % 480 == 0 and _pcm(message).size > 0
+    finally:
+        assert m.proc.stop() == 0, m.proc.output()

@@ -51,14 +51,15 @@ class Qwen2_5OmniToken2Wav:
         voice = self.speakers.get(speaker.lower())
         if voice is None:
             raise ValueError(f"unknown speaker {speaker!r}; valid speakers: {sorted(self.speakers)}")
-        codes = codes.view(1, -1).long()
+        device = next(self.module.parameters()).device  # the stage's device; the samples come back to the host
+        codes = codes.view(1, -1).long().to(device)
         if codes.shape[1] == 0:
             return torch.zeros(0)
-        generator = torch.Generator(device=codes.device).manual_seed(seed)
-        mel = sample_mel(self.module.code2wav_dit_model, voice["cond"].float().to(codes.device),
-                         voice["ref_mel"].float().to(codes.device), codes, generator, self.num_steps,
+        generator = torch.Generator(device=device).manual_seed(seed)
+        mel = sample_mel(self.module.code2wav_dit_model, voice["cond"].float().to(device),
+                         voice["ref_mel"].float().to(device), codes, generator, self.num_steps,
                          self.guidance_scale, self.sway_coefficient)
-        return self.module.code2wav_bigvgan_model(mel).reshape(-1).float()
+        return self.module.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
 
 
 @torch.no_grad()
@@ -94,12 +95,13 @@ def sample_mel(dit: Any, conditioning: torch.Tensor, reference_mel: torch.Tensor
     return trajectory[-1].permute(0, 2, 1)  # (B, mel_dim, frames)
 
 
-def load_token2wav(model_dir: Path) -> Qwen2_5OmniToken2Wav:
-    """Only `token2wav.*` of the checkpoint (DiT + BigVGAN, float32) and its speakers; fails on a missing key."""
+def load_token2wav(model_dir: Path, device: str | torch.device = "cpu") -> Qwen2_5OmniToken2Wav:
+    """Only `token2wav.*` of the checkpoint (DiT + BigVGAN, float32, on `device`) and its speakers; fails on a
+    missing key."""
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
     from omnimesh.models.loader import build_submodule
 
     module = build_submodule(Path(model_dir), config_path="token2wav_config", factory=Qwen2_5OmniToken2WavModel,
                              prefix="token2wav.", dtype=torch.float32)
-    return Qwen2_5OmniToken2Wav(module, load_speakers(model_dir))
+    return Qwen2_5OmniToken2Wav(module.to(device), load_speakers(model_dir))

@@ -53,9 +53,11 @@ class Qwen2_5OmniAudioTower:
         return self.module._get_feat_extract_output_lengths(lengths)[1]  # (n_audios,)
 
     def __call__(self, frames: torch.Tensor, feature_lens: torch.Tensor, return_dict: bool = True) -> Any:
-        lens = cast(torch.LongTensor, feature_lens)
+        device = self.module.conv1.weight.device
+        lens = cast(torch.LongTensor, feature_lens.to(device))
         aftercnn_lens, _ = self.module._get_feat_extract_output_lengths(lens)  # (n_audios,) frames after conv2
-        return self.module(frames, feature_lens=feature_lens, aftercnn_lens=aftercnn_lens)
+        out = self.module(frames.to(device), feature_lens=lens, aftercnn_lens=aftercnn_lens)
+        return SimpleNamespace(last_hidden_state=out.last_hidden_state.cpu())  # the edge's tensors live on the host
 
 
 class Qwen2_5OmniVisionTower:
@@ -71,13 +73,16 @@ class Qwen2_5OmniVisionTower:
         return self.module.dtype
 
     def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
-        out = self.module(pixel_values, grid_thw=grid_thw)
+        device = self.module.patch_embed.proj.weight.device
+        out = self.module(pixel_values.to(device), grid_thw=grid_thw.to(device))
         # Qwen2.5-Omni feeds the LM no intermediate vision layers: the deepstack list is always empty
-        return SimpleNamespace(pooler_output=out.pooler_output, deepstack_features=[])  # (n_tokens, H)
+        return SimpleNamespace(pooler_output=out.pooler_output.cpu(), deepstack_features=[])  # (n_tokens, H)
 
 
-def load_qwen2_5_encoder(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3OmniEncoder:
-    """Both towers of the Qwen2.5-Omni folder `model_dir` (nothing else is read), in `dtype`, each checked
+def load_qwen2_5_encoder(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                         device: str | torch.device = "cpu") -> Qwen3OmniEncoder:
+    """Both towers of the Qwen2.5-Omni folder `model_dir` (nothing else is read), in `dtype` on `device` (the
+    stage's: a CUDA stage runs them on its GPU; inputs go there, outputs come back to the host), each checked
     for missing weights (ValueError naming the key)."""
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -90,4 +95,6 @@ def load_qwen2_5_encoder(model_dir: str | Path, dtype: torch.dtype = torch.float
     visual = cast(Qwen2_5OmniVisionEncoder, build_submodule(
         model_dir, config_path="thinker_config.vision_config", factory=Qwen2_5OmniVisionEncoder, prefix=VISION_PREFIX,
         dtype=dtype))
+    for tower in (audio, visual):
+        torch.nn.Module.to(tower, device)  # in place (PreTrainedModel.to's typing wants a dtype or device object)
     return Qwen3OmniEncoder(Qwen2_5OmniAudioTower(audio), Qwen2_5OmniVisionTower(visual))

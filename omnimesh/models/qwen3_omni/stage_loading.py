@@ -99,6 +99,14 @@ class LMLayout:
     ray_address: str | None = None  # with "ray": the cluster (None: a Ray instance of the stage's own)
 
     @property
+    def driver_device(self) -> str:
+        """Where this process's own modules run when the stage keeps them here (Qwen2.5-Omni's towers and
+        token2wav): rank 0's device."""
+        if self.devices:
+            return self.devices[0]
+        return "cuda:0" if self.backend == "nccl" else "cpu"
+
+    @property
     def in_process_cpu(self) -> bool:
         """One rank, this process, on CPU: the stage's steps may share it (EngineLoop `preempt`, lanes)."""
         return self.pp * self.tp == 1 and self.backend != "nccl"
@@ -132,7 +140,8 @@ def load_encoder(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LM
                              f"tp={layout.tp}); give the encoder stage pp 1 and tp 1 (--stage-overrides)")
         from omnimesh.models.qwen2_5_omni.towers import load_qwen2_5_encoder
 
-        return _timed("audio + vision towers", model_dir, lambda: load_qwen2_5_encoder(model_dir, dtype))
+        return _timed("audio + vision towers", model_dir,
+                      lambda: load_qwen2_5_encoder(model_dir, dtype, layout.driver_device))
     tc: Any = config.thinker_config
     run, executor = _timed("audio + vision towers", model_dir, lambda: encoder_runner(
         EncoderShardSpec(model_dir, dtype, layout.partition), layout.pp, layout.tp, **layout.executor_args()))
