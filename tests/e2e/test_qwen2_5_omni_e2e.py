@@ -16,7 +16,8 @@ and token2wav on one rank each. Against `transformers` on the same folder (tests
   arrives whole at the end (this token2wav is not streamed yet);
 - 8 requests at once (continuous batching, mixed media, some speaking) each equal their own reference;
 - the stages report the family and their layouts; voices are the checkpoint's speakers, Chelsie first (the
-  default voice of its `generate`), and `/v1/audio/speech` speaks with them.
+  default voice of its `generate`), and `/v1/audio/speech` speaks with them; a Realtime spoken turn answers with
+  the text and audio of the same conversation sent as a chat completion.
 """
 
 from __future__ import annotations
@@ -189,6 +190,40 @@ def test_concurrent_requests_each_equal_their_reference(served: Mesh, model_dir:
         assert message["content"] == thinker.text
         if wav is not None:
             assert np.abs(_pcm(message).astype(np.int32) - _pcm16(wav.numpy())).max() <= 4
+
+
+def test_a_realtime_spoken_turn_is_the_same_chat(served: Mesh) -> None:
+    from websockets.sync.client import connect
+
+    clip = sine_wav(1.0, rate=24_000)
+    with wave.open(io.BytesIO(clip)) as w:
+        pcm = w.readframes(w.getnframes())
+    with connect(served.rest.replace("http://", "ws://") + f"/v1/realtime?model={NAME}", open_timeout=30) as ws:
+        def until(kind: str) -> list[dict]:
+            out: list[dict] = []
+            while not out or out[-1]["type"] != kind:
+                out.append(json.loads(ws.recv(timeout=120)))
+                assert out[-1]["type"] != "error", out[-1]
+            return out
+
+        until("session.created")
+        ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0, "max_response_output_tokens": 8}}))
+        until("session.updated")
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        until("conversation.item.created")
+        ws.send(json.dumps({"type": "response.create"}))
+        events = until("response.done")
+    transcript = "".join(e["delta"] for e in events if e["type"] == "response.audio_transcript.delta")
+    audio = np.frombuffer(b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.audio.delta"),
+                          dtype="<i2")
+    user = {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}}
+    chat = _chat(served.rest, {"model": NAME, "messages": [{"role": "user", "content": [user]}], "temperature": 0,
+                               "max_tokens": 8, "modalities": ["text", "audio"]}).json()["choices"][0]["message"]
+    assert transcript == chat["content"] and transcript
+    want = _pcm(chat)  # the talker's operator default (60 codes) bounds both
+    assert audio.shape == want.shape == (60 * 480,)
+    assert np.abs(audio.astype(np.int32) - want.astype(np.int32)).max() <= 4
 
 
 def test_the_speech_endpoint_speaks(served: Mesh) -> None:
