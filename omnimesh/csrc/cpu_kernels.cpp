@@ -559,15 +559,16 @@ at::Tensor greedy_pick(const at::Tensor& logits_in, const at::Tensor& history, c
 }
 
 // The pieces a whole layer (`dense_layer`, `decode_layer`) shares, in the Python layers' order of ops:
-// q, k, v of x (rms_norm, the fused qkv linear, qk_norm_rope) ...
+// q, k, v of x (rms_norm, the fused qkv linear with its bias if any (Qwen2's), qk_norm_rope) ...
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_qkv(
     const at::Tensor& x, const at::Tensor& ln1, double eps, const at::Tensor& qkv_w,
-    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double qk_eps,
-    const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+    const c10::optional<at::Tensor>& qkv_b, const c10::optional<at::Tensor>& q_norm,
+    const c10::optional<at::Tensor>& k_norm, double qk_eps, const at::Tensor& cos, const at::Tensor& sin,
+    int64_t heads, int64_t kv_heads, int64_t head_dim) {
   check_cpu_f32(x, "x");
   TORCH_CHECK(x.dim() == 3, "omnimesh kernel: a fused layer takes x (B, T, H), got ", x.sizes());
-  return qk_norm_rope(at::linear(rms_norm(x, ln1, eps), qkv_w), heads, kv_heads, head_dim, q_norm, k_norm, qk_eps,
-                      cos, sin);
+  return qk_norm_rope(at::linear(rms_norm(x, ln1, eps), qkv_w, qkv_b), heads, kv_heads, head_dim, q_norm, k_norm,
+                      qk_eps, cos, sin);
 }
 
 // ... the attention output o (B, h, T, D) through o_proj onto the residual x ...
@@ -584,15 +585,16 @@ at::Tensor dense_mlp(const at::Tensor& n2, const at::Tensor& gate_up_w, const at
 // kernels above and aten's linear in the order the Python layer calls them (the same values bit for bit): no
 // Python between its 11 ops. past_k / past_v (B, kv, S0, D) or none; returns y (B, T, H) and the keys / values
 // (B, kv, S0 + T, D) the cache keeps. The caller checks the attention is small (T x S) and the layer has no
-// bias and one tensor-parallel rank.
+// o / MLP bias and one tensor-parallel rank (a q/k/v bias, `qkv_b`, is added by the qkv linear).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_layer(
-    const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& q_norm,
+    const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b,
+    const c10::optional<at::Tensor>& q_norm,
     const c10::optional<at::Tensor>& k_norm, double qk_eps, const at::Tensor& cos, const at::Tensor& sin,
     const c10::optional<at::Tensor>& past_k, const c10::optional<at::Tensor>& past_v, const at::Tensor& o_w,
     const at::Tensor& ln2, const at::Tensor& gate_up_w, const at::Tensor& down_w, double eps, int64_t heads,
     int64_t kv_heads, int64_t head_dim, int64_t window, double scale) {
   TORCH_CHECK(past_k.has_value() == past_v.has_value(), "omnimesh kernel: give both past keys and values or none");
-  auto [q, k, v] = layer_qkv(x, ln1, eps, qkv_w, q_norm, k_norm, qk_eps, cos, sin, heads, kv_heads, head_dim);
+  auto [q, k, v] = layer_qkv(x, ln1, eps, qkv_w, qkv_b, q_norm, k_norm, qk_eps, cos, sin, heads, kv_heads, head_dim);
   if (past_k.has_value()) {
     k = at::cat({*past_k, k}, 2);
     v = at::cat({*past_v, v}, 2);
@@ -607,7 +609,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_layer(
 // MoE kernel (router given: gate_up / down are the experts') or the dense silu MLP (gate_up / down its
 // weights), each residual added as the Python layer adds it (the same values bit for bit). x (1, N, H).
 at::Tensor decode_layer(
-    const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& q_norm,
+    const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b,
+    const c10::optional<at::Tensor>& q_norm,
     const c10::optional<at::Tensor>& k_norm, double qk_eps, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& write_slots, const at::Tensor& rows,
     const at::Tensor& slots, const at::Tensor& lens, double scale, const at::Tensor& o_w, const at::Tensor& ln2,
@@ -616,7 +619,7 @@ at::Tensor decode_layer(
     const c10::optional<at::Tensor>& shared_gate_up, const c10::optional<at::Tensor>& shared_down,
     const c10::optional<at::Tensor>& shared_gate) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "omnimesh kernel: decode_layer takes x (1, N, H), got ", x.sizes());
-  auto [q, k, v] = layer_qkv(x, ln1, eps, qkv_w, q_norm, k_norm, qk_eps, cos, sin, heads, kv_heads, head_dim);
+  auto [q, k, v] = layer_qkv(x, ln1, eps, qkv_w, qkv_b, q_norm, k_norm, qk_eps, cos, sin, heads, kv_heads, head_dim);
   at::Tensor o = at::empty(q.sizes(), q.options());
   paged_decode(q, k, v, k_pool, v_pool, write_slots, rows, slots, lens, scale, o);
   at::Tensor h = attention_residual(x, o, o_w);
@@ -643,10 +646,10 @@ TORCH_LIBRARY(omnimesh, m) {
   m.def("greedy_pick(Tensor logits, Tensor history, Tensor offsets, float penalty, Tensor? suppress) -> Tensor");
   m.def("moe(Tensor h, Tensor router, Tensor gate_up, Tensor down, int top_k, bool norm_topk, Tensor? shared_gate_up, "
         "Tensor? shared_down, Tensor? shared_gate) -> Tensor");
-  m.def("dense_layer(Tensor x, Tensor ln1, Tensor qkv_w, Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor cos, "
+  m.def("dense_layer(Tensor x, Tensor ln1, Tensor qkv_w, Tensor? qkv_b, Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor cos, "
         "Tensor sin, Tensor? past_k, Tensor? past_v, Tensor o_w, Tensor ln2, Tensor gate_up_w, Tensor down_w, "
         "float eps, int heads, int kv_heads, int head_dim, int window, float scale) -> (Tensor, Tensor, Tensor)");
-  m.def("decode_layer(Tensor x, Tensor ln1, Tensor qkv_w, Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor cos, "
+  m.def("decode_layer(Tensor x, Tensor ln1, Tensor qkv_w, Tensor? qkv_b, Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor cos, "
         "Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_slots, Tensor rows, Tensor slots, Tensor lens, "
         "float scale, Tensor o_w, Tensor ln2, float eps, int heads, int kv_heads, int head_dim, Tensor? router, "
         "Tensor gate_up, Tensor down, int top_k, bool norm_topk, Tensor? shared_gate_up, Tensor? shared_down, "

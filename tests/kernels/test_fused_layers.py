@@ -2,15 +2,16 @@
 run op by op (`fusable` off: the kernels one by one with Python between them).
 
 What it proves:
-- a decode-only batched step of a thinker layer (MoE), a talker layer (MoE + shared expert) and a dense-MLP
-  layer gives the same output bit for bit, and writes the same keys and values into the paged pool;
+- a decode-only batched step of a thinker layer (MoE), a talker layer (MoE + shared expert), a dense-MLP
+  layer and a Qwen2.5-Omni layer (q/k/v biases, no q/k norm) gives the same output bit for bit, and writes the
+  same keys and values into the paged pool;
 - a step with a prefill chunk, a request's own cache and a MoE step too big for its kernel are left to the
   op-by-op layer (the fused call says None);
 - the code predictor's layer over its per-step cache (2 tokens, then 1 and 1; full causal and a sliding
   window) gives the same output and cache bit for bit, and the whole predictor the same codes, hidden states
   and codec sum;
-- layers with tp > 1, another dtype, a bias or two norm eps are not fused, and the ops refuse bad inputs with
-  errors that name them.
+- layers with tp > 1, another dtype, an o bias or two norm eps are not fused (a q/k/v bias is), and the ops
+  refuse bad inputs with errors that name them.
 
 Run: python -m pytest tests/kernels/test_fused_layers.py -q
 """
@@ -58,6 +59,13 @@ def randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def decoder_layer(kind: str) -> ParallelDecoderLayer:
+    if kind == "qwen2.5":
+        from omnimesh.models.qwen2_5_omni.tiny_config import tiny_qwen2_5_omni_config
+
+        text = tiny_qwen2_5_omni_config().thinker_config.text_config
+        layer = ParallelDecoderLayer(text, 0, ParallelState.single(), torch.float32, is_talker=False)
+        assert layer.self_attn.qkv_proj.bias is not None and layer.self_attn.qk_norms is None
+        return randomized(layer, seed=7)  # type: ignore[return-value]
     config = tiny_qwen3_omni_config()
     text = copy.deepcopy((config.talker_config if kind == "talker" else config.thinker_config).text_config)
     if kind == "dense":
@@ -86,7 +94,7 @@ def step_inputs(layer: ParallelDecoderLayer, n: int, seed: int) -> tuple[torch.T
     return x, torch.randn(1, n, D, generator=g), torch.randn(1, n, D, generator=g)  # x, cos, signed sin
 
 
-@pytest.mark.parametrize("kind", ["thinker", "talker", "dense"])
+@pytest.mark.parametrize("kind", ["thinker", "talker", "dense", "qwen2.5"])
 def test_a_decode_step_equals_the_op_by_op_layer(kind: str) -> None:
     layer = decoder_layer(kind)
     eager_pool, fused_pool = pools(layer, seed=3)
@@ -169,7 +177,7 @@ def test_the_whole_code_predictor_gives_the_same_codes_fused() -> None:
     assert want.codec_sum is not None and got.codec_sum is not None and torch.equal(got.codec_sum, want.codec_sum)
 
 
-def test_only_one_rank_float32_unbiased_layers_with_one_eps_are_fused() -> None:
+def test_only_one_rank_float32_layers_without_o_bias_with_one_eps_are_fused() -> None:
     layer = decoder_layer("thinker")
     attn, ln1, ln2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
     one = ParallelState.single()
@@ -181,9 +189,10 @@ def test_only_one_rank_float32_unbiased_layers_with_one_eps_are_fused() -> None:
     other_eps.eps = ln1.eps * 10
     assert not fusable_layer(one, torch.float32, attn, ln1, other_eps)
     biased = copy.copy(attn)
-    biased.qkv_proj = copy.copy(attn.qkv_proj)
-    biased.qkv_proj.bias = torch.nn.Parameter(torch.zeros(1))
+    biased.o_proj = copy.copy(attn.o_proj)
+    biased.o_proj.bias = torch.nn.Parameter(torch.zeros(1))
     assert not fusable_layer(one, torch.float32, biased, ln1, ln2)
+    assert decoder_layer("qwen2.5").fusable  # a q/k/v bias: the qkv linear adds it inside the kernel
 
 
 def test_the_layer_ops_refuse_bad_inputs_with_errors_that_name_them() -> None:

@@ -238,7 +238,8 @@ class ParallelCodePredictorLayer(nn.Module):
         norms = attn.qk_norms
         # its arguments, read once (nn.Module's attribute lookups cost more than the kernel's Python call); the
         # loader copies weights into these same parameters, so the references stay right
-        self._attn_args = (self.input_layernorm.weight, attn.qkv_proj.weight, norms[0].weight if norms else None,
+        self._attn_args = (self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                           norms[0].weight if norms else None,
                            norms[1].weight if norms else None, norms[0].eps if norms else 0.0)
         self._mlp_args = (attn.o_proj.weight, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight,
                           self.mlp.down_proj.weight, self.input_layernorm.eps, attn.qkv_proj.q_size // D,

@@ -395,9 +395,9 @@ class ParallelSparseMoe(nn.Module):
 
 def fusable_layer(ps: ParallelState, dtype: torch.dtype, attn: Any, ln1: RMSNorm, ln2: RMSNorm) -> bool:
     """Whether `cpu_kernels`' whole-layer ops (dense_layer, decode_layer) can run a layer with attention `attn` and
-    norms ln1 / ln2: one TP rank (no collective inside), float32, no q/k/v or o bias, one eps for both norms."""
-    return (ps.tp_size == 1 and dtype == torch.float32 and attn.qkv_proj.bias is None and attn.o_proj.bias is None
-            and ln1.eps == ln2.eps)
+    norms ln1 / ln2: one TP rank (no collective inside), float32, no o bias (a q/k/v bias, Qwen2's, the qkv
+    linear adds), one eps for both norms."""
+    return ps.tp_size == 1 and dtype == torch.float32 and attn.o_proj.bias is None and ln1.eps == ln2.eps
 
 
 class ParallelDecoderLayer(nn.Module):
@@ -414,7 +414,7 @@ class ParallelDecoderLayer(nn.Module):
         # its arguments read once here (the loader copies weights into these same parameters)
         self.fusable = fusable_layer(ps, dtype, attn, self.input_layernorm, self.post_attention_layernorm)
         norms = attn.qk_norms
-        self._attn_args = (self.input_layernorm.weight, attn.qkv_proj.weight,
+        self._attn_args = (self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
                            None if norms is None else norms[0].weight, None if norms is None else norms[1].weight,
                            0.0 if norms is None else norms[0].eps)
         self._o_args = (D**-0.5, attn.o_proj.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
