@@ -60,6 +60,7 @@ class Qwen2_5Reference:
     def __init__(self, model_dir: Path) -> None:
         from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
+        self.model_dir = model_dir
         self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.prompts = PromptBuilder(model_dir, max_model_len=4096)
@@ -81,8 +82,10 @@ class Qwen2_5Reference:
                              [float(logprobs[i, t]) for i, t in enumerate(generated)], prompt_rows, replies)
 
     @torch.no_grad()
-    def codes(self, p: Any, thinker: ThinkerOutput, speaker: str, max_tokens: int) -> list[int]:
-        """transformers' talker stepped greedily with its mask (see the module docstring)."""
+    def codes(self, p: Any, thinker: ThinkerOutput, speaker: str, max_tokens: int,
+              logits: list[torch.Tensor] | None = None) -> list[int]:
+        """transformers' talker stepped greedily with its mask (see the module docstring); `logits` collects each
+        step's raw logits (V,)."""
         hf, talker = self.model.talker, self.talker
         hf.rope_deltas = None  # module state of a previous run
         bos_id, bos_row = talker.text_rows.speakers[speaker.lower()]
@@ -106,6 +109,8 @@ class Qwen2_5Reference:
                  past_key_values=cache, use_cache=True, **media)
         codes: list[int] = []
         while len(codes) < max_tokens:
+            if logits is not None:
+                logits.append(out.logits[0, -1].clone())
             token = int(processors(history, out.logits[:, -1]).argmax(-1))
             history = torch.cat([history, torch.tensor([[token]])], dim=1)
             if token in TALKER_STOPS:

@@ -2,7 +2,10 @@
 
 Reference (tests/e2e/reference_qwen2_5.py): transformers' `Qwen2_5OmniTalkerForConditionalGeneration` on the tiny
 Qwen2.5-Omni folder, stepped greedily with the attention mask `generate` builds for it, from the rows `generate`
-builds out of the thinker's greedy output, for a text prompt and one with an audio clip and an image.
+builds out of the thinker's greedy output, for a text prompt, one with an audio clip and an image, and one with a
+6 s video whose soundtrack interleaves with its frames (the talker's M-RoPE index reads `use_audio_in_video`);
+the codes must be equal and every step's logits within 1e-5 (the random tiny weights barely feel positions,
+so the logits are what would catch a wrong index).
 `test_generate_drops_the_talkers_mask` pins why not `generate` itself (transformers 5.23 no longer hands the
 talker that mask). Ours: `Qwen2_5OmniTalker` fed the thinker's rows as the stage feeds them — the prompt rows
 once, then one reply row per generated token, the final token's end marker last — over transformers' talker
@@ -16,6 +19,7 @@ a step before its text entry is known, text after the end.
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-from reference import chat_request, png_bytes, sine_wav  # noqa: E402
+from reference import chat_request, mp4_bytes, png_bytes, sine_wav  # noqa: E402
 from reference_qwen2_5 import THINKER_EOS, TALKER_STOPS, Qwen2_5Reference, ThinkerOutput, media_kwargs  # noqa: E402
 
 from omnimesh.models.qwen2_5_omni.talker import (  # noqa: E402
@@ -48,7 +52,12 @@ def reference(folder: Path) -> Qwen2_5Reference:
     return Qwen2_5Reference(folder)
 
 
-def _inputs(reference: Qwen2_5Reference, media: bool) -> Any:
+def _inputs(reference: Qwen2_5Reference, media: bool | str) -> Any:
+    if media == "video+sound":
+        req = chat_request("What happens here?", None, None, max_tokens=THINKER_MAX, talker_max=TALKER_MAX,
+                           mp4=mp4_bytes(n_frames=36, rate=6, sound=True), model_dir=reference.model_dir,
+                           use_audio_in_video=True)
+        return reference.prompts(req)
     req = chat_request("What do you hear and see?" if media else "Tell me about the sea.",
                        sine_wav() if media else None, png_bytes() if media else None, max_tokens=THINKER_MAX,
                        talker_max=TALKER_MAX)
@@ -60,47 +69,65 @@ def edge_prompt(p: Any, rows: torch.Tensor, first_token: int) -> TalkerPrompt:
     return TalkerPrompt(input_ids=p.input_ids.view(-1), prompt_embeds=rows, multimodal_hidden=rows[:0],
                         tts_embeds=rows[:0], image_grid_thw=p.image_grid_thw,
                         audio_feature_lengths=None if p.feature_attention_mask is None else p.feature_attention_mask.sum(-1),
-                        first_token=torch.tensor([first_token]))
+                        video_grid_thw=p.video_grid_thw, video_second_per_grid=p.video_second_per_grid,
+                        use_audio_in_video=bool(p.use_audio_in_video), first_token=torch.tensor([first_token]))
 
 
-def run_talker(talker: Qwen2_5OmniTalker, p: Any, thinker: ThinkerOutput, interleaved: bool) -> list[int]:
+def run_talker(talker: Qwen2_5OmniTalker, p: Any, thinker: ThinkerOutput, interleaved: bool,
+               logits: list[torch.Tensor] | None = None) -> list[int]:
+    """Our talker fed as the stage feeds it -> its codes; `logits` collects each step's raw logits (V,)."""
     params = talker_sampling_params(talker.config, do_sample=False, max_tokens=TALKER_MAX)
-    state = talker.start(edge_prompt(p, thinker.prompt_rows, thinker.generated[0]), "Chelsie", thinker.replies[0],
-                         params)
-    pending = list(thinker.replies[1:])
-    if not interleaved:
-        for row in pending:
-            talker.push_text(state, row)
-        talker.finish_text(state)
-        pending = []
-    codes: list[int] = []
-    while not state.finished:
-        if interleaved and not talker.can_step(state):
-            if pending:
-                talker.push_text(state, pending.pop(0))
-            else:
-                talker.finish_text(state)
-            continue
-        out = talker.step(state)
-        if out is not None:
-            codes += out.tolist()
-    talker.release(state)
+    backend = talker.backend
+    if logits is not None:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            out = backend.forward(*args, **kwargs)
+            logits.append(out.logits.clone())
+            return out
+
+        talker.backend = types.SimpleNamespace(open=backend.open, close=backend.close, forward=record)  # type: ignore[assignment]
+    try:
+        state = talker.start(edge_prompt(p, thinker.prompt_rows, thinker.generated[0]), "Chelsie",
+                             thinker.replies[0], params)
+        pending = list(thinker.replies[1:])
+        if not interleaved:
+            for row in pending:
+                talker.push_text(state, row)
+            talker.finish_text(state)
+            pending = []
+        codes: list[int] = []
+        while not state.finished:
+            if interleaved and not talker.can_step(state):
+                if pending:
+                    talker.push_text(state, pending.pop(0))
+                else:
+                    talker.finish_text(state)
+                continue
+            out = talker.step(state)
+            if out is not None:
+                codes += out.tolist()
+        talker.release(state)
+    finally:
+        talker.backend = backend
     final = talker.final_group(state)  # at max tokens the last code is spoken too
     return codes + ([] if final is None else final.tolist())
 
 
-@pytest.mark.parametrize("media", [False, True], ids=["text", "audio+image"])
-def test_codes_equal_transformers(folder: Path, reference: Qwen2_5Reference, media: bool) -> None:
+@pytest.mark.parametrize("media", [False, True, "video+sound"], ids=["text", "audio+image", "video+sound"])
+def test_codes_equal_transformers(folder: Path, reference: Qwen2_5Reference, media: bool | str) -> None:
     from omnimesh.models.qwen3_omni.lm_backend import ShardedBackend
     from omnimesh.models.qwen3_omni.lm_shard import LMShardSpec
 
     p = _inputs(reference, media)
     thinker = reference.thinker(p, THINKER_MAX)
     assert len(thinker.generated) >= 2
-    want = reference.codes(p, thinker, "chelsie", TALKER_MAX)
+    want_logits: list[torch.Tensor] = []
+    want = reference.codes(p, thinker, "chelsie", TALKER_MAX, want_logits)
     assert len(want) >= 5, want
     for interleaved in (True, False):
-        assert run_talker(reference.talker, p, thinker, interleaved) == want
+        got_logits: list[torch.Tensor] = []
+        assert run_talker(reference.talker, p, thinker, interleaved, got_logits) == want
+        assert len(got_logits) == len(want_logits)
+        assert max(float((a - b).abs().max()) for a, b in zip(got_logits, want_logits)) < 1e-5
     ours = load_qwen2_5_talker(folder, torch.float32, ShardedBackend.start(LMShardSpec(folder, "talker")))
     assert torch.equal(ours.text_rows.text_end, reference.talker.text_rows.text_end)
     assert ours.speakers == reference.talker.speakers == ["chelsie", "ethan"]
