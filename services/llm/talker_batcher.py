@@ -122,7 +122,7 @@ class TalkerBatcher:
             if task.finished and isinstance(chunks, list):
                 final = self.talker.final_group(task.state)  # Qwen2.5-Omni at max tokens: its last code
                 if final is not None:
-                    task.held.append(final.view(-1, 1))
+                    chunks.extend(task.add_group(final))
                 chunks.extend(task.flush())
 
     def _predict(self, tasks: list[TalkerTask], out: dict[str, list[StageChunk] | BaseException]) -> None:

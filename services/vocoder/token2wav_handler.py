@@ -75,13 +75,15 @@ class Token2WavHandler:
     # the modules are read-only, so each gives what it gives alone (`sample_mel`)
     max_inflight_steps = 2
 
-    def __init__(self, token2wav: Qwen2_5OmniToken2Wav, model_name: str, failure: StageFailure, num_embeds: int):
+    def __init__(self, token2wav: Qwen2_5OmniToken2Wav, model_name: str, failure: StageFailure, num_embeds: int,
+                 device: str = "cpu"):
+        """`device`: "cuda" when the stage runs on a GPU (its Info says so)."""
         self.token2wav = token2wav
+        self.device = device
         self.model_name = model_name
         self.failure = failure
         self.num_embeds = num_embeds
         self.default_speaker = "chelsie" if "chelsie" in token2wav.speakers else sorted(token2wav.speakers)[0]
-        self.device = "cpu"  # "cuda" when the stage runs on a GPU (its Info says so)
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen2.5-omni",
@@ -111,6 +113,5 @@ def build_token2wav_handler(model_dir: Path, args: ServeArgs) -> Token2WavHandle
     layout = lm_layout(args, "vocoder", failure, model_dir)
     token2wav = load_token2wav(model_dir, layout.driver_device)
     num_embeds = int(token2wav.module.config.dit_config.num_embeds)
-    handler = Token2WavHandler(token2wav, args.model_name(model_dir), failure, num_embeds)
-    handler.device = "cuda" if layout.backend == "nccl" else "cpu"
-    return handler
+    return Token2WavHandler(token2wav, args.model_name(model_dir), failure, num_embeds,
+                            "cuda" if layout.backend == "nccl" else "cpu")

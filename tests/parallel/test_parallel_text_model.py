@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gloo_harness import build_tiny, one_thread, with_talker_routers, without_key  # noqa: F401  (one_thread: autouse)
+from lm_scenario import decode_pos
 from transformers import DynamicCache
 
 from omnimesh.kernels import cpu_kernels
@@ -58,10 +59,6 @@ def mrope_positions(T: int, vis_start: int, grid: tuple[int, int]) -> tuple[torc
     text = torch.arange(T, dtype=torch.float32).view(1, 1, T)
     delta = int(rows.max().item()) + 1 - T
     return torch.cat([text, rows.view(3, 1, T)], dim=0), delta  # (4, 1, T)
-
-
-def decode_pos(seq_len: int, delta: int) -> torch.Tensor:
-    return torch.tensor([seq_len] + [seq_len + delta] * 3, dtype=torch.float32).view(4, 1, 1)
 
 
 def ours(model_dir: Path, is_talker: bool) -> ParallelTextModel:

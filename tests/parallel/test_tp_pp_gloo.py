@@ -20,89 +20,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 from gloo_harness import (
     assert_memory_split,
     build_tiny,
     free_port,
     layers_read,
-    param_sizes,
     run_single,
     with_talker_routers,
 )
 from gloo_harness import run_layout as spawn_layout
+from lm_scenario import DECODE_STEPS, scenario, text_config
 
-from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel, check_parallel_layout, pipeline_step
+from omnimesh.models.qwen3_omni.parallel_text_model import check_parallel_layout
 from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
-from omnimesh.parallel.partition import partition_layers
 
 ROLES = ("thinker", "talker")
-CAPTURE = {"thinker": 2, "talker": 1}  # both owned by pipeline rank 0 when pp = 2: relayed to the last rank
-DECODE_STEPS = 5
 TOL = 1e-4
 REPLICATED = ("norm", "router", "shared_expert_gate")  # parameter-name parts every TP rank holds whole
-
-
-def text_config(model_dir: Path, role: str) -> Any:
-    from transformers import AutoConfig  # the config classes only; the modeling module is never imported
-
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    return (config.talker_config if role == "talker" else config.thinker_config).text_config
-
-
-def prompt(T: int = 12) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, list[torch.Tensor]]:
-    """ids (1, T), positions (4, 1, T) with a 2 x 3 image block at 3..8, rope delta, visual mask, deepstack."""
-    ids = torch.randint(0, 300, (1, T), generator=torch.Generator().manual_seed(1))
-    t = torch.tensor([0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7, 8], dtype=torch.float32)
-    h = torch.tensor([0, 1, 2, 3, 3, 3, 4, 4, 4, 6, 7, 8], dtype=torch.float32)
-    w = torch.tensor([0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8], dtype=torch.float32)
-    positions = torch.stack([torch.arange(T, dtype=torch.float32), t, h, w]).view(4, 1, T)
-    mask = torch.zeros(1, T, dtype=torch.bool)
-    mask[0, 3:9] = True
-    gen = torch.Generator().manual_seed(2)
-    deepstack = [torch.randn(6, 64, generator=gen) * 0.5 for _ in range(3)]  # adds after layers 0, 1, 2
-    return ids, positions, 9 - T, mask, deepstack
-
-
-def scenario(ps: ParallelState, model_dir: Path, role: str) -> dict[str, Any]:
-    """Prefill + greedy decode on this rank; returns what the test compares (logits only on the last pp rank)."""
-    config = text_config(model_dir, role)
-    layer_range = partition_layers(config.num_hidden_layers, ps.pp_size)[ps.pp_rank]
-    model = ParallelTextModel(config, ps, layer_range, is_talker=role == "talker")
-    keys = model.load_weights(model_dir)
-    ids, positions, delta, mask, deepstack = prompt()
-    cache = model.new_cache()
-    deep = deepstack if role == "thinker" else None
-    out = pipeline_step(model, model.embed_ids(ids) if ps.is_first_pp_rank else None, positions, cache,
-                        visual_pos_mask=mask if deep else None, deepstack=deep, capture_layer=CAPTURE[role])
-    captured = out.captured
-    tokens: list[int] = []
-    logits_seen: list[torch.Tensor] = []
-    seq = ids.shape[1]
-    for step in range(DECODE_STEPS + 1):
-        token = torch.zeros(1, dtype=torch.long)
-        if ps.is_last_pp_rank:
-            logits = model.compute_logits(out.hidden[:, -1])  # (1, V), gathered over TP
-            logits_seen.append(logits[0])
-            token[0] = logits.argmax(-1)[0]
-        if ps.world_size > 1:  # the driver's job in the executor: sampled id from the last pp rank to all
-            dist.broadcast(token, src=ps.last_pp_rank_driver, group=ps.cpu_group)
-        tokens.append(int(token))
-        if step == DECODE_STEPS:
-            break
-        pos = torch.tensor([seq] + [seq + delta] * 3, dtype=torch.float32).view(4, 1, 1)
-        x = model.embed_ids(token.view(1, 1)) if ps.is_first_pp_rank else None
-        out = pipeline_step(model, x, pos, cache)
-        seq += 1
-    return {
-        "rank": ps.rank, "pp_rank": ps.pp_rank, "layer_range": layer_range, "keys": keys, "tokens": tokens,
-        "logits": torch.stack(logits_seen) if logits_seen else None,
-        "captured": captured if ps.is_last_pp_rank else None,
-        "param_bytes": model.param_bytes(),
-        "sizes": param_sizes(model),
-        "cache_len": cache.get_seq_length(),
-    }
 
 
 def both_roles(ps: ParallelState, model_dir: Path) -> dict[str, dict[str, Any]]:

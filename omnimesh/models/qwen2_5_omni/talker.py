@@ -46,7 +46,7 @@ from torch import nn
 from transformers import Qwen2_5OmniConfig
 
 from omnimesh.models.qwen3_omni.lm_backend import HFBackend, LMBackend
-from omnimesh.models.qwen3_omni.mrope import MropeSpec, decode_positions, decode_positions_batch, prompt_positions
+from omnimesh.models.qwen3_omni.mrope import MropeSpec, decode_positions_batch, prompt_positions
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams, greedy_batch
 from omnimesh.models.qwen3_omni.talker import take_prefill
 from omnimesh.models.qwen3_omni.thinker import TalkerPrompt
@@ -196,36 +196,23 @@ class Qwen2_5OmniTalker:
             return False
         return state.prefill_embeds is not None or state.steps_done < len(state.text) or state.text_done
 
-    def decode_input(self, state: Talker25State) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next decode's input row (H,) and positions (4, 1): proj(codec_embed(c_g) + text entry g)."""
-        g = state.steps_done
-        text = state.text[g] if g < len(state.text) else self.text_rows.text_pad  # (E,)
-        row = self.proj(self.codec_embed(torch.tensor([state.codes[-1]]))[0] + text)  # (H,)
-        positions = decode_positions(state.seq_len, state.rope_delta)[:, 0]  # (4, 1)
-        state.steps_done += 1
-        return row, positions
-
     @torch.no_grad()
     def step(self, state: Talker25State) -> torch.Tensor | None:
-        """One talker step: the prefill (returns None), else one decode that returns the previous code (1,)."""
+        """One talker step in this process (the stage's batcher makes the same calls for many requests): the
+        prefill (returns None), else one decode that returns the previous code (1,)."""
         if not self.can_step(state):
             raise ValueError("talker step not possible: " + (
                 "the request finished" if state.finished else
                 f"text entry {state.steps_done} is not known yet (push_text or finish_text first)"))
-        if state.prefill_embeds is not None and state.prefill_positions is not None:
-            embeds, positions = state.prefill_embeds, state.prefill_positions
-            state.prefill_embeds = state.prefill_positions = None
-            self._forward_and_sample(state, embeds, positions)
+        if state.prefill_embeds is not None:
+            embeds, positions = take_prefill(state)  # (P, H), (4, P)
+            out = self.backend.forward(state.handle, embeds.unsqueeze(0), positions.unsqueeze(1))
+            self.sample_next(state, out.logits)
             return None
-        code = state.codes[-1]
-        row, positions = self.decode_input(state)
-        self._forward_and_sample(state, row.view(1, 1, -1), positions.unsqueeze(1))
-        return torch.tensor([code], dtype=torch.long)
-
-    def _forward_and_sample(self, state: Talker25State, inputs: torch.Tensor, positions: torch.Tensor) -> None:
-        out = self.backend.forward(state.handle, inputs, positions)
-        state.seq_len += inputs.shape[1]
+        codes, rows, positions = self.next_inputs([state])  # (1, 1), (1, H), (4, 1)
+        out = self.backend.forward(state.handle, rows.unsqueeze(0), positions.unsqueeze(1))
         self.sample_next(state, out.logits)
+        return codes[0]
 
     # --- the batched stage path (services/llm/talker_batcher.py)
 

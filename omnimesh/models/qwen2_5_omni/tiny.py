@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration, Qwen2VLImageProcessorPil
+from transformers import Qwen2_5OmniForConditionalGeneration, Qwen2VLImageProcessorPil
 
 from omnimesh.models.qwen2_5_omni.tiny_config import (
     ORDINARY_VOCAB_LIMIT,
+    RENAMED,
     ROLE_TOKENS,
     SPECIAL_TOKENS,
     THINKER_VOCAB,
@@ -39,16 +40,9 @@ from omnimesh.models.qwen3_omni import tiny as qwen3_tiny
 from omnimesh.models.qwen3_omni.tiny import QWEN3_OMNI_CHAT_TEMPLATE, tiny_feature_extractor
 from omnimesh.models.tokenizer_build import TinyTokenizerSpec, build_tokenizer
 
-# Qwen3-Omni's media token names -> Qwen2.5-Omni's (the two templates differ only there)
-_RENAMED = {
-    "<|vision_start|>": "<|vision_bos|>", "<|vision_end|>": "<|vision_eos|>", "<|image_pad|>": "<|IMAGE|>",
-    "<|video_pad|>": "<|VIDEO|>", "<|audio_start|>": "<|audio_bos|>", "<|audio_end|>": "<|audio_eos|>",
-    "<|audio_pad|>": "<|AUDIO|>",
-}
-
-
 def _renamed(text: str) -> str:
-    for old, new in _RENAMED.items():
+    """Qwen3-Omni's token names in `text` -> Qwen2.5-Omni's (the two chat templates differ only there)."""
+    for old, new in RENAMED.items():
         text = text.replace(old, new)
     return text
 
@@ -102,14 +96,6 @@ def video_preprocessor_config() -> dict[str, Any]:
     return qwen3_tiny.video_preprocessor_config("Qwen2_5OmniProcessor", 14, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
 
 
-def tiny_generation_config() -> GenerationConfig:
-    return GenerationConfig(
-        bos_token_id=SPECIAL_TOKENS["<|endoftext|>"],
-        eos_token_id=[SPECIAL_TOKENS["<|im_end|>"], SPECIAL_TOKENS["<|endoftext|>"]],
-        pad_token_id=SPECIAL_TOKENS["<|endoftext|>"], do_sample=False, max_new_tokens=32,
-    )
-
-
 def speaker_dict(config: Any, seed: int) -> dict[str, dict[str, Any]]:
     """{name: {"bos_token": id, "cond": (1, enc_emb_dim), "ref_mel": (1, 30, mel_dim)}}, drawn from `seed`."""
     dit = config.token2wav_config.dit_config
@@ -136,7 +122,7 @@ def build_tiny_model(seed: int = 0, audio_output: bool = True) -> Qwen2_5OmniFor
                 param.normal_(0.0, BIAS_STD, generator=gen)
     if audio_output:
         make_bigvgan_audible(model, seed)
-    model.generation_config = tiny_generation_config()
+    model.generation_config = qwen3_tiny.tiny_generation_config()  # the same end ids, by construction
     return model.eval()
 
 

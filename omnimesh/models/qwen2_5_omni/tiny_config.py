@@ -14,26 +14,20 @@ from __future__ import annotations
 
 from transformers import Qwen2_5OmniConfig
 
-THINKER_VOCAB = 512
-ORDINARY_VOCAB_LIMIT = 400
+from omnimesh.models.qwen3_omni import tiny_config as qwen3
+from omnimesh.models.qwen3_omni.tiny_config import ORDINARY_VOCAB_LIMIT, ROLE_TOKENS, THINKER_VOCAB
 
-# token text -> id (Qwen2.5-Omni's names)
-SPECIAL_TOKENS: dict[str, int] = {
-    "<|im_start|>": 400,
-    "<|im_end|>": 401,
-    "<|endoftext|>": 402,
-    "<|audio_bos|>": 403,
-    "<|audio_eos|>": 404,
-    "<|AUDIO|>": 405,
-    "<|vision_bos|>": 406,
-    "<|vision_eos|>": 407,
-    "<|IMAGE|>": 408,
-    "<|VIDEO|>": 409,
-    "<|tts_text_pad|>": 410,
-    "<|tts_text_bos|>": 411,
-    "<|tts_text_eos|>": 412,
+__all__ = ["ORDINARY_VOCAB_LIMIT", "ROLE_TOKENS", "THINKER_VOCAB"]  # the tiny Qwen3-Omni's, shared
+
+# Qwen3-Omni's token names -> Qwen2.5-Omni's; every id stays where the tiny Qwen3-Omni has it
+RENAMED: dict[str, str] = {
+    "<|vision_start|>": "<|vision_bos|>", "<|vision_end|>": "<|vision_eos|>", "<|image_pad|>": "<|IMAGE|>",
+    "<|video_pad|>": "<|VIDEO|>", "<|audio_start|>": "<|audio_bos|>", "<|audio_end|>": "<|audio_eos|>",
+    "<|audio_pad|>": "<|AUDIO|>", "<|tts_pad|>": "<|tts_text_pad|>", "<|tts_bos|>": "<|tts_text_bos|>",
+    "<|tts_eos|>": "<|tts_text_eos|>",
 }
-ROLE_TOKENS: dict[str, int] = {"user": 413, "assistant": 414, "system": 415}
+# token text -> id (Qwen2.5-Omni's names)
+SPECIAL_TOKENS: dict[str, int] = {RENAMED.get(name, name): i for name, i in qwen3.SPECIAL_TOKENS.items()}
 
 CODEC_VOCAB = 512  # codes 0..499, the talker's control ids from 500
 CODEC_IDS: dict[str, int] = {
