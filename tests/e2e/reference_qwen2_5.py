@@ -123,7 +123,10 @@ class Qwen2_5Reference:
 
     @torch.no_grad()
     def waveform(self, codes: list[int], speaker: str, seed: int) -> torch.Tensor:
-        """transformers' token2wav on the codes, its noise drawn after `torch.manual_seed(seed)`."""
+        """transformers' token2wav on the codes, its noise drawn after `torch.manual_seed(seed)` (no codes: no
+        samples; transformers' token2wav takes no empty stream)."""
+        if not codes:
+            return torch.zeros(0)
         voice = next(v for k, v in self.model.speaker_map.items() if k.lower() == speaker.lower())
         torch.manual_seed(seed)
         wav = self.model.token2wav(torch.tensor([codes]), conditioning=voice["cond"].float(),

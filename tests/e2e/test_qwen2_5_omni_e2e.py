@@ -178,7 +178,7 @@ def test_streamed_speech_arrives_whole_at_the_end(served: Mesh, model_dir: Path,
 
 def test_concurrent_requests_each_equal_their_reference(served: Mesh, model_dir: Path,
                                                         reference: Qwen2_5Reference) -> None:
-    cases = [(p, MEDIA[i % 3], i % 4 == 0) for i, p in enumerate(PROMPTS * 2)]
+    cases = [(p, MEDIA[i % 3], i % 2 == 0) for i, p in enumerate(PROMPTS * 2)]  # 4 speak: token2wav batches
     want = [reference.speech(_request(model_dir, p, m), max_tokens=MAX_TOKENS, talker_max=TALKER_MAX,
                              speaker="chelsie", seed=0) if speak else
             (reference.thinker(reference.prompts(_request(model_dir, p, m)), MAX_TOKENS), None, None)
@@ -188,8 +188,10 @@ def test_concurrent_requests_each_equal_their_reference(served: Mesh, model_dir:
     for (thinker, codes, wav), response in zip(want, got):
         message = response.json()["choices"][0]["message"]
         assert message["content"] == thinker.text
-        if wav is not None:
-            assert np.abs(_pcm(message).astype(np.int32) - _pcm16(wav.numpy())).max() <= 4
+        if wav is not None:  # (the random talker may stop at once: no codes, no samples, on both sides)
+            assert _pcm(message).shape == wav.shape
+            assert np.abs(_pcm(message).astype(np.int32) - _pcm16(wav.numpy())).max(initial=0) <= 4
+    assert sum(wav is not None and wav.numel() > 0 for _, _, wav in want) >= 3  # several decode in one step
 
 
 def test_a_realtime_spoken_turn_is_the_same_chat(served: Mesh) -> None:
@@ -241,9 +243,11 @@ def test_it_speaks_on_cuda(model_dir: Path) -> None:
     a spoken answer comes back whole (no parity: bf16 rounds differently from the float32 reference)."""
     m = start_mesh(model_dir, "--served-model-name", NAME, "--device", "cuda")
     try:
-        got = _chat(m.rest, _body(PROMPTS[1], "audio+image", **SPEAK))
-        assert got.status_code == 200, got.text
-        message = got.json()["choices"][0]["message"]
-        assert message["content"] and _pcm(message).size % 480 == 0 and _pcm(message).size > 0
+        with ThreadPoolExecutor(3) as pool:  # at once: token2wav's batched DiT and BigVGAN on the GPU
+            answers = list(pool.map(lambda p: _chat(m.rest, _body(p, "audio+image", **SPEAK)), PROMPTS[:3]))
+        for got in answers:
+            assert got.status_code == 200, got.text
+            message = got.json()["choices"][0]["message"]
+            assert message["content"] and _pcm(message).size % 480 == 0 and _pcm(message).size > 0
     finally:
         assert m.proc.stop() == 0, m.proc.output()

@@ -4,7 +4,9 @@
 from torch's generator) after `torch.manual_seed(s)` gives the same samples as `load_token2wav(folder)` on the
 codes `generate` decoded with seed s; two seeds give two waveforms, a seed repeated the same one, whatever ran
 before, and two decoding at once on two threads give what each gives alone; 480 samples per code; a missing
-`token2wav.*` key, a missing spk_dict.pt and an unknown speaker are refused by name.
+`token2wav.*` key, a missing spk_dict.pt and an unknown speaker are refused by name. Several utterances of
+different lengths, speakers and seeds decoded in one batch each equal their solo decode (the DiT's mel and the
+waveform, to float rounding); without the per-row attention masks of the padded batch they would not.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 
 from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni
 from omnimesh.models.qwen2_5_omni.tiny_config import CODEC_IDS, SPECIAL_TOKENS
-from omnimesh.models.qwen2_5_omni.token2wav import SAMPLES_PER_CODE, load_token2wav
+from omnimesh.models.qwen2_5_omni import dit_batch
+from omnimesh.models.qwen2_5_omni.token2wav import SAMPLES_PER_CODE, Utterance, load_token2wav
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +85,57 @@ def test_refusals_name_what_is_missing(folder: Path, tmp_path: Path) -> None:
     save_file(tensors, cut / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=key.removeprefix("token2wav.").split(".")[0]):
         load_token2wav(cut)
+
+
+def _mels(ours: Any, utterances: list[Utterance]) -> list[torch.Tensor]:
+    voices = [ours.voices[u.speaker] for u in utterances]
+    return dit_batch.sample_mels(ours.module.code2wav_dit_model, [u.codes for u in utterances], [v[0] for v in voices],
+                                 [v[1] for v in voices], [torch.Generator().manual_seed(u.seed) for u in utterances])
+
+
+def test_a_batch_equals_each_utterance_alone(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ours = load_token2wav(folder)
+    draw = torch.Generator().manual_seed(3)
+    # 13 codes = 26 mel frames: the padded batch's last DiT block (24 frames) is part real, part padding
+    batch = [Utterance(torch.randint(0, 500, (n,), generator=draw), speaker, seed)
+             for n, speaker, seed in [(13, "ethan", 1), (40, "chelsie", 2), (1, "ethan", 3), (0, "ethan", 4),
+                                      (27, "chelsie", 1)]]
+    alone = [ours.decode([u])[0] for u in batch]
+    together = ours.decode(batch)
+    for u, a, t in zip(batch, alone, together):
+        assert a.shape == t.shape == (u.codes.numel() * SAMPLES_PER_CODE,)
+        assert torch.allclose(a, t, atol=1e-5, rtol=0), (u.codes.numel(), (a - t).abs().max())
+    assert together[1].abs().max() > 1e-2  # audible, so the tolerance says something
+    assert torch.equal(ours.decode(batch)[0], together[0])  # the same batch, the same samples
+    # the mels (batched: ~2e-7 off solo), and the guard: with one plain block-distance table for every row (what
+    # transformers builds) a short row's real frames attend its padding and its mel moves (~5e-5 on the tiny
+    # DiT, whose random attention gates are small)
+    live = [u for u in batch if u.codes.numel()]
+    solo = [_mels(ours, [u])[0] for u in live]
+    assert all(torch.allclose(s, b, atol=2e-6, rtol=0) for s, b in zip(solo, _mels(ours, live)))
+    plain = dit_batch.block_distance
+
+    def unmasked(dit: Any, frames: list[int], total: int, device: torch.device) -> torch.Tensor:
+        return plain(dit, [total] * len(frames), total, device)
+
+    monkeypatch.setattr(dit_batch, "block_distance", unmasked)
+    naive = _mels(ours, live)
+    assert (solo[0] - naive[0]).abs().max() > 2e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_batch_on_cuda_equals_each_alone(folder: Path) -> None:
+    """On CUDA BigVGAN decodes the batch in one call too (on CPU it runs per request). TF32 off: what is checked
+    is the padding's exactness, not TF32's rounding (cuDNN convolutions round differently per batch size)."""
+    ours = load_token2wav(folder, "cuda")
+    draw = torch.Generator().manual_seed(5)
+    batch = [Utterance(torch.randint(0, 500, (n,), generator=draw), speaker, 1)
+             for n, speaker in [(13, "ethan"), (40, "chelsie"), (3, "ethan")]]
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        alone = [ours.decode([u])[0] for u in batch]
+        together = ours.decode(batch)
+    for u, a, t in zip(batch, alone, together):
+        assert a.shape == t.shape == (u.codes.numel() * SAMPLES_PER_CODE,) and t.device.type == "cpu"
+        assert torch.allclose(a, t, atol=1e-4, rtol=0), (u.codes.numel(), (a - t).abs().max())
+    assert together[1].abs().max() > 1e-2
