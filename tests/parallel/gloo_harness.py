@@ -231,3 +231,62 @@ def fake_tp3() -> ParallelState:
     """A tp = 3 state for constructors that must refuse it before touching any process group."""
     return ParallelState(world_size=3, rank=0, pp_size=1, tp_size=3, pp_rank=0, tp_rank=0, backend="gloo",
                          device=torch.device("cpu"), tp_group=object())
+
+
+# ---- the tower tests' shared parts (audio and vision, both families) ----
+
+def thinker_sub_config(model_dir: Path, name: str) -> Any:
+    """`thinker_config.<name>` of the folder (the config classes only; no modeling module is imported)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_dir, local_files_only=True).thinker_config, name)
+
+
+def masked_clips(lengths: tuple[int, ...], n_mel: int = 128, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid frames (n_mel, sum T_valid) and feature_lens (B,), taken from a padded batch with a mask (the
+    padding is noise too): what the encoder stage feeds a tower."""
+    gen = torch.Generator().manual_seed(seed)
+    padded = torch.randn(len(lengths), n_mel, max(lengths), generator=gen)  # (B, n_mel, T)
+    mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]  # (B, T)
+    return padded.permute(0, 2, 1)[mask].permute(1, 0), mask.sum(1)
+
+
+def load_tower_rank(cls: Any, config: Any, n_layers: int, ps: ParallelState,
+                    model_dir: Path) -> tuple[Any, tuple[int, int], tuple[str, ...]]:
+    """This rank's tower (its even share of the `n_layers` blocks), loaded: (tower, layer range, keys read)."""
+    from omnimesh.parallel.partition import partition_layers
+
+    layer_range = partition_layers(n_layers, ps.pp_size)[ps.pp_rank]
+    tower = cls(config, ps, layer_range)
+    return tower, layer_range, tower.load_weights(model_dir)
+
+
+def tower_result(ps: ParallelState, tower: torch.nn.Module, layer_range: tuple[int, int], keys: tuple[str, ...],
+                 **outputs: Any) -> dict[str, Any]:
+    """What a tower scenario returns: its outputs and the byte / key accounting the layout tests check."""
+    return {"rank": ps.rank, "layer_range": layer_range, "keys": keys,
+            "param_bytes": sum(p.numel() * p.element_size() for p in tower.parameters()),
+            "sizes": param_sizes(tower), **outputs}
+
+
+def assert_reads_own_blocks(ranks: list[dict[str, Any]], name: str, first_key: str, last_key: str,
+                            n_layers: int) -> None:
+    """Each rank read only its own blocks (`name` "layers" or "blocks"), `first_key` only on the first pipeline
+    rank (the front end) and `last_key` only on the last (the head)."""
+    for o in ranks:
+        start, end = o["layer_range"]
+        assert layers_read(o["keys"], name) == set(range(start, end))
+        assert (first_key in o["keys"]) == (start == 0)
+        assert (last_key in o["keys"]) == (end == n_layers)
+
+
+def assert_tp3_refused(check: Callable[..., None], cls: Any, config: Any, heads: str) -> None:
+    """tp=3 on a tower of 4 heads and pp=3 on one of 2 layers are refused by name, by the layout check and by the
+    constructor (before it touches any process group)."""
+    message = rf"tensor-parallel size tp=3 must divide the {heads}=4 .*valid tp values for this tower: \[1, 2, 4\]"
+    with pytest.raises(ValueError, match=message):
+        check(config, 1, 3)
+    with pytest.raises(ValueError, match=message):
+        cls(config, fake_tp3(), (0, 2))
+    with pytest.raises(ValueError, match=r"pp=3 exceeds the model's 2 layers"):
+        check(config, 3, 1)

@@ -25,12 +25,15 @@ import torch
 from gloo_harness import (  # one_thread: autouse here
     assert_memory_split,
     build_tiny,
-    fake_tp3,
-    layers_read,
+    assert_reads_own_blocks,
+    assert_tp3_refused,
+    load_tower_rank,
+    masked_clips,
     one_thread,  # noqa: F401
-    param_sizes,
     run_layout,
     run_single,
+    thinker_sub_config,
+    tower_result,
     with_random_tower,
 )
 
@@ -41,7 +44,6 @@ from omnimesh.models.qwen3_omni.parallel_audio_tower import (
     check_audio_layout,
 )
 from omnimesh.parallel.parallel_state import ParallelState
-from omnimesh.parallel.partition import partition_layers
 
 PREFIX = "thinker.audio_tower."
 LENGTHS = (930, 157)
@@ -52,32 +54,19 @@ REPLICATED = ("front.", "layer_norm", "ln_post", "out_proj.bias", "fc2.bias")
 
 
 def audio_config(model_dir: Path) -> Any:
-    from transformers import AutoConfig  # the config classes only; the modeling module is never imported
-
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True).thinker_config.audio_config
+    return thinker_sub_config(model_dir, "audio_config")
 
 
 def clips() -> tuple[torch.Tensor, torch.Tensor]:
-    """Valid frames (n_mel, sum T_valid) and feature_lens (B,), taken from a padded batch with a mask."""
-    gen = torch.Generator().manual_seed(3)
-    padded = torch.randn(len(LENGTHS), 128, max(LENGTHS), generator=gen)  # (B, n_mel, T); padding is noise too
-    mask = torch.arange(max(LENGTHS))[None, :] < torch.tensor(LENGTHS)[:, None]  # (B, T)
-    valid = padded.permute(0, 2, 1)[mask].permute(1, 0)  # (n_mel, sum T_valid): what the encoder stage feeds
-    return valid, mask.sum(1)
+    return masked_clips(LENGTHS)
 
 
 def scenario(ps: ParallelState, model_dir: Path) -> dict[str, Any]:
     config = audio_config(model_dir)
-    layer_range = partition_layers(config.encoder_layers, ps.pp_size)[ps.pp_rank]
-    tower = ParallelAudioTower(config, ps, layer_range)
-    keys = tower.load_weights(model_dir)
+    tower, layer_range, keys = load_tower_rank(ParallelAudioTower, config, config.encoder_layers, ps, model_dir)
     features, lens = clips()
     out = audio_pipeline_step(tower, features if ps.is_first_pp_rank else None, lens)
-    return {
-        "rank": ps.rank, "layer_range": layer_range, "keys": keys, "param_bytes": tower.param_bytes(),
-        "sizes": param_sizes(tower),
-        "out": out if ps.is_last_pp_rank else None,
-    }
+    return tower_result(ps, tower, layer_range, keys, out=out if ps.is_last_pp_rank else None)
 
 
 # ---- fixtures and tests ----
@@ -117,20 +106,8 @@ def test_layout_matches_single_rank(pp: int, tp: int, model_dir: Path, reference
 
     assert_memory_split(ranks, reference, pp, tp, REPLICATED)
 
-    for o in ranks:  # each rank read its own layers, the front-end only on the first, the head only on the last
-        start, end = o["layer_range"]
-        assert layers_read(o["keys"]) == set(range(start, end))
-        assert (PREFIX + "conv2d1.weight" in o["keys"]) == (start == 0)
-        assert (PREFIX + "proj2.weight" in o["keys"]) == (end == 2)
+    assert_reads_own_blocks(ranks, "layers", PREFIX + "conv2d1.weight", PREFIX + "proj2.weight", 2)
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused(model_dir: Path) -> None:
-    config = audio_config(model_dir)
-    message = (r"tensor-parallel size tp=3 must divide the audio tower's encoder_attention_heads=4 .*"
-               r"valid tp values for this tower: \[1, 2, 4\]")
-    with pytest.raises(ValueError, match=message):
-        check_audio_layout(config, 1, 3)
-    with pytest.raises(ValueError, match=message):
-        ParallelAudioTower(config, fake_tp3(), (0, 2))  # fails before using the state
-    with pytest.raises(ValueError, match=r"pp=3 exceeds the model's 2 layers"):
-        check_audio_layout(config, 3, 1)
+    assert_tp3_refused(check_audio_layout, ParallelAudioTower, audio_config(model_dir), "audio tower's encoder_attention_heads")

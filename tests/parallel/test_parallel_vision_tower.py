@@ -27,12 +27,14 @@ import torch
 from gloo_harness import (  # one_thread: autouse here
     assert_memory_split,
     build_tiny,
-    fake_tp3,
-    layers_read,
+    assert_reads_own_blocks,
+    assert_tp3_refused,
+    load_tower_rank,
     one_thread,  # noqa: F401
-    param_sizes,
     run_layout,
     run_single,
+    thinker_sub_config,
+    tower_result,
     with_random_tower,
 )
 
@@ -43,7 +45,6 @@ from omnimesh.models.qwen3_omni.parallel_vision_tower import (
     vision_pipeline_step,
 )
 from omnimesh.parallel.parallel_state import ParallelState
-from omnimesh.parallel.partition import partition_layers
 
 PREFIX = "thinker.visual."
 GRIDS = ((1, 4, 4), (1, 4, 6), (2, 2, 4))
@@ -55,9 +56,7 @@ REPLICATED = ("patch_", "pos_embed", "norm", "ln_q", "attn.proj.bias", "fc2.bias
 
 
 def vision_config(model_dir: Path) -> Any:
-    from transformers import AutoConfig  # the config classes only; the modeling module is never imported
-
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True).thinker_config.vision_config
+    return thinker_sub_config(model_dir, "vision_config")
 
 
 def images() -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,16 +67,11 @@ def images() -> tuple[torch.Tensor, torch.Tensor]:
 
 def scenario(ps: ParallelState, model_dir: Path) -> dict[str, Any]:
     config = vision_config(model_dir)
-    layer_range = partition_layers(config.depth, ps.pp_size)[ps.pp_rank]
-    tower = ParallelVisionTower(config, ps, layer_range)
-    keys = tower.load_weights(model_dir)
+    tower, layer_range, keys = load_tower_rank(ParallelVisionTower, config, config.depth, ps, model_dir)
     pixels, grid = images()
     out = vision_pipeline_step(tower, pixels if ps.is_first_pp_rank else None, grid)
-    return {
-        "rank": ps.rank, "layer_range": layer_range, "keys": keys, "param_bytes": tower.param_bytes(),
-        "sizes": param_sizes(tower), "embeds": out.image_embeds,
-        "deepstack": torch.stack(out.deepstack) if ps.is_last_pp_rank else None,  # (n_deepstack, tokens, out)
-    }
+    return tower_result(ps, tower, layer_range, keys, embeds=out.image_embeds,  # deepstack (n, tokens, out):
+                        deepstack=torch.stack(out.deepstack) if ps.is_last_pp_rank else None)
 
 
 @pytest.fixture(scope="module")
@@ -119,24 +113,13 @@ def test_layout_matches_single_rank(pp: int, tp: int, model_dir: Path, reference
 
     assert_memory_split(ranks, reference, pp, tp, REPLICATED)
 
-    for o in ranks:  # own blocks; patch embedding first, merger last, deepstack merger with block 0
-        start, end = o["layer_range"]
-        assert layers_read(o["keys"], "blocks") == set(range(start, end))
-        assert (PREFIX + "patch_embed.proj.weight" in o["keys"]) == (start == 0)
-        assert (PREFIX + "merger.mlp.0.weight" in o["keys"]) == (end == 2)
-        assert (PREFIX + "merger_list.0.mlp.0.weight" in o["keys"]) == (start == 0)
+    assert_reads_own_blocks(ranks, "blocks", PREFIX + "patch_embed.proj.weight", PREFIX + "merger.mlp.0.weight", 2)
+    for o in ranks:  # the deepstack merger of block 0 with that block
+        assert (PREFIX + "merger_list.0.mlp.0.weight" in o["keys"]) == (o["layer_range"][0] == 0)
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused(model_dir: Path) -> None:
-    config = vision_config(model_dir)
-    message = (r"tensor-parallel size tp=3 must divide the vision tower's num_heads=4 .*"
-               r"valid tp values for this tower: \[1, 2, 4\]")
-    with pytest.raises(ValueError, match=message):
-        check_vision_layout(config, 1, 3)
-    with pytest.raises(ValueError, match=message):
-        ParallelVisionTower(config, fake_tp3(), (0, 2))  # fails before using the state
-    with pytest.raises(ValueError, match=r"pp=3 exceeds the model's 2 layers"):
-        check_vision_layout(config, 3, 1)
+    assert_tp3_refused(check_vision_layout, ParallelVisionTower, vision_config(model_dir), "vision tower's num_heads")
 
 
 def test_a_batch_of_images_equals_each_image_alone_bit_for_bit(model_dir: Path) -> None:

@@ -3,8 +3,8 @@
 Role: turns raw media features into the embeddings the thinker scatters into its placeholder positions.
 It holds only the thinker's audio tower and vision tower (an encoder process loads nothing else) and
 computes the same numbers as the thinker's own `get_audio_features` / `get_image_features`. Nothing here
-depends on the family: Qwen3-Omni's towers are transformers' modules or `encoder_shard`'s stand-ins;
-Qwen2.5-Omni's are the wrappers in `omnimesh.models.qwen2_5_omni.towers` (no deepstack: an empty list).
+depends on the family: the towers are `encoder_shard`'s stand-ins over the stage's ranks (Qwen3-Omni's or
+Qwen2.5-Omni's rank models; Qwen2.5-Omni has no deepstack: an empty list) or transformers' modules.
 
 Data flow:
     input_features (n_mel, T) | (B, n_mel, T) + feature_attention_mask (B, T)

@@ -172,6 +172,44 @@ def load_checkpoint_plan(module: nn.Module, model_dir: Path, plan: Plan, what: s
     return tuple(sorted(plan))
 
 
+class TowerRank(nn.Module):
+    """What one rank of any tower (audio or vision, either family) shares: its blocks [start, end), the checkpoint
+    plan it reads (`checkpoint_plan`, the tower's own) and its bytes."""
+
+    blocks_name = "layers"  # how `load_weights` names this rank's part in an error
+    default_prefix = ""
+    layers_attr = "encoder_layers"  # the config's block count
+
+    def __init__(self, config: Any, ps: ParallelState, layer_range: tuple[int, int], dtype: torch.dtype,
+                 check_layout: Callable[[Any, int, int], None]) -> None:
+        """The tower's sizes checked for this tp (`check_layout`, ValueError naming them) and the block range."""
+        super().__init__()
+        check_layout(config, 1, ps.tp_size)
+        n = getattr(config, self.layers_attr)
+        self.start, self.end = check_layer_range(layer_range, n, ps, self.layers_attr)
+        self.config, self.ps, self.dtype = config, ps, dtype
+
+    def checkpoint_plan(self, prefix: str) -> Plan:
+        raise NotImplementedError
+
+    def load_weights(self, model_dir: Path, prefix: str | None = None) -> tuple[str, ...]:
+        """Read ONLY this rank's tensors (its blocks, the embedding / head where they live), sharding each as read.
+
+        Missing keys -> ValueError naming them. Returns the checkpoint keys read.
+        """
+        return load_checkpoint_plan(self, model_dir, self.checkpoint_plan(prefix or self.default_prefix),
+                                    f"{self.blocks_name} [{self.start}, {self.end})")
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+def check_rows(hidden: torch.Tensor, rows: int, width: int, what: str) -> None:
+    """The hidden a tower rank receives must be (rows, width)."""
+    if tuple(hidden.shape) != (rows, width):
+        raise ValueError(f"hidden must be (N={rows}, {what}={width}), got {tuple(hidden.shape)}")
+
+
 # ---- the audio tower ----
 
 def check_audio_layout(config: Any, pp: int, tp: int, custom_partition: list[int] | None = None) -> None:
@@ -245,13 +283,26 @@ def sinusoid_positions(length: int, channels: int, max_timescale: float = 10000.
 
 
 class ParallelAudioAttention(nn.Module):
-    def __init__(self, config: Any, ps: ParallelState, dtype: torch.dtype) -> None:
+    """`k_bias=False`: k_proj has no bias (Qwen2.5-Omni's tower); the fused bias's k slice stays zero, never read."""
+
+    def __init__(self, config: Any, ps: ParallelState, dtype: torch.dtype, k_bias: bool = True) -> None:
         super().__init__()
         tp: dict[str, Any] = {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "ps": ps, "params_dtype": dtype}
         d, nh = config.d_model, config.encoder_attention_heads
         self.head_dim = divide(d, nh, "d_model / encoder_attention_heads")
         self.qkv_proj = QKVParallelLinear(d, self.head_dim, nh, nh, bias=True, **tp)
         self.out_proj = RowParallelLinear(d, d, bias=True, **tp)
+        self.k_bias = k_bias
+        if not k_bias:
+            cast(nn.Parameter, self.qkv_proj.bias).data.narrow(0, self.qkv_proj.q_size, self.qkv_proj.kv_size).zero_()
+
+    def plan(self, plan: Plan, p: str) -> None:
+        """Checkpoint keys `<p>{q,k,v}_proj.weight/.bias` (no k bias when k_bias=False) and `<p>out_proj.*`."""
+        for s in "qkv":
+            add_to_plan(plan, f"{p}{s}_proj.weight", self.qkv_proj.weight, s)
+            if s != "k" or self.k_bias:
+                add_to_plan(plan, f"{p}{s}_proj.bias", cast(nn.Parameter, self.qkv_proj.bias), s)
+        add_weight_and_bias(plan, p + "out_proj", self.out_proj)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         N, D = x.shape[0], self.head_dim
@@ -261,11 +312,11 @@ class ParallelAudioAttention(nn.Module):
 
 
 class ParallelAudioLayer(nn.Module):
-    def __init__(self, config: Any, ps: ParallelState, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, ps: ParallelState, dtype: torch.dtype, k_bias: bool = True) -> None:
         super().__init__()
         d = config.d_model
         self.self_attn_layer_norm = LayerNorm(d, 1e-5, dtype)
-        self.self_attn = ParallelAudioAttention(config, ps, dtype)
+        self.self_attn = ParallelAudioAttention(config, ps, dtype, k_bias)
         self.final_layer_norm = LayerNorm(d, 1e-5, dtype)
         self.mlp = ParallelFFN(d, config.encoder_ffn_dim, d, config.activation_function, ps, dtype)
 
@@ -277,16 +328,36 @@ class ParallelAudioLayer(nn.Module):
             x = torch.clamp(x, min=-bound, max=bound)
         return x
 
+    def plan(self, plan: Plan, p: str) -> None:
+        """This layer's checkpoint keys under `p` = `<prefix>layers.<i>.`."""
+        self.self_attn.plan(plan, p + "self_attn.")
+        add_weight_and_bias(plan, p + "self_attn_layer_norm", self.self_attn_layer_norm)
+        add_weight_and_bias(plan, p + "final_layer_norm", self.final_layer_norm)
+        self.mlp.plan(plan, p + "fc1", p + "fc2")
 
-class ParallelAudioTower(nn.Module):
+
+def chunked_features(tower: Any, features: torch.Tensor, batch: AudioBatch) -> torch.Tensor:
+    """A first audio rank's input check and chunking: features (n_mel, sum T_valid) -> each chunk's frames,
+    right-padded with zeros: (n_chunks, n_mel, Tc) in the tower's dtype."""
+    if tower.front is None:
+        raise ValueError(f"pipeline rank {tower.ps.pp_rank} holds no conv front-end (only the first rank does)")
+    n_mel, total = tower.config.num_mel_bins, int(batch.feature_lens.sum())
+    if tuple(features.shape) != (n_mel, total):
+        raise ValueError(f"features must be (num_mel_bins={n_mel}, sum(feature_lens)={total}) valid frames, got "
+                         f"{tuple(features.shape)}; drop padded frames first (feature_attention_mask)")
+    chunks = features.to(tower.ps.device).T.split(batch.chunk_lengths.tolist(), dim=0)  # [(Tc_i, n_mel)]
+    return nn.utils.rnn.pad_sequence(list(chunks), batch_first=True).transpose(1, 2).to(tower.dtype)
+
+
+class ParallelAudioTower(TowerRank):
     """One rank's part of the audio tower (`thinker_config.audio_config`)."""
+
+    blocks_name = "audio tower layers"
+    default_prefix = "thinker.audio_tower."
 
     def __init__(self, config: Any, ps: ParallelState, layer_range: tuple[int, int],
                  dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        check_audio_layout(config, 1, ps.tp_size)
-        self.start, self.end = check_layer_range(layer_range, config.encoder_layers, ps, "encoder_layers")
-        self.config, self.ps, self.dtype = config, ps, dtype
+        super().__init__(config, ps, layer_range, dtype, check_audio_layout)
         if config.scale_embedding:
             raise ValueError("scale_embedding=True is not supported (Qwen3-Omni's audio tower does not scale)")
         if config.n_window != 50:  # transformers' token count hard-codes 13 tokens per 100-frame chunk
@@ -319,16 +390,8 @@ class ParallelAudioTower(nn.Module):
     @torch.no_grad()
     def embed_features(self, features: torch.Tensor, batch: AudioBatch) -> torch.Tensor:
         """features (n_mel, sum T_valid) -> hidden (N, d_model); first pipeline rank only (no collective)."""
-        if self.front is None:
-            raise ValueError(f"pipeline rank {self.ps.pp_rank} holds no conv front-end (only the first rank does)")
-        n_mel, total = self.config.num_mel_bins, int(batch.feature_lens.sum())
-        if tuple(features.shape) != (n_mel, total):
-            raise ValueError(f"features must be (num_mel_bins={n_mel}, sum(feature_lens)={total}) valid frames, got "
-                             f"{tuple(features.shape)}; drop padded frames first (feature_attention_mask)")
-        w = self.front
-        chunks = features.to(self.ps.device).T.split(batch.chunk_lengths.tolist(), dim=0)  # [(Tc_i, n_mel)]
-        padded = nn.utils.rnn.pad_sequence(list(chunks), batch_first=True).transpose(1, 2)  # (n_chunks, n_mel, Tc)
-        padded = padded.unsqueeze(1).to(self.dtype)  # (n_chunks, 1, n_mel, Tc)
+        padded = chunked_features(self, features, batch).unsqueeze(1)  # (n_chunks, 1, n_mel, Tc)
+        w = cast(nn.ParameterDict, self.front)
         outs = []
         for part in padded.split(self.config.conv_chunksize, dim=0):  # bounded conv activations, as transformers
             h = F.gelu(F.conv2d(part, w["conv2d1_weight"], w["conv2d1_bias"], stride=2, padding=1))
@@ -347,9 +410,7 @@ class ParallelAudioTower(nn.Module):
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, batch: AudioBatch) -> torch.Tensor:
         """This rank's layers on hidden (N, d_model); the last rank adds ln_post + projection -> (N, output_dim)."""
-        if tuple(hidden.shape) != (batch.n_tokens, self.config.d_model):
-            raise ValueError(f"hidden must be (N={batch.n_tokens}, d_model={self.config.d_model}), "
-                             f"got {tuple(hidden.shape)}")
+        check_rows(hidden, batch.n_tokens, self.config.d_model, "d_model")
         for layer in self.layers:
             hidden = layer(hidden, batch.cu_seqlens)  # (N, d)
         if self.ln_post is not None and self.proj is not None:
@@ -363,29 +424,11 @@ class ParallelAudioTower(nn.Module):
                 module, kind = name.rsplit("_", 1)
                 add_to_plan(plan, f"{prefix}{module}.{kind}", param)
         for idx, layer in zip(range(self.start, self.end), self.audio_layers()):
-            p = f"{prefix}layers.{idx}."
-            attn = layer.self_attn
-            for s in "qkv":
-                add_weight_and_bias(plan, f"{p}self_attn.{s}_proj", attn.qkv_proj, s)
-            add_weight_and_bias(plan, p + "self_attn.out_proj", attn.out_proj)
-            add_weight_and_bias(plan, p + "self_attn_layer_norm", layer.self_attn_layer_norm)
-            add_weight_and_bias(plan, p + "final_layer_norm", layer.final_layer_norm)
-            layer.mlp.plan(plan, p + "fc1", p + "fc2")
+            layer.plan(plan, f"{prefix}layers.{idx}.")
         if self.ln_post is not None and self.proj is not None:
             add_weight_and_bias(plan, prefix + "ln_post", self.ln_post)
             self.proj.plan(plan, prefix + "proj1", prefix + "proj2")
         return plan
-
-    def load_weights(self, model_dir: Path, prefix: str = "thinker.audio_tower.") -> tuple[str, ...]:
-        """Read ONLY this rank's tensors (its layers, front-end / head where it lives), sharding each as read.
-
-        Missing keys -> ValueError naming them. Returns the checkpoint keys read.
-        """
-        return load_checkpoint_plan(self, model_dir, self.checkpoint_plan(prefix),
-                                    f"audio tower layers [{self.start}, {self.end})")
-
-    def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
 
 
 def audio_pipeline_step(tower: ParallelAudioTower, features: torch.Tensor | None,

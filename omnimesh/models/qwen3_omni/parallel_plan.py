@@ -54,12 +54,14 @@ def stacks(config: Qwen3OmniMoeConfig | Qwen2_5OmniConfig) -> dict[str, list[Sta
     tc = cfg.thinker_config
     a, v, t = tc.audio_config, tc.vision_config, tc.text_config
     if isinstance(config, Qwen2_5OmniConfig):
-        towers = _one_rank("Qwen2.5-Omni's encoder")
+        from omnimesh.models.qwen2_5_omni.parallel_vision_tower import check_vision_layout_2_5
+
         tk, dit = cfg.talker_config, cfg.token2wav_config.dit_config
         return {
             "encoder": [Stack("audio tower", a.encoder_layers, a.encoder_attention_heads, a.encoder_attention_heads,
-                              check=towers, config=a),
-                        Stack("vision tower", v.depth, v.num_heads, v.num_heads, check=towers, config=v)],
+                              check=check_audio_layout, config=a),
+                        Stack("vision tower", v.depth, v.num_heads, v.num_heads, check=check_vision_layout_2_5,
+                              config=v)],
             "thinker": [Stack("thinker LM", t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads,
                               t.vocab_size, check=check_parallel_layout, config=t)],
             "talker": [Stack("talker LM", tk.num_hidden_layers, tk.num_attention_heads, tk.num_key_value_heads,

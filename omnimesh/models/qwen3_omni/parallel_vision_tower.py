@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -40,11 +39,11 @@ from omnimesh.models.qwen3_omni.parallel_audio_tower import (
     LayerNorm,
     ParallelFFN,
     Plan,
+    TowerRank,
     add_to_plan,
     add_weight_and_bias,
     check_heads_divide,
-    check_layer_range,
-    load_checkpoint_plan,
+    check_rows,
     replicated_param,
     varlen_attention,
 )
@@ -231,15 +230,16 @@ def per_image(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows:
     return torch.cat([fn(part) for part in x.split(rows)])
 
 
-class ParallelVisionTower(nn.Module):
+class ParallelVisionTower(TowerRank):
     """One rank's part of the vision tower (`thinker_config.vision_config`)."""
+
+    blocks_name = "vision tower blocks"
+    default_prefix = "thinker.visual."
+    layers_attr = "depth"
 
     def __init__(self, config: Any, ps: ParallelState, layer_range: tuple[int, int],
                  dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        check_vision_layout(config, 1, ps.tp_size)
-        self.start, self.end = check_layer_range(layer_range, config.depth, ps, "depth")
-        self.config, self.ps, self.dtype = config, ps, dtype
+        super().__init__(config, ps, layer_range, dtype, check_vision_layout)
         self.side = int(config.num_position_embeddings**0.5)
         self.patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
         # deepstack layers in block order, each with its merger_list index in the checkpoint
@@ -289,9 +289,7 @@ class ParallelVisionTower(nn.Module):
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, batch: VisionBatch) -> VisionOutput:
         """This rank's blocks on hidden (N, hidden), its deepstack mergers, and the final merger on the last rank."""
-        if tuple(hidden.shape) != (batch.n_patches, self.config.hidden_size):
-            raise ValueError(f"hidden must be (N={batch.n_patches}, hidden_size={self.config.hidden_size}), "
-                             f"got {tuple(hidden.shape)}")
+        check_rows(hidden, batch.n_patches, self.config.hidden_size, "hidden_size")
         deepstack: list[torch.Tensor] = []
         for idx, block in zip(range(self.start, self.end), self.blocks):
             hidden = block(hidden, batch)  # (N, hidden)
@@ -320,20 +318,8 @@ class ParallelVisionTower(nn.Module):
             self.merger.plan(plan, prefix + "merger.")
         return plan
 
-    def load_weights(self, model_dir: Path, prefix: str = "thinker.visual.") -> tuple[str, ...]:
-        """Read ONLY this rank's tensors (its blocks and deepstack mergers, embedding / merger where they live).
 
-        Missing keys -> ValueError naming them. Returns the checkpoint keys read.
-        """
-        return load_checkpoint_plan(self, model_dir, self.checkpoint_plan(prefix),
-                                    f"vision tower blocks [{self.start}, {self.end})")
-
-    def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
-
-
-def vision_pipeline_step(tower: ParallelVisionTower, pixel_values: torch.Tensor | None,
-                         grid_thw: torch.Tensor) -> VisionOutput:
+def vision_pipeline_step(tower: Any, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor) -> VisionOutput:
     """One blocking forward through the whole pipeline; every rank of the stage calls it for the same batch.
 
     `grid_thw` (n, 3) is given to EVERY rank (the executor's step metadata): each derives N, N / m^2, the

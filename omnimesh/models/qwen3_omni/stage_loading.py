@@ -1,5 +1,6 @@
 """Which weights each Qwen3-Omni stage loads, and from where in the checkpoint (and Qwen2.5-Omni's encoder and
-thinker: the same thinker keys; its towers run on one rank, `qwen2_5_omni/towers.py`).
+thinker: the same thinker keys; its towers are `qwen2_5_omni/parallel_{audio,vision}_tower.py`, split like
+Qwen3-Omni's).
 
 Role: the family adapter's loading half. Each stage process calls exactly one of these and so holds
 only its own part of the model (the encoder never loads the LLMs, the vocoder never loads the talker).
@@ -34,6 +35,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeCode2Wav,
     Qwen3OmniMoeTalkerForConditionalGeneration,
+    _get_feat_extract_output_lengths,
 )
 
 from omnimesh.models.loader import build_submodule
@@ -134,18 +136,15 @@ def load_encoder(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LM
     """Both towers split over the layout's pp x tp ranks (in-process for pp = tp = 1); each rank loads only
     its own blocks of each tower."""
     config = load_config(model_dir)
-    if is_qwen2_5(config):
-        if layout.pp * layout.tp > 1:
-            raise ValueError(f"Qwen2.5-Omni's encoder runs on one rank in this version (asked pp={layout.pp}, "
-                             f"tp={layout.tp}); give the encoder stage pp 1 and tp 1 (--stage-overrides)")
-        from omnimesh.models.qwen2_5_omni.towers import load_qwen2_5_encoder
-
-        return _timed("audio + vision towers", model_dir,
-                      lambda: load_qwen2_5_encoder(model_dir, dtype, layout.driver_device))
     tc: Any = config.thinker_config
+    if is_qwen2_5(config):
+        from omnimesh.models.qwen2_5_omni.parallel_audio_tower import audio_output_lengths_2_5 as lengths
+    else:
+        lengths = partial(_get_feat_extract_output_lengths, n_window=tc.audio_config.n_window)
     run, executor = _timed("audio + vision towers", model_dir, lambda: encoder_runner(
         EncoderShardSpec(model_dir, dtype, layout.partition), layout.pp, layout.tp, **layout.executor_args()))
-    return Qwen3OmniEncoder(ShardedAudioTower(tc.audio_config, run), ShardedVisionTower(tc.vision_config, run, dtype))
+    return Qwen3OmniEncoder(ShardedAudioTower(tc.audio_config, run, lengths),
+                            ShardedVisionTower(tc.vision_config, run, dtype))
 
 
 def _talker_without_decoder(config: Any) -> nn.Module:
