@@ -321,13 +321,15 @@ class MpExecutor:
 
 def start_program(factory: ProgramFactory, pp: int = 1, tp: int = 1,
                   **executor_args: Any) -> tuple[Callable[[Any], Any], MpExecutor | None, RankProgram]:
-    """Run `factory`'s program on pp x tp ranks: in this process without any process group when pp = tp = 1,
-    else through a started `MpExecutor` (`executor="ray"`: a `RayExecutor` on the cluster at `ray_address`;
-    this process is rank 0). Returns (run(command) -> result, the
-    executor or None, rank 0's program)."""
+    """Run `factory`'s program on pp x tp ranks: in this process without any process group when pp = tp = 1
+    (on the device rank 0 would have: with `backend="nccl"` the first of `devices`, else cuda:0; CPU
+    otherwise), else through a started `MpExecutor` (`executor="ray"`: a `RayExecutor` on the cluster at
+    `ray_address`; this process is rank 0). Returns (run(command) -> result, the executor or None, rank 0's
+    program)."""
     kind, ray_address = executor_args.pop("executor", "mp"), executor_args.pop("ray_address", None)
     if pp * tp == 1:
-        program = factory(ParallelState.single())
+        devices = executor_args.get("devices") or ("cuda:0",)
+        program = factory(ParallelState.single(devices[0] if executor_args.get("backend") == "nccl" else "cpu"))
         return program.execute, None, program
     executor: MpExecutor
     if kind == "ray":

@@ -137,11 +137,14 @@ class Token2WavHandler:
     max_inflight_steps = 2
 
     def __init__(self, token2wav: Qwen2_5OmniToken2Wav, model_name: str, failure: StageFailure, num_embeds: int,
-                 device: str = "cpu", max_requests: int | None = None, max_codes: int | None = None):
+                 device: str = "cpu", max_requests: int | None = None, max_codes: int | None = None,
+                 layout: tuple[int, int] = (1, 1)):
         """`device`: "cuda" when the stage runs on a GPU (its Info says so). `max_requests` / `max_codes`: the
-        caps of one step (none: all ready ones; on CPU at most CPU_ROWS requests)."""
+        caps of one step (none: all ready ones; on CPU at most CPU_ROWS requests). `layout`: the (pp, tp) of
+        the DiT's ranks."""
         self.token2wav = token2wav
         self.device = device
+        self.layout = layout
         if device == "cpu":
             max_requests = min(max_requests or CPU_ROWS, CPU_ROWS)
         self.batcher = Token2WavBatcher(token2wav, max_requests, max_codes)
@@ -154,7 +157,8 @@ class Token2WavHandler:
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(stage=self.name, model=self.model_name, family="qwen2.5-omni",
-                                   pipeline_parallel_size=1, tensor_parallel_size=1, device=self.device,
+                                   pipeline_parallel_size=self.layout[0], tensor_parallel_size=self.layout[1],
+                                   device=self.device,
                                    sample_rate=SAMPLE_RATE, window_codes=WINDOW_CODES, first_window_codes=WINDOW_CODES,
                                    window_schedule=(WINDOW_CODES,))
 
@@ -175,12 +179,13 @@ class Token2WavHandler:
 
 
 def build_token2wav_handler(model_dir: Path, args: ServeArgs) -> Token2WavHandler:
-    """token2wav runs on one rank (the layout check refuses more before start-up), on the stage's device."""
+    """The DiT's decoder layers over the stage's pp x tp ranks, the rest of token2wav here, on rank 0's device."""
     failure = StageFailure()
     layout = lm_layout(args, "vocoder", failure, model_dir)
-    token2wav = load_token2wav(model_dir, layout.driver_device)
+    token2wav = load_token2wav(model_dir, layout.driver_device, layout.pp, layout.tp, layout.partition,
+                               **layout.executor_args())
     num_embeds = int(token2wav.module.config.dit_config.num_embeds)
     config = args.stage_configs()["vocoder"]
     return Token2WavHandler(token2wav, args.model_name(model_dir), failure, num_embeds,
                             "cuda" if layout.backend == "nccl" else "cpu", config.max_num_seqs,
-                            config.max_num_batched_tokens)
+                            config.max_num_batched_tokens, (layout.pp, layout.tp))

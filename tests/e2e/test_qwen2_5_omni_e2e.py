@@ -2,8 +2,8 @@
 
 The tiny Qwen2.5-Omni folder (`omnimesh make-tiny --family qwen2.5-omni`, laid out like Qwen2.5-Omni-7B:
 `thinker.audio_tower.*`, `thinker.visual.*`, `thinker.model.*`, `talker.*`, `token2wav.*`, spk_dict.pt) is served
-with the encoder and the thinker split over two pipeline ranks each and the talker over two tensor-parallel ranks
-(gloo), token2wav on one rank. Against `transformers` on the same folder (tests/e2e/reference_qwen2_5.py):
+with the encoder and the thinker split over two pipeline ranks each, the talker and the vocoder (token2wav's DiT
+layers) over two tensor-parallel ranks each (gloo). Against `transformers` on the same folder (tests/e2e/reference_qwen2_5.py):
 
 - greedy text equals the thinker's `generate` token for token with each token's logprob within 2e-5, for a text
   prompt, one with an audio clip and an image, and one with a 6 s video whose soundtrack interleaves with its
@@ -65,7 +65,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def served(model_dir: Path) -> Iterator[Mesh]:
     # the random talker never says its codec end: an operator default bounds what /v1/audio/speech gets
     overrides = {"encoder": {"pp": 2}, "thinker": {"pp": 2},
-                 "talker": {"tp": 2, "default_sampling_params": {"max_tokens": 60}}}
+                 "talker": {"tp": 2, "default_sampling_params": {"max_tokens": 60}}, "vocoder": {"tp": 2}}
     m = start_mesh(model_dir, "--served-model-name", NAME, "--stage-overrides", json.dumps(overrides))
     yield m
     assert m.proc.stop() == 0, m.proc.output()
@@ -109,7 +109,7 @@ def _pcm16(x: np.ndarray) -> np.ndarray:
 
 def test_the_four_stages_run_split_as_asked(served: Mesh) -> None:
     assert sorted(served.stages) == ["encoder", "talker", "thinker", "vocoder"]
-    layouts = {"encoder": (2, 1), "thinker": (2, 1), "talker": (1, 2), "vocoder": (1, 1)}
+    layouts = {"encoder": (2, 1), "thinker": (2, 1), "talker": (1, 2), "vocoder": (1, 2)}
     for stage, address in served.stages.items():
         with grpc.insecure_channel(address) as ch:
             info = stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=30)

@@ -82,7 +82,7 @@ def test_the_thinker_counts_audio_rows_by_qwen2_5s_rule(folder: Path) -> None:
     assert row.shape == (1, 64) and bool((row == 3).all())
 
 
-def test_the_checkpoint_runs_four_stages_its_token2wav_on_one_rank(folder: Path, tmp_path: Path) -> None:
+def test_the_checkpoint_runs_four_stages_each_over_pp_x_tp(folder: Path, tmp_path: Path) -> None:
     import json
 
     from omnimesh.config.stage_config import StageConfig
@@ -93,11 +93,11 @@ def test_the_checkpoint_runs_four_stages_its_token2wav_on_one_rank(folder: Path,
     assert model_stages(folder) == ("encoder", "thinker", "talker", "vocoder") and text_only_reason(folder) is None
     config = load_config(folder)
     assert check_layout(config, {"encoder": StageConfig(pp=2, tp=2), "thinker": StageConfig(pp=2, tp=2),
-                                 "talker": StageConfig(pp=2, tp=2), "vocoder": StageConfig()}) == []
+                                 "talker": StageConfig(pp=2, tp=2), "vocoder": StageConfig(pp=2, tp=2)}) == []
     with pytest.raises(ValueError, match="tp=3 does not divide the audio tower's 4 attention heads"):
         check_layout(config, {"encoder": StageConfig(tp=3)})
-    with pytest.raises(ValueError, match=r"stage vocoder \(token2wav DiT\): Qwen2.5-Omni's token2wav runs on one rank"):
-        check_layout(config, {"vocoder": StageConfig(pp=2)})
+    with pytest.raises(ValueError, match="tp=3 does not divide the token2wav DiT's 4 attention heads"):
+        check_layout(config, {"vocoder": StageConfig(tp=3)})
     with pytest.raises(ValueError, match="tp=3 does not divide the thinker LM's 4 attention heads"):
         check_layout(config, {"thinker": StageConfig(tp=3)})
     other = tmp_path / "other"

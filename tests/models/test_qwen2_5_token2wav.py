@@ -20,7 +20,7 @@ import torch
 
 from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni
 from omnimesh.models.qwen2_5_omni.tiny_config import CODEC_IDS, SPECIAL_TOKENS
-from omnimesh.models.qwen2_5_omni import dit_batch
+from omnimesh.models.qwen2_5_omni import dit_batch, parallel_dit
 from omnimesh.models.qwen2_5_omni.token2wav import SAMPLES_PER_CODE, Utterance, load_token2wav
 
 
@@ -89,8 +89,9 @@ def test_refusals_name_what_is_missing(folder: Path, tmp_path: Path) -> None:
 
 def _mels(ours: Any, utterances: list[Utterance]) -> list[torch.Tensor]:
     voices = [ours.voices[u.speaker] for u in utterances]
-    return dit_batch.sample_mels(ours.module.code2wav_dit_model, [u.codes for u in utterances], [v[0] for v in voices],
-                                 [v[1] for v in voices], [torch.Generator().manual_seed(u.seed) for u in utterances])
+    return dit_batch.sample_mels(ours.module.code2wav_dit_model, ours.layers, [u.codes for u in utterances],
+                                 [v[0] for v in voices], [v[1] for v in voices],
+                                 [torch.Generator().manual_seed(u.seed) for u in utterances])
 
 
 def test_a_batch_equals_each_utterance_alone(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,11 +116,11 @@ def test_a_batch_equals_each_utterance_alone(folder: Path, monkeypatch: pytest.M
     assert all(torch.allclose(s, b, atol=2e-6, rtol=0) for s, b in zip(solo, _mels(ours, live)))
     plain = dit_batch.block_distance
 
-    def unmasked(dit: Any, frames: list[int], total: int, device: torch.device) -> torch.Tensor:
-        return plain(dit, [total] * len(frames), total, device)
+    def unmasked(block_size: int, frames: list[int], total: int, device: torch.device) -> torch.Tensor:
+        return plain(block_size, [total] * len(frames), total, device)
 
-    monkeypatch.setattr(dit_batch, "block_distance", unmasked)
-    naive = _mels(ours, live)
+    monkeypatch.setattr(parallel_dit, "block_distance", unmasked)  # where the DiT's rank builds its masks
+    naive = _mels(load_token2wav(folder), live)  # a fresh rank: none of the masks above kept
     assert (solo[0] - naive[0]).abs().max() > 2e-5
 
 

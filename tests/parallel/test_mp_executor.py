@@ -1,5 +1,6 @@
 """MpExecutor with real gloo ranks on this host: lock-step commands, results from the right rank, a
-worker that dies is reported by rank with its exit code (never a hang), and nothing outlives shutdown."""
+worker that dies is reported by rank with its exit code (never a hang), and nothing outlives shutdown; one
+rank (pp = tp = 1) runs in this process, on the stage's device (CUDA's first device for an NCCL stage)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,24 @@ def test_a_process_can_start_ranks_again_after_a_shutdown() -> None:
             torch.testing.assert_close(ex.execute(("run", x)), toy_program.reference(x), rtol=1e-5, atol=1e-5)
         finally:
             ex.shutdown()
+
+
+@pytest.mark.parametrize(("args", "device"), [({}, "cpu"), ({"backend": "gloo", "devices": ()}, "cpu"),
+                                              ({"backend": "nccl", "devices": ()}, "cuda:0"),
+                                              ({"backend": "nccl", "devices": ("cuda:3", "cuda:4")}, "cuda:3")])
+def test_one_rank_runs_in_process_on_the_stage_device(args: dict, device: str) -> None:
+    """pp = tp = 1 starts no process: the program is built here, on the device the stage's rank 0 would have
+    (a CUDA stage's default layout must not fall back to the CPU)."""
+    from omnimesh.parallel.mp_executor import start_program
+
+    seen: list[torch.device] = []
+
+    class Program:
+        def __init__(self, ps: object) -> None:
+            seen.append(ps.device)  # type: ignore[attr-defined]
+
+        def execute(self, command: int) -> int:
+            return command + 1
+
+    run, executor, _ = start_program(Program, 1, 1, executor="mp", **args)
+    assert executor is None and run(1) == 2 and seen == [torch.device(device)]

@@ -12,11 +12,13 @@ beside it (alone: bit-identical to transformers under the same seed; in a batch:
 rounding). On CPU BigVGAN runs per request: batched it decodes no faster there (measured on the tiny model, 1
 thread, 8 requests of 12-30 codes: 43 ms a request batched, 37 alone; its convolutions are compute-bound and
 the padding is waste), while the DiT's ~40 small calls halve (28 -> 15 ms a request). Two calls may run at
-once on two threads (nothing global is touched; the modules are only read).
+once on two threads (nothing global is touched; the modules are only read). The DiT's decoder layers run on
+the stage's pp x tp ranks (`dit_shard.DiTBackend`; in-process for pp = tp = 1); this process keeps the rest:
+the DiT's embeddings, speaker encoder, input and output projections, the RK4 loop, and BigVGAN.
 
 Data flow:
     load_speakers(model_dir) -> {name (lower case): {"bos_token", "cond" (1, enc_emb_dim), "ref_mel" (1, T, 80)}}
-    Qwen2_5OmniToken2Wav(module, speakers).decode([Utterance(codes (n_b,) int64, speaker, seed), ...])
+    Qwen2_5OmniToken2Wav(module, speakers, layers).decode([Utterance(codes (n_b,) int64, speaker, seed), ...])
         -> sample_mels (per request noise (1, 2 n_b, 80) from its seed -> 10 RK4 steps of the guided DiT over
            the right-padded batch) -> mels (80, 2 n_b) -> BigVGAN (CUDA: batched, exact per row; CPU: per
            request) -> waveforms (480 n_b,)
@@ -31,7 +33,8 @@ from typing import Any
 import torch
 
 from omnimesh.models.qwen2_5_omni.bigvgan_batch import decode_mels
-from omnimesh.models.qwen2_5_omni.dit_batch import encode_voice, sample_mels
+from omnimesh.models.qwen2_5_omni.dit_batch import Layers, encode_voice, sample_mels
+from omnimesh.models.qwen2_5_omni.dit_shard import DiTBackend, DiTShardSpec
 
 SAMPLES_PER_CODE = 480  # 2 mel frames per code x 240 samples per mel frame (BigVGAN's upsampling)
 SAMPLE_RATE = 24000
@@ -56,11 +59,13 @@ def load_speakers(model_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 class Qwen2_5OmniToken2Wav:
-    """transformers' Token2Wav module with the checkpoint's speakers; request-safe (no state kept between calls)."""
+    """transformers' Token2Wav module (without the DiT's decoder layers: `layers` runs them) with the
+    checkpoint's speakers; request-safe (no state kept between calls)."""
 
-    def __init__(self, module: Any, speakers: dict[str, dict[str, Any]], num_steps: int = 10,
+    def __init__(self, module: Any, speakers: dict[str, dict[str, Any]], layers: Layers, num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0) -> None:
         self.module = module.float().eval()  # transformers runs it in float32 whatever the checkpoint's dtype
+        self.layers = layers
         self.speakers = speakers
         self.num_steps, self.guidance_scale, self.sway_coefficient = num_steps, guidance_scale, sway_coefficient
         self.device = next(self.module.parameters()).device  # the stage's; the samples come back to the host
@@ -83,7 +88,8 @@ class Qwen2_5OmniToken2Wav:
         todo = [(i, u) for i, u in enumerate(utterances) if out[i] is None]
         if todo:
             voices = [self.voices[u.speaker.lower()] for _, u in todo]
-            mels = sample_mels(self.module.code2wav_dit_model, [u.codes.reshape(-1).long().to(self.device) for _, u in todo],
+            mels = sample_mels(self.module.code2wav_dit_model, self.layers,
+                               [u.codes.reshape(-1).long().to(self.device) for _, u in todo],
                                [v[0] for v in voices], [v[1] for v in voices],
                                [torch.Generator(device=self.device).manual_seed(u.seed) for _, u in todo],
                                self.num_steps, self.guidance_scale, self.sway_coefficient)
@@ -99,13 +105,27 @@ class Qwen2_5OmniToken2Wav:
         return self.decode([Utterance(codes, speaker, seed)])[0]
 
 
-def load_token2wav(model_dir: Path, device: str | torch.device = "cpu") -> Qwen2_5OmniToken2Wav:
-    """Only `token2wav.*` of the checkpoint (DiT + BigVGAN, float32, on `device`) and its speakers; fails on a
-    missing key."""
+def _without_dit_layers(config: Any) -> Any:
+    """token2wav without the DiT's decoder layers (they live in the DiT shards)."""
+    from torch import nn
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
+    module = Qwen2_5OmniToken2WavModel(config)
+    module.code2wav_dit_model.transformer_blocks = nn.ModuleList()
+    return module
+
+
+def load_token2wav(model_dir: Path, device: str | torch.device = "cpu", pp: int = 1, tp: int = 1,
+                   partition: tuple[int, ...] | None = None, **executor_args: Any) -> Qwen2_5OmniToken2Wav:
+    """Only `token2wav.*` of the checkpoint and its speakers, float32 (transformers runs it so), failing on a
+    missing key: this process keeps everything but the DiT's decoder layers, on `device`; those are split over
+    pp x tp ranks (`executor_args`: the stage layout's, see `start_program`; pp = tp = 1: in this process, on
+    `device`), each rank loading only its own."""
     from omnimesh.models.loader import build_submodule
 
-    module = build_submodule(Path(model_dir), config_path="token2wav_config", factory=Qwen2_5OmniToken2WavModel,
+    module = build_submodule(Path(model_dir), config_path="token2wav_config", factory=_without_dit_layers,
                              prefix="token2wav.", dtype=torch.float32)
-    return Qwen2_5OmniToken2Wav(module.to(device), load_speakers(model_dir))
+    if pp * tp == 1 and torch.device(device).type == "cuda":
+        executor_args = {**executor_args, "backend": "nccl", "devices": (str(device),)}
+    layers = DiTBackend.build(DiTShardSpec(Path(model_dir), torch.float32, partition), pp, tp, **executor_args)
+    return Qwen2_5OmniToken2Wav(module.to(device), load_speakers(model_dir), layers)

@@ -42,7 +42,8 @@ class Qwen3OmniEncoder:
 
     def audio_output_lengths(self, feature_lengths: torch.Tensor) -> torch.Tensor:
         """Audio tokens produced for each audio of `feature_lengths` (n_audios,) valid mel frames: the tower's
-        `output_lengths` if it has one (Qwen2.5-Omni), else Qwen3-Omni's formula (its modules and stand-ins)."""
+        `output_lengths` (the stage's stand-ins count by their family's rule), else Qwen3-Omni's formula
+        (transformers' Qwen3-Omni module)."""
         if self.audio_tower is None:
             raise ValueError("this encoder was built without an audio tower")
         if hasattr(self.audio_tower, "output_lengths"):

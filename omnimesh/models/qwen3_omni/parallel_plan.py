@@ -40,20 +40,13 @@ class Stack:
     config: Any = None
 
 
-def _one_rank(what: str) -> Callable[..., None]:
-    """The check of a stack this version runs on one rank only."""
-    def check(config: Any, pp: int, tp: int, partition: list[int] | None) -> None:
-        if pp * tp > 1:
-            raise ValueError(f"{what} runs on one rank in this version; give it pp 1 and tp 1 (asked pp={pp}, tp={tp})")
-    return check
-
-
 def stacks(config: Qwen3OmniMoeConfig | Qwen2_5OmniConfig) -> dict[str, list[Stack]]:
     """The transformer stacks each stage splits over its ranks (Qwen2.5-Omni: the encoder and thinker it serves)."""
     cfg: Any = config  # sub-configs are typed as `dict | PreTrainedConfig | None`; loaded ones are configs
     tc = cfg.thinker_config
     a, v, t = tc.audio_config, tc.vision_config, tc.text_config
     if isinstance(config, Qwen2_5OmniConfig):
+        from omnimesh.models.qwen2_5_omni.parallel_dit import check_dit_layout
         from omnimesh.models.qwen2_5_omni.parallel_vision_tower import check_vision_layout_2_5
 
         tk, dit = cfg.talker_config, cfg.token2wav_config.dit_config
@@ -67,7 +60,7 @@ def stacks(config: Qwen3OmniMoeConfig | Qwen2_5OmniConfig) -> dict[str, list[Sta
             "talker": [Stack("talker LM", tk.num_hidden_layers, tk.num_attention_heads, tk.num_key_value_heads,
                              tk.vocab_size, check=check_parallel_layout, config=tk)],
             "vocoder": [Stack("token2wav DiT", dit.num_hidden_layers, dit.num_attention_heads, dit.num_attention_heads,
-                              check=_one_rank("Qwen2.5-Omni's token2wav"), config=dit)],
+                              check=check_dit_layout, config=dit)],
         }
     tk, cp = cfg.talker_config.text_config, cfg.talker_config.code_predictor_config
     w = cfg.code2wav_config

@@ -203,6 +203,10 @@ def rank_factory(stage: str, model_dir: Path, dtype: torch.dtype = torch.float32
         return partial(build_shard, LMShardSpec(model_dir, stage, partition, dtype))
     if stage == "encoder":
         return partial(build_encoder_shard, EncoderShardSpec(model_dir, dtype, partition))
+    if stage == "vocoder" and is_qwen2_5(load_config(model_dir)):  # token2wav's DiT layers (always float32)
+        from omnimesh.models.qwen2_5_omni.dit_shard import DiTShardSpec, build_dit_shard
+
+        return partial(build_dit_shard, DiTShardSpec(model_dir, torch.float32, partition))
     if stage == "vocoder":
         return partial(build_code2wav_shard, C2WShardSpec(model_dir, partition, dtype))
     raise ValueError(f"stage {stage!r} has no ranks to run; stages: encoder, thinker, talker, vocoder")
