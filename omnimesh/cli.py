@@ -6,6 +6,7 @@
     omnimesh stage NAME ... --num-nodes N --node-rank R --master-addr A --master-port P  one stage over N hosts
     omnimesh gateway --model DIR --stages thinker=HOST:PORT,...                          the front door alone
     omnimesh make-tiny [--family qwen3-omni|qwen2.5-omni] --out DIR [--thinker-only]     the built-in tiny model
+    omnimesh plan [MODEL] [serve flags] [--device-memory 80GiB] [--num-devices N]       memory per stage, starts nothing
 
 Every value is checked before anything starts; a wrong one exits with status 2 and a message that
 names the fix, and a valid setting this version cannot run yet says so and exits with status 3.
@@ -111,6 +112,48 @@ def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> 
     return None
 
 
+def _check_memory(args: ServeArgs, model_dir: Path, only: str | None = None) -> int | None:
+    """Weights + KV cache against the devices' memory (omnimesh/memory_plan.py): on CUDA a stage that does not
+    fit exits 2 saying what is missing and which pp / tp fits; on CPU a shortfall is advice only."""
+    from omnimesh.memory_plan import plan_memory
+
+    try:
+        plan = plan_memory(model_dir, args, only=only)
+    except Exception as exc:  # an estimate never stops a start that might work
+        print(f"omnimesh: advice: no memory estimate ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
+    if not plan.ok and args.device == "cuda":
+        return _fail(plan.error_text())
+    for line in plan.errors + plan.advice:
+        print(f"omnimesh: advice: {line}", file=sys.stderr)
+    return None
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    """Print each stage's memory against its devices; exit 0 when everything fits, 2 when not."""
+    from omnimesh.config.stage_config import parse_bytes
+    from omnimesh.memory_plan import plan_memory
+
+    try:
+        args = resolve_device(from_namespace(ns))
+        memory = None if ns.device_memory is None else parse_bytes(ns.device_memory, "--device-memory")
+        if ns.num_devices is not None and ns.num_devices < 1:
+            raise ValueError(f"--num-devices must be >= 1, got {ns.num_devices}")
+        model_dir = _model_dir(args.model)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.device == "cpu" and (rc := _check_devices(args)) is not None:
+        return rc
+    if (rc := _check_layout(args, model_dir)) is not None:
+        return rc
+    try:
+        plan = plan_memory(model_dir, args, device_memory=memory, num_devices=ns.num_devices)
+    except ValueError as exc:
+        return _fail(str(exc))
+    print(plan.report())
+    return 0 if plan.ok else _fail(f"the model does not fit its devices: {len(plan.errors)} problem(s) above")
+
+
 def _check_stage_exists(model_dir: Path, stage: str) -> int | None:
     """A thinker-only checkpoint has no talker or vocoder to serve (exit 2, saying what to start instead)."""
     from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, text_only_reason
@@ -147,6 +190,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         return _fail(str(exc))
     if (rc := _check_layout(args, model_dir)) is not None or (rc := _check_supported(args)) is not None:
         return rc
+    if (rc := _check_memory(args, model_dir)) is not None:
+        return rc
     if args.model is None and args.served_model_name is None:
         args = replace(args, served_model_name=TINY_MODEL_NAME)
     if args.node_rank > 0:  # a headless host: only its ranks of the spread stages, no gateway
@@ -176,6 +221,8 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     if (rc := _check_devices(args, stage)) is not None or (rc := _check_nodes(args, stage)) is not None:
         return rc
     if (rc := _check_layout(args, model_dir, only=stage)) is not None or (rc := _check_supported(args, stage)) is not None:
+        return rc
+    if (rc := _check_memory(args, model_dir, only=stage)) is not None:
         return rc
     if (replicas := args.stage_configs()[stage].num_replicas) > 1:
         return _fail(f"num_replicas = {replicas} for stage {stage}: one `omnimesh stage` process is one replica; start "
@@ -302,6 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "whose every address is a replica (vocoder=dns:///omnimesh-vocoder:50054, a Kubernetes headless "
                     "Service); each request goes to the least busy replica")
     gw.set_defaults(func=cmd_gateway)
+
+    plan = sub.add_parser("plan", help="print each stage's weights and KV cache per rank against its devices' memory, "
+                          "and a pp / tp that fits; starts nothing (exit 0: everything fits, 2: not)")
+    add_arguments(plan)
+    plan.add_argument("--device-memory", default=None, help="memory of each device, e.g. 80GiB, instead of each CUDA "
+                      "device's own (with --device cpu: instead of the host's RAM); plans for another machine")
+    plan.add_argument("--num-devices", type=int, default=None, help="CUDA devices per host (default: those visible; "
+                      "8 when none is and --device-memory is given)")
+    plan.set_defaults(func=cmd_plan)
 
     tiny = sub.add_parser("make-tiny", help="write the built-in tiny random-weight model folder")
     tiny.add_argument("--family", default="qwen3-omni", choices=("qwen3-omni", "qwen2.5-omni"))

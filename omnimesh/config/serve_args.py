@@ -10,7 +10,7 @@ version cannot run yet, so the CLI can say so plainly instead of misbehaving.
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,9 @@ from omnimesh.models.qwen3_omni.code_windows import DEFAULT_WINDOWS, parse_windo
 TOOL_CALL_PARSERS = ("hermes",)  # vLLM's names of the tool-call formats the gateway parses (gateway/tool_calls.py)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the part of --gpu-memory-utilization a KV-cache stage takes when it shares a GPU with another stage (and has
+# no fraction of its own): the thinker's cache is the one long prompts fill, the talker's holds short contexts
+SHARED_GPU = {"thinker": 2 / 3, "talker": 2 / 9}
 
 
 def _f(default: Any, help: str, *flags: str, **extra: Any) -> Any:
@@ -335,7 +338,25 @@ class ServeArgs:
         if len({configs[s].num_replicas == 0 for s in SPEECH_STAGES}) > 1:
             raise ValueError("--stage-overrides: num_replicas 0 for one of the talker and vocoder needs it for the other "
                              "too (speech needs both; both 0: a text-only mesh)")
-        return configs
+        return self._share_gpus(configs, overrides)
+
+    def _share_gpus(self, configs: dict[str, StageConfig], overrides: dict[str, Any]) -> dict[str, StageConfig]:
+        """On CUDA, the thinker and the talker size their KV caches from their own gpu_memory_utilization (per
+        instance, as vLLM's). One that shares a GPU with another stage and has no fraction of its own in
+        --stage-overrides takes its SHARED_GPU share of the global one (at 0.9: thinker 0.6, talker 0.2, the
+        rest left to the encoder's and the vocoder's weights and working memory), so the default mesh, every
+        stage on GPU 0, fits one GPU."""
+        if self.device != "cuda":
+            return configs
+        used = {stage: set(cfg.replica_devices(0) or [str(i) for i in range(cfg.ranks_per_node)])
+                for stage, cfg in configs.items() if cfg.num_replicas > 0}
+        out = dict(configs)
+        for stage, share in SHARED_GPU.items():
+            if stage not in used or "gpu_memory_utilization" in overrides.get(stage, {}):
+                continue
+            if any(used[stage] & devices for other, devices in used.items() if other != stage):
+                out[stage] = replace(configs[stage], gpu_memory_utilization=configs[stage].gpu_memory_utilization * share)
+        return out
 
     def _check_global_spread(self) -> None:
         """-pp x -tp that some stage takes as they are must divide over --num-nodes (said once, for the flags,

@@ -121,7 +121,8 @@ class VocoderTask(StageTask):
             if self.first_audio_at is None:
                 self.first_audio_at = time.monotonic()
             self.samples_out += pcm.numel()
-        return [StageChunk(tensors={"pcm": pcm.to(torch.float32)})] if pcm.numel() or self.finished else []
+        # samples leave on the host (a CUDA stage decodes on its GPU; the gateway encodes them on the CPU)
+        return [StageChunk(tensors={"pcm": pcm.to("cpu", torch.float32)})] if pcm.numel() or self.finished else []
 
     def step(self) -> list[StageChunk]:
         result = step_windows([self])[self.request_id]

@@ -42,15 +42,17 @@ def test_thinker_shard_on_cuda_matches_cpu(tmp_path: Path) -> None:
 
 
 def test_kv_cache_on_cuda_takes_what_the_utilization_leaves(tmp_path: Path) -> None:
-    """The pool fits in `utilization x total - used - a profiled step's activations`; a utilization below
-    what the device already uses is refused with a message naming the flag."""
+    """Per instance, as vLLM's: the pool fits in `utilization x total - this rank's weights - a profiled
+    step's activations` (what else uses the device counts against its own fraction); a utilization below this
+    rank's own weights is refused with a message naming the flag."""
     folder = build_tiny_qwen3_omni(tmp_path / "tiny")
     shard = LMShard(LMShardSpec(folder, "thinker"), ParallelState.single("cuda"))
     free, total = torch.cuda.mem_get_info()
+    weights = torch.cuda.memory_allocated()
     room = 64 * 2**20
-    utilization = min(1.0, (total - free + room) / total)
+    utilization = (weights + room) / total
     blocks = shard.execute(LMInitCache(16, None, utilization, profile_tokens=256))
     assert blocks >= 1 and shard.pool is not None
     assert 0 < shard.pool.nbytes() <= room
     with pytest.raises(ValueError, match="no room for a KV cache.*--gpu-memory-utilization"):
-        shard.execute(LMInitCache(16, None, (total - free) / total / 2, profile_tokens=256))
+        shard.execute(LMInitCache(16, None, weights / total / 2, profile_tokens=256))

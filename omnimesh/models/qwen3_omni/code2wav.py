@@ -102,13 +102,14 @@ class Code2WavStreamer:
         if self.transformer is not None and self._handle is None:
             raise ValueError("this streamer is closed (its pre-transformer cache was freed)")
         c2w = self.code2wav
-        x = c2w.code_embedding(codes.long().unsqueeze(0) + c2w.code_offset).mean(1)[0]  # (n, H)
+        codes = codes.long().to(c2w.code_offset.device)  # the stack's device (a CUDA stage: rank 0's GPU)
+        x = c2w.code_embedding(codes.unsqueeze(0) + c2w.code_offset).mean(1)[0]  # (n, H)
         return Window(self, x)
 
     def _run_local(self, x: torch.Tensor) -> torch.Tensor:
         """transformers' pre-transformer on this request's KV cache: x (n, H) -> frames (n, H)."""
         n = x.shape[0]
-        positions = torch.arange(self._seen, self._seen + n).view(1, n)  # (1, n)
+        positions = torch.arange(self._seen, self._seen + n, device=x.device).view(1, n)  # (1, n)
         return self.code2wav.pre_transformer(
             inputs_embeds=x.unsqueeze(0), position_ids=positions, past_key_values=self._cache, use_cache=True
         ).last_hidden_state[0]  # (n, H)
@@ -157,7 +158,7 @@ def _pre_transformer(first: Code2WavStreamer, windows: Sequence[Window]) -> list
         x = torch.stack([F.pad(w.x, (0, 0, 0, T - w.x.shape[0])) for w in windows])  # (B, T, H)
         positions = torch.stack([torch.arange(w.streamer._seen, w.streamer._seen + T) for w in windows])  # (B, T)
         hidden = first.transformer.forward([w.streamer._handle for w in windows], x, positions, lengths)  # (B, T, H)
-        out = [hidden[b, :n] for b, n in enumerate(lengths)]
+        out = [hidden[b, :n].to(x.device) for b, n in enumerate(lengths)]  # the ranks answer on the host
     for w, n in zip(windows, lengths):
         w.streamer._seen += n
     return out

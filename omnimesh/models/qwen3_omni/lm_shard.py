@@ -254,24 +254,29 @@ class LMShard:
         return num_blocks
 
     def _cuda_budget(self, command: LMInitCache) -> int:
-        """What `gpu_memory_utilization` of this rank's device leaves after the weights and the activations
-        of a `profile_tokens` step (measured with a throw-away forward of this rank's layers)."""
+        """What `gpu_memory_utilization` of this rank's device leaves after THIS rank's own weights and the
+        activations of a `profile_tokens` step (measured with a throw-away forward of its layers). Per
+        instance, as vLLM's: other stages on the same device count against their own fractions, not this
+        one's, so stages sharing a GPU split it by their fractions whatever order they start in (the CUDA
+        context, ~0.5 GiB, is not counted: keep that much headroom). Never more than the device has free."""
         device = torch.device(self.ps.device)
         if device.type != "cuda":
             raise ValueError("give the KV cache size (--kv-cache-memory) on CPU")
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
+        weights = torch.cuda.memory_allocated(device)
         self.profile_step(device, command.profile_tokens, command.logit_rows)
         torch.cuda.synchronize(device)
-        activations = torch.cuda.max_memory_allocated(device) - before
+        activations = torch.cuda.max_memory_allocated(device) - weights
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * command.gpu_memory_utilization) - (total - free) - activations
+        budget = min(int(total * command.gpu_memory_utilization) - weights - activations, free - activations)
         if budget <= 0:
-            raise ValueError(f"no room for a KV cache on {device}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free, "
-                             f"{activations / 2**30:.2f} GiB for activations at --gpu-memory-utilization "
-                             f"{command.gpu_memory_utilization}; raise it, or lower --max-num-batched-tokens")
+            raise ValueError(f"no room for a KV cache on {device}: --gpu-memory-utilization "
+                             f"{command.gpu_memory_utilization} x {total / 2**30:.1f} GiB leaves nothing after this "
+                             f"rank's {weights / 2**30:.2f} GiB of weights and {activations / 2**30:.2f} GiB for "
+                             f"activations ({free / 2**30:.1f} GiB free on the device); raise it, lower "
+                             f"--max-num-batched-tokens, or split the stage over more ranks (-tp / -pp)")
         return budget
 
     def profile_step(self, device: torch.device, tokens: int, logit_rows: int) -> None:

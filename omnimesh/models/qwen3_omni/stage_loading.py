@@ -184,11 +184,12 @@ def _code2wav_without_transformer_layers(config: Any) -> nn.Module:
 
 def load_code2wav(model_dir: Path, dtype: torch.dtype = torch.float32,
                   layout: LMLayout = LMLayout()) -> tuple[Qwen3OmniMoeCode2Wav, Code2WavTransformerBackend]:
-    """This process keeps the code embedding and the conv stack; the pre-transformer's layers are split
-    over the layout's pp x tp ranks (in-process for pp = tp = 1), each loading only its own shard."""
+    """This process keeps the code embedding and the conv stack, on rank 0's device (a CUDA stage's GPU: the
+    conv stack is most of code2wav's compute); the pre-transformer's layers are split over the layout's
+    pp x tp ranks (in-process for pp = tp = 1), each loading only its own shard."""
     c2w = _timed("code2wav embedding + convs", model_dir, lambda: build_submodule(
         model_dir, config_path="code2wav_config", factory=_code2wav_without_transformer_layers, prefix="code2wav.",
-        dtype=dtype))
+        dtype=dtype).to(layout.driver_device))
     spec = C2WShardSpec(model_dir, layout.partition, dtype)
     backend = _timed("code2wav pre-transformer", model_dir, lambda: Code2WavTransformerBackend.build(
         spec, layout.pp, layout.tp, **layout.executor_args()))

@@ -1,0 +1,190 @@
+"""The memory plan (omnimesh/memory_plan.py) and `omnimesh plan`: weights and KV cache per rank against the
+devices' memory, from the checkpoint's headers only; the shortfall, a layout that fits, and stages that
+share a device. On the tiny Qwen3-Omni and Qwen2.5-Omni folders, with --device-memory sized in each test
+from the checkpoint itself (no CUDA device needed: `--device cuda` with --device-memory plans for one)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from omnimesh.config.serve_args import ServeArgs
+from omnimesh.memory_plan import fmt_bytes, plan_memory
+
+FAMILIES = ("qwen3-omni", "qwen2.5-omni")
+# what each stage loads (stage_loading.py): prefixes its pp x tp ranks split, and what rank 0 keeps whole
+SPLIT = {
+    "encoder": ("thinker.audio_tower.", "thinker.visual."),
+    "thinker": ("thinker.model.layers.", "thinker.model.norm.", "thinker.lm_head."),
+    "talker": ("talker.model.layers.", "talker.model.norm.", "talker.codec_head.", "talker.code_predictor."),
+    "vocoder": ("code2wav.pre_transformer.", "token2wav.code2wav_dit_model.transformer_blocks."),
+}
+DRIVER = {
+    "encoder": (),
+    "thinker": ("thinker.model.embed_tokens.",),
+    "talker": ("talker.text_projection.", "talker.hidden_projection.", "talker.model.codec_embedding.",
+               "talker.model.norm.", "talker.thinker_to_talker_proj.", "talker.model.embed_tokens."),  # see _driver
+    "vocoder": ("code2wav.code_embedding.", "code2wav.decoder.", "code2wav.upsample.", "code2wav.pre_transformer.norm.",
+                "token2wav.code2wav_bigvgan_model.", "token2wav.code2wav_dit_model.input_embed.",
+                "token2wav.code2wav_dit_model.text_embed.", "token2wav.code2wav_dit_model.time_embed.",
+                "token2wav.code2wav_dit_model.norm_out.", "token2wav.code2wav_dit_model.proj_out."),
+}
+BF16 = 2
+
+
+def _driver(stage: str, family: str) -> tuple[str, ...]:
+    """Qwen3-Omni's talker driver is transformers' talker without its decoder (its final norm included);
+    Qwen2.5-Omni's loads only the projection and the codec table."""
+    if stage == "talker" and family == "qwen2.5-omni":
+        return ("talker.thinker_to_talker_proj.", "talker.model.embed_tokens.")
+    return DRIVER[stage]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni
+    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+
+    root = tmp_path_factory.mktemp("memory-plan")
+    return {"qwen3-omni": build_tiny_qwen3_omni(root / "tiny-qwen3-omni"),
+            "qwen2.5-omni": build_tiny_qwen2_5_omni(root / "tiny-qwen2.5-omni")}
+
+
+def _numels(model: Path) -> dict[str, int]:
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        return {k: math.prod(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def _bytes(model: Path, prefixes: tuple[str, ...]) -> int:
+    """The tensors under `prefixes` in bf16, but Qwen2.5-Omni's token2wav, which stays float32."""
+    return sum(n * (4 if k.startswith("token2wav.") else BF16) for k, n in _numels(model).items()
+               if k.startswith(prefixes))
+
+
+def _thinker_need(model: Path, tp: int, block_size: int = 16) -> int:
+    """Rank 0 of a pp=1 thinker in bf16: its 1/tp of the split weights, the embedding table, and the KV cache
+    of one max_position_embeddings sequence (2 x layers x kv_heads/tp x head_dim x 2 bytes per token)."""
+    config = json.loads((model / "config.json").read_text())["thinker_config"]["text_config"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] // tp * head_dim * BF16
+    seq = -(-config["max_position_embeddings"] // block_size) * block_size
+    return -(-_bytes(model, SPLIT["thinker"]) // tp) + _bytes(model, DRIVER["thinker"]) + per_token * seq
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_stage_counts_the_checkpoint_tensors_it_loads_in_the_serving_dtype(models, family) -> None:
+    model = models[family]
+    plan = plan_memory(model, ServeArgs(device="cuda"), device_memory=2**40)
+    assert not any(s.missing for s in plan.stages) and plan.dtype == "bfloat16" and [s.stage for s in plan.stages] == list(SPLIT)
+    for s in plan.stages:
+        assert (s.weights_per_rank, s.driver) == (_bytes(model, SPLIT[s.stage]), _bytes(model, _driver(s.stage, family))), s.stage
+    # every tensor belongs to some stage (only the final norms are loaded twice: by rank 0 and by the last rank)
+    counted = {k for k in _numels(model) if any(k.startswith(SPLIT[s] + DRIVER[s]) for s in SPLIT)}
+    assert counted == set(_numels(model))
+    thinker = next(s for s in plan.stages if s.stage == "thinker")
+    assert thinker.need == _thinker_need(model, 1) and thinker.kv_max_len == 4096
+    # on CPU: float32, twice the floats' bytes
+    cpu = plan_memory(model, ServeArgs(device="cpu"))
+    assert next(s for s in cpu.stages if s.stage == "thinker").weights_per_rank == 2 * thinker.weights_per_rank
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_stage_too_big_for_its_device_says_what_is_missing_and_which_layout_fits(models, family) -> None:
+    model = models[family]
+    one, two = _thinker_need(model, 1), _thinker_need(model, 2)
+    share = ServeArgs(device="cuda").stage_configs()["thinker"].gpu_memory_utilization  # 0.6: it shares GPU 0
+    assert abs(share - 0.6) < 1e-9
+    memory = int((one + two) / 2 / share)  # tp 1 does not fit its share, tp 2 does
+    plan = plan_memory(model, ServeArgs(device="cuda"), only="thinker", device_memory=memory, num_devices=8)
+    assert not plan.ok
+    [thinker] = plan.stages
+    missing = one - int(memory * share)
+    assert (thinker.need, thinker.missing, thinker.fits_with) == (one, missing, (1, 2))
+    [error] = plan.errors
+    assert error.startswith("stage thinker (pp 1 x tp 1 on cuda:0)") and f"{fmt_bytes(missing)} missing per rank" in error
+    assert "--stage-overrides '{\"thinker\": {\"pp\": 1, \"tp\": 2}}'" in plan.error_text()
+    fixed = ServeArgs(device="cuda", stage_overrides=json.dumps({"thinker": {"pp": 1, "tp": 2}}))
+    again = plan_memory(model, fixed, only="thinker", device_memory=memory, num_devices=8)
+    assert again.ok and again.stages[0].need == two
+    # a device too small for any layout says so
+    tiny = plan_memory(model, ServeArgs(device="cuda"), only="thinker", device_memory=2**10, num_devices=8)
+    assert tiny.stages[0].fits_with is None and "no pp x tp up to the 8 CUDA devices" in tiny.error_text()
+
+
+def test_stages_sharing_a_device_must_not_claim_more_than_all_of_it(models) -> None:
+    model = models["qwen3-omni"]
+    shared = {"thinker": {"devices": "1", "gpu_memory_utilization": 0.6},
+              "talker": {"devices": "1", "gpu_memory_utilization": 0.5}}
+    plan = plan_memory(model, ServeArgs(device="cuda", stage_overrides=json.dumps(shared)), device_memory=2**30)
+    assert all(not s.missing for s in plan.stages)  # each fits its own fraction ...
+    [error] = plan.errors  # ... but not together
+    assert error.startswith("cuda:1 is shared by thinker (0.6), talker (0.5): their gpu_memory_utilization adds "
+                            "up to 1.1 of the device")
+    shared["talker"]["gpu_memory_utilization"] = 0.3
+    ok = plan_memory(model, ServeArgs(device="cuda", stage_overrides=json.dumps(shared)), device_memory=2**30)
+    assert ok.ok
+    # a fixed kv_cache_memory takes what it needs, not a fraction: the encoder and vocoder never count theirs
+    fixed = ServeArgs(device="cuda", kv_cache_memory="8MiB", gpu_memory_utilization=0.9)
+    assert plan_memory(model, fixed, device_memory=2**30).ok
+    # the default mesh, all four on cuda:0: the thinker and talker take 2/3 and 2/9 of 0.9, so it fits one GPU
+    default = plan_memory(model, ServeArgs(device="cuda"), device_memory=2**30)
+    assert default.ok, default.errors
+    assert [round(s.cfg.gpu_memory_utilization, 6) for s in default.stages] == [0.9, 0.6, 0.2, 0.9]
+    alone = ServeArgs(device="cuda", stage_overrides=json.dumps({"thinker": {"devices": "1"}}))
+    assert alone.stage_configs()["thinker"].gpu_memory_utilization == 0.9  # a GPU of its own: the whole fraction
+
+
+def test_omnimesh_plan_prints_the_table_and_exits_0_or_2(models, capsys) -> None:
+    from omnimesh.cli import main
+
+    model = models["qwen3-omni"]
+    memory = int((_thinker_need(model, 1) + _thinker_need(model, 2)) / 2 / 0.6)  # the thinker's share on GPU 0
+    base = ["plan", str(model), "--device", "cuda", "--device-memory", str(memory), "--num-devices", "8"]
+    assert main(base) == 2
+    out, err = capsys.readouterr()
+    assert out.splitlines()[1].split()[:3] == ["stage", "pp", "x"] and "NO:" in out
+    assert "does not fit: stage thinker (pp 1 x tp 1 on cuda:0)" in out and "fits with: stage thinker: pp 1 x tp 2" in out
+    assert "omnimesh: error: the model does not fit its devices" in err
+    first = plan_memory(model, ServeArgs(device="cuda"), device_memory=memory, num_devices=8)
+    overrides, device = {}, 0
+    for s in first.stages:  # each stage on devices of its own, in the layout the plan recommends
+        pp, tp = s.fits_with or (s.cfg.pp, s.cfg.tp)
+        overrides[s.stage] = {"pp": pp, "tp": tp, "devices": ",".join(str(device + i) for i in range(pp * tp))}
+        device += pp * tp
+    assert main(base + ["--stage-overrides", json.dumps(overrides)]) == 0
+    out, _ = capsys.readouterr()
+    assert "everything fits" in out and "thinker  1 x 2" in out
+    assert main(["plan", str(model), "--device", "cpu"]) == 0  # the host's RAM holds the tiny model
+    assert "host RAM" in capsys.readouterr().out
+
+
+def test_serve_and_stage_refuse_on_cuda_and_only_advise_on_cpu(models, monkeypatch, capsys) -> None:
+    """The same plan before anything starts: on CUDA a shortfall exits 2; on CPU it is advice and the mesh starts."""
+    from omnimesh import cli, launcher, memory_plan
+
+    model = models["qwen3-omni"]
+    started: list[str] = []
+
+    class FakeLauncher:
+        def __init__(self, args, model_dir) -> None:
+            started.append(args.device)
+
+        def run(self) -> int:
+            return 0
+
+    monkeypatch.setattr(launcher, "MeshLauncher", FakeLauncher)
+    monkeypatch.setattr(cli, "_devices", lambda device: (8, "CUDA devices"))
+    memory = int(_thinker_need(model, 1) / 2)
+    monkeypatch.setattr(memory_plan, "_cuda_memory", lambda *_: (8, lambda i: memory, "test"))
+    assert cli.main(["serve", str(model), "--device", "cuda"]) == 2
+    assert "stage thinker (pp 1 x tp 1 on cuda:0)" in capsys.readouterr().err and not started
+    assert cli.main(["stage", "thinker", "--model", str(model), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "stage thinker" in err and "stage talker" not in err  # its own stage only
+    monkeypatch.setattr(memory_plan, "host_memory", lambda: memory)
+    assert cli.main(["serve", str(model), "--device", "cpu"]) == 0 and started == ["cpu"]
+    assert "omnimesh: advice: the stages may take up to" in capsys.readouterr().err
