@@ -539,11 +539,25 @@ class RestGateway:
                               function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
                 for k, c in enumerate(calls)]))
 
+        def transcript_chunk(i: int, text: str) -> bytes:
+            """What is spoken, as OpenAI streams it beside the audio (`delta.audio.transcript`); the same text
+            also comes as `delta.content`, as the whole answer carries both."""
+            return chunk(i, Delta(audio=DeltaAudio(id=audio_ids[i], transcript=text, expires_at=first_audio(i))))
+
+        def first_audio(i: int) -> int | None:
+            """The expiry of the choice's audio id, on its first audio delta only (as OpenAI's)."""
+            if audio_sent[i]:
+                return None
+            audio_sent[i] = True
+            return self.audio_memory.expiry()
+
         try:
             for i in range(call.n):
                 yield chunk(i, Delta(role="assistant", content=""))
                 if call.echo:
                     yield chunk(i, Delta(content=call.echo))
+                if call.audio_format is not None and call.spoken_lead:  # a continued message's start is spoken too
+                    yield transcript_chunk(i, call.spoken_lead)
             finished: dict[int, Finished] = {}
             async for i, ev in chain(first, events):
                 self._observe(call, ev)
@@ -562,14 +576,14 @@ class RestGateway:
                     # a token holding part of a character, or a forced call's held JSON: its entry, no text yet
                     if text or ev.logprobs and not carried:
                         yield chunk(i, Delta(content=text), logprobs=entries)
+                    if text and call.audio_format is not None:
+                        yield transcript_chunk(i, text)
                     if calls:
                         yield calls_chunk(i, calls)
                 elif isinstance(ev, AudioDelta):
                     if call.audio_format is not None and np.size(ev.pcm):
                         data = base64.b64encode(pcm16_bytes(ev.pcm)).decode()
-                        expires = None if audio_sent[i] else self.audio_memory.expiry()
-                        audio_sent[i] = True
-                        yield chunk(i, Delta(audio=DeltaAudio(id=audio_ids[i], data=data, expires_at=expires)))
+                        yield chunk(i, Delta(audio=DeltaAudio(id=audio_ids[i], data=data, expires_at=first_audio(i))))
                 elif isinstance(ev, Finished):
                     finished[i] = ev
                     if call.audio_format is not None:  # a later turn may name this answer by its audio id
@@ -580,11 +594,15 @@ class RestGateway:
                     text, calls = shaped[i].push(answer)
                     if text:
                         yield chunk(i, Delta(content=text))
+                        if call.audio_format is not None:
+                            yield transcript_chunk(i, text)
                     if calls:
                         yield calls_chunk(i, calls)
                     text, calls = shaped[i].finish()  # a forced answer not whole (max_tokens) comes as text
                     if text:
                         yield chunk(i, Delta(content=text))
+                        if call.audio_format is not None:
+                            yield transcript_chunk(i, text)
                     if calls:
                         yield calls_chunk(i, calls)
                     yield chunk(i, Delta(), shaped[i].finish_reason(ev.finish_reason), stop_reason=ev.stop_reason)

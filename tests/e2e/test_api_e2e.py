@@ -152,7 +152,7 @@ def test_openai_client_streaming_matches_non_streaming(mesh):
     whole = client.chat.completions.create(**common)
     whole_pcm = _wav_samples(base64.b64decode(whole.choices[0].message.audio.data))
 
-    text, audio, finish, ids = [], [], [], set()
+    text, audio, finish, ids, transcript = [], [], [], set(), []
     stream = client.chat.completions.create(stream=True, **common)
     for chunk in stream:
         assert chunk.object == "chat.completion.chunk"
@@ -165,13 +165,16 @@ def test_openai_client_streaming_matches_non_streaming(mesh):
             text.append(delta.content)
         extra = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
         if extra:
-            data = extra["data"] if isinstance(extra, dict) else extra.data
-            if data:
-                audio.append(np.frombuffer(base64.b64decode(data), dtype="<i2"))
+            extra = extra if isinstance(extra, dict) else extra.model_dump()
+            if extra.get("data"):
+                audio.append(np.frombuffer(base64.b64decode(extra["data"]), dtype="<i2"))
+            if extra.get("transcript"):  # what is spoken, as OpenAI streams it beside the audio
+                transcript.append(extra["transcript"])
         finish.append(choice.finish_reason)
 
     assert len(ids) == 1, f"every chunk of one completion carries the same id, got {ids}"
     assert "".join(text) == whole.choices[0].message.content
+    assert "".join(transcript) == whole.choices[0].message.audio.transcript == whole.choices[0].message.content
     assert audio, "audio deltas must be streamed"
     assert finish[-1] in ("stop", "length"), f"the final chunk must set finish_reason, got {finish[-3:]}"
     assert all(f is None for f in finish[:-1]), "only the final chunk may set finish_reason"

@@ -93,7 +93,7 @@ def test_short_request_is_not_stuck_behind_a_long_one(mesh):
                         break
                     event = json.loads(line[6:])
                     assert "error" not in event, event
-                    if event["choices"] and event["choices"][0]["delta"].get("audio"):
+                    if event["choices"] and (event["choices"][0]["delta"].get("audio") or {}).get("data"):
                         audio_samples += len(base64.b64decode(event["choices"][0]["delta"]["audio"]["data"])) // 2
             result["long_audio_samples"] = audio_samples
         except BaseException as e:  # noqa: BLE001 (reported by the main thread)

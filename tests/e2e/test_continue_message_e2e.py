@@ -5,7 +5,7 @@ the same continued prompt. With speech out the talker speaks the whole message, 
 continuation, exactly as `generate` speaks it when its thinker writes that message itself (the prompt ending
 with the assistant's turn start, the thinker's tokens forced to the start + the continuation): waveform within
 1e-4, with and without async chunking. `echo` puts the start before the content (REST, streamed or not), the
-audio transcript holds the whole message, and gRPC answers as REST."""
+audio transcript holds the whole message (streamed too, as `delta.audio.transcript`), and gRPC answers as REST."""
 
 from __future__ import annotations
 
@@ -98,6 +98,12 @@ def test_rest_and_grpc_continue_echo_and_transcribe(mesh, spoken):
         modalities=["text", "audio"], stage_params={"talker": {"temperature": 0, "max_tokens": TALKER_MAX}})).json()
     message = audio["choices"][0]["message"]
     assert message["content"] == ref.text and message["audio"]["transcript"] == START + ref.text
+    speak = _body(modalities=["text", "audio"], stream=True, audio={"voice": "ethan", "format": "pcm16"},
+                  stage_params={"talker": {"temperature": 0, "max_tokens": TALKER_MAX}})
+    with httpx.stream("POST", f"{mesh.rest}/v1/chat/completions", json=speak, timeout=120) as r:
+        deltas = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    said = [(d["choices"][0]["delta"].get("audio") or {}).get("transcript") or "" for d in deltas if d["choices"]]
+    assert "".join(said) == START + ref.text  # streamed as OpenAI does: the spoken text beside the audio
 
     msgs = [omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text=QUESTION)]),
             omni_pb2.ChatMessage(role="assistant", content=[omni_pb2.ContentPart(text=START)])]

@@ -160,8 +160,10 @@ def test_sse_stream_chunks_usage_and_done(rest_server: RestServer, pipeline: Scr
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == "Hello world"
     audio = [c["choices"][0]["delta"]["audio"] for c in chunks if c["choices"] and "audio" in c["choices"][0]["delta"]]
-    assert len(audio) == 2 and len({a["id"] for a in audio}) == 1
-    pcm = np.concatenate([np.frombuffer(base64.b64decode(a["data"]), "<i2") for a in audio]) / 32767.0
+    assert len({a["id"] for a in audio}) == 1 and "".join(a.get("transcript", "") for a in audio) == "Hello world"
+    samples = [a for a in audio if "data" in a]
+    assert len(samples) == 2
+    pcm = np.concatenate([np.frombuffer(base64.b64decode(a["data"]), "<i2") for a in samples]) / 32767.0
     np.testing.assert_allclose(pcm, tone(0.2), atol=1.0 / 32767)
     final, usage = chunks[-2], chunks[-1]
     assert final["choices"][0]["finish_reason"] == "stop" and final["choices"][0]["delta"] == {}
