@@ -129,3 +129,32 @@ def thinks(parser: ReasoningParser | None, chat_template_kwargs: dict[str, Any],
                               "ask for modalities [\"text\"], or send chat_template_kwargs {\"enable_thinking\": false}",
                               "modalities")
     return True
+
+
+class ThoughtTokens:
+    """The Responses API's `output_tokens_details.reasoning_tokens`: the tokens generated before the answer
+    began (the thought and its end marker), read off the text deltas' token counts (`TextDelta.usage`). A delta
+    that ends the thought and starts the answer (several tokens in one delta, `--stream-interval`) counts with
+    the answer. A thought that never ended (cut off by max tokens) is every generated token."""
+
+    def __init__(self, split: AnswerSplit) -> None:
+        self.split = split  # a splitter of its own: the caller's may run on other text
+        self.tokens = 0
+        self.answered = False
+
+    def push(self, text: str, usage: tuple[int, int] | None) -> None:
+        if self.answered or self.split.stream is None:
+            return
+        _, answer = self.split.push(text)
+        if answer:
+            self.answered = True
+        elif usage is not None:
+            self.tokens = usage[1]
+
+    def total(self, completion_tokens: int) -> int:
+        stream = self.split.stream
+        if stream is None:
+            return 0
+        if not self.answered and stream.state != "answer":  # no end marker came: all of it was thought
+            return completion_tokens
+        return self.tokens

@@ -59,7 +59,7 @@ from gateway.openai_schema import (
     validate_body,
     with_effort,
 )
-from gateway.reasoning import END, AnswerSplit, thinks
+from gateway.reasoning import END, AnswerSplit, ThoughtTokens, thinks
 from gateway.sse import DONE, StreamState, chain, run_to_end, sse
 from gateway.structured_request import require_llguidance, structured_spec
 from services.llm.structured_output import grammar_for
@@ -239,7 +239,7 @@ class ResponsesRoutes:
 
     # ---------------------------------------------------------------------------------------- answers
     def _object(self, call: _Response, status: str, text: str, finished: Finished | None,
-                thought: str | None = None) -> dict[str, Any]:
+                thought: str | None = None, reasoning_tokens: int = 0) -> dict[str, Any]:
         """The `response` object (OpenAI's shape) as it stands: a reasoning item (--reasoning-parser) before the
         message when the model reasoned."""
         b = call.body
@@ -252,7 +252,8 @@ class ResponsesRoutes:
         if finished is not None:
             usage = {"input_tokens": finished.prompt_tokens,
                      "input_tokens_details": {"cached_tokens": finished.cached_tokens},
-                     "output_tokens": finished.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": finished.completion_tokens,
+                     "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                      "total_tokens": finished.prompt_tokens + finished.completion_tokens}
         fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {"type": "text"}
         return {"id": call.request.request_id, "object": "response", "created_at": call.created, "status": status,
@@ -274,17 +275,20 @@ class ResponsesRoutes:
 
     async def _complete(self, call: _Response, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
         text: list[str] = []
+        counted = ThoughtTokens(self._split(call))
 
         def take(ev: object) -> None:
             self.gw._observe(call, ev)  # type: ignore[arg-type]
             if isinstance(ev, TextDelta):
                 text.append(ev.text)
+                counted.push(ev.text, ev.usage)
 
         finished = await run_to_end(first, events, take)
         status = "incomplete" if finished.finish_reason == "length" else "completed"
         self.gw._finish("responses", 200, call.started)
         thought, answer = self._split(call).whole("".join(text))
-        return JSONResponse(self._object(call, status, answer, finished, thought),
+        return JSONResponse(self._object(call, status, answer, finished, thought,
+                                         counted.total(finished.completion_tokens)),
                             headers={"X-Request-Id": call.request.request_id})
 
     def _event(self, call: _Response, kind: str, **fields: Any) -> bytes:
@@ -337,6 +341,7 @@ class ResponsesRoutes:
         status = 499  # client closed, unless the stream gets to its end
         where: dict[str, Any] = {"item_id": call.item_id, "output_index": 0, "content_index": 0}
         split = self._split(call)
+        counted = ThoughtTokens(self._split(call))
         thoughts: list[str] = []  # --reasoning-parser: the reasoning item (output 0), before the message
         message = False  # the message item is open (at its first answer text; at once without reasoning)
         try:
@@ -355,6 +360,7 @@ class ResponsesRoutes:
                     break
                 if not isinstance(ev, TextDelta) or not ev.text:
                     continue
+                counted.push(ev.text, ev.usage)
                 for event in self._text_events(call, split.push(ev.text), thoughts, text, where, message):
                     yield event
                 message = message or bool(text)
@@ -372,7 +378,8 @@ class ResponsesRoutes:
             yield self._event(call, "response.content_part.done", **where, part=part)
             yield self._event(call, "response.output_item.done", output_index=where["output_index"],
                               item=self._object(call, done, whole, finished)["output"][0])
-            yield self._event(call, f"response.{done}", response=self._object(call, done, whole, finished, thought))
+            yield self._event(call, f"response.{done}", response=self._object(
+                call, done, whole, finished, thought, counted.total(finished.completion_tokens)))
             yield DONE
             status = 200
         except PipelineError as e:

@@ -24,7 +24,7 @@ from gateway_harness import GrpcServer, RestServer, ScriptedPipeline
 
 from gateway.events import ChatRequest, Finished, TextDelta
 from gateway.pipeline import _structured
-from gateway.reasoning import END, AnswerSplit, ReasoningParser, check_parser
+from gateway.reasoning import END, AnswerSplit, ReasoningParser, ThoughtTokens, check_parser
 from gateway.rest import create_app
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc
@@ -321,3 +321,32 @@ def test_the_flag_reaches_the_gateway() -> None:
 
     argv = MeshLauncher(ServeArgs(reasoning_parser="qwen3"), Path("/m"))._gateway_argv({"thinker": ["127.0.0.1:1"]})
     assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+
+
+def test_responses_usage_counts_the_reasoning_tokens(scripted) -> None:
+    """`output_tokens_details.reasoning_tokens`: the tokens before the answer began, the end marker included
+    (from each delta's token count), whole and streamed; all of them when the thought was cut off; none for a
+    request that does not think."""
+    server, pipeline = scripted
+    deltas = ["<think>", "\nNine", " point", "</think>", "\n\nNo", " more."]
+    pipeline.script = lambda request: [*(TextDelta(t, usage=(9, k + 1)) for k, t in enumerate(deltas)),
+                                       Finished("stop", 9, len(deltas))]
+
+    def usage(**extra) -> tuple[dict, dict]:
+        body = {"model": "tiny-omni", "input": "Hm?", **extra}
+        whole = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=10).json()["usage"]
+        with httpx.stream("POST", f"{server.base_url}/v1/responses", json={**body, "stream": True}, timeout=10) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        return whole, events[-1]["response"]["usage"]
+
+    for got in usage():
+        assert got["output_tokens"] == 6 and got["output_tokens_details"] == {"reasoning_tokens": 4}
+    for split in (AnswerSplit(QWEN3, thinking=False), AnswerSplit(None, thinking=True)):  # no thought: none
+        counted = ThoughtTokens(split)
+        for k, t in enumerate(deltas):
+            counted.push(t, (9, k + 1))
+        assert counted.total(len(deltas)) == 0
+    pipeline.script = lambda request: [TextDelta("<think>", usage=(9, 1)), TextDelta("\nLet me", usage=(9, 3)),
+                                       Finished("length", 9, 3)]
+    for got in usage():
+        assert got["output_tokens_details"] == {"reasoning_tokens": 3}
