@@ -100,6 +100,7 @@ def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
     layout = lm_layout(args, "thinker", failure, model_dir)
     thinker = load_thinker(model_dir, resolve_dtype(args), layout)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    thinker.set_turn_tokens(tokenizer)  # Qwen2.5-Omni: where a continued assistant message starts
     try:
         gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
     except OSError:

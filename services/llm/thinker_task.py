@@ -183,7 +183,7 @@ class ThinkerTask(BatchedTask):
             lead = self.thinker.assistant_lead(prompt.ids)  # a continued assistant message: spoken first
             tensors.update(talker_prompt_to_tensors(self.thinker.talker_prompt(prompt, hidden, lead)))
             if lead:
-                spoken.append(prompt.embeds[prompt.ids.numel() - lead:])  # (lead, H)
+                spoken.append(self.thinker.lead_rows(prompt, hidden, lead))  # (lead, H)
             self.captured = []
         elif self.talker_inputs and self.thinker.reply_rows and self._fed_embed is not None:
             spoken.append(self.thinker.reply_row(self._fed_embed, out.last_hidden))  # the previous token's r_j
@@ -198,8 +198,9 @@ class ThinkerTask(BatchedTask):
             grammar.accept(token)
         self.completion_tokens += 1
         tensors["token_ids"] = torch.tensor([token], dtype=torch.long)
-        if first and self.talker_inputs and self.thinker.reply_rows:
+        if first and self.talker_inputs and self.thinker.reply_rows and "first_token" not in tensors:
             tensors["first_token"] = tensors["token_ids"]  # Qwen2.5-Omni's talker positions its prompt with it
+            # (a continued message's: its first token, already in the prompt's tensors)
         stop = grammar_done or self.sampler.is_stop(token)
         at_max = self.completion_tokens >= self.sampler.params.max_tokens
         k = self.sampler.params.logprobs

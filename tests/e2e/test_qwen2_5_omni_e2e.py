@@ -177,6 +177,49 @@ def test_streamed_speech_arrives_whole_at_the_end(served: Mesh, model_dir: Path,
     assert np.abs(audio[0].astype(np.int32) - _pcm16(wav.numpy())).max() <= 4
 
 
+def test_a_continued_assistant_message_is_spoken_from_its_start(served: Mesh, model_dir: Path,
+                                                                reference: Qwen2_5Reference) -> None:
+    """continue_final_message with speech: the thinker continues the client's start, and the talker speaks the
+    start and then the continuation, exactly as transformers' talker speaks that whole message when its thinker
+    writes it itself (the talker's prompt ending at the assistant's turn start, the start's rows the first
+    reply rows: a causal thinker gives those rows the same hidden either way)."""
+    from dataclasses import replace
+
+    from gateway.events import ChatMessage, TemplateOptions, TextPart
+    from reference_qwen2_5 import ThinkerOutput
+
+    start = "The sea is"
+    base = chat_request(PROMPTS[0], None, None, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+    cont = replace(base, messages=(*base.messages, ChatMessage("assistant", (TextPart(start),))),
+                   template=TemplateOptions(add_generation_prompt=False, continue_final_message=True))
+    plain, full = reference.prompts(base), reference.prompts(cont)
+    end = plain.input_ids.numel()
+    assert full.input_ids.view(-1)[:end].tolist() == plain.input_ids.view(-1).tolist()
+    lead = full.input_ids.view(-1)[end:].tolist()
+    assert reference.tokenizer.decode(lead) == start
+    thinker = reference.thinker(full, MAX_TOKENS)  # the continuation
+    written = ThinkerOutput(text=thinker.text, generated=lead + thinker.generated, logprobs=[],
+                            prompt_rows=thinker.prompt_rows[:end],
+                            replies=[*thinker.prompt_rows[end:].unbind(0), *thinker.replies])
+    codes = reference.codes(plain, written, "chelsie", TALKER_MAX)
+    wav = reference.waveform(codes, "chelsie", seed=0)
+    assert len(codes) >= 5 and float(wav.abs().max()) > 1e-2, "the reference should speak audibly"
+    body = {"model": NAME, "messages": [{"role": "user", "content": PROMPTS[0]},
+                                        {"role": "assistant", "content": start}],
+            "add_generation_prompt": False, "continue_final_message": True, "max_tokens": MAX_TOKENS,
+            "temperature": 0, **SPEAK}
+    got = _chat(served.rest, body)
+    assert got.status_code == 200, got.text
+    message = got.json()["choices"][0]["message"]
+    assert message["content"] == thinker.text and message["audio"]["transcript"] == start + thinker.text
+    pcm = _pcm(message)
+    assert pcm.shape == (len(codes) * 480,)
+    assert np.abs(pcm.astype(np.int32) - _pcm16(wav.numpy())).max() <= 4
+    # not what the continuation alone would say: the start is spoken
+    alone = reference.codes(full, thinker, "chelsie", TALKER_MAX)
+    assert alone != codes
+
+
 def test_concurrent_requests_each_equal_their_reference(served: Mesh, model_dir: Path,
                                                         reference: Qwen2_5Reference) -> None:
     cases = [(p, MEDIA[i % 3], i % 2 == 0) for i, p in enumerate(PROMPTS * 2)]  # 4 speak: token2wav batches

@@ -110,7 +110,7 @@ def test_the_thinker_splits_off_a_continued_assistant_message(tiny_model_dir: Pa
     from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
 
     thinker = Qwen3OmniThinker.__new__(Qwen3OmniThinker)
-    thinker.config = AutoConfig.from_pretrained(tiny_model_dir)
+    thinker.turns = AutoConfig.from_pretrained(tiny_model_dir)  # Qwen3-Omni's config names the turn tokens
     tok = builder.processor.tokenizer
     cont = builder.encode(chat(TemplateOptions(False, True)))
     lead = thinker.assistant_lead(cont)

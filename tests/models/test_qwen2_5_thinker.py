@@ -80,6 +80,23 @@ def test_the_thinker_counts_audio_rows_by_qwen2_5s_rule(folder: Path) -> None:
     assert thinker.assistant_lead(ids) == 0 and talk.multimodal_hidden.numel() == 0
     row = thinker.reply_row(torch.ones(64), torch.full((1, 1, 64), 2.0))
     assert row.shape == (1, 64) and bool((row == 3).all())
+    # a continued assistant message (its config names no turn tokens: the tokenizer's): its rows are spoken first
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert thinker.assistant_lead(ids) == 0 and thinker.turns is None
+    thinker.set_turn_tokens(tokenizer)
+    turn = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    cont = torch.tensor([*ids[:-1].tolist(), *turn, 11, 12, 13])  # the turn's start, then three of the client's
+    prompt = thinker.prepare(cont, audio_embeds=embeds, audio_feature_lengths=torch.tensor([200]))
+    assert thinker.assistant_lead(cont) == 3
+    assert thinker.assistant_lead(torch.tensor([*cont.tolist(), tokenizer.convert_tokens_to_ids("<|im_end|>")])) == 0
+    hidden = torch.randn(cont.numel(), 64)
+    talk = thinker.talker_prompt(prompt, hidden, lead=3)
+    rows = hidden + prompt.embeds.masked_fill(prompt.mm_mask.view(-1, 1), 0.0)
+    assert torch.equal(talk.input_ids, cont[:-3]) and torch.equal(talk.prompt_embeds, rows[:-3])
+    assert talk.first_token is not None and talk.first_token.tolist() == [11]  # the talker positions with it
+    assert torch.equal(thinker.lead_rows(prompt, hidden, 3), rows[-3:])  # r of each, as if generated
 
 
 def test_the_checkpoint_runs_four_stages_each_over_pp_x_tp(folder: Path, tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ logits). Paying L x vocab for bit-equality is not worth it on the real model (15
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -135,6 +136,9 @@ class Qwen3OmniThinker:
         # the layer whose hidden the talker reads; None where no talker is fed (nothing to capture)
         self.accept_hidden_layer: int | None = None
         self.tts_ids: tuple[int, int, int] | None = None
+        # the chat turns' token ids (im_start_token_id, im_end_token_id, assistant_token_id): Qwen3-Omni's config
+        # names them; Qwen2.5-Omni's does not, `set_turn_tokens` reads them off its tokenizer
+        self.turns: Any = None if isinstance(config, Qwen2_5OmniConfig) else config
         if isinstance(config, Qwen2_5OmniConfig):
             self.qwen2_5 = True
             self.deepstack_layers = 0
@@ -240,15 +244,25 @@ class Qwen3OmniThinker:
         joint[:, rows["video"][visual]] = torch.stack(video_deepstack)
         return joint
 
+    def set_turn_tokens(self, tokenizer: Any) -> None:
+        """Qwen2.5-Omni: the ids of `<|im_start|>`, `<|im_end|>` and `assistant` from the tokenizer (its config does not
+        name them); without all three as single tokens a continued assistant message is not spoken."""
+        if self.turns is not None:
+            return
+        start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
+        assistant = tokenizer.encode("assistant", add_special_tokens=False)
+        if len(assistant) == 1 and None not in (start, end) and tokenizer.unk_token_id not in (start, end):
+            self.turns = SimpleNamespace(im_start_token_id=start, im_end_token_id=end, assistant_token_id=assistant[0])
+
     def assistant_lead(self, ids: torch.Tensor) -> int:
         """How many rows end the prompt `ids` (L,) after its last `<|im_start|>assistant\\n` while that turn
         is open (no `<|im_end|>` or turn start after them): an assistant message the client began (vLLM's continue_final_message), which the
         talker speaks before the generated text, as if the thinker had written it. 0 for a prompt that ends
         with the assistant start (or has none: the talker refuses that)."""
         ids = ids.view(-1)
-        if self.reply_rows:  # Qwen2.5-Omni's talker speaks the generated text only, as its `generate`
+        cfg: Any = self.turns
+        if cfg is None:
             return 0
-        cfg: Any = self.config  # Qwen3-Omni's: it names the turn tokens
         start = last_assistant_start(ids, cfg)
         if start is None:
             return 0
@@ -262,11 +276,13 @@ class Qwen3OmniThinker:
         """What the talker needs, once `multimodal_hidden` (n_mm, H) — the hidden at `accept_hidden_layer` of
         the prompt's media rows — is known. `lead` (`assistant_lead`): the prompt's last rows are an assistant
         message being continued; the talker's prompt stops before them (the caller sends their embeddings as the
-        first text to speak)."""
+        first text to speak; Qwen2.5-Omni: their rows, `lead_rows`, and the first of their ids is `first_token`)."""
         if self.reply_rows:  # Qwen2.5-Omni: final hidden (L, H) of every row + embeddings, media rows' zeroed
-            rows = multimodal_hidden + prompt.embeds.masked_fill(prompt.mm_mask.view(-1, 1), 0.0)
+            rows = self.prompt_rows(prompt, multimodal_hidden)
+            end = prompt.ids.numel() - lead
             return TalkerPrompt(
-                input_ids=prompt.ids.clone(), prompt_embeds=rows, multimodal_hidden=rows[:0], tts_embeds=rows[:0],
+                input_ids=prompt.ids[:end].clone(), prompt_embeds=rows[:end], multimodal_hidden=rows[:0],
+                tts_embeds=rows[:0], first_token=prompt.ids[end:end + 1].clone() if lead else None,
                 image_grid_thw=prompt.image_grid_thw, audio_feature_lengths=prompt.audio_feature_lengths,
                 video_grid_thw=prompt.video_grid_thw, video_second_per_grid=prompt.video_second_per_grid,
                 use_audio_in_video=prompt.use_audio_in_video)
@@ -281,6 +297,20 @@ class Qwen3OmniThinker:
             video_grid_thw=None if prompt.video_grid_thw is None else prompt.video_grid_thw.clone(),
             video_second_per_grid=None if prompt.video_second_per_grid is None else prompt.video_second_per_grid.clone(),
         )
+
+    @staticmethod
+    def prompt_rows(prompt: PreparedPrompt, hidden: torch.Tensor) -> torch.Tensor:
+        """Qwen2.5-Omni's talker rows of the prompt (L, H): each row's final hidden + its embedding, the media
+        rows' embeddings zeroed (as `generate` builds them)."""
+        return hidden + prompt.embeds.masked_fill(prompt.mm_mask.view(-1, 1), 0.0)
+
+    def lead_rows(self, prompt: PreparedPrompt, hidden: torch.Tensor, lead: int) -> torch.Tensor:
+        """What the talker speaks first for a continued assistant message's `lead` rows (lead, H): their
+        embeddings (Qwen3-Omni), or their rows r as if the thinker had generated them (Qwen2.5-Omni)."""
+        end = prompt.ids.numel() - lead
+        if self.reply_rows:
+            return self.prompt_rows(prompt, hidden)[end:]
+        return prompt.embeds[end:]
 
     def capture_rows(self, prompt: PreparedPrompt) -> torch.Tensor | None:
         """The prompt rows whose hidden at `accept_hidden_layer` the talker reads: the media rows (Qwen3-Omni; None
