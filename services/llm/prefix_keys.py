@@ -12,7 +12,8 @@ The keys run up to the first row they cannot name: a media row of a modality tha
 (or whose per-item token counts do not add up to its rows). When the request's media rows are captured for
 the talker (speech out), their offsets carry `CAPTURED`: such blocks must keep those rows' hidden states
 too (the engine serves them from the block, lm_engine.py), so they are never shared with a text-only
-request's blocks, which keep none. The engine hashes whole blocks of these keys, chained
+request's blocks, which keep none. Qwen2.5-Omni's talker reads EVERY prompt row's hidden: with `all_captured`
+its text rows carry `CAPTURED - 1` in place of -1 as well (H floats kept per row of such blocks). The engine hashes whole blocks of these keys, chained
 (engine/kv_blocks.py), so a block's hash covers everything before it.
 """
 
@@ -36,12 +37,12 @@ def _item_rows(kind: str, prompt: PreparedPrompt, merge: int) -> torch.Tensor | 
 
 
 def prompt_prefix_keys(thinker: Qwen3OmniThinker, prompt: PreparedPrompt, hashes: dict[str, torch.Tensor | None],
-                       *, captured: bool) -> torch.Tensor:
+                       *, captured: bool, all_captured: bool = False) -> torch.Tensor:
     """(m, 2 + P) int64 keys of the prompt's first m rows (see the module docstring); `captured`: the media
-    rows' hidden states go to the talker."""
+    rows' hidden states go to the talker; `all_captured`: every row's does (Qwen2.5-Omni's speech)."""
     ids = prompt.ids.view(-1).long()
     first = ids.clone()
-    second = torch.full_like(ids, -1)
+    second = torch.full_like(ids, CAPTURED - 1 if all_captured else -1)
     limit = ids.numel()
     merge = thinker.mrope.spatial_merge_size ** 2
     for kind, token in (("audio", thinker.audio_token_id), ("image", thinker.image_token_id),

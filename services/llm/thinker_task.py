@@ -153,12 +153,13 @@ class ThinkerTask(BatchedTask):
         k = self.sampler.params.prompt_logprobs
         if k is not None:  # each row scored against the prompt token after it (the last row: the first sample)
             targets = torch.cat([prompt.ids.view(-1)[1:].long(), torch.tensor([-1])])
-        elif self.prefix_caching and not (capture is not None and self.thinker.reply_rows):
-            # token ids and positions, media rows by their items' digests (prefix_keys.py); not for Qwen2.5-Omni's
-            # speech, whose talker reads every prompt row's hidden (the cache keeps only media rows' hidden)
+        elif self.prefix_caching:
+            # token ids and positions, media rows by their items' digests (prefix_keys.py); Qwen2.5-Omni's speech
+            # keys every row as captured: its talker reads every prompt row's hidden, which its blocks then keep
             # (not with prompt logprobs: rows the cache served would have no scores, as vLLM skips the cache)
             hashes = {name: t.get(name) for name in ("audio_hashes", "image_hashes", "video_hashes")}
-            keys = prompt_prefix_keys(self.thinker, prompt, hashes, captured=capture is not None)
+            keys = prompt_prefix_keys(self.thinker, prompt, hashes, captured=capture is not None,
+                                      all_captured=capture is not None and self.thinker.reply_rows)
         return InputRun(prompt.embeds, prompt.positions, prompt.visual, prompt.deepstack, capture, prefix_keys=keys,
                         targets=targets, score_k=k or 0)
 
