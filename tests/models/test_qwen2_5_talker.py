@@ -175,3 +175,21 @@ def test_generate_drops_the_talkers_mask(reference: Qwen2_5Reference) -> None:
     finally:
         hook.remove()
     assert seen and not any(seen)
+
+
+def test_ids_token2wav_cannot_voice_are_never_picked(folder: Path) -> None:
+    """`generate`'s suppressed codec bos, and (unlike `generate`, whose token2wav would fail on one) every id at or
+    above the DiT's `num_embeds` but the two stops. The tiny DiT voices all 512 ids; the real one 8193 of 8448."""
+    import copy
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    tk = config.talker_config
+    stops = (tk.tts_codec_pad_token_id, tk.tts_codec_end_token_id)
+    assert talker_sampling_params(config).suppress_tokens == (tk.tts_codec_start_token_id,)  # 512 voiced
+    narrower = copy.deepcopy(config)
+    narrower.token2wav_config.dit_config.num_embeds = 500  # the control ids 500.. are then unvoiced
+    p = talker_sampling_params(narrower)
+    assert p.stop_token_ids == stops and set(p.suppress_tokens) == set(range(500, 512)) - set(stops)
+    assert tk.tts_codec_start_token_id in p.suppress_tokens

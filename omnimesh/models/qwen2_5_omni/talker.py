@@ -58,13 +58,19 @@ def talker_sampling_params(config: Qwen2_5OmniConfig, do_sample: bool = True, ma
                            seed: int | None = None, temperature: float = 0.9, top_k: int = 40, top_p: float = 0.8,
                            repetition_penalty: float = 1.05) -> SamplingParams:
     """`generate`'s talker defaults: sampled, T 0.9, top-k 40, top-p 0.8, penalty 1.05; it stops at the codec
-    pad or end id (`talker_eos_token_id`) and never picks the codec bos."""
+    pad or end id (`talker_eos_token_id`) and never picks the codec bos. Nor, unlike `generate`, any other id
+    token2wav cannot voice (at or above its DiT's `num_embeds`: the codec's control ids besides the stops), which
+    would end `generate` in an index error and the request here in the vocoder's refusal."""
     tk: Any = config.talker_config
+    vocab = int(tk.vocab_size)
+    stops = (int(tk.tts_codec_pad_token_id), int(tk.tts_codec_end_token_id))
+    dit = getattr(getattr(config, "token2wav_config", None), "dit_config", None)
+    voiced = int(dit.num_embeds) if dit is not None else vocab
+    unvoiced = tuple(i for i in range(voiced, vocab) if i not in stops)
     return SamplingParams(
         temperature=temperature if do_sample else 0.0, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
-        repetition_penalty=repetition_penalty,
-        stop_token_ids=(int(tk.tts_codec_pad_token_id), int(tk.tts_codec_end_token_id)),
-        suppress_tokens=(int(tk.tts_codec_start_token_id),), vocab_size=int(tk.vocab_size),
+        repetition_penalty=repetition_penalty, stop_token_ids=stops,
+        suppress_tokens=tuple(sorted({int(tk.tts_codec_start_token_id), *unvoiced})), vocab_size=vocab,
     )
 
 
