@@ -88,7 +88,7 @@ class MeshLauncher:
             argv += ["--otlp-traces-endpoint", a.otlp_traces_endpoint]
         if a.served_model_name is not None:  # the stage's metrics carry it as model_name
             argv += ["--served-model-name", a.served_model_name]
-        cfg = a.stage_configs()[stage]
+        cfg = a.stage_configs(together=True)[stage]  # the whole mesh on this host: GPUs shared
         argv += ["-tp", str(cfg.tp), "-pp", str(cfg.pp)]
         if cfg.world_size > 1 and a.distributed_executor_backend != "mp":  # how its ranks 1..N-1 start
             argv += ["--distributed-executor-backend", a.distributed_executor_backend]

@@ -366,7 +366,7 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
     config, family = load_config(model_dir), model_family(model_dir)
     tensors = read_checkpoint(model_dir)
     has = model_stages(model_dir)
-    configs = {s: c for s, c in args.stage_configs().items()
+    configs = {s: c for s, c in args.stage_configs(together=only is None).items()
                if s in has and (s == only if only is not None else c.num_replicas > 0)}
     if only is not None:  # one `omnimesh stage` process is one replica
         configs = {s: replace(c, num_replicas=1) for s, c in configs.items()}

@@ -305,7 +305,10 @@ class ServeArgs:
         """The name clients use and metrics carry: --served-model-name, else the model folder's name."""
         return self.served_model_name or model_dir.name
 
-    def stage_configs(self) -> dict[str, StageConfig]:
+    def stage_configs(self, together: bool = False) -> dict[str, StageConfig]:
+        """Each stage's settings: the global flags under its --stage-overrides entry. `together`: every stage
+        runs on this host (`serve`, `plan`): KV-cache stages sharing a GPU split its memory (`_share_gpus`); a
+        stage started alone (`omnimesh stage`) takes its whole fraction."""
         model_stage = StageConfig(
             pp=self.pipeline_parallel_size,
             tp=self.tensor_parallel_size,
@@ -338,7 +341,7 @@ class ServeArgs:
         if len({configs[s].num_replicas == 0 for s in SPEECH_STAGES}) > 1:
             raise ValueError("--stage-overrides: num_replicas 0 for one of the talker and vocoder needs it for the other "
                              "too (speech needs both; both 0: a text-only mesh)")
-        return self._share_gpus(configs, overrides)
+        return self._share_gpus(configs, overrides) if together else configs
 
     def _share_gpus(self, configs: dict[str, StageConfig], overrides: dict[str, Any]) -> dict[str, StageConfig]:
         """On CUDA, the thinker and the talker size their KV caches from their own gpu_memory_utilization (per

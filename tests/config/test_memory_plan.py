@@ -96,8 +96,9 @@ def test_each_stage_counts_the_checkpoint_tensors_it_loads_in_the_serving_dtype(
 def test_a_stage_too_big_for_its_device_says_what_is_missing_and_which_layout_fits(models, family) -> None:
     model = models[family]
     one, two = _thinker_need(model, 1), _thinker_need(model, 2)
-    share = ServeArgs(device="cuda").stage_configs()["thinker"].gpu_memory_utilization  # 0.6: it shares GPU 0
-    assert abs(share - 0.6) < 1e-9
+    share = ServeArgs(device="cuda").stage_configs()["thinker"].gpu_memory_utilization
+    assert share == 0.9  # the stage alone (`omnimesh stage`, `only`): its whole fraction
+    assert abs(ServeArgs(device="cuda").stage_configs(together=True)["thinker"].gpu_memory_utilization - 0.6) < 1e-9
     memory = int((one + two) / 2 / share)  # tp 1 does not fit its share, tp 2 does
     plan = plan_memory(model, ServeArgs(device="cuda"), only="thinker", device_memory=memory, num_devices=8)
     assert not plan.ok
@@ -135,7 +136,7 @@ def test_stages_sharing_a_device_must_not_claim_more_than_all_of_it(models) -> N
     assert default.ok, default.errors
     assert [round(s.cfg.gpu_memory_utilization, 6) for s in default.stages] == [0.9, 0.6, 0.2, 0.9]
     alone = ServeArgs(device="cuda", stage_overrides=json.dumps({"thinker": {"devices": "1"}}))
-    assert alone.stage_configs()["thinker"].gpu_memory_utilization == 0.9  # a GPU of its own: the whole fraction
+    assert alone.stage_configs(together=True)["thinker"].gpu_memory_utilization == 0.9  # a GPU of its own
 
 
 def test_omnimesh_plan_prints_the_table_and_exits_0_or_2(models, capsys) -> None:
@@ -188,3 +189,19 @@ def test_serve_and_stage_refuse_on_cuda_and_only_advise_on_cpu(models, monkeypat
     monkeypatch.setattr(memory_plan, "host_memory", lambda: memory)
     assert cli.main(["serve", str(model), "--device", "cpu"]) == 0 and started == ["cpu"]
     assert "omnimesh: advice: the stages may take up to" in capsys.readouterr().err
+
+
+def test_serve_hands_each_stage_its_share_of_a_shared_gpu(models) -> None:
+    """The launcher passes each stage process its resolved fraction: the default mesh's thinker and talker their
+    shares of GPU 0, a stage on a GPU of its own the whole fraction (a stage process never re-splits)."""
+    from omnimesh.launcher import MeshLauncher
+
+    def fraction(launcher: MeshLauncher, stage: str) -> float:
+        argv = launcher._stage_argv(stage, 50000)
+        return json.loads(argv[argv.index("--stage-overrides") + 1])[stage]["gpu_memory_utilization"]
+
+    model = models["qwen3-omni"]
+    shared = MeshLauncher(ServeArgs(device="cuda"), model)
+    assert [round(fraction(shared, s), 6) for s in ("encoder", "thinker", "talker", "vocoder")] == [0.9, 0.6, 0.2, 0.9]
+    apart = MeshLauncher(ServeArgs(device="cuda", stage_overrides=json.dumps({"thinker": {"devices": "1"}})), model)
+    assert fraction(apart, "thinker") == 0.9 and round(fraction(apart, "talker"), 6) == 0.2
