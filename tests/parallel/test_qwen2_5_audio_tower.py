@@ -42,9 +42,9 @@ from gloo_harness import (  # one_thread: autouse here
 from omnimesh.models.qwen2_5_omni.parallel_audio_tower import (
     ParallelAudioTower2_5,
     audio_output_lengths_2_5,
-    audio_pipeline_step_2_5,
     check_audio_layout,
 )
+from omnimesh.models.qwen3_omni.parallel_audio_tower import audio_pipeline_step  # both families' towers
 from omnimesh.parallel.parallel_state import ParallelState
 
 PREFIX = "thinker.audio_tower."
@@ -68,7 +68,7 @@ def scenario(ps: ParallelState, model_dir: Path) -> dict[str, Any]:
     config = audio_config(model_dir)
     tower, layer_range, keys = load_tower_rank(ParallelAudioTower2_5, config, config.encoder_layers, ps, model_dir)
     features, lens = clips()
-    out = audio_pipeline_step_2_5(tower, features if ps.is_first_pp_rank else None, lens)
+    out = audio_pipeline_step(tower, features if ps.is_first_pp_rank else None, lens)
     return tower_result(ps, tower, layer_range, keys, out=out if ps.is_last_pp_rank else None)
 
 

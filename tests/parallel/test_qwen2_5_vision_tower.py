@@ -44,9 +44,9 @@ from gloo_harness import (  # one_thread: autouse here
 from omnimesh.models.qwen2_5_omni.parallel_vision_tower import (
     ParallelVisionTower2_5,
     check_vision_layout_2_5,
-    vision_pipeline_step_2_5,
     window_index,
 )
+from omnimesh.models.qwen3_omni.parallel_vision_tower import vision_pipeline_step  # both families' towers
 from omnimesh.parallel.parallel_state import ParallelState
 
 PREFIX = "thinker.visual."
@@ -73,7 +73,7 @@ def scenario(ps: ParallelState, model_dir: Path) -> dict[str, Any]:
     config = vision_config(model_dir)
     tower, layer_range, keys = load_tower_rank(ParallelVisionTower2_5, config, config.depth, ps, model_dir)
     pixels, grid = images()
-    out = vision_pipeline_step_2_5(tower, pixels if ps.is_first_pp_rank else None, grid)
+    out = vision_pipeline_step(tower, pixels if ps.is_first_pp_rank else None, grid)
     assert out.deepstack == []
     return tower_result(ps, tower, layer_range, keys, embeds=out.image_embeds)
 
@@ -133,7 +133,7 @@ def test_both_kinds_of_attention_matter(model_dir: Path, reference: dict[str, An
     pixels, grid = images()
     for full in ({0, 1}, set()):
         tower.full_attention = full
-        out = vision_pipeline_step_2_5(tower, pixels, grid).image_embeds
+        out = vision_pipeline_step(tower, pixels, grid).image_embeds
         assert out is not None and (out - reference["embeds"]).abs().max() > 100 * LAYOUT_TOL, full
 
 
@@ -161,8 +161,8 @@ def test_a_batch_of_images_equals_each_image_alone_bit_for_bit(model_dir: Path) 
     tower.load_weights(model_dir)
     grids = ((1, 4, 4), (1, 12, 20), (2, 8, 12), (1, 16, 10))
     pixels, grid = images(grids, seed=9)
-    together = vision_pipeline_step_2_5(tower, pixels, grid).image_embeds  # one thread: `one_thread`
-    alone = [vision_pipeline_step_2_5(tower, p, g[None]).image_embeds
+    together = vision_pipeline_step(tower, pixels, grid).image_embeds  # one thread: `one_thread`
+    alone = [vision_pipeline_step(tower, p, g[None]).image_embeds
              for p, g in zip(pixels.split(grid.prod(-1).tolist()), grid)]
     assert together is not None
     assert torch.equal(together, torch.cat([a for a in alone if a is not None]))

@@ -30,7 +30,8 @@ Data flow (one batch of clips):
     forward(hidden, batch) -> layers start..end-1 (attention inside each chunk)
                            -> last rank: (h[pool] + h[pool + 1]) / 2 -> ln_post -> proj -> (n_out, output_dim)
                               n_out per clip = ((T - 1) // 2 + 1 - 2) // 2 + 1   (`audio_output_lengths_2_5`)
-`audio_pipeline_step_2_5` runs that across the pipeline; only the hidden (N, d_model) crosses a boundary.
+Qwen3-Omni's `audio_pipeline_step` runs it across the pipeline (it reads only the tower's `ps`, `dtype`,
+`config.d_model`, `batch`, `embed_features` and `forward`); only the hidden (N, d_model) crosses a boundary.
 
 Run the checks: python -m pytest tests/parallel/test_qwen2_5_audio_tower.py -q
 """
@@ -52,7 +53,6 @@ from omnimesh.models.qwen3_omni.parallel_audio_tower import (
     TowerRank,
     add_to_plan,
     add_weight_and_bias,
-    audio_pipeline_step,
     check_audio_layout,
     check_rows,
     chunked_features,
@@ -62,7 +62,7 @@ from omnimesh.models.qwen3_omni.parallel_audio_tower import (
 from omnimesh.parallel.parallel_state import ParallelState
 
 __all__ = ["AudioBatch2_5", "ParallelAudioTower2_5", "audio_batch_2_5", "audio_output_lengths_2_5",
-           "audio_pipeline_step_2_5", "check_audio_layout", "conv_output_lengths"]
+           "check_audio_layout", "conv_output_lengths"]
 
 
 def conv_output_lengths(feature_lens: torch.Tensor) -> torch.Tensor:
@@ -186,16 +186,3 @@ class ParallelAudioTower2_5(TowerRank):
         if self.ln_post is not None:
             add_weight_and_bias(plan, prefix + "ln_post", self.ln_post)
         return plan
-
-
-def audio_pipeline_step_2_5(tower: ParallelAudioTower2_5, features: torch.Tensor | None,
-                            feature_lens: torch.Tensor) -> torch.Tensor:
-    """One blocking forward through the whole pipeline; every rank of the stage calls it for the same batch.
-
-    The protocol of Qwen3's `audio_pipeline_step`, which runs it (it only uses the tower's `ps`, `dtype`,
-    `config.d_model`, `batch`, `embed_features` and `forward`, which this tower has with the same meaning):
-    `feature_lens` (B,) on EVERY rank, `features` (n_mel, sum T_valid) on the first only; the hidden (N, d_model)
-    crosses each boundary. Returns (sum audio_output_lengths_2_5(feature_lens), output_dim) on every TP rank of
-    the last pipeline rank, the boundary hidden elsewhere.
-    """
-    return audio_pipeline_step(cast(Any, tower), features, feature_lens)

@@ -25,7 +25,8 @@ Data flow (one batch of images / frames):
     other ranks:    hidden (N, hidden), in window order, from the previous pipeline rank
     forward(hidden, batch) -> blocks start..end-1 (full or window attention per block)
                            -> last rank: merger -> patch order -> image_embeds (N / merge^2, out_hidden)
-`vision_pipeline_step_2_5` runs that across the pipeline: only the window-ordered hidden crosses a boundary.
+Qwen3-Omni's `vision_pipeline_step` runs it across the pipeline (no deepstack: `deepstack_before` is 0):
+only the window-ordered hidden crosses a boundary.
 
 Run the checks: python -m pytest tests/parallel/test_qwen2_5_vision_tower.py -q
 """
@@ -58,7 +59,6 @@ from omnimesh.models.qwen3_omni.parallel_vision_tower import (
     VisionOutput,
     per_image,
     vision_batch,
-    vision_pipeline_step,
 )
 from omnimesh.parallel.layers import MergedColumnParallelLinear, RowParallelLinear, divide
 from omnimesh.parallel.parallel_state import ParallelState
@@ -277,16 +277,3 @@ class ParallelVisionTower2_5(TowerRank):
     def deepstack_before(self, layer: int) -> int:
         """No deepstack features: nothing but the hidden crosses a pipeline boundary."""
         return 0
-
-
-def vision_pipeline_step_2_5(tower: ParallelVisionTower2_5, pixel_values: torch.Tensor | None,
-                             grid_thw: torch.Tensor) -> VisionOutput:
-    """One blocking forward through the whole pipeline; every rank of the stage calls it for the same batch.
-
-    Qwen3-Omni's `vision_pipeline_step` runs it (no deepstack: `deepstack_before` is 0): `grid_thw` (n, 3) on
-    EVERY rank (each derives N, the windows, the attention segments and the rotary from it, so no shape
-    travels), `pixel_values` on the first only; what crosses each boundary is the hidden (N, hidden_size) in
-    window order. On the last rank the result holds image_embeds in patch order (transformers'
-    `pooler_output`); elsewhere image_embeds is None. deepstack is always [].
-    """
-    return vision_pipeline_step(tower, pixel_values, grid_thw)

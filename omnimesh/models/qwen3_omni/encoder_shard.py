@@ -67,12 +67,9 @@ class EncoderShard:
 
             self.audio: Any = audio25.ParallelAudioTower2_5(tc.audio_config, ps, a_range, spec.dtype)
             self.vision: Any = vision25.ParallelVisionTower2_5(tc.vision_config, ps, v_range, spec.dtype)
-            self.audio_step: Any = audio25.audio_pipeline_step_2_5
-            self.vision_step: Any = vision25.vision_pipeline_step_2_5
-        else:
+        else:  # (both families' towers run through the same pipeline steps)
             self.audio = ParallelAudioTower(tc.audio_config, ps, a_range, spec.dtype)
             self.vision = ParallelVisionTower(tc.vision_config, ps, v_range, spec.dtype)
-            self.audio_step, self.vision_step = audio_pipeline_step, vision_pipeline_step
         self.audio.load_weights(spec.model_dir)
         self.vision.load_weights(spec.model_dir)
 
@@ -81,10 +78,10 @@ class EncoderShard:
         owner = self.ps.is_last_pp_rank and self.ps.tp_rank == 0
         first = self.ps.is_first_pp_rank
         if isinstance(command, EncodeAudio):
-            out = self.audio_step(self.audio, command.features.to(self.ps.device) if first else None,
+            out = audio_pipeline_step(self.audio, command.features.to(self.ps.device) if first else None,
                                   command.feature_lens)
             return out.cpu() if owner else None
-        result = self.vision_step(self.vision, command.pixel_values.to(self.ps.device) if first else None,
+        result = vision_pipeline_step(self.vision, command.pixel_values.to(self.ps.device) if first else None,
                                   command.grid_thw)
         if not owner or result.image_embeds is None:
             return None

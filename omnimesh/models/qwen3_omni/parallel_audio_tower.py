@@ -431,9 +431,10 @@ class ParallelAudioTower(TowerRank):
         return plan
 
 
-def audio_pipeline_step(tower: ParallelAudioTower, features: torch.Tensor | None,
+def audio_pipeline_step(tower: Any, features: torch.Tensor | None,
                         feature_lens: torch.Tensor) -> torch.Tensor:
     """One blocking forward through the whole pipeline; every rank of the stage calls it for the same batch.
+    `tower`: a `ParallelAudioTower` or Qwen2.5-Omni's `ParallelAudioTower2_5` (the same methods).
 
     `feature_lens` (B,) is given to EVERY rank (the executor's step metadata): each derives the chunking,
     the token count N and the attention windows from it. `features` (n_mel, sum T_valid) is needed on the
