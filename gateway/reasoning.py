@@ -132,24 +132,28 @@ def thinks(parser: ReasoningParser | None, chat_template_kwargs: dict[str, Any],
 
 
 class ThoughtTokens:
-    """The Responses API's `output_tokens_details.reasoning_tokens`: the tokens generated before the answer
-    began (the thought and its end marker), read off the text deltas' token counts (`TextDelta.usage`). A delta
-    that ends the thought and starts the answer (several tokens in one delta, `--stream-interval`) counts with
-    the answer. A thought that never ended (cut off by max tokens) is every generated token."""
+    """An answer's split (`AnswerSplit`, its pieces returned as they are) that also counts the Responses API's
+    `output_tokens_details.reasoning_tokens`: the tokens generated before the answer began (the thought and its
+    end marker), read off the text deltas' token counts (`TextDelta.usage`). A delta that ends the thought and
+    starts the answer (several tokens in one delta, `--stream-interval`) counts with the answer. A thought that
+    never ended (cut off by max tokens) is every generated token."""
 
     def __init__(self, split: AnswerSplit) -> None:
-        self.split = split  # a splitter of its own: the caller's may run on other text
+        self.split = split
         self.tokens = 0
         self.answered = False
 
-    def push(self, text: str, usage: tuple[int, int] | None) -> None:
-        if self.answered or self.split.stream is None:
-            return
-        _, answer = self.split.push(text)
+    def push(self, text: str, usage: tuple[int, int] | None) -> tuple[str, str]:
+        """One delta's (reasoning, answer), as `AnswerSplit.push`."""
+        thought, answer = self.split.push(text)
         if answer:
             self.answered = True
-        elif usage is not None:
+        elif not self.answered and usage is not None:
             self.tokens = usage[1]
+        return thought, answer
+
+    def finish(self) -> tuple[str, str]:
+        return self.split.finish()
 
     def total(self, completion_tokens: int) -> int:
         stream = self.split.stream

@@ -274,21 +274,24 @@ class ResponsesRoutes:
                 "content": [{"type": "reasoning_text", "text": thought}]}
 
     async def _complete(self, call: _Response, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
-        text: list[str] = []
-        counted = ThoughtTokens(self._split(call))
+        thoughts: list[str] = []
+        answers: list[str] = []
+        split = ThoughtTokens(self._split(call))  # delta by delta: what `AnswerSplit.whole` gives the whole text
 
         def take(ev: object) -> None:
             self.gw._observe(call, ev)  # type: ignore[arg-type]
             if isinstance(ev, TextDelta):
-                text.append(ev.text)
-                counted.push(ev.text, ev.usage)
+                thought, answer = split.push(ev.text, ev.usage)
+                thoughts.append(thought)
+                answers.append(answer)
 
         finished = await run_to_end(first, events, take)
         status = "incomplete" if finished.finish_reason == "length" else "completed"
         self.gw._finish("responses", 200, call.started)
-        thought, answer = self._split(call).whole("".join(text))
-        return JSONResponse(self._object(call, status, answer, finished, thought,
-                                         counted.total(finished.completion_tokens)),
+        thought, answer = split.finish()
+        return JSONResponse(self._object(call, status, "".join(answers) + answer, finished,
+                                         "".join(thoughts) + thought or None,
+                                         split.total(finished.completion_tokens)),
                             headers={"X-Request-Id": call.request.request_id})
 
     def _event(self, call: _Response, kind: str, **fields: Any) -> bytes:
@@ -340,8 +343,7 @@ class ResponsesRoutes:
     async def _stream(self, call: _Response, first: Indexed, state: StreamState) -> AsyncIterator[bytes]:
         status = 499  # client closed, unless the stream gets to its end
         where: dict[str, Any] = {"item_id": call.item_id, "output_index": 0, "content_index": 0}
-        split = self._split(call)
-        counted = ThoughtTokens(self._split(call))
+        split = ThoughtTokens(self._split(call))  # also counts the reasoning tokens
         thoughts: list[str] = []  # --reasoning-parser: the reasoning item (output 0), before the message
         message = False  # the message item is open (at its first answer text; at once without reasoning)
         try:
@@ -360,8 +362,7 @@ class ResponsesRoutes:
                     break
                 if not isinstance(ev, TextDelta) or not ev.text:
                     continue
-                counted.push(ev.text, ev.usage)
-                for event in self._text_events(call, split.push(ev.text), thoughts, text, where, message):
+                for event in self._text_events(call, split.push(ev.text, ev.usage), thoughts, text, where, message):
                     yield event
                 message = message or bool(text)
             if finished is None:
@@ -379,7 +380,7 @@ class ResponsesRoutes:
             yield self._event(call, "response.output_item.done", output_index=where["output_index"],
                               item=self._object(call, done, whole, finished)["output"][0])
             yield self._event(call, f"response.{done}", response=self._object(
-                call, done, whole, finished, thought, counted.total(finished.completion_tokens)))
+                call, done, whole, finished, thought, split.total(finished.completion_tokens)))
             yield DONE
             status = 200
         except PipelineError as e:
