@@ -85,6 +85,16 @@ def test_the_thinker_counts_audio_rows_by_qwen2_5s_rule(folder: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert thinker.assistant_lead(ids) == 0 and thinker.turns is None
+
+    class SplitRole:  # a tokenizer whose "assistant" is two tokens: no lead is found (nothing is spoken first)
+        unk_token_id = tokenizer.unk_token_id
+        convert_tokens_to_ids = tokenizer.convert_tokens_to_ids
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [11, 12]
+
+    thinker.set_turn_tokens(SplitRole())
+    assert thinker.turns is None
     thinker.set_turn_tokens(tokenizer)
     turn = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
     cont = torch.tensor([*ids[:-1].tolist(), *turn, 11, 12, 13])  # the turn's start, then three of the client's

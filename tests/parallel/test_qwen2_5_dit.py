@@ -95,6 +95,11 @@ def test_single_rank_matches_transformers(model_dir: Path, hf: dict[str, Any]) -
     out = backend(hf["hidden"], hf["t"], STEPS[0])
     assert out.shape == hf["out"].shape and torch.isfinite(out).all()
     assert (out - hf["out"]).abs().max() < TOL
+    # frame counts that do not describe the rows are refused by name, never run
+    with pytest.raises(ValueError, match=r"frames must give one count per row of hidden \(2\), got 1"):
+        backend(hf["hidden"], hf["t"], STEPS[0][:1])
+    with pytest.raises(ValueError, match=r"frames must be one count in 1\.\.60 per row, got \[26, 61\]"):
+        backend(hf["hidden"], hf["t"], (26, 61))
 
 
 def test_the_mask_and_rope_matter(model_dir: Path, hf: dict[str, Any]) -> None:
