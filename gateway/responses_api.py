@@ -16,9 +16,13 @@ stream: `response.created`, `response.in_progress`, `response.output_item.added`
   message, streamed as `response.reasoning_text.delta` events at output 0 before the message opens at output 1.
 - Sampling: `temperature`, `top_p`, `max_output_tokens`, vLLM's extras the chat takes (`top_k`, `seed`, `stop`,
   ...) at the top level; `text.format` json_schema / json_object becomes the thinker's structured output.
+- Function calling (gateway/responses_tools.py): `tools` / `tool_choice` / `parallel_tool_calls` by the chat's
+  rules, `function_call` / `function_call_output` input items as the chat's calls and tool turns; the calls the
+  thinker makes are `function_call` output items after the message (no message when the answer is only calls;
+  streamed: `response.output_item.added`, `response.function_call_arguments.delta` / `.done`,
+  `response.output_item.done` as each call's block closes).
 - omnimesh stores nothing: `previous_response_id`, `conversation`, `background` and `store: true` answered
-  as stored are 400s naming the field (`store` is accepted and answered false), as are `tools` (function
-  calling lives on /v1/chat/completions). `reasoning.effort` becomes the chat template's `reasoning_effort`
+  as stored are 400s naming the field (`store` is accepted and answered false). `reasoning.effort` becomes the chat template's `reasoning_effort`
   variable (as vLLM passes it; chat's `reasoning_effort` too); `reasoning.summary` is accepted, and no summary
   is written.
 """
@@ -38,7 +42,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, field_validator
 
 from gateway.choices import Indexed
-from gateway.events import ChatRequest, Finished, PipelineError, TemplateOptions, TextDelta, check_request_id
+from gateway.events import (
+    ChatRequest,
+    Finished,
+    PipelineError,
+    TemplateOptions,
+    TextDelta,
+    ToolCall,
+    check_request_id,
+)
 from gateway.http_errors import internal_error
 from gateway.media import invalid_request
 from gateway.openai_schema import (
@@ -60,8 +72,10 @@ from gateway.openai_schema import (
     with_effort,
 )
 from gateway.reasoning import END, AnswerSplit, ThoughtTokens, thinks
+from gateway.responses_tools import call_item, item_messages, responses_tool_plan
 from gateway.sse import DONE, StreamState, chain, run_to_end, sse
 from gateway.structured_request import require_llguidance, structured_spec
+from gateway.tool_calls import NO_TOOLS, ToolAnswer, ToolPlan
 from services.llm.structured_output import grammar_for
 
 if TYPE_CHECKING:
@@ -72,7 +86,6 @@ UNSUPPORTED: dict[str, Any] = {
     "previous_response_id": lambda v: v is None,
     "conversation": lambda v: v is None,
     "background": lambda v: not v,
-    "tools": lambda v: not v,
     "prompt": lambda v: v is None,
     "prompt_logprobs": lambda v: v is None,
 }
@@ -116,7 +129,7 @@ class ReasoningOptions(StrictBody):
 
 
 class ResponsesRequest(SamplingBody):
-    input: Any  # a string, or message items (`InputItem`, checked one by one: `items`)
+    input: Any  # a string, or items: messages (`InputItem`) and function calls / outputs (`item_messages`)
     reasoning: ReasoningOptions | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -124,6 +137,9 @@ class ResponsesRequest(SamplingBody):
     store: bool | None = None  # nothing is stored: the answer says false
     metadata: dict[str, str] | None = None  # echoed back
     user: str | None = None
+    tools: list[Any] | None = None  # function tools, checked one by one (gateway/responses_tools.py)
+    tool_choice: Any = None  # "none" / "auto" / "required" / {"type": "function", "name": ...}
+    parallel_tool_calls: bool | None = None
 
     @field_validator("input")
     @classmethod
@@ -131,12 +147,6 @@ class ResponsesRequest(SamplingBody):
         if not isinstance(v, (str, list)) or (isinstance(v, list) and not v):
             raise ValueError("give a string or at least one message")
         return v
-
-    def items(self) -> list[InputItem]:
-        """The input as message items; a bad one is a 400 naming its path (`input[2].content[0].type`)."""
-        if isinstance(self.input, str):
-            return [InputItem(role="user", content=self.input)]
-        return [validate_body(InputItem, item, ("input", i)) for i, item in enumerate(self.input)]
 
 
 @dataclass(slots=True)
@@ -152,6 +162,7 @@ class _Response:
     first_text: bool = False
     first_audio: bool = False
     sequence: int = 0
+    tools: ToolPlan = NO_TOOLS  # what the answer's function calls are (gateway/tool_calls.py)
 
     def next_sequence(self) -> int:
         self.sequence += 1
@@ -202,20 +213,31 @@ class ResponsesRoutes:
             raise invalid_request("text.format: give one structured output per request", "text.format")
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
         pipeline_model = model if model in gw.pipeline.served_models else gw.pipeline.served_models[0]
+        tools = responses_tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, gw.auto_tool_choice)
+        if (structured or other) is not None and (tools.parse or tools.structured is not None):
+            raise invalid_request("text.format: a structured output and function calls (tool_choice \"auto\") "
+                                  "cannot both shape one answer; send tool_choice \"none\" or leave one out",
+                                  "text.format")
         thinking = thinks(gw.reasoning, {}, audio_out=False)  # --reasoning-parser: a reasoning item first
         effort = body.reasoning.effort if body.reasoning is not None else None
         chat = ChatRequest(request_id=f"resp_{suffix}", model=pipeline_model, messages=messages, modalities=("text",),
-                           sampling=sampling, priority=check_priority(body.priority), structured=structured or other,
+                           sampling=sampling, priority=check_priority(body.priority),
+                           structured=tools.structured or structured or other, tools=tools.tools,
                            truncate_prompt_tokens=body.truncate_prompt_tokens, reasoning_end=END if thinking else None,
                            template=TemplateOptions(kwargs=with_effort(None, effort) or {}))
-        return _Response(chat, body, model, body.stream, int(time.time()), started)
+        return _Response(chat, body, model, body.stream, int(time.time()), started, tools=tools)
 
     @staticmethod
     def _messages(body: ResponsesRequest) -> list[Message]:
         """The chat messages the input stands for (instructions first, as a system turn)."""
         out = [Message(role="system", content=[ContentPart(type="text", text=body.instructions)])] \
             if body.instructions else []
-        for i, item in enumerate(body.items()):
+        calls: set[str] = set()  # the call ids of the function_call items so far
+        raw_items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+        for i, raw in enumerate(raw_items):
+            if item_messages(raw, i, out, calls):  # function calls, their outputs, earlier reasoning
+                continue
+            item = validate_body(InputItem, raw, ("input", i))  # a bad one: a 400 naming `input[2].content[0].type`
             parts = [InputPart(type="input_text", text=item.content)] if isinstance(item.content, str) else item.content
             content = []
             for j, p in enumerate(parts):
@@ -238,16 +260,10 @@ class ResponsesRoutes:
         return out
 
     # ---------------------------------------------------------------------------------------- answers
-    def _object(self, call: _Response, status: str, text: str, finished: Finished | None,
-                thought: str | None = None, reasoning_tokens: int = 0) -> dict[str, Any]:
-        """The `response` object (OpenAI's shape) as it stands: a reasoning item (--reasoning-parser) before the
-        message when the model reasoned."""
+    def _object(self, call: _Response, status: str, finished: Finished | None, output: list[dict[str, Any]],
+                reasoning_tokens: int = 0) -> dict[str, Any]:
+        """The `response` object (OpenAI's shape) with its `output` items (none while in progress)."""
         b = call.body
-        output = [] if status == "in_progress" else [{
-            "type": "message", "id": call.item_id, "status": "completed" if status == "completed" else "incomplete",
-            "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}]
-        if thought is not None and status != "in_progress":
-            output.insert(0, self._reasoning_item(call, thought))
         usage = None
         if finished is not None:
             usage = {"input_tokens": finished.prompt_tokens,
@@ -256,13 +272,16 @@ class ResponsesRoutes:
                      "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                      "total_tokens": finished.prompt_tokens + finished.completion_tokens}
         fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {"type": "text"}
+        tools = [{"type": "function", **t["function"]} for t in call.tools.tools]
         return {"id": call.request.request_id, "object": "response", "created_at": call.created, "status": status,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": call.model,
-                "output": output, "parallel_tool_calls": True, "previous_response_id": None,
+                "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
+                "previous_response_id": None,
                 "reasoning": b.reasoning.model_dump(exclude_none=True) if b.reasoning is not None else None,
-                "store": False, "temperature": b.temperature, "text": {"format": fmt}, "tool_choice": "auto",
-                "tools": [], "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
+                "store": False, "temperature": b.temperature, "text": {"format": fmt},
+                "tool_choice": b.tool_choice if b.tool_choice is not None else ("auto" if tools else "none"),
+                "tools": tools, "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
                 "metadata": b.metadata or {}}
 
     def _split(self, call: _Response) -> AnswerSplit:
@@ -272,6 +291,11 @@ class ResponsesRoutes:
     def _reasoning_item(call: _Response, thought: str) -> dict[str, Any]:
         return {"type": "reasoning", "id": call.reasoning_id, "summary": [], "status": "completed",
                 "content": [{"type": "reasoning_text", "text": thought}]}
+
+    @staticmethod
+    def _message_item(call: _Response, done: str, text: str) -> dict[str, Any]:
+        return {"type": "message", "id": call.item_id, "status": "completed" if done == "completed" else "incomplete",
+                "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
     async def _complete(self, call: _Response, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
         thoughts: list[str] = []
@@ -286,101 +310,50 @@ class ResponsesRoutes:
                 answers.append(answer)
 
         finished = await run_to_end(first, events, take)
-        status = "incomplete" if finished.finish_reason == "length" else "completed"
+        done = "incomplete" if finished.finish_reason == "length" else "completed"
         self.gw._finish("responses", 200, call.started)
         thought, answer = split.finish()
-        return JSONResponse(self._object(call, status, "".join(answers) + answer, finished,
-                                         "".join(thoughts) + thought or None,
-                                         split.total(finished.completion_tokens)),
+        shaped = ToolAnswer(call.tools)  # function calls out of the answer (parsed or forced), else all text
+        text, calls = shaped.push("".join(answers) + answer)
+        tail, more = shaped.finish()
+        text, calls = text + tail, calls + more
+        thought = "".join(thoughts) + thought
+        output = ([self._reasoning_item(call, thought)] if thought else []) \
+            + ([self._message_item(call, done, text)] if text.strip() or not calls else []) \
+            + [call_item(c) for c in calls]
+        return JSONResponse(self._object(call, done, finished, output, split.total(finished.completion_tokens)),
                             headers={"X-Request-Id": call.request.request_id})
 
     def _event(self, call: _Response, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": call.next_sequence(), **fields}
         return f"event: {kind}\n".encode() + sse(data)
 
-    def _open_message(self, call: _Response, where: dict[str, Any]) -> list[bytes]:
-        return [self._event(call, "response.output_item.added", output_index=where["output_index"], item={
-                    "type": "message", "id": call.item_id, "status": "in_progress", "role": "assistant", "content": []}),
-                self._event(call, "response.content_part.added", **where,
-                            part={"type": "output_text", "text": "", "annotations": []})]
-
-    def _thought_events(self, call: _Response, thought: str, opened: bool) -> list[bytes]:
-        """A piece of reasoning as events: its item opened first (output 0, before the message)."""
-        where = {"item_id": call.reasoning_id, "output_index": 0, "content_index": 0}
-        out = [] if opened else [
-            self._event(call, "response.output_item.added", output_index=0, item={
-                "type": "reasoning", "id": call.reasoning_id, "summary": [], "status": "in_progress", "content": []}),
-            self._event(call, "response.content_part.added", **where, part={"type": "reasoning_text", "text": ""})]
-        return out + [self._event(call, "response.reasoning_text.delta", **where, delta=thought)]
-
-    def _close_thought(self, call: _Response, thought: str) -> list[bytes]:
-        where = {"item_id": call.reasoning_id, "output_index": 0, "content_index": 0}
-        return [self._event(call, "response.reasoning_text.done", **where, text=thought),
-                self._event(call, "response.content_part.done", **where, part={"type": "reasoning_text", "text": thought}),
-                self._event(call, "response.output_item.done", output_index=0, item=self._reasoning_item(call, thought))]
-
-    def _text_events(self, call: _Response, piece: tuple[str, str], thoughts: list[str], text: list[str],
-                     where: dict[str, Any], message: bool) -> list[bytes]:
-        """One delta's (reasoning, answer) as events; the answer's first text closes the reasoning item and opens
-        the message after it (`where` moves to output 1)."""
-        thought, answer = piece
-        out = self._thought_events(call, thought, opened=bool(thoughts)) if thought else []
-        if thought:
-            thoughts.append(thought)
-        if answer:
-            if not message:
-                out += self._start_message(call, thoughts, where)
-            text.append(answer)
-            out.append(self._event(call, "response.output_text.delta", **where, delta=answer, logprobs=[]))
-        return out
-
-    def _start_message(self, call: _Response, thoughts: list[str], where: dict[str, Any]) -> list[bytes]:
-        """After the reasoning (if any: its item is closed first) the message item, at the next output index."""
-        out = self._close_thought(call, "".join(thoughts)) if thoughts else []
-        where["output_index"] = 1 if thoughts else 0
-        return out + self._open_message(call, where)
-
     async def _stream(self, call: _Response, first: Indexed, state: StreamState) -> AsyncIterator[bytes]:
         status = 499  # client closed, unless the stream gets to its end
-        where: dict[str, Any] = {"item_id": call.item_id, "output_index": 0, "content_index": 0}
         split = ThoughtTokens(self._split(call))  # also counts the reasoning tokens
-        thoughts: list[str] = []  # --reasoning-parser: the reasoning item (output 0), before the message
-        message = False  # the message item is open (at its first answer text; at once without reasoning)
+        out = _StreamedOutput(self, call)
         try:
-            yield self._event(call, "response.created", response=self._object(call, "in_progress", "", None))
-            yield self._event(call, "response.in_progress", response=self._object(call, "in_progress", "", None))
-            if call.request.reasoning_end is None:  # no reasoning to come: the message at once
-                message = True
-                for event in self._start_message(call, [], where):
+            yield self._event(call, "response.created", response=self._object(call, "in_progress", None, []))
+            yield self._event(call, "response.in_progress", response=self._object(call, "in_progress", None, []))
+            if call.request.reasoning_end is None and not out.shaping:  # plain text to come: the message at once
+                for event in out.open_message():
                     yield event
-            text: list[str] = []
             finished = None
             async for _, ev in chain(first, state.events):
                 self.gw._observe(call, ev)
                 if isinstance(ev, Finished):
                     finished = ev
                     break
-                if not isinstance(ev, TextDelta) or not ev.text:
-                    continue
-                for event in self._text_events(call, split.push(ev.text, ev.usage), thoughts, text, where, message):
-                    yield event
-                message = message or bool(text)
+                if isinstance(ev, TextDelta) and ev.text:
+                    for event in out.push(split.push(ev.text, ev.usage)):
+                        yield event
             if finished is None:
                 raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
-            for event in self._text_events(call, split.finish(), thoughts, text, where, message):
-                yield event
-            if not message:  # all reasoning: the message item still comes, empty
-                for event in self._start_message(call, thoughts, where):
-                    yield event
-            whole, thought = "".join(text), "".join(thoughts) if thoughts else None
             done = "incomplete" if finished.finish_reason == "length" else "completed"
-            part = {"type": "output_text", "text": whole, "annotations": []}
-            yield self._event(call, "response.output_text.done", **where, text=whole, logprobs=[])
-            yield self._event(call, "response.content_part.done", **where, part=part)
-            yield self._event(call, "response.output_item.done", output_index=where["output_index"],
-                              item=self._object(call, done, whole, finished)["output"][0])
+            for event in out.finish(split.finish(), done):
+                yield event
             yield self._event(call, f"response.{done}", response=self._object(
-                call, done, whole, finished, thought, split.total(finished.completion_tokens)))
+                call, done, finished, out.items, split.total(finished.completion_tokens)))
             yield DONE
             status = 200
         except PipelineError as e:
@@ -393,6 +366,112 @@ class ResponsesRoutes:
         finally:
             state.settle(status)
             await state.close_events()
+
+
+class _StreamedOutput:
+    """A streamed response's output items, in the order they open: the reasoning (--reasoning-parser) first, then
+    the message and the function calls as the answer gives them. The message opens at once for plain text; with
+    tools (`shaping`) at the answer's first text that is not blank, so an answer that is only calls has none.
+    `items` holds each closed item at its output index (what `response.completed` carries)."""
+
+    def __init__(self, routes: ResponsesRoutes, call: _Response) -> None:
+        self.routes, self.call = routes, call
+        self.shaping = call.tools.parse or call.tools.forced is not None
+        self.tools = ToolAnswer(call.tools)
+        self.items: list[dict[str, Any]] = []
+        self.thoughts: list[str] = []
+        self.reasoning_open = False
+        self.text: list[str] = []
+        self.message: dict[str, Any] | None = None  # the open message's item_id / output_index / content_index
+        self.blank = ""  # blank answer text held while no message is open (with tools there may be none)
+        self.calls = 0
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        return self.routes._event(self.call, kind, **fields)
+
+    def push(self, piece: tuple[str, str]) -> list[bytes]:
+        """One delta's (reasoning, answer) as events."""
+        thought, answer = piece
+        out = self._thought(thought) if thought else []
+        content, calls = self.tools.push(answer) if answer else ("", [])
+        return out + self._content(content) + [e for c in calls for e in self._call(c)]
+
+    def finish(self, piece: tuple[str, str], done: str) -> list[bytes]:
+        """The split's and the tool parser's tails, then every open item closed."""
+        out = self.push(piece)
+        content, calls = self.tools.finish()
+        out += self._content(content) + [e for c in calls for e in self._call(c)]
+        if self.message is None and not self.calls:  # no answer text and no call: the message still comes, empty
+            out += self._content(self.blank, force=True)
+        out += self._close_reasoning()
+        if self.message is not None:
+            where, whole = self.message, "".join(self.text)
+            item = self.routes._message_item(self.call, done, whole)
+            out += [self._event("response.output_text.done", **where, text=whole, logprobs=[]),
+                    self._event("response.content_part.done", **where, part=item["content"][0]),
+                    self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+            self.items[where["output_index"]] = item
+        return out
+
+    def open_message(self) -> list[bytes]:
+        out = self._close_reasoning()
+        self.message = {"item_id": self.call.item_id, "output_index": len(self.items), "content_index": 0}
+        self.items.append({})  # filled when it closes
+        return out + [self._event("response.output_item.added", output_index=self.message["output_index"], item={
+                          "type": "message", "id": self.call.item_id, "status": "in_progress", "role": "assistant",
+                          "content": []}),
+                      self._event("response.content_part.added", **self.message,
+                                  part={"type": "output_text", "text": "", "annotations": []})]
+
+    def _content(self, content: str, force: bool = False) -> list[bytes]:
+        if self.message is None and not force:
+            if not content or (self.shaping and not (self.blank + content).strip()):
+                self.blank += content
+                return []
+        content, self.blank = self.blank + content, ""
+        out = self.open_message() if self.message is None else []
+        if content:
+            self.text.append(content)
+            out.append(self._event("response.output_text.delta", **self.message, delta=content, logprobs=[]))  # type: ignore[arg-type]
+        return out
+
+    def _thought(self, thought: str) -> list[bytes]:
+        where = {"item_id": self.call.reasoning_id, "output_index": 0, "content_index": 0}
+        out = []
+        if not self.reasoning_open and not self.thoughts:  # its item first (output 0, before everything else)
+            self.reasoning_open = True
+            self.items.append({})
+            out = [self._event("response.output_item.added", output_index=0, item={
+                       "type": "reasoning", "id": self.call.reasoning_id, "summary": [], "status": "in_progress",
+                       "content": []}),
+                   self._event("response.content_part.added", **where, part={"type": "reasoning_text", "text": ""})]
+        self.thoughts.append(thought)
+        return out + [self._event("response.reasoning_text.delta", **where, delta=thought)]
+
+    def _close_reasoning(self) -> list[bytes]:
+        if not self.reasoning_open:
+            return []
+        self.reasoning_open = False
+        thought = "".join(self.thoughts)
+        where = {"item_id": self.call.reasoning_id, "output_index": 0, "content_index": 0}
+        item = self.routes._reasoning_item(self.call, thought)
+        self.items[0] = item
+        return [self._event("response.reasoning_text.done", **where, text=thought),
+                self._event("response.content_part.done", **where, part={"type": "reasoning_text", "text": thought}),
+                self._event("response.output_item.done", output_index=0, item=item)]
+
+    def _call(self, made: ToolCall) -> list[bytes]:
+        """One finished call as its item's events (its arguments in one delta: the block closed whole)."""
+        out = self._close_reasoning()
+        item, index = call_item(made), len(self.items)
+        self.items.append(item)
+        self.calls += 1
+        where = {"item_id": item["id"], "output_index": index}
+        return out + [self._event("response.output_item.added", output_index=index,
+                                  item={**item, "arguments": "", "status": "in_progress"}),
+                      self._event("response.function_call_arguments.delta", **where, delta=made.arguments),
+                      self._event("response.function_call_arguments.done", **where, arguments=made.arguments),
+                      self._event("response.output_item.done", output_index=index, item=item)]
 
 
 def _structured(body: ResponsesRequest) -> tuple[str, str] | None:

@@ -44,3 +44,34 @@ def test_a_response_is_the_same_chat(mesh):
                 if event["type"] == "response.output_text.delta":
                     deltas.append(event["delta"])
     assert "".join(deltas) == text
+
+
+def test_function_calls_are_the_chats(mesh):
+    """A forced call through /v1/responses is the chat's forced call on the same conversation (the same
+    arguments, greedy), and sending it back with its output renders the prompt the chat renders for the
+    assistant's tool_calls and the tool turn (the same prompt tokens, the same answer)."""
+    params = {"type": "object", "properties": {"mode": {"enum": ["calm", "storm"]}}, "required": ["mode"],
+              "additionalProperties": False}
+    ask = [{"role": "user", "content": "Set the mode."}]
+    resp = httpx.post(f"{mesh.rest}/v1/responses", timeout=TIMEOUT_S, json={
+        "model": MODEL, "input": ask, "max_output_tokens": 40, "temperature": 0,
+        "tools": [{"type": "function", "name": "set_mode", "parameters": params}],
+        "tool_choice": {"type": "function", "name": "set_mode"}}).json()
+    chat_tools = [{"type": "function", "function": {"name": "set_mode", "parameters": params}}]
+    chat = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "messages": ask, "max_tokens": 40, "temperature": 0, "tools": chat_tools,
+        "tool_choice": {"type": "function", "function": {"name": "set_mode"}}}).json()
+    [item] = resp["output"]
+    chat_call = chat["choices"][0]["message"]["tool_calls"][0]
+    assert item["type"] == "function_call" and item["name"] == "set_mode"
+    assert item["arguments"] == chat_call["function"]["arguments"] and json.loads(item["arguments"])["mode"]
+    again = httpx.post(f"{mesh.rest}/v1/responses", timeout=TIMEOUT_S, json={
+        "model": MODEL, "max_output_tokens": 6, "temperature": 0, "tool_choice": "none",
+        "tools": [{"type": "function", "name": "set_mode", "parameters": params}],
+        "input": [*ask, item, {"type": "function_call_output", "call_id": item["call_id"], "output": "done"}]}).json()
+    chat_again = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "max_tokens": 6, "temperature": 0, "tool_choice": "none", "tools": chat_tools,
+        "messages": [*ask, {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+                     {"role": "tool", "tool_call_id": chat_call["id"], "content": "done"}]}).json()
+    assert again["usage"]["input_tokens"] == chat_again["usage"]["prompt_tokens"]
+    assert again["output"][0]["content"][0]["text"] == chat_again["choices"][0]["message"]["content"]
