@@ -128,6 +128,8 @@ class ChatRequest:
     template: TemplateOptions = field(default_factory=TemplateOptions)
     # the thinker's text reasons until this marker (--reasoning-parser): a structured output shapes what follows
     reasoning_end: str | None = None
+    # tools with tool_choice "auto" and audio out: the talker stops where a call starts (gateway/spoken_calls.py)
+    spoken_calls: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,7 @@ class TextDelta:
     usage: tuple[int, int] | None = None
     # on a run's first delta, when the request asked for prompt_logprobs: each prompt token's entry from the second
     prompt_logprobs: tuple[stage_pb2.TokenLogprob, ...] = ()
+    spoken: bool = True  # False: text the talker did not say (a spoken answer's function calls: gateway/spoken_calls.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -235,7 +235,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                            voice=voice if "audio" in modalities else None, sampling=sampling, stage_params=stages,
                            priority=req.priority, processor_kwargs=tuple(sorted(settings.items())),
                            structured=plan.structured or structured, tools=plan.tools, template=template,
-                           reasoning_end=END if thinking else None), plan
+                           reasoning_end=END if thinking else None,
+                           spoken_calls=plan.parse and "audio" in modalities), plan
 
     async def _structured(self, req: omni_pb2.GenerateRequest) -> tuple[str, str] | None:
         """`structured_output` as (kind, spec), compiled once to check it (400 naming the field), or None."""

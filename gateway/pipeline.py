@@ -43,6 +43,7 @@ from gateway.openai_schema import audio_unavailable
 from gateway.prompt import PromptBuilder, PromptInputs
 from gateway.replicas import RETRY_CODES, Lease, Replica
 from gateway.run_span import RunSpan
+from gateway.spoken_calls import call_token, no_call_token, spoken_with_calls
 from gateway.stage_mesh import REPLICA_GRACE_S, StageMesh
 from gateway.request_log import RequestLog
 from gateway.stage_sampling import talker_sampling, thinker_sampling
@@ -146,7 +147,20 @@ class StagePipeline:
     async def close(self) -> None:
         await self.mesh.close()
 
-    async def run(self, request: ChatRequest) -> AsyncIterator[Event]:
+    def run(self, request: ChatRequest) -> AsyncIterator[Event]:
+        """The request's events; a spoken one with tools keeps its calls out of the speech (gateway/spoken_calls.py)."""
+        if request.spoken_calls and "audio" in request.modalities:
+            return spoken_with_calls(self._run_request, request, self._call_token(request.model))
+        return self._run_request(request)
+
+    def _call_token(self, model: str) -> int:
+        tokenizer = getattr(getattr(self.prepare, "processor", None), "tokenizer", None)
+        token = call_token(tokenizer) if tokenizer is not None else None
+        if token is None:
+            raise no_call_token(model)
+        return token
+
+    async def _run_request(self, request: ChatRequest) -> AsyncIterator[Event]:
         want_audio = "audio" in request.modalities
         voice = (request.voice or self.mesh.default_voice).lower()
         if want_audio and self.no_audio is not None:

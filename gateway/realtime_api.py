@@ -16,11 +16,13 @@ Supported client events (the settings they may change: gateway/realtime_settings
 assistant's `text`), `conversation.item.delete`, `conversation.item.truncate` (the transcript cut in proportion
 to the audio played), `response.create` (its `response` may set modalities,
 instructions, voice, temperature, max_output_tokens), `response.cancel`. Turns are the client's by default (`turn_detection` null:
-commit, then response.create); with `turn_detection: {"type": "server_vad", ...}` an energy detector
-(gateway/realtime_vad.py) cuts the appended audio into turns: `input_audio_buffer.speech_started` (a response
+commit, then response.create); with `turn_detection: {"type": "server_vad", ...}` Silero VAD
+(gateway/realtime_vad.py, run off the event loop) cuts the appended audio into turns: `input_audio_buffer.speech_started` (a response
 in progress is cancelled, with `interrupt_response`), `.speech_stopped`, the turn committed and, with
 `create_response`, answered. `input_audio_transcription` transcribes each committed clip beside the
-response (`conversation.item.input_audio_transcription.completed`). Formats are pcm16 only, tools are refused. Every problem is an `error` event (invalid_request_error, with the client's
+response (`conversation.item.input_audio_transcription.completed`). Function calling (gateway/realtime_tools.py):
+`tools` / `tool_choice`, `function_call` items out, `function_call_output` items in. Formats are pcm16 only.
+Every problem is an `error` event (invalid_request_error, with the client's
 `event_id`); the socket stays open. One response at a time (another `response.create` meanwhile is an error).
 With `--api-key`, the handshake needs `Authorization: Bearer <key>` (gateway/auth.py).
 """
@@ -48,7 +50,10 @@ from gateway.openai_schema import check_sampling, default_modalities, resolve_vo
 from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
                                        check_temperature, updated)
-from gateway.realtime_vad import EnergyVAD, Started, Stopped
+from gateway.realtime_tools import CallItem, OutputItem, chat_messages, new_call_item, parse_call_item
+from gateway.realtime_vad import ServerVAD, Started, Stopped
+from gateway.responses_tools import responses_tool_plan
+from gateway.tool_calls import ToolAnswer, ToolPlan
 from gateway.transcription_api import collect_text, instruction, text_request
 from omnimesh import tracing
 
@@ -84,11 +89,11 @@ class RealtimeSession:
     model: str
     id: str = field(default_factory=lambda: f"sess_{uuid.uuid4().hex}")
     settings: RealtimeSettings = field(default_factory=RealtimeSettings)
-    items: list[_Item] = field(default_factory=list)
+    items: list[_Item | CallItem | OutputItem] = field(default_factory=list)  # the conversation, in order
     buffer: list[np.ndarray] = field(default_factory=list)  # appended input audio not committed yet
     response: asyncio.Task | None = None
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    vad: EnergyVAD | None = None  # with turn_detection server_vad: it cuts the appended audio into turns
+    vad: ServerVAD | None = None  # with turn_detection server_vad: it cuts the appended audio into turns
     turn_id: str = ""  # the item the turn in progress will become (server_vad)
     side_tasks: set[asyncio.Task] = field(default_factory=set)  # input transcriptions in flight
 
@@ -107,7 +112,7 @@ class RealtimeSession:
                 "instructions": s.instructions, "voice": s.voice or self.gw.pipeline.default_voice,
                 "input_audio_format": "pcm16", "output_audio_format": "pcm16",
                 "input_audio_transcription": s.input_audio_transcription,
-                "turn_detection": s.turn_detection, "tools": [], "tool_choice": "auto",
+                "turn_detection": s.turn_detection, "tools": list(s.tools), "tool_choice": s.tool_choice,
                 "temperature": s.temperature if s.temperature is not None else 0.8,
                 "max_response_output_tokens": s.max_response_output_tokens or "inf"}
 
@@ -145,7 +150,7 @@ class RealtimeSession:
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event["type"]
         if kind == "session.update":
-            heard = self.update(event.get("session") or {})
+            heard = await self.update(event.get("session") or {})
             await self.send("session.updated", session=self.session_json())
             await self._turns(heard)
         elif kind == "input_audio_buffer.append":
@@ -153,7 +158,7 @@ class RealtimeSession:
             if self.vad is None:
                 self.buffer.append(samples)
             else:
-                await self._turns(self.vad.push(samples))
+                await self._turns(await asyncio.to_thread(self.vad.push, samples))  # the model: ~2 ms a frame
             self._check_audio()
         elif kind == "input_audio_buffer.commit":
             turn = self.vad.flush() if self.vad is not None else None
@@ -200,7 +205,7 @@ class RealtimeSession:
         """`conversation.item.truncate`: the client played only `audio_end_ms` of an assistant item's speech (the
         user cut in). The conversation keeps the text it had heard: the transcript cut in proportion to the
         audio played (the talker gives no word timings, so this is an estimate to the character)."""
-        item = next((i for i in self.items if i.id == event.get("item_id")), None)
+        item = next((i for i in self.items if i.id == event.get("item_id") and isinstance(i, _Item)), None)
         if item is None or item.role != "assistant":
             raise RealtimeError(f"no assistant item {event.get('item_id')!r}", "item_id", "item_not_found")
         end = event.get("audio_end_ms")
@@ -217,8 +222,8 @@ class RealtimeSession:
                         audio_end_ms=end)
 
     def _start(self, overrides: dict[str, Any]) -> None:
-        chat, modalities = self._chat(overrides)
-        self.response = asyncio.create_task(self._respond(chat, modalities))
+        chat, modalities, tools = self._chat(overrides)
+        self.response = asyncio.create_task(self._respond(chat, modalities, tools))
 
     async def _commit(self, wave: np.ndarray, item_id: str) -> None:
         """A user turn of audio joins the conversation."""
@@ -268,24 +273,29 @@ class RealtimeSession:
                 if td.get("create_response", True) and (self.response is None or self.response.done()):
                     self._start({})
 
-    def update(self, s: dict[str, Any]) -> list[Started | Stopped]:
+    async def update(self, s: dict[str, Any]) -> list[Started | Stopped]:
         """`session.update`: what omnimesh can do is taken, the rest is an error naming it. Turning server_vad
         on runs the detector over the audio appended before: what it heard comes back."""
         new = updated(self.settings, s, self.gw.pipeline)
+        # the tools and the tool choice must make a plan (the flags, a forced call with speech, ...)
+        responses_tool_plan(list(new.tools), new.tool_choice, None, self.gw.auto_tool_choice, new.modalities, "session.")
         heard: list[Started | Stopped] = []
         if new.turn_detection != self.settings.turn_detection:
             td = new.turn_detection
-            self.vad = None if td is None else EnergyVAD(td["threshold"], td["prefix_padding_ms"],
-                                                          td["silence_duration_ms"], INPUT_RATE)
+            self.vad = None if td is None else await asyncio.to_thread(
+                ServerVAD, td["threshold"], td["prefix_padding_ms"], td["silence_duration_ms"], INPUT_RATE)
             if self.vad is not None and self.buffer:  # audio appended before: the detector hears it first
                 pending, self.buffer = self.buffer, []
-                heard = self.vad.push(np.concatenate(pending))
+                heard = await asyncio.to_thread(self.vad.push, np.concatenate(pending))
         self.settings = new
         return heard
 
-    def _item(self, raw: Any) -> _Item:
+    def _item(self, raw: Any) -> _Item | CallItem | OutputItem:
+        if isinstance(raw, dict) and raw.get("type") in ("function_call", "function_call_output"):
+            return parse_call_item(raw, self.items)  # a call's result (gateway/realtime_tools.py)
         if not isinstance(raw, dict) or raw.get("type", "message") != "message":
-            raise RealtimeError("item must be a message ({\"type\": \"message\", \"role\", \"content\"})", "item")
+            raise RealtimeError("item must be a message ({\"type\": \"message\", \"role\", \"content\"}), a "
+                                "function_call or a function_call_output", "item")
         role = raw.get("role")
         if role not in ("user", "system", "assistant"):
             raise RealtimeError(f"item.role must be user, system or assistant, got {role!r}", "item.role")
@@ -306,7 +316,8 @@ class RealtimeSession:
         return _Item(raw.get("id") or f"item_{uuid.uuid4().hex}", role, parts)
 
     def _check_audio(self) -> None:
-        seconds = sum(p.waveform.size / p.sample_rate for i in self.items for p in i.parts if isinstance(p, AudioPart))
+        seconds = sum(p.waveform.size / p.sample_rate for i in self.items if isinstance(i, _Item) for p in i.parts
+                      if isinstance(p, AudioPart))
         seconds += sum(b.size for b in self.buffer) / INPUT_RATE
         seconds += self.vad.buffered_seconds if self.vad is not None else 0.0
         limit = self.gw.loader.limits.max_audio_seconds
@@ -316,7 +327,7 @@ class RealtimeSession:
                                 f"max_audio_seconds of {limit:g} s; the buffer was cleared (delete older items)",
                                 None, "audio_too_long")
 
-    def _chat(self, r: dict[str, Any]) -> tuple[ChatRequest, tuple[str, ...]]:
+    def _chat(self, r: dict[str, Any]) -> tuple[ChatRequest, tuple[str, ...], ToolPlan]:
         """`response.create` -> the pipeline's request (the response's own settings over the session's)."""
         if not isinstance(r, dict):
             raise RealtimeError("response must be an object", "response")
@@ -331,21 +342,25 @@ class RealtimeSession:
             raise RealtimeError("the conversation has no user item yet: commit audio or create a user item first",
                                 None, "conversation_empty")
         messages = [ChatMessage("system", (TextPart(instructions),))] if instructions else []
-        messages += [ChatMessage(i.role, tuple(i.parts)) for i in self.items if i.parts]  # type: ignore[arg-type]
+        messages += chat_messages(self.items)
         sampling = SamplingOverrides(temperature=temperature, max_tokens=max_tokens)
         check_sampling(sampling, "response")
+        own = "tools" in r or "tool_choice" in r  # the response's own tools, else the session's
+        tools = responses_tool_plan(r.get("tools", list(s.tools)), r.get("tool_choice", s.tool_choice), None,
+                                    self.gw.auto_tool_choice, modalities, "response." if own else "session.")
         want_audio = "audio" in modalities
         if want_audio:
             voice = voice or resolve_voice(None, self.gw.pipeline, "voice")
         thinking = thinks(self.gw.reasoning, {}, audio_out=want_audio)  # --reasoning-parser: the answer alone
         chat = ChatRequest(request_id=f"resp_{uuid.uuid4().hex}", model=self.gw.pipeline.served_models[0],
                            messages=tuple(messages), modalities=("text", "audio") if want_audio else ("text",),
-                           voice=voice if want_audio else None, sampling=sampling,
-                           reasoning_end=END if thinking else None)
-        return chat, modalities
+                           voice=voice if want_audio else None, sampling=sampling, tools=tools.tools,
+                           structured=tools.structured, reasoning_end=END if thinking else None,
+                           spoken_calls=tools.parse and want_audio)
+        return chat, modalities, tools
 
     # ------------------------------------------------------------------------------------ responses
-    async def _respond(self, chat: ChatRequest, modalities: tuple[str, ...]) -> None:
+    async def _respond(self, chat: ChatRequest, modalities: tuple[str, ...], tools: ToolPlan) -> None:
         rid, item_id = chat.request_id, f"item_{uuid.uuid4().hex}"
         audio = "audio" in modalities
         where = {"response_id": rid, "item_id": item_id, "output_index": 0, "content_index": 0}
@@ -353,6 +368,8 @@ class RealtimeSession:
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant", "content": []}
         text: list[str] = []
         said = AnswerSplit(self.gw.reasoning, chat.reasoning_end is not None, include=False)  # a thought stays unsaid
+        shaped = ToolAnswer(tools)  # the calls out of the text (gateway/tool_calls.py), each its own item
+        calls: list[CallItem] = []
         status, usage, reason = "in_progress", None, None
         started = time.perf_counter()
         answer = _Item(item_id, "assistant", [])  # in the conversation from its created event on; its text
@@ -368,19 +385,16 @@ class RealtimeSession:
             part = {"type": "audio", "transcript": ""} if audio else {"type": "text", "text": ""}
             await self.send("response.content_part.added", **where, part=part)
             async for ev in events:
-                if isinstance(ev, TextDelta) and ev.text and (piece := said.push(ev.text)[1]):
-                    text.append(piece)
-                    await self.send("response.audio_transcript.delta" if audio else "response.text.delta", **where,
-                                    delta=piece)
+                if isinstance(ev, TextDelta) and ev.text:
+                    await self._answer_text(where, audio, chat.spoken_calls, shaped, calls, said.push(ev.text)[1],
+                                            ev.spoken, text)
                 elif isinstance(ev, AudioDelta) and audio and np.size(ev.pcm):
                     answer.audio_samples += int(np.size(ev.pcm))
                     answer.audio_rate = ev.sample_rate
                     await self.send("response.audio.delta", **where, delta=base64.b64encode(pcm16_bytes(ev.pcm)).decode())
-                elif isinstance(ev, Finished):
-                    if piece := said.finish()[1]:  # held back in case a marker was starting
-                        text.append(piece)
-                        await self.send("response.audio_transcript.delta" if audio else "response.text.delta",
-                                        **where, delta=piece)
+                elif isinstance(ev, Finished):  # what was held back (a marker or a tag that might start)
+                    await self._answer_text(where, audio, chat.spoken_calls, shaped, calls, said.finish()[1],
+                                            False, text, end=True)
                     status = "incomplete" if ev.finish_reason == "length" else "completed"
                     reason = "max_output_tokens" if status == "incomplete" else None
                     usage = {"total_tokens": ev.prompt_tokens + ev.completion_tokens, "input_tokens": ev.prompt_tokens,
@@ -403,6 +417,7 @@ class RealtimeSession:
             self.gw._finish("realtime", 200 if status in ("completed", "incomplete") else 499 if status == "cancelled"
                             else 500, started)
         transcript = "".join(text)
+        output = []
         if status in ("completed", "incomplete", "cancelled"):
             done_part = {"type": "audio", "transcript": transcript} if audio else {"type": "text", "text": transcript}
             if audio:
@@ -413,13 +428,45 @@ class RealtimeSession:
             await self.send("response.content_part.done", **where, part=done_part)
             final = {**item, "status": "completed" if status == "completed" else "incomplete", "content": [done_part]}
             await self.send("response.output_item.done", response_id=rid, output_index=0, item=final)
+            output.append(final)
+        output += [c.to_json() for c in calls]
         if transcript and status != "failed":  # the next turn hears what was said
             answer.parts = [TextPart(transcript)]
         else:
             self.items = [i for i in self.items if i is not answer]
         details = {"type": status, "reason": reason} if reason else None
         await self.send("response.done", response={**base, "status": status, "status_details": details,
-                                                   "output": [], "usage": usage})
+                                                   "output": output, "usage": usage})
+
+    async def _answer_text(self, where: dict[str, Any], audio: bool, spoken_calls: bool, shaped: ToolAnswer,
+                           calls: list[CallItem], piece: str, spoken: bool, text: list[str], end: bool = False) -> None:
+        """A piece of the answer (its thought taken out): what is shown or said goes out as a text / transcript
+        delta, and each call it closes becomes a function_call item. A spoken answer's transcript is what the
+        talker said (gateway/spoken_calls.py); a text answer shows its text outside the calls."""
+        content, made = shaped.push(piece) if piece else ("", [])
+        if end:
+            tail, more = shaped.finish()
+            content, made = content + tail, made + more
+        shown = (piece if spoken else "") if spoken_calls else content
+        if shown:
+            text.append(shown)
+            await self.send("response.audio_transcript.delta" if audio else "response.text.delta", **where, delta=shown)
+        for call in made:
+            await self._call(where["response_id"], new_call_item(call), calls)
+
+    async def _call(self, rid: str, item: CallItem, calls: list[CallItem]) -> None:
+        """A function call the answer made: its item after the message (output 1, 2, ...), in the conversation."""
+        index = 1 + len(calls)
+        calls.append(item)
+        previous = self.items[-1].id if self.items else None
+        self.items.append(item)
+        at = {"response_id": rid, "item_id": item.id, "output_index": index, "call_id": item.call.id}
+        await self.send("response.output_item.added", response_id=rid, output_index=index,
+                        item=item.to_json("in_progress"))
+        await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json("in_progress"))
+        await self.send("response.function_call_arguments.delta", **at, delta=item.call.arguments)
+        await self.send("response.function_call_arguments.done", **at, arguments=item.call.arguments)
+        await self.send("response.output_item.done", response_id=rid, output_index=index, item=item.to_json())
 
 
 def _pcm16(data: Any, where: str) -> np.ndarray:

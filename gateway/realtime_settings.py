@@ -33,6 +33,8 @@ class RealtimeSettings:
     max_response_output_tokens: int | None = None  # None: "inf" (the thinker's own limit)
     turn_detection: dict[str, Any] | None = None  # server_vad's settings (gateway/realtime_vad.py), None: the client's
     input_audio_transcription: dict[str, Any] | None = None  # {"model", "language", "prompt"}: each user clip's text
+    tools: tuple[dict[str, Any], ...] = ()  # function tools as the client gave them ({"type": "function", "name", ...})
+    tool_choice: Any = "auto"  # "auto" / "none" / "required" / {"type": "function", "name"} (gateway/responses_tools.py)
 
 
 def updated(settings: RealtimeSettings, s: Any, pipeline: Pipeline) -> RealtimeSettings:
@@ -61,9 +63,12 @@ def updated(settings: RealtimeSettings, s: Any, pipeline: Pipeline) -> RealtimeS
             new.turn_detection = _turn_detection(value, where)
         elif key == "input_audio_transcription":
             new.input_audio_transcription = _transcription(value, where)
-        elif key in ("tools", "tool_choice"):
-            if value not in (None, [], "auto", "none"):
-                raise RealtimeError(f"{key} is not supported on the Realtime API here", where)
+        elif key == "tools":  # checked with the tool choice, as the plan they make (RealtimeSession.update)
+            if value is not None and not isinstance(value, list):
+                raise RealtimeError("tools must be a list of function tools", where)
+            new.tools = tuple(value or ())
+        elif key == "tool_choice":
+            new.tool_choice = "auto" if value is None else value
         elif key not in ("model", "type", "object", "id"):
             raise RealtimeError(f"unknown session field {key!r}", where)
     return new
@@ -87,7 +92,7 @@ def _turn_detection(value: Any, where: str) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type", "server_vad") != "server_vad":
-        raise RealtimeError("turn_detection must be null or {\"type\": \"server_vad\", ...} (an energy detector "
+        raise RealtimeError("turn_detection must be null or {\"type\": \"server_vad\", ...} (Silero VAD "
                             "here; semantic_vad is not run)", where)
     out: dict[str, Any] = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                            "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}

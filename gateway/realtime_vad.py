@@ -1,23 +1,58 @@
-"""Turn detection for the Realtime API (`turn_detection: {"type": "server_vad"}`): an energy voice-activity
-detector over the appended pcm16 audio.
+"""Turn detection for the Realtime API (`turn_detection: {"type": "server_vad"}`): Silero VAD (a small neural
+voice-activity model, MIT, shipped inside the `silero-vad` wheel) over the appended pcm16 audio.
 
-Data flow: `EnergyVAD.push(samples)` (float32 at 24 kHz, as appended) -> 20 ms frames; a frame is speech
-when its RMS amplitude is at least `threshold` x 0.1 of full scale (the default 0.5: -26 dBFS) -> the first
-speech frame starts a turn (`Started(ms)`: where in the session's audio it began), and `silence_duration_ms`
-of frames below it end the turn (`Stopped(ms, audio)`: the turn's audio from `prefix_padding_ms` before its
-first speech frame to the end of its last one). Between turns only the last `prefix_padding_ms` are kept.
-This is energy, not a neural VAD: steady background noise above the threshold reads as speech (raise
-`threshold`), quiet speech below it as silence (lower it).
+Data flow: `ServerVAD.push(samples)` (float32 at 24 kHz, as appended) -> 32 ms frames, each resampled to
+16 kHz (`gateway.media.resample`, with the previous frame's tail as its left context) and scored by the
+session's own copy of the model (it is recurrent: its state carries from frame to frame) -> a frame is speech
+when its probability is at least `threshold` (OpenAI's meaning of it; default 0.5) -> the first speech frame
+starts a turn (`Started(ms)`: where in the session's audio it began), and `silence_duration_ms` of frames
+below it end the turn (`Stopped(ms, audio)`: the turn's audio from `prefix_padding_ms` before its first speech
+frame to the end of its last one). Between turns only the last `prefix_padding_ms` are kept.
+
+The model hears voices, not loudness: steady noise, hum and tones are not speech, and quiet speech is. The
+weights are read once per process (`_template`); each detector deep-copies them (~25 ms) and scores a frame
+in ~2 ms of one core: create and push off the event loop (gateway/realtime_api.py does).
 """
 
 from __future__ import annotations
 
+import copy
+import importlib.util
+import threading
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
-FRAME_MS = 20
-FULL_SCALE_RMS = 0.1  # threshold 1.0 <-> an RMS of 0.1 of full scale (-20 dBFS); 0.5 <-> -26 dBFS
+from gateway.media import resample
+
+FRAME_MS = 32  # Silero scores 512 samples at 16 kHz
+MODEL_RATE = 16_000
+MODEL_FRAME = 512
+CONTEXT = 96  # input samples of the previous frame resampled with each frame (a whole number of outputs)
+
+_lock = threading.Lock()
+_loaded: Any = None
+
+
+def _template() -> Any:
+    """The Silero VAD TorchScript model from the installed `silero-vad` wheel, loaded once. Found by path: importing
+    the package would set torch's thread count for the whole gateway."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            spec = importlib.util.find_spec("silero_vad")
+            if spec is None or spec.origin is None:
+                raise RuntimeError("server_vad needs the silero-vad package (pip install silero-vad; "
+                                   "scripts/setup.sh installs it)")
+            with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript loading; the wheel ships TorchScript
+                warnings.simplefilter("ignore", DeprecationWarning)
+                model = torch.jit.load(str(Path(spec.origin).parent / "data" / "silero_vad.jit"), map_location="cpu")
+            _loaded = model.eval()
+        return _loaded
 
 
 @dataclass(frozen=True)
@@ -31,7 +66,28 @@ class Stopped:
     audio: np.ndarray  # (samples,) the turn: prefix padding + the speech
 
 
-class EnergyVAD:
+class SpeechProbability:
+    """One audio stream's speech probability per 32 ms frame (its own model state)."""
+
+    def __init__(self, rate: int) -> None:
+        if rate * MODEL_FRAME % MODEL_RATE or rate * CONTEXT % MODEL_RATE:
+            raise ValueError(f"input rate {rate} Hz does not frame into 512 samples at 16 kHz")
+        self.rate = rate
+        self.frame = rate * MODEL_FRAME // MODEL_RATE
+        self.model = copy.deepcopy(_template())
+        self.model.reset_states()
+        self.tail = np.zeros(CONTEXT, np.float32)  # the input just before the next frame
+
+    @torch.inference_mode()
+    def __call__(self, frame: np.ndarray) -> float:
+        """The probability that `frame` (`self.frame` samples at the input rate) is speech."""
+        x = resample(np.concatenate([self.tail, frame]), self.rate, MODEL_RATE)
+        skip = CONTEXT * MODEL_RATE // self.rate
+        self.tail = frame[-CONTEXT:].astype(np.float32, copy=True)
+        return float(self.model(torch.from_numpy(np.ascontiguousarray(x[skip:skip + MODEL_FRAME]))[None], MODEL_RATE))
+
+
+class ServerVAD:
     def __init__(self, threshold: float = 0.5, prefix_padding_ms: int = 300, silence_duration_ms: int = 500,
                  rate: int = 24_000) -> None:
         if not 0.0 <= threshold <= 1.0:
@@ -39,8 +95,9 @@ class EnergyVAD:
         if prefix_padding_ms < 0 or silence_duration_ms < FRAME_MS:
             raise ValueError(f"prefix_padding_ms must be >= 0 and silence_duration_ms >= {FRAME_MS}, got "
                              f"{prefix_padding_ms} and {silence_duration_ms}")
-        self.level = threshold * FULL_SCALE_RMS
-        self.frame = rate * FRAME_MS // 1000
+        self.threshold = threshold
+        self.speech = SpeechProbability(rate)
+        self.frame = self.speech.frame
         self.rate = rate
         self.padding = rate * prefix_padding_ms // 1000  # samples kept before a turn's first speech frame
         self.silence_frames = -(-silence_duration_ms // FRAME_MS)
@@ -48,7 +105,7 @@ class EnergyVAD:
         self.audio = np.zeros(0, np.float32)  # between turns: the last `padding` samples; in a turn: the turn
         self.consumed = 0  # samples of the session's audio framed so far
         self.in_speech = False
-        self.quiet = 0  # frames below the level since the turn's last speech frame
+        self.quiet = 0  # frames below the threshold since the turn's last speech frame
         self.speech_end = 0  # length of `self.audio` at the end of the turn's last speech frame
 
     @property
@@ -62,7 +119,7 @@ class EnergyVAD:
         self.pending = data[whole:]
         for at in range(0, whole, self.frame):
             frame = data[at:at + self.frame]
-            speech = float(np.sqrt(np.mean(frame.astype(np.float64) ** 2))) >= self.level
+            speech = self.speech(frame) >= self.threshold
             self.audio = np.concatenate([self.audio, frame])
             self.consumed += frame.size
             if not self.in_speech:

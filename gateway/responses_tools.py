@@ -91,23 +91,24 @@ class ReasoningItem(StrictBody):
 
 
 def responses_tool_plan(tools: list[Any] | None, choice: Any, parallel_tool_calls: bool | None,
-                        auto_enabled: bool) -> ToolPlan:
-    """The request's `tools` / `tool_choice` / `parallel_tool_calls` as the chat's `ToolPlan` (text out)."""
+                        auto_enabled: bool, modalities: tuple[str, ...] = ("text",), where: str = "") -> ToolPlan:
+    """The request's `tools` / `tool_choice` / `parallel_tool_calls` as the chat's `ToolPlan`. The Realtime API
+    spells its tools the same way: its session's fields are under `where` ("session.")."""
     defs = []
     for i, raw in enumerate(tools or ()):
         kind = raw.get("type") if isinstance(raw, dict) else None
         if isinstance(kind, str) and kind != "function":
-            raise invalid_request(f"tools[{i}].type: {kind!r} is a hosted tool, which omnimesh does not run; give "
-                                  "function tools ({\"type\": \"function\", \"name\", \"parameters\"}) and run them "
-                                  "yourself", f"tools[{i}].type")
-        defs.append(validate_body(FunctionTool, raw, ("tools", i)).as_chat())
+            raise invalid_request(f"{where}tools[{i}].type: {kind!r} is a hosted tool, which omnimesh does not run; "
+                                  "give function tools ({\"type\": \"function\", \"name\", \"parameters\"}) and run "
+                                  "them yourself", f"{where}tools[{i}].type")
+        defs.append(validate_body(FunctionTool, raw, (*where.split(".")[:-1], "tools", i)).as_chat())
     if choice is None or choice in ("none", "auto", "required"):
-        return plan_tools(tuple(defs), choice, None, parallel_tool_calls, auto_enabled, ("text",))
+        return plan_tools(tuple(defs), choice, None, parallel_tool_calls, auto_enabled, modalities)
     if isinstance(choice, dict) and choice.get("type") == "function":
-        named = validate_body(NamedFunction, choice, ("tool_choice",)).name
-        return plan_tools(tuple(defs), None, named, parallel_tool_calls, auto_enabled, ("text",))
-    raise invalid_request("tool_choice: give \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...} "
-                          f"(got {str(choice)[:80]}; omnimesh runs no hosted tools)", "tool_choice")
+        named = validate_body(NamedFunction, choice, (*where.split(".")[:-1], "tool_choice")).name
+        return plan_tools(tuple(defs), None, named, parallel_tool_calls, auto_enabled, modalities)
+    raise invalid_request(f"{where}tool_choice: give \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                          f"\"name\": ...}} (got {str(choice)[:80]}; omnimesh runs no hosted tools)", f"{where}tool_choice")
 
 
 def item_messages(item: Any, i: int, out: list[Message], calls: set[str]) -> bool:

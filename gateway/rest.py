@@ -309,7 +309,8 @@ class RestGateway:
             stage_params=stages, priority=check_priority(body.priority),
             processor_kwargs=_settings(body.mm_processor_kwargs), tools=tools.tools,
             structured=tools.structured or structured, truncate_prompt_tokens=body.truncate_prompt_tokens,
-            template=template, reasoning_end=END if thinking else None)
+            template=template, reasoning_end=END if thinking else None,
+            spoken_calls=tools.parse and "audio" in modalities)
         audio_format: OutputAudioFormat | None = None
         if "audio" in modalities:  # the schema checked it is one of OUTPUT_AUDIO_FORMATS
             audio_format = cast(OutputAudioFormat, body.audio.format) if body.audio is not None else "wav"
@@ -436,6 +437,7 @@ class RestGateway:
 
     async def _complete(self, call: _Call, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
         text: list[list[str]] = [[] for _ in range(call.n)]
+        voiced: list[list[str]] = [[] for _ in range(call.n)]  # what the talker said (a call's text is not)
         logprobs: list[list[stage_pb2.TokenLogprob]] = [[] for _ in range(call.n)]
         prompt: list[stage_pb2.TokenLogprob] = []  # prompt_logprobs: the first choice's (the prompt is theirs alike)
         audio: list[list[np.ndarray]] = [[] for _ in range(call.n)]
@@ -446,6 +448,8 @@ class RestGateway:
                 self._observe(call, ev)
                 if isinstance(ev, TextDelta):
                     text[i].append(ev.text)
+                    if ev.spoken:
+                        voiced[i].append(ev.text)
                     logprobs[i].extend(ev.logprobs)
                     if i == 0:
                         prompt.extend(ev.prompt_logprobs)
@@ -480,7 +484,8 @@ class RestGateway:
             if call.audio_format is not None:
                 wave = np.concatenate(audio[i]) if audio[i] else np.zeros(0, np.float32)
                 data = await asyncio.to_thread(encode_audio, wave, rate, call.audio_format)
-                audio_id, spoken = f"audio_{uuid.uuid4().hex}", call.spoken_lead + transcript
+                said = "".join(voiced[i]) if call.request.spoken_calls else transcript
+                audio_id, spoken = f"audio_{uuid.uuid4().hex}", call.spoken_lead + said
                 message.audio = MessageAudio(id=audio_id, data=base64.b64encode(data).decode(),
                                              expires_at=self.audio_memory.remember(audio_id, spoken),
                                              transcript=spoken)
@@ -566,7 +571,8 @@ class RestGateway:
                 elif isinstance(ev, Finished):
                     so_far[i] = (ev.prompt_tokens, ev.completion_tokens)
                 if isinstance(ev, TextDelta):
-                    said[i].append(ev.text)
+                    if ev.spoken:
+                        said[i].append(ev.text)
                     thought, answer = thoughts[i].push(ev.text)
                     text, calls = shaped[i].push(answer)
                     entries, carried = self._logprobs(call, ev.logprobs), False
@@ -576,8 +582,10 @@ class RestGateway:
                     # a token holding part of a character, or a forced call's held JSON: its entry, no text yet
                     if text or ev.logprobs and not carried:
                         yield chunk(i, Delta(content=text), logprobs=entries)
-                    if text and call.audio_format is not None:
-                        yield transcript_chunk(i, text)
+                    if call.audio_format is not None:  # with spoken calls: what the talker says, the calls aside
+                        voiced = (answer if ev.spoken else "") if call.request.spoken_calls else text
+                        if voiced:
+                            yield transcript_chunk(i, voiced)
                     if calls:
                         yield calls_chunk(i, calls)
                 elif isinstance(ev, AudioDelta):
@@ -594,14 +602,14 @@ class RestGateway:
                     text, calls = shaped[i].push(answer)
                     if text:
                         yield chunk(i, Delta(content=text))
-                        if call.audio_format is not None:
+                        if call.audio_format is not None and not call.request.spoken_calls:
                             yield transcript_chunk(i, text)
                     if calls:
                         yield calls_chunk(i, calls)
                     text, calls = shaped[i].finish()  # a forced answer not whole (max_tokens) comes as text
                     if text:
                         yield chunk(i, Delta(content=text))
-                        if call.audio_format is not None:
+                        if call.audio_format is not None and not call.request.spoken_calls:
                             yield transcript_chunk(i, text)
                     if calls:
                         yield calls_chunk(i, calls)

@@ -70,9 +70,10 @@ def plan_tools(tools: tuple[dict, ...], choice: str | None, named: str | None, p
         if choice == "auto":
             return ToolPlan(tools, parse=False)
         raise invalid_request("tool_choice: forcing a call needs tools", "tool_choice")
-    if "audio" in modalities:
-        raise invalid_request("tools: the speech would read the tool calls aloud; with tools, ask for modalities "
-                              "[\"text\"] (or send tool_choice \"none\")", "tools")
+    if "audio" in modalities and choice != "auto":  # "auto": the talker stops where a call starts (spoken_calls.py)
+        raise invalid_request("tool_choice: a forced call is the whole answer, with nothing to say; with "
+                              "tool_choice \"required\" or a named function ask for modalities [\"text\"]",
+                              "tool_choice")
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise invalid_request(f"tools: function names must be unique, got {names}", "tools")

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_VERSION = "v3"  # v2: video_preprocessor_config.json; v3: the chat template renders tools
+TINY_VERSION = "v4"  # v2: video_preprocessor_config.json; v3: the chat template renders tools; v4: <tool_call> tokens
 
 
 def cache_root() -> Path:

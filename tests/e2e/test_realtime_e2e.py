@@ -9,6 +9,7 @@ import base64
 import io
 import json
 import wave
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -69,3 +70,73 @@ def test_a_spoken_turn_is_the_same_chat(mesh):
             *first_turn, {"role": "assistant", "content": transcript},
             {"role": "user", "content": "Say it again."}]}).json()
     assert second == again["choices"][0]["message"]["content"]
+
+
+def test_server_vad_turns_are_the_same_chat(mesh):
+    """server_vad (Silero VAD) on a spoken sentence between silences: the turn it cuts (its padding + the
+    speech) is answered as the chat answers that clip."""
+    with wave.open(str(Path(__file__).parent.parent / "data" / "speech_24k.wav")) as w:
+        sentence = w.readframes(w.getnframes())
+    silence = bytes(2 * 12_288)  # 0.512 s of pcm16 at 24 kHz
+    pcm = silence + sentence + silence
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+        _until(ws, "session.created")
+        ws.send(json.dumps({"type": "session.update", "session": {
+            "modalities": ["text"], "temperature": 0, "max_response_output_tokens": 6,
+            "turn_detection": {"type": "server_vad", "prefix_padding_ms": 96, "silence_duration_ms": 320}}}))
+        _until(ws, "session.updated")
+        for at in range(0, len(pcm), 4800):  # 0.1 s chunks, as a microphone sends them
+            ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                "audio": base64.b64encode(pcm[at:at + 4800]).decode()}))
+        events = _until(ws, "response.done")
+    start = next(e["audio_start_ms"] for e in events if e["type"] == "input_audio_buffer.speech_started")
+    end = next(e["audio_end_ms"] for e in events if e["type"] == "input_audio_buffer.speech_stopped")
+    assert 512 <= start <= 576 and 1664 <= end <= 1792, (start, end)
+    text = "".join(e["delta"] for e in events if e["type"] == "response.text.delta")
+    turn = pcm[2 * 24 * (start - 96):2 * 24 * end]
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24_000), w.writeframes(turn)
+    chat = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "temperature": 0, "max_tokens": 6, "messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(out.getvalue()).decode(),
+                                                    "format": "wav"}}]}]}).json()
+    assert text == chat["choices"][0]["message"]["content"] and text
+
+
+def test_a_function_call_and_its_result_are_the_chats(mesh):
+    """A forced call (no flag needed) in a text response is the chat's forced call on the same conversation, and
+    after the client's function_call_output the next response answers as the chat answers that conversation."""
+    params = {"type": "object", "properties": {"mode": {"enum": ["calm", "storm"]}}, "required": ["mode"],
+              "additionalProperties": False}
+    tool = {"type": "function", "name": "set_mode", "parameters": params}
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+        _until(ws, "session.created")
+        ws.send(json.dumps({"type": "session.update", "session": {
+            "modalities": ["text"], "temperature": 0, "max_response_output_tokens": 40, "tools": [tool],
+            "tool_choice": {"type": "function", "name": "set_mode"}}}))
+        _until(ws, "session.updated")
+        ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Set the mode."}]}}))
+        _until(ws, "conversation.item.created")
+        ws.send(json.dumps({"type": "response.create"}))
+        [call] = [e["item"] for e in _until(ws, "response.done")
+                  if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"]
+        ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "function_call_output", "call_id": call["call_id"], "output": "done"}}))
+        _until(ws, "conversation.item.created")
+        ws.send(json.dumps({"type": "response.create", "response": {"tool_choice": "none", "tools": [tool],
+                                                                    "max_output_tokens": 6}}))
+        answer = "".join(e["delta"] for e in _until(ws, "response.done") if e["type"] == "response.text.delta")
+    chat_tools = [{"type": "function", "function": {"name": "set_mode", "parameters": params}}]
+    ask = [{"role": "user", "content": "Set the mode."}]
+    chat = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "messages": ask, "max_tokens": 40, "temperature": 0, "tools": chat_tools,
+        "tool_choice": {"type": "function", "function": {"name": "set_mode"}}}).json()
+    chat_call = chat["choices"][0]["message"]["tool_calls"][0]
+    assert call["name"] == "set_mode" and call["arguments"] == chat_call["function"]["arguments"]
+    again = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "max_tokens": 6, "temperature": 0, "tool_choice": "none", "tools": chat_tools,
+        "messages": [*ask, {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+                     {"role": "tool", "tool_call_id": chat_call["id"], "content": "done"}]}).json()
+    assert answer == again["choices"][0]["message"]["content"] and answer

@@ -39,3 +39,11 @@ def rest_server(shared_pipeline: ScriptedPipeline) -> Iterator[RestServer]:
 def grpc_server(shared_pipeline: ScriptedPipeline) -> Iterator[GrpcServer]:
     with GrpcServer(shared_pipeline, limits=TEST_LIMITS) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def auto_tools_server() -> Iterator[tuple[RestServer, ScriptedPipeline]]:
+    """A REST server with --enable-auto-tool-choice over a scripted pipeline of its own."""
+    pipeline = ScriptedPipeline()
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",), auto_tool_choice=True)) as s:
+        yield s, pipeline

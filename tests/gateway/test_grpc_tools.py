@@ -90,7 +90,7 @@ def test_forced_calls_and_the_next_turn(served) -> None:
     ({"tools": [omni_pb2.Tool(name="f", parameters="[1]")]}, "tools[0].parameters: must be a JSON schema object"),
     ({"tools": TOOLS, "tool_choice": "get_nothing"}, "tool_choice: function 'get_nothing' is not among the tools"),
     ({"tool_choice": "required"}, "tool_choice: forcing a call needs tools"),
-    ({"tools": TOOLS, "modalities": ["text", "audio"]}, "tools: the speech would read the tool calls aloud"),
+    ({"tools": TOOLS, "tool_choice": "required", "modalities": ["text", "audio"]}, "tool_choice: a forced call is the whole answer"),
     ({"tools": TOOLS, "structured_output": omni_pb2.StructuredOutput(kind="regex", spec="a+")},
      "structured_output: a structured output and tool calls cannot both shape one answer"),
     ({"messages": [omni_pb2.ChatMessage(role="tool", content=[omni_pb2.ContentPart(text="x")])]},

@@ -3,13 +3,16 @@ WebSocket client: the session events, committed audio becoming a user item at 24
 (instructions first, the conversation in order, the assistant's earlier transcript), the response's event
 sequence (transcript and audio deltas, their done events, response.done with usage), a text-only response,
 cancelling a response, the key on the handshake, and every client mistake as an `error` event that leaves the
-session open. Through a real mesh: tests/e2e/test_realtime_e2e.py."""
+session open; server_vad (Silero VAD) on a spoken sentence (tests/data/speech_24k.wav: espeak-ng's "What is the
+weather today?", 24 kHz) against loud noise and a tone. Through a real mesh: tests/e2e/test_realtime_e2e.py."""
 
 from __future__ import annotations
 
 import base64
 import json
+import wave
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,7 @@ from gateway.events import AudioPart, Finished, TextDelta, TextPart
 from gateway.rest import create_app
 
 TIMEOUT_S = 10.0
+SPEECH_WAV = Path(__file__).parent.parent / "data" / "speech_24k.wav"
 
 
 def url(server: RestServer) -> str:
@@ -131,7 +135,14 @@ def test_cancelling_a_response(ws: ClientConnection, pipeline: ScriptedPipeline)
     ({"type": "session.update", "session": {"voice": "alloy"}}, "invalid_value", "session.voice"),
     ({"type": "session.update", "session": {"temperature": 3}}, "invalid_value", "session.temperature"),
     ({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}, "invalid_value",
-     "session.tools"),
+     "tool_choice"),  # "auto" needs --enable-auto-tool-choice
+    ({"type": "session.update", "session": {"tools": [{"type": "web_search"}]}}, "invalid_value",
+     "session.tools[0].type"),
+    ({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}], "tool_choice": "required"}},
+     "invalid_value", "tool_choice"),  # a forced call with speech (the session's modalities)
+    ({"type": "session.update", "session": {"tools": {"f": 1}}}, "invalid_value", "session.tools"),
+    ({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "c9", "output": "x"}},
+     "invalid_value", "item.call_id"),
     ({"type": "input_audio_buffer.append", "audio": "%%%"}, "invalid_value", "audio"),
     ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}, "invalid_value", "audio"),
     ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty", None),
@@ -182,9 +193,16 @@ def test_the_handshake_needs_the_key_and_a_served_model(shared_pipeline: Scripte
                     additional_headers={"Authorization": "Bearer sk-1"}, open_timeout=TIMEOUT_S)
 
 
-def _pcm(*segments: tuple[str, float]) -> bytes:
-    """Silence and 440 Hz speech-loud tone segments at 24 kHz, as pcm16."""
-    parts = [tone(s, rate=24_000) if kind == "tone" else np.zeros(int(s * 24_000), np.float32) for kind, s in segments]
+def speech(seconds: float | None = None) -> np.ndarray:
+    """The spoken sentence (1.25 s at 24 kHz), or its first `seconds`."""
+    with wave.open(str(SPEECH_WAV)) as w:
+        x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
+    return x if seconds is None else x[:int(seconds * 24_000)]
+
+
+def _pcm(*segments: tuple[str, float | None]) -> bytes:
+    """Silence and speech segments at 24 kHz, as pcm16 (speech None: the whole sentence)."""
+    parts = [speech(s) if kind == "speech" else np.zeros(int((s or 0) * 24_000), np.float32) for kind, s in segments]
     return pcm16_bytes(np.concatenate(parts))
 
 
@@ -194,47 +212,70 @@ def test_server_vad_cuts_turns_and_answers_them(ws: ClientConnection, pipeline: 
     assert recv(ws)["session"]["turn_detection"] == {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 100,
                                                      "silence_duration_ms": 300, "create_response": True,
                                                      "interrupt_response": True}
-    pcm = _pcm(("silence", 0.5), ("tone", 0.4), ("silence", 0.5))
+    pcm = _pcm(("silence", 0.512), ("speech", None), ("silence", 0.6))
     for at in range(0, len(pcm), 4800):  # 0.1 s chunks
         send(ws, type="input_audio_buffer.append", audio=base64.b64encode(pcm[at:at + 4800]).decode())
     events = until(ws, "response.done")
     kinds = [e["type"] for e in events]
     assert kinds[:4] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
                          "input_audio_buffer.committed", "conversation.item.created"]
-    assert events[0]["audio_start_ms"] == 500 and events[1]["audio_end_ms"] == 900
+    start, end = events[0]["audio_start_ms"], events[1]["audio_end_ms"]
+    assert 512 <= start <= 576 and 1760 - 96 <= end <= 1760 + 32, (start, end)  # the sentence: 512 .. 1758 ms
     assert events[0]["item_id"] == events[1]["item_id"] == events[2]["item_id"]
     assert "response.created" in kinds and events[-1]["response"]["status"] == "completed"
     [clip] = pipeline.requests[-1].messages[-1].content
-    assert isinstance(clip, AudioPart) and clip.waveform.size == int(0.5 * 24_000)  # 0.1 s padding + 0.4 s speech
+    assert isinstance(clip, AudioPart) and clip.waveform.size == 2400 + (end - start) * 24  # 0.1 s padding + speech
 
 
 def test_speech_interrupts_a_response(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
     pipeline.event_delay_s = 0.5
     send(ws, type="session.update", session={"turn_detection": {"type": "server_vad", "silence_duration_ms": 200}})
     recv(ws)
-    send(ws, type="input_audio_buffer.append", audio=base64.b64encode(_pcm(("tone", 0.3), ("silence", 0.3))).decode())
+    send(ws, type="input_audio_buffer.append", audio=base64.b64encode(_pcm(("speech", 0.6), ("silence", 0.3))).decode())
     assert "response.created" in [e["type"] for e in until(ws, "response.created")]
-    send(ws, type="input_audio_buffer.append", audio=base64.b64encode(_pcm(("tone", 0.1))).decode())  # talks over it
+    send(ws, type="input_audio_buffer.append", audio=base64.b64encode(_pcm(("speech", 0.3))).decode())  # talks over it
     events = until(ws, "response.done")
     assert "input_audio_buffer.speech_started" in [e["type"] for e in events]
     assert events[-1]["response"]["status"] == "cancelled"
 
 
-def test_the_energy_detector() -> None:
-    from gateway.realtime_vad import EnergyVAD, Started, Stopped
+def test_the_detector_hears_voices_not_loudness() -> None:
+    """Silero VAD: loud white noise (-20 dBFS RMS) and a tone are not speech, where an energy detector would
+    call both speech; the sentence at -44 dBFS RMS, far quieter than that noise, is. Turn bounds land on 32 ms
+    frames."""
+    from gateway.realtime_vad import FRAME_MS, ServerVAD, Started, Stopped
 
-    vad = EnergyVAD(threshold=0.5, prefix_padding_ms=200, silence_duration_ms=400)
-    quiet = tone(1.0, rate=24_000) * 0.05  # RMS 0.018 < 0.05: not speech at threshold 0.5
-    assert vad.push(quiet) == [] and vad.buffered_seconds == pytest.approx(0.2)  # only the padding is kept
-    events = vad.push(np.concatenate([tone(0.6, rate=24_000), np.zeros(24_000, np.float32)]))
+    rng = np.random.default_rng(0)
+    vad = ServerVAD(threshold=0.5, prefix_padding_ms=192, silence_duration_ms=320)
+    assert vad.push((rng.standard_normal(24_000) * 0.1).astype(np.float32)) == []
+    assert vad.push(tone(1.0, rate=24_000)) == [] and vad.buffered_seconds == pytest.approx(0.192, abs=0.04)
+    vad = ServerVAD(threshold=0.5, prefix_padding_ms=192, silence_duration_ms=320)
+    events = vad.push(np.concatenate([np.zeros(48_000, np.float32), speech() * 0.1, np.zeros(12_000, np.float32)]))
     assert [type(e) for e in events] == [Started, Stopped]
-    assert events[0].ms == 1000 and events[1].ms == 1600
-    assert events[1].audio.size == int(0.8 * 24_000)  # 0.2 s padding + 0.6 s speech, not the silence after it
-    assert EnergyVAD(threshold=0.1).push(quiet)[0] == Started(0)  # a lower threshold (0.01) hears it
-    vad.push(tone(0.1, rate=24_000))
+    assert 2000 <= events[0].ms <= 2100 and 3200 <= events[1].ms <= 3360, events  # the sentence: 2000 .. 3246 ms
+    assert events[0].ms % FRAME_MS == 0 and events[1].ms % FRAME_MS == 0
+    assert events[1].audio.size == 192 * 24 + (events[1].ms - events[0].ms) * 24  # the padding + the speech
+    assert ServerVAD(threshold=0.0).push(np.zeros(768, np.float32)) == [Started(0)]  # every frame scores >= 0
+    vad.push(speech(0.5))
     assert vad.flush() is not None and vad.flush() is None  # a commit ends the turn in progress
     with pytest.raises(ValueError, match="threshold"):
-        EnergyVAD(threshold=1.5)
+        ServerVAD(threshold=1.5)
+
+
+def test_each_session_has_its_own_model_state() -> None:
+    """The model is recurrent: two detectors fed in turns score exactly as each fed alone."""
+    from gateway.realtime_vad import SpeechProbability
+
+    clip, noise = speech(), (np.random.default_rng(1).standard_normal(30_000) * 0.05).astype(np.float32)
+    alone = [SpeechProbability(24_000), SpeechProbability(24_000)]
+    want = [[alone[0](clip[i:i + 768]) for i in range(0, 768 * 20, 768)],
+            [alone[1](noise[i:i + 768]) for i in range(0, 768 * 20, 768)]]
+    a, b = SpeechProbability(24_000), SpeechProbability(24_000)
+    got: list[list[float]] = [[], []]
+    for i in range(0, 768 * 20, 768):
+        got[0].append(a(clip[i:i + 768]))
+        got[1].append(b(noise[i:i + 768]))
+    assert got == want and max(want[0]) > 0.9 and max(want[1]) < 0.5
 
 
 def test_input_audio_transcription(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:

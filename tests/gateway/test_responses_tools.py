@@ -37,16 +37,9 @@ def _script(*pieces: str):
     return lambda request: [*(TextDelta(p) for p in pieces), Finished("stop", prompt_tokens=40, completion_tokens=30)]
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[RestServer, ScriptedPipeline]]:
-    pipeline = ScriptedPipeline()
-    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",), auto_tool_choice=True)) as s:
-        yield s, pipeline
-
-
 @pytest.fixture()
-def scripted(server) -> Iterator[tuple[RestServer, ScriptedPipeline]]:
-    s, pipeline = server
+def scripted(auto_tools_server) -> Iterator[tuple[RestServer, ScriptedPipeline]]:
+    s, pipeline = auto_tools_server
     pipeline.reset()
     yield s, pipeline
 

@@ -4,7 +4,7 @@
   left in the content, a block the model did not close; streamed delta by delta (even one character at a
   time) it gives the same content and calls, never sending a partial "<tool_call>" tag as content;
 - the rules, as vLLM's: "auto" (the default with tools) needs the flag, "required" / a named function need
-  structured outputs (400), tools with speech are a 400, tool_choice "none" renders the tools and parses nothing;
+  structured outputs (400), a forced call with speech is a 400 ("auto" with speech: tests/gateway/test_spoken_calls.py), tool_choice "none" renders the tools and parses nothing;
 - the prompt: tools render in the tiny model's system turn exactly as transformers renders them, earlier calls
   and tool results render as the Qwen template writes them, a template that ignores tools is a 400;
 - through a real REST server (scripted pipeline): `message.tool_calls` with finish_reason "tool_calls",
@@ -96,6 +96,7 @@ def test_tool_choice_rules_as_vllm() -> None:
     none = plan({"tools": [WEATHER], "tool_choice": "none"}, enabled=False)
     assert not none.parse and none.tools[0]["function"]["name"] == "get_weather"  # rendered, not parsed
     assert not plan({}).parse and plan({}).tools == ()
+    assert plan({"tools": [WEATHER]}, modalities=("text", "audio")).parse  # spoken: the talker stops at a call
     # "required" and a named function need no flag: the answer is constrained to the calls' JSON
     named = plan({"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
                  enabled=False)
@@ -110,8 +111,9 @@ def test_tool_choice_rules_as_vllm() -> None:
              ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, True,
               ("text",), r"function 'get_time' is not among the tools \(get_weather\)"),
              ({"tool_choice": "required"}, True, ("text",), "forcing a call needs tools"),
-             ({"tools": [WEATHER]}, True, ("text", "audio"), "read the tool calls aloud"),
-             ({"tools": [WEATHER], "tool_choice": "required"}, True, ("text", "audio"), "read the tool calls aloud"),
+             ({"tools": [WEATHER], "tool_choice": "required"}, True, ("text", "audio"), "nothing to say"),
+             ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, True,
+              ("text", "audio"), "nothing to say"),
              ({"tools": [WEATHER, WEATHER]}, True, ("text",), "must be unique")]
     for body, enabled, modalities, needle in cases:
         with pytest.raises(PipelineError, match=needle) as e:

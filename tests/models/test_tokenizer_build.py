@@ -14,6 +14,7 @@ from omnimesh.models.qwen3_omni.tiny_config import (
     ROLE_TOKENS,
     SPECIAL_TOKENS,
     THINKER_VOCAB,
+    TOOL_TOKENS,
 )
 from omnimesh.models.tokenizer_build import TinyTokenizerSpec, build_tokenizer, load_corpus
 
@@ -65,12 +66,15 @@ def test_role_words_are_single_ordinary_tokens(tok: PreTrainedTokenizerBase) -> 
 
 
 def test_every_other_id_is_a_reserved_special_token(tok: PreTrainedTokenizerBase) -> None:
-    fixed = set(SPECIAL_TOKENS.values()) | set(ROLE_TOKENS.values())
+    fixed = set(SPECIAL_TOKENS.values()) | set(ROLE_TOKENS.values()) | set(TOOL_TOKENS.values())
     special = set(tok.all_special_ids)
     for i in range(ORDINARY_VOCAB_LIMIT, THINKER_VOCAB):
         if i not in fixed:
             assert tok.convert_ids_to_tokens(i) == f"<|reserved_{i}|>"
             assert tok.added_tokens_decoder[i].special
+    for text, i in TOOL_TOKENS.items():  # the function-call markers: one token each, kept as text (Qwen's)
+        assert tok.encode(text, add_special_tokens=False) == [i] and not tok.added_tokens_decoder[i].special
+        assert tok.decode([i], skip_special_tokens=True) == text
     assert not special & set(range(ORDINARY_VOCAB_LIMIT))
     assert not set(tok.added_tokens_decoder) & set(range(ORDINARY_VOCAB_LIMIT))
 

@@ -38,6 +38,7 @@ from omnimesh.models.qwen3_omni.tiny_config import (
     SPECIAL_TOKENS,
     THINK_TOKENS,
     THINKER_VOCAB,
+    TOOL_TOKENS,
     tiny_qwen3_omni_config,
 )
 from omnimesh.models.tokenizer_build import TinyTokenizerSpec, build_tokenizer
@@ -160,7 +161,8 @@ FOLDER_FILES = (
 
 def tiny_tokenizer_spec(thinking: bool = False) -> TinyTokenizerSpec:
     """The tiny tokenizer's layout, with every id taken from `tiny_config.py`; `thinking`: the thinker-only
-    variant's, which also has the reasoning markers `<think>` / `</think>` (not special: decoded as text)."""
+    variant's, which also has the reasoning markers `<think>` / `</think>` (not special: decoded as text). Both have
+    the function-call markers `<tool_call>` / `</tool_call>` (not special either)."""
     return TinyTokenizerSpec(
         vocab_size=THINKER_VOCAB,
         ordinary_limit=ORDINARY_VOCAB_LIMIT,
@@ -170,7 +172,7 @@ def tiny_tokenizer_spec(thinking: bool = False) -> TinyTokenizerSpec:
         pad_token="<|endoftext|>",
         named_tokens=dict(MEDIA_TOKENS),
         chat_template=QWEN3_OMNI_CHAT_TEMPLATE,
-        text_tokens=dict(THINK_TOKENS) if thinking else {},
+        text_tokens={**TOOL_TOKENS, **(THINK_TOKENS if thinking else {})},
     )
 
 

@@ -37,6 +37,9 @@ SPECIAL_TOKENS: dict[str, int] = {
 ROLE_TOKENS: dict[str, int] = {"user": 413, "assistant": 414, "system": 415}
 # the reasoning markers of the thinker-only (Thinking) variant: added tokens that are not special, as in Qwen3's vocab
 THINK_TOKENS: dict[str, int] = {"<think>": 416, "</think>": 417}
+# the Hermes function-call markers: added tokens that are not special, one token each, as in Qwen's vocab (a spoken
+# answer stops its speech at <tool_call>: gateway/spoken_calls.py)
+TOOL_TOKENS: dict[str, int] = {"<tool_call>": 418, "</tool_call>": 419}
 
 CODEC_VOCAB = 1280
 CODEBOOK_SIZE = 256
