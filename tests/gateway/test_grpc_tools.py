@@ -2,7 +2,8 @@
 scripted pipeline: the tools reach the pipeline as REST sends them; with --enable-auto-tool-choice the Hermes
 blocks leave the text as `tool_calls` responses and the choice ends "tool_calls"; "required" and a named
 function hold the thinker to the calls' JSON (a structured output) and answer the calls only; earlier calls
-and tool answers travel in the messages; every mistake is one INVALID_ARGUMENT naming its field."""
+and tool answers travel in the messages; a spoken answer asks for spoken calls; every mistake is one
+INVALID_ARGUMENT naming its field."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import json
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 from gateway_harness import GrpcServer, ScriptedPipeline
 from test_tool_calls import ANSWER, TIME, WEATHER
 
-from gateway.events import Finished, TextDelta, ToolCall
+from gateway.events import AudioDelta, Finished, TextDelta, ToolCall
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc
 
 USER = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text="Weather and time in Oslo?")])
@@ -37,7 +39,7 @@ def served() -> Iterator[tuple[GrpcServer, ScriptedPipeline]]:
 
 
 def generate(server: GrpcServer, **fields: object) -> list[omni_pb2.GenerateResponse]:
-    request = omni_pb2.GenerateRequest(model="tiny-omni", modalities=["text"], messages=[USER], **fields)
+    request = omni_pb2.GenerateRequest(model="tiny-omni", messages=[USER], **{"modalities": ["text"], **fields})
     with grpc.insecure_channel(server.target) as ch:
         return list(omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=10))
 
@@ -121,3 +123,17 @@ def test_auto_needs_the_flag(grpc_server: GrpcServer) -> None:
     out = generate(grpc_server, tools=TOOLS)
     assert out[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "--enable-auto-tool-choice" in out[0].error.message
+
+
+def test_a_spoken_answer_calls_tools(served) -> None:
+    """Audio out with "auto": the request asks for spoken calls (gateway/spoken_calls.py: the talker stops at
+    the call); the audio and the words come as usual, the call as a `tool_calls` response."""
+    server, pipeline = served
+    pipeline.script = lambda request: [TextDelta("Let me check."), AudioDelta(np.full(480, 0.1, np.float32), 24_000),
+                                       TextDelta("<tool_call>", spoken=False), TextDelta(ANSWER[ANSWER.index("\n{"):],
+                                                                                           spoken=False),
+                                       Finished(finish_reason="stop", prompt_tokens=40, completion_tokens=30)]
+    out = generate(server, tools=TOOLS, modalities=["text", "audio"], voice="ethan")
+    assert pipeline.requests[-1].spoken_calls and pipeline.requests[-1].modalities == ("text", "audio")
+    assert "".join(r.text_delta for r in out).startswith("Let me check.") and any(r.HasField("audio") for r in out)
+    assert [name for name, _ in _calls(out)][:1] == ["get_weather"] and out[-1].done.finish_reason == "tool_calls"
