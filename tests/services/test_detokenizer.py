@@ -79,9 +79,11 @@ def test_the_thinker_keeps_special_tokens_when_asked(model_dir: Path, thinker: A
 
     ids = torch.tensor(tokenizer("The sea is")["input_ids"])
 
+    reserved = tokenizer.convert_tokens_to_ids("<|reserved_420|>")  # a special token the tiny model can say
+
     def run(**sampling: Any) -> tuple[str, list[int]]:
         task = thinker.open(stage_pb2.Open(request_id="s", sampling=stage_pb2.SamplingParams(
-            temperature=0, max_tokens=5, **sampling)))
+            temperature=0, max_tokens=5, logit_bias={reserved: 0.5}, **sampling)))
         task.feed(StageChunk(tensors={"input_ids": ids}, final=True))
         d = Driver(thinker)
         d.add(task)
@@ -92,6 +94,6 @@ def test_the_thinker_keeps_special_tokens_when_asked(model_dir: Path, thinker: A
     plain, same = run()
     assert generated == same
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    assert any(t in special for t in generated), "the prompt should make the tiny model say a special token"
+    assert any(t in special for t in generated) and set(generated) - special, generated  # the bias: some, not all
     assert kept == tokenizer.decode(generated, skip_special_tokens=False) != plain
     assert plain == tokenizer.decode(generated, skip_special_tokens=True)
