@@ -1,5 +1,5 @@
 """OpenAI's `POST /v1/responses` (the Responses API, as vLLM serves it): text, images and audio in, text out,
-stateless.
+stateless unless --responses-store-memory keeps the answers (gateway/response_store.py).
 
 Data flow: body -> `ResponsesRequest` (strict) -> `input` (a string: one user turn; or message items whose
 `content` is a string or `input_text` / `input_image` / `input_audio` parts; an assistant turn's
@@ -21,8 +21,11 @@ stream: `response.created`, `response.in_progress`, `response.output_item.added`
   thinker makes are `function_call` output items after the message (no message when the answer is only calls;
   streamed: `response.output_item.added`, `response.function_call_arguments.delta` / `.done`,
   `response.output_item.done` as each call's block closes).
-- omnimesh stores nothing: `previous_response_id`, `conversation`, `background` and `store: true` answered
-  as stored are 400s naming the field (`store` is accepted and answered false). `reasoning.effort` becomes the chat template's `reasoning_effort`
+- Stored responses (gateway/response_store.py, with --responses-store-memory): each answer is kept unless the
+  request says `store: false`; `previous_response_id` continues a stored conversation (its instructions not
+  carried over, as OpenAI's); `GET` / `DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`.
+  Without the flag nothing is kept: `store` is answered false and `previous_response_id` is a 400 naming the
+  flag. `conversation` (OpenAI's Conversations API) and `background` are 400s naming the field. `reasoning.effort` becomes the chat template's `reasoning_effort`
   variable (as vLLM passes it; chat's `reasoning_effort` too); `reasoning.summary` is accepted, and no summary
   is written.
 """
@@ -31,11 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -51,14 +55,16 @@ from gateway.events import (
     ToolCall,
     check_request_id,
 )
-from gateway.http_errors import internal_error
+from gateway.http_errors import error_json, internal_error
 from gateway.media import invalid_request
 from gateway.openai_schema import (
     check_turns,
     ContentPart,
+    FunctionCall,
     ImageURL,
     InputAudio,
     Message,
+    MessageToolCall,
     ReasoningEffort,
     SamplingBody,
     StrictBody,
@@ -72,6 +78,7 @@ from gateway.openai_schema import (
     with_effort,
 )
 from gateway.reasoning import END, AnswerSplit, ThoughtTokens, thinks
+from gateway.response_store import ResponseStore, StoredResponse
 from gateway.responses_tools import call_item, item_messages, responses_tool_plan
 from gateway.sse import DONE, StreamState, chain, run_to_end, sse
 from gateway.structured_request import require_llguidance, structured_spec
@@ -81,9 +88,10 @@ from services.llm.structured_output import grammar_for
 if TYPE_CHECKING:
     from gateway.rest import Answer, RestGateway
 
+log = logging.getLogger(__name__)
+
 # fields of the Responses API omnimesh cannot honour, each with the test that its value asks for nothing
 UNSUPPORTED: dict[str, Any] = {
-    "previous_response_id": lambda v: v is None,
     "conversation": lambda v: v is None,
     "background": lambda v: not v,
     "prompt": lambda v: v is None,
@@ -134,7 +142,8 @@ class ResponsesRequest(SamplingBody):
     instructions: str | None = None
     max_output_tokens: int | None = None
     text: TextOptions | None = None
-    store: bool | None = None  # nothing is stored: the answer says false
+    store: bool | None = None  # kept (--responses-store-memory) unless false; the answer says whether it was
+    previous_response_id: str | None = None  # a stored response whose conversation this one continues
     metadata: dict[str, str] | None = None  # echoed back
     user: str | None = None
     tools: list[Any] | None = None  # function tools, checked one by one (gateway/responses_tools.py)
@@ -163,6 +172,8 @@ class _Response:
     first_audio: bool = False
     sequence: int = 0
     tools: ToolPlan = NO_TOOLS  # what the answer's function calls are (gateway/tool_calls.py)
+    conversation: list[Message] = field(default_factory=list)  # the chat so far without instructions (stored)
+    stored: bool = False  # the answer will be kept (gateway/response_store.py)
 
     def next_sequence(self) -> int:
         self.sequence += 1
@@ -172,8 +183,9 @@ class _Response:
 class ResponsesRoutes:
     """`POST /v1/responses` on one `RestGateway` (its pipeline, media loader, model names, metrics)."""
 
-    def __init__(self, gw: RestGateway) -> None:
+    def __init__(self, gw: RestGateway, store: ResponseStore | None = None) -> None:
         self.gw = gw
+        self.store = store  # --responses-store-memory (None: nothing is kept)
 
     def _parse(self, raw: bytes) -> ResponsesRequest:
         """The body, its input items counted before they are validated (as a chat's messages)."""
@@ -206,7 +218,12 @@ class ResponsesRoutes:
             if e.param == "max_tokens":
                 raise invalid_request(e.message.replace("max_tokens", "max_output_tokens"), "max_output_tokens") from None
             raise
-        messages = await gw.chat_messages(self._messages(body))
+        previous = self._previous(body.previous_response_id)
+        conversation = self._messages(body, previous.conversation if previous is not None else [],
+                                      previous.call_ids() if previous is not None else set())
+        system = [Message(role="system", content=[ContentPart(type="text", text=body.instructions)])] \
+            if body.instructions else []
+        messages = await gw.chat_messages(system + conversation)
         structured = await asyncio.to_thread(_structured, body)
         other = await asyncio.to_thread(structured_spec, body)  # vLLM's structured_outputs / guided_* too
         if structured is not None and other is not None:
@@ -225,14 +242,30 @@ class ResponsesRoutes:
                            structured=tools.structured or structured or other, tools=tools.tools,
                            truncate_prompt_tokens=body.truncate_prompt_tokens, reasoning_end=END if thinking else None,
                            template=TemplateOptions(kwargs=with_effort(None, effort) or {}))
-        return _Response(chat, body, model, body.stream, int(time.time()), started, tools=tools)
+        return _Response(chat, body, model, body.stream, int(time.time()), started, tools=tools,
+                         conversation=conversation, stored=self.store is not None and body.store is not False)
+
+    def _previous(self, response_id: str | None) -> StoredResponse | None:
+        if response_id is None:
+            return None
+        if self.store is None:
+            raise invalid_request("previous_response_id: this server keeps no responses; start it with "
+                                  "--responses-store-memory SIZE (e.g. 512MiB), or send the whole conversation as "
+                                  "input", "previous_response_id")
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise invalid_request(f"previous_response_id: no stored response {response_id!r} (responses are kept in "
+                                  "this gateway's memory, the least recently used dropped past "
+                                  "--responses-store-memory; send the whole conversation as input)",
+                                  "previous_response_id")
+        return stored
 
     @staticmethod
-    def _messages(body: ResponsesRequest) -> list[Message]:
-        """The chat messages the input stands for (instructions first, as a system turn)."""
-        out = [Message(role="system", content=[ContentPart(type="text", text=body.instructions)])] \
-            if body.instructions else []
-        calls: set[str] = set()  # the call ids of the function_call items so far
+    def _messages(body: ResponsesRequest, before: list[Message], calls: set[str]) -> list[Message]:
+        """The conversation (`before`: a stored one's, whose call ids are `calls`) and the chat messages the input
+        stands for after it; the instructions are not among them."""
+        out = [m.model_copy() for m in before]  # the stored turns stay as they were kept
+        calls = set(calls)  # the call ids of the function_call items so far
         raw_items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
         for i, raw in enumerate(raw_items):
             if item_messages(raw, i, out, calls):  # function calls, their outputs, earlier reasoning
@@ -277,9 +310,9 @@ class ResponsesRoutes:
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": call.model,
                 "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
-                "previous_response_id": None,
+                "previous_response_id": b.previous_response_id,
                 "reasoning": b.reasoning.model_dump(exclude_none=True) if b.reasoning is not None else None,
-                "store": False, "temperature": b.temperature, "text": {"format": fmt},
+                "store": call.stored, "temperature": b.temperature, "text": {"format": fmt},
                 "tool_choice": b.tool_choice if b.tool_choice is not None else ("auto" if tools else "none"),
                 "tools": tools, "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
                 "metadata": b.metadata or {}}
@@ -321,8 +354,77 @@ class ResponsesRoutes:
         output = ([self._reasoning_item(call, thought)] if thought else []) \
             + ([self._message_item(call, done, text)] if text.strip() or not calls else []) \
             + [call_item(c) for c in calls]
-        return JSONResponse(self._object(call, done, finished, output, split.total(finished.completion_tokens)),
-                            headers={"X-Request-Id": call.request.request_id})
+        response = self._object(call, done, finished, output, split.total(finished.completion_tokens))
+        self._keep(call, response)
+        return JSONResponse(response, headers={"X-Request-Id": call.request.request_id})
+
+    def _keep(self, call: _Response, answer: dict[str, Any]) -> None:
+        """A response to store (`call.stored`): its object, its input items, and the conversation with this answer
+        (its text as an assistant turn, its calls on it; its reasoning left out, as the templates leave it)."""
+        if not call.stored or self.store is None:
+            return
+        said: list[Message] = []
+        for item in answer["output"]:
+            if item["type"] == "message":
+                text = "".join(p["text"] for p in item["content"])
+                said.append(Message(role="assistant", content=[ContentPart(type="text", text=text)]))
+            elif item["type"] == "function_call":
+                made = MessageToolCall(id=item["call_id"], function=FunctionCall(name=item["name"],
+                                                                                 arguments=item["arguments"]))
+                if said:
+                    said[-1].tool_calls = [*(said[-1].tool_calls or []), made]
+                else:
+                    said.append(Message(role="assistant", content=[], tool_calls=[made]))
+        given = call.body.input
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}] \
+            if isinstance(given, str) else given
+        items = [{**i, "id": i.get("id") or f"msg_{uuid.uuid4().hex}"} if isinstance(i, dict) else i for i in items]
+        if not self.store.put(call.request.request_id, StoredResponse(answer, items, [*call.conversation, *said])):
+            log.warning("response %s not stored: larger than --responses-store-memory", call.request.request_id)
+
+    def _stored(self, response_id: str) -> StoredResponse | PipelineError:
+        stored = self.store.get(response_id) if self.store is not None else None
+        if stored is not None:
+            return stored
+        why = "" if self.store is not None else " (this server keeps none: --responses-store-memory)"
+        return PipelineError(f"Response with id '{response_id}' not found{why}", http_status=404, grpc_code=5,
+                             kind="not_found_error", param="response_id")
+
+    async def retrieve(self, request: Request) -> Response:
+        """`GET /v1/responses/{id}`: a stored response as it was answered."""
+        stored = self._stored(request.path_params["response_id"])
+        return error_json(stored) if isinstance(stored, PipelineError) else JSONResponse(stored.response)
+
+    async def delete(self, request: Request) -> Response:
+        """`DELETE /v1/responses/{id}`: forget it."""
+        response_id = request.path_params["response_id"]
+        if self.store is None or not self.store.delete(response_id):
+            return error_json(cast(PipelineError, self._stored(response_id)))
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def input_items(self, request: Request) -> Response:
+        """`GET /v1/responses/{id}/input_items` (`order` desc by default, `limit` 1-100, `after` an item id)."""
+        stored = self._stored(request.path_params["response_id"])
+        if isinstance(stored, PipelineError):
+            return error_json(stored)
+        q = request.query_params
+        order, after = q.get("order", "desc"), q.get("after")
+        try:
+            limit = int(q.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if order not in ("asc", "desc") or not 1 <= limit <= 100:
+            return error_json(invalid_request("order must be asc or desc and limit a whole number in [1, 100]",
+                                              "order" if order not in ("asc", "desc") else "limit"))
+        items = stored.input_items if order == "asc" else stored.input_items[::-1]
+        if after is not None:
+            at = next((k for k, i in enumerate(items) if i.get("id") == after), None)
+            if at is None:
+                return error_json(invalid_request(f"after: no input item {after!r} in this response", "after"))
+            items = items[at + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     def _event(self, call: _Response, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": call.next_sequence(), **fields}
@@ -352,8 +454,9 @@ class ResponsesRoutes:
             done = "incomplete" if finished.finish_reason == "length" else "completed"
             for event in out.finish(split.finish(), done):
                 yield event
-            yield self._event(call, f"response.{done}", response=self._object(
-                call, done, finished, out.items, split.total(finished.completion_tokens)))
+            answer = self._object(call, done, finished, out.items, split.total(finished.completion_tokens))
+            self._keep(call, answer)
+            yield self._event(call, f"response.{done}", response=answer)
             yield DONE
             status = 200
         except PipelineError as e:

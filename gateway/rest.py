@@ -111,6 +111,7 @@ from gateway.structured_request import structured_spec
 from gateway.tool_calls import NO_TOOLS, ToolAnswer, ToolPlan, forced_calls, parse_tool_calls, tool_plan
 from gateway.realtime_api import RealtimeRoutes
 from gateway.reasoning import END, AnswerSplit, ReasoningParser, thinks
+from gateway.response_store import ResponseStore
 from gateway.responses_api import ResponsesRoutes
 from gateway.speech_api import SpeechRoutes
 from gateway.transcription_api import TranscriptionRoutes
@@ -713,7 +714,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
                return_tokens_as_token_ids: bool = False, prompt_tokens_details: bool = False,
                auto_tool_choice: bool = False, stage_metrics: StageSources | None = None, api_keys: tuple[str, ...] = (),
                front: HttpFront | None = None, prompts: PromptBuilder | None = None,
-               reasoning: ReasoningParser | None = None) -> FastAPI:
+               reasoning: ReasoningParser | None = None, responses_store: ResponseStore | None = None) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
     ask for; `allowed_media_domains` the hosts http(s) media may come from (empty = none);
     `media_transport` an `httpx.AsyncBaseTransport` for tests; `stage_metrics` the stages whose series
@@ -724,7 +725,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     default); `prompt_tokens_details` adds `usage.prompt_tokens_details.cached_tokens`
     (--enable-prompt-tokens-details); `auto_tool_choice` parses tool calls out of the text
     (--enable-auto-tool-choice, gateway/tool_calls.py); `reasoning` splits a thinking model's reasoning from its
-    answer (--reasoning-parser, gateway/reasoning.py)."""
+    answer (--reasoning-parser, gateway/reasoning.py); `responses_store` keeps the Responses API's answers
+    (--responses-store-memory, gateway/response_store.py)."""
     names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
@@ -744,7 +746,11 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     speech = SpeechRoutes(gw, prompts)
     app.add_api_route("/v1/audio/speech", speech.speech, methods=["POST"])
     app.add_api_route("/v1/audio/voices", speech.voices, methods=["GET"])
-    app.add_api_route("/v1/responses", ResponsesRoutes(gw).responses, methods=["POST"])
+    responses = ResponsesRoutes(gw, responses_store)
+    app.add_api_route("/v1/responses", responses.responses, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"])
     app.add_api_websocket_route("/v1/realtime", RealtimeRoutes(gw).realtime)
     audio = TranscriptionRoutes(gw)
     app.add_api_route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"])

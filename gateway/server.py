@@ -26,6 +26,7 @@ from gateway.pipeline import StagePipeline
 from gateway.processor_kwargs import parse_mm_processor_kwargs
 from gateway.prompt import PromptBuilder, load_chat_template
 from gateway.reasoning import ReasoningParser
+from gateway.response_store import responses_store
 from gateway.request_log import RequestLog
 from gateway.stage_discovery import StageDiscovery, parse_dns_target
 from gateway.rest import create_app
@@ -101,7 +102,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
                      prompt_tokens_details=args.enable_prompt_tokens_details,
                      auto_tool_choice=args.enable_auto_tool_choice,
                      stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=prompts,
-                     reasoning=reasoning)
+                     reasoning=reasoning, responses_store=responses_store(args.responses_store_memory))
     video_warmup = asyncio.create_task(_start_video_decoding())  # in the background: serving starts meanwhile
     if (described := front.describe()) is not None:
         log.info("%s", described)

@@ -125,6 +125,7 @@ class MeshLauncher:
                             ("--input-limits", a.input_limits), ("--max-logprobs", a.max_logprobs),
                             ("--mm-processor-kwargs", a.mm_processor_kwargs), ("--tool-call-parser", a.tool_call_parser),
                             ("--reasoning-parser", a.reasoning_parser),
+                            ("--responses-store-memory", a.responses_store_memory),
                             ("--otlp-traces-endpoint", a.otlp_traces_endpoint),
                             ("--request-timeout", a.request_timeout)):
             if value is not None:

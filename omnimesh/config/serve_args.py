@@ -176,6 +176,10 @@ class ServeArgs:
     tool_call_parser: str | None = _f(None, "how tool calls look in the model's text, as vLLM's: hermes (Qwen2.5 / Qwen3 "
                                       "/ Qwen3-Omni: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)",
                                       "--tool-call-parser")
+    responses_store_memory: str | None = _f(None, "keep the Responses API's answers in the gateway's memory, up to this "
+                                            "size (e.g. 512MiB; the least recently used dropped first), for "
+                                            "previous_response_id and GET /v1/responses/{id}; default: keep none",
+                                            "--responses-store-memory")
     reasoning_parser: str | None = _f(None, "split a thinking model's reasoning from its answer, as vLLM's: qwen3 or "
                                       "deepseek_r1 (<think>...</think>; Qwen3-Omni-30B-A3B-Thinking): chat answers "
                                       "carry it in message.reasoning (and reasoning_content), streamed as "
@@ -247,6 +251,8 @@ class ServeArgs:
             raise ValueError(f"--block-size must be in 1..1024 tokens, got {self.block_size} (16 is the usual value)")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory, "--kv-cache-memory")
+        if self.responses_store_memory is not None:
+            parse_bytes(self.responses_store_memory, "--responses-store-memory")
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.transport!r}")
         check_mode(self.malloc)
@@ -426,14 +432,15 @@ GATEWAY_FIELDS = frozenset(
      "stage_dns_refresh", "request_timeout", "limit_mm_per_prompt", "input_limits", "max_logprobs",
      "return_tokens_as_token_ids",
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser",
-     "reasoning_parser", "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
+     "reasoning_parser", "responses_store_memory", "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "request_timeout",
      "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
-     "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"}
+     "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
+     "responses_store_memory"}
 ) | HTTP_FRONT_FIELDS
 
 

@@ -8,6 +8,7 @@ import base64
 import json
 
 import httpx
+from mesh_harness import start_gateway
 from reference import png_bytes
 
 MODEL = "tiny-qwen3-omni"
@@ -75,3 +76,25 @@ def test_function_calls_are_the_chats(mesh):
                      {"role": "tool", "tool_call_id": chat_call["id"], "content": "done"}]}).json()
     assert again["usage"]["input_tokens"] == chat_again["usage"]["prompt_tokens"]
     assert again["output"][0]["content"][0]["text"] == chat_again["choices"][0]["message"]["content"]
+
+
+def test_previous_response_id_continues_the_conversation(mesh, tiny_model_dir):
+    """A gateway with --responses-store-memory on the shared mesh's stages: a second response that names the first
+    answers as the chat answers the whole conversation (the first turn, its answer, the new turn)."""
+    gw, url = start_gateway(tiny_model_dir, mesh.stages, "--responses-store-memory", "16MiB")
+    try:
+        first = httpx.post(f"{url}/v1/responses", timeout=TIMEOUT_S, json={
+            "model": MODEL, "input": "Tell me about the sea.", "max_output_tokens": 6, "temperature": 0}).json()
+        second = httpx.post(f"{url}/v1/responses", timeout=TIMEOUT_S, json={
+            "model": MODEL, "input": "And the sky?", "previous_response_id": first["id"], "max_output_tokens": 6,
+            "temperature": 0}).json()
+        kept = httpx.get(f"{url}/v1/responses/{second['id']}", timeout=TIMEOUT_S).json()
+    finally:
+        assert gw.stop() == 0
+    said = first["output"][0]["content"][0]["text"]
+    chat = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "max_tokens": 6, "temperature": 0, "messages": [
+            {"role": "user", "content": "Tell me about the sea."}, {"role": "assistant", "content": said},
+            {"role": "user", "content": "And the sky?"}]}).json()
+    assert second["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    assert second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] and kept == second
