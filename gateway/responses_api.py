@@ -25,7 +25,8 @@ stream: `response.created`, `response.in_progress`, `response.output_item.added`
   request says `store: false`; `previous_response_id` continues a stored conversation (its instructions not
   carried over, as OpenAI's); `GET` / `DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`.
   Without the flag nothing is kept: `store` is answered false and `previous_response_id` is a 400 naming the
-  flag. `conversation` (OpenAI's Conversations API) and `background` are 400s naming the field. `reasoning.effort` becomes the chat template's `reasoning_effort`
+  flag. `background` (with the store): answered "queued" at once, run in a task, polled by GET, stopped by
+  `POST /v1/responses/{id}/cancel`. `conversation` (OpenAI's Conversations API) is a 400 naming it. `reasoning.effort` becomes the chat template's `reasoning_effort`
   variable (as vLLM passes it; chat's `reasoning_effort` too); `reasoning.summary` is accepted, and no summary
   is written.
 """
@@ -33,6 +34,7 @@ stream: `response.created`, `response.in_progress`, `response.output_item.added`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -45,7 +47,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, field_validator
 
-from gateway.choices import Indexed
+from gateway.choices import Indexed, close_events, fan_out
 from gateway.events import (
     ChatRequest,
     Finished,
@@ -93,7 +95,6 @@ log = logging.getLogger(__name__)
 # fields of the Responses API omnimesh cannot honour, each with the test that its value asks for nothing
 UNSUPPORTED: dict[str, Any] = {
     "conversation": lambda v: v is None,
-    "background": lambda v: not v,
     "prompt": lambda v: v is None,
     "prompt_logprobs": lambda v: v is None,
 }
@@ -144,6 +145,7 @@ class ResponsesRequest(SamplingBody):
     text: TextOptions | None = None
     store: bool | None = None  # kept (--responses-store-memory) unless false; the answer says whether it was
     previous_response_id: str | None = None  # a stored response whose conversation this one continues
+    background: bool | None = None  # answer at once ("queued"); the response runs on, polled by GET (needs the store)
     metadata: dict[str, str] | None = None  # echoed back
     user: str | None = None
     tools: list[Any] | None = None  # function tools, checked one by one (gateway/responses_tools.py)
@@ -186,6 +188,7 @@ class ResponsesRoutes:
     def __init__(self, gw: RestGateway, store: ResponseStore | None = None) -> None:
         self.gw = gw
         self.store = store  # --responses-store-memory (None: nothing is kept)
+        self._running: dict[str, asyncio.Task] = {}  # background responses in flight, by id
 
     def _parse(self, raw: bytes) -> ResponsesRequest:
         """The body, its input items counted before they are validated (as a chat's messages)."""
@@ -202,7 +205,9 @@ class ResponsesRoutes:
             call = await self.build(body, client_id, started)
             return Answer(call.request.request_id, (call.request,), body.stream,
                           lambda first, events: self._complete(call, first, events),
-                          lambda first, state: self._stream(call, first, state))
+                          lambda first, state: self._stream(call, first, state),
+                          # background: answered now, "queued"; the run goes on in a task
+                          immediate=self._start_background(call) if body.background else None)
 
         return await self.gw.answer("responses", request, prepare)
 
@@ -242,8 +247,66 @@ class ResponsesRoutes:
                            structured=tools.structured or structured or other, tools=tools.tools,
                            truncate_prompt_tokens=body.truncate_prompt_tokens, reasoning_end=END if thinking else None,
                            template=TemplateOptions(kwargs=with_effort(None, effort) or {}))
+        if body.background:
+            if self.store is None:
+                raise invalid_request("background: a background response is polled from the store; start the "
+                                      "server with --responses-store-memory SIZE", "background")
+            if body.store is False:
+                raise invalid_request("background: a background response must be stored (store: true)", "store")
+            if body.stream:
+                raise invalid_request("stream: a background response is polled (GET /v1/responses/{id}), not "
+                                      "streamed, here", "stream")
         return _Response(chat, body, model, body.stream, int(time.time()), started, tools=tools,
                          conversation=conversation, stored=self.store is not None and body.store is not False)
+
+    def _start_background(self, call: _Response) -> Response:
+        """A background response: stored "queued" and answered so; a task runs it and stores how it ended."""
+        rid = call.request.request_id
+        queued = self._object(call, "queued", None, [])
+        self._keep(call, queued)
+        task = asyncio.create_task(self._background(call), name=f"background-{rid}")
+        self._running[rid] = task
+        task.add_done_callback(lambda _: self._running.pop(rid, None))
+        return JSONResponse(queued, headers={"X-Request-Id": rid})
+
+    async def _background(self, call: _Response) -> None:
+        """Run it as a whole answer (`_complete` stores it); a failure or a cancel is stored as its status."""
+        self.gw.metrics.running.inc()
+        events = aiter(fan_out(self.gw.pipeline, (call.request,)))
+        try:
+            first = await anext(events)
+            self._keep(call, self._object(call, "in_progress", None, []))
+            await self._complete(call, first, events)
+        except asyncio.CancelledError:
+            self._keep(call, self._object(call, "cancelled", None, []))
+            self.gw._finish("responses", 499, call.started)
+        except Exception as e:  # noqa: BLE001  # the client reads the failure from the stored response
+            err = e if isinstance(e, PipelineError) else internal_error(e)
+            if not isinstance(e, PipelineError):
+                log.exception("background response %s failed", call.request.request_id)
+            failed = self._object(call, "failed", None, [])
+            failed["error"] = {"code": error_response(err).error.code, "message": err.message}
+            self._keep(call, failed)
+            self.gw._finish("responses", err.http_status, call.started)
+        finally:
+            await close_events(events)
+            self.gw.metrics.running.dec()
+
+    async def cancel(self, request: Request) -> Response:
+        """`POST /v1/responses/{id}/cancel`: a background response still running stops (status "cancelled"); one
+        that ended is answered as it is."""
+        response_id = request.path_params["response_id"]
+        task = self._running.get(response_id)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        stored = self._stored(response_id)
+        if isinstance(stored, PipelineError):
+            return error_json(stored)
+        if not stored.response.get("background"):
+            return error_json(invalid_request("only a background response can be cancelled", "response_id"))
+        return JSONResponse(stored.response)
 
     def _previous(self, response_id: str | None) -> StoredResponse | None:
         if response_id is None:
@@ -310,6 +373,7 @@ class ResponsesRoutes:
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": call.model,
                 "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
+                "background": bool(b.background),
                 "previous_response_id": b.previous_response_id,
                 "reasoning": b.reasoning.model_dump(exclude_none=True) if b.reasoning is not None else None,
                 "store": call.stored, "temperature": b.temperature, "text": {"format": fmt},

@@ -196,6 +196,7 @@ class Answer:
     complete: Callable[[Indexed, AsyncIterator[Indexed]], Awaitable[Response]]  # the whole answer at the end
     streamed: Callable[[Indexed, StreamState], AsyncIterator[bytes]]  # the SSE body
     media_type: str = "text/event-stream"  # of the streamed body
+    immediate: Response | None = None  # answered at once, the runs left to the route (a background response)
 
 
 class Timed(Protocol):
@@ -396,6 +397,9 @@ class RestGateway:
         try:
             raw = await read_body(request, self.loader.limits.max_request_bytes)
             ans = await prepare(raw, request.headers.get("x-request-id"), started)
+            if ans.immediate is not None:
+                self._finish(endpoint, ans.immediate.status_code, started)
+                return ans.immediate
             events = aiter(fan_out(self.pipeline, ans.runs))
             try:
                 first = await anext(events)
@@ -751,6 +755,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     app.add_api_route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"])
     app.add_api_route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"])
     app.add_api_websocket_route("/v1/realtime", RealtimeRoutes(gw).realtime)
     audio = TranscriptionRoutes(gw)
     app.add_api_route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"])

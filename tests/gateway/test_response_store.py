@@ -6,17 +6,21 @@
   the request says `store: false`; `previous_response_id` continues its conversation (the earlier input and
   answer, not its instructions); a function call's output answers a call the stored answer made; a streamed
   answer is kept too; GET, DELETE and input_items (newest first by default, paged); unknown ids are 404s;
+- background responses: answered "queued" at once, polled to their end (completed, failed with the error,
+  cancelled while running: the run stops), the `openai` client's create / retrieve / cancel; background needs
+  the store and `store`, and is not streamed here; only a background response is cancelled;
 - the flag is checked and reaches the gateway. Without it: tests/gateway/test_responses.py (a 400 naming it)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from gateway_harness import RestServer, ScriptedPipeline
+from gateway_harness import RestServer, ScriptedPipeline, stage_down
 
 from gateway.events import ChatRequest, Event, Finished, TextDelta, TextPart, ToolCall
 from gateway.openai_schema import ContentPart, Message
@@ -147,3 +151,65 @@ def test_the_flag_is_checked_and_reaches_the_gateway(tmp_path: Path) -> None:
         ServeArgs(responses_store_memory="lots")
     argv = MeshLauncher(ServeArgs(responses_store_memory="64MiB"), tmp_path)._gateway_argv({})
     assert argv[argv.index("--responses-store-memory") + 1] == "64MiB"
+
+
+def _poll(server: RestServer, response_id: str, until: tuple[str, ...] = ("completed", "incomplete", "failed",
+                                                                       "cancelled")) -> dict:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        body = httpx.get(f"{server.base_url}/v1/responses/{response_id}", timeout=10).json()
+        if body["status"] in until:
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"{response_id} still {body['status']}")
+
+
+def test_background_responses_run_on_and_are_polled(served) -> None:
+    server, pipeline = served
+    pipeline.script = _script
+    pipeline.event_delay_s = 0.2
+    try:
+        queued = _post(server, input="Hi", background=True)
+        assert queued["status"] == "queued" and queued["background"] is True and queued["output"] == []
+        done = _poll(server, queued["id"])
+        assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == "Hello world"
+        assert done["usage"]["output_tokens"] == 2
+        # cancelled while it runs: the run stops in the stages, the response says so
+        running = _post(server, input="Hi", background=True)
+        _poll(server, running["id"], until=("in_progress",))
+        cancelled = httpx.post(f"{server.base_url}/v1/responses/{running['id']}/cancel", timeout=10).json()
+        assert cancelled["status"] == "cancelled" and running["id"] in pipeline.closed
+        again = httpx.post(f"{server.base_url}/v1/responses/{running['id']}/cancel", timeout=10).json()
+        assert again["status"] == "cancelled"  # it ended: answered as it is
+    finally:
+        pipeline.event_delay_s = 0.0
+    # a failure is the stored response's error
+    pipeline.script = lambda request: [stage_down()]
+    failed = _poll(server, _post(server, input="Hi", background=True)["id"])
+    assert failed["status"] == "failed" and "talker" in failed["error"]["message"]
+    # the openai client: create, retrieve, cancel
+    pipeline.script = _script
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")
+    started = client.responses.create(model="tiny-omni", input="Hi", background=True)
+    assert _poll(server, started.id)["status"] == "completed"
+    assert client.responses.retrieve(started.id).output_text == "Hello world"
+    assert client.responses.cancel(started.id).status == "completed"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"background": True, "stream": True}, "stream"),
+    ({"background": True, "store": False}, "store"),
+])
+def test_background_mistakes(served, body: dict, param: str) -> None:
+    server, pipeline = served
+    r = httpx.post(f"{server.base_url}/v1/responses", json={"model": "tiny-omni", "input": "Hi", **body}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_only_background_responses_are_cancelled(served) -> None:
+    server, pipeline = served
+    pipeline.script = _script
+    plain = _post(server, input="Hi")
+    r = httpx.post(f"{server.base_url}/v1/responses/{plain['id']}/cancel", timeout=10)
+    assert r.status_code == 400 and "background" in r.json()["error"]["message"]
+    assert httpx.post(f"{server.base_url}/v1/responses/resp_none/cancel", timeout=10).status_code == 404

@@ -109,7 +109,7 @@ def test_the_openai_client(rest_server, pipeline) -> None:
     ({"input": 5}, "input", "at least one message"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "--responses-store-memory"),
     ({"input": "x", "conversation": "conv_1"}, "conversation", "not supported"),
-    ({"input": "x", "background": True}, "background", "not supported"),
+    ({"input": "x", "background": True}, "background", "--responses-store-memory"),
     ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tool_choice", "--enable-auto-tool-choice"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "hosted tool"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name", "Field required"),
