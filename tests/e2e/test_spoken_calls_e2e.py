@@ -7,13 +7,15 @@ come after a few words (the bias is searched for, greedy, on the text answer). T
 - the spoken answer's text, usage and finish reason equal the text-only answer's (the second part, written
   text-only after `<tool_call>`, continues exactly where the uninterrupted answer goes);
 - its audio and transcript equal a spoken answer asked to stop at `<tool_call>` (stop_token_ids): the words
-  before the call, and only them.
+  before the call, and only them; streamed, the transcript deltas are those words and the content deltas the
+  text-only answer's text.
 The parts and the REST shapes against a scripted pipeline: tests/gateway/test_spoken_calls.py."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import wave
 
 import httpx
@@ -58,8 +60,16 @@ def test_the_talker_stops_where_the_call_starts(mesh, tiny_model_dir) -> None:
     try:
         text = _post(url, logit_bias={token: bias})
         spoken = _post(url, logit_bias={token: bias}, **SPEECH)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=TIMEOUT_S,
+                          json={**BASE, **SPEECH, "logit_bias": {token: bias}, "stream": True,
+                                "audio": {"voice": "ethan", "format": "pcm16"}}) as r:
+            deltas = [c["choices"][0]["delta"] for line in r.iter_lines() if line.startswith("data: {")
+                      for c in [json.loads(line[6:])] if c["choices"]]
     finally:
         assert gw.stop() == 0
+    streamed_said = "".join((d.get("audio") or {}).get("transcript") or "" for d in deltas)
+    assert streamed_said == words and "".join(d.get("content") or "" for d in deltas) == text["choices"][0][
+        "message"]["content"]
     said = _post(mesh.rest, tool_choice="none", logit_bias={token: bias}, stop_token_ids=[int(token)], **SPEECH)
     t, s, w = text["choices"][0], spoken["choices"][0], said["choices"][0]
     assert s["message"]["content"] == t["message"]["content"] and s["message"]["tool_calls"] == t["message"]["tool_calls"]
