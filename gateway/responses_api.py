@@ -15,7 +15,9 @@ stream: `response.created`, `response.in_progress`, `response.output_item.added`
 - A reasoning model (--reasoning-parser, gateway/reasoning.py): a `reasoning` item (its `reasoning_text`) before the
   message, streamed as `response.reasoning_text.delta` events at output 0 before the message opens at output 1.
 - Sampling: `temperature`, `top_p`, `max_output_tokens`, vLLM's extras the chat takes (`top_k`, `seed`, `stop`,
-  ...) at the top level; `text.format` json_schema / json_object becomes the thinker's structured output.
+  ...) at the top level; `text.format` json_schema / json_object becomes the thinker's structured output;
+  `top_logprobs` / `include: ["message.output_text.logprobs"]` put the answer tokens' logprobs on its
+  `output_text` part and its text deltas (a thought's tokens are left out).
 - Function calling (gateway/responses_tools.py): `tools` / `tool_choice` / `parallel_tool_calls` by the chat's
   rules, `function_call` / `function_call_output` input items as the chat's calls and tool turns; the calls the
   thinker makes are `function_call` output items after the message (no message when the answer is only calls;
@@ -39,8 +41,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from fastapi import Request
@@ -61,6 +63,7 @@ from gateway.http_errors import error_json, internal_error
 from gateway.media import invalid_request
 from gateway.openai_schema import (
     check_turns,
+    choice_logprobs,
     ContentPart,
     FunctionCall,
     ImageURL,
@@ -85,6 +88,7 @@ from gateway.responses_tools import call_item, item_messages, responses_tool_pla
 from gateway.sse import DONE, StreamState, chain, run_to_end, sse
 from gateway.structured_request import require_llguidance, structured_spec
 from gateway.tool_calls import NO_TOOLS, ToolAnswer, ToolPlan
+from omnimesh.v1 import stage_pb2
 from services.llm.structured_output import grammar_for
 
 if TYPE_CHECKING:
@@ -98,6 +102,7 @@ UNSUPPORTED: dict[str, Any] = {
     "prompt": lambda v: v is None,
     "prompt_logprobs": lambda v: v is None,
 }
+LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the answer's logprobs
 _PART_TYPES = ("input_text", "output_text", "input_image", "input_audio")
 
 
@@ -146,6 +151,8 @@ class ResponsesRequest(SamplingBody):
     store: bool | None = None  # kept (--responses-store-memory) unless false; the answer says whether it was
     previous_response_id: str | None = None  # a stored response whose conversation this one continues
     background: bool | None = None  # answer at once ("queued"); the response runs on, polled by GET (needs the store)
+    top_logprobs: int | None = None  # alternatives per token in the answer's logprobs (0-20, --max-logprobs)
+    include: list[str] | None = None  # "message.output_text.logprobs": each answer token's logprob (others: ignored)
     metadata: dict[str, str] | None = None  # echoed back
     user: str | None = None
     tools: list[Any] | None = None  # function tools, checked one by one (gateway/responses_tools.py)
@@ -217,6 +224,12 @@ class ResponsesRoutes:
         if body.n not in (None, 1):
             raise invalid_request("n: the Responses API answers one output; use /v1/chat/completions for choices", "n")
         sampling = body.overrides(body.max_output_tokens)
+        if body.top_logprobs is not None or LOGPROBS in (body.include or ()):  # the answer's tokens' logprobs
+            top = body.top_logprobs or 0
+            if not 0 <= top <= (top if gw.max_logprobs < 0 else gw.max_logprobs):
+                raise invalid_request(f"top_logprobs: must be in [0, {gw.max_logprobs}] (--max-logprobs), got {top}",
+                                      "top_logprobs")
+            sampling = replace(sampling, logprobs=top)
         try:
             check_sampling(sampling, "", gw.max_logprobs)
         except PipelineError as e:  # the Responses API's name for max_tokens
@@ -390,13 +403,21 @@ class ResponsesRoutes:
                 "content": [{"type": "reasoning_text", "text": thought}]}
 
     @staticmethod
-    def _message_item(call: _Response, done: str, text: str) -> dict[str, Any]:
+    def _message_item(call: _Response, done: str, text: str, logprobs: list[dict[str, Any]] | None = None
+                      ) -> dict[str, Any]:
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
         return {"type": "message", "id": call.item_id, "status": "completed" if done == "completed" else "incomplete",
-                "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}
+                "role": "assistant", "content": [part]}
+
+    def _logprobs(self, entries: list[stage_pb2.TokenLogprob]) -> list[dict[str, Any]]:
+        """The thinker's entries in the Responses API's shape (the chat's: token, logprob, bytes, top_logprobs)."""
+        content = choice_logprobs(entries, as_ids=self.gw.tokens_as_ids).content or []
+        return [t.model_dump() for t in content]
 
     async def _complete(self, call: _Response, first: Indexed, events: AsyncIterator[Indexed]) -> Response:
         thoughts: list[str] = []
         answers: list[str] = []
+        entries: list[stage_pb2.TokenLogprob] = []  # the answer's tokens' (a thought's are left out)
         split = ThoughtTokens(self._split(call))  # delta by delta: what `AnswerSplit.whole` gives the whole text
 
         def take(ev: object) -> None:
@@ -405,6 +426,8 @@ class ResponsesRoutes:
                 thought, answer = split.push(ev.text, ev.usage)
                 thoughts.append(thought)
                 answers.append(answer)
+                if split.answered or call.request.reasoning_end is None:
+                    entries.extend(ev.logprobs)
 
         finished = await run_to_end(first, events, take)
         done = "incomplete" if finished.finish_reason == "length" else "completed"
@@ -416,7 +439,7 @@ class ResponsesRoutes:
         text, calls = text + tail, calls + more
         thought = "".join(thoughts) + thought
         output = ([self._reasoning_item(call, thought)] if thought else []) \
-            + ([self._message_item(call, done, text)] if text.strip() or not calls else []) \
+            + ([self._message_item(call, done, text, self._logprobs(entries))] if text.strip() or not calls else []) \
             + [call_item(c) for c in calls]
         response = self._object(call, done, finished, output, split.total(finished.completion_tokens))
         self._keep(call, response)
@@ -511,7 +534,9 @@ class ResponsesRoutes:
                     finished = ev
                     break
                 if isinstance(ev, TextDelta) and ev.text:
-                    for event in out.push(split.push(ev.text, ev.usage)):
+                    piece = split.push(ev.text, ev.usage)
+                    answering = split.answered or call.request.reasoning_end is None  # a thought's logprobs stay out
+                    for event in out.push(piece, ev.logprobs if answering else ()):
                         yield event
             if finished is None:
                 raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
@@ -552,12 +577,17 @@ class _StreamedOutput:
         self.message: dict[str, Any] | None = None  # the open message's item_id / output_index / content_index
         self.blank = ""  # blank answer text held while no message is open (with tools there may be none)
         self.calls = 0
+        self.entries: list[stage_pb2.TokenLogprob] = []  # the answer's tokens' logprobs (when asked), all of them
+        self.unsent = 0  # of those, the ones no text delta carried yet
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         return self.routes._event(self.call, kind, **fields)
 
-    def push(self, piece: tuple[str, str]) -> list[bytes]:
-        """One delta's (reasoning, answer) as events."""
+    def push(self, piece: tuple[str, str], entries: Sequence[stage_pb2.TokenLogprob] = ()) -> list[bytes]:
+        """One delta's (reasoning, answer) as events; `entries`: the answer's tokens' logprobs in it (they go with
+        the next text delta)."""
+        self.entries.extend(entries)
+        self.unsent += len(entries)
         thought, answer = piece
         out = self._thought(thought) if thought else []
         content, calls = self.tools.push(answer) if answer else ("", [])
@@ -573,8 +603,9 @@ class _StreamedOutput:
         out += self._close_reasoning()
         if self.message is not None:
             where, whole = self.message, "".join(self.text)
-            item = self.routes._message_item(self.call, done, whole)
-            out += [self._event("response.output_text.done", **where, text=whole, logprobs=[]),
+            item = self.routes._message_item(self.call, done, whole, self.routes._logprobs(self.entries))
+            out += [self._event("response.output_text.done", **where, text=whole,
+                                logprobs=item["content"][0]["logprobs"]),
                     self._event("response.content_part.done", **where, part=item["content"][0]),
                     self._event("response.output_item.done", output_index=where["output_index"], item=item)]
             self.items[where["output_index"]] = item
@@ -599,7 +630,10 @@ class _StreamedOutput:
         out = self.open_message() if self.message is None else []
         if content:
             self.text.append(content)
-            out.append(self._event("response.output_text.delta", **self.message, delta=content, logprobs=[]))  # type: ignore[arg-type]
+            carried = self.entries[len(self.entries) - self.unsent:] if self.unsent else []
+            self.unsent = 0
+            out.append(self._event("response.output_text.delta", **self.message, delta=content,  # type: ignore[arg-type]
+                                   logprobs=self.routes._logprobs(carried)))
         return out
 
     def _thought(self, thought: str) -> list[bytes]:

@@ -98,3 +98,15 @@ def test_previous_response_id_continues_the_conversation(mesh, tiny_model_dir):
             {"role": "user", "content": "And the sky?"}]}).json()
     assert second["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
     assert second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] and kept == second
+
+
+def test_logprobs_are_the_chats(mesh):
+    """`top_logprobs` on a response: each answer token's entry equals the chat completion's for the same turn."""
+    resp = httpx.post(f"{mesh.rest}/v1/responses", timeout=TIMEOUT_S, json={
+        "model": MODEL, "input": "Tell me about the sea.", "max_output_tokens": 5, "temperature": 0,
+        "top_logprobs": 2}).json()
+    chat = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 5,
+        "temperature": 0, "logprobs": True, "top_logprobs": 2}).json()
+    got = resp["output"][0]["content"][0]["logprobs"]
+    assert got == chat["choices"][0]["logprobs"]["content"] and len(got) == 5

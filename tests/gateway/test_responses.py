@@ -37,7 +37,7 @@ def test_a_string_input_and_instructions(rest_server, pipeline) -> None:
     assert body["status"] == "completed" and body["incomplete_details"] is None and body["store"] is False
     [item] = body["output"]
     assert item["type"] == "message" and item["role"] == "assistant" and item["status"] == "completed"
-    assert item["content"] == [{"type": "output_text", "text": "Hello world", "annotations": []}]
+    assert item["content"] == [{"type": "output_text", "text": "Hello world", "annotations": [], "logprobs": []}]
     assert body["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 2,
                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 9}
     assert body["metadata"] == {"k": "v"} and body["instructions"] == "Be brief." and body["max_output_tokens"] == 9
@@ -173,3 +173,37 @@ def test_reasoning_effort_reaches_the_chat_template(rest_server, pipeline) -> No
     httpx.post(f"{rest_server.base_url}/v1/chat/completions", json=chat, timeout=10)
     assert pipeline.requests[-1].template.kwargs == {"reasoning_effort": "medium", "x": 1}
     assert post(rest_server, {"input": "x"}).json()["reasoning"] is None
+
+
+def test_the_answers_logprobs_when_asked(rest_server, pipeline) -> None:
+    """`top_logprobs` / `include: ["message.output_text.logprobs"]`: the thinker is asked for them and each answer
+    token's entry comes on the output_text part (the chat's shape), whole and with the stream's text deltas."""
+    from omnimesh.v1 import stage_pb2
+
+    def entry(token: bytes, lp: float) -> stage_pb2.TokenLogprob:
+        return stage_pb2.TokenLogprob(token_id=1, token=token, logprob=lp,
+                                      top=[stage_pb2.TopLogprob(token_id=2, token=b"x", logprob=-3.0)])
+
+    pipeline.script = lambda request: [TextDelta("Hello", logprobs=(entry(b"Hello", -0.5),)),
+                                       TextDelta(" world", logprobs=(entry(b" world", -1.0),)),
+                                       Finished("stop", prompt_tokens=7, completion_tokens=2)]
+    body = post(rest_server, {"input": "Hi", "top_logprobs": 1, "include": ["message.output_text.logprobs"]}).json()
+    assert pipeline.requests[-1].sampling.logprobs == 1
+    lps = body["output"][0]["content"][0]["logprobs"]
+    assert [(t["token"], t["logprob"], t["bytes"]) for t in lps] == [("Hello", -0.5, list(b"Hello")),
+                                                                    (" world", -1.0, list(b" world"))]
+    assert lps[0]["top_logprobs"] == [{"token": "x", "logprob": -3.0, "bytes": [120]}]
+    post(rest_server, {"input": "Hi", "include": ["message.output_text.logprobs", "reasoning.encrypted_content"]})
+    assert pipeline.requests[-1].sampling.logprobs == 0  # include alone: the tokens' own, no alternatives
+    post(rest_server, {"input": "Hi"})
+    assert pipeline.requests[-1].sampling.logprobs is None
+    with httpx.stream("POST", f"{rest_server.base_url}/v1/responses", timeout=10,
+                      json={"model": "tiny-omni", "input": "Hi", "stream": True, "top_logprobs": 1}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [[t["token"] for t in e["logprobs"]] for e in deltas] == [["Hello"], [" world"]]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == lps == events[-1]["response"]["output"][0]["content"][0]["logprobs"]
+    r = httpx.post(f"{rest_server.base_url}/v1/responses", json={"model": "tiny-omni", "input": "x",
+                                                                  "top_logprobs": 21}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
