@@ -62,6 +62,7 @@ class ChatMessage:
     content: tuple[ContentPart, ...]
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning: str | None = None  # an assistant turn's reasoning (the template's `reasoning_content`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,6 +135,10 @@ class Message(StrictBody):
     tool_calls: list[MessageToolCall] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this answers
     audio: AudioRef | None = None  # assistant turns: an earlier spoken answer, its transcript as the text
+    # assistant turns: the reasoning before the answer (vLLM's `reasoning`, and `reasoning_content` its former name),
+    # handed to the chat template as `reasoning_content`, which a thinking model's template reads
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -153,6 +157,8 @@ class Message(StrictBody):
     def _tool_fields_match_the_role(self) -> Message:
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"tool_calls: only assistant messages make calls (this is a '{self.role}' message)")
+        if (self.reasoning is not None or self.reasoning_content is not None) and self.role != "assistant":
+            raise ValueError(f"reasoning: only assistant messages carry reasoning (this is a '{self.role}' message)")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a 'tool' message needs the tool_call_id of the call it answers")
         if self.audio is not None and self.role != "assistant":

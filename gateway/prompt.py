@@ -117,6 +117,8 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
                                      for c in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        if m.reasoning is not None:  # as vLLM hands it over: a thinking model's template reads it
+            message["reasoning_content"] = m.reasoning
         out.append(message)
     if len({v.fps for v in videos}) > 1:  # the processor takes one fps per call; one loader samples them all alike
         raise invalid_request(f"messages: the videos were sampled at different rates {sorted({v.fps for v in videos})}",

@@ -365,8 +365,11 @@ class ResponsesRoutes:
                         raise invalid_request(f"{where}.input_audio: an 'input_audio' part needs its input_audio "
                                               "({\"data\", \"format\"})", f"{where}.input_audio")
                     content.append(ContentPart(type="input_audio", input_audio=p.input_audio))
-            out.append(Message(role=item.role, content=content))
-        return out
+            if item.role == "assistant" and out and _thought_only(out[-1]):  # its reasoning came just before
+                out[-1].content = content
+            else:
+                out.append(Message(role=item.role, content=content))
+        return [m for m in out if not _thought_only(m)]  # a reasoning item that no answer followed says nothing
 
     # ---------------------------------------------------------------------------------------- answers
     def _object(self, call: _Response, status: str, finished: Finished | None, output: list[dict[str, Any]],
@@ -447,21 +450,24 @@ class ResponsesRoutes:
 
     def _keep(self, call: _Response, answer: dict[str, Any]) -> None:
         """A response to store (`call.stored`): its object, its input items, and the conversation with this answer
-        (its text as an assistant turn, its calls on it; its reasoning left out, as the templates leave it)."""
+        (its text as an assistant turn, its calls and its reasoning on it)."""
         if not call.stored or self.store is None:
             return
         said: list[Message] = []
+        thought: str | None = None
         for item in answer["output"]:
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                thought = "".join(p["text"] for p in item["content"]) or None
+            elif item["type"] == "message":
                 text = "".join(p["text"] for p in item["content"])
-                said.append(Message(role="assistant", content=[ContentPart(type="text", text=text)]))
+                said.append(Message(role="assistant", content=[ContentPart(type="text", text=text)], reasoning=thought))
             elif item["type"] == "function_call":
                 made = MessageToolCall(id=item["call_id"], function=FunctionCall(name=item["name"],
                                                                                  arguments=item["arguments"]))
                 if said:
                     said[-1].tool_calls = [*(said[-1].tool_calls or []), made]
                 else:
-                    said.append(Message(role="assistant", content=[], tool_calls=[made]))
+                    said.append(Message(role="assistant", content=[], tool_calls=[made], reasoning=thought))
         given = call.body.input
         items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}] \
             if isinstance(given, str) else given
@@ -673,6 +679,11 @@ class _StreamedOutput:
                       self._event("response.function_call_arguments.delta", **where, delta=made.arguments),
                       self._event("response.function_call_arguments.done", **where, arguments=made.arguments),
                       self._event("response.output_item.done", output_index=index, item=item)]
+
+
+def _thought_only(m: Message) -> bool:
+    """An assistant turn that has its reasoning and nothing else yet."""
+    return m.role == "assistant" and m.reasoning is not None and not m.content and not m.tool_calls
 
 
 def _structured(body: ResponsesRequest) -> tuple[str, str] | None:

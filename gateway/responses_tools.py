@@ -11,8 +11,9 @@ Role: the Responses API spells function calling its own way; this module turns i
 - input items `function_call` (an earlier answer's call, sent back) and `function_call_output` (the client's
   result for it) -> the chat's assistant `tool_calls` and `tool` turns, which the chat template renders (calls
   following an assistant message join it, as one assistant turn); an output whose call_id no earlier call
-  carries is a 400. `reasoning` items (an earlier answer's, sent back as the SDKs do) are accepted and left
-  out of the prompt, as the Qwen templates leave out earlier turns' thinking.
+  carries is a 400. A `reasoning` item (an earlier answer's, sent back as the SDKs do) becomes the
+  `reasoning` of the assistant turn after it, which the chat template reads as `reasoning_content` (a
+  thinking model's template shows it where it wants it, usually only within the current tool loop).
 - the calls the thinker made -> `function_call` output items (`call_item`): `call_id` the call's id, `arguments`
   JSON text, after the message (which is left out when the answer is only calls).
 
@@ -80,7 +81,7 @@ class FunctionCallOutputItem(StrictBody):
 
 
 class ReasoningItem(StrictBody):
-    """An earlier answer's reasoning, sent back (accepted; not part of the next prompt)."""
+    """An earlier answer's reasoning, sent back: its text goes with the assistant turn after it."""
 
     type: Literal["reasoning"]
     id: str | None = None
@@ -88,6 +89,11 @@ class ReasoningItem(StrictBody):
     content: list[Any] | None = None
     encrypted_content: str | None = None
     status: str | None = None
+
+    def text(self) -> str:
+        """Its `reasoning_text` parts joined ("" when it carries none: a summary or encrypted content only)."""
+        return "".join(p.get("text", "") for p in self.content or () if isinstance(p, dict)
+                       and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str))
 
 
 def responses_tool_plan(tools: list[Any] | None, choice: Any, parallel_tool_calls: bool | None,
@@ -132,8 +138,10 @@ def item_messages(item: Any, i: int, out: list[Message], calls: set[str]) -> boo
         out.append(Message(role="tool", content=[ContentPart(type="text", text=result.text())],
                            tool_call_id=result.call_id))
         return True
-    if kind == "reasoning":
-        validate_body(ReasoningItem, item, ("input", i))
+    if kind == "reasoning":  # an assistant turn that has only thought so far; its answer or calls join it
+        thought = validate_body(ReasoningItem, item, ("input", i)).text()
+        if thought:
+            out.append(Message(role="assistant", content=[], reasoning=thought))
         return True
     if kind == "item_reference":
         raise invalid_request(f"input[{i}].type: an item_reference points at a stored item; omnimesh stores "

@@ -362,7 +362,9 @@ class RestGateway:
             parts = [TextPart(self._earlier_answer(m.audio.id, f"messages[{i}].audio.id"))]
         role = "system" if m.role == "developer" else m.role
         calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
-        return ChatMessage(role=role, content=tuple(parts), tool_calls=calls, tool_call_id=m.tool_call_id)
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        return ChatMessage(role=role, content=tuple(parts), tool_calls=calls, tool_call_id=m.tool_call_id,
+                           reasoning=reasoning)
 
     def _earlier_answer(self, audio_id: str, param: str) -> str:
         """The transcript of this gateway's spoken answer `audio_id` (OpenAI's multi-turn audio), else a 400."""

@@ -9,7 +9,8 @@
 - the official `openai` client's loop: the calls sent back as `function_call` items with their
   `function_call_output`, which become the chat's assistant calls and tool turn;
 - a forced call (named, or "required") without --enable-auto-tool-choice: the thinker held to its JSON;
-- a reasoning model: the reasoning item first, then the call.
+- a reasoning model: the reasoning item first, then the call; sent back, its text is the reasoning of the
+  assistant turn after it.
 The 400s: tests/gateway/test_responses.py::test_bad_bodies. Through a real mesh: tests/e2e/test_responses_e2e.py."""
 
 from __future__ import annotations
@@ -185,3 +186,5 @@ def test_a_reasoning_model_reasons_then_calls() -> None:
     assert again["output"][-1]["content"][0]["text"] == "\n\nRain."
     assert [m.role for m in pipeline.requests[-1].messages] == ["user", "assistant", "tool"]
     assert len(pipeline.requests[-1].messages[1].tool_calls) == 2
+    # its thought goes with that assistant turn, for the template (`reasoning_content`)
+    assert pipeline.requests[-1].messages[1].reasoning == out["output"][0]["content"][0]["text"] != ""

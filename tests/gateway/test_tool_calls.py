@@ -159,6 +159,32 @@ def test_tools_and_earlier_calls_render_as_the_template_writes_them(builder: Pro
     assert "# Tools" not in plain
 
 
+def test_an_assistant_turns_reasoning_reaches_the_template(builder: PromptBuilder) -> None:
+    """vLLM hands an assistant message's `reasoning` (or `reasoning_content`) to the template as `reasoning_content`:
+    a thinking model's template decides where it shows (here, one that writes every turn's)."""
+    thinking = PromptBuilder(builder.processor, max_model_len=1024, chat_template=(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+        "</think>{% endif %}{% for p in m.content %}{{ p.text }}{% endfor %}<|im_end|>\n{% endfor %}"))
+    messages = (ChatMessage("user", (TextPart("Hi"),)), ChatMessage("assistant", (TextPart("Hello"),), reasoning="greet"),
+                ChatMessage("user", (TextPart("Bye"),)))
+    text, conv = thinking.render(ChatRequest(request_id="r", model="m", messages=messages))
+    assert "<|im_start|>assistant\n<think>greet</think>Hello<|im_end|>" in text
+    assert conv.messages[1]["reasoning_content"] == "greet" and "reasoning_content" not in conv.messages[0]
+    body = {"messages": [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}]}
+    assert parse_chat_request(json.dumps(body).encode()).messages[1].reasoning_content == "greet"
+    with pytest.raises(PipelineError, match="only assistant messages carry reasoning"):
+        parse_chat_request(json.dumps({"messages": [{"role": "user", "content": "Hi", "reasoning": "x"}]}).encode())
+
+
+def test_rest_hands_on_an_assistant_turns_reasoning(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    body = {"model": "tiny-omni", "messages": [{"role": "user", "content": "Hi"},
+                                               {"role": "assistant", "content": "Hello", "reasoning": "greet"},
+                                               {"role": "user", "content": "Bye"}]}
+    assert httpx.post(f"{rest_server.base_url}/v1/chat/completions", json=body, timeout=10).status_code == 200
+    assert pipeline.requests[-1].messages[1].reasoning == "greet"
+
+
 def test_a_template_without_tools_refuses_them(builder: PromptBuilder) -> None:
     bare = PromptBuilder(builder.processor, max_model_len=1024,
                          chat_template="{% for m in messages %}{{ m.role }}{% endfor %}")
