@@ -22,8 +22,12 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gateway.openai_schema import Message
 from omnimesh.config.stage_config import parse_bytes
@@ -46,7 +50,7 @@ class StoredResponse:
         return {c.id for m in self.conversation for c in m.tool_calls or ()}
 
 
-class ResponseStore:
+class ResponseStore(Collector):
     def __init__(self, budget_bytes: int) -> None:
         if budget_bytes < 1:
             raise ValueError(f"the response store needs at least 1 byte, got {budget_bytes}")
@@ -86,6 +90,16 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def collect(self) -> Iterable[Metric]:
+        """Its Prometheus series (the gateway's /metrics registers the store as a collector)."""
+        with self._lock:
+            kept, used = len(self._items), self.used
+        return [GaugeMetricFamily("omnimesh:responses_stored", "Responses API answers kept (--responses-store-memory)",
+                                  value=kept),
+                GaugeMetricFamily("omnimesh:responses_store_bytes", "Bytes the kept responses take (their JSON)",
+                                  value=used),
+                GaugeMetricFamily("omnimesh:responses_store_capacity_bytes", "--responses-store-memory", value=self.budget)]
 
 
 def responses_store(size: str | None) -> ResponseStore | None:

@@ -753,6 +753,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     app.add_api_route("/v1/audio/speech", speech.speech, methods=["POST"])
     app.add_api_route("/v1/audio/voices", speech.voices, methods=["GET"])
     responses = ResponsesRoutes(gw, responses_store)
+    if responses_store is not None:
+        gw.metrics.registry.register(responses_store)  # its size on /metrics
     app.add_api_route("/v1/responses", responses.responses, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"])

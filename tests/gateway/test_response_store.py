@@ -9,7 +9,7 @@
 - background responses: answered "queued" at once, polled to their end (completed, failed with the error,
   cancelled while running: the run stops), the `openai` client's create / retrieve / cancel; background needs
   the store and `store`, and is not streamed here; only a background response is cancelled;
-- the flag is checked and reaches the gateway. Without it: tests/gateway/test_responses.py (a 400 naming it)."""
+- its size on /metrics; the flag is checked and reaches the gateway. Without it: tests/gateway/test_responses.py (a 400 naming it)."""
 
 from __future__ import annotations
 
@@ -142,6 +142,17 @@ def test_input_items_are_paged(served) -> None:
     assert asc["first_id"] == "msg_0"
     assert httpx.get(url, params={"limit": 0}, timeout=10).status_code == 400
     assert httpx.get(f"{server.base_url}/v1/responses/resp_none/input_items", timeout=10).status_code == 404
+
+
+def test_the_store_is_on_metrics(served) -> None:
+    server, pipeline = served
+    pipeline.script = _script
+    _post(server, input="Hi")
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    series = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("omnimesh:responses_store")}
+    assert series["omnimesh:responses_stored"] >= 1 and series["omnimesh:responses_store_capacity_bytes"] == 1 << 20
+    assert 0 < series["omnimesh:responses_store_bytes"] <= 1 << 20
 
 
 def test_the_flag_is_checked_and_reaches_the_gateway(tmp_path: Path) -> None:
