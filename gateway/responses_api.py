@@ -195,7 +195,7 @@ class ResponsesRoutes:
     def __init__(self, gw: RestGateway, store: ResponseStore | None = None) -> None:
         self.gw = gw
         self.store = store  # --responses-store-memory (None: nothing is kept)
-        self._running: dict[str, asyncio.Task] = {}  # background responses in flight, by id
+        self._running: dict[str, tuple[asyncio.Task, _Response]] = {}  # background responses in flight, by id
 
     def _parse(self, raw: bytes) -> ResponsesRequest:
         """The body, its input items counted before they are validated (as a chat's messages)."""
@@ -278,7 +278,7 @@ class ResponsesRoutes:
         queued = self._object(call, "queued", None, [])
         self._keep(call, queued)
         task = asyncio.create_task(self._background(call), name=f"background-{rid}")
-        self._running[rid] = task
+        self._running[rid] = (task, call)
         task.add_done_callback(lambda _: self._running.pop(rid, None))
         return JSONResponse(queued, headers={"X-Request-Id": rid})
 
@@ -305,15 +305,29 @@ class ResponsesRoutes:
             await close_events(events)
             self.gw.metrics.running.dec()
 
+    async def close(self) -> None:
+        """The gateway stops: background responses still running end "cancelled" (their runs stop in the stages)."""
+        await asyncio.gather(*(self._stop(rid) for rid in list(self._running)))
+
+    async def _stop(self, response_id: str) -> None:
+        """Cancel a running background response and wait for it; one cancelled before its task ever ran is
+        stored "cancelled" here (its coroutine never started, so it could not say so itself)."""
+        running = self._running.get(response_id)
+        if running is None:
+            return
+        task, call = running
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        stored = self.store.get(response_id) if self.store is not None else None
+        if stored is not None and stored.response["status"] in ("queued", "in_progress"):
+            self._keep(call, self._object(call, "cancelled", None, []))
+
     async def cancel(self, request: Request) -> Response:
         """`POST /v1/responses/{id}/cancel`: a background response still running stops (status "cancelled"); one
         that ended is answered as it is."""
         response_id = request.path_params["response_id"]
-        task = self._running.get(response_id)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._stop(response_id)
         stored = self._stored(response_id)
         if isinstance(stored, PipelineError):
             return error_json(stored)

@@ -753,6 +753,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     app.add_api_route("/v1/audio/speech", speech.speech, methods=["POST"])
     app.add_api_route("/v1/audio/voices", speech.voices, methods=["GET"])
     responses = ResponsesRoutes(gw, responses_store)
+    app.state.responses = responses  # the server closes it on shutdown (background responses end cancelled)
     if responses_store is not None:
         gw.metrics.registry.register(responses_store)  # its size on /metrics
     app.add_api_route("/v1/responses", responses.responses, methods=["POST"])

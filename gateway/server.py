@@ -127,6 +127,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
         raise failure
     rest.should_exit = True
     await asyncio.gather(rest_task, return_exceptions=True)
+    await app.state.responses.close()  # background responses still running end "cancelled"
     await grpc_server.stop(5.0)
     if discovery is not None:
         await discovery.stop()

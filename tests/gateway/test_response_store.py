@@ -224,3 +224,19 @@ def test_only_background_responses_are_cancelled(served) -> None:
     r = httpx.post(f"{server.base_url}/v1/responses/{plain['id']}/cancel", timeout=10)
     assert r.status_code == 400 and "background" in r.json()["error"]["message"]
     assert httpx.post(f"{server.base_url}/v1/responses/resp_none/cancel", timeout=10).status_code == 404
+
+
+async def test_stopping_the_gateway_cancels_background_responses() -> None:
+    """On shutdown (`app.state.responses.close()`, gateway/server.py) a background response still running ends
+    "cancelled", its run stopped in the pipeline, instead of a task left pending."""
+    pipeline = ScriptedPipeline()
+    pipeline.script = _script
+    pipeline.event_delay_s = 5.0
+    app = create_app(pipeline, served_model_names=("tiny-omni",), responses_store=ResponseStore(1 << 20))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+        queued = (await client.post("/v1/responses", json={"model": "tiny-omni", "input": "Hi",
+                                                           "background": True})).json()
+        assert queued["status"] == "queued"
+        await app.state.responses.close()
+        stopped = (await client.get(f"/v1/responses/{queued['id']}")).json()
+    assert stopped["status"] == "cancelled" and queued["id"] in pipeline.closed
