@@ -86,7 +86,7 @@ def chat_messages(items: list[Any]) -> list[ChatMessage]:
     for item in items:
         if isinstance(item, CallItem):
             last = out[-1] if out else None
-            if last is not None and last.role == "assistant" and last.tool_call_id is None:
+            if last is not None and last.role == "assistant":
                 out[-1] = ChatMessage("assistant", last.content, (*last.tool_calls, item.call))
             else:
                 out.append(ChatMessage("assistant", (), (item.call,)))

@@ -155,6 +155,11 @@ class ThoughtTokens:
     def finish(self) -> tuple[str, str]:
         return self.split.finish()
 
+    @property
+    def in_answer(self) -> bool:
+        """The text now is the answer's (the answer began, or nothing reasons here)."""
+        return self.answered or self.split.stream is None
+
     def total(self, completion_tokens: int) -> int:
         stream = self.split.stream
         if stream is None:

@@ -38,12 +38,13 @@ class StoredResponse:
     response: dict[str, Any]  # the response object as answered
     input_items: list[dict[str, Any]]  # this request's input, as items (a string input: one user message)
     conversation: list[Message]  # the chat so far, this answer included (no instructions)
-    size: int = field(default=0)
+    # what the conversation takes, counted as it grew: each request's body and each answer's output (JSON bytes),
+    # so a long conversation with media is not serialized again at every turn
+    conversation_bytes: int
+    size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if not self.size:
-            self.size = (len(json.dumps(self.response)) + len(json.dumps(self.input_items))
-                         + sum(len(m.model_dump_json()) for m in self.conversation))
+        self.size = self.conversation_bytes + len(json.dumps(self.response))
 
     def call_ids(self) -> set[str]:
         """The ids of the calls the conversation made (a later input may answer them)."""

@@ -183,6 +183,7 @@ class _Response:
     tools: ToolPlan = NO_TOOLS  # what the answer's function calls are (gateway/tool_calls.py)
     conversation: list[Message] = field(default_factory=list)  # the chat so far without instructions (stored)
     stored: bool = False  # the answer will be kept (gateway/response_store.py)
+    kept_bytes: int = 0  # the stored conversation's bytes with this request's body (response_store.py)
 
     def next_sequence(self) -> int:
         self.sequence += 1
@@ -209,7 +210,7 @@ class ResponsesRoutes:
         async def prepare(raw: bytes, client_id: str | None, started: float) -> Answer:
             body = await asyncio.to_thread(self._parse, raw)
             refuse_unsupported(body, UNSUPPORTED)
-            call = await self.build(body, client_id, started)
+            call = await self.build(body, client_id, started, len(raw))
             return Answer(call.request.request_id, (call.request,), body.stream,
                           lambda first, events: self._complete(call, first, events),
                           lambda first, state: self._stream(call, first, state),
@@ -218,23 +219,22 @@ class ResponsesRoutes:
 
         return await self.gw.answer("responses", request, prepare)
 
-    async def build(self, body: ResponsesRequest, client_id: str | None, started: float) -> _Response:
+    async def build(self, body: ResponsesRequest, client_id: str | None, started: float,
+                    body_bytes: int) -> _Response:
+        """The chat the body stands for; `body_bytes` (the request's size) is what a stored answer's input takes."""
         gw = self.gw
         model = resolve_model(body.model, gw.served_model_names)
         if body.n not in (None, 1):
             raise invalid_request("n: the Responses API answers one output; use /v1/chat/completions for choices", "n")
         sampling = body.overrides(body.max_output_tokens)
         if body.top_logprobs is not None or LOGPROBS in (body.include or ()):  # the answer's tokens' logprobs
-            top = body.top_logprobs or 0
-            if not 0 <= top <= (top if gw.max_logprobs < 0 else gw.max_logprobs):
-                raise invalid_request(f"top_logprobs: must be in [0, {gw.max_logprobs}] (--max-logprobs), got {top}",
-                                      "top_logprobs")
-            sampling = replace(sampling, logprobs=top)
+            sampling = replace(sampling, logprobs=body.top_logprobs or 0)
         try:
             check_sampling(sampling, "", gw.max_logprobs)
-        except PipelineError as e:  # the Responses API's name for max_tokens
-            if e.param == "max_tokens":
-                raise invalid_request(e.message.replace("max_tokens", "max_output_tokens"), "max_output_tokens") from None
+        except PipelineError as e:  # the Responses API's names for max_tokens and logprobs
+            name = {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}.get(e.param or "")
+            if name is not None:
+                raise invalid_request(e.message.replace(str(e.param), name, 1), name) from None
             raise
         previous = self._previous(body.previous_response_id)
         conversation = self._messages(body, previous.conversation if previous is not None else [],
@@ -270,7 +270,8 @@ class ResponsesRoutes:
                 raise invalid_request("stream: a background response is polled (GET /v1/responses/{id}), not "
                                       "streamed, here", "stream")
         return _Response(chat, body, model, body.stream, int(time.time()), started, tools=tools,
-                         conversation=conversation, stored=self.store is not None and body.store is not False)
+                         conversation=conversation, stored=self.store is not None and body.store is not False,
+                         kept_bytes=(previous.conversation_bytes if previous is not None else 0) + body_bytes)
 
     def _start_background(self, call: _Response) -> Response:
         """A background response: stored "queued" and answered so; a task runs it and stores how it ended."""
@@ -443,7 +444,7 @@ class ResponsesRoutes:
                 thought, answer = split.push(ev.text, ev.usage)
                 thoughts.append(thought)
                 answers.append(answer)
-                if split.answered or call.request.reasoning_end is None:
+                if split.in_answer:  # a thought's logprobs stay out
                     entries.extend(ev.logprobs)
 
         finished = await run_to_end(first, events, take)
@@ -486,7 +487,8 @@ class ResponsesRoutes:
         items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}] \
             if isinstance(given, str) else given
         items = [{**i, "id": i.get("id") or f"msg_{uuid.uuid4().hex}"} if isinstance(i, dict) else i for i in items]
-        if not self.store.put(call.request.request_id, StoredResponse(answer, items, [*call.conversation, *said])):
+        grown = call.kept_bytes + len(json.dumps(answer["output"]))
+        if not self.store.put(call.request.request_id, StoredResponse(answer, items, [*call.conversation, *said], grown)):
             log.warning("response %s not stored: larger than --responses-store-memory", call.request.request_id)
 
     def _stored(self, response_id: str) -> StoredResponse | PipelineError:
@@ -555,8 +557,7 @@ class ResponsesRoutes:
                     break
                 if isinstance(ev, TextDelta) and ev.text:
                     piece = split.push(ev.text, ev.usage)
-                    answering = split.answered or call.request.reasoning_end is None  # a thought's logprobs stay out
-                    for event in out.push(piece, ev.logprobs if answering else ()):
+                    for event in out.push(piece, ev.logprobs if split.in_answer else ()):  # a thought's stay out
                         yield event
             if finished is None:
                 raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
@@ -596,9 +597,8 @@ class _StreamedOutput:
         self.text: list[str] = []
         self.message: dict[str, Any] | None = None  # the open message's item_id / output_index / content_index
         self.blank = ""  # blank answer text held while no message is open (with tools there may be none)
-        self.calls = 0
         self.entries: list[stage_pb2.TokenLogprob] = []  # the answer's tokens' logprobs (when asked), all of them
-        self.unsent = 0  # of those, the ones no text delta carried yet
+        self.unsent: list[stage_pb2.TokenLogprob] = []  # of those, the ones no text delta carried yet
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         return self.routes._event(self.call, kind, **fields)
@@ -607,7 +607,7 @@ class _StreamedOutput:
         """One delta's (reasoning, answer) as events; `entries`: the answer's tokens' logprobs in it (they go with
         the next text delta)."""
         self.entries.extend(entries)
-        self.unsent += len(entries)
+        self.unsent.extend(entries)
         thought, answer = piece
         out = self._thought(thought) if thought else []
         content, calls = self.tools.push(answer) if answer else ("", [])
@@ -618,7 +618,7 @@ class _StreamedOutput:
         out = self.push(piece)
         content, calls = self.tools.finish()
         out += self._content(content) + [e for c in calls for e in self._call(c)]
-        if self.message is None and not self.calls:  # no answer text and no call: the message still comes, empty
+        if self.message is None and not self.tools.calls:  # no answer text and no call: the message still comes, empty
             out += self._content(self.blank, force=True)
         out += self._close_reasoning()
         if self.message is not None:
@@ -650,8 +650,7 @@ class _StreamedOutput:
         out = self.open_message() if self.message is None else []
         if content:
             self.text.append(content)
-            carried = self.entries[len(self.entries) - self.unsent:] if self.unsent else []
-            self.unsent = 0
+            carried, self.unsent = self.unsent, []
             out.append(self._event("response.output_text.delta", **self.message, delta=content,  # type: ignore[arg-type]
                                    logprobs=self.routes._logprobs(carried)))
         return out
@@ -686,7 +685,6 @@ class _StreamedOutput:
         out = self._close_reasoning()
         item, index = call_item(made), len(self.items)
         self.items.append(item)
-        self.calls += 1
         where = {"item_id": item["id"], "output_index": index}
         return out + [self._event("response.output_item.added", output_index=index,
                                   item={**item, "arguments": "", "status": "in_progress"}),

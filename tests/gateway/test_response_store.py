@@ -33,7 +33,8 @@ WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "ob
 
 
 def _stored(text: str) -> StoredResponse:
-    return StoredResponse({"id": text}, [], [Message(role="user", content=[ContentPart(type="text", text=text)])])
+    return StoredResponse({"id": text}, [], [Message(role="user", content=[ContentPart(type="text", text=text)])],
+                          conversation_bytes=len(text))
 
 
 def test_the_least_recently_used_go_first() -> None:
@@ -141,6 +142,8 @@ def test_input_items_are_paged(served) -> None:
     asc = httpx.get(url, params={"order": "asc", "limit": 1}, timeout=10).json()
     assert asc["first_id"] == "msg_0"
     assert httpx.get(url, params={"limit": 0}, timeout=10).status_code == 400
+    missing = httpx.get(url, params={"after": "msg_nope"}, timeout=10)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "after"
     assert httpx.get(f"{server.base_url}/v1/responses/resp_none/input_items", timeout=10).status_code == 404
 
 

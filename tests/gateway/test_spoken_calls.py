@@ -7,7 +7,8 @@
   parts (the prompt once); no call, a client's own stop id, max_tokens used up: no second part;
 - the REST front over such a stream: `message.audio.transcript` and the streamed transcript deltas are only
   what was said, the calls come as `tool_calls` (finish_reason "tool_calls"), the content keeps the words;
-- the `<tool_call>` token: one token in the tiny (Qwen-style) vocabulary; a tokenizer without it cannot stop.
+- the `<tool_call>` token: one token in the tiny (Qwen-style) vocabulary; a pipeline whose tokenizer lacks it
+  refuses spoken calls with a 400 naming `tools`.
 Through the real mesh, equal to the uninterrupted text answer: tests/e2e/test_spoken_calls_e2e.py."""
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
+import pytest
 from gateway_harness import RestServer, ScriptedPipeline
 
 from gateway.events import (
@@ -26,11 +29,13 @@ from gateway.events import (
     ChatRequest,
     Event,
     Finished,
+    PipelineError,
     SamplingOverrides,
     TemplateOptions,
     TextDelta,
     TextPart,
 )
+from gateway.pipeline import StagePipeline
 from gateway.rest import create_app
 from gateway.spoken_calls import call_token, spoken_with_calls
 from omnimesh.models.qwen3_omni.tiny import tiny_tokenizer_spec
@@ -99,14 +104,16 @@ async def test_no_call_means_one_part() -> None:
     assert events[-1] == Finished("length", 30, 4)
 
 
+class ByteTokenizer:
+    """A vocabulary of bytes: `<tool_call>` is eleven tokens."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+
 def test_the_call_token() -> None:
     assert call_token(build_tokenizer(tiny_tokenizer_spec())) == TOKEN
-
-    class Bytes:
-        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-            return list(text.encode())
-
-    assert call_token(Bytes()) is None and call_token(object()) is None
+    assert call_token(ByteTokenizer()) is None and call_token(object()) is None
 
 
 def _spoken_script(request: ChatRequest) -> list[Event]:
@@ -148,3 +155,15 @@ def test_rest_says_the_words_and_calls_the_tool() -> None:
         # without tools (or with tool_choice "none") nothing is split
         httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=10)
         assert not pipeline.requests[-1].spoken_calls
+
+
+def test_a_pipeline_whose_tokenizer_cannot_stop_at_a_call_refuses_spoken_calls() -> None:
+    """`StagePipeline.run` finds `<tool_call>` in its prompt builder's tokenizer; a vocabulary without it as one token
+    cannot keep the call out of the speech: a 400 naming `tools`, before any stage is asked."""
+    prepare = SimpleNamespace(processor=SimpleNamespace(tokenizer=ByteTokenizer()))
+    pipe = StagePipeline({"thinker": []}, prepare, served_models=("m",))  # type: ignore[arg-type]
+    with pytest.raises(PipelineError, match="no single <tool_call> token") as e:
+        pipe.run(_request())
+    assert e.value.http_status == 400 and e.value.param == "tools"
+    prepare.processor.tokenizer = build_tokenizer(tiny_tokenizer_spec())
+    assert pipe._call_token("m") == TOKEN
