@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gateway.content_format import as_strings, check_content_format, detect_content_format, media_placeholders
 from gateway.events import AudioPart, ChatMessage, ChatRequest, ImagePart, TextPart, VideoPart
 from gateway.media import TARGET_SAMPLE_RATE, invalid_request, resample
 from gateway.media_digest import media_digests
@@ -162,8 +163,9 @@ class PromptBuilder:
     """
 
     def __init__(self, source: str | Path | Any, *, max_model_len: int, chat_template: str | None = None,
-                 processor_kwargs: dict[str, Any] | None = None) -> None:
-        """`processor_kwargs`: --mm-processor-kwargs (gateway/processor_kwargs.py), for a folder `source`."""
+                 processor_kwargs: dict[str, Any] | None = None, content_format: str = "auto") -> None:
+        """`processor_kwargs`: --mm-processor-kwargs (gateway/processor_kwargs.py), for a folder `source`;
+        `content_format`: --chat-template-content-format (gateway/content_format.py)."""
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         self._folder: Path | None = None  # where processors for a request's own settings are loaded from
@@ -178,6 +180,9 @@ class PromptBuilder:
         self.processor = source
         self.max_model_len = max_model_len
         self.chat_template = chat_template  # None: the model's own (tokenizer_config / chat_template.jinja)
+        if check_content_format(content_format) == "auto":
+            content_format = detect_content_format(self.template_source)
+        self.content_format = content_format  # "openai": contents as part lists; "string": one string each
         if chat_template is not None:
             check_chat_template(self)
 
@@ -196,7 +201,7 @@ class PromptBuilder:
         options = request.template
         try:
             text = self.processor.tokenizer.apply_chat_template(
-                conv.messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                self.template_messages(conv), tokenize=False, add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message, chat_template=self.chat_template,
                 tools=list(request.tools) or None, **options.kwargs)
         except Exception as e:  # jinja's raise_exception / TemplateError: the messages break the template
@@ -204,12 +209,22 @@ class PromptBuilder:
             raise invalid_request(f"messages: {whose} chat template rejected them: {e}", "messages") from None
         return str(text), conv
 
+    @property
+    def template_source(self) -> str:
+        """The chat template this builder renders with: --chat-template's, else the model's."""
+        return str(self.chat_template or getattr(self.processor.tokenizer, "chat_template", None) or "")
+
+    def template_messages(self, conv: Conversation) -> list[dict[str, Any]]:
+        """The conversation's messages in the template's content format."""
+        if self.content_format == "openai":
+            return conv.messages
+        return as_strings(conv.messages, media_placeholders(self.processor))
+
     @functools.cached_property
     def renders_tools(self) -> bool:
         """Does the chat template read `tools` at all (else they would vanish from the prompt unseen)? Read once:
         the template is the builder's for good."""
-        template = self.chat_template or getattr(self.processor.tokenizer, "chat_template", None) or ""
-        return re.search(r"\btools\b", str(template)) is not None
+        return re.search(r"\btools\b", self.template_source) is not None
 
     def processor_for(self, request: ChatRequest) -> Any:
         """The processor for this request: the server's, or one built for its mm_processor_kwargs over the
@@ -392,12 +407,14 @@ def check_chat_template(builder: PromptBuilder) -> None:
     keeps media parts as placeholders (else a warning: requests with audio or images would be 400s)."""
     conv = render_conversation(_PROBE)
     try:
-        text = builder.processor.tokenizer.apply_chat_template(conv.messages, tokenize=False, add_generation_prompt=True,
+        text = builder.processor.tokenizer.apply_chat_template(builder.template_messages(conv), tokenize=False,
+                                                               add_generation_prompt=True,
                                                                chat_template=builder.chat_template)
     except Exception as exc:  # jinja's TemplateSyntaxError / UndefinedError / raise_exception
         raise ValueError(f"--chat-template does not render a system + user message: {type(exc).__name__}: {exc}") from None
     pad = getattr(builder.processor, "audio_token", "<|audio_pad|>")
     if str(text).count(pad) != 1:
         log.warning("--chat-template: a user message with one audio part renders %d %s placeholders, not 1; "
-                    "requests with audio or images will be refused (see the model's own template)",
+                    "requests with audio or images will be refused (see the model's own template; a template that "
+                    "reads each content as one string needs --chat-template-content-format string)",
                     str(text).count(pad), pad)

@@ -57,7 +57,11 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     processor_kwargs = parse_mm_processor_kwargs(args.mm_processor_kwargs)
     builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir), chat_template=template,
-                            processor_kwargs=processor_kwargs)
+                            processor_kwargs=processor_kwargs, content_format=args.chat_template_content_format)
+    log.info("gateway: the chat template takes message contents as %s (%s)",
+             "strings, media as placeholders in the text" if builder.content_format == "string" else "part lists",
+             "detected from the template; --chat-template-content-format overrides"
+             if args.chat_template_content_format == "auto" else "--chat-template-content-format")
     if processor_kwargs:
         log.info("gateway: processor settings %s (--mm-processor-kwargs, over the model folder's)",
                  ", ".join(f"{k}={v:g}" for k, v in processor_kwargs.items()))

@@ -14,6 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from gateway.content_format import CONTENT_FORMATS, check_content_format
 from omnimesh.allocator import check_mode
 from omnimesh.config.stage_config import (SPEECH_STAGES, STAGES, TRANSPORT_CHOICES, StageConfig, parse_bytes, parse_json_object, parse_size,
                                           parse_stage_overrides, resolve_stage)
@@ -80,6 +81,11 @@ class ServeArgs:
                                 "(start-up and access lines), debug, trace", "--uvicorn-log-level")
     chat_template: str | None = _f(None, "Jinja chat template to use instead of the model's: a file path or the template "
                                    "itself (checked at start-up on a system + user message)", "--chat-template")
+    chat_template_content_format: str = _f(
+        "auto", "how message contents reach the chat template (vLLM's flag): openai (lists of text / audio / image / "
+        "video parts, as Qwen's templates take them), string (one string each, media as the model's placeholders in "
+        "the text, for text-only templates) or auto (from the template: does it loop over a message's content)",
+        "--chat-template-content-format", choices=CONTENT_FORMATS)
     enable_log_requests: bool = _f(False, "log every request at the gateway (as vLLM's): its id, prompt text, token "
                                    "count, media and sampling when it arrives, and how it ended (finish reason, "
                                    "tokens, seconds; cancelled; the error); off by default, prompts are users' data",
@@ -286,6 +292,7 @@ class ServeArgs:
         parse_mm_processor_kwargs(self.mm_processor_kwargs)
 
         limits_from_flags(self.limit_mm_per_prompt, self.input_limits)
+        check_content_format(self.chat_template_content_format)
         if self.chat_template is not None:
             from gateway.prompt import load_chat_template
 
@@ -432,12 +439,13 @@ GATEWAY_FIELDS = frozenset(
      "stage_dns_refresh", "request_timeout", "limit_mm_per_prompt", "input_limits", "max_logprobs",
      "return_tokens_as_token_ids",
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser",
-     "reasoning_parser", "responses_store_memory", "trust_remote_code", "malloc", "chat_template", "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
+     "reasoning_parser", "responses_store_memory", "trust_remote_code", "malloc", "chat_template", "chat_template_content_format", "enable_log_requests", "max_log_len",
+     "otlp_traces_endpoint"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "request_timeout",
      "api_key", "async_chunk",
-     "allowed_media_domains", "chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
+     "allowed_media_domains", "chat_template", "chat_template_content_format", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
      "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
      "responses_store_memory"}
@@ -470,6 +478,8 @@ def add_arguments(
             kwargs["action"] = meta["action"]
         else:
             kwargs["type"] = _type_of(f.type)
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
         parser.add_argument(*meta["flags"], **kwargs)
 
 

@@ -3,7 +3,10 @@
   and /detokenize turns the ids back into the templated prompt;
 - a second `omnimesh gateway` with `--chat-template FILE` on the same stages: /tokenize gives the ids of
   transformers' `apply_chat_template(chat_template=...)`, and the greedy answer equals `generate` on
-  those ids (so the template reached the model, not only the tokenizer endpoint).
+  those ids (so the template reached the model, not only the tokenizer endpoint);
+- a gateway with a template that prints each content whole (no loop over parts) takes contents as strings
+  (--chat-template-content-format auto, said at start-up): a chat with audio gets the audio's placeholder
+  on a line of its own in the prompt, and its greedy answer equals `generate` on that prompt.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import httpx
 from mesh_harness import start_gateway
-from reference import chat_request
+from reference import chat_request, openai_content, sine_wav
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\nPlease answer: {% for p in m.content %}"
             "{% if p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
@@ -20,6 +23,8 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\nPlease answer: {% 
 PROMPT = "Tell me about the sea."
 MESSAGES = [{"role": "user", "content": PROMPT}]
 MAX_TOKENS = 8
+STRING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def _chat(url: str) -> dict:
@@ -59,5 +64,34 @@ def test_chat_template_flag_reaches_the_model(mesh, tiny_model_dir, reference, t
             reference.prompts.chat_template = own
         assert answer["choices"][0]["message"]["content"] == ref.text
         assert answer["choices"][0]["message"]["content"] != _chat(mesh.rest)["choices"][0]["message"]["content"]
+    finally:
+        assert proc.stop() == 0, proc.output()
+
+
+def test_a_string_template_hears_the_audio(mesh, tiny_model_dir, reference, tmp_path: Path) -> None:
+    f = tmp_path / "string.jinja"
+    f.write_text(STRING_TEMPLATE, encoding="utf-8")
+    proc, url = start_gateway(tiny_model_dir, mesh.stages, "--chat-template", str(f))
+    try:
+        proc.wait_for_line(r"takes message contents as strings, media as placeholders in the text \(detected",
+                           timeout_s=30)
+        wav = sine_wav(0.5)
+        messages = [{"role": "user", "content": openai_content(PROMPT, wav, None)}]
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny-qwen3-omni", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert r.status_code == 200, r.text
+        tok = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=30).json()
+        assert r.json()["usage"]["prompt_tokens"] == tok["count"]
+        prompt = httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}, timeout=30).json()["prompt"]
+        assert prompt.startswith("<|im_start|>user\n<|audio_start|><|audio_pad|><|audio_pad|>")
+        assert prompt.endswith(f"<|audio_pad|><|audio_end|>\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n")
+        own = reference.prompts.chat_template, reference.prompts.content_format
+        reference.prompts.chat_template, reference.prompts.content_format = STRING_TEMPLATE, "string"
+        try:
+            ref = reference.generate(chat_request(PROMPT, wav, None, max_tokens=MAX_TOKENS, talker_max=1),
+                                     max_tokens=MAX_TOKENS, talker_max=1, audio=False)
+        finally:
+            reference.prompts.chat_template, reference.prompts.content_format = own
+        assert r.json()["choices"][0]["message"]["content"] == ref.text
     finally:
         assert proc.stop() == 0, proc.output()
