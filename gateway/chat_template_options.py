@@ -10,7 +10,8 @@
   must then be the assistant's; `echo` (REST chat) puts that start before the generated text.
 - `chat_template_kwargs`: variables the chat template reads (e.g. a template's `enable_thinking`), a JSON
   object. The names `apply_chat_template` itself takes are not variables and are refused, each with the field
-  that sets it.
+  that sets it. The server's `--default-chat-template-kwargs` (`parse_default_kwargs`, checked the same way)
+  are under every request's: the prompt builder and the reasoning parser read them, the request's own win.
 
 Speech out needs the prompt to end inside the assistant's turn (the talker speaks from its start), so
 `add_generation_prompt: false` without `continue_final_message` is refused there. Everything else is the
@@ -101,6 +102,20 @@ def parse_kwargs_json(text: str, param: str) -> dict[str, Any]:
         raise invalid_request(f"{param}: not JSON: {e}", param) from None
     return check_kwargs(value, param)
 
+
+
+def parse_default_kwargs(text: str | None) -> dict[str, Any]:
+    """vLLM's --default-chat-template-kwargs (a JSON object; None or empty: none) -> the variables every
+    request's template gets unless its own chat_template_kwargs set them; ValueError naming the flag."""
+    from gateway.events import PipelineError
+
+    flag = "--default-chat-template-kwargs"
+    if not text:
+        return {}
+    try:
+        return parse_kwargs_json(text, flag)
+    except PipelineError as e:
+        raise ValueError(str(e)) from None
 
 
 def final_assistant_text(messages: Sequence[ChatMessage]) -> str:

@@ -163,9 +163,11 @@ class PromptBuilder:
     """
 
     def __init__(self, source: str | Path | Any, *, max_model_len: int, chat_template: str | None = None,
-                 processor_kwargs: dict[str, Any] | None = None, content_format: str = "auto") -> None:
+                 processor_kwargs: dict[str, Any] | None = None, content_format: str = "auto",
+                 default_kwargs: dict[str, Any] | None = None) -> None:
         """`processor_kwargs`: --mm-processor-kwargs (gateway/processor_kwargs.py), for a folder `source`;
-        `content_format`: --chat-template-content-format (gateway/content_format.py)."""
+        `content_format`: --chat-template-content-format (gateway/content_format.py); `default_kwargs`:
+        --default-chat-template-kwargs, the template variables under every request's own."""
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         self._folder: Path | None = None  # where processors for a request's own settings are loaded from
@@ -183,7 +185,8 @@ class PromptBuilder:
         if check_content_format(content_format) == "auto":
             content_format = detect_content_format(self.template_source)
         self.content_format = content_format  # "openai": contents as part lists; "string": one string each
-        if chat_template is not None:
+        self.default_kwargs = dict(default_kwargs or {})
+        if chat_template is not None or self.default_kwargs:
             check_chat_template(self)
 
     def __call__(self, request: ChatRequest) -> PromptInputs:
@@ -203,7 +206,7 @@ class PromptBuilder:
             text = self.processor.tokenizer.apply_chat_template(
                 self.template_messages(conv), tokenize=False, add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message, chat_template=self.chat_template,
-                tools=list(request.tools) or None, **options.kwargs)
+                tools=list(request.tools) or None, **{**self.default_kwargs, **options.kwargs})
         except Exception as e:  # jinja's raise_exception / TemplateError: the messages break the template
             whose = "the model's" if self.chat_template is None else "the --chat-template"
             raise invalid_request(f"messages: {whose} chat template rejected them: {e}", "messages") from None
@@ -403,18 +406,23 @@ _PROBE = (ChatMessage("system", (TextPart("s"),)),
 
 
 def check_chat_template(builder: PromptBuilder) -> None:
-    """At start-up: the template renders a system + user message (else ValueError naming the flag) and
-    keeps media parts as placeholders (else a warning: requests with audio or images would be 400s)."""
+    """At start-up, with --chat-template or --default-chat-template-kwargs: the template renders a system +
+    user message with the default variables (else ValueError naming the flags) and keeps media parts as
+    placeholders (else a warning: requests with audio or images would be 400s)."""
     conv = render_conversation(_PROBE)
+    flags = " with ".join(f for f, on in (("--chat-template", builder.chat_template is not None),
+                                          ("--default-chat-template-kwargs", bool(builder.default_kwargs))) if on)
     try:
         text = builder.processor.tokenizer.apply_chat_template(builder.template_messages(conv), tokenize=False,
                                                                add_generation_prompt=True,
-                                                               chat_template=builder.chat_template)
+                                                               chat_template=builder.chat_template,
+                                                               **builder.default_kwargs)
     except Exception as exc:  # jinja's TemplateSyntaxError / UndefinedError / raise_exception
-        raise ValueError(f"--chat-template does not render a system + user message: {type(exc).__name__}: {exc}") from None
+        whose = flags if builder.chat_template is not None else f"the model's chat template with {flags}"
+        raise ValueError(f"{whose} does not render a system + user message: {type(exc).__name__}: {exc}") from None
     pad = getattr(builder.processor, "audio_token", "<|audio_pad|>")
     if str(text).count(pad) != 1:
-        log.warning("--chat-template: a user message with one audio part renders %d %s placeholders, not 1; "
+        log.warning(f"{flags}: a user message with one audio part renders %d %s placeholders, not 1; "
                     "requests with audio or images will be refused (see the model's own template; a template that "
                     "reads each content as one string needs --chat-template-content-format string)",
                     str(text).count(pad), pad)

@@ -10,8 +10,9 @@ shapes only the answer: the thinker starts the grammar once the text has passed 
 
 The rules (vLLM's `qwen3` parser): a leading `<think>` is dropped; the text up to the first `</think>` is
 reasoning and the rest is the answer; with no `</think>` at all the whole text is reasoning (the thought was cut
-off by max_tokens). A request with `chat_template_kwargs: {"enable_thinking": false}` (qwen3) does not think:
-all of its text is the answer, as is one continuing an assistant message that already holds `</think>`.
+off by max_tokens). A request with `chat_template_kwargs: {"enable_thinking": false}` (qwen3), or on a server
+whose `--default-chat-template-kwargs` say so (`template_defaults`), does not think: all of its text is the
+answer, as is one continuing an assistant message that already holds `</think>`.
 `include_reasoning: false` (vLLM's request field) drops the reasoning.
 
 Data flow: the thinker's text deltas -> `ReasoningStream.push` (holds back a tail that may be the start of a
@@ -22,7 +23,7 @@ through the same machine (`AnswerSplit.whole`), so streamed and whole answers ag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 PARSERS = ("qwen3", "deepseek_r1")
@@ -79,10 +80,13 @@ class ReasoningStream:
 @dataclass(frozen=True)
 class ReasoningParser:
     name: str
+    # --default-chat-template-kwargs: the variables under each request's own, as its template sees them
+    template_defaults: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def thinking(self, chat_template_kwargs: dict[str, Any]) -> bool:
         """Whether this request's answer starts with reasoning (qwen3: unless enable_thinking is false)."""
-        return self.name != "qwen3" or chat_template_kwargs.get("enable_thinking", True) is not False
+        variables = {**self.template_defaults, **chat_template_kwargs}
+        return self.name != "qwen3" or variables.get("enable_thinking", True) is not False
 
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 from pathlib import Path
@@ -24,6 +25,7 @@ from gateway.http_front import HttpFront
 from gateway.input_limits import InputLimits, describe_limits, limits_from_flags
 from gateway.pipeline import StagePipeline
 from gateway.processor_kwargs import parse_mm_processor_kwargs
+from gateway.chat_template_options import parse_default_kwargs
 from gateway.prompt import PromptBuilder, load_chat_template
 from gateway.reasoning import ReasoningParser
 from gateway.response_store import responses_store
@@ -57,7 +59,8 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     processor_kwargs = parse_mm_processor_kwargs(args.mm_processor_kwargs)
     builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir), chat_template=template,
-                            processor_kwargs=processor_kwargs, content_format=args.chat_template_content_format)
+                            processor_kwargs=processor_kwargs, content_format=args.chat_template_content_format,
+                            default_kwargs=parse_default_kwargs(args.default_chat_template_kwargs))
     log.info("gateway: the chat template takes message contents as %s (%s)",
              "strings, media as placeholders in the text" if builder.content_format == "string" else "part lists",
              "detected from the template; --chat-template-content-format overrides"
@@ -65,6 +68,9 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
     if processor_kwargs:
         log.info("gateway: processor settings %s (--mm-processor-kwargs, over the model folder's)",
                  ", ".join(f"{k}={v:g}" for k, v in processor_kwargs.items()))
+    if builder.default_kwargs:
+        log.info("gateway: chat template variables %s by default (--default-chat-template-kwargs; a request's "
+                 "chat_template_kwargs win)", json.dumps(builder.default_kwargs))
     if template is not None:
         log.info("gateway: chat template from --chat-template (%d characters) instead of the model's", len(template))
     transport = Transport("gateway", "grpc")  # the gateway reads shm frames (the vocoder's pcm), never writes any
@@ -100,7 +106,8 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
         log.info("gateway: an API key is required on /v1 and the gRPC Omni service (%d key%s accepted)",
                  len(keys), "" if len(keys) == 1 else "s")
     prompts = pipeline.prepare if isinstance(pipeline.prepare, PromptBuilder) else None  # /tokenize
-    reasoning = ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None  # --reasoning-parser
+    defaults = parse_default_kwargs(args.default_chat_template_kwargs)  # as the prompt builder has them
+    reasoning = ReasoningParser(args.reasoning_parser, defaults) if args.reasoning_parser else None
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains, limits=limits,
                      max_logprobs=args.max_logprobs, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                      prompt_tokens_details=args.enable_prompt_tokens_details,

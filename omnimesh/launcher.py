@@ -122,6 +122,7 @@ class MeshLauncher:
         for flag, value in (("--served-model-name", a.served_model_name), ("--max-model-len", a.max_model_len),
                             ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template),
                             ("--chat-template-content-format", a.chat_template_content_format),
+                            ("--default-chat-template-kwargs", a.default_chat_template_kwargs),
                             ("--max-log-len", a.max_log_len), ("--limit-mm-per-prompt", a.limit_mm_per_prompt),
                             ("--input-limits", a.input_limits), ("--max-logprobs", a.max_logprobs),
                             ("--mm-processor-kwargs", a.mm_processor_kwargs), ("--tool-call-parser", a.tool_call_parser),

@@ -86,6 +86,10 @@ class ServeArgs:
         "video parts, as Qwen's templates take them), string (one string each, media as the model's placeholders in "
         "the text, for text-only templates) or auto (from the template: does it loop over a message's content)",
         "--chat-template-content-format", choices=CONTENT_FORMATS)
+    default_chat_template_kwargs: str | None = _f(
+        None, "template variables every request's chat template gets unless its own chat_template_kwargs set them "
+        "(vLLM's flag), a JSON object, e.g. '{\"enable_thinking\": false}' (a thinking model answers without its "
+        "reasoning by default)", "--default-chat-template-kwargs")
     enable_log_requests: bool = _f(False, "log every request at the gateway (as vLLM's): its id, prompt text, token "
                                    "count, media and sampling when it arrives, and how it ended (finish reason, "
                                    "tokens, seconds; cancelled; the error); off by default, prompts are users' data",
@@ -293,6 +297,9 @@ class ServeArgs:
 
         limits_from_flags(self.limit_mm_per_prompt, self.input_limits)
         check_content_format(self.chat_template_content_format)
+        from gateway.chat_template_options import parse_default_kwargs
+
+        parse_default_kwargs(self.default_chat_template_kwargs)
         if self.chat_template is not None:
             from gateway.prompt import load_chat_template
 
@@ -439,13 +446,14 @@ GATEWAY_FIELDS = frozenset(
      "stage_dns_refresh", "request_timeout", "limit_mm_per_prompt", "input_limits", "max_logprobs",
      "return_tokens_as_token_ids",
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser",
-     "reasoning_parser", "responses_store_memory", "trust_remote_code", "malloc", "chat_template", "chat_template_content_format", "enable_log_requests", "max_log_len",
-     "otlp_traces_endpoint"}
+     "reasoning_parser", "responses_store_memory", "trust_remote_code", "malloc", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
+     "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "request_timeout",
      "api_key", "async_chunk",
-     "allowed_media_domains", "chat_template", "chat_template_content_format", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
+     "allowed_media_domains", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
+     "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
      "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
      "responses_store_memory"}

@@ -6,7 +6,9 @@
   those ids (so the template reached the model, not only the tokenizer endpoint);
 - a gateway with a template that prints each content whole (no loop over parts) takes contents as strings
   (--chat-template-content-format auto, said at start-up): a chat with audio gets the audio's placeholder
-  on a line of its own in the prompt, and its greedy answer equals `generate` on that prompt.
+  on a line of its own in the prompt, and its greedy answer equals `generate` on that prompt;
+- a gateway with `--default-chat-template-kwargs` renders every prompt with those variables unless the
+  request's own chat_template_kwargs set them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import httpx
 from mesh_harness import start_gateway
-from reference import chat_request, openai_content, sine_wav
+from reference import chat_request, openai_content, png_bytes, sine_wav
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\nPlease answer: {% for p in m.content %}"
             "{% if p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
@@ -93,5 +95,22 @@ def test_a_string_template_hears_the_audio(mesh, tiny_model_dir, reference, tmp_
         finally:
             reference.prompts.chat_template, reference.prompts.content_format = own
         assert r.json()["choices"][0]["message"]["content"] == ref.text
+    finally:
+        assert proc.stop() == 0, proc.output()
+
+
+def test_server_default_template_variables(mesh, tiny_model_dir) -> None:
+    proc, url = start_gateway(tiny_model_dir, mesh.stages, "--default-chat-template-kwargs", '{"add_vision_id": true}')
+    try:
+        proc.wait_for_line(r'chat template variables \{"add_vision_id": true\} by default', timeout_s=30)
+        messages = [{"role": "user", "content": openai_content("What is it?", None, png_bytes(32))}]
+
+        def prompt(**extra: object) -> str:
+            tok = httpx.post(f"{url}/tokenize", json={"messages": messages, **extra}, timeout=30)
+            assert tok.status_code == 200, tok.text
+            return httpx.post(f"{url}/detokenize", json={"tokens": tok.json()["tokens"]}, timeout=30).json()["prompt"]
+
+        assert "Picture 1: <|vision_start|>" in prompt()
+        assert "Picture 1" not in prompt(chat_template_kwargs={"add_vision_id": False})
     finally:
         assert proc.stop() == 0, proc.output()

@@ -5,6 +5,7 @@ the REST, /tokenize and gRPC fronts over the scripted pipeline."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from gateway_harness import GrpcServer, RestServer, ScriptedPipeline
 from test_grpc_api import INVALID_ARGUMENT, generate, hello
 
-from gateway.chat_template_options import MAX_KWARGS_BYTES, parse_kwargs_json, template_options
+from gateway.chat_template_options import MAX_KWARGS_BYTES, parse_default_kwargs, parse_kwargs_json, template_options
 from gateway.events import ChatMessage, ChatRequest, Finished, PipelineError, TemplateOptions, TextDelta, TextPart
 from gateway.prompt import PromptBuilder, render_conversation
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
@@ -95,6 +96,51 @@ def test_template_variables_reach_the_template(builder: PromptBuilder) -> None:
     plain, _ = builder.render(chat(TemplateOptions(), (image,)))
     named, _ = builder.render(chat(TemplateOptions(kwargs={"add_vision_id": True}), (image,)))
     assert "Picture 1: <|vision_start|>" in named and "Picture 1" not in plain
+
+
+def test_server_defaults_sit_under_the_requests_variables(builder: PromptBuilder) -> None:
+    """--default-chat-template-kwargs: every request's template gets them, a request's own win; the reasoning
+    parser reads them as the template does (a server whose default is enable_thinking false does not think)."""
+    from PIL import Image
+
+    from gateway.events import ImagePart
+    from gateway.reasoning import ReasoningParser
+
+    image = ChatMessage("user", (ImagePart(Image.new("RGB", (32, 32))), TextPart("what is it?")))
+    named = PromptBuilder(builder.processor, max_model_len=512,
+                          default_kwargs=parse_default_kwargs('{"add_vision_id": true}'))
+    assert "Picture 1: <|vision_start|>" in named.render(chat(TemplateOptions(), (image,)))[0]
+    assert "Picture 1" not in named.render(chat(TemplateOptions(kwargs={"add_vision_id": False}), (image,)))[0]
+    assert "Picture 1" not in builder.render(chat(TemplateOptions(), (image,)))[0]
+    quiet = ReasoningParser("qwen3", parse_default_kwargs('{"enable_thinking": false}'))
+    assert not quiet.thinking({}) and quiet.thinking({"enable_thinking": True})
+    assert ReasoningParser("qwen3").thinking({})
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("[1]", "--default-chat-template-kwargs: must be a JSON object"),
+    ('{"tools": []}', "--default-chat-template-kwargs.tools: not a template variable"),
+    ("{", "--default-chat-template-kwargs: not JSON"),
+])
+def test_bad_server_defaults_stop_start_up(text: str, match: str, builder: PromptBuilder, tmp_path: Path) -> None:
+    from omnimesh.config.serve_args import ServeArgs
+    from omnimesh.launcher import MeshLauncher
+
+    with pytest.raises(ValueError, match=match):
+        ServeArgs(default_chat_template_kwargs=text)
+    assert parse_default_kwargs(None) == parse_default_kwargs("") == {}
+    argv = MeshLauncher(ServeArgs(default_chat_template_kwargs='{"a": 1}'), tmp_path)._gateway_argv({})
+    assert argv[argv.index("--default-chat-template-kwargs") + 1] == '{"a": 1}'
+    strict = "{% if strict %}{{ raise_exception('strict mode has no system message') }}{% endif %}x"
+    with pytest.raises(ValueError, match="--chat-template with --default-chat-template-kwargs does not render"):
+        PromptBuilder(builder.processor, max_model_len=512, chat_template=strict, default_kwargs={"strict": 1})
+    own = copy.copy(builder.processor)  # a model whose own template breaks with these defaults
+    own.tokenizer = copy.copy(own.tokenizer)
+    own.tokenizer.chat_template = strict
+    assert PromptBuilder(own, max_model_len=512).default_kwargs == {}  # without defaults it is not probed
+    with pytest.raises(ValueError, match="the model's chat template with --default-chat-template-kwargs does not "
+                                         "render a system \\+ user message: .*strict mode"):
+        PromptBuilder(own, max_model_len=512, default_kwargs={"strict": True})
 
 
 def test_a_message_the_template_cannot_continue_is_a_400(builder: PromptBuilder) -> None:
