@@ -29,7 +29,6 @@ JSON, or an SSE stream of `text_completion` chunks ending in `data: [DONE]` (gat
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -42,7 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from gateway.choices import MAX_CHOICES, Indexed, choice_requests, close_events, total_usage
-from gateway.events import ChatRequest, Finished, PipelineError, TextDelta, check_request_id
+from gateway.events import ChatRequest, Finished, TextDelta, check_request_id
 from gateway.http_errors import internal_error
 from gateway.media import invalid_request
 from gateway.openai_schema import (
@@ -50,7 +49,6 @@ from gateway.openai_schema import (
     Usage,
     check_priority,
     check_sampling,
-    error_response,
     parse_json_object,
     refuse_unsupported,
     resolve_model,
@@ -58,7 +56,7 @@ from gateway.openai_schema import (
 )
 from gateway.prompt import PromptBuilder
 from gateway.prompt_logprobs import prompt_logprobs_json, token_text
-from gateway.sse import DONE, StreamState, chain, sse
+from gateway.sse import DONE, StreamState, chain, guarded, sse
 from gateway.structured_request import structured_spec
 from omnimesh.v1 import stage_pb2
 from services.llm.token_logprobs import TokenBytes
@@ -66,7 +64,6 @@ from services.llm.token_logprobs import TokenBytes
 if TYPE_CHECKING:
     from gateway.rest import Answer, RestGateway
 
-log = logging.getLogger(__name__)
 MAX_RUNS = 64  # prompts x n in one request: beyond this a 400 (one request must not flood the stages)
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's completions default
 
@@ -194,7 +191,7 @@ class CompletionRoutes:
             call = await self.build(body, client_id, started)
             return Answer(call.request_id, call.runs, call.stream,
                           lambda first, events: self._complete(call, first, events),
-                          lambda first, state: self._stream(call, first, state))
+                          lambda first, state: guarded(self._stream(call, first, state), state, "completion"))
 
         return await self.gw.answer("completions", request, prepare)
 
@@ -346,7 +343,6 @@ class CompletionRoutes:
 
     async def _stream(self, call: _Completion, first: Indexed, state: StreamState) -> AsyncIterator[bytes]:
         runs = len(call.runs)
-        status = 499  # client closed, unless the stream gets to its end
         so_far: list[tuple[int, int] | None] = [None] * runs  # continuous_usage_stats: (prompt, completion)
         # echoed prompts not sent yet: with logprobs they wait for the prompt's entries (the first delta's)
         echo = [e if call.logprobs is not None else "" for e in call.echo]
@@ -366,49 +362,35 @@ class CompletionRoutes:
                 del data["usage"]
             return sse(data)
 
-        try:
-            for i, text in enumerate(call.echo):
-                if text and not echo[i]:
-                    yield chunk(i, text)
-            finished: dict[int, Finished] = {}
-            async for i, ev in chain(first, state.events):
-                self.gw._observe(call, ev)
-                if isinstance(ev, TextDelta):
-                    if ev.usage is not None:
-                        so_far[i] = ev.usage
-                    if echo[i]:
-                        yield chunk(i, echo[i], self._echoed(call, i, ev.prompt_logprobs))
-                        echo[i] = ""
-                    if (ev.text or ev.logprobs) and not call.prompt_only:
-                        yield chunk(i, ev.text, self._logprobs(call, i, ev.logprobs))
-                elif isinstance(ev, Finished):
-                    finished[i] = ev = _settled(call, ev)
-                    so_far[i] = (ev.prompt_tokens, ev.completion_tokens)
-                    if echo[i]:  # no delta came (a stop id first): the prompt has no entries then
-                        yield chunk(i, echo[i], self._echoed(call, i, ()))
-                        echo[i] = ""
-                    yield chunk(i, "", finish=ev.finish_reason, stop_reason=ev.stop_reason)
-                    if len(finished) == runs:
-                        break
-            if len(finished) < runs:
-                raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
-            if call.include_usage:
-                yield sse(Completion(id=call.request_id, created=call.created, model=call.model, choices=[],
-                                     usage=self._usage(call, finished)).model_dump(mode="json"))
-            yield DONE
-            status = 200
-        except PipelineError as e:
-            status = e.http_status
-            yield sse(error_response(e).model_dump(mode="json"))
-            yield DONE
-        except Exception as e:
-            log.exception("completion stream failed")
-            status = 500
-            yield sse(error_response(internal_error(e)).model_dump(mode="json"))
-            yield DONE
-        finally:
-            state.settle(status)
-            await state.close_events()
+        for i, text in enumerate(call.echo):
+            if text and not echo[i]:
+                yield chunk(i, text)
+        finished: dict[int, Finished] = {}
+        async for i, ev in chain(first, state.events):
+            self.gw._observe(call, ev)
+            if isinstance(ev, TextDelta):
+                if ev.usage is not None:
+                    so_far[i] = ev.usage
+                if echo[i]:
+                    yield chunk(i, echo[i], self._echoed(call, i, ev.prompt_logprobs))
+                    echo[i] = ""
+                if (ev.text or ev.logprobs) and not call.prompt_only:
+                    yield chunk(i, ev.text, self._logprobs(call, i, ev.logprobs))
+            elif isinstance(ev, Finished):
+                finished[i] = ev = _settled(call, ev)
+                so_far[i] = (ev.prompt_tokens, ev.completion_tokens)
+                if echo[i]:  # no delta came (a stop id first): the prompt has no entries then
+                    yield chunk(i, echo[i], self._echoed(call, i, ()))
+                    echo[i] = ""
+                yield chunk(i, "", finish=ev.finish_reason, stop_reason=ev.stop_reason)
+                if len(finished) == runs:
+                    break
+        if len(finished) < runs:
+            raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
+        if call.include_usage:
+            yield sse(Completion(id=call.request_id, created=call.created, model=call.model, choices=[],
+                                 usage=self._usage(call, finished)).model_dump(mode="json"))
+        yield DONE
 
 
 def _settled(call: _Completion, f: Finished) -> Finished:

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.choices import close_events
-from gateway.events import Finished
+from gateway.events import Finished, PipelineError
 from gateway.http_errors import internal_error
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def sse(obj: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-async def run_to_end(first: Any, events: AsyncIterator[Any], take: Callable[[Any], None]) -> Finished:
+async def run_to_end(first: Any, events: AsyncIterator[Any], take: Callable[[Any], object]) -> Finished:
     """A single run's indexed events (`first`, then the rest) handed to `take` up to its `Finished`, which it
     returns; the events are closed however it ends, and a run that ends without one is a 500."""
     try:
@@ -51,6 +51,32 @@ async def chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield first
     async for item in rest:
         yield item
+
+
+async def guarded(body: AsyncIterator[bytes], state: StreamState, what: str) -> AsyncIterator[bytes]:
+    """An SSE body whose end settles the stream: 200 when `body` runs out, an error midway sent as an error
+    event and `[DONE]` (its status; anything not a PipelineError a logged 500), 499 for a client gone; the
+    pipeline's events closed however it ends. `what` names the stream in the log."""
+    from gateway.openai_schema import error_response
+
+    status = 499  # client closed, unless the stream gets to its end
+    try:
+        async for data in body:
+            yield data
+        status = 200
+    except PipelineError as e:
+        status = e.http_status
+        yield sse(error_response(e).model_dump(mode="json"))
+        yield DONE
+    except Exception as e:
+        log.exception("%s stream failed", what)
+        status = 500
+        yield sse(error_response(internal_error(e)).model_dump(mode="json"))
+        yield DONE
+    finally:
+        await close_events(body)  # type: ignore[arg-type]
+        state.settle(status)
+        await state.close_events()
 
 
 class StreamState:

@@ -6,25 +6,32 @@ Data flow: multipart form (size-capped as every body: `file` an audio file: WAV,
 prompt as hints)] -> the same pipeline a text-only chat runs (greedy unless `temperature` says otherwise,
 the thinker's own stop) -> `{"text", "usage"}` (json) or the bare text (text); a reasoning model's thought
 (--reasoning-parser) left out. A chat completion with that
-message gives the same text (the e2e test checks it). Formats that need timestamps (srt, vtt,
-verbose_json), `timestamp_granularities[]` and `stream` are 400s naming the field: the model gives none.
+message gives the same text (the e2e test checks it). With `stream=true` the answer comes as it is
+written, in OpenAI's events: `transcript.text.delta` (`delta`: the new text) per piece, then
+`transcript.text.done` (the whole `text` and the `usage`), then `data: [DONE]` (vLLM streams translations
+too; so does omnimesh, with the same events). Formats that need timestamps (srt, vtt, verbose_json) and
+`timestamp_granularities[]` are 400s naming the field: the model gives none. The route runs through
+`RestGateway.answer`, as the chat does (the running gauge, a client's X-Request-Id, tracing).
 """
 
 from __future__ import annotations
 
-import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import FormData, UploadFile
 
-from gateway.events import (ChatMessage, ChatRequest, Finished, Pipeline, PipelineError, SamplingOverrides, TextDelta,
-                            TextPart)
-from gateway.http_errors import error_json, internal_error, read_body
+from gateway.choices import Indexed
+from gateway.events import (ChatMessage, ChatRequest, Finished, Pipeline, SamplingOverrides, TextDelta, TextPart,
+                            check_request_id)
+from gateway.http_errors import internal_error
 from gateway.media import invalid_request
 from gateway.openai_schema import check_sampling, resolve_model
+from gateway.sse import DONE, StreamState, chain, guarded, run_to_end, sse
 from gateway.reasoning import END, AnswerSplit, ReasoningParser, thinks
 
 if TYPE_CHECKING:
@@ -75,6 +82,44 @@ def _max_tokens(text: str | None) -> int | None:
     return int(text)
 
 
+def _flag(text: str | None, name: str) -> bool:
+    """A boolean form field as the SDKs send one (true / false; absent: false)."""
+    if text is None or text.lower() in ("", "false", "0"):
+        return False
+    if text.lower() in ("true", "1"):
+        return True
+    raise invalid_request(f"{name}: must be true or false, got {text!r}", name)
+
+
+@dataclass(slots=True)
+class _Transcription:
+    """One transcription in flight: what the response needs besides the events (`Timed` for the metrics)."""
+
+    request: ChatRequest
+    fmt: str  # json | text
+    stream: bool  # server-sent events: transcript.text.delta ..., transcript.text.done
+    started: float
+    split: AnswerSplit  # a reasoning model's thought left out (--reasoning-parser)
+    text: list[str] = field(default_factory=list)  # the answer so far
+    first_text: bool = False
+    first_audio: bool = False
+
+    def take(self, ev: object) -> str:
+        """The answer's text an event adds ('' for none; a Finished flushes what the split held back)."""
+        if isinstance(ev, TextDelta):
+            piece = self.split.push(ev.text)[1]
+        elif isinstance(ev, Finished):
+            piece = self.split.finish()[1]
+        else:
+            return ""
+        self.text.append(piece)
+        return piece
+
+    def usage(self, done: Finished) -> dict[str, object]:
+        return {"type": "tokens", "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
 class TranscriptionRoutes:
     """The two handlers on one `RestGateway` (its pipeline, media loader, model names and metrics)."""
 
@@ -88,24 +133,22 @@ class TranscriptionRoutes:
         return await self._handle(request, "translate")
 
     async def _handle(self, request: Request, task: Task) -> Response:
-        endpoint = "transcriptions" if task == "transcribe" else "translations"
-        started = time.perf_counter()
-        try:
-            response = await self._run(request, task)
-        except PipelineError as e:
-            self.gw._finish(endpoint, e.http_status, started)
-            return error_json(e)
-        except Exception as e:  # a bug: say so, keep serving
-            self.gw._finish(endpoint, 500, started)
-            return error_json(internal_error(e))
-        self.gw._finish(endpoint, 200, started)
-        return response
+        from gateway.rest import Answer  # rest imports this module to route it
 
-    async def _form(self, request: Request) -> FormData:
+        endpoint = "transcriptions" if task == "transcribe" else "translations"
+
+        async def prepare(raw: bytes, client_id: str | None, started: float) -> Answer:
+            call = await self._prepare(request, raw, task, client_id, started)
+            return Answer(call.request.request_id, (call.request,), call.stream,
+                          lambda first, events: self._complete(call, endpoint, first, events),
+                          lambda first, state: guarded(self._stream(call, first, state), state, "transcription"))
+
+        return await self.gw.answer(endpoint, request, prepare)
+
+    async def _form(self, request: Request, body: bytes) -> FormData:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise invalid_request("the body must be multipart/form-data with the audio in `file` (as OpenAI's SDK "
                                   "sends it)")
-        body = await read_body(request, self.gw.loader.limits.max_request_bytes)
 
         async def replay() -> dict:
             return {"type": "http.request", "body": body, "more_body": False}
@@ -115,12 +158,13 @@ class TranscriptionRoutes:
         except Exception as e:  # python-multipart / Starlette: a malformed or over-limit form
             raise invalid_request(f"the multipart form does not parse: {getattr(e, 'detail', e)}") from None
 
-    async def _run(self, request: Request, task: Task) -> Response:
-        form = await self._form(request)
-        for name in ("stream", "timestamp_granularities[]", "timestamp_granularities"):
-            if form.get(name) not in (None, "", "false"):
-                raise invalid_request(f"{name}: not supported (the model gives no timestamps, and this endpoint "
-                                      "answers in one piece; /v1/chat/completions streams)", name)
+    async def _prepare(self, request: Request, raw: bytes, task: Task, client_id: str | None,
+                       started: float) -> _Transcription:
+        form = await self._form(request, raw)
+        for name in ("timestamp_granularities[]", "timestamp_granularities"):
+            if form.get(name) not in (None, ""):
+                raise invalid_request(f"{name}: not supported (the model gives no timestamps)", name)
+        stream = _flag(_field(form, "stream"), "stream")
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
             raise invalid_request("file: the audio file (WAV, MP3, FLAC, ...) is required", "file")
@@ -139,14 +183,38 @@ class TranscriptionRoutes:
         self.gw.loader.check_audio_seconds(audio.waveform.size / audio.sample_rate)
         ask = instruction(task, _field(form, "language"), _field(form, "prompt"))
         pipeline_model = model if model in self.gw.pipeline.served_models else self.gw.pipeline.served_models[0]
-        chat = text_request(f"trsc-{uuid.uuid4().hex}", pipeline_model, (ChatMessage("user", (audio, TextPart(ask))),),
+        suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
+        chat = text_request(f"trsc-{suffix}", pipeline_model, (ChatMessage("user", (audio, TextPart(ask))),),
                             sampling, self.gw.reasoning)
-        text, done = await collect_text(self.gw.pipeline, chat, self.gw.reasoning)
-        if fmt == "text":
-            return PlainTextResponse(text)
-        return JSONResponse({"text": text, "usage": {"type": "tokens", "input_tokens": done.prompt_tokens,
-                                                     "output_tokens": done.completion_tokens,
-                                                     "total_tokens": done.prompt_tokens + done.completion_tokens}})
+        split = AnswerSplit(self.gw.reasoning, chat.reasoning_end is not None, include=False)
+        return _Transcription(chat, fmt, stream, started, split)
+
+    def _take(self, call: _Transcription, ev: object) -> str:
+        self.gw._observe(call, ev)  # type: ignore[arg-type]
+        return call.take(ev)
+
+    async def _complete(self, call: _Transcription, endpoint: str, first: Indexed,
+                        events: AsyncIterator[Indexed]) -> Response:
+        done = await run_to_end(first, events, lambda ev: self._take(call, ev))
+        self.gw._finish(endpoint, 200, call.started)
+        headers = {"X-Request-Id": call.request.request_id}
+        text = "".join(call.text)
+        if call.fmt == "text":
+            return PlainTextResponse(text, headers=headers)
+        return JSONResponse({"text": text, "usage": call.usage(done)}, headers=headers)
+
+    async def _stream(self, call: _Transcription, first: Indexed, state: StreamState) -> AsyncIterator[bytes]:
+        """OpenAI's transcription events: `transcript.text.delta` per piece of the answer, then
+        `transcript.text.done` with the whole text and the usage (`guarded`: an error midway is an error event)."""
+        async for _, ev in chain(first, state.events):
+            piece = self._take(call, ev)
+            if piece:
+                yield sse({"type": "transcript.text.delta", "delta": piece})
+            if isinstance(ev, Finished):
+                yield sse({"type": "transcript.text.done", "text": "".join(call.text), "usage": call.usage(ev)})
+                yield DONE
+                return
+        raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
 
 
 def text_request(request_id: str, model: str, messages: tuple[ChatMessage, ...], sampling: SamplingOverrides,

@@ -1,6 +1,7 @@
 """/v1/audio/transcriptions through the shared mesh: its text is exactly what a greedy, text-only chat
 completion with the same user message (the WAV as input_audio, then the instruction) answers, and
-`usage` counts the same tokens; the openai SDK gets that text too."""
+`usage` counts the same tokens; the openai SDK gets that text too, and streamed (stream=True) its deltas
+add up to it, in more than one piece."""
 
 from __future__ import annotations
 
@@ -29,3 +30,9 @@ def test_transcription_equals_the_chat_with_that_message(mesh) -> None:
     client = openai.OpenAI(base_url=f"{mesh.rest}/v1", api_key="unused", max_retries=0, timeout=120)
     assert client.audio.transcriptions.create(model="tiny-qwen3-omni", file=("a.wav", wav),
                                               language="en").text == r.json()["text"]
+    events = list(client.audio.transcriptions.create(model="tiny-qwen3-omni", file=("a.wav", wav), language="en",
+                                                     stream=True))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    assert events[-1].type == "transcript.text.done" and len(deltas) > 1
+    assert "".join(deltas) == events[-1].text == r.json()["text"]
+    assert events[-1].usage.output_tokens == r.json()["usage"]["output_tokens"]  # type: ignore[union-attr]

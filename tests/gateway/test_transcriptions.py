@@ -1,10 +1,15 @@
 """OpenAI's /v1/audio/transcriptions and /translations (gateway/transcription_api.py) on the scripted
 pipeline: the form becomes one text-only user message [the audio, the instruction with its hints],
-greedy by default; json and text answers; the openai SDK's `audio.transcriptions.create` works; bad
-forms, formats that need timestamps, streaming, a missing or non-WAV file, an unknown model and
-oversized bodies or audio are 4xx naming the field; the key is needed under --api-key."""
+greedy by default; json and text answers; streamed as OpenAI's transcript.text.delta / .done events
+(the openai SDK's stream reads them; a reasoning model's thought stays out; an error midway is an error
+event, one before the first event a 4xx/5xx); the openai SDK's `audio.transcriptions.create` works; bad
+forms, formats that need timestamps, a missing or non-WAV file, an unknown model and oversized bodies or
+audio are 4xx naming the field; the key is needed under --api-key."""
 
 from __future__ import annotations
+
+import json
+import time
 
 import httpx
 import openai
@@ -12,7 +17,7 @@ import pytest
 from gateway_harness import RestServer, ScriptedPipeline
 from test_rest import wav_file
 
-from gateway.events import AudioPart, TextPart
+from gateway.events import AudioPart, Finished, PipelineError, TextDelta, TextPart
 from gateway.input_limits import InputLimits
 from gateway.rest import create_app
 
@@ -57,7 +62,7 @@ def test_the_openai_sdk(rest_server: RestServer, pipeline: ScriptedPipeline) -> 
 @pytest.mark.parametrize(("fields", "status", "needle"), [
     ({"response_format": "srt"}, 400, "needs timestamps"),
     ({"response_format": "yaml"}, 400, "is not one of json, text"),
-    ({"stream": "true"}, 400, "stream: not supported"),
+    ({"stream": "maybe"}, 400, "stream: must be true or false"),
     ({"timestamp_granularities[]": "word"}, 400, "timestamp_granularities[]"),
     ({"temperature": "hot"}, 400, "is not a number"),
     ({"temperature": "1.5"}, 400, "in [0, 1]"),
@@ -115,3 +120,56 @@ def test_a_reasoning_models_thought_is_left_out(pipeline: ScriptedPipeline) -> N
         assert r.status_code == 200 and r.json()["text"] == "\n\nHello world", r.text
         assert pipeline.requests[-1].reasoning_end == "</think>"
         assert post(s, response_format="text").text == "\n\nHello world"
+
+
+def events(r: httpx.Response) -> list:
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    lines = [line.removeprefix("data: ") for line in r.text.split("\n\n") if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_streamed_as_openai_transcript_events(pipeline: ScriptedPipeline) -> None:
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",))) as server:  # its own metrics
+        r = httpx.post(f"{server.base_url}/v1/audio/transcriptions", data={"model": "tiny-omni", "stream": "true"},
+                       files={"file": ("a.wav", wav_file(0.5), "audio/wav")}, headers={"X-Request-Id": "mine"},
+                       timeout=30)
+        assert events(r) == [{"type": "transcript.text.delta", "delta": "Hello"},
+                             {"type": "transcript.text.delta", "delta": " world"},
+                             {"type": "transcript.text.done", "text": "Hello world",
+                              "usage": {"type": "tokens", "input_tokens": 7, "output_tokens": 2, "total_tokens": 9}}]
+        assert r.headers["x-request-id"] == "trsc-mine" == pipeline.requests[-1].request_id
+        assert pipeline.closed == ["trsc-mine"]
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        stream = client.audio.transcriptions.create(model="tiny-omni", file=("a.wav", wav_file(0.5)), stream=True)
+        got = list(stream)
+        assert [e.type for e in got] == ["transcript.text.delta", "transcript.text.delta", "transcript.text.done"]
+        assert "".join(e.delta for e in got[:-1]) == got[-1].text == "Hello world"
+        assert got[-1].usage.output_tokens == 2  # type: ignore[union-attr]
+        translated = httpx.post(f"{server.base_url}/v1/audio/translations", timeout=30,
+                                data={"model": "tiny-omni", "stream": "true"}, files={"file": ("a.wav", wav_file(0.5))})
+        assert events(translated)[-1]["text"] == "Hello world"
+        deadline = time.monotonic() + 5  # each stream settled once, as a 200 (after its last bytes went out)
+        while "omnimesh:requests_running 0.0" not in (metrics := httpx.get(f"{server.base_url}/metrics").text):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.05)
+        assert 'omnimesh:requests_total{endpoint="transcriptions",status="200"} 2.0' in metrics
+        assert 'omnimesh:requests_total{endpoint="translations",status="200"} 1.0' in metrics
+
+
+def test_a_streamed_thought_is_left_out_and_errors_are_events(pipeline: ScriptedPipeline) -> None:
+    from gateway.reasoning import ReasoningParser
+
+    pipeline.script = lambda request: [TextDelta("<think>\nhm"), TextDelta("m</think>\n\nHel"), TextDelta("lo"),
+                                       Finished("stop", 7, 3)]
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",), reasoning=ReasoningParser("qwen3"))) as s:
+        got = events(post(s, stream="true"))
+        assert "".join(e.get("delta", "") for e in got) == got[-1]["text"] == "\n\nHello"
+        died = PipelineError("thinker died", http_status=503, grpc_code=14, kind="server_error")
+        pipeline.script = lambda request: [TextDelta("<think>x</think>Hel"), died]
+        got = events(post(s, stream="true"))
+        assert got[0] == {"type": "transcript.text.delta", "delta": "Hel"}
+        assert got[1]["error"]["message"] == "thinker died" and len(got) == 2
+        pipeline.script = lambda request: [died]
+        r = post(s, stream="true")  # nothing sent yet: the error keeps its status
+        assert r.status_code == 503 and r.json()["error"]["message"] == "thinker died"
