@@ -9,7 +9,8 @@ the thinker's own stop) -> `{"text", "usage"}` (json) or the bare text (text); a
 message gives the same text (the e2e test checks it). With `stream=true` the answer comes as it is
 written, in OpenAI's events: `transcript.text.delta` (`delta`: the new text) per piece, then
 `transcript.text.done` (the whole `text` and the `usage`), then `data: [DONE]` (vLLM streams translations
-too; so does omnimesh, with the same events). Formats that need timestamps (srt, vtt, verbose_json) and
+too; so does omnimesh, with the same events). `include[]=logprobs` (json only) adds each answer token's
+`{token, logprob, bytes}`: `logprobs` on the answer, on each delta and on the done event. Formats that need timestamps (srt, vtt, verbose_json) and
 `timestamp_granularities[]` are 400s naming the field: the model gives none. The route runs through
 `RestGateway.answer`, as the chat does (the running gauge, a client's X-Request-Id, tracing).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -30,9 +31,9 @@ from gateway.events import (ChatMessage, ChatRequest, Finished, Pipeline, Sampli
                             check_request_id)
 from gateway.http_errors import internal_error
 from gateway.media import invalid_request
-from gateway.openai_schema import check_sampling, resolve_model
+from gateway.openai_schema import check_sampling, choice_logprobs, resolve_model
 from gateway.sse import DONE, StreamState, chain, guarded, run_to_end, sse
-from gateway.reasoning import END, AnswerSplit, ReasoningParser, thinks
+from gateway.reasoning import END, AnswerSplit, ReasoningParser, ThoughtTokens, thinks
 
 if TYPE_CHECKING:
     from gateway.rest import RestGateway
@@ -99,21 +100,29 @@ class _Transcription:
     fmt: str  # json | text
     stream: bool  # server-sent events: transcript.text.delta ..., transcript.text.done
     started: float
-    split: AnswerSplit  # a reasoning model's thought left out (--reasoning-parser)
+    split: ThoughtTokens  # a reasoning model's thought left out (--reasoning-parser)
+    logprobs: list[dict[str, Any]] | None  # include=logprobs: the answer's tokens' so far; None: not asked
+    as_ids: bool = False  # --return-tokens-as-token-ids
     text: list[str] = field(default_factory=list)  # the answer so far
     first_text: bool = False
     first_audio: bool = False
 
-    def take(self, ev: object) -> str:
-        """The answer's text an event adds ('' for none; a Finished flushes what the split held back)."""
+    def take(self, ev: object) -> tuple[str, list[dict[str, Any]]]:
+        """The answer's text an event adds ('' for none; a Finished flushes what the split held back) and, when
+        asked, its tokens' logprobs (a thought's stay out, as the Responses API leaves them)."""
+        entries: list[dict[str, Any]] = []
         if isinstance(ev, TextDelta):
-            piece = self.split.push(ev.text)[1]
+            piece = self.split.push(ev.text, ev.usage)[1]
+            if self.logprobs is not None and self.split.in_answer:
+                content = choice_logprobs(ev.logprobs, as_ids=self.as_ids).content or []
+                entries = [e.model_dump(mode="json", exclude={"top_logprobs"}) for e in content]
+                self.logprobs.extend(entries)
         elif isinstance(ev, Finished):
             piece = self.split.finish()[1]
         else:
-            return ""
+            return "", entries
         self.text.append(piece)
-        return piece
+        return piece, entries
 
     def usage(self, done: Finished) -> dict[str, object]:
         return {"type": "tokens", "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
@@ -165,6 +174,11 @@ class TranscriptionRoutes:
             if form.get(name) not in (None, ""):
                 raise invalid_request(f"{name}: not supported (the model gives no timestamps)", name)
         stream = _flag(_field(form, "stream"), "stream")
+        include = [v for name in ("include[]", "include") for v in form.getlist(name)]
+        for value in include:
+            if value != "logprobs":
+                raise invalid_request(f"include: {value!r} is not something a transcription can include "
+                                      "(logprobs is)", "include")
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
             raise invalid_request("file: the audio file (WAV, MP3, FLAC, ...) is required", "file")
@@ -175,9 +189,12 @@ class TranscriptionRoutes:
                                   "use json or text", "response_format")
         if fmt not in ("json", "text"):
             raise invalid_request(f"response_format: {fmt!r} is not one of json, text", "response_format")
+        if include and fmt != "json":
+            raise invalid_request(f"include: logprobs come with response_format json, not {fmt}", "include")
         sampling = SamplingOverrides(temperature=_temperature(_field(form, "temperature")),
-                                     max_tokens=_max_tokens(_field(form, "max_completion_tokens")))
-        check_sampling(sampling, "")
+                                     max_tokens=_max_tokens(_field(form, "max_completion_tokens")),
+                                     logprobs=0 if include else None)
+        check_sampling(sampling, "", self.gw.max_logprobs)
         self.gw.loader.check_counts(["audio"])  # --limit-mm-per-prompt audio=0 refuses this route too
         audio = await self.gw.loader.audio_from_bytes(await upload.read(), "file")
         self.gw.loader.check_audio_seconds(audio.waveform.size / audio.sample_rate)
@@ -186,10 +203,10 @@ class TranscriptionRoutes:
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
         chat = text_request(f"trsc-{suffix}", pipeline_model, (ChatMessage("user", (audio, TextPart(ask))),),
                             sampling, self.gw.reasoning)
-        split = AnswerSplit(self.gw.reasoning, chat.reasoning_end is not None, include=False)
-        return _Transcription(chat, fmt, stream, started, split)
+        split = ThoughtTokens(AnswerSplit(self.gw.reasoning, chat.reasoning_end is not None, include=False))
+        return _Transcription(chat, fmt, stream, started, split, [] if include else None, self.gw.tokens_as_ids)
 
-    def _take(self, call: _Transcription, ev: object) -> str:
+    def _take(self, call: _Transcription, ev: object) -> tuple[str, list[dict[str, Any]]]:
         self.gw._observe(call, ev)  # type: ignore[arg-type]
         return call.take(ev)
 
@@ -201,17 +218,21 @@ class TranscriptionRoutes:
         text = "".join(call.text)
         if call.fmt == "text":
             return PlainTextResponse(text, headers=headers)
-        return JSONResponse({"text": text, "usage": call.usage(done)}, headers=headers)
+        logprobs = {} if call.logprobs is None else {"logprobs": call.logprobs}
+        return JSONResponse({"text": text, **logprobs, "usage": call.usage(done)}, headers=headers)
 
     async def _stream(self, call: _Transcription, first: Indexed, state: StreamState) -> AsyncIterator[bytes]:
         """OpenAI's transcription events: `transcript.text.delta` per piece of the answer, then
         `transcript.text.done` with the whole text and the usage (`guarded`: an error midway is an error event)."""
         async for _, ev in chain(first, state.events):
-            piece = self._take(call, ev)
-            if piece:
-                yield sse({"type": "transcript.text.delta", "delta": piece})
+            piece, entries = self._take(call, ev)
+            asked = call.logprobs is not None
+            if piece or entries:
+                yield sse({"type": "transcript.text.delta", "delta": piece, **({"logprobs": entries} if asked else {})})
             if isinstance(ev, Finished):
-                yield sse({"type": "transcript.text.done", "text": "".join(call.text), "usage": call.usage(ev)})
+                logprobs = {"logprobs": call.logprobs} if asked else {}
+                yield sse({"type": "transcript.text.done", "text": "".join(call.text), **logprobs,
+                           "usage": call.usage(ev)})
                 yield DONE
                 return
         raise internal_error(RuntimeError("the pipeline ended without a Finished event"))

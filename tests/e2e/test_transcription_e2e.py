@@ -1,7 +1,8 @@
 """/v1/audio/transcriptions through the shared mesh: its text is exactly what a greedy, text-only chat
 completion with the same user message (the WAV as input_audio, then the instruction) answers, and
 `usage` counts the same tokens; the openai SDK gets that text too, and streamed (stream=True) its deltas
-add up to it, in more than one piece."""
+add up to it, in more than one piece; include[]=logprobs gives the tokens and log-probabilities the chat
+gives with logprobs."""
 
 from __future__ import annotations
 
@@ -36,3 +37,21 @@ def test_transcription_equals_the_chat_with_that_message(mesh) -> None:
     assert events[-1].type == "transcript.text.done" and len(deltas) > 1
     assert "".join(deltas) == events[-1].text == r.json()["text"]
     assert events[-1].usage.output_tokens == r.json()["usage"]["output_tokens"]  # type: ignore[union-attr]
+
+
+def test_transcription_logprobs_are_the_chats(mesh) -> None:
+    """include[]=logprobs: the same tokens and log-probabilities as the chat asked for logprobs."""
+    wav = sine_wav(1.0)
+    r = httpx.post(f"{mesh.rest}/v1/audio/transcriptions", timeout=120, files={"file": ("a.wav", wav, "audio/wav")},
+                   data={"model": "tiny-qwen3-omni", "include[]": "logprobs", "max_completion_tokens": "6"})
+    assert r.status_code == 200, r.text
+    content = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+               {"type": "text", "text": instruction("transcribe", None, None)}]
+    chat = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=120, json={
+        "model": "tiny-qwen3-omni", "messages": [{"role": "user", "content": content}], "temperature": 0,
+        "max_tokens": 6, "logprobs": True}).json()
+    want = chat["choices"][0]["logprobs"]["content"]
+    got = r.json()["logprobs"]
+    assert len(got) == len(want) == r.json()["usage"]["output_tokens"] == 6
+    assert [(g["token"], g["bytes"]) for g in got] == [(w["token"], w["bytes"]) for w in want]
+    assert all(abs(g["logprob"] - w["logprob"]) < 1e-4 for g, w in zip(got, want))

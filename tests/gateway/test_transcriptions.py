@@ -64,6 +64,8 @@ def test_the_openai_sdk(rest_server: RestServer, pipeline: ScriptedPipeline) -> 
     ({"response_format": "yaml"}, 400, "is not one of json, text"),
     ({"stream": "maybe"}, 400, "stream: must be true or false"),
     ({"timestamp_granularities[]": "word"}, 400, "timestamp_granularities[]"),
+    ({"include[]": "segments"}, 400, "include: 'segments' is not something a transcription can include"),
+    ({"include[]": "logprobs", "response_format": "text"}, 400, "logprobs come with response_format json"),
     ({"temperature": "hot"}, 400, "is not a number"),
     ({"temperature": "1.5"}, 400, "in [0, 1]"),
     ({"model": "whisper-1"}, 404, "whisper-1"),
@@ -173,3 +175,30 @@ def test_a_streamed_thought_is_left_out_and_errors_are_events(pipeline: Scripted
         pipeline.script = lambda request: [died]
         r = post(s, stream="true")  # nothing sent yet: the error keeps its status
         assert r.status_code == 503 and r.json()["error"]["message"] == "thinker died"
+
+
+def test_include_logprobs(pipeline: ScriptedPipeline) -> None:
+    """OpenAI's include[]=logprobs: each answer token's {token, logprob, bytes} in the json answer, on each
+    streamed delta and in the done event; a reasoning model's thought tokens stay out."""
+    from gateway.reasoning import ReasoningParser
+    from omnimesh.v1 import stage_pb2
+
+    def lp(token: bytes, logprob: float) -> stage_pb2.TokenLogprob:
+        return stage_pb2.TokenLogprob(token_id=1, token=token, logprob=logprob)
+
+    pipeline.script = lambda request: [
+        TextDelta("<think>hm</think>", logprobs=(lp(b"<think>", -0.1), lp(b"hm", -0.2), lp(b"</think>", -0.3))),
+        TextDelta("Hi", logprobs=(lp(b"Hi", -0.5),)), TextDelta(" you", logprobs=(lp(b" you", -1.5),)),
+        Finished("stop", 7, 5)]
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",), reasoning=ReasoningParser("qwen3"))) as s:
+        want = [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
+                {"token": " you", "logprob": -1.5, "bytes": [32, 121, 111, 117]}]
+        r = post(s, **{"include[]": "logprobs"})
+        assert r.status_code == 200 and r.json()["text"] == "Hi you" and r.json()["logprobs"] == want, r.text
+        assert pipeline.requests[-1].sampling.logprobs == 0
+        got = events(post(s, **{"include[]": "logprobs", "stream": "true"}))
+        assert [e["logprobs"] for e in got[:-1]] == [want[:1], want[1:]] and got[-1]["logprobs"] == want
+        assert "logprobs" not in post(s).json() and pipeline.requests[-1].sampling.logprobs is None
+        client = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0)
+        out = client.audio.transcriptions.create(model="tiny-omni", file=("a.wav", wav_file(0.5)), include=["logprobs"])
+        assert [(t.token, t.logprob) for t in out.logprobs or []] == [("Hi", -0.5), (" you", -1.5)]
