@@ -207,11 +207,17 @@ class StagePipeline:
                 self.request_log.finished(rid, time.monotonic() - started, done, error)
 
     def hashes_media(self) -> bool:
-        """Does a thinker replica cache prefixes (then its media rows are named by the items' digests)? True
-        until one answered Info (the safe side), and when the mesh has no thinker of its own to ask."""
-        thinkers = self.stages.get("thinker")
-        known = thinkers.known() if thinkers is not None else []
-        return not known or any(r.info is not None and r.info.prefix_caching for r in known)
+        """Does a thinker replica cache prefixes, or an encoder replica its outputs (both key media items by the
+        gateway's digests)? True until a stage's replicas answered Info (the safe side), and when the mesh has
+        no thinker of its own to ask."""
+        def keyed(stage: str, absent: bool) -> bool:
+            replicas = self.stages.get(stage)
+            if replicas is None:
+                return absent
+            known = replicas.known()
+            return not known or any(r.info is not None and r.info.prefix_caching for r in known)
+
+        return keyed("thinker", absent=True) or keyed("encoder", absent=False)
 
     def _prepared(self, request: ChatRequest, hash_media: bool) -> PromptInputs:
         if isinstance(self.prepare, PromptBuilder):
@@ -475,6 +481,8 @@ def _encoder_inputs(prompt: PromptInputs) -> dict[str, torch.Tensor]:
     if prompt.pixel_values_videos is not None and prompt.video_grid_thw is not None:
         tensors["pixel_values_videos"] = prompt.pixel_values_videos
         tensors["video_grid_thw"] = prompt.video_grid_thw
+    if tensors:
+        tensors.update(prompt.media_hashes)  # the encoder cache's keys (it hashes the inputs itself without them)
     return tensors
 
 

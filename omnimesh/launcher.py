@@ -82,6 +82,8 @@ class MeshLauncher:
                 "--stream-interval", str(a.stream_interval), "--audio-windows", a.audio_windows, "--malloc", a.malloc]
         if a.enforce_eager:
             argv.append("--enforce-eager")
+        if stage == "encoder":
+            argv += ["--encoder-cache-memory", a.encoder_cache_memory]
         if a.disable_log_stats:
             argv.append("--disable-log-stats")
         if a.otlp_traces_endpoint is not None:

@@ -126,6 +126,10 @@ class ServeArgs:
                                      "caching; cached blocks count as free and are evicted least recently used "
                                      "first (off by default: each prompt is computed exactly as alone)",
                                      "--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    encoder_cache_memory: str = _f("512MiB", "the encoder stage keeps its outputs per media item (an audio clip, image or "
+                                   "video) up to this size, least recently used out first, so media sent again (a "
+                                   "chat's history, the same picture with another question) skip the towers; on "
+                                   "the encoder's device; 0 = off", "--encoder-cache-memory")
     kv_cache_memory: str | None = _f(None, "KV-cache size per rank of the thinker / talker, e.g. 2GiB (CPU default 4GiB; on CUDA it is what --gpu-memory-utilization leaves after weights and activations)", "--kv-cache-memory")
     block_size: int = _f(16, "tokens per KV-cache block", "--block-size")
     stream_interval: int = _f(4, "thinker tokens per streamed chunk (text deltas and the talker's inputs), as vLLM's "
@@ -261,6 +265,7 @@ class ServeArgs:
             raise ValueError(f"--block-size must be in 1..1024 tokens, got {self.block_size} (16 is the usual value)")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory, "--kv-cache-memory")
+        parse_size(self.encoder_cache_memory, "--encoder-cache-memory")
         if self.responses_store_memory is not None:
             parse_bytes(self.responses_store_memory, "--responses-store-memory")
         if self.transport not in TRANSPORT_CHOICES:

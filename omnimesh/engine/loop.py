@@ -175,9 +175,10 @@ class EngineLoop:
         return len(self._entries)
 
     def _load(self) -> Stats:
-        """The load gauges: the batcher's `stats()` when it has one, else every request here is running."""
+        """The load gauges: every request here is running, unless the batcher's `stats()` says otherwise (and
+        what else it counts)."""
         stats = getattr(self._batcher, "stats", None)
-        return stats() if stats is not None else {"running": len(self._entries), "waiting": 0}
+        return {"running": len(self._entries), "waiting": 0, **(stats() if stats is not None else {})}
 
     def start(self) -> None:
         self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"{self.name}-engine")

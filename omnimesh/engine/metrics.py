@@ -204,7 +204,9 @@ class _LoadCollector(Collector):
                                ("kv_cache_usage", "omnimesh:kv_cache_usage_perc", "KV-cache blocks in use, 0..1"),
                                ("prefix_cache_kept_bytes", "omnimesh:prefix_cache_kept_bytes",
                                 "Host memory of the media rows' hidden states kept with cached blocks for speech-out "
-                                "requests (at most one row per cached token; freed with the block)")):
+                                "requests (at most one row per cached token; freed with the block)"),
+                               ("encoder_cache_usage_bytes", "omnimesh:encoder_cache_usage_bytes",
+                                "Memory the encoder cache's media outputs take (--encoder-cache-memory)")):
             if stats.get(key) is not None:
                 g = GaugeMetricFamily(name, doc, labels=names)
                 g.add_metric(values, float(stats[key]))
@@ -213,7 +215,11 @@ class _LoadCollector(Collector):
                                ("prefix_cache_queries", "omnimesh:prefix_cache_queries",
                                 "Prompt tokens looked up in the prefix cache (--enable-prefix-caching)"),
                                ("prefix_cache_hits", "omnimesh:prefix_cache_hits",
-                                "Prompt tokens the prefix cache served")):
+                                "Prompt tokens the prefix cache served"),
+                               ("encoder_cache_queries", "omnimesh:encoder_cache_queries",
+                                "Media items (audio clips, images, videos) looked up in the encoder cache"),
+                               ("encoder_cache_hits", "omnimesh:encoder_cache_hits",
+                                "Media items the encoder cache served without running a tower")):
             if stats.get(key) is not None:
                 c = CounterMetricFamily(name, doc, labels=names)
                 c.add_metric(values, float(stats[key]))

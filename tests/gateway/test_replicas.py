@@ -326,6 +326,29 @@ async def test_media_are_hashed_only_for_a_thinker_that_caches_prefixes() -> Non
     await unknown.close()
 
 
+class WordEncoder(WordThinker):
+    """An encoder replica as Info shows it: its cache keys media by the gateway's digests when it is on."""
+
+    name = "encoder"
+
+    def info(self) -> stage_pb2.StageInfo:
+        return stage_pb2.StageInfo(stage="encoder", model="m", host_id="h", prefix_caching=self.prefix_caching)
+
+
+async def test_media_are_hashed_for_an_encoder_that_caches() -> None:
+    """An encoder replica with its cache on (--encoder-cache-memory, the default) also gets the digests."""
+    plain = WordThinker("a")
+    async with served_stage(plain, EngineLoop("thinker")) as st, \
+            served_stage(WordEncoder("e", prefix_caching=True), EngineLoop("encoder")) as caching, \
+            served_stage(WordEncoder("f"), EngineLoop("encoder")) as off:
+        for encoder, hashed in ((caching, True), (off, False)):
+            encoders = [StageClient("encoder", f"127.0.0.1:{encoder.port}")]
+            pipe = StagePipeline({"thinker": [_client(st)], "encoder": encoders}, _prompt, served_models=("m",))
+            await pipe.connect(timeout_s=10.0, late_grace_s=0.5)
+            assert pipe.hashes_media() is hashed
+            await pipe.close()
+
+
 async def test_speech_from_a_pipeline_without_speech_stages_is_refused_before_any_stage() -> None:
     """The pipeline's own guard (the front ends refuse first): a request for audio on a chain with no talker /
     vocoder, or over a thinker-only model, is a 400 naming why, and no stage is dialled (the address is dead)."""

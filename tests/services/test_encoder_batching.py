@@ -27,7 +27,8 @@ N_MEL, PATCH_DIM = 128, 3 * 2 * 16 * 16  # the tiny model's num_mel_bins and C *
 
 @pytest.fixture(scope="module")
 def handler(tmp_path_factory: pytest.TempPathFactory) -> EncoderHandler:
-    return build_handler(build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "m"), ServeArgs())
+    # the encoder cache off: every step here must run the towers (tests/services/test_encoder_cache.py has it on)
+    return build_handler(build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny") / "m"), ServeArgs(encoder_cache_memory="0"))
 
 
 def audio(gen: torch.Generator, valid: list[int], padded: int) -> dict[str, torch.Tensor]:
