@@ -31,7 +31,9 @@ What is an estimate (a plan that fits can still run out of memory at load; one t
     context (~0.5 GiB per process), the code predictor's per-request caches and other processes on the
     device are NOT counted: keep headroom below gpu_memory_utilization;
   - on CUDA an LM stage without kv_cache_memory counts one max-length sequence of KV, the least it starts
-    with (it then takes whatever its utilization leaves); with kv_cache_memory, that pool.
+    with (it then takes whatever its utilization leaves); with kv_cache_memory, that pool;
+  - the encoder's rank 0 counts its cache at full capacity (--encoder-cache-memory), which it reaches only
+    as it fills.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from omnimesh.config.serve_args import ServeArgs
-from omnimesh.config.stage_config import StageConfig
+from omnimesh.config.stage_config import StageConfig, parse_size
 
 LM_STAGES = ("thinker", "talker")
 PLANNED_DEVICES = 8  # CUDA devices per host when planning on a host that has none (`--num-devices` overrides)
@@ -243,6 +245,7 @@ class StagePlan:
     kv_max_len: int | None = None
     kv_one_sequence: int | None = None  # per rank
     kv_pool: int = 0  # per rank, what the plan counts (see the module docstring)
+    cache: int = 0  # rank 0: the encoder cache at its capacity (--encoder-cache-memory), on the encoder's device
     budget: int | None = None  # per rank: the smallest device's memory x gpu_memory_utilization (CUDA)
     missing: int = 0  # per rank, beyond the budget
     recommendation: str | None = None  # when it does not fit: the layout that would, or why none does
@@ -250,8 +253,8 @@ class StagePlan:
 
     @property
     def need(self) -> int:
-        """Rank 0's bytes: its share, the driver's part, its KV."""
-        return self.weights_per_rank + self.driver + self.kv_pool
+        """Rank 0's bytes: its share, the driver's part, its KV, the encoder's cache."""
+        return self.weights_per_rank + self.driver + self.kv_pool + self.cache
 
     @property
     def layout(self) -> str:
@@ -283,7 +286,7 @@ class MemoryPlan:
             kv = "-" if s.kv_one_sequence is None else f"{fmt_bytes(s.kv_one_sequence)} ({s.kv_max_len} tok)"
             fits = "yes" if not s.missing else f"NO: {fmt_bytes(s.missing)} missing"
             budget = "-" if s.budget is None else f"{fmt_bytes(s.budget)} ({s.cfg.gpu_memory_utilization:g})"
-            rows.append((s.stage, s.layout, ",".join(s.devices), fmt_bytes(s.weights_per_rank), fmt_bytes(s.driver),
+            rows.append((s.stage, s.layout, ",".join(s.devices), fmt_bytes(s.weights_per_rank), fmt_bytes(s.driver + s.cache),
                          "-" if s.kv_per_token is None else fmt_bytes(s.kv_per_token), kv, fmt_bytes(s.need), budget,
                          fits if self.device == "cuda" else "(host RAM)"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -386,6 +389,8 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
         driver = weights.driver if args.node_rank == 0 or cfg.num_nodes == 1 else 0
         kv = _kv_shape(config, stage, cfg) if stage in LM_STAGES else None
         sp = StagePlan(stage, cfg, (), weights.per_rank(cfg.pp, cfg.tp, cfg.pp_layer_partition), driver)
+        if stage == "encoder" and (args.node_rank == 0 or cfg.num_nodes == 1):  # rank 0 keeps its outputs
+            sp.cache = parse_size(args.encoder_cache_memory, "--encoder-cache-memory")
         if kv is not None:
             sp.kv_per_token = kv.per_token(cfg.pp, cfg.tp, cfg.pp_layer_partition, dtype)
             sp.kv_max_len = kv.max_len
@@ -400,7 +405,7 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
                     f"the stage would refuse to start; raise --kv-cache-memory or lower --max-model-len")
         plan.stages.append(sp)
         if not cuda:
-            plan.total_cpu += cfg.num_replicas * (weights.split + driver + cfg.world_size * sp.kv_pool)
+            plan.total_cpu += cfg.num_replicas * (weights.split + driver + cfg.world_size * sp.kv_pool + sp.cache)
             sp.devices = ("cpu",)
             continue
         sized_by_utilization = kv is not None and cfg.kv_cache_memory is None
@@ -409,7 +414,7 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
             if replica == 0:
                 sp.devices = tuple(f"cuda:{d}" for d in devices)
             for rank, d in enumerate(devices):
-                need = sp.need if rank == 0 else sp.need - sp.driver
+                need = sp.need if rank == 0 else sp.need - sp.driver - sp.cache
                 on_device.setdefault(f"cuda:{d}", []).append(
                     (stage, need, cfg.gpu_memory_utilization if sized_by_utilization else None))
         budgets = [int(memory_of(int(d)) * cfg.gpu_memory_utilization) for d in _stage_devices(cfg, 0)]
@@ -420,6 +425,8 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
             kv_text = ("" if kv is None else f" + KV cache {fmt_bytes(sp.kv_pool)} ("
                        + (f"one {kv.max_len}-token sequence, {kv.what}" if cfg.kv_cache_memory is None
                           else "kv_cache_memory") + ")")
+            if sp.cache:
+                kv_text += f" + encoder cache {fmt_bytes(sp.cache)} on rank 0 (--encoder-cache-memory; 0 = off)"
             plan.errors.append(
                 f"stage {stage} (pp {cfg.pp} x tp {cfg.tp} on {','.join(sp.devices)}): needs {fmt_bytes(sp.need)} "
                 f"per rank (weights: {share} as its share of pp x tp + {fmt_bytes(driver)} kept whole on rank 0"
@@ -427,7 +434,7 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
                 f"{fmt_bytes(memory_of(int(_stage_devices(cfg, 0)[0])))} = {fmt_bytes(sp.budget)}: "
                 f"{fmt_bytes(sp.missing)} missing per rank")
             sp.recommendation, sp.fits_with = _recommend(stage, cfg, config, weights, kv, dtype, args.block_size,
-                                                         count, memory_of)
+                                                         count, memory_of, sp.cache)
     if cuda:
         plan.memory = {d: memory_of(int(d.split(":")[1])) for d in sorted(on_device, key=lambda d: int(d[5:]))}
         for d, entries in sorted(on_device.items()):
@@ -463,11 +470,14 @@ def _check_shared(plan: MemoryPlan, device: str, entries: list[tuple[str, int, f
             + (f" besides {fmt_bytes(fixed)} for the others" if others else "")
             + ", more than the whole device (each of these stages sizes its KV cache to take its fraction of the "
               "device): give stages devices of their own (\"devices\" in --stage-overrides), lower their "
-              "gpu_memory_utilization so that together they fit, or give them a fixed kv_cache_memory")
+              "gpu_memory_utilization so that together they fit, or give them a fixed kv_cache_memory"
+            + "".join(f"; the encoder's part includes its cache, {fmt_bytes(s.cache)} (--encoder-cache-memory; 0 = off)"
+                      for s in plan.stages if s.stage == "encoder" and s.cache and s.devices[:1] == (device,)))
 
 
 def _recommend(stage: str, cfg: StageConfig, config: Any, weights: StageWeights, kv: KVShape | None, dtype: Any,
-               block_size: int, per_host: int, memory_of: Callable[[int], int]) -> tuple[str, tuple[int, int] | None]:
+               block_size: int, per_host: int, memory_of: Callable[[int], int],
+               cache: int = 0) -> tuple[str, tuple[int, int] | None]:
     """The smallest pp x tp (tp first, within a host) that the model's layout accepts and that fits: what to
     say, and (pp, tp) (None when no layout up to the stage's hosts' devices fits)."""
     from omnimesh.models.qwen3_omni.parallel_plan import check_layout
@@ -483,7 +493,7 @@ def _recommend(stage: str, cfg: StageConfig, config: Any, weights: StageWeights,
                 check_layout(config, {stage: cand})
         except ValueError:
             continue
-        need = weights.per_rank(pp, tp) + weights.driver
+        need = weights.per_rank(pp, tp) + weights.driver + cache
         if kv is not None:
             one = kv.one_sequence(kv.per_token(pp, tp, None, dtype), block_size)
             need += cfg.kv_cache_memory if cfg.kv_cache_memory is not None and cfg.kv_cache_memory >= one else one

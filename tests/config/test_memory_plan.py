@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -132,7 +133,8 @@ def test_stages_sharing_a_device_must_not_claim_more_than_all_of_it(models) -> N
     fixed = ServeArgs(device="cuda", kv_cache_memory="8MiB", gpu_memory_utilization=0.9)
     assert plan_memory(model, fixed, device_memory=2**30).ok
     # the default mesh, all four on cuda:0: the thinker and talker take 2/3 and 2/9 of 0.9, so it fits one GPU
-    default = plan_memory(model, ServeArgs(device="cuda"), device_memory=2**30)
+    # (on a 4 GiB GPU: what the thinker's and talker's fractions leave holds the encoder's 512 MiB cache too)
+    default = plan_memory(model, ServeArgs(device="cuda"), device_memory=2**32)
     assert default.ok, default.errors
     assert [round(s.cfg.gpu_memory_utilization, 6) for s in default.stages] == [0.9, 0.6, 0.2, 0.9]
     alone = ServeArgs(device="cuda", stage_overrides=json.dumps({"thinker": {"devices": "1"}}))
@@ -144,13 +146,14 @@ def test_omnimesh_plan_prints_the_table_and_exits_0_or_2(models, capsys) -> None
 
     model = models["qwen3-omni"]
     memory = int((_thinker_need(model, 1) + _thinker_need(model, 2)) / 2 / 0.6)  # the thinker's share on GPU 0
-    base = ["plan", str(model), "--device", "cuda", "--device-memory", str(memory), "--num-devices", "8"]
+    base = ["plan", str(model), "--device", "cuda", "--device-memory", str(memory), "--num-devices", "8",
+            "--encoder-cache-memory", "0"]  # GPUs of a few MiB: no room for the encoder's cache
     assert main(base) == 2
     out, err = capsys.readouterr()
     assert out.splitlines()[1].split()[:3] == ["stage", "pp", "x"] and "NO:" in out
     assert "does not fit: stage thinker (pp 1 x tp 1 on cuda:0)" in out and "fits with: stage thinker: pp 1 x tp 2" in out
     assert "omnimesh: error: the model does not fit its devices" in err
-    first = plan_memory(model, ServeArgs(device="cuda"), device_memory=memory, num_devices=8)
+    first = plan_memory(model, ServeArgs(device="cuda", encoder_cache_memory="0"), device_memory=memory, num_devices=8)
     overrides, device = {}, 0
     for s in first.stages:  # each stage on devices of its own, in the layout the plan recommends
         pp, tp = s.fits_with or (s.cfg.pp, s.cfg.tp)
@@ -205,3 +208,27 @@ def test_serve_hands_each_stage_its_share_of_a_shared_gpu(models) -> None:
     assert [round(fraction(shared, s), 6) for s in ("encoder", "thinker", "talker", "vocoder")] == [0.9, 0.6, 0.2, 0.9]
     apart = MeshLauncher(ServeArgs(device="cuda", stage_overrides=json.dumps({"thinker": {"devices": "1"}})), model)
     assert fraction(apart, "thinker") == 0.9 and round(fraction(apart, "talker"), 6) == 0.2
+
+
+def test_the_encoder_cache_is_counted_on_the_encoders_rank_0(models) -> None:
+    """--encoder-cache-memory at its capacity on the encoder's first rank (its outputs are kept there), none
+    with 0; too big for the device is the encoder's shortfall, naming the flag."""
+    model = models["qwen3-omni"]
+    args = {"device": "cuda", "stage_overrides": json.dumps({"encoder": {"pp": 2, "devices": "0,1"}})}
+    on = plan_memory(model, ServeArgs(encoder_cache_memory="64MiB", **args), device_memory=2**40)
+    off = plan_memory(model, ServeArgs(encoder_cache_memory="0", **args), device_memory=2**40)
+    enc_on, enc_off = (next(s for s in p.stages if s.stage == "encoder") for p in (on, off))
+    assert (enc_on.cache, enc_off.cache) == (64 * 2**20, 0) and enc_on.need == enc_off.need + 64 * 2**20
+    assert next(s for s in on.stages if s.stage == "thinker").cache == 0
+    encoder_row = next(line for line in on.table().splitlines() if line.startswith("encoder"))
+    assert re.split(r"\s{2,}", encoder_row)[4] == "64 MiB"  # the "+ on rank 0" column
+    small = int((enc_off.need + 32 * 2**20) / 0.9)  # the encoder without its cache fits, with it not
+    tight = plan_memory(model, ServeArgs(encoder_cache_memory="64MiB", **args), only="encoder", device_memory=small)
+    assert not tight.ok and "encoder cache 64 MiB on rank 0 (--encoder-cache-memory; 0 = off)" in tight.error_text()
+    assert plan_memory(model, ServeArgs(encoder_cache_memory="0", **args), only="encoder", device_memory=small).ok
+    shared = plan_memory(model, ServeArgs(device="cuda"), device_memory=2**31)  # the default mesh on one 2 GiB GPU
+    assert "the encoder's part includes its cache, 512 MiB (--encoder-cache-memory; 0 = off)" in shared.error_text()
+    assert plan_memory(model, ServeArgs(device="cuda", encoder_cache_memory="0"), device_memory=2**31).ok
+    cpu = plan_memory(model, ServeArgs(device="cpu", encoder_cache_memory="64MiB"))
+    cpu_off = plan_memory(model, ServeArgs(device="cpu", encoder_cache_memory="0"))
+    assert cpu.total_cpu == cpu_off.total_cpu + 64 * 2**20
