@@ -10,7 +10,9 @@
   must then be the assistant's; `echo` (REST chat) puts that start before the generated text.
 - `chat_template_kwargs`: variables the chat template reads (e.g. a template's `enable_thinking`), a JSON
   object. The names `apply_chat_template` itself takes are not variables and are refused, each with the field
-  that sets it. The server's `--default-chat-template-kwargs` (`parse_default_kwargs`, checked the same way)
+  that sets it. `chat_template` (vLLM's): the request's own Jinja template, rendered only by a server started
+  with `--trust-request-chat-template` (the prompt builder refuses it otherwise). The server's
+  `--default-chat-template-kwargs` (`parse_default_kwargs`, checked the same way)
   are under every request's: the prompt builder and the reasoning parser read them, the request's own win.
 
 Speech out needs the prompt to end inside the assistant's turn (the talker speaks from its start), so
@@ -33,7 +35,7 @@ _RESERVED: dict[str, str] = {
     "add_generation_prompt": "the request's own add_generation_prompt",
     "continue_final_message": "the request's own continue_final_message",
     "tools": "the request's tools",
-    "chat_template": "the server's --chat-template",
+    "chat_template": "the request's own chat_template (or the server's --chat-template)",
     "conversation": "the request's messages",
     "messages": "the request's messages",
     "documents": "nothing: omnimesh renders no documents",
@@ -47,10 +49,12 @@ _RESERVED: dict[str, str] = {
     "tokenizer_kwargs": "nothing: the gateway tokenizes",
 }
 MAX_KWARGS_BYTES = 64 * 1024  # their JSON: template variables, not a second request body
+MAX_TEMPLATE_BYTES = 64 * 1024  # a request's own chat template (Qwen3-Omni's is ~6 KiB)
 
 
 def template_options(add_generation_prompt: bool | None, continue_final_message: bool | None,
-                     kwargs: Any, roles: Sequence[str], *, audio_out: bool, prefix: str = "") -> TemplateOptions:
+                     kwargs: Any, roles: Sequence[str], *, audio_out: bool, prefix: str = "",
+                     chat_template: str | None = None) -> TemplateOptions:
     """A request's fields (None: the default) -> `TemplateOptions`; a 400 naming the field for a combination
     that cannot be rendered or spoken. `roles`: the messages' roles in order; `prefix`: the fields' path in
     the body ("" at the top level)."""
@@ -71,7 +75,10 @@ def template_options(add_generation_prompt: bool | None, continue_final_message:
         raise invalid_request(f"{where}: audio output needs the prompt to end inside the assistant's turn (the "
                               "talker speaks it from its start): leave add_generation_prompt true, or continue an "
                               "assistant message with continue_final_message: true", where)
-    return TemplateOptions(generation, cont, check_kwargs(kwargs, f"{prefix}chat_template_kwargs"))
+    if chat_template is not None and (not chat_template.strip() or len(chat_template.encode()) > MAX_TEMPLATE_BYTES):
+        raise invalid_request(f"{prefix}chat_template: a Jinja template of 1 to {MAX_TEMPLATE_BYTES} bytes",
+                              f"{prefix}chat_template")
+    return TemplateOptions(generation, cont, check_kwargs(kwargs, f"{prefix}chat_template_kwargs"), chat_template)
 
 
 def check_kwargs(kwargs: Any, param: str) -> dict[str, Any]:

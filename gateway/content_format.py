@@ -16,6 +16,7 @@ once, from the template, as vLLM does; the start-up log says which it chose.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -31,6 +32,7 @@ def check_content_format(value: str) -> str:
     return value
 
 
+@functools.lru_cache(maxsize=64)  # a request's own template (--trust-request-chat-template) is read once
 def detect_content_format(template: str) -> str:
     """"openai" when the template iterates over a message's content (directly, through a filter, or through
     a variable set from it), else "string". A template jinja cannot parse is left to its render's own error

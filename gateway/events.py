@@ -105,6 +105,7 @@ class TemplateOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the final message stays open and the model continues it
     kwargs: dict[str, Any] = field(default_factory=dict)  # vLLM's chat_template_kwargs: variables the template reads
+    chat_template: str | None = None  # vLLM's: the request's own template (needs --trust-request-chat-template)
 
 
 @dataclass(frozen=True, slots=True)

@@ -365,12 +365,13 @@ class TemplateFields(StrictBody):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None  # the final message stays open and the model continues it
     chat_template_kwargs: dict[str, Any] | None = None  # variables the chat template reads
+    chat_template: str | None = None  # the request's own Jinja template (the server must trust such templates)
 
     def template(self, messages: Sequence[Message], audio_out: bool) -> TemplateOptions:
         """These fields, checked against the messages and the output (400s naming the field)."""
         kwargs = with_effort(self.chat_template_kwargs, getattr(self, "reasoning_effort", None))
         return template_options(self.add_generation_prompt, self.continue_final_message, kwargs,
-                                [m.role for m in messages], audio_out=audio_out)
+                                [m.role for m in messages], audio_out=audio_out, chat_template=self.chat_template)
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]

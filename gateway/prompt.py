@@ -164,10 +164,11 @@ class PromptBuilder:
 
     def __init__(self, source: str | Path | Any, *, max_model_len: int, chat_template: str | None = None,
                  processor_kwargs: dict[str, Any] | None = None, content_format: str = "auto",
-                 default_kwargs: dict[str, Any] | None = None) -> None:
+                 default_kwargs: dict[str, Any] | None = None, trust_request_template: bool = False) -> None:
         """`processor_kwargs`: --mm-processor-kwargs (gateway/processor_kwargs.py), for a folder `source`;
         `content_format`: --chat-template-content-format (gateway/content_format.py); `default_kwargs`:
-        --default-chat-template-kwargs, the template variables under every request's own."""
+        --default-chat-template-kwargs, the template variables under every request's own;
+        `trust_request_template`: --trust-request-chat-template (a request's own `chat_template` is rendered)."""
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         self._folder: Path | None = None  # where processors for a request's own settings are loaded from
@@ -182,10 +183,12 @@ class PromptBuilder:
         self.processor = source
         self.max_model_len = max_model_len
         self.chat_template = chat_template  # None: the model's own (tokenizer_config / chat_template.jinja)
-        if check_content_format(content_format) == "auto":
+        self.content_format_flag = check_content_format(content_format)  # a request's own template: detected too
+        if content_format == "auto":
             content_format = detect_content_format(self.template_source)
         self.content_format = content_format  # "openai": contents as part lists; "string": one string each
         self.default_kwargs = dict(default_kwargs or {})
+        self.trust_request_template = trust_request_template
         if chat_template is not None or self.default_kwargs:
             check_chat_template(self)
 
@@ -198,17 +201,25 @@ class PromptBuilder:
         if not any(m.role == "user" for m in request.messages):
             raise invalid_request("messages: at least one user message is required", "messages")
         conv = render_conversation(request.messages)
-        if request.tools and not self.renders_tools:
-            raise invalid_request("tools: this model's chat template does not render tools; start the server with "
-                                  "a --chat-template that does", "tools")
         options = request.template
+        template, fmt, whose = self.chat_template, self.content_format, (
+            "the model's" if self.chat_template is None else "the --chat-template")
+        if options.chat_template is not None:
+            if not self.trust_request_template:
+                raise invalid_request("chat_template: this server does not render a request's own chat template; "
+                                      "start it with --trust-request-chat-template to allow it", "chat_template")
+            template, whose = options.chat_template, "the request's"
+            fmt = detect_content_format(template) if self.content_format_flag == "auto" else self.content_format
+        reads_tools = self.renders_tools if template is self.chat_template else _reads_tools(template)
+        if request.tools and not reads_tools:
+            raise invalid_request(f"tools: {whose} chat template does not render tools; start the server with "
+                                  "a --chat-template that does", "tools")
         try:
             text = self.processor.tokenizer.apply_chat_template(
-                self.template_messages(conv), tokenize=False, add_generation_prompt=options.add_generation_prompt,
-                continue_final_message=options.continue_final_message, chat_template=self.chat_template,
+                self.template_messages(conv, fmt), tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, chat_template=template,
                 tools=list(request.tools) or None, **{**self.default_kwargs, **options.kwargs})
         except Exception as e:  # jinja's raise_exception / TemplateError: the messages break the template
-            whose = "the model's" if self.chat_template is None else "the --chat-template"
             raise invalid_request(f"messages: {whose} chat template rejected them: {e}", "messages") from None
         return str(text), conv
 
@@ -217,9 +228,9 @@ class PromptBuilder:
         """The chat template this builder renders with: --chat-template's, else the model's."""
         return str(self.chat_template or getattr(self.processor.tokenizer, "chat_template", None) or "")
 
-    def template_messages(self, conv: Conversation) -> list[dict[str, Any]]:
-        """The conversation's messages in the template's content format."""
-        if self.content_format == "openai":
+    def template_messages(self, conv: Conversation, content_format: str | None = None) -> list[dict[str, Any]]:
+        """The conversation's messages in the template's content format (the server's, or `content_format`)."""
+        if (content_format or self.content_format) == "openai":
             return conv.messages
         return as_strings(conv.messages, media_placeholders(self.processor))
 
@@ -227,7 +238,7 @@ class PromptBuilder:
     def renders_tools(self) -> bool:
         """Does the chat template read `tools` at all (else they would vanish from the prompt unseen)? Read once:
         the template is the builder's for good."""
-        return re.search(r"\btools\b", self.template_source) is not None
+        return _reads_tools(self.template_source)
 
     def processor_for(self, request: ChatRequest) -> Any:
         """The processor for this request: the server's, or one built for its mm_processor_kwargs over the
@@ -386,6 +397,11 @@ def _valid_frames(batch: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]
         return features, mask
     longest = max(int(mask.sum(dim=1).max()), 1)
     return features[..., :longest].contiguous(), mask[:, :longest].contiguous()
+
+
+def _reads_tools(template: str | None) -> bool:
+    """Does a chat template read `tools` at all (else they would vanish from the prompt unseen)?"""
+    return re.search(r"\btools\b", template or "") is not None
 
 
 def load_chat_template(value: str) -> str:

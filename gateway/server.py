@@ -60,7 +60,11 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
     processor_kwargs = parse_mm_processor_kwargs(args.mm_processor_kwargs)
     builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir), chat_template=template,
                             processor_kwargs=processor_kwargs, content_format=args.chat_template_content_format,
-                            default_kwargs=parse_default_kwargs(args.default_chat_template_kwargs))
+                            default_kwargs=parse_default_kwargs(args.default_chat_template_kwargs),
+                            trust_request_template=args.trust_request_chat_template)
+    if args.trust_request_chat_template:
+        log.warning("gateway: requests may bring their own chat_template (--trust-request-chat-template): each is "
+                    "rendered in jinja's sandbox, but it is the client's code")
     log.info("gateway: the chat template takes message contents as %s (%s)",
              "strings, media as placeholders in the text" if builder.content_format == "string" else "part lists",
              "detected from the template; --chat-template-content-format overrides"

@@ -136,6 +136,8 @@ class MeshLauncher:
                 argv += [flag, str(value)]
         if a.enable_log_requests:
             argv.append("--enable-log-requests")
+        if a.trust_request_chat_template:
+            argv.append("--trust-request-chat-template")
         if a.return_tokens_as_token_ids:
             argv.append("--return-tokens-as-token-ids")
         if a.enable_prompt_tokens_details:

@@ -86,6 +86,9 @@ class ServeArgs:
         "video parts, as Qwen's templates take them), string (one string each, media as the model's placeholders in "
         "the text, for text-only templates) or auto (from the template: does it loop over a message's content)",
         "--chat-template-content-format", choices=CONTENT_FORMATS)
+    trust_request_chat_template: bool = _f(
+        False, "render a request's own chat_template (vLLM's flag); off: such a request is a 400 (a template is code "
+        "the gateway runs, in jinja's sandbox)", "--trust-request-chat-template", action="store_true")
     default_chat_template_kwargs: str | None = _f(
         None, "template variables every request's chat template gets unless its own chat_template_kwargs set them "
         "(vLLM's flag), a JSON object, e.g. '{\"enable_thinking\": false}' (a thinking model answers without its "
@@ -452,13 +455,13 @@ GATEWAY_FIELDS = frozenset(
      "return_tokens_as_token_ids",
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser",
      "reasoning_parser", "responses_store_memory", "trust_remote_code", "malloc", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
-     "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
+     "trust_request_chat_template", "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "request_timeout",
      "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
-     "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
+     "trust_request_chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
      "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
      "responses_store_memory"}

@@ -125,3 +125,33 @@ def test_the_flag_is_checked_and_reaches_the_gateway(tmp_path: Path) -> None:
         ServeArgs(chat_template_content_format="x")
     argv = MeshLauncher(ServeArgs(chat_template_content_format="string"), tmp_path)._gateway_argv({})
     assert argv[argv.index("--chat-template-content-format") + 1] == "string"
+
+
+def test_a_requests_own_template_needs_the_flag(processor) -> None:
+    """vLLM's request `chat_template`: a 400 naming --trust-request-chat-template unless the server has it; with
+    it, the request's template renders (its content format read from it: here strings, so the audio's
+    placeholder is written in) and a template without tools refuses a request with tools, naming whose."""
+    from dataclasses import replace
+
+    from gateway.chat_template_options import template_options
+    from gateway.events import TemplateOptions
+
+    own = TemplateOptions(chat_template=STRING_TEMPLATE)
+    req = chat(TextPart("listen"), clip(), template=own)
+    with pytest.raises(PipelineError, match="start it with --trust-request-chat-template") as e:
+        PromptBuilder(processor, max_model_len=512).render(req)
+    assert e.value.http_status == 400 and e.value.param == "chat_template"
+    trusting = PromptBuilder(processor, max_model_len=512, trust_request_template=True)
+    text, _ = trusting.render(req)
+    assert text == ("<|im_start|>user\nlisten\n<|audio_start|><|audio_pad|><|audio_end|><|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert trusting.render(chat(TextPart("listen"), clip()))[0] == PromptBuilder(processor, max_model_len=512).render(
+        chat(TextPart("listen"), clip()))[0]  # without one: the server's template, as before
+    tools = ({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},)
+    with pytest.raises(PipelineError, match="tools: the request's chat template does not render tools"):
+        trusting.render(replace(req, tools=tools))
+    for bad in ("", "x" * (64 * 1024 + 1)):
+        with pytest.raises(PipelineError, match="chat_template: a Jinja template of 1 to 65536 bytes"):
+            template_options(None, None, None, ["user"], audio_out=False, chat_template=bad)
+    with pytest.raises(PipelineError, match="the request's chat template rejected them"):
+        trusting.render(chat(TextPart("hi"), template=TemplateOptions(chat_template="{{ raise_exception('no') }}")))

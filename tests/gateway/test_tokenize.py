@@ -131,3 +131,22 @@ def test_key_needed_except_for_version(shared_pipeline: ScriptedPipeline, builde
             assert post(locked, path, body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
         assert httpx.get(f"{locked.base_url}/version", timeout=10).status_code == 200
     assert post(rest_server, "/tokenize", {"prompt": "a"}).status_code == 404  # an app without a prompt builder
+
+
+def test_a_requests_own_chat_template(server: RestServer, shared_pipeline: ScriptedPipeline,
+                                      builder: PromptBuilder) -> None:
+    """vLLM's `chat_template` field: refused (400 naming the flag) unless the server trusts request templates;
+    then /tokenize gives the ids of transformers' rendering with it."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    body = {"messages": [{"role": "user", "content": "hi there"}], "chat_template": template}
+    r = post(server, "/tokenize", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    trusting = PromptBuilder(builder.processor, max_model_len=512, trust_request_template=True)
+    with RestServer(create_app(shared_pipeline, served_model_names=("tiny-omni",), prompts=trusting)) as s:
+        r = post(s, "/tokenize", body)
+        assert r.status_code == 200, r.text
+        text = builder.processor.tokenizer.apply_chat_template([{"role": "user", "content": "hi there"}],
+                                                               tokenize=False, chat_template=template)
+        assert text == "[user] hi there\n" and r.json()["tokens"] == builder.processor.tokenizer(text)["input_ids"]
+        assert post(s, "/tokenize", {**body, "chat_template": ""}).status_code == 400
