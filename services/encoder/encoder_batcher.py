@@ -73,7 +73,7 @@ def encode_batch(encoder: Qwen3OmniEncoder, batch: list[EncoderInputs],
                  cache: EncoderCache | None = None) -> list[dict[str, torch.Tensor]]:
     """At most one audio-tower call and one vision-tower call (images and videos) for all of `batch`; per
     request its output tensors. With a `cache` (encoder_cache.py) only the items it lacks run, each once."""
-    items = [item for i, r in enumerate(batch) for item in _items(encoder, i, r)]
+    items = [item for i, r in enumerate(batch) for item in _items(i, r)]
     keys = [_key(item) if cache is not None else None for item in items]
     rows: list[Rows | None] = [cache.get(k) if cache is not None and k is not None else None for k in keys]
     todo: dict[object, int] = {}  # each missing item once: its key (or its place, uncached) -> an index in items
@@ -116,7 +116,7 @@ class _Item:
     digest: int | None = None  # the gateway's, when it sent one
 
 
-def _items(encoder: Qwen3OmniEncoder, i: int, r: EncoderInputs) -> list[_Item]:
+def _items(i: int, r: EncoderInputs) -> list[_Item]:
     """A request's media as items, audio first, then images, then videos (each in prompt order)."""
     def digests(kind: str, n: int) -> list[int | None]:
         d = (r.digests or {}).get(kind)
