@@ -20,7 +20,7 @@ commit, then response.create); with `turn_detection: {"type": "server_vad", ...}
 (gateway/realtime_vad.py, run off the event loop) cuts the appended audio into turns: `input_audio_buffer.speech_started` (a response
 in progress is cancelled, with `interrupt_response`), `.speech_stopped`, the turn committed and, with
 `create_response`, answered. `input_audio_transcription` transcribes each committed clip beside the
-response (`conversation.item.input_audio_transcription.completed`). Function calling (gateway/realtime_tools.py):
+response (`conversation.item.input_audio_transcription.delta` as it is written, then `.completed`). Function calling (gateway/realtime_tools.py):
 `tools` / `tool_choice`, `function_call` items out, `function_call_output` items in. Formats are pcm16 only.
 Every problem is an `error` event (invalid_request_error, with the client's
 `event_id`); the socket stays open. One response at a time (another `response.create` meanwhile is an error).
@@ -239,14 +239,19 @@ class RealtimeSession:
 
     async def _transcribe(self, item: _Item, wave: np.ndarray, how: dict[str, Any]) -> None:
         """`input_audio_transcription`: the thinker transcribes the clip (as /v1/audio/transcriptions does, greedy)
-        beside the response; the text comes as its own event and in the item."""
+        beside the response; the text comes as it is written (`.delta` events), then whole (`.completed`) and in
+        the item."""
         ask = instruction("transcribe", how.get("language"), how.get("prompt"))
         chat = text_request(f"trsc-{uuid.uuid4().hex}", self.gw.pipeline.served_models[0],
                             (ChatMessage("user", (AudioPart(wave, INPUT_RATE), TextPart(ask))),),
                             SamplingOverrides(temperature=0.0), self.gw.reasoning)
         where = {"item_id": item.id, "content_index": 0}
+
+        async def delta(piece: str) -> None:
+            await self.send("conversation.item.input_audio_transcription.delta", **where, delta=piece)
+
         try:
-            text, _ = await collect_text(self.gw.pipeline, chat, self.gw.reasoning)
+            text, _ = await collect_text(self.gw.pipeline, chat, self.gw.reasoning, delta)
         except PipelineError as e:
             await self.send("conversation.item.input_audio_transcription.failed", **where,
                             error={"type": "transcription_error", "code": "transcription_failed",

@@ -18,7 +18,7 @@ too; so does omnimesh, with the same events). `include[]=logprobs` (json only) a
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -245,19 +245,22 @@ def text_request(request_id: str, model: str, messages: tuple[ChatMessage, ...],
                        reasoning_end=END if thinks(reasoning, {}, audio_out=False) else None)
 
 
-async def collect_text(pipeline: Pipeline, chat: ChatRequest,
-                       reasoning: ReasoningParser | None = None) -> tuple[str, Finished]:
+async def collect_text(pipeline: Pipeline, chat: ChatRequest, reasoning: ReasoningParser | None = None,
+                       on_piece: Callable[[str], Awaitable[None]] | None = None) -> tuple[str, Finished]:
     """A text-only run's whole answer and its end (the Realtime API's input transcriptions use it too); a reasoning
-    model's thought (--reasoning-parser) left out."""
+    model's thought (--reasoning-parser) left out. `on_piece` gets each piece of the answer as it comes."""
     parts: list[str] = []
+    split = AnswerSplit(reasoning, chat.reasoning_end is not None, include=False)
     events = aiter(pipeline.run(chat))
     try:
         async for ev in events:
-            if isinstance(ev, TextDelta):
-                parts.append(ev.text)
-            elif isinstance(ev, Finished):
-                split = AnswerSplit(reasoning, chat.reasoning_end is not None, include=False)
-                return split.whole("".join(parts))[1], ev
+            if isinstance(ev, (TextDelta, Finished)):
+                piece = split.push(ev.text)[1] if isinstance(ev, TextDelta) else split.finish()[1]
+                parts.append(piece)
+                if piece and on_piece is not None:
+                    await on_piece(piece)
+            if isinstance(ev, Finished):
+                return "".join(parts), ev
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:

@@ -292,6 +292,8 @@ def test_input_audio_transcription(ws: ClientConnection, pipeline: ScriptedPipel
     events = until(ws, "conversation.item.input_audio_transcription.completed")
     item_id = next(e["item_id"] for e in events if e["type"] == "input_audio_buffer.committed")
     assert events[-1]["item_id"] == item_id and events[-1]["transcript"] == "Hello world"
+    deltas = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"]
+    assert [d["delta"] for d in deltas] == ["Hello", " world"] and {d["item_id"] for d in deltas} == {item_id}
     [req] = pipeline.requests
     clip, ask = req.messages[0].content
     assert isinstance(clip, AudioPart) and isinstance(ask, TextPart) and "Transcribe the audio" in ask.text
