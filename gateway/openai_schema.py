@@ -446,7 +446,8 @@ _NEUTRAL: dict[str, Any] = {
     "use_beam_search": lambda v: not v,
 }
 # OpenAI fields that only label, store or route a request (nothing here to honour): never logged
-_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prediction"})
+_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prediction", "prompt_cache_key",
+                       "safety_identifier"})
 _ignored_logged: set[str] = set()  # unknown top-level fields already named in the log (once each)
 
 

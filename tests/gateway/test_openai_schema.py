@@ -98,6 +98,11 @@ def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFix
             parse({"messages": [{"role": "user", "content": "x"}], "zz_unknown_knob": 1, "user": "u"})
     named = [r.getMessage() for r in caplog.records if "zz_unknown_knob" in r.getMessage()]
     assert len(named) == 1 and "ignored" in named[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gateway.openai_schema"):  # what the SDKs send to label or route a request
+        parse({"messages": [{"role": "user", "content": "x"}], "metadata": {"a": "b"}, "store": False,
+               "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "s"})
+    assert not caplog.records
     assert not any("user" in r.getMessage() for r in caplog.records)  # OpenAI's own labels are not news
 
 
