@@ -7,7 +7,7 @@
         [--malloc auto|tcmalloc|system] [--json out.json]
 
 The workload is the same on both sides: requests with a fixed text prompt each (every K-th also carries a
-1 s audio clip with --audio-every K), text + audio out, speaker Ethan, greedy thinker (`--max-tokens`)
+1 s audio clip of its own, a tone at its own pitch, with --audio-every K), text + audio out, speaker Ethan, greedy thinker (`--max-tokens`)
 and talker (`--talker-max-tokens` code groups); request i is the same request on both sides. Each
 concurrency c runs requests 0..n-1, n = `--requests` (default max(16, 8c): the start, with all c arriving at
 once, and the tail, with fewer than c left in flight, stay a small part of the run).
@@ -88,10 +88,13 @@ class Workload:
         self.max_tokens = args.max_tokens
         self.talker_max = args.talker_max_tokens
         self.audio_every = args.audio_every
-        self.wav = sine_wav(1.0) if args.audio_every else None
 
     def wav_for(self, i: int) -> bytes | None:
-        return self.wav if self.audio_every and i % self.audio_every == self.audio_every - 1 else None
+        """Request i's clip: a tone of its own (the encoder cache serves no request another one's encoding,
+        which `transformers` would not have either)."""
+        if not self.audio_every or i % self.audio_every != self.audio_every - 1:
+            return None
+        return sine_wav(1.0, freq=220.0 + 5.0 * i)
 
     def body(self, i: int) -> dict[str, Any]:
         return chat_body(prompt(i), wav=self.wav_for(i), max_tokens=self.max_tokens, talker_max=self.talker_max,
