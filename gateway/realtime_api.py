@@ -3,16 +3,17 @@
 Data flow: the client's JSON events on one WebSocket -> `RealtimeSession` keeps the session settings and the
 conversation (items: user audio / text, system text, assistant transcripts) -> `response.create` turns the
 conversation into a `ChatRequest` (the session's `instructions` as the system turn, each audio item an
-`AudioPart` at its 24 kHz) and runs it through the pipeline -> the answer streams back as Realtime events:
-`response.created`, `response.output_item.added`, `conversation.item.created`, `response.content_part.added`,
-`response.audio_transcript.delta` / `response.audio.delta` (base64 pcm16 at the pipeline's 24 kHz) — or
+`AudioPart` at its input format's rate) and runs it through the pipeline -> the answer streams back as Realtime
+events: `response.created`, `response.output_item.added`, `conversation.item.created`,
+`response.content_part.added`, `response.audio_transcript.delta` / `response.audio.delta` (base64, in the
+session's output format: pcm16 at the pipeline's 24 kHz, or G.711 at 8 kHz, gateway/realtime_audio.py) — or
 `response.text.delta` for a text-only response — their `.done` events and `response.done` with the usage.
 The assistant's transcript joins the conversation for the next turn. A reasoning model's thought
 (--reasoning-parser, gateway/reasoning.py) is not said: only its answer is sent and remembered, and its responses
 are text only.
 
 Supported client events (the settings they may change: gateway/realtime_settings.py): `session.update`, `input_audio_buffer.append` / `.commit` / `.clear`,
-`conversation.item.create` (message items: `input_text`, `input_audio` (base64 pcm16 at 24 kHz) and an
+`conversation.item.create` (message items: `input_text`, `input_audio` (base64, the input format) and an
 assistant's `text`), `conversation.item.delete`, `conversation.item.truncate` (the transcript cut in proportion
 to the audio played), `response.create` (its `response` may set modalities,
 instructions, voice, temperature, max_output_tokens), `response.cancel`. Turns are the client's by default (`turn_detection` null:
@@ -21,7 +22,8 @@ commit, then response.create); with `turn_detection: {"type": "server_vad", ...}
 in progress is cancelled, with `interrupt_response`), `.speech_stopped`, the turn committed and, with
 `create_response`, answered. `input_audio_transcription` transcribes each committed clip beside the
 response (`conversation.item.input_audio_transcription.delta` as it is written, then `.completed`). Function calling (gateway/realtime_tools.py):
-`tools` / `tool_choice`, `function_call` items out, `function_call_output` items in. Formats are pcm16 only.
+`tools` / `tool_choice`, `function_call` items out, `function_call_output` items in. Audio formats, each way:
+`pcm16` (24 kHz), `g711_ulaw` and `g711_alaw` (8 kHz, as telephone lines carry them).
 Every problem is an `error` event (invalid_request_error, with the client's
 `event_id`); the socket stays open. One response at a time (another `response.create` meanwhile is an error).
 With `--api-key`, the handshake needs `Authorization: Bearer <key>` (gateway/auth.py).
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import contextlib
 import json
 import logging
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 
-from gateway.audio_encoding import pcm16_bytes
+from gateway.realtime_audio import RATES, AudioFormatError, OutputEncoder, decode
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides,
                             TextDelta, TextPart)
 from gateway.openai_schema import check_sampling, default_modalities, resolve_voice
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
     from gateway.rest import RestGateway
 
 log = logging.getLogger(__name__)
-INPUT_RATE = 24_000  # pcm16 input audio, as OpenAI's Realtime API sends it
 MAX_EVENT_BYTES = 16 * 2**20  # one client event (an audio chunk is far smaller)
 
 
@@ -106,11 +106,23 @@ class RealtimeSession:
         await self.send("error", error={"type": "invalid_request_error", "code": code, "message": message,
                                         "param": param, "event_id": event_id})
 
+    @property
+    def input_rate(self) -> int:
+        """The sample rate of the session's input audio (its input_audio_format's)."""
+        return RATES[self.settings.input_audio_format]
+
+    def _audio(self, data: Any, where: str) -> np.ndarray:
+        """Base64 audio in the session's input format -> float32 samples at `input_rate`."""
+        try:
+            return decode(data, self.settings.input_audio_format, where)
+        except AudioFormatError as e:
+            raise RealtimeError(str(e), where) from None
+
     def session_json(self) -> dict[str, Any]:
         s = self.settings
         return {"id": self.id, "object": "realtime.session", "model": self.model, "modalities": list(s.modalities),
                 "instructions": s.instructions, "voice": s.voice or self.gw.pipeline.default_voice,
-                "input_audio_format": "pcm16", "output_audio_format": "pcm16",
+                "input_audio_format": s.input_audio_format, "output_audio_format": s.output_audio_format,
                 "input_audio_transcription": s.input_audio_transcription,
                 "turn_detection": s.turn_detection, "tools": list(s.tools), "tool_choice": s.tool_choice,
                 "temperature": s.temperature if s.temperature is not None else 0.8,
@@ -154,7 +166,7 @@ class RealtimeSession:
             await self.send("session.updated", session=self.session_json())
             await self._turns(heard)
         elif kind == "input_audio_buffer.append":
-            samples = _pcm16(event.get("audio"), "audio")
+            samples = self._audio(event.get("audio"), "audio")
             if self.vad is None:
                 self.buffer.append(samples)
             else:
@@ -228,7 +240,7 @@ class RealtimeSession:
     async def _commit(self, wave: np.ndarray, item_id: str) -> None:
         """A user turn of audio joins the conversation."""
         previous = self.items[-1].id if self.items else None
-        item = _Item(item_id, "user", [AudioPart(wave, INPUT_RATE)])
+        item = _Item(item_id, "user", [AudioPart(wave, self.input_rate)])
         self.items.append(item)
         await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id)
         await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json())
@@ -243,7 +255,7 @@ class RealtimeSession:
         the item."""
         ask = instruction("transcribe", how.get("language"), how.get("prompt"))
         chat = text_request(f"trsc-{uuid.uuid4().hex}", self.gw.pipeline.served_models[0],
-                            (ChatMessage("user", (AudioPart(wave, INPUT_RATE), TextPart(ask))),),
+                            (ChatMessage("user", (AudioPart(wave, self.input_rate), TextPart(ask))),),
                             SamplingOverrides(temperature=0.0), self.gw.reasoning)
         where = {"item_id": item.id, "content_index": 0}
 
@@ -282,13 +294,23 @@ class RealtimeSession:
         """`session.update`: what omnimesh can do is taken, the rest is an error naming it. Turning server_vad
         on runs the detector over the audio appended before: what it heard comes back."""
         new = updated(self.settings, s, self.gw.pipeline)
+        if new.input_audio_format != self.settings.input_audio_format and (
+                self.buffer or (self.vad is not None and self.vad.buffered_seconds)):
+            raise RealtimeError("input_audio_format cannot change while the input audio buffer holds audio; commit or "
+                                "clear it first", "session.input_audio_format")
+        if "audio" in new.modalities:  # the output format must fit the model's rate (decimation by a whole factor)
+            try:
+                OutputEncoder(new.output_audio_format, self.gw.pipeline.sample_rate)
+            except AudioFormatError as e:
+                raise RealtimeError(str(e), "session.output_audio_format") from None
         # the tools and the tool choice must make a plan (the flags, a forced call with speech, ...)
         responses_tool_plan(list(new.tools), new.tool_choice, None, self.gw.auto_tool_choice, new.modalities, "session.")
         heard: list[Started | Stopped] = []
-        if new.turn_detection != self.settings.turn_detection:
+        rate = RATES[new.input_audio_format]
+        if new.turn_detection != self.settings.turn_detection or (self.vad is not None and self.vad.rate != rate):
             td = new.turn_detection
             self.vad = None if td is None else await asyncio.to_thread(
-                ServerVAD, td["threshold"], td["prefix_padding_ms"], td["silence_duration_ms"], INPUT_RATE)
+                ServerVAD, td["threshold"], td["prefix_padding_ms"], td["silence_duration_ms"], rate)
             if self.vad is not None and self.buffer:  # audio appended before: the detector hears it first
                 pending, self.buffer = self.buffer, []
                 heard = await asyncio.to_thread(self.vad.push, np.concatenate(pending))
@@ -314,16 +336,16 @@ class RealtimeSession:
             if kind in ("input_text", "text") and isinstance(p.get("text"), str):
                 parts.append(TextPart(p["text"]))
             elif kind == "input_audio" and role == "user":
-                parts.append(AudioPart(_pcm16(p.get("audio"), f"{where}.audio"), INPUT_RATE))
+                parts.append(AudioPart(self._audio(p.get("audio"), f"{where}.audio"), self.input_rate))
             else:
                 raise RealtimeError(f"{where}: a part is input_text / text with its text, or input_audio (user "
-                                    "items) with base64 pcm16 audio", where)
+                                    "items) with base64 audio in the session's input_audio_format", where)
         return _Item(raw.get("id") or f"item_{uuid.uuid4().hex}", role, parts)
 
     def _check_audio(self) -> None:
         seconds = sum(p.waveform.size / p.sample_rate for i in self.items if isinstance(i, _Item) for p in i.parts
                       if isinstance(p, AudioPart))
-        seconds += sum(b.size for b in self.buffer) / INPUT_RATE
+        seconds += sum(b.size for b in self.buffer) / self.input_rate
         seconds += self.vad.buffered_seconds if self.vad is not None else 0.0
         limit = self.gw.loader.limits.max_audio_seconds
         if seconds > limit:
@@ -377,6 +399,7 @@ class RealtimeSession:
         calls: list[CallItem] = []
         status, usage, reason = "in_progress", None, None
         started = time.perf_counter()
+        encoder = OutputEncoder(self.settings.output_audio_format, self.gw.pipeline.sample_rate)  # this answer's
         answer = _Item(item_id, "assistant", [])  # in the conversation from its created event on; its text
         events = aiter(self.gw.pipeline.run(chat))  # comes at the end (later items created meanwhile follow it)
         self.gw.metrics.running.inc()
@@ -396,8 +419,10 @@ class RealtimeSession:
                 elif isinstance(ev, AudioDelta) and audio and np.size(ev.pcm):
                     answer.audio_samples += int(np.size(ev.pcm))
                     answer.audio_rate = ev.sample_rate
-                    await self.send("response.audio.delta", **where, delta=base64.b64encode(pcm16_bytes(ev.pcm)).decode())
+                    await self.send("response.audio.delta", **where, delta=base64.b64encode(encoder(ev.pcm)).decode())
                 elif isinstance(ev, Finished):  # what was held back (a marker or a tag that might start)
+                    if audio and (tail := encoder.flush()):  # G.711: the decimating filter's last samples
+                        await self.send("response.audio.delta", **where, delta=base64.b64encode(tail).decode())
                     await self._answer_text(where, audio, chat.spoken_calls, shaped, calls, said.finish()[1],
                                             False, text, end=True)
                     status = "incomplete" if ev.finish_reason == "length" else "completed"
@@ -472,19 +497,6 @@ class RealtimeSession:
         await self.send("response.function_call_arguments.delta", **at, delta=item.call.arguments)
         await self.send("response.function_call_arguments.done", **at, arguments=item.call.arguments)
         await self.send("response.output_item.done", response_id=rid, output_index=index, item=item.to_json())
-
-
-def _pcm16(data: Any, where: str) -> np.ndarray:
-    """Base64 pcm16 (24 kHz mono little-endian) -> float32 samples."""
-    if not isinstance(data, str) or not data:
-        raise RealtimeError(f"{where} must be base64 pcm16 audio", where)
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise RealtimeError(f"{where} is not valid base64", where) from None
-    if len(raw) % 2:
-        raise RealtimeError(f"{where}: pcm16 has 2 bytes per sample, got {len(raw)} bytes", where)
-    return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
 
 
 class RealtimeRoutes:

@@ -13,6 +13,7 @@ from typing import Any
 
 from gateway.events import Pipeline
 from gateway.openai_schema import resolve_voice
+from gateway.realtime_audio import RATES
 from gateway.realtime_vad import FRAME_MS
 
 
@@ -35,6 +36,8 @@ class RealtimeSettings:
     input_audio_transcription: dict[str, Any] | None = None  # {"model", "language", "prompt"}: each user clip's text
     tools: tuple[dict[str, Any], ...] = ()  # function tools as the client gave them ({"type": "function", "name", ...})
     tool_choice: Any = "auto"  # "auto" / "none" / "required" / {"type": "function", "name"} (gateway/responses_tools.py)
+    input_audio_format: str = "pcm16"  # pcm16 (24 kHz) | g711_ulaw | g711_alaw (8 kHz): gateway/realtime_audio.py
+    output_audio_format: str = "pcm16"
 
 
 def updated(settings: RealtimeSettings, s: Any, pipeline: Pipeline) -> RealtimeSettings:
@@ -57,8 +60,10 @@ def updated(settings: RealtimeSettings, s: Any, pipeline: Pipeline) -> RealtimeS
         elif key == "max_response_output_tokens":
             new.max_response_output_tokens = check_max_tokens(value, where)
         elif key in ("input_audio_format", "output_audio_format"):
-            if value != "pcm16":
-                raise RealtimeError(f"only pcm16 (24 kHz mono 16-bit) is supported, got {value!r}", where)
+            if value not in RATES:
+                raise RealtimeError(f"{key} must be one of {', '.join(RATES)} (pcm16: 24 kHz mono 16-bit; g711: "
+                                    f"8 kHz), got {value!r}", where)
+            setattr(new, key, value)
         elif key == "turn_detection":
             new.turn_detection = _turn_detection(value, where)
         elif key == "input_audio_transcription":

@@ -1,7 +1,8 @@
 """OpenAI's Realtime API through the shared mesh, over a real WebSocket: a spoken turn (24 kHz pcm16 appended in
 chunks and committed) answers with exactly the text and audio of the same conversation sent as a chat
 completion (the instructions as its system turn, the clip as a WAV), and a second, text-only turn sees the
-first answer in the conversation. Gateway-level events and errors: tests/gateway/test_realtime.py."""
+first answer in the conversation; a telephone turn (G.711 mu-law in and out) likewise. Gateway-level events and
+errors: tests/gateway/test_realtime.py and test_realtime_audio.py."""
 
 from __future__ import annotations
 
@@ -140,3 +141,46 @@ def test_a_function_call_and_its_result_are_the_chats(mesh):
         "messages": [*ask, {"role": "assistant", "content": None, "tool_calls": [chat_call]},
                      {"role": "tool", "tool_call_id": chat_call["id"], "content": "done"}]}).json()
     assert answer == again["choices"][0]["message"]["content"] and answer
+
+
+def test_a_telephone_turn_is_the_same_chat(mesh):
+    """g711_ulaw in and out: the 8 kHz clip is answered as the chat answers it (as an 8 kHz WAV), and the spoken
+    answer is the chat's audio decimated and mu-law encoded (gateway/realtime_audio.py)."""
+    from gateway.audio_encoding import wav_bytes
+    from gateway.realtime_audio import OutputEncoder, linear_to_ulaw, ulaw_to_linear
+
+    t = np.arange(8000) / 8000
+    pcm = np.round(0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype(np.int16)
+    heard = ulaw_to_linear(linear_to_ulaw(pcm)).astype(np.float32) / 32768  # what the gateway decodes
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+        _until(ws, "session.created")
+        ws.send(json.dumps({"type": "session.update", "session": {
+            "instructions": INSTRUCTIONS, "voice": "ethan", "temperature": 0, "max_response_output_tokens": 8,
+            "input_audio_format": "g711_ulaw", "output_audio_format": "g711_ulaw"}}))
+        _until(ws, "session.updated")
+        ws.send(json.dumps({"type": "input_audio_buffer.append",
+                            "audio": base64.b64encode(linear_to_ulaw(pcm).tobytes()).decode()}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        _until(ws, "conversation.item.created")
+        ws.send(json.dumps({"type": "response.create"}))
+        events = _until(ws, "response.done")
+    transcript = "".join(e["delta"] for e in events if e["type"] == "response.audio_transcript.delta")
+    said = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.audio.delta")
+    user_audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav_bytes(heard, 8000)).decode(),
+                                                         "format": "wav"}}
+    chat = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "messages": [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": [user_audio]}],
+        "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"}, "temperature": 0,
+        "max_tokens": 8}).json()
+    message = chat["choices"][0]["message"]
+    assert transcript == message["content"] and transcript
+    with wave.open(io.BytesIO(base64.b64decode(message["audio"]["data"]))) as w:
+        want = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768
+    encoder = OutputEncoder("g711_ulaw", 24_000)
+    expected = np.frombuffer(encoder(want) + encoder.flush(), np.uint8)
+    got = np.frombuffer(said, np.uint8)
+    assert got.size == expected.size > 0
+    # the chat's WAV and the realtime deltas differ by the vocoder's last-bit rounding (PCM16_TOLERANCE), which
+    # moves a few samples across a mu-law step: nearly every code equal, the rest one step off
+    diff = np.abs(ulaw_to_linear(got).astype(np.int32) - ulaw_to_linear(expected).astype(np.int32))
+    assert np.mean(diff == 0) > 0.95 and diff.max() <= 256

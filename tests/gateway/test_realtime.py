@@ -130,7 +130,7 @@ def test_cancelling_a_response(ws: ClientConnection, pipeline: ScriptedPipeline)
      "invalid_value", "session.turn_detection.threshold"),
     ({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "eagerness": "low"}}},
      "invalid_value", "session.turn_detection.eagerness"),
-    ({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}, "invalid_value",
+    ({"type": "session.update", "session": {"input_audio_format": "opus"}}, "invalid_value",
      "session.input_audio_format"),
     ({"type": "session.update", "session": {"voice": "alloy"}}, "invalid_value", "session.voice"),
     ({"type": "session.update", "session": {"temperature": 3}}, "invalid_value", "session.temperature"),
