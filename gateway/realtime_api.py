@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 
+from gateway import realtime_ga as ga
 from gateway.realtime_audio import RATES, AudioFormatError, OutputEncoder, decode
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides,
                             TextDelta, TextPart)
@@ -96,11 +97,15 @@ class RealtimeSession:
     vad: ServerVAD | None = None  # with turn_detection server_vad: it cuts the appended audio into turns
     turn_id: str = ""  # the item the turn in progress will become (server_vad)
     side_tasks: set[asyncio.Task] = field(default_factory=set)  # input transcriptions in flight
+    ga: bool = False  # the GA interface (a session.update said "type": "realtime"): gateway/realtime_ga.py
 
     # ------------------------------------------------------------------------------------ plumbing
     async def send(self, kind: str, **fields: Any) -> None:
+        """One event to the client (in a GA session: its GA names and shapes, gateway/realtime_ga.py)."""
+        out = ga.events(kind, fields) if self.ga else [(kind, fields)]
         async with self.send_lock:
-            await self.ws.send_text(json.dumps({"type": kind, "event_id": f"event_{uuid.uuid4().hex}", **fields}))
+            for name, body in out:
+                await self.ws.send_text(json.dumps({"type": name, "event_id": f"event_{uuid.uuid4().hex}", **body}))
 
     async def error(self, message: str, param: str | None, code: str, event_id: str | None) -> None:
         await self.send("error", error={"type": "invalid_request_error", "code": code, "message": message,
@@ -120,13 +125,14 @@ class RealtimeSession:
 
     def session_json(self) -> dict[str, Any]:
         s = self.settings
-        return {"id": self.id, "object": "realtime.session", "model": self.model, "modalities": list(s.modalities),
+        beta = {"id": self.id, "object": "realtime.session", "model": self.model, "modalities": list(s.modalities),
                 "instructions": s.instructions, "voice": s.voice or self.gw.pipeline.default_voice,
                 "input_audio_format": s.input_audio_format, "output_audio_format": s.output_audio_format,
                 "input_audio_transcription": s.input_audio_transcription,
                 "turn_detection": s.turn_detection, "tools": list(s.tools), "tool_choice": s.tool_choice,
                 "temperature": s.temperature if s.temperature is not None else 0.8,
                 "max_response_output_tokens": s.max_response_output_tokens or "inf"}
+        return ga.session_object(beta) if self.ga else beta
 
     async def run(self) -> None:
         await self.send("session.created", session=self.session_json())
@@ -162,7 +168,12 @@ class RealtimeSession:
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event["type"]
         if kind == "session.update":
-            heard = await self.update(event.get("session") or {})
+            session = event.get("session") or {}
+            if isinstance(session, dict) and session.get("type") == "transcription":
+                raise RealtimeError("transcription sessions are not served here: a realtime session transcribes its "
+                                    "input with audio.input.transcription", "session.type")
+            self.ga = self.ga or ga.is_ga(session)  # the SDK's client.realtime (GA) from here on
+            heard = await self.update(ga.session_fields(session) if self.ga else session)
             await self.send("session.updated", session=self.session_json())
             await self._turns(heard)
         elif kind == "input_audio_buffer.append":
@@ -195,6 +206,11 @@ class RealtimeSession:
             await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json())
         elif kind == "conversation.item.truncate":
             await self._truncate(event)
+        elif kind == "conversation.item.retrieve":
+            found = next((i for i in self.items if i.id == event.get("item_id")), None)
+            if found is None:
+                raise RealtimeError(f"no conversation item {event.get('item_id')!r}", "item_id", "item_not_found")
+            await self.send("conversation.item.retrieved", item=found.to_json())
         elif kind == "conversation.item.delete":
             item_id = event.get("item_id")
             if not any(i.id == item_id for i in self.items):
@@ -205,7 +221,7 @@ class RealtimeSession:
             if self.response is not None and not self.response.done():
                 raise RealtimeError("a response is already in progress; cancel it or wait for response.done",
                                     None, "conversation_already_has_active_response")
-            self._start(event.get("response") or {})
+            self._start(ga.response_fields(event.get("response") or {}) if self.ga else event.get("response") or {})
         elif kind == "response.cancel":
             if self.response is None or self.response.done():
                 raise RealtimeError("no response is in progress", None, "response_cancel_not_active")
@@ -333,7 +349,7 @@ class RealtimeSession:
         for j, p in enumerate(content):
             where = f"item.content[{j}]"
             kind = p.get("type") if isinstance(p, dict) else None
-            if kind in ("input_text", "text") and isinstance(p.get("text"), str):
+            if kind in ("input_text", "text", "output_text") and isinstance(p.get("text"), str):
                 parts.append(TextPart(p["text"]))
             elif kind == "input_audio" and role == "user":
                 parts.append(AudioPart(self._audio(p.get("audio"), f"{where}.audio"), self.input_rate))

@@ -1,8 +1,9 @@
 """OpenAI's Realtime API through the shared mesh, over a real WebSocket: a spoken turn (24 kHz pcm16 appended in
 chunks and committed) answers with exactly the text and audio of the same conversation sent as a chat
 completion (the instructions as its system turn, the clip as a WAV), and a second, text-only turn sees the
-first answer in the conversation; a telephone turn (G.711 mu-law in and out) likewise. Gateway-level events and
-errors: tests/gateway/test_realtime.py and test_realtime_audio.py."""
+first answer in the conversation; a telephone turn (G.711 mu-law in and out) and the openai SDK's GA client
+likewise. Gateway-level events and errors: tests/gateway/test_realtime.py, test_realtime_audio.py and
+test_realtime_ga.py."""
 
 from __future__ import annotations
 
@@ -184,3 +185,41 @@ def test_a_telephone_turn_is_the_same_chat(mesh):
     # moves a few samples across a mu-law step: nearly every code equal, the rest one step off
     diff = np.abs(ulaw_to_linear(got).astype(np.int32) - ulaw_to_linear(expected).astype(np.int32))
     assert np.mean(diff == 0) > 0.95 and diff.max() <= 256
+
+
+def test_the_sdks_ga_client_gets_the_same_chat(mesh):
+    """The openai SDK's GA Realtime client (client.realtime.connect): a spoken turn answers with the same text and
+    audio as the chat completion of that conversation."""
+    import openai
+
+    clip = sine_wav(1.0, rate=24_000)
+    with wave.open(io.BytesIO(clip)) as w:
+        pcm = w.readframes(w.getnframes())
+    client = openai.OpenAI(base_url=f"{mesh.rest}/v1", api_key="unused")
+    with client.realtime.connect(model=MODEL) as conn:
+        conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],  # type: ignore[typeddict-unknown-key]
+                                     "instructions": INSTRUCTIONS, "max_output_tokens": 8, "temperature": 0,
+                                     "audio": {"output": {"voice": "ethan"}}})
+        conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+        conn.input_audio_buffer.commit()
+        conn.response.create()
+        events = []
+        for ev in conn:
+            assert ev.type != "error", ev
+            events.append(ev)
+            if ev.type == "response.done":
+                break
+    transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+    audio = np.frombuffer(b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta"),
+                          dtype="<i2").astype(np.int32)
+    user_audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}}
+    chat = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "messages": [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": [user_audio]}],
+        "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"}, "temperature": 0,
+        "max_tokens": 8})
+    assert chat.status_code == 200, chat.text
+    message = chat.json()["choices"][0]["message"]
+    assert transcript == message["content"] and transcript
+    with wave.open(io.BytesIO(base64.b64decode(message["audio"]["data"]))) as w:
+        want = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.int32)
+    assert audio.shape == want.shape and audio.size > 0 and np.abs(audio - want).max() <= PCM16_TOLERANCE

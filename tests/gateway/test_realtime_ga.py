@@ -1,0 +1,113 @@
+"""The Realtime API's GA interface (gateway/realtime_ga.py) against a scripted pipeline: the `openai` SDK's own
+GA client (`client.realtime.connect`) holds a spoken turn with typed events (GA names, output_audio parts,
+the session in the GA shape, mu-law out), a text-only response by its output_modalities, a user item
+created and retrieved; mistakes come back as error events naming GA paths; a beta session is unchanged."""
+
+from __future__ import annotations
+
+import base64
+
+import openai
+import pytest
+from gateway_harness import RestServer, ScriptedPipeline, tone
+from test_realtime import audio_b64, recv, send, until, url
+from websockets.sync.client import connect
+
+from gateway.realtime_audio import OutputEncoder
+
+GA_SESSION = {"type": "realtime", "output_modalities": ["audio"], "instructions": "Be brief.", "max_output_tokens": 64,
+              "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": None,
+                                  "noise_reduction": None},
+                        "output": {"format": {"type": "audio/pcmu"}, "voice": "chelsie", "speed": 1.0}},
+              "tracing": None, "truncation": "auto"}
+
+
+def test_the_sdks_ga_client_holds_a_spoken_turn(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    client = openai.OpenAI(base_url=f"{rest_server.base_url}/v1", api_key="unused")
+    with client.realtime.connect(model="tiny-omni") as conn:
+        assert conn.recv().type == "session.created"
+        conn.session.update(session=GA_SESSION)  # type: ignore[arg-type]
+        updated = conn.recv()
+        assert updated.type == "session.updated"
+        session = updated.session.model_dump()
+        assert session["type"] == "realtime" and session["output_modalities"] == ["audio"]
+        assert session["audio"]["output"]["format"] == {"type": "audio/pcmu"}
+        assert session["audio"]["output"]["voice"] == "Chelsie" and session["max_output_tokens"] == 64
+        conn.input_audio_buffer.append(audio=audio_b64(0.3))
+        conn.input_audio_buffer.commit()
+        conn.response.create()
+        events = []
+        for ev in conn:
+            events.append(ev)
+            if ev.type == "response.done":
+                break
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
+    assert kinds[-6:] == ["response.output_audio.done", "response.output_audio_transcript.done",
+                          "response.content_part.done", "response.output_item.done", "conversation.item.done",
+                          "response.done"]
+    transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+    said = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    whole = OutputEncoder("g711_ulaw", 24_000)
+    assert transcript == "Hello world" and said == whole(tone(0.2)) + whole.flush()
+    done = events[-1].response
+    assert done.status == "completed" and done.output_modalities == ["audio"]
+    assert done.output[0].content[0].type == "output_audio" and done.output[0].content[0].transcript == "Hello world"
+    [req] = pipeline.requests
+    assert req.voice == "Chelsie" and req.sampling.max_tokens == 64 and req.messages[0].content[0].text == "Be brief."
+
+
+def test_a_text_response_and_items_in_ga(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    with connect(url(rest_server), open_timeout=10) as ws:
+        recv(ws)
+        send(ws, type="session.update", session={"type": "realtime", "output_modalities": ["text"]})
+        recv(ws)
+        send(ws, type="conversation.item.create", item={"type": "message", "role": "user", "id": "u1",
+                                                        "content": [{"type": "input_text", "text": "Hi."}]})
+        added, done = recv(ws), recv(ws)
+        assert (added["type"], done["type"]) == ("conversation.item.added", "conversation.item.done")
+        send(ws, type="conversation.item.retrieve", item_id="u1")
+        retrieved = recv(ws)
+        assert retrieved["type"] == "conversation.item.retrieved" and retrieved["item"]["content"][0]["text"] == "Hi."
+        send(ws, type="response.create", response={"output_modalities": ["text"], "max_output_tokens": 5})
+        events = until(ws, "response.done")
+        kinds = [e["type"] for e in events]
+        assert "response.output_text.delta" in kinds and "response.output_text.done" in kinds
+        part = next(e["part"] for e in events if e["type"] == "response.content_part.done")
+        assert part == {"type": "output_text", "text": "Hello world"}
+        assert pipeline.requests[-1].modalities == ("text",) and pipeline.requests[-1].sampling.max_tokens == 5
+
+
+@pytest.mark.parametrize(("session", "param"), [
+    ({"audio": {"output": {"voice": "nobody"}}}, "session.audio.output.voice"),
+    ({"audio": {"input": {"format": {"type": "audio/opus"}}}}, "session.audio.input.format"),
+    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "session.audio.input.format.rate"),
+    ({"output_modalities": ["video"]}, "session.output_modalities"),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "session.audio.input.turn_detection"),
+    ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
+    ({"prompt": {"id": "pmpt_1"}}, "session.prompt"),
+])
+def test_ga_mistakes_name_ga_paths(rest_server: RestServer, session: dict, param: str) -> None:
+    with connect(url(rest_server), open_timeout=10) as ws:
+        recv(ws)
+        send(ws, type="session.update", session={"type": "realtime", **session})
+        error = recv(ws)
+        assert error["type"] == "error" and error["error"]["param"] == param, error
+        send(ws, type="session.update", session={"type": "transcription"})
+        assert recv(ws)["error"]["param"] == "session.type"
+        send(ws, type="input_audio_buffer.append", audio=audio_b64(0.1))  # the session goes on
+        send(ws, type="input_audio_buffer.commit")
+        assert recv(ws)["type"] == "input_audio_buffer.committed"
+
+
+def test_a_beta_session_keeps_beta_events(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    with connect(url(rest_server), open_timeout=10) as ws:
+        recv(ws)
+        send(ws, type="session.update", session={"modalities": ["text"]})
+        assert "output_modalities" not in recv(ws)["session"]
+        send(ws, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                        "content": [{"type": "input_text", "text": "Hi."}]})
+        assert recv(ws)["type"] == "conversation.item.created"
+        send(ws, type="response.create")
+        kinds = [e["type"] for e in until(ws, "response.done")]
+        assert "response.text.delta" in kinds and not any("output_text" in k for k in kinds)
