@@ -224,10 +224,16 @@ def test_a_request_id_sent_again_before_the_old_tasks_close_runs_on_its_own_stat
 def test_two_steps_at_once_in_one_process_equal_their_solo_runs(model_dir: Path, thinker: Any) -> None:
     """In one process (pp = tp = 1) a step of first outputs runs beside a bulk step (EngineLoop `preempt`):
     two threads stepping disjoint requests through one engine at once give each request its solo tokens and
-    logits, their forwards really overlap, and every block comes back."""
+    logits and every block comes back, every time; their forwards overlap in time (nothing serializes them) in
+    at least one of three runs: a loaded host may deschedule one thread for the other's whole forward."""
     lengths = [5, 30, 9, 17]
     ids = prompts(lengths, seed=5)
     alone = [solo(thinker, p, 10) for p in ids]
+    assert any(_two_steps_at_once(model_dir, ids, alone) for _ in range(3)), "the forwards never overlapped"
+
+
+def _two_steps_at_once(model_dir: Path, ids: list, alone: list) -> bool:
+    """One run of the test above: its outputs checked; did the threads' forwards overlap?"""
     handler = thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB", stream_interval=1))
     assert handler.preempt and handler.max_inflight_steps == 2  # the CPU stage in one process gets the lane
     engine = handler.batcher.engine
@@ -252,8 +258,8 @@ def test_two_steps_at_once_in_one_process_equal_their_solo_runs(model_dir: Path,
     for i, want in enumerate(alone):
         assert_same_run((token_ids(chunks[i % 2][f"r{i}"]), rec.stacked(f"r{i}")), want, f"r{i}")
     a, b = ([s for s in spans if s[0] == t] for t in {s[0] for s in spans})
-    assert any(x[1] < y[2] and y[1] < x[2] for x in a for y in b), "the two threads' forwards never overlapped"
     assert_drained(engine, engine.allocator.num_blocks)
+    return any(x[1] < y[2] and y[1] < x[2] for x in a for y in b)
 
 
 def test_stream_interval_groups_tokens_after_the_eager_ones(model_dir: Path) -> None:
