@@ -57,6 +57,8 @@ from services.llm.structured_output import OPTION as STRUCTURED_OPTION
 from services.llm.structured_output import option_value
 
 log = logging.getLogger(__name__)
+PREFIX_KEY_TOKENS = 256  # a prompt's start that picks its thinker replica when they cache prefixes (a conversation's
+# system turn and first question: the same on every later turn)
 
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -232,7 +234,7 @@ class StagePipeline:
         tried: dict[str, set[int]] = {}
         attempt = 0
         while True:
-            plan = self.mesh.plan(bool(_encoder_inputs(prompt)), want_audio, tried)
+            plan = self.mesh.plan(bool(_encoder_inputs(prompt)), want_audio, tried, _content_keys(prompt))
             sent = ok = False
             try:
                 sid = request.request_id if attempt == 0 else f"{request.request_id}#{attempt}"
@@ -485,6 +487,16 @@ def _encoder_inputs(prompt: PromptInputs) -> dict[str, torch.Tensor]:
         tensors.update(prompt.media_hashes)  # the encoder cache's keys (it hashes the inputs itself without them)
     return tensors
 
+
+
+def _content_keys(prompt: PromptInputs) -> dict[str, bytes]:
+    """What a request's work is keyed by in the stages that cache it, for picking their replicas: the thinker's
+    prompt start (its prefix cache's blocks) and the encoder's first media item (its cache's entries)."""
+    keys = {"thinker": prompt.input_ids[:PREFIX_KEY_TOKENS].numpy().tobytes()}
+    digests = [d for name in sorted(prompt.media_hashes) for d in prompt.media_hashes[name].tolist()]
+    if digests:
+        keys["encoder"] = str(digests[0]).encode()
+    return keys
 
 
 def _structured(request: ChatRequest) -> dict[str, str]:

@@ -11,7 +11,9 @@ Data flow: `StageMesh.connect()` reads every replica's Info (`refresh` -> `adopt
 must agree on what they serve, SHARED_INFO_FIELDS); a replica that does not answer at start-up is adopted
 later, by the mesh's upkeep. For each request `pick()` leases the replica with the fewest requests in
 flight from this gateway, ties going to one on the `near` host (a co-located consumer gets its tensors
-through shared memory), then round-robin; `Lease.done()` returns it. A retired replica (gone from DNS) gets
+through shared memory), then, for a stage whose replicas keep work by content (StageInfo.prefix_caching: the
+thinker's prefix cache, the encoder's cache), to the request's own replica by its content `key` (rendezvous
+hashing: the same media or the same prompt start goes where it was computed before), then round-robin; `Lease.done()` returns it. A retired replica (gone from DNS) gets
 no new requests and is dropped by `prune()` once none holds it. A replica whose call failed with UNAVAILABLE
 or RESOURCE_EXHAUSTED is passed over for a backoff (0.5 s, doubling to 30 s; `mark_down`), and so is one
 whose channel is in TRANSIENT_FAILURE (gRPC cannot reach it); when every replica looks down the pick
@@ -21,6 +23,7 @@ takes one anyway, so the request fails with the stage's own answer instead of a 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +45,13 @@ SHARED_INFO_FIELDS = ("stage", "model", "family", "speakers", "sample_rate", "wi
 
 class NoReplica(Exception):
     """No replica of the stage has answered yet (none was ever reachable, or all disagreed)."""
+
+
+def _affinity(key: bytes | None, replica: Replica) -> int:
+    """Rendezvous hashing: the replica with the highest score is the key's own, and the key moves only when its
+    replica comes or goes."""
+    digest = hashlib.blake2b((key or b"") + replica.address.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 @dataclass(eq=False)
@@ -153,15 +163,18 @@ class ReplicaSet:
             return False
         return True
 
-    def pick(self, near: str | None = None, exclude: frozenset[int] = frozenset()) -> Lease:
-        """Lease the replica a new request should use (see the module docstring)."""
+    def pick(self, near: str | None = None, exclude: frozenset[int] = frozenset(), key: bytes | None = None) -> Lease:
+        """Lease the replica a new request should use (see the module docstring); `key`: the request's content
+        (its media, its prompt's start), whose own replica wins a tie before the round-robin."""
         usable = [r for r in self.known() if r.index not in exclude]
         if not usable:
             raise NoReplica(self.why_none(exclude))
         now = self.clock()
         pool = [r for r in usable if not r.looks_down(now)] or usable
         n = len(self.replicas)
-        best = min(pool, key=lambda r: (r.in_flight, r.host != near, (r.index - self._turn) % n))
+        caching = key is not None and any(r.info is not None and r.info.prefix_caching for r in pool)
+        best = min(pool, key=lambda r: (r.in_flight, r.host != near, -_affinity(key, r) if caching else 0,
+                                        (r.index - self._turn) % n))
         self._turn = best.index + 1
         return Lease(best)
 

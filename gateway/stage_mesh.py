@@ -192,9 +192,11 @@ class StageMesh:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    def plan(self, encoder: bool, audio: bool, tried: Mapping[str, set[int]]) -> dict[str, Lease]:
+    def plan(self, encoder: bool, audio: bool, tried: Mapping[str, set[int]],
+             keys: Mapping[str, bytes] | None = None) -> dict[str, Lease]:
         """The replicas one attempt at a request uses (`tried`: replicas per stage that failed it already):
-        the thinker's least busy one, the others near the stage they exchange tensors with."""
+        the thinker's least busy one, the others near the stage they exchange tensors with; `keys`: the
+        request's content per stage, for the replicas that cache by content (gateway/replicas.py)."""
         leases: dict[str, Lease] = {}
         order: list[tuple[str, str | None]] = [("thinker", None)]
         if encoder:
@@ -204,7 +206,7 @@ class StageMesh:
         try:
             for name, near in order:
                 host = leases[near].replica.host if near is not None else None
-                leases[name] = self.replicas(name).pick(host, frozenset(tried.get(name, ())))
+                leases[name] = self.replicas(name).pick(host, frozenset(tried.get(name, ())), (keys or {}).get(name))
         except (NoReplica, PipelineError) as exc:
             for lease in leases.values():
                 lease.done(ok=False)

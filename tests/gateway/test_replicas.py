@@ -38,11 +38,27 @@ class FakeClient:
         return self.down
 
 
-def _set(n: int, hosts: list[str] | None = None) -> ReplicaSet:
+def _set(n: int, hosts: list[str] | None = None, caching: bool = False) -> ReplicaSet:
     rs = ReplicaSet("talker", [FakeClient(f"h:{i}") for i in range(n)])  # type: ignore[list-item]
     for i, replica in enumerate(rs.replicas):
-        assert rs.adopt(replica, stage_pb2.StageInfo(stage="talker", model="m", host_id=(hosts or ["a"] * n)[i]))
+        assert rs.adopt(replica, stage_pb2.StageInfo(stage="talker", model="m", host_id=(hosts or ["a"] * n)[i],
+                                                     prefix_caching=caching))
     return rs
+
+
+def test_replicas_that_cache_by_content_take_a_keys_requests() -> None:
+    """A stage whose replicas cache (prefix cache, encoder cache): among equally busy replicas a request goes to
+    its key's own (the same key always to the same replica), keys spread over the replicas, load still comes
+    first; without caching the key changes nothing (round-robin)."""
+    rs = _set(3, caching=True)
+    own = {k: _one(rs, key=f"conversation {k}".encode()) for k in range(30)}
+    assert all(_one(rs, key=f"conversation {k}".encode()) == i for k, i in own.items())
+    assert set(own.values()) == {0, 1, 2}  # rendezvous hashing spreads the keys
+    held = rs.pick(key=b"conversation 0")  # its replica is busy now: the next request with that key goes elsewhere
+    assert rs.pick(key=b"conversation 0").replica.index != own[0]
+    held.done()
+    plain = _set(2)
+    assert [_one(plain, key=b"same") for _ in range(4)] == [0, 1, 0, 1]
 
 
 def test_pick_takes_the_least_busy_and_rotates_among_equals() -> None:
@@ -324,6 +340,29 @@ async def test_media_are_hashed_only_for_a_thinker_that_caches_prefixes() -> Non
                             served_models=("m",))
     assert unknown.hashes_media() is True  # nothing answered Info yet
     await unknown.close()
+
+
+async def test_a_prompt_start_keeps_its_caching_thinker_replica() -> None:
+    """Thinker replicas that cache prefixes: one request at a time, prompts that start alike go to one replica
+    (its cache holds their blocks), and other starts spread over both."""
+    a, b = WordThinker("a", prefix_caching=True), WordThinker("b", prefix_caching=True)
+    async with served_stage(a, EngineLoop("thinker")) as sa, served_stage(b, EngineLoop("thinker")) as sb:
+        starts: dict[str, int] = {}
+
+        def prompt(request: ChatRequest) -> PromptInputs:
+            first = starts[request.request_id.split("-")[0]]
+            return PromptInputs(torch.arange(first, first + 300), None, None, None, None, 300)
+
+        pipe = StagePipeline({"thinker": [_client(sa), _client(sb)]}, prompt, served_models=("m",))
+        await pipe.connect(timeout_s=10.0, late_grace_s=0.5)
+        try:
+            starts.update({f"p{k}": k * 1000 for k in range(16)})
+            same = {await _answer(pipe, f"p0-{i}") for i in range(4)}
+            assert len(same) == 1  # every request with that start on one replica
+            spread = {await _answer(pipe, f"p{k}-x") for k in range(16)}  # all on one: 2 in 65536
+            assert spread == {"a1 a2 ", "b1 b2 "}
+        finally:
+            await pipe.close()
 
 
 class WordEncoder(WordThinker):
