@@ -279,14 +279,16 @@ class RealtimeSession:
             await self.send("conversation.item.input_audio_transcription.delta", **where, delta=piece)
 
         try:
-            text, _ = await collect_text(self.gw.pipeline, chat, self.gw.reasoning, delta)
+            text, done = await collect_text(self.gw.pipeline, chat, self.gw.reasoning, delta)
         except PipelineError as e:
             await self.send("conversation.item.input_audio_transcription.failed", **where,
                             error={"type": "transcription_error", "code": "transcription_failed",
                                    "message": e.message, "param": None})
             return
         item.transcript = text
-        await self.send("conversation.item.input_audio_transcription.completed", **where, transcript=text)
+        usage = {"type": "tokens", "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
+                 "total_tokens": done.prompt_tokens + done.completion_tokens}
+        await self.send("conversation.item.input_audio_transcription.completed", **where, transcript=text, usage=usage)
 
     async def _turns(self, events: list[Started | Stopped]) -> None:
         """server_vad: speech started (a response in progress is cut short, with interrupt_response) / stopped

@@ -294,6 +294,7 @@ def test_input_audio_transcription(ws: ClientConnection, pipeline: ScriptedPipel
     assert events[-1]["item_id"] == item_id and events[-1]["transcript"] == "Hello world"
     deltas = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"]
     assert [d["delta"] for d in deltas] == ["Hello", " world"] and {d["item_id"] for d in deltas} == {item_id}
+    assert events[-1]["usage"] == {"type": "tokens", "input_tokens": 7, "output_tokens": 2, "total_tokens": 9}
     [req] = pipeline.requests
     clip, ask = req.messages[0].content
     assert isinstance(clip, AudioPart) and isinstance(ask, TextPart) and "Transcribe the audio" in ask.text
