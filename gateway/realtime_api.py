@@ -98,6 +98,7 @@ class RealtimeSession:
     turn_id: str = ""  # the item the turn in progress will become (server_vad)
     side_tasks: set[asyncio.Task] = field(default_factory=set)  # input transcriptions in flight
     ga: bool = False  # the GA interface (a session.update said "type": "realtime"): gateway/realtime_ga.py
+    transcription: bool = False  # a GA transcription session ("type": "transcription"): no responses
 
     # ------------------------------------------------------------------------------------ plumbing
     async def send(self, kind: str, **fields: Any) -> None:
@@ -132,7 +133,7 @@ class RealtimeSession:
                 "turn_detection": s.turn_detection, "tools": list(s.tools), "tool_choice": s.tool_choice,
                 "temperature": s.temperature if s.temperature is not None else 0.8,
                 "max_response_output_tokens": s.max_response_output_tokens or "inf"}
-        return ga.session_object(beta) if self.ga else beta
+        return ga.session_object(beta, self.transcription) if self.ga else beta
 
     async def run(self) -> None:
         await self.send("session.created", session=self.session_json())
@@ -169,11 +170,18 @@ class RealtimeSession:
         kind = event["type"]
         if kind == "session.update":
             session = event.get("session") or {}
-            if isinstance(session, dict) and session.get("type") == "transcription":
-                raise RealtimeError("transcription sessions are not served here: a realtime session transcribes its "
-                                    "input with audio.input.transcription", "session.type")
+            changes = (isinstance(session, dict) and "type" in session
+                       and ga.is_transcription(session) != self.transcription)
+            if changes and (self.items or self.buffer):
+                raise RealtimeError("a session becomes a transcription session (or stops being one) only before "
+                                    "any audio or item", "session.type")
             self.ga = self.ga or ga.is_ga(session)  # the SDK's client.realtime (GA) from here on
-            heard = await self.update(ga.session_fields(session) if self.ga else session)
+            if isinstance(session, dict) and "type" in session:
+                self.transcription = ga.is_transcription(session)
+            fields = ga.session_fields(session) if self.ga else session
+            if self.transcription and self.settings.input_audio_transcription is None and isinstance(fields, dict):
+                fields.setdefault("input_audio_transcription", {})  # a transcription session transcribes
+            heard = await self.update(fields)
             await self.send("session.updated", session=self.session_json())
             await self._turns(heard)
         elif kind == "input_audio_buffer.append":
@@ -218,6 +226,8 @@ class RealtimeSession:
             self.items = [i for i in self.items if i.id != item_id]
             await self.send("conversation.item.deleted", item_id=item_id)
         elif kind == "response.create":
+            if self.transcription:
+                raise RealtimeError("a transcription session only transcribes: it gives no responses", "type")
             if self.response is not None and not self.response.done():
                 raise RealtimeError("a response is already in progress; cancel it or wait for response.done",
                                     None, "conversation_already_has_active_response")
@@ -305,7 +315,8 @@ class RealtimeSession:
             else:
                 await self.send("input_audio_buffer.speech_stopped", audio_end_ms=ev.ms, item_id=self.turn_id)
                 await self._commit(ev.audio, self.turn_id)
-                if td.get("create_response", True) and (self.response is None or self.response.done()):
+                if (td.get("create_response", True) and not self.transcription
+                        and (self.response is None or self.response.done())):
                     self._start({})
 
     async def update(self, s: dict[str, Any]) -> list[Started | Stopped]:

@@ -16,6 +16,10 @@ GA for good. Then, both ways:
       output_text), a response's `modalities` -> `output_modalities`, and `session_object` writes the
       session in the GA shape.
 
+A session.update with `"type": "transcription"` makes a transcription session instead (before any audio or
+item): each committed turn (server_vad's or the client's commit) is transcribed, with delta events, and
+nothing answers (`response.create` is an error); its session object is GA's transcription session.
+
 Formats are objects in GA: {"type": "audio/pcm", "rate": 24000}, {"type": "audio/pcmu"} (mu-law) and
 {"type": "audio/pcma"} (A-law), the beta's pcm16, g711_ulaw and g711_alaw (gateway/realtime_audio.py).
 """
@@ -42,11 +46,17 @@ _GA_PATHS = {"session.modalities": "session.output_modalities", "session.voice":
              "session.input_audio_transcription": "session.audio.input.transcription",
              "session.max_response_output_tokens": "session.max_output_tokens",
              "response.modalities": "response.output_modalities", "response.voice": "response.audio.output.voice"}
-_NEUTRAL: dict[str, tuple[Any, ...]] = {"tracing": (None, "auto"), "truncation": ("auto", None), "include": (None, []), "prompt": (None,)}
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"tracing": (None, "auto"), "truncation": ("auto", None), "include": (None, []),
+                                        "prompt": (None,)}
 
 
 def is_ga(session: Any) -> bool:
-    return isinstance(session, dict) and session.get("type") == "realtime"
+    return isinstance(session, dict) and session.get("type") in ("realtime", "transcription")
+
+
+def is_transcription(session: Any) -> bool:
+    """A GA transcription session: the audio appended is transcribed turn by turn, and nothing answers."""
+    return isinstance(session, dict) and session.get("type") == "transcription"
 
 
 def ga_param(param: str | None) -> str | None:
@@ -70,8 +80,8 @@ def _modalities(value: Any, where: str) -> list[str]:
 def _format(value: Any, where: str) -> str:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in _FORMATS:
-        raise RealtimeError(f"format must be {{\"type\": \"audio/pcm\", \"rate\": 24000}}, {{\"type\": \"audio/pcmu\"}} "
-                            f"or {{\"type\": \"audio/pcma\"}}, got {value!r}", where)
+        raise RealtimeError("format must be {\"type\": \"audio/pcm\", \"rate\": 24000}, {\"type\": \"audio/pcmu\"} or "
+                            f"{{\"type\": \"audio/pcma\"}}, got {value!r}", where)
     if kind == "audio/pcm" and value.get("rate", 24_000) != 24_000:
         raise RealtimeError(f"audio/pcm is 24000 Hz here, got rate {value.get('rate')!r}", f"{where}.rate")
     return _FORMATS[kind]
@@ -141,17 +151,20 @@ def response_fields(response: Any) -> Any:
     return out
 
 
-def session_object(beta: dict[str, Any]) -> dict[str, Any]:
-    """The beta session JSON -> the GA session object."""
+def session_object(beta: dict[str, Any], transcription: bool = False) -> dict[str, Any]:
+    """The beta session JSON -> the GA session object (a transcription session's, with `transcription`)."""
     td = beta["turn_detection"]
+    audio_in = {"format": _format_object(beta["input_audio_format"]),
+                "transcription": beta["input_audio_transcription"], "noise_reduction": None, "turn_detection": None if td is None else {**td, "idle_timeout_ms": None}}
+    if transcription:
+        return {"type": "transcription", "object": "realtime.transcription_session", "id": beta["id"],
+                "audio": {"input": audio_in}, "include": None}
     return {"type": "realtime", "object": "realtime.session", "id": beta["id"], "model": beta["model"],
             "output_modalities": ["audio"] if "audio" in beta["modalities"] else ["text"],
             "instructions": beta["instructions"], "tools": beta["tools"], "tool_choice": beta["tool_choice"],
             "max_output_tokens": beta["max_response_output_tokens"], "tracing": None, "truncation": "auto",
             "prompt": None, "include": None,
-            "audio": {"input": {"format": _format_object(beta["input_audio_format"]),
-                                "transcription": beta["input_audio_transcription"], "noise_reduction": None,
-                                "turn_detection": None if td is None else {**td, "idle_timeout_ms": None}},
+            "audio": {"input": audio_in,
                       "output": {"format": _format_object(beta["output_audio_format"]), "voice": beta["voice"],
                                  "speed": 1.0}}}
 

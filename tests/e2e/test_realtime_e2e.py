@@ -2,7 +2,7 @@
 chunks and committed) answers with exactly the text and audio of the same conversation sent as a chat
 completion (the instructions as its system turn, the clip as a WAV), and a second, text-only turn sees the
 first answer in the conversation; a telephone turn (G.711 mu-law in and out) and the openai SDK's GA client
-likewise. Gateway-level events and errors: tests/gateway/test_realtime.py, test_realtime_audio.py and
+likewise; a GA transcription session transcribes as /v1/audio/transcriptions does. Gateway-level events and errors: tests/gateway/test_realtime.py, test_realtime_audio.py and
 test_realtime_ga.py."""
 
 from __future__ import annotations
@@ -223,3 +223,25 @@ def test_the_sdks_ga_client_gets_the_same_chat(mesh):
     with wave.open(io.BytesIO(base64.b64decode(message["audio"]["data"]))) as w:
         want = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.int32)
     assert audio.shape == want.shape and audio.size > 0 and np.abs(audio - want).max() <= PCM16_TOLERANCE
+
+
+def test_a_transcription_session_is_the_transcriptions_endpoint(mesh):
+    """A GA transcription session ("type": "transcription"): a committed clip's transcript (its deltas too) is
+    what /v1/audio/transcriptions answers for the same clip, and nothing answers it."""
+    clip = sine_wav(1.0, rate=24_000)
+    with wave.open(io.BytesIO(clip)) as w:
+        pcm = w.readframes(w.getnframes())
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+        _until(ws, "session.created")
+        ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+            "format": {"type": "audio/pcm", "rate": 24000}, "transcription": {"model": MODEL, "language": "en"}}}}}))
+        _until(ws, "session.updated")
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        events = _until(ws, "conversation.item.input_audio_transcription.completed")
+    deltas = "".join(e["delta"] for e in events if e["type"] == "conversation.item.input_audio_transcription.delta")
+    assert not any(e["type"].startswith("response.") for e in events)
+    r = httpx.post(f"{mesh.rest}/v1/audio/transcriptions", timeout=TIMEOUT_S,
+                   data={"model": MODEL, "language": "en"}, files={"file": ("a.wav", clip, "audio/wav")})
+    assert r.status_code == 200, r.text
+    assert events[-1]["transcript"] == deltas == r.json()["text"] != ""

@@ -93,8 +93,6 @@ def test_ga_mistakes_name_ga_paths(rest_server: RestServer, session: dict, param
         send(ws, type="session.update", session={"type": "realtime", **session})
         error = recv(ws)
         assert error["type"] == "error" and error["error"]["param"] == param, error
-        send(ws, type="session.update", session={"type": "transcription"})
-        assert recv(ws)["error"]["param"] == "session.type"
         send(ws, type="input_audio_buffer.append", audio=audio_b64(0.1))  # the session goes on
         send(ws, type="input_audio_buffer.commit")
         assert recv(ws)["type"] == "input_audio_buffer.committed"
@@ -111,3 +109,34 @@ def test_a_beta_session_keeps_beta_events(rest_server: RestServer, pipeline: Scr
         send(ws, type="response.create")
         kinds = [e["type"] for e in until(ws, "response.done")]
         assert "response.text.delta" in kinds and not any("output_text" in k for k in kinds)
+
+
+def test_a_transcription_session(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    """GA's "type": "transcription": each committed turn is transcribed (delta events, then completed), nothing
+    answers, response.create is refused, and the session cannot turn into one once it holds audio."""
+    with connect(url(rest_server), open_timeout=10) as ws:
+        recv(ws)
+        send(ws, type="session.update", session={"type": "transcription", "audio": {"input": {
+            "format": {"type": "audio/pcmu"}, "transcription": {"model": "any", "language": "en"}}}})
+        session = recv(ws)["session"]
+        assert session["type"] == "transcription" and session["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+        assert session["audio"]["input"]["transcription"]["language"] == "en" and "output_modalities" not in session
+        send(ws, type="input_audio_buffer.append", audio=base64.b64encode(bytes([0xFF] * 2400)).decode())
+        send(ws, type="input_audio_buffer.commit")
+        events = until(ws, "conversation.item.input_audio_transcription.completed")
+        assert [e["delta"] for e in events if e["type"].endswith("transcription.delta")] == ["Hello", " world"]
+        assert events[-1]["transcript"] == "Hello world"
+        [req] = pipeline.requests
+        clip = req.messages[0].content[0]
+        assert req.modalities == ("text",) and clip.sample_rate == 8000  # type: ignore[union-attr]
+        send(ws, type="response.create")
+        assert "only transcribes" in recv(ws)["error"]["message"]
+        send(ws, type="session.update", session={"type": "realtime"})
+        assert recv(ws)["error"]["param"] == "session.type"
+        send(ws, type="session.update", session={"audio": {"input": {"transcription": {"language": "de"}}}})
+        assert recv(ws)["session"]["audio"]["input"]["transcription"]["language"] == "de"  # still transcribing
+    with connect(url(rest_server), open_timeout=10) as ws:  # a plain session with audio cannot become one
+        recv(ws)
+        send(ws, type="input_audio_buffer.append", audio=audio_b64(0.1))
+        send(ws, type="session.update", session={"type": "transcription"})
+        assert recv(ws)["error"]["param"] == "session.type"
