@@ -16,7 +16,8 @@ Supported client events (the settings they may change: gateway/realtime_settings
 `conversation.item.create` (message items: `input_text`, `input_audio` (base64, the input format) and an
 assistant's `text`), `conversation.item.delete`, `conversation.item.truncate` (the transcript cut in proportion
 to the audio played), `response.create` (its `response` may set modalities,
-instructions, voice, temperature, max_output_tokens), `response.cancel`. Turns are the client's by default (`turn_detection` null:
+instructions, voice, temperature, max_output_tokens; `conversation: "none"` keeps it out of the conversation and
+`input` gives it its own context), `response.cancel`. Turns are the client's by default (`turn_detection` null:
 commit, then response.create); with `turn_detection: {"type": "server_vad", ...}` Silero VAD
 (gateway/realtime_vad.py, run off the event loop) cuts the appended audio into turns: `input_audio_buffer.speech_started` (a response
 in progress is cancelled, with `interrupt_response`), `.speech_stopped`, the turn committed and, with
@@ -103,7 +104,8 @@ class RealtimeSession:
     # ------------------------------------------------------------------------------------ plumbing
     async def send(self, kind: str, **fields: Any) -> None:
         """One event to the client (in a GA session: its GA names and shapes, gateway/realtime_ga.py)."""
-        out = ga.events(kind, fields) if self.ga else [(kind, fields)]
+        in_conversation = not fields.pop("_out_of_band", False)  # an out-of-band item: not the conversation's
+        out = ga.events(kind, fields, in_conversation) if self.ga else [(kind, fields)]
         async with self.send_lock:
             for name, body in out:
                 await self.ws.send_text(json.dumps({"type": name, "event_id": f"event_{uuid.uuid4().hex}", **body}))
@@ -261,7 +263,9 @@ class RealtimeSession:
 
     def _start(self, overrides: dict[str, Any]) -> None:
         chat, modalities, tools = self._chat(overrides)
-        self.response = asyncio.create_task(self._respond(chat, modalities, tools))
+        in_conversation = overrides.get("conversation", "auto") == "auto"  # "none": out of band
+        metadata = overrides.get("metadata")
+        self.response = asyncio.create_task(self._respond(chat, modalities, tools, in_conversation, metadata))
 
     async def _commit(self, wave: np.ndarray, item_id: str) -> None:
         """A user turn of audio joins the conversation."""
@@ -394,11 +398,20 @@ class RealtimeSession:
         temperature = check_temperature(r["temperature"], "response.temperature") if "temperature" in r else s.temperature
         max_tokens = (check_max_tokens(r["max_output_tokens"], "response.max_output_tokens") if "max_output_tokens" in r
                       else s.max_response_output_tokens)
-        if not any(i.role == "user" for i in self.items):
+        if r.get("conversation", "auto") not in ("auto", "none"):
+            raise RealtimeError("conversation must be \"auto\" (the answer joins the conversation) or \"none\" (out of "
+                                "band)", "response.conversation")
+        metadata = r.get("metadata")
+        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                for k, v in metadata.items())):
+            raise RealtimeError("metadata must be an object of at most 16 string pairs", "response.metadata")
+        items = self._input(r["input"]) if "input" in r else self.items  # the response's own context, else ours
+        if not any(i.role == "user" for i in items):
             raise RealtimeError("the conversation has no user item yet: commit audio or create a user item first",
                                 None, "conversation_empty")
         messages = [ChatMessage("system", (TextPart(instructions),))] if instructions else []
-        messages += chat_messages(self.items)
+        messages += chat_messages(items)
         sampling = SamplingOverrides(temperature=temperature, max_tokens=max_tokens)
         check_sampling(sampling, "response")
         own = "tools" in r or "tool_choice" in r  # the response's own tools, else the session's
@@ -415,12 +428,33 @@ class RealtimeSession:
                            spoken_calls=tools.parse and want_audio)
         return chat, modalities, tools
 
+    def _input(self, raw: Any) -> list[Any]:
+        """A response's own `input`: items as conversation.item.create takes them, or `item_reference`s to the
+        conversation's items by id."""
+        if not isinstance(raw, list):
+            raise RealtimeError("input must be a list of items", "response.input")
+        out = []
+        for j, entry in enumerate(raw):
+            if isinstance(entry, dict) and entry.get("type") == "item_reference":
+                found = next((i for i in self.items if i.id == entry.get("id")), None)
+                if found is None:
+                    raise RealtimeError(f"no conversation item {entry.get('id')!r}", f"response.input[{j}].id",
+                                        "item_not_found")
+                out.append(found)
+            else:
+                out.append(self._item(entry))
+        return out
+
     # ------------------------------------------------------------------------------------ responses
-    async def _respond(self, chat: ChatRequest, modalities: tuple[str, ...], tools: ToolPlan) -> None:
+    async def _respond(self, chat: ChatRequest, modalities: tuple[str, ...], tools: ToolPlan,
+                       in_conversation: bool = True, metadata: dict[str, str] | None = None) -> None:
+        """One response's events; `in_conversation` False (conversation "none"): out of band, its items stay out of
+        the conversation."""
         rid, item_id = chat.request_id, f"item_{uuid.uuid4().hex}"
         audio = "audio" in modalities
         where = {"response_id": rid, "item_id": item_id, "output_index": 0, "content_index": 0}
-        base = {"id": rid, "object": "realtime.response", "modalities": list(modalities)}
+        base = {"id": rid, "object": "realtime.response", "modalities": list(modalities),
+                "conversation_id": "auto" if in_conversation else None, "metadata": metadata}
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant", "content": []}
         text: list[str] = []
         said = AnswerSplit(self.gw.reasoning, chat.reasoning_end is not None, include=False)  # a thought stays unsaid
@@ -436,15 +470,16 @@ class RealtimeSession:
             await self.send("response.created", response={**base, "status": "in_progress", "output": []})
             await self.send("response.output_item.added", response_id=rid, output_index=0,
                             item={**item, "status": "in_progress"})
-            await self.send("conversation.item.created", previous_item_id=self.items[-1].id if self.items else None,
-                            item={**item, "status": "in_progress"})
-            self.items.append(answer)
+            if in_conversation:
+                await self.send("conversation.item.created", previous_item_id=self.items[-1].id if self.items else None,
+                                item={**item, "status": "in_progress"})
+                self.items.append(answer)
             part = {"type": "audio", "transcript": ""} if audio else {"type": "text", "text": ""}
             await self.send("response.content_part.added", **where, part=part)
             async for ev in events:
                 if isinstance(ev, TextDelta) and ev.text:
                     await self._answer_text(where, audio, chat.spoken_calls, shaped, calls, said.push(ev.text)[1],
-                                            ev.spoken, text)
+                                            ev.spoken, text, in_conversation=in_conversation)
                 elif isinstance(ev, AudioDelta) and audio and np.size(ev.pcm):
                     answer.audio_samples += int(np.size(ev.pcm))
                     answer.audio_rate = ev.sample_rate
@@ -453,7 +488,7 @@ class RealtimeSession:
                     if audio and (tail := encoder.flush()):  # G.711: the decimating filter's last samples
                         await self.send("response.audio.delta", **where, delta=base64.b64encode(tail).decode())
                     await self._answer_text(where, audio, chat.spoken_calls, shaped, calls, said.finish()[1],
-                                            False, text, end=True)
+                                            False, text, end=True, in_conversation=in_conversation)
                     status = "incomplete" if ev.finish_reason == "length" else "completed"
                     reason = "max_output_tokens" if status == "incomplete" else None
                     usage = {"total_tokens": ev.prompt_tokens + ev.completion_tokens, "input_tokens": ev.prompt_tokens,
@@ -486,7 +521,8 @@ class RealtimeSession:
                 await self.send("response.text.done", **where, text=transcript)
             await self.send("response.content_part.done", **where, part=done_part)
             final = {**item, "status": "completed" if status == "completed" else "incomplete", "content": [done_part]}
-            await self.send("response.output_item.done", response_id=rid, output_index=0, item=final)
+            await self.send("response.output_item.done", response_id=rid, output_index=0, item=final,
+                            _out_of_band=not in_conversation)
             output.append(final)
         output += [c.to_json() for c in calls]
         if transcript and status != "failed":  # the next turn hears what was said
@@ -498,7 +534,8 @@ class RealtimeSession:
                                                    "output": output, "usage": usage})
 
     async def _answer_text(self, where: dict[str, Any], audio: bool, spoken_calls: bool, shaped: ToolAnswer,
-                           calls: list[CallItem], piece: str, spoken: bool, text: list[str], end: bool = False) -> None:
+                           calls: list[CallItem], piece: str, spoken: bool, text: list[str], end: bool = False,
+                           in_conversation: bool = True) -> None:
         """A piece of the answer (its thought taken out): what is shown or said goes out as a text / transcript
         delta, and each call it closes becomes a function_call item. A spoken answer's transcript is what the
         talker said (gateway/spoken_calls.py); a text answer shows its text outside the calls."""
@@ -511,21 +548,25 @@ class RealtimeSession:
             text.append(shown)
             await self.send("response.audio_transcript.delta" if audio else "response.text.delta", **where, delta=shown)
         for call in made:
-            await self._call(where["response_id"], new_call_item(call), calls)
+            await self._call(where["response_id"], new_call_item(call), calls, in_conversation)
 
-    async def _call(self, rid: str, item: CallItem, calls: list[CallItem]) -> None:
-        """A function call the answer made: its item after the message (output 1, 2, ...), in the conversation."""
+    async def _call(self, rid: str, item: CallItem, calls: list[CallItem], in_conversation: bool = True) -> None:
+        """A function call the answer made: its item after the message (output 1, 2, ...), in the conversation
+        (unless the response is out of band)."""
         index = 1 + len(calls)
         calls.append(item)
         previous = self.items[-1].id if self.items else None
-        self.items.append(item)
+        if in_conversation:
+            self.items.append(item)
         at = {"response_id": rid, "item_id": item.id, "output_index": index, "call_id": item.call.id}
         await self.send("response.output_item.added", response_id=rid, output_index=index,
                         item=item.to_json("in_progress"))
-        await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json("in_progress"))
+        if in_conversation:
+            await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json("in_progress"))
         await self.send("response.function_call_arguments.delta", **at, delta=item.call.arguments)
         await self.send("response.function_call_arguments.done", **at, arguments=item.call.arguments)
-        await self.send("response.output_item.done", response_id=rid, output_index=index, item=item.to_json())
+        await self.send("response.output_item.done", response_id=rid, output_index=index, item=item.to_json(),
+                        _out_of_band=not in_conversation)
 
 
 class RealtimeRoutes:

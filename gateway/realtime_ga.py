@@ -186,8 +186,9 @@ def _item(item: Any) -> Any:
     return item
 
 
-def events(kind: str, fields: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """One beta event -> the GA events the client gets instead (see the module docstring)."""
+def events(kind: str, fields: dict[str, Any], in_conversation: bool = True) -> list[tuple[str, dict[str, Any]]]:
+    """One beta event -> the GA events the client gets instead (see the module docstring); `in_conversation`
+    False: an out-of-band response's item, which no conversation.item.done follows."""
     fields = dict(fields)
     if "part" in fields:
         fields["part"] = _part(fields["part"])
@@ -206,6 +207,6 @@ def events(kind: str, fields: dict[str, Any]) -> list[tuple[str, dict[str, Any]]
     item = fields.get("item")
     if kind == "conversation.item.created" and isinstance(item, dict) and item.get("status") == "completed":
         out.append(("conversation.item.done", {"item": item}))  # a user's or a client's item: whole at once
-    elif kind == "response.output_item.done":
+    elif kind == "response.output_item.done" and in_conversation:
         out.append(("conversation.item.done", {"item": item}))
     return out

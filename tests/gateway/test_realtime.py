@@ -408,3 +408,30 @@ def test_a_reasoning_models_thought_is_not_said() -> None:
         until(conn, "response.done")
     said = [m for m in pipeline.requests[-1].messages if m.role == "assistant"]
     assert [p.text for p in said[0].content] == ["\n\nHi there."]  # the next turn hears the answer alone
+
+
+def test_an_out_of_band_response(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
+    """response.create with conversation "none" and its own input (new items and item_references): its context is
+    that input alone, its answer never joins the conversation, metadata comes back; mistakes name the field."""
+    send(ws, type="conversation.item.create", item={"type": "message", "role": "user", "id": "u1",
+                                                    "content": [{"type": "input_text", "text": "I like tea."}]})
+    recv(ws)
+    send(ws, type="response.create", response={
+        "conversation": "none", "modalities": ["text"], "metadata": {"topic": "classify"},
+        "input": [{"type": "item_reference", "id": "u1"},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tea or coffee?"}]}]})
+    events = until(ws, "response.done")
+    assert "conversation.item.created" not in [e["type"] for e in events]
+    done = events[-1]["response"]
+    assert done["conversation_id"] is None and done["metadata"] == {"topic": "classify"}
+    assert done["output"][0]["content"][0]["text"] == "Hello world"
+    [req] = pipeline.requests
+    assert [m.content[0].text for m in req.messages] == ["I like tea.", "Tea or coffee?"]  # type: ignore[union-attr]
+    send(ws, type="response.create", response={"modalities": ["text"]})  # the conversation: only u1 still
+    until(ws, "response.done")
+    assert [m.content[0].text for m in pipeline.requests[-1].messages] == ["I like tea."]  # type: ignore[union-attr]
+    for bad, param in (({"conversation": "other"}, "response.conversation"),
+                       ({"input": [{"type": "item_reference", "id": "nope"}]}, "response.input[0].id"),
+                       ({"metadata": {"k": 1}}, "response.metadata"), ({"input": "x"}, "response.input")):
+        send(ws, type="response.create", response=bad)
+        assert recv(ws)["error"]["param"] == param, bad

@@ -76,6 +76,9 @@ def test_a_text_response_and_items_in_ga(rest_server: RestServer, pipeline: Scri
         part = next(e["part"] for e in events if e["type"] == "response.content_part.done")
         assert part == {"type": "output_text", "text": "Hello world"}
         assert pipeline.requests[-1].modalities == ("text",) and pipeline.requests[-1].sampling.max_tokens == 5
+        send(ws, type="response.create", response={"conversation": "none", "output_modalities": ["text"]})
+        kinds = [e["type"] for e in until(ws, "response.done")]  # out of band: no conversation.item.* events
+        assert "response.output_item.done" in kinds and not any(k.startswith("conversation.item") for k in kinds)
 
 
 @pytest.mark.parametrize(("session", "param"), [
