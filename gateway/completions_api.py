@@ -238,7 +238,7 @@ class CompletionRoutes:
         return _Completion(request_id=rid, model=model, runs=tuple(runs), echo=tuple(e for e in echo for _ in range(n)),
                            n=n, stream=body.stream, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
                            first_tokens=tuple(i[0] for i in ids for _ in range(n)), prompt_only=prompt_only,
-                           include_usage=bool(so and so.include_usage),
+                           include_usage=self.gw.force_include_usage or bool(so and so.include_usage),
                            continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
                            created=int(time.time()), started=started,
                            offsets=[len(e) for e in echo for _ in range(n)])

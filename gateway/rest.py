@@ -251,6 +251,7 @@ class RestGateway:
         self.reasoning = reasoning  # --reasoning-parser
         self.auto_tool_choice = auto_tool_choice  # --enable-auto-tool-choice (with --tool-call-parser)
         self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
+        self.force_include_usage = False  # --enable-force-include-usage: every stream ends with its usage
         self.max_logprobs = max_logprobs  # --max-logprobs
         self.tokens_as_ids = tokens_as_ids  # --return-tokens-as-token-ids
         self.max_model_len = max_model_len  # on the model cards, when the prompt builder is known
@@ -317,7 +318,8 @@ class RestGateway:
         if "audio" in modalities:  # the schema checked it is one of OUTPUT_AUDIO_FORMATS
             audio_format = cast(OutputAudioFormat, body.audio.format) if body.audio is not None else "wav"
         return _Call(request=request, model=model, stream=body.stream,
-                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                     include_usage=self.force_include_usage or bool(body.stream_options
+                                                                    and body.stream_options.include_usage),
                      continuous_usage=bool(body.stream_options and body.stream_options.include_usage
                                            and body.stream_options.continuous_usage_stats),
                      audio_format=audio_format, created=int(time.time()), started=time.perf_counter(), n=n,
@@ -720,7 +722,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
                return_tokens_as_token_ids: bool = False, prompt_tokens_details: bool = False,
                auto_tool_choice: bool = False, stage_metrics: StageSources | None = None, api_keys: tuple[str, ...] = (),
                front: HttpFront | None = None, prompts: PromptBuilder | None = None,
-               reasoning: ReasoningParser | None = None, responses_store: ResponseStore | None = None) -> FastAPI:
+               reasoning: ReasoningParser | None = None, responses_store: ResponseStore | None = None,
+               force_include_usage: bool = False) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
     ask for; `allowed_media_domains` the hosts http(s) media may come from (empty = none);
     `media_transport` an `httpx.AsyncBaseTransport` for tests; `stage_metrics` the stages whose series
@@ -732,7 +735,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     (--enable-prompt-tokens-details); `auto_tool_choice` parses tool calls out of the text
     (--enable-auto-tool-choice, gateway/tool_calls.py); `reasoning` splits a thinking model's reasoning from its
     answer (--reasoning-parser, gateway/reasoning.py); `responses_store` keeps the Responses API's answers
-    (--responses-store-memory, gateway/response_store.py)."""
+    (--responses-store-memory, gateway/response_store.py); `force_include_usage` ends every streamed chat and
+    completion with its usage chunk, asked or not (--enable-force-include-usage)."""
     names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
@@ -742,6 +746,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
                          video_sampling=sampling)
     gw = RestGateway(pipeline, names, loader, stage_metrics, prompts.max_model_len if prompts is not None else None,
                      max_logprobs, return_tokens_as_token_ids, prompt_tokens_details, auto_tool_choice, reasoning)
+    gw.force_include_usage = force_include_usage
     app = FastAPI(title="omnimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     if api_keys:  # /v1 needs one of them; /health and /metrics stay open (gateway/auth.py)

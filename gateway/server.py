@@ -115,6 +115,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     app = create_app(pipeline, served_model_names=pipeline.served_models, allowed_media_domains=domains, limits=limits,
                      max_logprobs=args.max_logprobs, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                      prompt_tokens_details=args.enable_prompt_tokens_details,
+                     force_include_usage=args.enable_force_include_usage,
                      auto_tool_choice=args.enable_auto_tool_choice,
                      stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=prompts,
                      reasoning=reasoning, responses_store=responses_store(args.responses_store_memory))

@@ -140,6 +140,8 @@ class MeshLauncher:
             argv.append("--trust-request-chat-template")
         if a.return_tokens_as_token_ids:
             argv.append("--return-tokens-as-token-ids")
+        if a.enable_force_include_usage:
+            argv.append("--enable-force-include-usage")
         if a.enable_prompt_tokens_details:
             argv.append("--enable-prompt-tokens-details")
         if a.enable_auto_tool_choice:

@@ -201,6 +201,9 @@ class ServeArgs:
                                       "deepseek_r1 (<think>...</think>; Qwen3-Omni-30B-A3B-Thinking): chat answers "
                                       "carry it in message.reasoning (and reasoning_content), streamed as "
                                       "delta.reasoning", "--reasoning-parser")
+    enable_force_include_usage: bool = _f(False, "every streamed chat or completion ends with its usage chunk, whether "
+                                          "its stream_options asked for it or not (vLLM's flag; for clients that "
+                                          "bill by it)", "--enable-force-include-usage", action="store_true")
     enable_prompt_tokens_details: bool = _f(False, "chat completions' usage says how many prompt tokens the thinker's "
                                             "prefix cache served (prompt_tokens_details.cached_tokens; see "
                                             "--enable-prefix-caching), as vLLM's",
@@ -453,7 +456,8 @@ GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
      "stage_dns_refresh", "request_timeout", "limit_mm_per_prompt", "input_limits", "max_logprobs",
      "return_tokens_as_token_ids",
-     "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser",
+     "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice",
+     "tool_call_parser",
      "reasoning_parser", "responses_store_memory", "trust_remote_code", "malloc", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
      "trust_request_chat_template", "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
 ) | HTTP_FRONT_FIELDS
@@ -463,7 +467,8 @@ STAGE_EXCLUDED = frozenset(
      "allowed_media_domains", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
      "trust_request_chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
-     "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
+     "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice", "tool_call_parser",
+     "reasoning_parser",
      "responses_store_memory"}
 ) | HTTP_FRONT_FIELDS
 

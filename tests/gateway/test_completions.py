@@ -295,3 +295,14 @@ def test_truncating_a_chat_never_cuts_its_media(builder):
     with pytest.raises(PipelineError, match="would cut into the prompt's audio") as e:
         roomy.build(replace(chat, truncate_prompt_tokens=keep - 1))
     assert e.value.param == "truncate_prompt_tokens"
+
+
+def test_force_include_usage_ends_completion_streams_with_usage(shared_pipeline: ScriptedPipeline,
+                                                                builder: PromptBuilder) -> None:
+    """--enable-force-include-usage: a streamed completion ends with its usage chunk, unasked."""
+    app = create_app(shared_pipeline, served_model_names=("tiny-omni",), prompts=builder, force_include_usage=True)
+    with RestServer(app) as s:
+        r = httpx.post(f"{s.base_url}/v1/completions", json={"prompt": [[3, 4]], "stream": True}, timeout=30)
+        events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+        usage = json.loads(events[-2])
+        assert events[-1] == "[DONE]" and usage["choices"] == [] and usage["usage"]["total_tokens"] > 0

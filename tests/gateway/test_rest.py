@@ -171,6 +171,29 @@ def test_sse_stream_chunks_usage_and_done(rest_server: RestServer, pipeline: Scr
     assert pipeline.closed == [pipeline.requests[-1].request_id]
 
 
+def test_force_include_usage(pipeline: ScriptedPipeline, tmp_path) -> None:
+    """--enable-force-include-usage: streamed chats and completions end with their usage chunk unasked (vLLM's
+    flag); without it an unasked stream has none; the flag reaches the gateway."""
+    from gateway.rest import create_app
+    from omnimesh.config.serve_args import ServeArgs
+    from omnimesh.launcher import MeshLauncher
+
+    def last_chunk(server: RestServer, path: str, body: dict) -> dict:
+        r = httpx.post(f"{server.base_url}{path}", json={**body, "stream": True}, timeout=30)
+        events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+        assert events[-1] == "[DONE]", r.text
+        return json.loads(events[-2])
+
+    chat = {"messages": USER_HI, "modalities": ["text"]}
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",), force_include_usage=True)) as forced, \
+            RestServer(create_app(pipeline, served_model_names=("tiny-omni",))) as plain:
+        usage = last_chunk(forced, "/v1/chat/completions", chat)
+        assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 9
+        assert last_chunk(plain, "/v1/chat/completions", chat)["choices"][0]["finish_reason"] == "stop"
+    assert "--enable-force-include-usage" in MeshLauncher(ServeArgs(enable_force_include_usage=True),
+                                                          tmp_path)._gateway_argv({})
+
+
 def test_error_after_stream_started_is_an_sse_error_then_done(rest_server: RestServer,
                                                               pipeline: ScriptedPipeline) -> None:
     pipeline.script = lambda req: [TextDelta("Hel"), stage_down("vocoder")]
