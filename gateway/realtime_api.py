@@ -181,8 +181,9 @@ class RealtimeSession:
             if isinstance(session, dict) and "type" in session:
                 self.transcription = ga.is_transcription(session)
             fields = ga.session_fields(session) if self.ga else session
-            if self.transcription and self.settings.input_audio_transcription is None and isinstance(fields, dict):
-                fields.setdefault("input_audio_transcription", {})  # a transcription session transcribes
+            if (self.transcription and isinstance(fields, dict)
+                    and fields.get("input_audio_transcription", self.settings.input_audio_transcription) is None):
+                fields["input_audio_transcription"] = {}  # a transcription session always transcribes
             heard = await self.update(fields)
             await self.send("session.updated", session=self.session_json())
             await self._turns(heard)

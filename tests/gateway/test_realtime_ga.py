@@ -138,6 +138,8 @@ def test_a_transcription_session(rest_server: RestServer, pipeline: ScriptedPipe
         assert recv(ws)["error"]["param"] == "session.type"
         send(ws, type="session.update", session={"audio": {"input": {"transcription": {"language": "de"}}}})
         assert recv(ws)["session"]["audio"]["input"]["transcription"]["language"] == "de"  # still transcribing
+        send(ws, type="session.update", session={"audio": {"input": {"transcription": None}}})
+        assert recv(ws)["session"]["audio"]["input"]["transcription"] is not None  # it cannot stop
     with connect(url(rest_server), open_timeout=10) as ws:  # a plain session with audio cannot become one
         recv(ws)
         send(ws, type="input_audio_buffer.append", audio=audio_b64(0.1))
