@@ -5,7 +5,8 @@ vLLM reads `VLLM_API_KEY`) -> `parse_api_keys` -> a tuple of keys (comma-separat
 at once, so one can be rotated without downtime) ->
 - REST: `ApiKeyMiddleware` (plain ASGI, so streamed responses pass untouched) answers a `/v1/...` request
   whose `Authorization` header is not `Bearer <one of the keys>` with OpenAI's 401 body before any handler
-  runs (the `/v1/realtime` WebSocket handshake: refused, close code 1008 with the reason); `/health` and
+  runs (the `/v1/realtime` WebSocket handshake: refused, close code 1008 with the reason; a browser, which cannot
+  set headers on a WebSocket, may give the key as OpenAI's subprotocol `openai-insecure-api-key.<key>`); `/health` and
   `/metrics` stay open, as in vLLM, for probes and Prometheus;
 - gRPC: `ApiKeyInterceptor` does the same for `omnimesh.v1.Omni` methods from the `authorization`
   metadata (UNAUTHENTICATED); `grpc.health.v1` and reflection stay open.
@@ -65,6 +66,14 @@ def check_bearer(header: str | None, keys: tuple[str, ...]) -> str | None:
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 
+KEY_SUBPROTOCOL = "openai-insecure-api-key."  # OpenAI's way for a browser WebSocket to carry its key
+
+
+def websocket_key(subprotocols: Any) -> str | None:
+    """The key a WebSocket handshake offers as a subprotocol (`openai-insecure-api-key.<key>`), if any."""
+    return next((p[len(KEY_SUBPROTOCOL):] for p in subprotocols if p.startswith(KEY_SUBPROTOCOL)), None)
+
+
 class ApiKeyMiddleware:
     """ASGI: `/v1/...`, /tokenize and /detokenize need `Authorization: Bearer <key>`; the rest passes as it is."""
 
@@ -77,6 +86,9 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        if header is None and scope["type"] == "websocket":
+            key = websocket_key(scope.get("subprotocols") or ())
+            header = None if key is None else f"Bearer {key}"
         why = check_bearer(header, self.keys)
         if why is None:
             await self.app(scope, receive, send)

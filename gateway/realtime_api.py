@@ -46,6 +46,7 @@ import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 
 from gateway import realtime_ga as ga
+from gateway.auth import KEY_SUBPROTOCOL
 from gateway.realtime_audio import RATES, AudioFormatError, OutputEncoder, decode
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides,
                             TextDelta, TextPart)
@@ -582,7 +583,10 @@ class RealtimeRoutes:
             await ws.close(code=1008, reason=f"the model {model!r} does not exist; served: "
                                              f"{', '.join(self.gw.served_model_names)}")
             return
-        await ws.accept()
+        # a browser's subprotocols (OpenAI's: "realtime", the key, "openai-beta.realtime-v1"): one must be
+        # chosen in the answer or the browser drops the connection; never the key
+        offered = [p for p in ws.scope.get("subprotocols") or () if not p.startswith(KEY_SUBPROTOCOL)]
+        await ws.accept(subprotocol="realtime" if "realtime" in offered else (offered[0] if offered else None))
         # the handshake's traceparent, when tracing: every response of the session is a run under it
         trace = tracing.set_request_parent(ws.headers.items())
         try:

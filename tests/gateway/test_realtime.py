@@ -195,6 +195,14 @@ def test_the_handshake_needs_the_key_and_a_served_model(shared_pipeline: Scripte
         with pytest.raises(InvalidStatus):
             connect(url(server).replace("tiny-omni", "gpt-4o-realtime"),
                     additional_headers={"Authorization": "Bearer sk-1"}, open_timeout=TIMEOUT_S)
+        # a browser cannot set headers: OpenAI's subprotocols carry the key, and "realtime" is chosen, never the key
+        with connect(url(server), subprotocols=["realtime", "openai-insecure-api-key.sk-1"],  # type: ignore[list-item]
+                     open_timeout=TIMEOUT_S) as conn:
+            assert conn.subprotocol == "realtime" and recv(conn)["type"] == "session.created"
+        with pytest.raises(InvalidStatus) as wrong:
+            connect(url(server), subprotocols=["realtime", "openai-insecure-api-key.sk-2"],  # type: ignore[list-item]
+                    open_timeout=TIMEOUT_S)
+        assert wrong.value.response.status_code == 403
 
 
 def speech(seconds: float | None = None) -> np.ndarray:
