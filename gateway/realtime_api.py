@@ -591,6 +591,10 @@ class RealtimeRoutes:
         trace = tracing.set_request_parent(ws.headers.items())
         try:
             settings = RealtimeSettings(modalities=default_modalities(self.gw.pipeline))  # text alone: no speech here
-            await RealtimeSession(self.gw, ws, model or self.gw.served_model_names[0], settings=settings).run()
+            # a browser says which interface it speaks by its subprotocols: "realtime" alone is GA (OpenAI's GA
+            # docs), with "openai-beta.realtime-v1" beta; without subprotocols a GA session.update switches it
+            speaks_ga = "realtime" in offered and "openai-beta.realtime-v1" not in offered
+            await RealtimeSession(self.gw, ws, model or self.gw.served_model_names[0], settings=settings,
+                                  ga=speaks_ga).run()
         finally:
             tracing.reset_request_parent(trace)

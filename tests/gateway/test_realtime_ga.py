@@ -145,3 +145,17 @@ def test_a_transcription_session(rest_server: RestServer, pipeline: ScriptedPipe
         send(ws, type="input_audio_buffer.append", audio=audio_b64(0.1))
         send(ws, type="session.update", session={"type": "transcription"})
         assert recv(ws)["error"]["param"] == "session.type"
+
+
+def test_a_browser_says_its_interface_by_its_subprotocols(rest_server: RestServer) -> None:
+    """Subprotocol "realtime" alone (OpenAI's GA browser handshake): GA from session.created on; with
+    "openai-beta.realtime-v1": beta; without subprotocols: beta until a GA session.update."""
+    with connect(url(rest_server), subprotocols=["realtime"], open_timeout=10) as ws:  # type: ignore[list-item]
+        created = recv(ws)["session"]
+        assert ws.subprotocol == "realtime" and created["type"] == "realtime" and "output_modalities" in created
+    with connect(url(rest_server), subprotocols=["realtime", "openai-beta.realtime-v1"],  # type: ignore[list-item]
+                 open_timeout=10) as ws:
+        created = recv(ws)["session"]
+        assert "modalities" in created and "type" not in created
+    with connect(url(rest_server), open_timeout=10) as ws:
+        assert "modalities" in recv(ws)["session"]
