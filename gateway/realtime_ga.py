@@ -2,7 +2,7 @@
 beta one the session runs (gateway/realtime_api.py).
 
 A session starts in the beta shape; a `session.update` whose session says `"type": "realtime"` switches it to
-GA for good. Then, both ways:
+GA for good (a browser offering the subprotocol "realtime" without "openai-beta.realtime-v1" starts in GA). Then, both ways:
 
     client -> session: `session_fields` turns a GA session object into the beta fields `updated` checks
       (`output_modalities` -> modalities, `audio.input.format` / `.turn_detection` / `.transcription` ->
