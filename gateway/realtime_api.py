@@ -58,7 +58,7 @@ from gateway.realtime_tools import CallItem, OutputItem, chat_messages, new_call
 from gateway.realtime_vad import ServerVAD, Started, Stopped
 from gateway.responses_tools import responses_tool_plan
 from gateway.tool_calls import ToolAnswer, ToolPlan
-from gateway.transcription_api import collect_text, instruction, text_request
+from gateway.transcription_api import collect_text, instruction, text_request, token_usage
 from omnimesh import tracing
 
 if TYPE_CHECKING:
@@ -302,9 +302,8 @@ class RealtimeSession:
                                    "message": e.message, "param": None})
             return
         item.transcript = text
-        usage = {"type": "tokens", "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
-                 "total_tokens": done.prompt_tokens + done.completion_tokens}
-        await self.send("conversation.item.input_audio_transcription.completed", **where, transcript=text, usage=usage)
+        await self.send("conversation.item.input_audio_transcription.completed", **where, transcript=text,
+                        usage=token_usage(done))
 
     async def _turns(self, events: list[Started | Stopped]) -> None:
         """server_vad: speech started (a response in progress is cut short, with interrupt_response) / stopped

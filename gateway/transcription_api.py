@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import FormData, UploadFile
 
-from gateway.choices import Indexed
+from gateway.choices import Indexed, close_events
 from gateway.events import (ChatMessage, ChatRequest, Finished, Pipeline, SamplingOverrides, TextDelta, TextPart,
                             check_request_id)
 from gateway.http_errors import internal_error
@@ -125,8 +125,13 @@ class _Transcription:
         return piece, entries
 
     def usage(self, done: Finished) -> dict[str, object]:
-        return {"type": "tokens", "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens}
+        return token_usage(done)
+
+
+def token_usage(done: Finished) -> dict[str, object]:
+    """A transcription's usage as OpenAI gives it (the endpoint's and the Realtime API's)."""
+    return {"type": "tokens", "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
 
 
 class TranscriptionRoutes:
@@ -262,7 +267,5 @@ async def collect_text(pipeline: Pipeline, chat: ChatRequest, reasoning: Reasoni
             if isinstance(ev, Finished):
                 return "".join(parts), ev
     finally:
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()  # the pipeline cancels the request in the stages if it is still running
+        await close_events(events)  # the pipeline cancels the request in the stages if it is still running
     raise internal_error(RuntimeError("the pipeline ended without a Finished event"))

@@ -102,8 +102,10 @@ def encode_batch(encoder: Qwen3OmniEncoder, batch: list[EncoderInputs],
     if cache is not None:
         for j in todo.values():
             cache.put(keys[j], rows[j])  # type: ignore[arg-type]
-    return [_request_outputs(r, [(items[j].kind, rows[j]) for j in range(len(items)) if items[j].request == i])
-            for i, r in enumerate(batch)]
+    mine: list[list[tuple[str, Rows | None]]] = [[] for _ in batch]  # each request's items' rows, in order
+    for item, item_rows in zip(items, rows):
+        mine[item.request].append((item.kind, item_rows))
+    return [_request_outputs(r, parts) for r, parts in zip(batch, mine)]
 
 
 @dataclass(frozen=True)
