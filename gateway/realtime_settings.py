@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.events import Pipeline
+from gateway.languages import language_name
 from gateway.openai_schema import resolve_voice
 from gateway.realtime_audio import RATES
 from gateway.realtime_vad import FRAME_MS
@@ -89,6 +90,11 @@ def _transcription(value: Any, where: str) -> dict[str, Any] | None:
         if key not in ("model", "language", "prompt") or not (v is None or isinstance(v, str)):
             raise RealtimeError(f"input_audio_transcription.{key}: a string model, language or prompt",
                                 f"{where}.{key}")
+    if value.get("language"):
+        try:
+            language_name(value["language"])
+        except ValueError as exc:
+            raise RealtimeError(f"input_audio_transcription.language: {exc}", f"{where}.language") from None
     return {"model": value.get("model") or "", "language": value.get("language"), "prompt": value.get("prompt")}
 
 

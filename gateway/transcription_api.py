@@ -30,6 +30,7 @@ from gateway.choices import Indexed, close_events
 from gateway.events import (ChatMessage, ChatRequest, Finished, Pipeline, SamplingOverrides, TextDelta, TextPart,
                             check_request_id)
 from gateway.http_errors import internal_error
+from gateway.languages import language_name
 from gateway.media import invalid_request
 from gateway.openai_schema import check_sampling, choice_logprobs, resolve_model
 from gateway.sse import DONE, StreamState, chain, guarded, run_to_end, sse
@@ -46,11 +47,21 @@ MAX_FIELDS = 16
 def instruction(task: Task, language: str | None, prompt: str | None) -> str:
     """What the thinker is asked: a plain instruction after the audio, with the client's hints."""
     text = ("Transcribe the audio into text." if task == "transcribe" else "Translate the audio into English text.")
-    if language:
-        text = f"The audio is in the language with ISO-639-1 code '{language}'. " + text
+    if language:  # checked by the caller (`check_language`)
+        text = f"The audio is in {language_name(language)}. " + text
     if prompt:
         text += f" Context (names and spellings to follow): {prompt}"
     return text
+
+
+def check_language(language: str | None) -> str | None:
+    """The form's `language`, or a 400 naming what it should be."""
+    if language:
+        try:
+            language_name(language)
+        except ValueError as exc:
+            raise invalid_request(f"language: {exc}", "language") from None
+    return language
 
 
 def _field(form: FormData, name: str) -> str | None:
@@ -203,7 +214,7 @@ class TranscriptionRoutes:
         self.gw.loader.check_counts(["audio"])  # --limit-mm-per-prompt audio=0 refuses this route too
         audio = await self.gw.loader.audio_from_bytes(await upload.read(), "file")
         self.gw.loader.check_audio_seconds(audio.waveform.size / audio.sample_rate)
-        ask = instruction(task, _field(form, "language"), _field(form, "prompt"))
+        ask = instruction(task, check_language(_field(form, "language")), _field(form, "prompt"))
         pipeline_model = model if model in self.gw.pipeline.served_models else self.gw.pipeline.served_models[0]
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
         chat = text_request(f"trsc-{suffix}", pipeline_model, (ChatMessage("user", (audio, TextPart(ask))),),

@@ -306,9 +306,12 @@ def test_input_audio_transcription(ws: ClientConnection, pipeline: ScriptedPipel
     [req] = pipeline.requests
     clip, ask = req.messages[0].content
     assert isinstance(clip, AudioPart) and isinstance(ask, TextPart) and "Transcribe the audio" in ask.text
-    assert "'en'" in ask.text and req.sampling.temperature == 0 and req.modalities == ("text",)
+    assert "in English." in ask.text and req.sampling.temperature == 0 and req.modalities == ("text",)
     send(ws, type="session.update", session={"input_audio_transcription": {"model": 5}})
     assert recv(ws)["error"]["param"] == "session.input_audio_transcription.model"
+    send(ws, type="session.update", session={"input_audio_transcription": {"language": "xx"}})
+    error = recv(ws)["error"]
+    assert error["param"] == "session.input_audio_transcription.language" and "ISO-639-1" in error["message"]
 
 
 def test_truncating_an_answer_keeps_the_heard_part(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:

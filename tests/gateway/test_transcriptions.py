@@ -3,7 +3,7 @@ pipeline: the form becomes one text-only user message [the audio, the instructio
 greedy by default; json and text answers; streamed as OpenAI's transcript.text.delta / .done events
 (the openai SDK's stream reads them; a reasoning model's thought stays out; an error midway is an error
 event, one before the first event a 4xx/5xx); the openai SDK's `audio.transcriptions.create` works; bad
-forms, formats that need timestamps, a missing or non-WAV file, an unknown model and oversized bodies or
+forms, a language that is no ISO-639-1 code, formats that need timestamps, a missing or non-WAV file, an unknown model and oversized bodies or
 audio are 4xx naming the field; the key is needed under --api-key."""
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ def test_transcription_is_one_text_only_chat(rest_server: RestServer, pipeline: 
     audio, ask = msg.content
     assert msg.role == "user" and isinstance(audio, AudioPart) and audio.sample_rate == 16_000
     assert audio.waveform.size == 8000
-    assert isinstance(ask, TextPart) and ask.text == ("The audio is in the language with ISO-639-1 code 'en'. "
-                                                      "Transcribe the audio into text. Context (names and "
-                                                      "spellings to follow): Omnimesh")
+    assert isinstance(ask, TextPart) and ask.text == ("The audio is in English. Transcribe the audio into text. "
+                                                      "Context (names and spellings to follow): Omnimesh")
+    post(rest_server, language="YUE")
+    assert pipeline.requests[-1].messages[0].content[1].text.startswith("The audio is in Cantonese. ")  # type: ignore[union-attr]
 
 
 def test_translation_text_format_and_temperature(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
@@ -67,6 +68,8 @@ def test_the_openai_sdk(rest_server: RestServer, pipeline: ScriptedPipeline) -> 
     ({"include[]": "segments"}, 400, "include: 'segments' is not something a transcription can include"),
     ({"include[]": "logprobs", "response_format": "text"}, 400, "logprobs come with response_format json"),
     ({"temperature": "hot"}, 400, "is not a number"),
+    ({"language": "klingon"}, 400, "language: 'klingon' is not an ISO-639-1 language code"),
+    ({"language": "english"}, 400, "(e.g. 'en', 'zh', 'de'"),
     ({"temperature": "1.5"}, 400, "in [0, 1]"),
     ({"model": "whisper-1"}, 404, "whisper-1"),
     ({"max_completion_tokens": "0"}, 400, "max_completion_tokens: must be a whole number >= 1"),
