@@ -421,6 +421,9 @@ class ChatCompletionRequest(SamplingBody, TemplateFields):
     def sampling(self, max_logprobs: int = MAX_LOGPROBS) -> SamplingOverrides:
         """The top-level sampling fields (the thinker's); `max_logprobs` bounds `top_logprobs` (-1: none)."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:  # named as the client sent it
+            raise invalid_request(f"max_completion_tokens: must be >= 1, got {self.max_completion_tokens}",
+                                  "max_completion_tokens")
         if self.top_logprobs and not self.logprobs:
             raise invalid_request("top_logprobs: needs logprobs: true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= (

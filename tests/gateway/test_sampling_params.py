@@ -134,6 +134,7 @@ def test_openai_client_extra_body(rest_server: RestServer, pipeline: ScriptedPip
     ({"min_tokens": "3"}, "min_tokens", "integer"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "<= max_tokens (4)"),
     ({"min_tokens": 5, "max_tokens": 9, "max_completion_tokens": 4}, "min_tokens", "<= max_tokens (4)"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", ">= 1, got 0"),
     ({"stage_params": {"talker": {"min_tokens": 9, "max_tokens": 8}}}, "stage_params.talker.min_tokens",
      "<= max_tokens"),
     ({"max_tokens": 5, "stage_params": {"thinker": {"min_tokens": 6}}}, "stage_params.thinker.min_tokens",
