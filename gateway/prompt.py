@@ -266,8 +266,8 @@ class PromptBuilder:
         """Prompt text + media -> input_ids (L,) (placeholders expanded) and the processor's batch (this
         builder's processor, or `processor`)."""
         processor = processor if processor is not None else self.processor
-        self._check_media_tokens(conv, processor)
-        try:
+        try:  # the resize rule itself refuses some shapes (an aspect ratio over 200: ValueError)
+            self._check_media_tokens(conv, processor)
             video: dict[str, Any] = {"videos": conv.videos, "fps": conv.video_fps} if conv.videos else {}
             if conv.audio_from_video is not None:
                 video.update(load_audio_from_video=True, audio_from_video_indices=conv.audio_from_video)

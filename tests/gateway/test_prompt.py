@@ -205,3 +205,12 @@ def test_media_items_are_named_by_their_content_and_settings(builder: PromptBuil
     plain = ChatRequest(request_id="r", model="m", messages=(user(TextPart("what?"), a, red),))
     assert builder.build(plain, hash_media=False).media_hashes == {}
     assert torch.equal(builder.build(plain, hash_media=False).input_ids, builder.build(plain).input_ids)
+
+
+def test_an_image_the_resize_rule_refuses_is_a_400(builder: PromptBuilder) -> None:
+    """The processor's resize rule refuses an aspect ratio over 200 (a 3000x2 strip) with a ValueError: a 400
+    that says so, not an internal error."""
+    strip = ImagePart(Image.new("RGB", (3000, 2), (10, 200, 30)))
+    with pytest.raises(PipelineError, match="could not prepare the prompt: .*aspect ratio") as e:
+        builder.build(request(user(strip, TextPart("what is it?"))))
+    assert e.value.http_status == 400 and e.value.param == "messages"
