@@ -14,10 +14,11 @@ are text only.
 
 Supported client events (the settings they may change: gateway/realtime_settings.py): `session.update`, `input_audio_buffer.append` / `.commit` / `.clear`,
 `conversation.item.create` (message items: `input_text`, `input_audio` (base64, the input format) and an
-assistant's `text`), `conversation.item.delete`, `conversation.item.truncate` (the transcript cut in proportion
+assistant's `text`; placed after `previous_item_id`), `conversation.item.delete`, `conversation.item.truncate` (the transcript cut in proportion
 to the audio played), `response.create` (its `response` may set modalities,
 instructions, voice, temperature, max_output_tokens; `conversation: "none"` keeps it out of the conversation and
-`input` gives it its own context), `response.cancel`. Turns are the client's by default (`turn_detection` null:
+`input` gives it its own context), `response.cancel`. Events are JSON in text frames (a binary frame is an
+error event). Turns are the client's by default (`turn_detection` null:
 commit, then response.create); with `turn_detection: {"type": "server_vad", ...}` Silero VAD
 (gateway/realtime_vad.py, run off the event loop) cuts the appended audio into turns: `input_audio_buffer.speech_started` (a response
 in progress is cancelled, with `interrupt_response`), `.speech_stopped`, the turn committed and, with
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_EVENT_BYTES = 16 * 2**20  # one client event (an audio chunk is far smaller)
+MAX_ITEM_ID = 32  # a client's own conversation item id, as OpenAI bounds it
 
 
 @dataclass
@@ -142,9 +144,15 @@ class RealtimeSession:
         await self.send("session.created", session=self.session_json())
         try:
             while True:
-                raw = await self.ws.receive_text()
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
+                raw = message.get("text")
                 event_id = None
                 try:
+                    if raw is None:  # a binary frame: receive_text would die on it and drop the connection
+                        raise RealtimeError("events are JSON in text frames; a binary frame is not read (send audio "
+                                            "base64 in input_audio_buffer.append)", None, "invalid_event")
                     if len(raw) > MAX_EVENT_BYTES:
                         raise RealtimeError(f"an event is at most {MAX_EVENT_BYTES} bytes; send audio in smaller "
                                             "chunks", None, "event_too_large")
@@ -211,10 +219,15 @@ class RealtimeSession:
                 self.vad.clear()
             await self.send("input_audio_buffer.cleared")
         elif kind == "conversation.item.create":
-            previous = self.items[-1].id if self.items else None
             item = self._item(event.get("item"))
-            self.items.append(item)
-            self._check_audio()
+            at = self._insert_at(event.get("previous_item_id"), item.id, event["item"].get("id"))
+            self.items.insert(at, item)
+            try:
+                self._check_audio()
+            except RealtimeError:
+                self.items.remove(item)  # refused: the conversation stays as it was
+                raise
+            previous = self.items[at - 1].id if at else None
             await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json())
         elif kind == "conversation.item.truncate":
             await self._truncate(event)
@@ -375,6 +388,24 @@ class RealtimeSession:
                 raise RealtimeError(f"{where}: a part is input_text / text with its text, or input_audio (user "
                                     "items) with base64 audio in the session's input_audio_format", where)
         return _Item(raw.get("id") or f"item_{uuid.uuid4().hex}", role, parts)
+
+    def _insert_at(self, after: Any, new_id: str, given_id: Any) -> int:
+        """Where conversation.item.create puts its item: after `previous_item_id` ("root": first; none: last),
+        as OpenAI's; a client's own item id is at most 32 characters and not already in the conversation."""
+        if given_id is not None and (not isinstance(given_id, str) or not 0 < len(given_id) <= MAX_ITEM_ID):
+            raise RealtimeError(f"item.id: a string of 1 to {MAX_ITEM_ID} characters (or leave it out)", "item.id")
+        if any(i.id == new_id for i in self.items):
+            raise RealtimeError(f"item.id: the conversation already has an item {new_id!r}", "item.id",
+                                "item_id_exists")
+        if after is None:
+            return len(self.items)
+        if after == "root":
+            return 0
+        for j, i in enumerate(self.items):
+            if i.id == after:
+                return j + 1
+        raise RealtimeError(f"previous_item_id: no conversation item {after!r}", "previous_item_id",
+                            "item_not_found")
 
     def _check_audio(self) -> None:
         seconds = sum(p.waveform.size / p.sample_rate for i in self.items if isinstance(i, _Item) for p in i.parts

@@ -107,6 +107,26 @@ def test_a_spoken_turn(ws: ClientConnection, pipeline: ScriptedPipeline) -> None
     assert second.messages[0].content == (TextPart("Answer in text."),)
 
 
+def test_items_go_after_previous_item_id(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
+    """conversation.item.create puts its item after `previous_item_id` ("root": first), as OpenAI's; a client's
+    own id is at most 32 characters and new to the conversation; the response reads the items in that order."""
+    def create(text: str, id: str | None = None, **extra: Any) -> dict[str, Any]:
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+        send(ws, type="conversation.item.create", item=item if id is None else {**item, "id": id}, **extra)
+        return recv(ws)
+
+    assert create("three", id="c")["previous_item_id"] is None
+    assert create("one", id="a", previous_item_id="root")["previous_item_id"] is None
+    assert create("two", id="b", previous_item_id="a")["previous_item_id"] == "a"
+    for extra, param, code in ((dict(id="a"), "item.id", "item_id_exists"), (dict(id="x" * 33), "item.id", None),
+                               (dict(previous_item_id="zz"), "previous_item_id", "item_not_found")):
+        error = create("no", **extra)["error"]
+        assert error["param"] == param and (code is None or error["code"] == code), error
+    send(ws, type="response.create", response={"modalities": ["text"]})
+    until(ws, "response.done")
+    assert [m.content for m in pipeline.requests[-1].messages] == [(TextPart(t),) for t in ("one", "two", "three")]
+
+
 def test_cancelling_a_response(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
     pipeline.event_delay_s = 0.5
     send(ws, type="conversation.item.create", item={"type": "message", "role": "user",
@@ -165,6 +185,8 @@ def test_mistakes_are_error_events(ws: ClientConnection, pipeline: ScriptedPipel
     assert err["error"]["event_id"] == "e1"
     ws.send("not json")
     assert recv(ws)["error"]["code"] == "invalid_json"
+    ws.send(b"\x00\x01")  # a binary frame: an error event, not a dropped connection
+    assert recv(ws)["error"]["code"] == "invalid_event"
     send(ws, type="session.update", session={})  # the session goes on
     assert recv(ws)["type"] == "session.updated"
     assert pipeline.requests == []
