@@ -237,7 +237,11 @@ def wav_to_audio_part(data: bytes, *, max_seconds: float, param: str) -> AudioPa
 
 
 def samples_to_audio_part(samples: np.ndarray, rate: int, *, param: str) -> AudioPart:
-    """Decoded samples (frames, channels) float32 at `rate` -> 16 kHz mono `AudioPart` (channels averaged)."""
+    """Decoded samples (frames, channels) float32 at `rate` -> 16 kHz mono `AudioPart` (channels averaged).
+    Float files can hold NaN or infinities (or values float32 cannot hold): a 400, as the features would be NaN."""
+    if not np.isfinite(samples).all():
+        raise invalid_request(f"{param}: the audio has samples that are NaN or infinite; send finite samples "
+                              "(float audio is expected in [-1, 1])", param)
     mono = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
     waveform = resample(mono, rate, TARGET_SAMPLE_RATE)
     if waveform.size < MIN_AUDIO_SAMPLES:

@@ -97,6 +97,16 @@ def test_audio_shorter_than_one_feature_window_is_400(frames: int, rate: int) ->
     assert wav_to_audio_part(pcm16_wav(np.zeros((400, 1)), 16_000), max_seconds=10, param="a").waveform.size == 400
 
 
+@pytest.mark.parametrize(("bits", "bad"), [(32, np.nan), (32, np.inf), (64, 1e300)])  # 1e300: inf as float32
+def test_float_audio_that_is_not_finite_is_400(bits: int, bad: float) -> None:
+    x = np.full(800, 0.25, np.float32 if bits == 32 else np.float64)
+    x[400] = bad
+    with pytest.raises(PipelineError, match="NaN or infinite") as e:
+        wav_to_audio_part(riff(3, 1, 16_000, bits, x.astype("<f4" if bits == 32 else "<f8").tobytes()),
+                          max_seconds=10, param="input_audio")
+    assert e.value.http_status == 400 and e.value.param == "input_audio"
+
+
 def test_too_long_audio_is_413_before_decoding() -> None:
     with pytest.raises(PipelineError, match=r"2\.0 s long; the limit is 1 s") as e:
         decode_wav(pcm16_wav(np.zeros((32_000, 1)), 16_000), max_seconds=1.0)
