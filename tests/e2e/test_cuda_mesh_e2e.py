@@ -3,13 +3,16 @@
 `omnimesh serve --device cuda` with the default layout: all four stages on GPU 0, the thinker and talker
 sizing their KV caches from their shares of --gpu-memory-utilization (per instance), the ranks' layers and
 code2wav's conv stack on the GPU. Three spoken requests at once each come back with text and audio (bf16: no
-parity with the float32 reference), and every stage says it runs on CUDA.
+parity with the float32 reference), and every stage says it runs on CUDA. The encoder cache keeps its entries
+in GPU memory: a picture asked about again is a hit, gives the same greedy answer, and the cache's usage
+gauge counts its bytes.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import re
 import wave
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +22,8 @@ import httpx
 import pytest
 import torch
 from mesh_harness import start_mesh
+from reference import png_bytes
+from test_encoder_cache_e2e import _ask, _counts, _image
 
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 
@@ -42,5 +47,13 @@ def test_the_default_mesh_speaks_on_one_gpu(tiny_model_dir: Path) -> None:
             with wave.open(io.BytesIO(base64.b64decode(message["audio"]["data"]))) as w:
                 assert w.getframerate() == 24000 and w.getnframes() > 0
             assert message["content"]
+        picture = [{"role": "user", "content": [_image(png_bytes(48, seed=903)), {"type": "text", "text": "What?"}]}]
+        q0, h0 = _counts(m)
+        answer = _ask(m, picture)
+        assert _ask(m, picture) == answer
+        q1, h1 = _counts(m)
+        assert (q1 - q0, h1 - h0) == (2, 1)
+        usage = httpx.get(f"{m.rest}/metrics", timeout=30).text
+        assert re.search(r'^omnimesh:encoder_cache_usage_bytes\{[^}]*stage="encoder"[^}]*\} [1-9]', usage, re.M)
     finally:
         assert m.proc.stop() == 0, m.proc.output()
