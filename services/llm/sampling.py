@@ -66,15 +66,21 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
     return replace(defaults, **changes)
 
 
-def bad_word_ids(tokenizer: Any, words: Any) -> tuple[tuple[int, ...], ...]:
-    """vLLM's bad_words as token sequences: each word as it starts the text and after a space (both
-    spellings a BPE vocabulary may generate)."""
+def bad_word_texts(words: Any) -> tuple[str, ...]:
+    """vLLM's bad_words as the texts to tokenize: each word as it starts the text and after a space (both
+    spellings a BPE vocabulary may generate); an empty word is a ValueError. Cheap: checked when a request
+    opens, tokenized (`bad_word_ids`) with its prompt, on the compute thread (1024 words take ~0.1 s)."""
     texts: list[str] = []
     for word in words:
         stripped = str(word).lstrip()
         if not stripped:
             raise ValueError("bad_words must not be empty or only spaces")
         texts += [stripped, " " + stripped]
+    return tuple(texts)
+
+
+def bad_word_ids(tokenizer: Any, texts: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """`bad_word_texts` -> the token sequences the sampler bans (duplicates once, the first spelling first)."""
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # one batched call
     return tuple(dict.fromkeys(tuple(int(i) for i in ids) for ids in encoded if ids))  # first spelling first
 

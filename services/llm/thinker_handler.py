@@ -9,7 +9,6 @@ needs), see ThinkerTask.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -24,7 +23,7 @@ from omnimesh.server.stage_failure import StageFailure
 from omnimesh.models.qwen3_omni.lm_engine import LMEngine
 from omnimesh.stage_registry import lm_engine, lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
-from services.llm.sampling import bad_word_ids, merge_sampling, operator_defaults
+from services.llm.sampling import bad_word_texts, merge_sampling, operator_defaults
 from services.llm.thinker_batcher import ThinkerBatcher
 from services.llm.thinker_task import ThinkerTask, merge_token_chunks
 from services.llm.token_logprobs import TokenBytes
@@ -77,8 +76,6 @@ class ThinkerHandler:
                                     "feeds no talker (a thinker-only checkpoint, enable_audio_output false, or a "
                                     "Qwen2.5-Omni checkpoint, whose speech is not served yet)")
         params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
-        if msg.sampling.bad_words:  # vLLM's: tokenized here, where the tokenizer is
-            params = replace(params, bad_words_ids=bad_word_ids(self.tokenizer, msg.sampling.bad_words))
         task = ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
                            talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len,
                            batcher=self.batcher, stream_interval=self.stream_interval,
@@ -90,6 +87,7 @@ class ThinkerHandler:
         # compiled with the prompt, on the compute thread (a big schema takes a while: not on the event loop)
         task.structured, task.grammars = msg.options.get(STRUCTURED_OPTION), self.grammars
         task.structured_after = msg.options.get(STRUCTURED_AFTER_OPTION) or None
+        task.bad_words = bad_word_texts(msg.sampling.bad_words)  # vLLM's: tokenized with the prompt, as above
         if self.batcher is not None:
             self.batcher.engine.admit(task)  # RESOURCE_EXHAUSTED when --max-waiting-requests already wait
         return task

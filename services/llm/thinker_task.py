@@ -42,6 +42,7 @@ from omnimesh.models.qwen3_omni.thinker import PreparedPrompt, Qwen3OmniThinker
 from omnimesh.transport.frames import StageChunk
 from services.llm.detokenizer import Detokenizer, StopStrings
 from services.llm.prefix_keys import prompt_prefix_keys
+from services.llm.sampling import bad_word_ids
 from services.llm.structured_output import Constraint, Grammars
 from omnimesh.v1 import stage_pb2
 from services.llm.token_logprobs import TokenBytes, prompt_logprobs, token_logprob
@@ -79,6 +80,7 @@ class ThinkerTask(BatchedTask):
         self.structured_after: str | None = None  # the grammar waits until the text has passed this (reasoning)
         self._reasoned = ""  # the text so far, while it waits (only as much as can hold the marker)
         self.constraint: Constraint | None = None  # ... compiled by `prompt_run`
+        self.bad_words: tuple[str, ...] = ()  # vLLM's bad_words as texts (`bad_word_texts`), tokenized there too
         self.prompt_scores: list[stage_pb2.TokenLogprob] = []  # prompt_logprobs: the prefill's, until the first token
         self.requested_stops: frozenset[int] = frozenset()  # the request's stop_token_ids (stop_reason names them)
         self.own_stops: frozenset[int] = frozenset()  # the model's own stop ids (they leave stop_reason unset)
@@ -138,6 +140,10 @@ class ThinkerTask(BatchedTask):
             if self.grammars is None:
                 raise RuntimeError("a structured output without the stage's grammar compiler")
             self.constraint = self.grammars.constraint(self.structured)  # ValueError: this request fails
+        if self.bad_words:
+            banned = bad_word_ids(self.detok.tokenizer, self.bad_words)
+            self.sampler = Sampler(replace(self.sampler.params, bad_words_ids=banned), self.sampler.generator)
+            self.bad_words = ()
         self.prompt = prompt
         self.token_ids = prompt.ids.tolist()
         self.prompt_tokens = len(self.token_ids)

@@ -103,3 +103,9 @@ def test_the_thinker_follows_bias_and_allowed_ids(handler: Any) -> None:
                    if tok.decode([t]).strip().isalpha() and tok.encode(tok.decode([t]), add_special_tokens=False) == [t])
     banned = run(handler, bad_words=[word])
     assert t not in banned and banned[:plain.index(t)] == plain[:plain.index(t)]  # the same answer up to it
+    # opening only checks the words: the tokenizer runs with the prompt, on the compute thread, not the event loop
+    task = handler.open(stage_pb2.Open(request_id="w", sampling=stage_pb2.SamplingParams(bad_words=[f" {word}"])))
+    assert task.bad_words == (word, f" {word}") and not task.sampler.params.bad_words_ids
+    task.close()  # leaves the engine's admitted set
+    with pytest.raises(ValueError, match="must not be empty"):
+        handler.open(stage_pb2.Open(request_id="e", sampling=stage_pb2.SamplingParams(bad_words=["  "])))
