@@ -23,6 +23,7 @@ ChatRequest.tools -> prompt; the thinker's text -> parser -> ResponseMessage.too
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -104,18 +105,47 @@ def _parameters(tool: dict) -> dict:
 
 
 def forced_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
-    """The calls a forced answer (`plan.forced`) holds: its JSON, which the grammar shaped; None when it is not
-    whole (the answer hit max_tokens first): then it stays content."""
+    """The calls a forced answer (`plan.forced`) holds: its JSON, which the grammar shaped. Cut short by
+    max_tokens (finish_reason "length"), it is still the calls, as OpenAI and vLLM answer: a named function's
+    arguments are the text as far as it got; "required" gives each whole call and the cut one with its name and
+    its arguments so far. None when not even a call's name was written: then the text stays content."""
     try:
         value = json.loads(text)
     except ValueError:
-        return None
+        if plan.forced != "required":
+            return [ToolCall(id=new_call_id(), name=str(plan.forced), arguments=text.strip())]
+        return _cut_calls(text)
     if plan.forced != "required":
         return [ToolCall(id=new_call_id(), name=str(plan.forced), arguments=json.dumps(value, ensure_ascii=False))]
     if not isinstance(value, list):
         return None
     return [ToolCall(id=new_call_id(), name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False))
             for c in value if isinstance(c, dict) and "name" in c and "parameters" in c] or None
+
+
+# a call of a "required" answer cut inside its parameters: {"name": "...", "parameters": <what was written>
+_CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(.*)\Z', re.S)
+
+
+def _cut_calls(text: str) -> list[ToolCall] | None:
+    """A "required" answer's list cut short: its whole calls, then the cut one if its name is whole."""
+    decoder, calls, pos = json.JSONDecoder(), [], text.find("[") + 1
+    if pos == 0:
+        return None
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            cut = _CUT_CALL.match(text, pos)
+            if cut:
+                calls.append(ToolCall(id=new_call_id(), name=json.loads(cut[1]), arguments=cut[2].strip()))
+            return calls or None
+        if not (isinstance(value, dict) and "name" in value and "parameters" in value):
+            return calls or None
+        calls.append(ToolCall(id=new_call_id(), name=str(value["name"]),
+                              arguments=json.dumps(value["parameters"], ensure_ascii=False)))
 
 
 def new_call_id() -> str:
@@ -203,7 +233,7 @@ class ToolCallStream:
 class ToolAnswer:
     """One streamed choice's text shaped by its `ToolPlan`: `push(text)` -> (content to send now, calls
     completed now); `finish()` -> the same at the end. Parsed (auto): `ToolCallStream`. Forced: everything is
-    held, and at the end it is the calls (`forced_calls`), or the text when it is not whole. No tools: the
+    held, and at the end it is the calls (`forced_calls`, cut ones included), or the text when no call was begun. No tools: the
     text as it comes. `calls` counts the calls made so far (a delta's first call index is `calls - len(new)`)."""
 
     def __init__(self, plan: ToolPlan) -> None:

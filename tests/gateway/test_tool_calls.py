@@ -279,6 +279,39 @@ def test_rest_answers_forced_calls() -> None:
                 (k, name, args) for k, (name, args) in enumerate(want)]
 
 
+def test_forced_calls_cut_by_max_tokens_are_still_calls() -> None:
+    """As OpenAI and vLLM answer a forced call that max_tokens cut: the call, with its arguments so far, and
+    finish_reason "length" (streamed the same); "required" keeps its whole calls and the cut one once its name
+    is whole; an answer cut before any name stays text."""
+    pipeline = ScriptedPipeline()
+    cut = {"named": '{"city": "Os', "required": '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", '
+                                                '"parameters": {"ci', "early": '[{"na'}
+    say = ["named"]
+    pipeline.script = lambda request: [TextDelta(cut[say[0]]),
+                                       Finished(finish_reason="length", prompt_tokens=9, completion_tokens=5)]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",))) as server:
+        for key, choice, want in (("named", named, [("get_weather", '{"city": "Os')]),
+                                  ("required", "required", [("get_time", "{}"), ("get_weather", '{"ci')]),
+                                  ("early", "required", None)):
+            say[0] = key
+            body = {"model": "tiny-omni", "messages": USER, "tools": [WEATHER, TIME], "tool_choice": choice}
+            choice_out = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=10).json()["choices"][0]
+            assert choice_out["finish_reason"] == "length"
+            message = choice_out["message"]
+            if want is None:
+                assert message["content"] == cut[key] and message["tool_calls"] == []
+                continue
+            assert message["content"] is None
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == want
+            with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json={**body, "stream": True},
+                              timeout=10) as s:
+                chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+            calls = [t for c in chunks if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls") or []]
+            assert [(t["function"]["name"], t["function"]["arguments"]) for t in calls] == want
+            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
 def test_rest_without_the_flag_explains(rest_server: RestServer) -> None:
     r = httpx.post(f"{rest_server.base_url}/v1/chat/completions",
                    json={"model": "tiny-omni", "messages": USER, "tools": [WEATHER]}, timeout=10)
