@@ -10,8 +10,8 @@ the whole file in `response_format` (mp3 by default, as OpenAI's; wav, flac, opu
 raw 24 kHz mono 16-bit little-endian), or streamed: `response_format` "pcm" sends the samples as they come
 (chunked), `stream_format` "sse" sends `speech.audio.delta` events (base64 of the format's bytes: pcm
 chunks as they come, any other format whole at the end) and a `speech.audio.done` event with the usage
-(input_tokens: the prompt's; output_tokens: the text tokens spoken). `speed` other than 1 is a 400: the model
-speaks at its own pace. The thinker's max_tokens leave room for the whole input (`_sized`: its bytes + the
+(input_tokens: the prompt's; output_tokens: the text tokens spoken). `speed` (OpenAI's, 0.25 to 4) plays the
+model's audio faster or slower at the same pitch (gateway/audio_tempo.py), streamed or whole. The thinker's max_tokens leave room for the whole input (`_sized`: its bytes + the
 stop, within max_model_len; the stage default would cut a long one). The response's `X-Request-Id` names the request (`speech-<id>`) in every stage.
 """
 
@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from gateway.audio_encoding import OutputAudioFormat, encode_audio, pcm16_bytes
+from gateway.audio_tempo import MAX_SPEED, MIN_SPEED, Tempo
 from gateway.choices import Indexed
 from gateway.events import (AudioDelta, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides, TextPart,
                             check_request_id)
@@ -75,9 +76,11 @@ class _Speech:
     sse: bool
     started: float
     sample_rate: int
+    speed: float = 1.0
     first_text: bool = False
     first_audio: bool = False
-    pcm: list[np.ndarray] = field(default_factory=list)
+    pcm: list[np.ndarray] = field(default_factory=list)  # the answer's audio so far, at `speed`
+    tempo: Tempo | None = None  # made with the first audio (its sample rate)
 
 
 class SpeechRoutes:
@@ -118,9 +121,9 @@ class SpeechRoutes:
             raise invalid_request("input: there is no text to speak", "input")
         if len(body.input) > MAX_INPUT_CHARS:
             raise invalid_request(f"input: at most {MAX_INPUT_CHARS} characters, got {len(body.input)}", "input")
-        if body.speed != 1.0:
-            raise invalid_request(f"speed: only 1.0 is supported (the model speaks at its own pace), got {body.speed}",
-                                  "speed")
+        if not MIN_SPEED <= body.speed <= MAX_SPEED:
+            raise invalid_request(f"speed: must be in [{MIN_SPEED}, {MAX_SPEED}] (1: the model's own pace), got "
+                                  f"{body.speed}", "speed")
         voice = resolve_voice(body.voice, gw.pipeline, "voice")
         require_llguidance("input")  # the thinker is held to the input by a structured output
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
@@ -131,7 +134,8 @@ class SpeechRoutes:
                                      ChatMessage("user", (TextPart(body.input),))),
                            voice=voice, sampling=SamplingOverrides(temperature=0.0),
                            structured=("choice", json.dumps([body.input])))
-        return _Speech(chat, body.input, body.response_format, body.stream_format == "sse", started, gw.pipeline.sample_rate)
+        return _Speech(chat, body.input, body.response_format, body.stream_format == "sse", started,
+                       gw.pipeline.sample_rate, body.speed)
 
     def _sized(self, chat: ChatRequest, text: str) -> ChatRequest:
         """The thinker's max_tokens: room for the input however the grammar lets it be tokenized (a token is at
@@ -159,11 +163,11 @@ class SpeechRoutes:
         try:
             finished = None
             async for _, ev in chain(first, state.events):
-                self._take(call, ev)
-                if isinstance(ev, AudioDelta) and call.fmt == "pcm" and np.size(ev.pcm):
-                    data = pcm16_bytes(ev.pcm)
+                new = self._take(call, ev)
+                if new is not None and call.fmt == "pcm" and new.size:
+                    data = pcm16_bytes(new)
                     yield sse(_delta(data)) if call.sse else data
-                elif isinstance(ev, Finished):
+                if isinstance(ev, Finished):
                     finished = ev
                     break
             if finished is None:
@@ -193,11 +197,20 @@ class SpeechRoutes:
             state.settle(status)
             await state.close_events()
 
-    def _take(self, call: _Speech, ev: object) -> None:
+    def _take(self, call: _Speech, ev: object) -> np.ndarray | None:
+        """An event of the answer; its audio at `speed` (the filter's tail with the Finished event), kept in
+        `call.pcm` and returned (None: no audio in this event)."""
         self.gw._observe(call, ev)  # type: ignore[arg-type]
         if isinstance(ev, AudioDelta):
-            call.pcm.append(np.asarray(ev.pcm, dtype=np.float32).reshape(-1))
-            call.sample_rate = ev.sample_rate
+            if call.tempo is None:
+                call.sample_rate, call.tempo = ev.sample_rate, Tempo(call.speed, ev.sample_rate)
+            new = call.tempo.push(ev.pcm)
+        elif isinstance(ev, Finished) and call.tempo is not None:
+            new = call.tempo.finish()
+        else:
+            return None
+        call.pcm.append(new)
+        return new
 
     @staticmethod
     def _wave(call: _Speech) -> np.ndarray:

@@ -1,6 +1,6 @@
 """`POST /v1/audio/speech` through the shared mesh: the thinker says exactly the input (the same chat, sent as a
 chat completion with the route's system turn and a one-string choice, answers the input as its text), and the
-speech file is that chat's audio; the raw `pcm` stream carries the same samples. Gateway-level shapes and
+speech file is that chat's audio; the raw `pcm` stream carries the same samples, and at `speed` 1.5 a third fewer. Gateway-level shapes and
 errors: tests/gateway/test_speech.py."""
 
 from __future__ import annotations
@@ -44,3 +44,9 @@ def test_speech_is_the_chat_that_says_the_input(mesh):
         assert s.status_code == 200
         raw = np.frombuffer(b"".join(s.iter_bytes()), dtype="<i2").astype(np.int32)
     assert raw.shape == spoken.shape and np.abs(raw - spoken).max() <= PCM16_TOLERANCE
+    # speed 1.5: the same speech a third shorter (gateway/audio_tempo.py), streamed as it comes
+    with httpx.stream("POST", f"{mesh.rest}/v1/audio/speech", timeout=TIMEOUT_S, json={
+            "model": MODEL, "input": SAID, "voice": "ethan", "response_format": "pcm", "speed": 1.5}) as s:
+        assert s.status_code == 200
+        fast = np.frombuffer(b"".join(s.iter_bytes()), dtype="<i2")
+    assert abs(fast.size - spoken.size / 1.5) <= 0.03 * spoken.size / 1.5 + 512

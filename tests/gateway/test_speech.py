@@ -81,6 +81,20 @@ def test_sse_deltas_and_done(rest_server, pipeline) -> None:
             assert deltas[0].startswith(b"RIFF")
 
 
+def test_speed_plays_the_audio_faster_and_streams_the_same(rest_server, pipeline) -> None:
+    """speed 2: half as long at the same pitch (gateway/audio_tempo.py); the raw pcm stream is the wav's samples."""
+    from gateway.audio_tempo import Tempo
+
+    r = post(rest_server, {"input": "hello", "response_format": "wav", "speed": 2.0})
+    with wave.open(io.BytesIO(r.content)) as w:
+        samples = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    assert abs(samples.size - 0.1 * SAMPLE_RATE) < 0.02 * SAMPLE_RATE
+    assert samples.tobytes() == pcm16_bytes(Tempo(2.0, SAMPLE_RATE).whole(tone(0.2)))
+    with httpx.stream("POST", f"{rest_server.base_url}/v1/audio/speech", timeout=10,
+                      json={"input": "hello", "response_format": "pcm", "speed": 2.0}) as s:
+        assert b"".join(s.iter_bytes()) == samples.tobytes()
+
+
 def test_the_openai_client(rest_server, pipeline) -> None:
     client = openai.OpenAI(base_url=f"{rest_server.base_url}/v1", api_key="none")
     audio = client.audio.speech.create(model="tiny-omni", voice="ethan", input="Hello there.",  # type: ignore[arg-type]
@@ -94,7 +108,8 @@ def test_the_openai_client(rest_server, pipeline) -> None:
     ({}, "input", "Field required"),
     ({"input": "  "}, "input", "no text to speak"),
     ({"input": "a" * 4097}, "input", "at most 4096 characters"),
-    ({"input": "a", "speed": 1.5}, "speed", "only 1.0"),
+    ({"input": "a", "speed": 4.5}, "speed", "must be in [0.25, 4.0]"),
+    ({"input": "a", "speed": 0.1}, "speed", "must be in [0.25, 4.0]"),
     ({"input": "a", "voice": "alloy"}, "voice", "unknown voice 'alloy'"),
     ({"input": "a", "response_format": "ogg"}, "response_format", "'mp3'"),
     ({"input": "a", "stream_format": "chunks"}, "stream_format", "'audio'"),
