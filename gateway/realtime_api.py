@@ -48,6 +48,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from gateway import realtime_ga as ga
 from gateway.auth import KEY_SUBPROTOCOL
+from gateway.audio_tempo import Tempo
 from gateway.realtime_audio import RATES, AudioFormatError, OutputEncoder, decode
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides,
                             TextDelta, TextPart)
@@ -136,7 +137,7 @@ class RealtimeSession:
                 "input_audio_format": s.input_audio_format, "output_audio_format": s.output_audio_format,
                 "input_audio_transcription": s.input_audio_transcription,
                 "turn_detection": s.turn_detection, "tools": list(s.tools), "tool_choice": s.tool_choice,
-                "temperature": s.temperature if s.temperature is not None else 0.8,
+                "temperature": s.temperature if s.temperature is not None else 0.8, "speed": s.speed,
                 "max_response_output_tokens": s.max_response_output_tokens or "inf"}
         return ga.session_object(beta, self.transcription) if self.ga else beta
 
@@ -495,6 +496,7 @@ class RealtimeSession:
         status, usage, reason = "in_progress", None, None
         started = time.perf_counter()
         encoder = OutputEncoder(self.settings.output_audio_format, self.gw.pipeline.sample_rate)  # this answer's
+        tempo = Tempo(self.settings.speed, self.gw.pipeline.sample_rate)  # its speed (gateway/audio_tempo.py)
         answer = _Item(item_id, "assistant", [])  # in the conversation from its created event on; its text
         events = aiter(self.gw.pipeline.run(chat))  # comes at the end (later items created meanwhile follow it)
         self.gw.metrics.running.inc()
@@ -513,12 +515,12 @@ class RealtimeSession:
                     await self._answer_text(where, audio, chat.spoken_calls, shaped, calls, said.push(ev.text)[1],
                                             ev.spoken, text, in_conversation=in_conversation)
                 elif isinstance(ev, AudioDelta) and audio and np.size(ev.pcm):
-                    answer.audio_samples += int(np.size(ev.pcm))
-                    answer.audio_rate = ev.sample_rate
-                    await self.send("response.audio.delta", **where, delta=base64.b64encode(encoder(ev.pcm)).decode())
+                    await self._answer_audio(where, answer, encoder, tempo.push(ev.pcm), ev.sample_rate)
                 elif isinstance(ev, Finished):  # what was held back (a marker or a tag that might start)
-                    if audio and (tail := encoder.flush()):  # G.711: the decimating filter's last samples
-                        await self.send("response.audio.delta", **where, delta=base64.b64encode(tail).decode())
+                    if audio:  # atempo's and (G.711) the decimating filter's last samples
+                        await self._answer_audio(where, answer, encoder, tempo.finish(), self.gw.pipeline.sample_rate)
+                        if tail := encoder.flush():
+                            await self.send("response.audio.delta", **where, delta=base64.b64encode(tail).decode())
                     await self._answer_text(where, audio, chat.spoken_calls, shaped, calls, said.finish()[1],
                                             False, text, end=True, in_conversation=in_conversation)
                     status = "incomplete" if ev.finish_reason == "length" else "completed"
@@ -564,6 +566,14 @@ class RealtimeSession:
         details = {"type": status, "reason": reason} if reason else None
         await self.send("response.done", response={**base, "status": status, "status_details": details,
                                                    "output": output, "usage": usage})
+
+    async def _answer_audio(self, where: dict[str, Any], answer: _Item, encoder: OutputEncoder, pcm: np.ndarray,
+                            rate: int) -> None:
+        """Samples of the answer at the session's speed, as one audio delta (none while atempo holds them all)."""
+        if pcm.size:
+            answer.audio_samples += int(pcm.size)  # what the client plays: truncate's audio_end_ms counts in it
+            answer.audio_rate = rate
+            await self.send("response.audio.delta", **where, delta=base64.b64encode(encoder(pcm)).decode())
 
     async def _answer_text(self, where: dict[str, Any], audio: bool, spoken_calls: bool, shaped: ToolAnswer,
                            calls: list[CallItem], piece: str, spoken: bool, text: list[str], end: bool = False,

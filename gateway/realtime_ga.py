@@ -45,6 +45,7 @@ _GA_PATHS = {"session.modalities": "session.output_modalities", "session.voice":
              "session.turn_detection": "session.audio.input.turn_detection",
              "session.input_audio_transcription": "session.audio.input.transcription",
              "session.max_response_output_tokens": "session.max_output_tokens",
+             "session.speed": "session.audio.output.speed",
              "response.modalities": "response.output_modalities", "response.voice": "response.audio.output.voice"}
 _NEUTRAL: dict[str, tuple[Any, ...]] = {"tracing": (None, "auto"), "truncation": ("auto", None), "include": (None, []),
                                         "prompt": (None,)}
@@ -122,8 +123,8 @@ def session_fields(session: dict[str, Any]) -> dict[str, Any]:
                         continue
                     elif (side, name) == ("output", "voice"):
                         out["voice"] = v
-                    elif (side, name) == ("output", "speed") and v == 1.0:
-                        continue
+                    elif (side, name) == ("output", "speed"):
+                        out["speed"] = v
                     else:
                         raise RealtimeError(f"{side}.{name}: {v!r} is not supported here", at)
         elif key in _NEUTRAL and value in _NEUTRAL[key]:
@@ -166,7 +167,7 @@ def session_object(beta: dict[str, Any], transcription: bool = False) -> dict[st
             "prompt": None, "include": None,
             "audio": {"input": audio_in,
                       "output": {"format": _format_object(beta["output_audio_format"]), "voice": beta["voice"],
-                                 "speed": 1.0}}}
+                                 "speed": beta["speed"]}}}
 
 
 def _format_object(fmt: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ class RealtimeSettings:
     tool_choice: Any = "auto"  # "auto" / "none" / "required" / {"type": "function", "name"} (gateway/responses_tools.py)
     input_audio_format: str = "pcm16"  # pcm16 (24 kHz) | g711_ulaw | g711_alaw (8 kHz): gateway/realtime_audio.py
     output_audio_format: str = "pcm16"
+    speed: float = 1.0  # OpenAI's, 0.25 to 1.5: the answers' audio faster or slower at the same pitch (from the next)
 
 
 def updated(settings: RealtimeSettings, s: Any, pipeline: Pipeline) -> RealtimeSettings:
@@ -58,6 +59,11 @@ def updated(settings: RealtimeSettings, s: Any, pipeline: Pipeline) -> RealtimeS
             new.voice = resolve_voice(value, pipeline, where)
         elif key == "temperature":
             new.temperature = check_temperature(value, where)
+        elif key == "speed":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.25 <= value <= 1.5:
+                raise RealtimeError(f"speed must be a number in [0.25, 1.5] (1: the model's own pace), got {value!r}",
+                                    where)
+            new.speed = float(value)
         elif key == "max_response_output_tokens":
             new.max_response_output_tokens = check_max_tokens(value, where)
         elif key in ("input_audio_format", "output_audio_format"):

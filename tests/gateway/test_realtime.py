@@ -107,6 +107,28 @@ def test_a_spoken_turn(ws: ClientConnection, pipeline: ScriptedPipeline) -> None
     assert second.messages[0].content == (TextPart("Answer in text."),)
 
 
+def test_speed_plays_answers_faster(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
+    """The session's `speed` (0.25 to 1.5, OpenAI's): the next answer's audio at that tempo, pitch kept
+    (gateway/audio_tempo.py); truncation counts in the audio as played."""
+    from gateway.audio_tempo import Tempo
+
+    send(ws, type="session.update", session={"speed": 1.5})
+    assert recv(ws)["session"]["speed"] == 1.5
+    send(ws, type="session.update", session={"speed": 2})
+    assert recv(ws)["error"]["param"] == "session.speed"
+    send(ws, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                    "content": [{"type": "input_text", "text": "Hi."}]})
+    recv(ws)
+    send(ws, type="response.create")
+    events = until(ws, "response.done")
+    audio = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.audio.delta")
+    assert audio == pcm16_bytes(Tempo(1.5, 24_000).whole(tone(0.2)))
+    played_ms = len(audio) // 2 * 1000 // 24_000  # ~133 ms, not the model's 200
+    item_id = events[-1]["response"]["output"][0]["id"]
+    send(ws, type="conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=played_ms + 20)
+    assert recv(ws)["error"]["param"] == "audio_end_ms"
+
+
 def test_items_go_after_previous_item_id(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
     """conversation.item.create puts its item after `previous_item_id` ("root": first), as OpenAI's; a client's
     own id is at most 32 characters and new to the conversation; the response reads the items in that order."""

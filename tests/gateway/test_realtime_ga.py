@@ -89,6 +89,7 @@ def test_a_text_response_and_items_in_ga(rest_server: RestServer, pipeline: Scri
     ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "session.audio.input.turn_detection"),
     ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
     ({"prompt": {"id": "pmpt_1"}}, "session.prompt"),
+    ({"audio": {"output": {"speed": 3}}}, "session.audio.output.speed"),
 ])
 def test_ga_mistakes_name_ga_paths(rest_server: RestServer, session: dict, param: str) -> None:
     with connect(url(rest_server), open_timeout=10) as ws:
@@ -99,6 +100,13 @@ def test_ga_mistakes_name_ga_paths(rest_server: RestServer, session: dict, param
         send(ws, type="input_audio_buffer.append", audio=audio_b64(0.1))  # the session goes on
         send(ws, type="input_audio_buffer.commit")
         assert recv(ws)["type"] == "input_audio_buffer.committed"
+
+
+def test_ga_speed_is_the_sessions(rest_server: RestServer) -> None:
+    with connect(url(rest_server), open_timeout=10) as ws:
+        recv(ws)
+        send(ws, type="session.update", session={"type": "realtime", "audio": {"output": {"speed": 0.75}}})
+        assert recv(ws)["session"]["audio"]["output"]["speed"] == 0.75
 
 
 def test_a_beta_session_keeps_beta_events(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
