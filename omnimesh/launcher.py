@@ -88,6 +88,8 @@ class MeshLauncher:
             argv.append("--disable-log-stats")
         if a.otlp_traces_endpoint is not None:
             argv += ["--otlp-traces-endpoint", a.otlp_traces_endpoint]
+        if a.seed is not None and stage in ("thinker", "talker"):  # the stages that sample
+            argv += ["--seed", str(a.seed)]
         if a.served_model_name is not None:  # the stage's metrics carry it as model_name
             argv += ["--served-model-name", a.served_model_name]
         cfg = a.stage_configs(together=True)[stage]  # the whole mesh on this host: GPUs shared

@@ -181,6 +181,11 @@ class ServeArgs:
                                                 "presence_penalty, frequency_penalty); requests still set their own; "
                                                 "the talker's: default_sampling_params in --stage-overrides",
                                                 "--override-generation-config")
+    seed: int | None = _f(None, "vLLM's: the thinker and talker give each request that sets no seed one drawn from "
+                          "this (the stage's Nth such request always gets the same), so a server restarted with the "
+                          "same --seed samples the same answers to the same requests sent in the same order; each "
+                          "request keeps its own generator, so what runs beside it changes nothing; default: fresh "
+                          "randomness per request", "--seed")
     allowed_media_domains: str | None = _f(None, "comma-separated domains http(s) media may be fetched from (default: none)", "--allowed-media-domains")
     max_logprobs: int = _f(20, "most alternatives per token a request may ask for (REST top_logprobs, gRPC "
                            "sampling.logprobs), as vLLM's; -1: up to the vocabulary", "--max-logprobs")
@@ -299,6 +304,8 @@ class ServeArgs:
         from gateway.reasoning import check_parser
 
         check_parser(self.reasoning_parser)
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
         if self.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be >= 0 (or -1: up to the vocabulary), got {self.max_logprobs}")
         from gateway.input_limits import limits_from_flags

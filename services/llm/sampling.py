@@ -14,6 +14,7 @@ the stage's name.
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import replace
 from typing import Any
 
@@ -64,6 +65,20 @@ def merge_sampling(defaults: SamplingParams, msg: stage_pb2.SamplingParams | Non
             raise ValueError("stop strings must not be empty")
         changes["stop"] = tuple(dict.fromkeys((*defaults.stop, *msg.stop)))
     return replace(defaults, **changes)
+
+
+class SeedStream:
+    """--seed (vLLM's): the seed of each request that brings none, drawn in turn from a stream that is a function of
+    --seed and the stage, so the stage's Nth unseeded request gets the same seed in every run. Without --seed
+    requests stay unseeded (fresh randomness each). Drawn on the stage's event loop, in the order requests open."""
+
+    def __init__(self, seed: int | None, stage: str) -> None:
+        self._draw = None if seed is None else random.Random(f"omnimesh:{stage}:{seed}")
+
+    def fill(self, params: SamplingParams) -> SamplingParams:
+        if self._draw is None or params.seed is not None:
+            return params
+        return replace(params, seed=self._draw.getrandbits(63))
 
 
 def bad_word_texts(words: Any) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ from omnimesh.server.stage_failure import StageFailure
 from omnimesh.models.qwen3_omni.lm_engine import LMEngine
 from omnimesh.stage_registry import lm_engine, lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
-from services.llm.sampling import merge_sampling, operator_defaults
+from services.llm.sampling import SeedStream, merge_sampling, operator_defaults
 from services.llm.talker_batcher import TalkerBatcher
 from services.llm.talker_task import TalkerTask
 from services.options import count_option, priority_option
@@ -52,6 +52,7 @@ class TalkerHandler:
         self.talker = talker
         self.defaults = (qwen2_5_talker.talker_sampling_params(talker.config) if qwen2_5  # type: ignore[arg-type]
                          else talker_sampling_params(talker.config))  # type: ignore[arg-type]
+        self.seeds = SeedStream(None, self.name)  # --seed (build_handler)
         self.model_name = model_name
         # the default voice first: the one `generate` speaks with unless told otherwise
         self.speakers = sorted(talker.speakers, key=lambda name: (name != talker.default_speaker, name))
@@ -64,7 +65,8 @@ class TalkerHandler:
     def open(self, msg: stage_pb2.Open) -> TalkerTask:
         if self.failure.message is not None:
             raise StageRequestError(grpc.StatusCode.UNAVAILABLE, f"talker: {self.failure.message}")
-        params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None, text=False)
+        params = self.seeds.fill(merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None,
+                                                text=False))
         speaker = msg.options.get("speaker") or self.speakers[0]
         if "chunk_schedule" in msg.options:
             chunks = parse_windows(msg.options["chunk_schedule"], "option chunk_schedule")
@@ -91,4 +93,5 @@ def build_handler(model_dir: Path, args: ServeArgs) -> TalkerHandler:
     handler = TalkerHandler(talker, args.model_name(model_dir), layout, failure, engine, max_len,
                             cfg.effective_first_output_rounds("talker"))
     handler.defaults = operator_defaults(handler.defaults, cfg.default_sampling_params, "talker")
+    handler.seeds = SeedStream(args.seed, "talker")
     return handler

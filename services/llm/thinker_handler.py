@@ -23,7 +23,7 @@ from omnimesh.server.stage_failure import StageFailure
 from omnimesh.models.qwen3_omni.lm_engine import LMEngine
 from omnimesh.stage_registry import lm_engine, lm_layout, resolve_dtype
 from omnimesh.v1 import stage_pb2
-from services.llm.sampling import bad_word_texts, merge_sampling, operator_defaults
+from services.llm.sampling import SeedStream, bad_word_texts, merge_sampling, operator_defaults
 from services.llm.thinker_batcher import ThinkerBatcher
 from services.llm.thinker_task import ThinkerTask, merge_token_chunks
 from services.llm.token_logprobs import TokenBytes
@@ -52,6 +52,7 @@ class ThinkerHandler:
         self.tokenizer = tokenizer
         self.token_bytes = TokenBytes(tokenizer)  # token id -> bytes, for logprobs (cached across requests)
         self.defaults = thinker_sampling_params(thinker.config, generation_config)
+        self.seeds = SeedStream(None, self.name)  # --seed (build_handler)
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.stream_interval = stream_interval
@@ -75,7 +76,7 @@ class ThinkerHandler:
             raise StageRequestError(grpc.StatusCode.INVALID_ARGUMENT, "thinker: talker_inputs asked of a thinker that "
                                     "feeds no talker (a thinker-only checkpoint, enable_audio_output false, or a "
                                     "Qwen2.5-Omni checkpoint, whose speech is not served yet)")
-        params = merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None)
+        params = self.seeds.fill(merge_sampling(self.defaults, msg.sampling if msg.HasField("sampling") else None))
         task = ThinkerTask(msg.request_id, self.thinker, self.tokenizer, params,
                            talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len,
                            batcher=self.batcher, stream_interval=self.stream_interval,
@@ -113,4 +114,5 @@ def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
                              stream_interval=args.stream_interval,
                              first_output_rounds=cfg.effective_first_output_rounds("thinker"))
     handler.defaults = operator_defaults(handler.defaults, cfg.default_sampling_params, "thinker")
+    handler.seeds = SeedStream(args.seed, "thinker")
     return handler
