@@ -90,6 +90,9 @@ class MeshLauncher:
             argv += ["--otlp-traces-endpoint", a.otlp_traces_endpoint]
         if a.seed is not None and stage in ("thinker", "talker"):  # the stages that sample
             argv += ["--seed", str(a.seed)]
+        if a.generation_config != "auto" and stage == "thinker":  # a folder as an absolute path
+            gen = a.generation_config
+            argv += ["--generation-config", gen if gen == "vllm" else str(Path(gen).resolve())]
         if a.served_model_name is not None:  # the stage's metrics carry it as model_name
             argv += ["--served-model-name", a.served_model_name]
         cfg = a.stage_configs(together=True)[stage]  # the whole mesh on this host: GPUs shared

@@ -174,6 +174,10 @@ class ServeArgs:
                                    "node to join and report ready, a node > 0 to reach node 0 and hear its verdict; "
                                    "past it, an error naming what was missing", "--rendezvous-timeout")
     stage_overrides: str | None = _f(None, "JSON keyed by stage name or id, e.g. '{\"thinker\": {\"tp\": 2}}'", "--stage-overrides")
+    generation_config: str = _f("auto", "where the thinker's default sampling comes from, as vLLM's: auto (the "
+                                "model folder's generation_config.json), vllm (none: temperature 1, top_p 1, no "
+                                "top_k, as vLLM's own defaults; the end-of-turn ids still the model's), or a folder "
+                                "holding a generation_config.json", "--generation-config")
     override_generation_config: str | None = _f(None, "the thinker's default sampling over the model's "
                                                 "generation_config.json, as vLLM's: JSON such as '{\"temperature\": "
                                                 "0.5, \"max_new_tokens\": 512}' (keys: temperature, top_p, top_k, "

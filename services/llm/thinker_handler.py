@@ -9,6 +9,7 @@ needs), see ThinkerTask.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import grpc
@@ -31,6 +32,8 @@ from services.llm.structured_output import AFTER_OPTION as STRUCTURED_AFTER_OPTI
 from services.llm.structured_output import OPTION as STRUCTURED_OPTION
 from services.llm.structured_output import Grammars
 from services.options import count_option, priority_option
+
+log = logging.getLogger(__name__)
 
 
 class ThinkerHandler:
@@ -94,16 +97,34 @@ class ThinkerHandler:
         return task
 
 
+def generation_config(model_dir: Path, source: str) -> GenerationConfig | None:
+    """--generation-config: the model folder's generation_config.json ("auto"; None when it has none), vLLM's
+    neutral defaults with the model's end ids ("vllm"), or another folder's (an error when it has none)."""
+    if source in ("auto", "vllm"):
+        try:
+            gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+        except OSError:
+            gen = None
+        if source == "auto":
+            return gen
+        return GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
+                                eos_token_id=gen.eos_token_id if gen is not None else None)
+    try:
+        gen = GenerationConfig.from_pretrained(source, local_files_only=True)
+    except OSError as exc:
+        raise ValueError(f"--generation-config {source!r}: not auto, vllm or a folder with a readable "
+                         f"generation_config.json ({exc})") from None
+    log.info("thinker: default sampling from %s/generation_config.json (--generation-config)", source)
+    return gen
+
+
 def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
     failure = StageFailure()
     layout = lm_layout(args, "thinker", failure, model_dir)
     thinker = load_thinker(model_dir, resolve_dtype(args), layout)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     thinker.set_turn_tokens(tokenizer)  # Qwen2.5-Omni: where a continued assistant message starts
-    try:
-        gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
-    except OSError:
-        gen = None
+    gen = generation_config(model_dir, args.generation_config)
     limit = int(thinker.config.get_text_config().max_position_embeddings)
     cfg = args.stage_configs()["thinker"]
     max_len = cfg.max_model_len or limit
