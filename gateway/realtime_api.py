@@ -496,7 +496,7 @@ class RealtimeSession:
         status, usage, reason = "in_progress", None, None
         started = time.perf_counter()
         encoder = OutputEncoder(self.settings.output_audio_format, self.gw.pipeline.sample_rate)  # this answer's
-        tempo = Tempo(self.settings.speed, self.gw.pipeline.sample_rate)  # its speed (gateway/audio_tempo.py)
+        tempo = Tempo(self.settings.speed if audio else 1.0, self.gw.pipeline.sample_rate)  # gateway/audio_tempo.py
         answer = _Item(item_id, "assistant", [])  # in the conversation from its created event on; its text
         events = aiter(self.gw.pipeline.run(chat))  # comes at the end (later items created meanwhile follow it)
         self.gw.metrics.running.inc()
