@@ -5,6 +5,7 @@ Data flow: `AudioDelta.pcm` (float32 in [-1, 1]) -> `float_to_pcm16` (clip, roun
 non-streaming `message.audio.data` in the format the client asked for (OpenAI's `audio.format`):
 `wav_bytes` (a whole 16-bit mono WAV file), or `compressed_bytes` (mp3, flac, opus in Ogg, aac in ADTS),
 encoded by FFmpeg's encoders through PyAV (already here for video input) from the same PCM16 samples.
+Streamed files (mp3, aac, opus written as the samples come): `gateway/audio_file_stream.py`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ _COMPRESSED = {"mp3": ("mp3", "libmp3lame"), "flac": ("flac", "flac"), "opus": (
 _OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # what Opus encodes; other rates are resampled to 48 kHz
 
 _PCM16_MAX = 32767
+
+
+def compressed_format(fmt: str) -> tuple[str, str]:
+    """A compressed format -> (FFmpeg container, FFmpeg encoder)."""
+    return _COMPRESSED[fmt]
+
+
+def codec_rate(codec: str, sample_rate: int) -> int:
+    """The rate `codec` encodes `sample_rate` audio at: its own, except Opus's when it is not one of Opus's."""
+    return sample_rate if codec != "libopus" or sample_rate in _OPUS_RATES else 48000
 
 
 def float_to_pcm16(waveform: np.ndarray) -> np.ndarray:
@@ -60,10 +71,10 @@ def compressed_bytes(waveform: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     import av  # only the compressed formats need it
     from av.audio.stream import AudioStream
 
-    container, codec = _COMPRESSED[fmt]
+    container, codec = compressed_format(fmt)
     if sample_rate <= 0:
         raise ValueError(f"sample_rate must be positive, got {sample_rate}")
-    rate = sample_rate if codec != "libopus" or sample_rate in _OPUS_RATES else 48000
+    rate = codec_rate(codec, sample_rate)
     pcm = float_to_pcm16(np.ravel(waveform)).reshape(1, -1)
     if not pcm.size:
         pcm = np.zeros((1, max(1, sample_rate // 50)), np.int16)

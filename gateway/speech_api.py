@@ -6,10 +6,11 @@ Data flow: JSON body (`model`, `input` up to 4096 characters, `voice`, `response
 `instructions` added to it) and the text as the user turn, audio out in `voice` -> the thinker held to
 exactly that text by a structured output (choice of one string: services/llm/structured_output.py), so
 what the talker reads is the input whatever the weights would rather say -> the pipeline's audio ->
-the whole file in `response_format` (mp3 by default, as OpenAI's; wav, flac, opus, aac, or OpenAI's `pcm`:
-raw 24 kHz mono 16-bit little-endian), or streamed: `response_format` "pcm" sends the samples as they come
-(chunked), `stream_format` "sse" sends `speech.audio.delta` events (base64 of the format's bytes: pcm
-chunks as they come, any other format whole at the end) and a `speech.audio.done` event with the usage
+the file in `response_format` (mp3 by default, as OpenAI's; wav, flac, opus, aac, or OpenAI's `pcm`:
+raw 24 kHz mono 16-bit little-endian). pcm, mp3, aac and opus stream as they are made (chunked; the
+compressed ones encoded delta by delta, gateway/audio_file_stream.py); wav and flac, whose headers name their
+length, come whole at the end. `stream_format` "sse" sends `speech.audio.delta` events (base64 of the
+format's bytes, as the raw body would carry them) and a `speech.audio.done` event with the usage
 (input_tokens: the prompt's; output_tokens: the text tokens spoken). `speed` (OpenAI's, 0.25 to 4) plays the
 model's audio faster or slower at the same pitch (gateway/audio_tempo.py), streamed or whole. The thinker's max_tokens leave room for the whole input (`_sized`: its bytes + the
 stop, within max_model_len; the stage default would cut a long one). The response's `X-Request-Id` names the request (`speech-<id>`) in every stage.
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from gateway.audio_encoding import OutputAudioFormat, encode_audio, pcm16_bytes
+from gateway.audio_file_stream import STREAMED_FORMATS, AudioFileStream
 from gateway.audio_tempo import MAX_SPEED, MIN_SPEED, Tempo
 from gateway.choices import Indexed
 from gateway.events import (AudioDelta, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides, TextPart,
@@ -81,6 +83,7 @@ class _Speech:
     first_audio: bool = False
     pcm: list[np.ndarray] = field(default_factory=list)  # the answer's audio so far, at `speed`
     tempo: Tempo | None = None  # made with the first audio (its sample rate)
+    file: AudioFileStream | None = None  # mp3, aac, opus: the file as it is encoded (`_stream`)
 
 
 class SpeechRoutes:
@@ -106,7 +109,7 @@ class SpeechRoutes:
             body = await asyncio.to_thread(lambda: validate_body(SpeechRequest, parse_json_object(raw)))  # off the loop
             call = self.build(body, client_id, started)
             call.request = await asyncio.to_thread(self._sized, call.request, call.text)
-            streamed = call.sse or call.fmt == "pcm"
+            streamed = call.sse or call.fmt == "pcm" or call.fmt in STREAMED_FORMATS
             return Answer(call.request.request_id, (call.request,), streamed,
                           lambda first, events: self._complete(call, first, events),
                           lambda first, state: self._stream(call, first, state),
@@ -164,19 +167,20 @@ class SpeechRoutes:
             finished = None
             async for _, ev in chain(first, state.events):
                 new = self._take(call, ev)
-                if new is not None and call.fmt == "pcm" and new.size:
-                    data = pcm16_bytes(new)
+                if new is not None and new.size and (data := await self._encoded(call, new)):
                     yield sse(_delta(data)) if call.sse else data
                 if isinstance(ev, Finished):
                     finished = ev
                     break
             if finished is None:
                 raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
+            if call.fmt in STREAMED_FORMATS:  # the encoder's and muxer's last bytes
+                if data := await asyncio.to_thread(self._file(call).finish):
+                    yield sse(_delta(data)) if call.sse else data
+            elif call.sse and call.fmt != "pcm":  # wav and flac name their length first: whole at the end
+                data = await asyncio.to_thread(encode_audio, self._wave(call), call.sample_rate, _ENCODING[call.fmt])
+                yield sse(_delta(data))
             if call.sse:
-                if call.fmt != "pcm":  # a compressed file is whole only at the end
-                    data = await asyncio.to_thread(encode_audio, self._wave(call), call.sample_rate,
-                                                   _ENCODING[call.fmt])
-                    yield sse(_delta(data))
                 usage = {"input_tokens": finished.prompt_tokens, "output_tokens": finished.completion_tokens,
                          "total_tokens": finished.prompt_tokens + finished.completion_tokens}
                 yield sse({"type": "speech.audio.done", "usage": usage})
@@ -194,8 +198,25 @@ class SpeechRoutes:
                 yield sse(error_response(internal_error(e)).model_dump(mode="json"))
                 yield DONE
         finally:
+            if call.file is not None:
+                call.file.close()  # a stream cut short: the muxer let go (a finished one: nothing left to do)
             state.settle(status)
             await state.close_events()
+
+    async def _encoded(self, call: _Speech, new: np.ndarray) -> bytes:
+        """New samples of a streamed answer -> its next bytes: raw pcm, or the file's (mp3, aac, opus) as the
+        encoder makes them (off the event loop); b"" for formats sent whole at the end."""
+        if call.fmt == "pcm":
+            return pcm16_bytes(new)
+        if call.fmt in STREAMED_FORMATS:
+            return await asyncio.to_thread(self._file(call).push, new)
+        return b""
+
+    @staticmethod
+    def _file(call: _Speech) -> AudioFileStream:
+        if call.file is None:
+            call.file = AudioFileStream(call.fmt, call.sample_rate)
+        return call.file
 
     def _take(self, call: _Speech, ev: object) -> np.ndarray | None:
         """An event of the answer; its audio at `speed` (the filter's tail with the Finished event), kept in

@@ -1,6 +1,6 @@
 """`POST /v1/audio/speech` through the shared mesh: the thinker says exactly the input (the same chat, sent as a
 chat completion with the route's system turn and a one-string choice, answers the input as its text), and the
-speech file is that chat's audio; the raw `pcm` stream carries the same samples, and at `speed` 1.5 a third fewer. Gateway-level shapes and
+speech file is that chat's audio; the raw `pcm` stream carries the same samples, and at `speed` 1.5 a third fewer; the default mp3, streamed as it is encoded, is as long. Gateway-level shapes and
 errors: tests/gateway/test_speech.py."""
 
 from __future__ import annotations
@@ -50,3 +50,11 @@ def test_speech_is_the_chat_that_says_the_input(mesh):
         assert s.status_code == 200
         fast = np.frombuffer(b"".join(s.iter_bytes()), dtype="<i2")
     assert abs(fast.size - spoken.size / 1.5) <= 0.03 * spoken.size / 1.5 + 512
+    # mp3, OpenAI's default: streamed as it is encoded (gateway/audio_file_stream.py), the same speech
+    import av
+
+    r = httpx.post(f"{mesh.rest}/v1/audio/speech", timeout=TIMEOUT_S, json={"model": MODEL, "input": SAID})
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/mpeg"
+    with av.open(io.BytesIO(r.content)) as container:
+        decoded = sum(f.samples for f in container.decode(audio=0))
+    assert abs(decoded - spoken.size) <= 0.1 * 24000  # + the encoder's delay, which a streamed mp3 keeps

@@ -95,6 +95,27 @@ def test_speed_plays_the_audio_faster_and_streams_the_same(rest_server, pipeline
         assert b"".join(s.iter_bytes()) == samples.tobytes()
 
 
+def test_mp3_aac_and_opus_stream_as_they_are_encoded(rest_server, pipeline) -> None:
+    """Written front to back, they go out delta by delta (sse: one delta per audio chunk and the encoder's tail,
+    not one file at the end), and the raw body is the same file (gateway/audio_file_stream.py)."""
+    from test_audio_file_stream import decode
+
+    for fmt in ("mp3", "aac", "opus"):
+        with httpx.stream("POST", f"{rest_server.base_url}/v1/audio/speech", timeout=10,
+                          json={"input": "hello", "response_format": fmt, "stream_format": "sse"}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        deltas = [base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"]
+        assert len(deltas) >= 2 and events[-1]["type"] == "speech.audio.done"
+        audio, rate = decode(b"".join(deltas))
+        assert abs(audio.size / rate - 0.2) < 0.1
+        raw = post(rest_server, {"input": "hello", "response_format": fmt})
+        assert raw.status_code == 200 and raw.headers["content-type"] == MEDIA[fmt]
+        assert abs(decode(raw.content)[0].size / rate - 0.2) < 0.1
+
+
+MEDIA = {"mp3": "audio/mpeg", "aac": "audio/aac", "opus": "audio/ogg"}
+
+
 def test_the_openai_client(rest_server, pipeline) -> None:
     client = openai.OpenAI(base_url=f"{rest_server.base_url}/v1", api_key="none")
     audio = client.audio.speech.create(model="tiny-omni", voice="ethan", input="Hello there.",  # type: ignore[arg-type]
