@@ -13,7 +13,8 @@ The assistant's transcript joins the conversation for the next turn. A reasoning
 are text only.
 
 Supported client events (the settings they may change: gateway/realtime_settings.py): `session.update`, `input_audio_buffer.append` / `.commit` / `.clear`,
-`conversation.item.create` (message items: `input_text`, `input_audio` (base64, the input format) and an
+`conversation.item.create` (message items: `input_text`, `input_audio` (base64, the input format),
+`input_image` (user items: a data URI, decoded off the event loop, counted against the input limits) and an
 assistant's `text`; placed after `previous_item_id`), `conversation.item.delete`, `conversation.item.truncate` (the transcript cut in proportion
 to the audio played), `response.create` (its `response` may set modalities,
 instructions, voice, temperature, max_output_tokens; `conversation: "none"` keeps it out of the conversation and
@@ -50,8 +51,8 @@ from gateway import realtime_ga as ga
 from gateway.auth import KEY_SUBPROTOCOL
 from gateway.audio_tempo import Tempo
 from gateway.realtime_audio import RATES, AudioFormatError, OutputEncoder, decode
-from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, PipelineError, SamplingOverrides,
-                            TextDelta, TextPart)
+from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, ImagePart, PipelineError,
+                            SamplingOverrides, TextDelta, TextPart)
 from gateway.openai_schema import check_sampling, default_modalities, resolve_voice
 from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
@@ -75,13 +76,14 @@ MAX_ITEM_ID = 32  # a client's own conversation item id, as OpenAI bounds it
 class _Item:
     id: str
     role: str  # user | system | assistant
-    parts: list[TextPart | AudioPart]
+    parts: list[TextPart | AudioPart | ImagePart]
     transcript: str | None = None  # its audio's, once input_audio_transcription made it
     audio_samples: int = 0  # an assistant item: the samples of speech it sent (conversation.item.truncate)
     audio_rate: int = 24_000
 
     def to_json(self) -> dict[str, Any]:
         content = [{"type": "input_audio", "transcript": self.transcript} if isinstance(p, AudioPart)
+                   else {"type": "input_image"} if isinstance(p, ImagePart)  # its pixels are not sent back
                    else {"type": "input_text" if self.role != "assistant" else "text", "text": p.text}
                    for p in self.parts]
         return {"id": self.id, "object": "realtime.item", "type": "message", "status": "completed", "role": self.role,
@@ -220,12 +222,13 @@ class RealtimeSession:
                 self.vad.clear()
             await self.send("input_audio_buffer.cleared")
         elif kind == "conversation.item.create":
-            item = self._item(event.get("item"))
+            item = await self._item(event.get("item"))
             at = self._insert_at(event.get("previous_item_id"), item.id, event["item"].get("id"))
             self.items.insert(at, item)
             try:
                 self._check_audio()
-            except RealtimeError:
+                self._check_images(self.items)
+            except (RealtimeError, PipelineError):
                 self.items.remove(item)  # refused: the conversation stays as it was
                 raise
             previous = self.items[at - 1].id if at else None
@@ -249,7 +252,7 @@ class RealtimeSession:
             if self.response is not None and not self.response.done():
                 raise RealtimeError("a response is already in progress; cancel it or wait for response.done",
                                     None, "conversation_already_has_active_response")
-            self._start(ga.response_fields(event.get("response") or {}) if self.ga else event.get("response") or {})
+            await self._start(ga.response_fields(event.get("response") or {}) if self.ga else event.get("response") or {})
         elif kind == "response.cancel":
             if self.response is None or self.response.done():
                 raise RealtimeError("no response is in progress", None, "response_cancel_not_active")
@@ -277,8 +280,8 @@ class RealtimeSession:
         await self.send("conversation.item.truncated", item_id=item.id, content_index=event.get("content_index", 0),
                         audio_end_ms=end)
 
-    def _start(self, overrides: dict[str, Any]) -> None:
-        chat, modalities, tools = self._chat(overrides)
+    async def _start(self, overrides: dict[str, Any]) -> None:
+        chat, modalities, tools = await self._chat(overrides)
         in_conversation = overrides.get("conversation", "auto") == "auto"  # "none": out of band
         metadata = overrides.get("metadata")
         self.response = asyncio.create_task(self._respond(chat, modalities, tools, in_conversation, metadata))
@@ -336,7 +339,7 @@ class RealtimeSession:
                 await self._commit(ev.audio, self.turn_id)
                 if (td.get("create_response", True) and not self.transcription
                         and (self.response is None or self.response.done())):
-                    self._start({})
+                    await self._start({})
 
     async def update(self, s: dict[str, Any]) -> list[Started | Stopped]:
         """`session.update`: what omnimesh can do is taken, the rest is an error naming it. Turning server_vad
@@ -365,7 +368,7 @@ class RealtimeSession:
         self.settings = new
         return heard
 
-    def _item(self, raw: Any) -> _Item | CallItem | OutputItem:
+    async def _item(self, raw: Any) -> _Item | CallItem | OutputItem:
         if isinstance(raw, dict) and raw.get("type") in ("function_call", "function_call_output"):
             return parse_call_item(raw, self.items)  # a call's result (gateway/realtime_tools.py)
         if not isinstance(raw, dict) or raw.get("type", "message") != "message":
@@ -377,7 +380,7 @@ class RealtimeSession:
         content = raw.get("content")
         if not isinstance(content, list) or not content:
             raise RealtimeError("item.content must be a non-empty list of parts", "item.content")
-        parts: list[TextPart | AudioPart] = []
+        parts: list[TextPart | AudioPart | ImagePart] = []
         for j, p in enumerate(content):
             where = f"item.content[{j}]"
             kind = p.get("type") if isinstance(p, dict) else None
@@ -385,9 +388,17 @@ class RealtimeSession:
                 parts.append(TextPart(p["text"]))
             elif kind == "input_audio" and role == "user":
                 parts.append(AudioPart(self._audio(p.get("audio"), f"{where}.audio"), self.input_rate))
+            elif kind == "input_image" and role == "user":  # GA's: a data URI (or an allowed URL), decoded off the loop
+                url = p.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url  # the chat's {"url": ...} shape too
+                if not isinstance(url, str):
+                    raise RealtimeError(f"{where}.image_url: an input_image part needs its image as a data URI "
+                                        "string", f"{where}.image_url")
+                parts.append(await self.gw.loader.image_from_url(url, f"{where}.image_url"))
             else:
                 raise RealtimeError(f"{where}: a part is input_text / text with its text, or input_audio (user "
-                                    "items) with base64 audio in the session's input_audio_format", where)
+                                    "items) with base64 audio in the session's input_audio_format, or input_image "
+                                    "(user items) with a data URI", where)
         return _Item(raw.get("id") or f"item_{uuid.uuid4().hex}", role, parts)
 
     def _insert_at(self, after: Any, new_id: str, given_id: Any) -> int:
@@ -408,6 +419,15 @@ class RealtimeSession:
         raise RealtimeError(f"previous_item_id: no conversation item {after!r}", "previous_item_id",
                             "item_not_found")
 
+    def _check_images(self, items: list[Any]) -> None:
+        """The images a response would read, against --limit-mm-per-prompt and max_media_items (a 400 as an error
+        event). Audio turns are bounded by their seconds instead (`_check_audio`): a long call has many."""
+        n = sum(isinstance(p, ImagePart) for i in items if isinstance(i, _Item) for p in i.parts)
+        try:
+            self.gw.loader.check_counts(["image"] * n)
+        except PipelineError as e:
+            raise RealtimeError(e.message.replace("request has", "the conversation has"), "item.content") from None
+
     def _check_audio(self) -> None:
         seconds = sum(p.waveform.size / p.sample_rate for i in self.items if isinstance(i, _Item) for p in i.parts
                       if isinstance(p, AudioPart))
@@ -420,7 +440,7 @@ class RealtimeSession:
                                 f"max_audio_seconds of {limit:g} s; the buffer was cleared (delete older items)",
                                 None, "audio_too_long")
 
-    def _chat(self, r: dict[str, Any]) -> tuple[ChatRequest, tuple[str, ...], ToolPlan]:
+    async def _chat(self, r: dict[str, Any]) -> tuple[ChatRequest, tuple[str, ...], ToolPlan]:
         """`response.create` -> the pipeline's request (the response's own settings over the session's)."""
         if not isinstance(r, dict):
             raise RealtimeError("response must be an object", "response")
@@ -439,11 +459,12 @@ class RealtimeSession:
                 isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
                 for k, v in metadata.items())):
             raise RealtimeError("metadata must be an object of at most 16 string pairs", "response.metadata")
-        items = self._input(r["input"]) if "input" in r else self.items  # the response's own context, else ours
+        items = await self._input(r["input"]) if "input" in r else self.items  # the response's own context, else ours
         if not any(i.role == "user" for i in items):
             raise RealtimeError("the conversation has no user item yet: commit audio or create a user item first",
                                 None, "conversation_empty")
         messages = [ChatMessage("system", (TextPart(instructions),))] if instructions else []
+        self._check_images(items)
         messages += chat_messages(items)
         sampling = SamplingOverrides(temperature=temperature, max_tokens=max_tokens)
         check_sampling(sampling, "response")
@@ -461,7 +482,7 @@ class RealtimeSession:
                            spoken_calls=tools.parse and want_audio)
         return chat, modalities, tools
 
-    def _input(self, raw: Any) -> list[Any]:
+    async def _input(self, raw: Any) -> list[Any]:
         """A response's own `input`: items as conversation.item.create takes them, or `item_reference`s to the
         conversation's items by id."""
         if not isinstance(raw, list):
@@ -475,7 +496,7 @@ class RealtimeSession:
                                         "item_not_found")
                 out.append(found)
             else:
-                out.append(self._item(entry))
+                out.append(await self._item(entry))
         return out
 
     # ------------------------------------------------------------------------------------ responses

@@ -2,7 +2,7 @@
 chunks and committed) answers with exactly the text and audio of the same conversation sent as a chat
 completion (the instructions as its system turn, the clip as a WAV), and a second, text-only turn sees the
 first answer in the conversation; a telephone turn (G.711 mu-law in and out) and the openai SDK's GA client
-likewise; a GA transcription session transcribes as /v1/audio/transcriptions does. Gateway-level events and errors: tests/gateway/test_realtime.py, test_realtime_audio.py and
+likewise; a picture in a user item (GA's input_image) answers as the chat does; a GA transcription session transcribes as /v1/audio/transcriptions does. Gateway-level events and errors: tests/gateway/test_realtime.py, test_realtime_audio.py and
 test_realtime_ga.py."""
 
 from __future__ import annotations
@@ -245,3 +245,25 @@ def test_a_transcription_session_is_the_transcriptions_endpoint(mesh):
                    data={"model": MODEL, "language": "en"}, files={"file": ("a.wav", clip, "audio/wav")})
     assert r.status_code == 200, r.text
     assert events[-1]["transcript"] == deltas == r.json()["text"] != ""
+
+
+def test_a_picture_in_the_conversation_is_the_same_chat(mesh):
+    """GA's input_image in a user item: the text answer is the chat's for the same picture and question."""
+    from reference import png_bytes
+
+    uri = "data:image/png;base64," + base64.b64encode(png_bytes(40, seed=905)).decode()
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+        _until(ws, "session.created")
+        ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0, "max_response_output_tokens": 8,
+                                                                  "modalities": ["text"]}}))
+        _until(ws, "session.updated")
+        ws.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+            {"type": "input_image", "image_url": uri}, {"type": "input_text", "text": "What is in it?"}]}}))
+        created = _until(ws, "conversation.item.created")[-1]
+        assert created["item"]["content"][0] == {"type": "input_image"}
+        ws.send(json.dumps({"type": "response.create"}))
+        answer = "".join(e["delta"] for e in _until(ws, "response.done") if e["type"] == "response.text.delta")
+    chat = httpx.post(f"{mesh.rest}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "temperature": 0, "max_tokens": 8, "modalities": ["text"], "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "What is in it?"}]}]}).json()
+    assert answer == chat["choices"][0]["message"]["content"] and answer

@@ -22,7 +22,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
 from gateway.audio_encoding import pcm16_bytes
-from gateway.events import AudioPart, Finished, TextDelta, TextPart
+from gateway.events import AudioPart, Finished, ImagePart, TextDelta, TextPart
 from gateway.rest import create_app
 
 TIMEOUT_S = 10.0
@@ -127,6 +127,43 @@ def test_speed_plays_answers_faster(ws: ClientConnection, pipeline: ScriptedPipe
     item_id = events[-1]["response"]["output"][0]["id"]
     send(ws, type="conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=played_ms + 20)
     assert recv(ws)["error"]["param"] == "audio_end_ms"
+
+
+def test_pictures_in_user_items(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
+    """GA's input_image (a data URI string, or the chat's {"url"} shape): the user turn carries the picture to the
+    pipeline; its echo names the part without its pixels; the input limits hold (pixels, max_media_items: the
+    item that breaks them is refused and the conversation stays as it was); assistants send no pictures."""
+    from test_media import png
+
+    def image(size: int) -> str:
+        return "data:image/png;base64," + base64.b64encode(png((size, size // 2))).decode()
+
+    def create(*content: dict[str, Any], role: str = "user") -> dict[str, Any]:
+        send(ws, type="conversation.item.create", item={"type": "message", "role": role, "content": list(content)})
+        return recv(ws)
+
+    created = create({"type": "input_image", "image_url": image(64)}, {"type": "input_text", "text": "What?"})
+    assert created["item"]["content"] == [{"type": "input_image"}, {"type": "input_text", "text": "What?"}]
+    send(ws, type="response.create", response={"modalities": ["text"]})
+    until(ws, "response.done")
+    [msg] = pipeline.requests[-1].messages
+    picture, question = msg.content
+    assert isinstance(picture, ImagePart) and picture.image.size == (64, 32) and question == TextPart("What?")
+    assert create({"type": "input_image", "image_url": {"url": image(32)}})["type"] == "conversation.item.created"
+    for problem, param in (({"type": "input_image", "image_url": image(400)}, "item.content[0].image_url"),
+                           ({"type": "input_image", "image_url": 5}, "item.content[0].image_url"),
+                           ({"type": "input_image", "image_url": "file:///etc/passwd"}, "item.content[0].image_url")):
+        error = create(problem)["error"]
+        assert error["param"] == param, error
+    assert create({"type": "input_image", "image_url": image(32)}, role="assistant")["error"]["param"] == \
+        "item.content[0]"
+    create({"type": "input_image", "image_url": image(32)})
+    create({"type": "input_image", "image_url": image(32)})  # 4 pictures: max_media_items in the test limits
+    error = create({"type": "input_image", "image_url": image(32)})["error"]
+    assert error["param"] == "item.content" and "the conversation has 5 audio/image/video parts" in error["message"]
+    send(ws, type="response.create", response={"modalities": ["text"]})
+    until(ws, "response.done")
+    assert sum(isinstance(p, ImagePart) for m in pipeline.requests[-1].messages for p in m.content) == 4
 
 
 def test_items_go_after_previous_item_id(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
