@@ -19,7 +19,7 @@ assistant's `text`; placed after `previous_item_id`), `conversation.item.delete`
 to the audio played), `response.create` (its `response` may set modalities,
 instructions, voice, temperature, max_output_tokens; `conversation: "none"` keeps it out of the conversation and
 `input` gives it its own context), `response.cancel`. Events are JSON in text frames (a binary frame is an
-error event). Turns are the client's by default (`turn_detection` null:
+error event). `?intent=transcription` (OpenAI's live-caption URL) opens a GA transcription session. Turns are the client's by default (`turn_detection` null:
 commit, then response.create); with `turn_detection: {"type": "server_vad", ...}` Silero VAD
 (gateway/realtime_vad.py, run off the event loop) cuts the appended audio into turns: `input_audio_buffer.speech_started` (a response
 in progress is cancelled, with `interrupt_response`), `.speech_stopped`, the turn committed and, with
@@ -644,6 +644,14 @@ class RealtimeRoutes:
             await ws.close(code=1008, reason=f"the model {model!r} does not exist; served: "
                                              f"{', '.join(self.gw.served_model_names)}")
             return
+        # OpenAI's live captions connect with ?intent=transcription (no model): a GA transcription session from
+        # session.created on; beta's transcription sessions (transcription_session.update) are not served
+        intent = ws.query_params.get("intent")
+        beta = "realtime=v1" in ws.headers.get("openai-beta", "")
+        if intent not in (None, "transcription") or (intent and beta):
+            await ws.close(code=1008, reason="intent: only 'transcription' (GA's, without the OpenAI-Beta: "
+                                             "realtime=v1 header) is served")
+            return
         # a browser's subprotocols (OpenAI's: "realtime", the key, "openai-beta.realtime-v1"): one must be
         # chosen in the answer or the browser drops the connection; never the key
         offered = [p for p in ws.scope.get("subprotocols") or () if not p.startswith(KEY_SUBPROTOCOL)]
@@ -652,10 +660,14 @@ class RealtimeRoutes:
         trace = tracing.set_request_parent(ws.headers.items())
         try:
             settings = RealtimeSettings(modalities=default_modalities(self.gw.pipeline))  # text alone: no speech here
+            if intent == "transcription":
+                settings.modalities, settings.input_audio_transcription = ("text",), {"model": "", "language": None,
+                                                                                      "prompt": None}
             # a browser says which interface it speaks by its subprotocols: "realtime" alone is GA (OpenAI's GA
             # docs), with "openai-beta.realtime-v1" beta; without subprotocols a GA session.update switches it
             speaks_ga = "realtime" in offered and "openai-beta.realtime-v1" not in offered
             await RealtimeSession(self.gw, ws, model or self.gw.served_model_names[0], settings=settings,
-                                  ga=speaks_ga).run()
+                                  ga=speaks_ga or intent == "transcription",
+                                  transcription=intent == "transcription").run()
         finally:
             tracing.reset_request_parent(trace)

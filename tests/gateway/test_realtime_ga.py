@@ -11,6 +11,7 @@ import openai
 import pytest
 from gateway_harness import RestServer, ScriptedPipeline, tone
 from test_realtime import audio_b64, recv, send, until, url
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from gateway.realtime_audio import OutputEncoder
@@ -153,6 +154,25 @@ def test_a_transcription_session(rest_server: RestServer, pipeline: ScriptedPipe
         send(ws, type="input_audio_buffer.append", audio=audio_b64(0.1))
         send(ws, type="session.update", session={"type": "transcription"})
         assert recv(ws)["error"]["param"] == "session.type"
+
+
+def test_intent_transcription_opens_a_transcription_session(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    """OpenAI's live-caption URL, `/v1/realtime?intent=transcription` (no model): a GA transcription session from
+    session.created on, transcribing a committed turn with no session.update; another intent, or beta's
+    transcription sessions (the OpenAI-Beta header), are refused at the handshake."""
+    base = rest_server.base_url.replace("http://", "ws://") + "/v1/realtime"
+    with connect(base + "?intent=transcription", open_timeout=10) as ws:
+        created = recv(ws)["session"]
+        assert created["type"] == "transcription" and created["audio"]["input"]["transcription"] is not None
+        send(ws, type="input_audio_buffer.append", audio=audio_b64(0.2))
+        send(ws, type="input_audio_buffer.commit")
+        assert until(ws, "conversation.item.input_audio_transcription.completed")[-1]["transcript"] == "Hello world"
+        send(ws, type="response.create")
+        assert "only transcribes" in recv(ws)["error"]["message"]
+    assert pipeline.requests[-1].modalities == ("text",)
+    for query, headers in (("?intent=speech", {}), ("?intent=transcription", {"OpenAI-Beta": "realtime=v1"})):
+        with pytest.raises(InvalidStatus):
+            connect(base + query, additional_headers=headers, open_timeout=10)
 
 
 def test_a_browser_says_its_interface_by_its_subprotocols(rest_server: RestServer) -> None:
