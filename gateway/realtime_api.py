@@ -15,11 +15,13 @@ are text only.
 Supported client events (the settings they may change: gateway/realtime_settings.py): `session.update`, `input_audio_buffer.append` / `.commit` / `.clear`,
 `conversation.item.create` (message items: `input_text`, `input_audio` (base64, the input format),
 `input_image` (user items: a data URI, decoded off the event loop, counted against the input limits) and an
-assistant's `text`; placed after `previous_item_id`), `conversation.item.delete`, `conversation.item.truncate` (the transcript cut in proportion
-to the audio played), `response.create` (its `response` may set modalities,
+assistant's `text`; placed after `previous_item_id`), `conversation.item.delete`, `conversation.item.truncate`
+(the transcript cut in proportion to the audio played), `response.create` (its `response` may set modalities,
 instructions, voice, temperature, max_output_tokens; `conversation: "none"` keeps it out of the conversation and
 `input` gives it its own context), `response.cancel`. Events are JSON in text frames (a binary frame is an
-error event). `?intent=transcription` (OpenAI's live-caption URL) opens a GA transcription session. Turns are the client's by default (`turn_detection` null:
+error event). `?intent=transcription` (OpenAI's live-caption URL) opens a GA transcription session. A client
+whose first session.update names the model at the top level speaks vLLM's own dialect (streaming speech to
+text: gateway/realtime_vllm.py). Turns are the client's by default (`turn_detection` null:
 commit, then response.create); with `turn_detection: {"type": "server_vad", ...}` Silero VAD
 (gateway/realtime_vad.py, run off the event loop) cuts the appended audio into turns: `input_audio_buffer.speech_started` (a response
 in progress is cancelled, with `interrupt_response`), `.speech_stopped`, the turn committed and, with
@@ -58,6 +60,7 @@ from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
                                        check_temperature, updated)
 from gateway.realtime_tools import CallItem, OutputItem, chat_messages, new_call_item, parse_call_item
+from gateway.realtime_vllm import VllmTranscriber, speaks_vllm
 from gateway.realtime_vad import ServerVAD, Started, Stopped
 from gateway.responses_tools import responses_tool_plan
 from gateway.tool_calls import ToolAnswer, ToolPlan
@@ -106,6 +109,7 @@ class RealtimeSession:
     side_tasks: set[asyncio.Task] = field(default_factory=set)  # input transcriptions in flight
     ga: bool = False  # the GA interface (a session.update said "type": "realtime"): gateway/realtime_ga.py
     transcription: bool = False  # a GA transcription session ("type": "transcription"): no responses
+    vllm: VllmTranscriber | None = None  # a client speaking vLLM's realtime dialect (gateway/realtime_vllm.py)
 
     # ------------------------------------------------------------------------------------ plumbing
     async def send(self, kind: str, **fields: Any) -> None:
@@ -116,7 +120,15 @@ class RealtimeSession:
             for name, body in out:
                 await self.ws.send_text(json.dumps({"type": name, "event_id": f"event_{uuid.uuid4().hex}", **body}))
 
+    async def send_raw(self, event: dict[str, Any]) -> None:
+        """One event exactly as given (vLLM's dialect: gateway/realtime_vllm.py)."""
+        async with self.send_lock:
+            await self.ws.send_text(json.dumps(event))
+
     async def error(self, message: str, param: str | None, code: str, event_id: str | None) -> None:
+        if self.vllm is not None:  # vLLM's error event
+            await self.send_raw({"type": "error", "error": message, "code": code})
+            return
         await self.send("error", error={"type": "invalid_request_error", "code": code, "message": message,
                                         "param": param, "event_id": event_id})
 
@@ -163,7 +175,9 @@ class RealtimeSession:
                     if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                         raise RealtimeError("an event is a JSON object with a string 'type'", "type")
                     event_id = event.get("event_id")
-                    await self.handle(event)
+                    if self.vllm is None and speaks_vllm(event) and not self.items and not self.buffer:
+                        self.vllm = VllmTranscriber(self.gw, self.send_raw, self.side_tasks)  # vLLM's own dialect
+                    await (self.vllm.handle(event) if self.vllm is not None else self.handle(event))
                 except json.JSONDecodeError as e:
                     await self.error(f"not JSON: {e}", None, "invalid_json", None)
                 except RealtimeError as e:
@@ -252,7 +266,8 @@ class RealtimeSession:
             if self.response is not None and not self.response.done():
                 raise RealtimeError("a response is already in progress; cancel it or wait for response.done",
                                     None, "conversation_already_has_active_response")
-            await self._start(ga.response_fields(event.get("response") or {}) if self.ga else event.get("response") or {})
+            await self._start(ga.response_fields(event.get("response") or {}) if self.ga
+                              else event.get("response") or {})
         elif kind == "response.cancel":
             if self.response is None or self.response.done():
                 raise RealtimeError("no response is in progress", None, "response_cancel_not_active")

@@ -2,7 +2,7 @@
 completion with the same user message (the WAV as input_audio, then the instruction) answers, and
 `usage` counts the same tokens; the openai SDK gets that text too, and streamed (stream=True) its deltas
 add up to it, in more than one piece; include[]=logprobs gives the tokens and log-probabilities the chat
-gives with logprobs."""
+gives with logprobs. A client of vLLM's own /v1/realtime dialect gets the same text."""
 
 from __future__ import annotations
 
@@ -55,3 +55,33 @@ def test_transcription_logprobs_are_the_chats(mesh) -> None:
     assert len(got) == len(want) == r.json()["usage"]["output_tokens"] == 6
     assert [(g["token"], g["bytes"]) for g in got] == [(w["token"], w["bytes"]) for w in want]
     assert all(abs(g["logprob"] - w["logprob"]) < 1e-4 for g, w in zip(got, want))
+
+
+def test_vllms_realtime_dialect_transcribes_as_the_endpoint(mesh) -> None:
+    """A client of vLLM's own /v1/realtime (gateway/realtime_vllm.py: model in session.update, 16 kHz pcm16,
+    commit ... commit final) gets the endpoint's text for the same clip as deltas and transcription.done."""
+    import io
+    import json
+    import wave
+
+    from websockets.sync.client import connect
+
+    wav = sine_wav(1.0)  # 16 kHz, a tone: no pause for the VAD to cut at, one clip
+    with wave.open(io.BytesIO(wav)) as w:
+        pcm = w.readframes(w.getnframes())
+    want = httpx.post(f"{mesh.rest}/v1/audio/transcriptions", timeout=120, data={"model": "tiny-qwen3-omni"},
+                      files={"file": ("a.wav", wav, "audio/wav")}).json()
+    with connect(mesh.rest.replace("http://", "ws://") + "/v1/realtime", open_timeout=30) as ws:
+        assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
+        ws.send(json.dumps({"type": "session.update", "model": "tiny-qwen3-omni"}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        for at in range(0, len(pcm), 6400):  # 0.2 s chunks
+            chunk = base64.b64encode(pcm[at:at + 6400]).decode()
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+        events = [json.loads(ws.recv(timeout=120))]
+        while events[-1]["type"] != "transcription.done":
+            assert events[-1]["type"] == "transcription.delta", events[-1]
+            events.append(json.loads(ws.recv(timeout=120)))
+    assert events[-1]["text"] == "".join(e["delta"] for e in events[:-1]) == want["text"] != ""
+    assert events[-1]["usage"]["completion_tokens"] == want["usage"]["output_tokens"]

@@ -156,7 +156,8 @@ def test_a_transcription_session(rest_server: RestServer, pipeline: ScriptedPipe
         assert recv(ws)["error"]["param"] == "session.type"
 
 
-def test_intent_transcription_opens_a_transcription_session(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+def test_intent_transcription_opens_a_transcription_session(rest_server: RestServer,
+                                                             pipeline: ScriptedPipeline) -> None:
     """OpenAI's live-caption URL, `/v1/realtime?intent=transcription` (no model): a GA transcription session from
     session.created on, transcribing a committed turn with no session.update; another intent, or beta's
     transcription sessions (the OpenAI-Beta header), are refused at the handshake."""
