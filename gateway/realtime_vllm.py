@@ -12,7 +12,8 @@ server_vad cuts turns: `gateway/realtime_vad.py`): each pause sends the audio si
 thinker with /v1/audio/transcriptions' instruction (greedy), and its text streams out as deltas while the
 client goes on talking; the final commit transcribes what is left. The cuts partition the audio (none is
 heard twice or dropped), one clip at a time, in order. A live microphone that never sends the final commit
-still gets its text, pause by pause.
+still gets its text, pause by pause. The audio not transcribed yet (since the last pause, and clips waiting
+for the thinker) is bounded by the input limits' max_audio_seconds: past it an append is refused.
 
 Data flow: append -> samples at 16 kHz -> the utterance buffer and the VAD (off the event loop) -> at a
 pause or the final commit: a clip -> `collect_text` -> `transcription.delta` ... -> `transcription.done`.
@@ -60,6 +61,7 @@ class VllmTranscriber:
         self.vad: ServerVAD | None = None
         self.clips: asyncio.Queue[np.ndarray | None] = asyncio.Queue()  # cut clips; None: the stream ended
         self.worker: asyncio.Task | None = None
+        self.queued = 0  # samples cut into clips and not transcribed yet (all streams of the connection)
 
     async def error(self, message: str, code: str) -> None:
         await self.send({"type": "error", "error": message, "code": code})
@@ -111,11 +113,12 @@ class VllmTranscriber:
         if not self.open:
             self._open()  # audio before the opening commit belongs to the stream it opens
         samples = np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
-        held = sum(a.size for a in self.audio) + samples.size
+        held = sum(a.size for a in self.audio) + samples.size + self.queued
         limit = self.gw.loader.limits.max_audio_seconds
-        if held / RATE > limit:
-            raise RealtimeError(f"the audio since the last pause would be {held / RATE:.1f} s, over this server's "
-                                f"max_audio_seconds of {limit:g} s", "audio", "audio_too_long")
+        if held / RATE > limit:  # a pause-less talker, or a client faster than the transcription: bounded memory
+            raise RealtimeError(f"the audio not transcribed yet would be {held / RATE:.1f} s, over this server's "
+                                f"max_audio_seconds of {limit:g} s: pause, or wait for the text", "audio",
+                                "audio_too_long")
         self.audio.append(samples)
         vad = self.vad
         if vad is not None and any(isinstance(e, Stopped) for e in await asyncio.to_thread(vad.push, samples)):
@@ -124,7 +127,9 @@ class VllmTranscriber:
     async def _cut(self) -> None:
         """The audio since the last cut becomes a clip (too short for a feature window: kept for the next)."""
         if sum(a.size for a in self.audio) >= MIN_AUDIO_SAMPLES:
-            self.clips.put_nowait(np.concatenate(self.audio))
+            clip = np.concatenate(self.audio)
+            self.queued += clip.size
+            self.clips.put_nowait(clip)
             self.audio = []
 
     async def _transcribe(self, clips: asyncio.Queue[np.ndarray | None], before: asyncio.Task | None) -> None:
@@ -152,6 +157,8 @@ class VllmTranscriber:
             except PipelineError as e:
                 await self.error(e.message, "processing_error")
                 continue
+            finally:
+                self.queued -= clip.size
             texts.append((" " if texts and texts[-1] and text and not texts[-1].endswith(" ") else "") + text)
             prompt, completion = prompt + done.prompt_tokens, completion + done.completion_tokens
         await self.send({"type": "transcription.done", "text": "".join(texts),

@@ -2,7 +2,8 @@
 model at the top level of session.update speaks it; commit, 16 kHz pcm16 appends and the final commit give
 `transcription.delta` events and `transcription.done` with the text and the usage, the stream transcribed as
 /v1/audio/transcriptions transcribes (one text-only chat: the clip and the instruction); a pause in the
-speech cuts the stream into clips transcribed in order, none of the audio heard twice or dropped; mistakes
+speech cuts the stream into clips transcribed in order, none of the audio heard twice or dropped; audio waiting
+for its text is bounded by max_audio_seconds; mistakes
 are vLLM-shaped error events and the connection goes on."""
 
 from __future__ import annotations
@@ -94,3 +95,22 @@ def test_mistakes_are_vllm_error_events(rest_server: RestServer, pipeline: Scrip
         append(ws, np.zeros(1600, np.float32))
         send(ws, type="input_audio_buffer.commit", final=True)
         assert until_done(ws)[-1]["text"] == "Hello world"
+
+
+def test_audio_waiting_for_its_text_is_bounded(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    """A client faster than the transcription: clips wait in turn, but not beyond max_audio_seconds (5 s in the
+    test limits) of audio not transcribed yet; the refused chunk is an error event and the stream goes on."""
+    pipeline.event_delay_s = 1.0  # each clip's text takes ~3 s (three events)
+    said = resample(speech(), 24_000, 16_000)
+    turn = np.concatenate([said, np.zeros(16_000, np.float32)])  # ~2.25 s: a sentence, then a pause
+    with connect(url(rest_server).split("?")[0], open_timeout=10) as ws:
+        recv(ws)
+        send(ws, type="session.update", model="tiny-omni")
+        send(ws, type="input_audio_buffer.commit")
+        for _ in range(3):
+            append(ws, turn, chunk=len(pcm16_bytes(turn)))  # one append a turn: cut at its pause, then queued
+        error = recv(ws)
+        assert error["type"] == "error" and error["code"] == "audio_too_long", error
+        send(ws, type="input_audio_buffer.commit", final=True)
+        events = until_done(ws)
+    assert events[-1]["text"] == "Hello world Hello world"  # the two turns that fit
