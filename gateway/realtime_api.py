@@ -64,7 +64,7 @@ from gateway.realtime_vllm import VllmTranscriber, speaks_vllm
 from gateway.realtime_vad import ServerVAD, Started, Stopped
 from gateway.responses_tools import responses_tool_plan
 from gateway.tool_calls import ToolAnswer, ToolPlan
-from gateway.transcription_api import collect_text, instruction, text_request, token_usage
+from gateway.transcription_api import collect_text, token_usage, transcription_request
 from omnimesh import tracing
 
 if TYPE_CHECKING:
@@ -236,8 +236,9 @@ class RealtimeSession:
                 self.vad.clear()
             await self.send("input_audio_buffer.cleared")
         elif kind == "conversation.item.create":
-            item = await self._item(event.get("item"))
-            at = self._insert_at(event.get("previous_item_id"), item.id, event["item"].get("id"))
+            raw = event.get("item")
+            at = self._insert_at(event.get("previous_item_id"), raw.get("id") if isinstance(raw, dict) else None)
+            item = await self._item(raw)  # checked where it goes first: a refused item decodes no picture
             self.items.insert(at, item)
             try:
                 self._check_audio()
@@ -250,15 +251,10 @@ class RealtimeSession:
         elif kind == "conversation.item.truncate":
             await self._truncate(event)
         elif kind == "conversation.item.retrieve":
-            found = next((i for i in self.items if i.id == event.get("item_id")), None)
-            if found is None:
-                raise RealtimeError(f"no conversation item {event.get('item_id')!r}", "item_id", "item_not_found")
-            await self.send("conversation.item.retrieved", item=found.to_json())
+            await self.send("conversation.item.retrieved", item=self._find(event.get("item_id"), "item_id").to_json())
         elif kind == "conversation.item.delete":
             item_id = event.get("item_id")
-            if not any(i.id == item_id for i in self.items):
-                raise RealtimeError(f"no conversation item {item_id!r}", "item_id", "item_not_found")
-            self.items = [i for i in self.items if i.id != item_id]
+            self.items.remove(self._find(item_id, "item_id"))
             await self.send("conversation.item.deleted", item_id=item_id)
         elif kind == "response.create":
             if self.transcription:
@@ -317,10 +313,8 @@ class RealtimeSession:
         """`input_audio_transcription`: the thinker transcribes the clip (as /v1/audio/transcriptions does, greedy)
         beside the response; the text comes as it is written (`.delta` events), then whole (`.completed`) and in
         the item."""
-        ask = instruction("transcribe", how.get("language"), how.get("prompt"))
-        chat = text_request(f"trsc-{uuid.uuid4().hex}", self.gw.pipeline.served_models[0],
-                            (ChatMessage("user", (AudioPart(wave, self.input_rate), TextPart(ask))),),
-                            SamplingOverrides(temperature=0.0), self.gw.reasoning)
+        chat = transcription_request(self.gw.pipeline.served_models[0], AudioPart(wave, self.input_rate),
+                                     self.gw.reasoning, language=how.get("language"), prompt=how.get("prompt"))
         where = {"item_id": item.id, "content_index": 0}
 
         async def delta(piece: str) -> None:
@@ -416,23 +410,25 @@ class RealtimeSession:
                                     "(user items) with a data URI", where)
         return _Item(raw.get("id") or f"item_{uuid.uuid4().hex}", role, parts)
 
-    def _insert_at(self, after: Any, new_id: str, given_id: Any) -> int:
+    def _find(self, item_id: Any, param: str) -> _Item | CallItem | OutputItem:
+        """The conversation's item of that id, or the `item_not_found` error naming `param`."""
+        found = next((i for i in self.items if i.id == item_id), None)
+        if found is None:
+            raise RealtimeError(f"no conversation item {item_id!r}", param, "item_not_found")
+        return found
+
+    def _insert_at(self, after: Any, given_id: Any) -> int:
         """Where conversation.item.create puts its item: after `previous_item_id` ("root": first; none: last),
-        as OpenAI's; a client's own item id is at most 32 characters and not already in the conversation."""
+        as OpenAI's; a client's own item id is at most 32 characters and not already in the conversation (one
+        the server makes is new)."""
         if given_id is not None and (not isinstance(given_id, str) or not 0 < len(given_id) <= MAX_ITEM_ID):
             raise RealtimeError(f"item.id: a string of 1 to {MAX_ITEM_ID} characters (or leave it out)", "item.id")
-        if any(i.id == new_id for i in self.items):
-            raise RealtimeError(f"item.id: the conversation already has an item {new_id!r}", "item.id",
+        if given_id and any(i.id == given_id for i in self.items):
+            raise RealtimeError(f"item.id: the conversation already has an item {given_id!r}", "item.id",
                                 "item_id_exists")
         if after is None:
             return len(self.items)
-        if after == "root":
-            return 0
-        for j, i in enumerate(self.items):
-            if i.id == after:
-                return j + 1
-        raise RealtimeError(f"previous_item_id: no conversation item {after!r}", "previous_item_id",
-                            "item_not_found")
+        return 0 if after == "root" else self.items.index(self._find(after, "previous_item_id")) + 1
 
     def _check_images(self, items: list[Any]) -> None:
         """The images a response would read, against --limit-mm-per-prompt and max_media_items (a 400 as an error
@@ -505,11 +501,7 @@ class RealtimeSession:
         out = []
         for j, entry in enumerate(raw):
             if isinstance(entry, dict) and entry.get("type") == "item_reference":
-                found = next((i for i in self.items if i.id == entry.get("id")), None)
-                if found is None:
-                    raise RealtimeError(f"no conversation item {entry.get('id')!r}", f"response.input[{j}].id",
-                                        "item_not_found")
-                out.append(found)
+                out.append(self._find(entry.get("id"), f"response.input[{j}].id"))
             else:
                 out.append(await self._item(entry))
         return out
@@ -675,9 +667,9 @@ class RealtimeRoutes:
         trace = tracing.set_request_parent(ws.headers.items())
         try:
             settings = RealtimeSettings(modalities=default_modalities(self.gw.pipeline))  # text alone: no speech here
-            if intent == "transcription":
-                settings.modalities, settings.input_audio_transcription = ("text",), {"model": "", "language": None,
-                                                                                      "prompt": None}
+            if intent == "transcription":  # text out, each committed turn transcribed (with the defaults)
+                settings = updated(settings, {"modalities": ["text"], "input_audio_transcription": {}},
+                                   self.gw.pipeline)
             # a browser says which interface it speaks by its subprotocols: "realtime" alone is GA (OpenAI's GA
             # docs), with "openai-beta.realtime-v1" beta; without subprotocols a GA session.update switches it
             speaks_ga = "realtime" in offered and "openai-beta.realtime-v1" not in offered

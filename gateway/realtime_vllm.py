@@ -25,17 +25,16 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gateway.events import AudioPart, ChatMessage, PipelineError, SamplingOverrides, TextPart
+from gateway.events import AudioPart, PipelineError
 from gateway.media import MIN_AUDIO_SAMPLES
 from gateway.realtime_settings import RealtimeError
 from gateway.realtime_vad import ServerVAD, Stopped
-from gateway.transcription_api import collect_text, instruction, text_request
+from gateway.transcription_api import collect_text, transcription_request
 
 if TYPE_CHECKING:
     from gateway.rest import RestGateway
@@ -58,6 +57,7 @@ class VllmTranscriber:
         self.model_ok = False
         self.open = False  # between the opening commit and the final one
         self.audio: list[np.ndarray] = []  # the stream since the last cut
+        self.held = 0  # ... its samples
         self.vad: ServerVAD | None = None
         self.clips: asyncio.Queue[np.ndarray | None] = asyncio.Queue()  # cut clips; None: the stream ended
         self.worker: asyncio.Task | None = None
@@ -86,8 +86,8 @@ class VllmTranscriber:
                 raise RealtimeError("no audio stream is open: commit, append audio, then commit with final true",
                                     None, "input_audio_buffer_commit_empty")
             else:
-                await self._cut()
-                self.audio = []  # under one feature window: nothing to hear
+                self._cut()
+                self.audio, self.held = [], 0  # under one feature window: nothing to hear
                 self.clips.put_nowait(None)  # the stream's end: transcription.done after its last clip
                 self.open, self.vad = False, None
         else:
@@ -113,24 +113,24 @@ class VllmTranscriber:
         if not self.open:
             self._open()  # audio before the opening commit belongs to the stream it opens
         samples = np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
-        held = sum(a.size for a in self.audio) + samples.size + self.queued
+        held = self.held + samples.size + self.queued
         limit = self.gw.loader.limits.max_audio_seconds
         if held / RATE > limit:  # a pause-less talker, or a client faster than the transcription: bounded memory
             raise RealtimeError(f"the audio not transcribed yet would be {held / RATE:.1f} s, over this server's "
                                 f"max_audio_seconds of {limit:g} s: pause, or wait for the text", "audio",
                                 "audio_too_long")
         self.audio.append(samples)
+        self.held += samples.size
         vad = self.vad
         if vad is not None and any(isinstance(e, Stopped) for e in await asyncio.to_thread(vad.push, samples)):
-            await self._cut()
+            self._cut()
 
-    async def _cut(self) -> None:
+    def _cut(self) -> None:
         """The audio since the last cut becomes a clip (too short for a feature window: kept for the next)."""
-        if sum(a.size for a in self.audio) >= MIN_AUDIO_SAMPLES:
-            clip = np.concatenate(self.audio)
-            self.queued += clip.size
-            self.clips.put_nowait(clip)
-            self.audio = []
+        if self.held >= MIN_AUDIO_SAMPLES:
+            self.clips.put_nowait(np.concatenate(self.audio))
+            self.queued += self.held
+            self.audio, self.held = [], 0
 
     async def _transcribe(self, clips: asyncio.Queue[np.ndarray | None], before: asyncio.Task | None) -> None:
         """The stream's clips in order (after the previous stream's are done): each one's text as deltas, a
@@ -138,14 +138,11 @@ class VllmTranscriber:
         if before is not None:
             with contextlib.suppress(BaseException):
                 await before
-        texts: list[str] = []
+        said = ""
         prompt = completion = 0
         while (clip := await clips.get()) is not None:
-            ask = instruction("transcribe", None, None)
-            chat = text_request(f"trsc-{uuid.uuid4().hex}", self.gw.pipeline.served_models[0],
-                                (ChatMessage("user", (AudioPart(clip, RATE), TextPart(ask))),),
-                                SamplingOverrides(temperature=0.0), self.gw.reasoning)
-            lead = " " if texts and texts[-1] and not texts[-1].endswith(" ") else ""
+            chat = transcription_request(self.gw.pipeline.served_models[0], AudioPart(clip, RATE), self.gw.reasoning)
+            sep = lead = " " if said and not said.endswith(" ") else ""  # between clips' texts, with the first delta
 
             async def delta(piece: str) -> None:
                 nonlocal lead
@@ -159,9 +156,9 @@ class VllmTranscriber:
                 continue
             finally:
                 self.queued -= clip.size
-            texts.append((" " if texts and texts[-1] and text and not texts[-1].endswith(" ") else "") + text)
+            said += sep + text if text else ""
             prompt, completion = prompt + done.prompt_tokens, completion + done.completion_tokens
-        await self.send({"type": "transcription.done", "text": "".join(texts),
+        await self.send({"type": "transcription.done", "text": said,
                          "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                                    "total_tokens": prompt + completion}})
 

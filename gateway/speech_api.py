@@ -56,6 +56,7 @@ SYSTEM = "You are a text-to-speech voice. Say the user's text exactly as written
 SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 _ENCODING: dict[str, OutputAudioFormat] = {"mp3": "mp3", "opus": "opus", "aac": "aac", "flac": "flac", "wav": "wav",
                                            "pcm": "pcm16"}
+WHOLE_FORMATS = ("wav", "flac")  # their headers name their length: encoded whole at the end
 MEDIA_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
                "pcm": "audio/pcm"}
 
@@ -81,7 +82,7 @@ class _Speech:
     speed: float = 1.0
     first_text: bool = False
     first_audio: bool = False
-    pcm: list[np.ndarray] = field(default_factory=list)  # the answer's audio so far, at `speed`
+    pcm: list[np.ndarray] = field(default_factory=list)  # wav / flac: the answer's audio so far, at `speed`
     tempo: Tempo | None = None  # made with the first audio (its sample rate)
     file: AudioFileStream | None = None  # mp3, aac, opus: the file as it is encoded (`_stream`)
 
@@ -109,7 +110,7 @@ class SpeechRoutes:
             body = await asyncio.to_thread(lambda: validate_body(SpeechRequest, parse_json_object(raw)))  # off the loop
             call = self.build(body, client_id, started)
             call.request = await asyncio.to_thread(self._sized, call.request, call.text)
-            streamed = call.sse or call.fmt == "pcm" or call.fmt in STREAMED_FORMATS
+            streamed = call.sse or call.fmt not in WHOLE_FORMATS
             return Answer(call.request.request_id, (call.request,), streamed,
                           lambda first, events: self._complete(call, first, events),
                           lambda first, state: self._stream(call, first, state),
@@ -177,7 +178,7 @@ class SpeechRoutes:
             if call.fmt in STREAMED_FORMATS:  # the encoder's and muxer's last bytes
                 if data := await asyncio.to_thread(self._file(call).finish):
                     yield sse(_delta(data)) if call.sse else data
-            elif call.sse and call.fmt != "pcm":  # wav and flac name their length first: whole at the end
+            elif call.sse and call.fmt in WHOLE_FORMATS:  # their length comes first: whole at the end
                 data = await asyncio.to_thread(encode_audio, self._wave(call), call.sample_rate, _ENCODING[call.fmt])
                 yield sse(_delta(data))
             if call.sse:
@@ -219,8 +220,8 @@ class SpeechRoutes:
         return call.file
 
     def _take(self, call: _Speech, ev: object) -> np.ndarray | None:
-        """An event of the answer; its audio at `speed` (the filter's tail with the Finished event), kept in
-        `call.pcm` and returned (None: no audio in this event)."""
+        """An event of the answer; its audio at `speed` (the filter's tail with the Finished event), returned
+        (None: no audio in this event) and kept in `call.pcm` for the formats sent whole at the end."""
         self.gw._observe(call, ev)  # type: ignore[arg-type]
         if isinstance(ev, AudioDelta):
             if call.tempo is None:
@@ -230,7 +231,8 @@ class SpeechRoutes:
             new = call.tempo.finish()
         else:
             return None
-        call.pcm.append(new)
+        if call.fmt in WHOLE_FORMATS:  # the streamed ones are sent as they come: nothing to keep
+            call.pcm.append(new)
         return new
 
     @staticmethod

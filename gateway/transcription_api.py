@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import FormData, UploadFile
 
 from gateway.choices import Indexed, close_events
-from gateway.events import (ChatMessage, ChatRequest, Finished, Pipeline, SamplingOverrides, TextDelta, TextPart,
-                            check_request_id)
+from gateway.events import (AudioPart, ChatMessage, ChatRequest, Finished, Pipeline, SamplingOverrides, TextDelta,
+                            TextPart, check_request_id)
 from gateway.http_errors import internal_error
 from gateway.languages import language_name
 from gateway.media import invalid_request
@@ -214,11 +214,11 @@ class TranscriptionRoutes:
         self.gw.loader.check_counts(["audio"])  # --limit-mm-per-prompt audio=0 refuses this route too
         audio = await self.gw.loader.audio_from_bytes(await upload.read(), "file")
         self.gw.loader.check_audio_seconds(audio.waveform.size / audio.sample_rate)
-        ask = instruction(task, check_language(_field(form, "language")), _field(form, "prompt"))
         pipeline_model = model if model in self.gw.pipeline.served_models else self.gw.pipeline.served_models[0]
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
-        chat = text_request(f"trsc-{suffix}", pipeline_model, (ChatMessage("user", (audio, TextPart(ask))),),
-                            sampling, self.gw.reasoning)
+        chat = transcription_request(pipeline_model, audio, self.gw.reasoning, task=task,
+                                     language=check_language(_field(form, "language")), prompt=_field(form, "prompt"),
+                                     sampling=sampling, request_id=f"trsc-{suffix}")
         split = ThoughtTokens(AnswerSplit(self.gw.reasoning, chat.reasoning_end is not None, include=False))
         return _Transcription(chat, fmt, stream, started, split, [] if include else None, self.gw.tokens_as_ids)
 
@@ -252,6 +252,18 @@ class TranscriptionRoutes:
                 yield DONE
                 return
         raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
+
+
+def transcription_request(model: str, audio: AudioPart, reasoning: ReasoningParser | None, *,
+                          task: Task = "transcribe", language: str | None = None, prompt: str | None = None,
+                          sampling: SamplingOverrides = SamplingOverrides(temperature=0.0),
+                          request_id: str | None = None) -> ChatRequest:
+    """The chat every transcription runs (this route, the Realtime API's input transcriptions, vLLM's realtime
+    dialect): one user message, the clip then the instruction with the client's hints; text only, greedy unless
+    `sampling` says otherwise."""
+    ask = instruction(task, language, prompt)
+    return text_request(request_id or f"trsc-{uuid.uuid4().hex}", model,
+                        (ChatMessage("user", (audio, TextPart(ask))),), sampling, reasoning)
 
 
 def text_request(request_id: str, model: str, messages: tuple[ChatMessage, ...], sampling: SamplingOverrides,

@@ -31,6 +31,7 @@ completes in the token that reaches min_tokens or a later one (`StopStrings.push
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -140,20 +141,19 @@ class ThinkerTask(BatchedTask):
             if self.grammars is None:
                 raise RuntimeError("a structured output without the stage's grammar compiler")
             self.constraint = self.grammars.constraint(self.structured)  # ValueError: this request fails
-        if self.bad_words:
-            banned = bad_word_ids(self.detok.tokenizer, self.bad_words)
-            self.sampler = Sampler(replace(self.sampler.params, bad_words_ids=banned), self.sampler.generator)
-            self.bad_words = ()
         self.prompt = prompt
         self.token_ids = prompt.ids.tolist()
         self.prompt_tokens = len(self.token_ids)
         self._history = torch.empty(max(self.max_model_len, self.prompt_tokens + 1), dtype=torch.long)
         self._history[:self.prompt_tokens] = prompt.ids.view(-1)
         room = self.max_model_len - self.prompt_tokens  # a long prompt leaves only so much room
-        p = self.sampler.params
+        p, changes = self.sampler.params, dict[str, Any]()
         if room < p.max_tokens:  # and min_tokens with it: no request can ask for more than fits
-            self.sampler = Sampler(replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room)),
-                                   self.sampler.generator)
+            changes.update(max_tokens=room, min_tokens=min(p.min_tokens, room))
+        if self.bad_words:  # vLLM's bad_words, tokenized here on the compute thread
+            changes["bad_words_ids"], self.bad_words = bad_word_ids(self.detok.tokenizer, self.bad_words), ()
+        if changes:  # the sampler built once more, keeping its generator
+            self.sampler = Sampler(replace(p, **changes), self.sampler.generator)
         capture = self.thinker.capture_rows(prompt) if self.talker_inputs else None
         keys = targets = None
         k = self.sampler.params.prompt_logprobs

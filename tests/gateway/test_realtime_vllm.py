@@ -3,7 +3,7 @@ model at the top level of session.update speaks it; commit, 16 kHz pcm16 appends
 `transcription.delta` events and `transcription.done` with the text and the usage, the stream transcribed as
 /v1/audio/transcriptions transcribes (one text-only chat: the clip and the instruction); a pause in the
 speech cuts the stream into clips transcribed in order, none of the audio heard twice or dropped; audio waiting
-for its text is bounded by max_audio_seconds; mistakes
+for its text is bounded by max_audio_seconds; a clip the pipeline fails is an error event before the done; mistakes
 are vLLM-shaped error events and the connection goes on."""
 
 from __future__ import annotations
@@ -114,3 +114,26 @@ def test_audio_waiting_for_its_text_is_bounded(rest_server: RestServer, pipeline
         send(ws, type="input_audio_buffer.commit", final=True)
         events = until_done(ws)
     assert events[-1]["text"] == "Hello world Hello world"  # the two turns that fit
+
+
+def test_a_failed_clip_and_an_unnamed_model(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    """A clip the pipeline fails is a processing_error event and the stream still ends with transcription.done
+    (its text without that clip); a commit before a served model was named is model_not_validated."""
+    from gateway.events import PipelineError
+
+    with connect(url(rest_server).split("?")[0], open_timeout=10) as ws:
+        recv(ws)
+        send(ws, type="session.update", model="whisper-1")  # vLLM's dialect, but no served model yet
+        assert recv(ws)["code"] == "model_not_found"
+        send(ws, type="input_audio_buffer.commit")
+        assert recv(ws)["code"] == "model_not_validated"
+        send(ws, type="session.update", model="tiny-omni")
+        pipeline.script = lambda request: [PipelineError("thinker is full", http_status=429, grpc_code=8,
+                                                         kind="rate_limit_error")]
+        send(ws, type="input_audio_buffer.commit")
+        append(ws, np.zeros(1600, np.float32))
+        send(ws, type="input_audio_buffer.commit", final=True)
+        error = recv(ws)
+        assert error == {"type": "error", "error": "thinker is full", "code": "processing_error"}
+        assert recv(ws) == {"type": "transcription.done", "text": "",
+                            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
