@@ -358,6 +358,7 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
 
     from omnimesh.models.qwen3_omni.checkpoint_stages import model_family, model_stages
     from omnimesh.models.qwen3_omni.lm_engine import CPU_KV_CACHE_BYTES
+    from omnimesh.models.qwen3_omni.paged_kv import kv_cache_dtype
     from omnimesh.models.qwen3_omni.stage_loading import load_config
     from omnimesh.stage_registry import resolve_dtype
 
@@ -392,7 +393,7 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
         if stage == "encoder" and (args.node_rank == 0 or cfg.num_nodes == 1):  # rank 0 keeps its outputs
             sp.cache = parse_size(args.encoder_cache_memory, "--encoder-cache-memory")
         if kv is not None:
-            sp.kv_per_token = kv.per_token(cfg.pp, cfg.tp, cfg.pp_layer_partition, dtype)
+            sp.kv_per_token = kv.per_token(cfg.pp, cfg.tp, cfg.pp_layer_partition, kv_cache_dtype(cfg.kv_cache_dtype, dtype))
             sp.kv_max_len = kv.max_len
             sp.kv_one_sequence = kv.one_sequence(sp.kv_per_token, args.block_size)
             pool = cfg.kv_cache_memory if cfg.kv_cache_memory is not None or cuda else CPU_KV_CACHE_BYTES
@@ -480,6 +481,7 @@ def _recommend(stage: str, cfg: StageConfig, config: Any, weights: StageWeights,
                cache: int = 0) -> tuple[str, tuple[int, int] | None]:
     """The smallest pp x tp (tp first, within a host) that the model's layout accepts and that fits: what to
     say, and (pp, tp) (None when no layout up to the stage's hosts' devices fits)."""
+    from omnimesh.models.qwen3_omni.paged_kv import kv_cache_dtype
     from omnimesh.models.qwen3_omni.parallel_plan import check_layout
 
     hosts, limit = cfg.num_nodes, per_host * cfg.num_nodes
@@ -495,7 +497,7 @@ def _recommend(stage: str, cfg: StageConfig, config: Any, weights: StageWeights,
             continue
         need = weights.per_rank(pp, tp) + weights.driver + cache
         if kv is not None:
-            one = kv.one_sequence(kv.per_token(pp, tp, None, dtype), block_size)
+            one = kv.one_sequence(kv.per_token(pp, tp, None, kv_cache_dtype(cfg.kv_cache_dtype, dtype)), block_size)
             need += cfg.kv_cache_memory if cfg.kv_cache_memory is not None and cfg.kv_cache_memory >= one else one
         budget = min(int(memory_of(i) * cfg.gpu_memory_utilization) for i in range(cand.ranks_per_node))
         if need <= budget:

@@ -16,8 +16,9 @@ from typing import Any
 
 from gateway.content_format import CONTENT_FORMATS, check_content_format
 from omnimesh.allocator import check_mode
-from omnimesh.config.stage_config import (SPEECH_STAGES, STAGES, TRANSPORT_CHOICES, StageConfig, parse_bytes, parse_json_object, parse_size,
-                                          parse_stage_overrides, resolve_stage)
+from omnimesh.config.stage_config import (KV_CACHE_DTYPE_CHOICES, SPEECH_STAGES, STAGES, TRANSPORT_CHOICES, StageConfig,
+                                          parse_bytes, parse_json_object, parse_size, parse_stage_overrides,
+                                          resolve_stage)
 from omnimesh.models.qwen3_omni.code_windows import DEFAULT_WINDOWS, parse_windows, windows_text
 
 TOOL_CALL_PARSERS = ("hermes",)  # vLLM's names of the tool-call formats the gateway parses (gateway/tool_calls.py)
@@ -134,6 +135,11 @@ class ServeArgs:
                                    "chat's history, the same picture with another question) skip the towers; on "
                                    "the encoder's device; 0 = off", "--encoder-cache-memory")
     kv_cache_memory: str | None = _f(None, "KV-cache size per rank of the thinker / talker, e.g. 2GiB (CPU default 4GiB; on CUDA it is what --gpu-memory-utilization leaves after weights and activations)", "--kv-cache-memory")
+    kv_cache_dtype: str = _f("auto", "dtype the thinker's / talker's KV cache keeps keys and values in, as vLLM's: "
+                             "auto (the model's dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3) or fp8_e5m2; "
+                             "fp8 holds 4x the tokens of a float32 cache in the same memory (2x of bfloat16), cast "
+                             "with scale 1.0 as vLLM's without calibrated scales; attention still runs in the "
+                             "model's dtype", "--kv-cache-dtype")
     block_size: int = _f(16, "tokens per KV-cache block", "--block-size")
     stream_interval: int = _f(4, "thinker tokens per streamed chunk (text deltas and the talker's inputs), as vLLM's "
                               "--stream-interval (its default is 1): the first token, the tokens the first audio "
@@ -280,6 +286,9 @@ class ServeArgs:
             raise ValueError(f"--block-size must be in 1..1024 tokens, got {self.block_size} (16 is the usual value)")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory, "--kv-cache-memory")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         parse_size(self.encoder_cache_memory, "--encoder-cache-memory")
         if self.responses_store_memory is not None:
             parse_bytes(self.responses_store_memory, "--responses-store-memory")
@@ -363,6 +372,7 @@ class ServeArgs:
             scheduling_policy=self.scheduling_policy,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory, "--kv-cache-memory"),
+            kv_cache_dtype=self.kv_cache_dtype,
             transport=self.transport,
             shm_arena_size=parse_size(self.shm_arena_size, "--shm-arena-size"),
             shm_min_tensor_size=parse_size(self.shm_min_tensor_size, "--shm-min-tensor-size"),

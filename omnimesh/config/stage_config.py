@@ -14,6 +14,8 @@ from typing import Any
 STAGES: tuple[str, ...] = ("encoder", "thinker", "talker", "vocoder")
 STAGE_IDS: dict[str, str] = {str(i): name for i, name in enumerate(STAGES)}
 TRANSPORT_CHOICES: tuple[str, ...] = ("auto", "grpc", "shm", "cuda-ipc")
+# dtypes of the thinker's / talker's paged KV cache, vLLM's names (omnimesh/models/qwen3_omni/paged_kv.py maps them)
+KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # below this a CPU tensor goes inline even on a shared-memory edge: a slot's publish, claim and release
 # (byte-range locks) cost the same however small the tensor. `bench/handoff.py --sizes 256B,4KiB,16KiB,
 # 64KiB,256KiB --transports shm,grpc` on the 2-core CPU machine: held 0.64 ms by reference vs 0.54 ms
@@ -71,6 +73,9 @@ class StageConfig:
         default=None, metadata={"help": "most tokens in one engine step; longer prompts are prefilled in chunks"})
     kv_cache_memory: int | None = field(
         default=None, metadata={"help": "KV-cache bytes per rank, e.g. '2GiB' (CPU default 4GiB; CUDA: from utilization)"})
+    kv_cache_dtype: str = field(
+        default="auto", metadata={"help": "dtype of the KV cache's keys and values: auto (the model's), float32, "
+                                          "bfloat16, float16, fp8 (= fp8_e4m3) or fp8_e5m2"})
     pp_layer_partition: tuple[int, ...] | None = field(
         default=None, metadata={"help": "layers per pipeline rank, e.g. [3, 5]; must sum to the layer count"}
     )
@@ -130,6 +135,9 @@ class StageConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
             raise ValueError(f"kv_cache_memory must be a size in bytes >= 1 (e.g. '512MiB'), got {self.kv_cache_memory!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.transport!r}")
         if not isinstance(self.shm_arena_size, int) or self.shm_arena_size < 0:

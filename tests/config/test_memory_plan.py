@@ -232,3 +232,15 @@ def test_the_encoder_cache_is_counted_on_the_encoders_rank_0(models) -> None:
     cpu = plan_memory(model, ServeArgs(device="cpu", encoder_cache_memory="64MiB"))
     cpu_off = plan_memory(model, ServeArgs(device="cpu", encoder_cache_memory="0"))
     assert cpu.total_cpu == cpu_off.total_cpu + 64 * 2**20
+
+
+def test_a_narrower_kv_cache_dtype_counts_fewer_bytes_per_token(models) -> None:
+    model = models["qwen3-omni"]
+    plans = {name: {s.stage: s for s in plan_memory(model, ServeArgs(device="cuda", kv_cache_dtype=name,
+                                                                      stage_overrides=overrides),
+                                                    device_memory=2**40).stages}
+             for name, overrides in (("auto", None), ("fp8", '{"talker": {"kv_cache_dtype": "float32"}}'))}
+    auto, fp8 = plans["auto"], plans["fp8"]
+    assert fp8["thinker"].kv_per_token * 2 == auto["thinker"].kv_per_token  # bf16 -> fp8
+    assert fp8["talker"].kv_per_token == 2 * auto["talker"].kv_per_token  # its own override: float32
+    assert fp8["thinker"].need < auto["thinker"].need

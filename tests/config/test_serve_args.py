@@ -111,6 +111,9 @@ def test_stage_base_port_leaves_room_for_every_replica() -> None:
     "kwargs, message",
     [
         ({"dtype": "fp8"}, "--dtype must be one of"),
+        ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype must be one of auto, float32, bfloat16, float16, fp8, fp8_e4m3, "
+                                     "fp8_e5m2, got 'int8'"),
+        ({"stage_overrides": '{"talker": {"kv_cache_dtype": "fp4"}}'}, r"stage talker: kv_cache_dtype must be one of"),
         ({"port": 0}, "--port must be a port number"),
         ({"distributed_executor_backend": "slurm"}, "must be mp or ray"),
         ({"distributed_executor_backend": "ray", "num_nodes": 2, "master_port": 29500},
@@ -166,8 +169,10 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     from omnimesh.launcher import MeshLauncher
 
     args = ServeArgs(max_num_seqs=64, kv_cache_memory="1GiB", max_waiting_requests=7, audio_windows="4,8,16",
+                     kv_cache_dtype="bfloat16",
                      stage_overrides='{"thinker": {"pp": 2, "tp": 2, "devices": "0,1,2,3", "pp_layer_partition": [1, 3],'
                                      ' "kv_cache_memory": "256MiB", "max_num_batched_tokens": 512, "transport": "grpc",'
+                                     ' "kv_cache_dtype": "fp8",'
                                      ' "shm_arena_size": "64MiB", "max_waiting_requests": 3}, "talker": {"pp": 2, '
                                      '"shm_min_tensor_size": "0", "bulk_nice": 5}}')
     launcher = MeshLauncher(args, tmp_path)
@@ -178,13 +183,13 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
                                "max_waiting_requests": 3, "gpu_memory_utilization": 0.9, "kv_cache_memory": 256 * 2**20,
                                "max_num_batched_tokens": 512, "transport": "grpc", "shm_arena_size": 64 * 2**20,
                                "shm_min_tensor_size": 16 * 2**10, "nice": 0,
-                               "scheduling_policy": "fcfs", "enable_prefix_caching": False}}
+                               "scheduling_policy": "fcfs", "enable_prefix_caching": False, "kv_cache_dtype": "fp8"}}
     talker = launcher._stage_argv("talker", 50053)
     assert talker[talker.index("-pp") + 1] == "2"
     talker_own = json.loads(talker[talker.index("--stage-overrides") + 1])["talker"]
     assert talker_own["kv_cache_memory"] == 2**30 and talker_own["max_waiting_requests"] == 7
     assert (talker_own["transport"], talker_own["shm_arena_size"], talker_own["shm_min_tensor_size"]) == ("auto", 256 * 2**20, 0)
-    assert (talker_own["nice"], talker_own["bulk_nice"]) == (0, 5)
+    assert (talker_own["nice"], talker_own["bulk_nice"], talker_own["kv_cache_dtype"]) == (0, 5, "bfloat16")
     encoder = launcher._stage_argv("encoder", 50051)
     assert encoder[encoder.index("-tp") + 1] == "1" and encoder[encoder.index("-pp") + 1] == "1"
     vocoder = launcher._stage_argv("vocoder", 50054)
@@ -195,7 +200,7 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
 
     cfg = from_namespace(build_parser().parse_args(thinker)).stage_configs()["thinker"]
     assert (cfg.pp, cfg.tp, cfg.kv_cache_memory, cfg.max_num_batched_tokens, cfg.max_num_seqs) == (2, 2, 256 * 2**20, 512, 64)
-    assert cfg.max_waiting_requests == 3
+    assert (cfg.max_waiting_requests, cfg.kv_cache_dtype) == (3, "fp8")
     assert (cfg.transport, cfg.shm_arena_size, cfg.shm_min_tensor_size) == ("grpc", 64 * 2**20, 16 * 2**10)
     assert not from_namespace(build_parser().parse_args(thinker)).enforce_eager
 

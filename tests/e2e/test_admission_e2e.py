@@ -9,7 +9,9 @@ a video is refused on REST and gRPC, and 1 s of audio is a 413 naming the limit.
 --override-generation-config '{"max_new_tokens": 3}' and the talker's default_sampling_params
 {"max_tokens": 5} (launcher -> thinker / talker): a request that sets neither runs to them, exactly as one
 that asks for them. --mm-processor-kwargs '{"max_pixels": 4096}' (launcher -> gateway): an image costs the
-prompt tokens the processor with that setting gives, fewer than the folder's own. Every wait is bounded.
+prompt tokens the processor with that setting gives, fewer than the folder's own. --kv-cache-dtype fp8
+(launcher -> thinker / talker): both keep their KV cache in fp8, 4x the tokens of the float32 default in the
+same memory, and B's text is still exactly its solo text on that cache. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def capped(tiny_model_dir: Path):
                    "--limit-mm-per-prompt", '{"video": 0}', "--input-limits", '{"max_audio_seconds": 0.5}',
                    "--override-generation-config", '{"max_new_tokens": 3}',
                    "--stage-overrides", '{"talker": {"default_sampling_params": {"max_tokens": 5}}}',
-                   "--mm-processor-kwargs", '{"max_pixels": 4096}')
+                   "--mm-processor-kwargs", '{"max_pixels": 4096}', "--kv-cache-dtype", "fp8")
     try:
         yield m
     finally:
@@ -153,3 +155,16 @@ def test_the_processor_settings_apply(capped, tiny_model_dir):
     default = PromptBuilder(tiny_model_dir, max_model_len=4096)(req)
     assert r.json()["usage"]["prompt_tokens"] == small.input_ids.numel() < default.input_ids.numel()
     assert "gateway: processor settings max_pixels=4096" in capped.proc.output()
+
+
+def test_the_llm_stages_keep_their_kv_cache_in_fp8(capped, tiny_model_dir: Path):
+    from omnimesh.models.qwen3_omni import paged_kv
+    from omnimesh.models.qwen3_omni.lm_engine import CPU_KV_CACHE_BYTES
+    from omnimesh.models.qwen3_omni.stage_loading import load_config
+
+    config = load_config(tiny_model_dir)
+    for stage, text in (("thinker", config.thinker_config.text_config), ("talker", config.talker_config.text_config)):
+        per_block = paged_kv.block_bytes(text, text.num_hidden_layers, 1, 16, paged_kv.KV_CACHE_DTYPES["fp8"])
+        line = capped.proc.wait_for_line(rf"{stage} KV cache: (\d+) blocks x 16 tokens = \d+ tokens "
+                                         rf"\(kv-cache-dtype fp8\)", timeout_s=5)
+        assert int(line.group(1)) == CPU_KV_CACHE_BYTES // per_block  # 4x the float32 pool's blocks

@@ -6,7 +6,8 @@ contiguous layer range (`partition_layers`), loads only those tensors, sharded f
 one KV cache per open request for exactly those layers and heads.
 
 Commands (sent by the driver to every rank, executed in lock-step):
-    LMInitCache(block_size, kv_bytes | None, ...)   size the paged KV pool (min over ranks) -> num_blocks
+    LMInitCache(block_size, kv_bytes | None, ..., kv_cache_dtype)   size the paged KV pool (min over ranks)
+        -> num_blocks; the pool holds keys and values in `kv_cache_dtype` (auto: the model's dtype)
     LMBatch(x (1, N, H), position_ids, layout, logit_rows, ...)   one continuous-batching step over the pool:
         the new tokens of many requests packed; -> LMBatchResult(logits (M, V), last hidden (M, H), captured,
         scores): `score_rows` (S,) with their `score_targets` (S,) come back scored on the last pp rank (vLLM's
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from omnimesh.models.qwen3_omni.paged_kv import BatchLayout, PagedBatch, PagedKVPool, block_bytes
+from omnimesh.models.qwen3_omni.paged_kv import BatchLayout, PagedBatch, PagedKVPool, block_bytes, kv_cache_dtype
 from omnimesh.models.qwen3_omni.parallel_code_predictor import ParallelCodePredictor, predict_residuals
 from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelTextModel, pipeline_step
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
@@ -88,6 +89,7 @@ class LMInitCache:
     gpu_memory_utilization: float = 0.9
     profile_tokens: int = 2048  # CUDA: activations of a step this large are kept free
     logit_rows: int = 256  # CUDA: ... and of the head over this many rows (--max-num-seqs; at least a score chunk)
+    kv_cache_dtype: str = "auto"  # the pool's dtype (--kv-cache-dtype, paged_kv.KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -235,7 +237,8 @@ class LMShard:
 
     def _init_cache(self, command: LMInitCache) -> int:
         config, (start, end) = self.model.config, self.layer_range
-        per_block = block_bytes(config, end - start, self.ps.tp_size, command.block_size, self.dtype)
+        dtype = kv_cache_dtype(command.kv_cache_dtype, self.dtype)
+        per_block = block_bytes(config, end - start, self.ps.tp_size, command.block_size, dtype)
         budget = command.kv_bytes if command.kv_bytes is not None else self._cuda_budget(command)
         blocks = torch.tensor([budget // per_block], dtype=torch.long)
         if self.ps.world_size > 1:  # every rank must hold the same block ids
@@ -248,9 +251,9 @@ class LMShard:
         self.pool = None  # drop an older pool before allocating the new one
         self.pool = PagedKVPool(self.layer_range, num_blocks, command.block_size,
                                 max(1, config.num_key_value_heads // self.ps.tp_size), text_arch(config).head_dim,
-                                self.dtype, self.ps.device)
-        log.info("%s rank %d: KV cache %d blocks x %d tokens (%.1f MiB)", self.role, self.ps.rank, num_blocks,
-                 command.block_size, self.pool.nbytes() / 2**20)
+                                dtype, self.ps.device)
+        log.info("%s rank %d: KV cache %d blocks x %d tokens (%.1f MiB, %s)", self.role, self.ps.rank, num_blocks,
+                 command.block_size, self.pool.nbytes() / 2**20, str(dtype).removeprefix("torch."))
         return num_blocks
 
     def _cuda_budget(self, command: LMInitCache) -> int:

@@ -15,6 +15,12 @@ Data flow for one batched step on one rank (N packed tokens of B requests, see p
         -> requests with several new tokens (prefill chunks): one SDPA each, causal over past + chunk
         -> o (1, nh, N, D) in packed order
 Pool memory per rank: 2 x layers x num_blocks x block_size x (n_kv_heads / tp) x head_dim x dtype size.
+
+The pool's dtype is the model's unless --kv-cache-dtype says otherwise (`KV_CACHE_DTYPES`): bfloat16 halves a
+float32 cache, fp8 (e4m3 or e5m2) quarters it. Keys and values are cast (fp8: saturated at the format's
+largest value, scale 1.0 as vLLM's without calibrated scales) when written and cast back to the compute dtype
+when read, so attention itself runs in the model's dtype; fp8 pools are read and written as bytes (CPU
+index_copy has no fp8 kernel).
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni.parallel_text_model import gqa_attention
 from omnimesh.models.qwen3_omni.text_arch import text_arch
 
+# --kv-cache-dtype (vLLM's names, omnimesh.config.stage_config.KV_CACHE_DTYPE_CHOICES): auto = the model's dtype
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 PAGED_KERNEL_KEYS = 16384  # the CPU kernel's limit on a decode's keys (its softmax is not vectorised; SDPA beyond)
 
 
@@ -37,6 +48,29 @@ def block_bytes(config: Any, layers: int, tp: int, block_size: int, dtype: torch
     kv_heads = max(1, config.num_key_value_heads // tp)
     head_dim = text_arch(config).head_dim
     return 2 * layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool dtype --kv-cache-dtype `name` gives a model computing in `model_dtype`."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
+def store(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """x (N, nkv, D) into `pool`'s rows `slots`, cast to the pool's dtype (fp8: saturated, as bytes)."""
+    if pool.dtype in FP8:
+        top = torch.finfo(pool.dtype).max
+        pool.view(torch.uint8).index_copy_(0, slots, x.clamp(-top, top).to(pool.dtype).view(torch.uint8))
+    else:
+        pool.index_copy_(0, slots, x.to(pool.dtype))
+
+
+def load(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`pool`'s rows at `slots` (any shape of slot ids) in the compute dtype."""
+    if pool.dtype in FP8:
+        return pool.view(torch.uint8)[slots].view(pool.dtype).to(dtype)
+    return pool[slots].to(dtype)
 
 
 @dataclass(frozen=True)
@@ -157,13 +191,13 @@ class PagedBatch:
                                            self.decode_lens, scale, out)
             self._prefill(q, kp, vp, n_rep, scale, out)
             return out
-        kp.index_copy_(0, self.write_slots, k[0].transpose(0, 1))  # (N, nkv, D) into their slots
-        vp.index_copy_(0, self.write_slots, v[0].transpose(0, 1))
+        store(kp, self.write_slots, k[0].transpose(0, 1))  # (N, nkv, D) into their slots
+        store(vp, self.write_slots, v[0].transpose(0, 1))
         out = torch.empty_like(q)  # (1, nh, N, D)
         if self.decode_rows.numel():
             qd = q[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)  # (Bd, nh, 1, D)
-            kd = kp[self.decode_slots].permute(0, 2, 1, 3)  # (Bd, nkv, Smax, D)
-            vd = vp[self.decode_slots].permute(0, 2, 1, 3)
+            kd = load(kp, self.decode_slots, q.dtype).permute(0, 2, 1, 3)  # (Bd, nkv, Smax, D)
+            vd = load(vp, self.decode_slots, q.dtype).permute(0, 2, 1, 3)
             od = gqa_attention(qd, kd, vd, n_rep, scale, self.decode_mask)  # (Bd, nh, 1, D)
             out[0, :, self.decode_rows] = od[:, :, 0].transpose(0, 1)
         self._prefill(q, kp, vp, n_rep, scale, out)
@@ -174,6 +208,6 @@ class PagedBatch:
         """The prefill chunks' rows of `out`, each over its slots (written already), one SDPA per chunk."""
         for start, n, slots, mask in self.prefills:
             qp = q[:, :, start:start + n]  # (1, nh, n, D)
-            kk = kp[slots].transpose(0, 1).unsqueeze(0)  # (1, nkv, S, D)
-            vv = vp[slots].transpose(0, 1).unsqueeze(0)
+            kk = load(kp, slots, q.dtype).transpose(0, 1).unsqueeze(0)  # (1, nkv, S, D)
+            vv = load(vp, slots, q.dtype).transpose(0, 1).unsqueeze(0)
             out[:, :, start:start + n] = gqa_attention(qp, kk, vv, n_rep, scale, mask, is_causal=mask is None)
