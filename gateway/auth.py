@@ -74,6 +74,14 @@ def websocket_key(subprotocols: Any) -> str | None:
     return next((p[len(KEY_SUBPROTOCOL):] for p in subprotocols if p.startswith(KEY_SUBPROTOCOL)), None)
 
 
+def route_path(scope: dict[str, Any]) -> str:
+    """The path the router matches: the scope's path less its root_path prefix (--root-path), as Starlette's."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 class ApiKeyMiddleware:
     """ASGI: `/v1/...`, /tokenize and /detokenize need `Authorization: Bearer <key>`; the rest passes as it is."""
 
@@ -82,7 +90,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
-        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(PROTECTED_PATH_PREFIXES):
+        if scope["type"] not in ("http", "websocket") or not route_path(scope).startswith(PROTECTED_PATH_PREFIXES):
             await self.app(scope, receive, send)
             return
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)

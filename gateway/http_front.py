@@ -2,13 +2,16 @@
 
 Data flow: the gateway's `ServeArgs` -> `HttpFront.from_args` (every value checked, files loaded once,
 so a wrong path or a key that does not match its certificate stops start-up with the flag named) ->
-- `install(app)`: `RequestIdMiddleware` (with `--enable-request-id-headers`) and Starlette's
+- `install(app)`: `RootPathMiddleware` (with `--root-path`: the path prefix of a proxy in front, as vLLM's
+  FastAPI root_path: requests are routed with or without it, and the paths the gateway names carry it),
+  `RequestIdMiddleware` (with `--enable-request-id-headers`) and Starlette's
   `CORSMiddleware` (with `--allowed-origins`) around the app; CORS is the outermost layer, so a browser's
   preflight `OPTIONS` is answered before the API-key check (it carries no key) and a 401 still carries
   the CORS headers the browser needs to read it;
 - `uvicorn_kwargs()`: TLS (`--ssl-keyfile` / `--ssl-certfile`, client certificates checked against
   `--ssl-ca-certs` as `--ssl-cert-reqs` says), the access log (one line per request, on unless
-  `--disable-uvicorn-access-log`) and `--uvicorn-log-level`;
+  `--disable-uvicorn-access-log`), `--uvicorn-log-level` and `--uds` (the REST API on a Unix domain socket
+  instead of --host:--port);
 - `grpc_credentials()`: the same key and certificate for the gRPC Omni front (a client certificate is
   required there only with `--ssl-cert-reqs 2`: gRPC has no "optional").
 Without any of these flags nothing is installed: no CORS headers (browsers on another origin are
@@ -18,6 +21,7 @@ refused, the safe default; vLLM answers every origin), plain HTTP, the access lo
 from __future__ import annotations
 
 import json
+import os
 import ssl
 import uuid
 from collections.abc import Awaitable, Callable
@@ -30,6 +34,7 @@ import grpc
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 CERT_REQS = {0: "none", 1: "optional", 2: "required"}  # ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED
 REQUEST_ID_HEADER = b"x-request-id"
+UDS_PATH_MAX = 107  # sockaddr_un.sun_path (108 bytes on Linux) less its terminating NUL
 
 
 def parse_list(text: str | None, flag: str) -> tuple[str, ...] | None:
@@ -78,6 +83,17 @@ def check_front_args(args: Any) -> None:
         raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (the CAs client certificates are checked against)")
     if args.uvicorn_log_level not in UVICORN_LOG_LEVELS:
         raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got {args.uvicorn_log_level!r}")
+    root = args.root_path
+    if root is not None and (not root.startswith("/") or root.endswith("/") or any(c in root for c in "?#% ")):
+        raise ValueError(f"--root-path must be a URL path that starts with / and does not end with one, e.g. /omni; "
+                         f"got {root!r}")
+    if args.uds is not None:
+        folder = Path(args.uds).parent
+        if not args.uds.strip() or not folder.is_dir():
+            raise ValueError(f"--uds {args.uds!r}: its folder {str(folder)!r} does not exist")
+        if len(os.fsencode(args.uds)) > UDS_PATH_MAX:
+            raise ValueError(f"--uds {args.uds!r}: a Unix socket path holds at most {UDS_PATH_MAX} bytes; pick a "
+                             f"shorter one")
 
 
 def _read(path: str, flag: str) -> bytes:
@@ -125,6 +141,8 @@ class HttpFront:
     access_log: bool = True
     uvicorn_log_level: str = "info"
     tls: Tls | None = None
+    root_path: str = ""
+    uds: str | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> HttpFront:
@@ -136,16 +154,25 @@ class HttpFront:
                    allowed_methods=parse_list(args.allowed_methods, "--allowed-methods") or ("*",),
                    allowed_headers=parse_list(args.allowed_headers, "--allowed-headers") or ("*",),
                    allow_credentials=args.allow_credentials, request_id_headers=args.enable_request_id_headers,
-                   access_log=not args.disable_uvicorn_access_log, uvicorn_log_level=args.uvicorn_log_level, tls=tls)
+                   access_log=not args.disable_uvicorn_access_log, uvicorn_log_level=args.uvicorn_log_level, tls=tls,
+                   root_path=args.root_path or "", uds=args.uds)
 
     @property
     def scheme(self) -> str:
         return "https" if self.tls else "http"
 
+    def rest_url(self, host: str, port: int) -> str:
+        """Where the REST API answers, for the start-up lines: scheme://host:port/v1, or its Unix socket (--uds)."""
+        if self.uds is not None:
+            return f"{self.scheme} over unix:{self.uds}, /v1"
+        return f"{self.scheme}://{host}:{port}/v1"
+
     def install(self, app: Any) -> None:
         """Call after every other middleware: the last one added is the outermost."""
         from starlette.middleware.cors import CORSMiddleware
 
+        if self.root_path:
+            app.add_middleware(RootPathMiddleware, root_path=self.root_path)
         if self.request_id_headers:
             app.add_middleware(RequestIdMiddleware)
         if self.allowed_origins:
@@ -155,7 +182,8 @@ class HttpFront:
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"log_level": self.uvicorn_log_level, "access_log": self.access_log,
-                                  "log_config": None}  # records go to the process's logging set-up (our format)
+                                  "log_config": None,  # records go to the process's logging set-up (our format)
+                                  "uds": self.uds}
         if self.tls:
             kwargs.update(ssl_keyfile=self.tls.keyfile, ssl_certfile=self.tls.certfile,
                           ssl_ca_certs=self.tls.ca_certs, ssl_cert_reqs=self.tls.cert_reqs)
@@ -181,10 +209,28 @@ class HttpFront:
             parts.append("X-Request-Id on every response")
         if not self.access_log:
             parts.append("no access log")
+        if self.root_path:
+            parts.append(f"served under {self.root_path} too (--root-path)")
+        if self.uds is not None:
+            parts.append(f"REST on the Unix socket {self.uds} (--uds)")
         return "gateway: " + "; ".join(parts) if parts else None
 
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class RootPathMiddleware:
+    """ASGI (vLLM's --root-path, its FastAPI root_path): the scope's root_path is the proxy's prefix, so Starlette
+    routes `/omni/v1/...` (a proxy that passes the path on) and `/v1/...` (one that strips it) alike, and a
+    request's URL names the prefix."""
+
+    def __init__(self, app: Any, root_path: str) -> None:
+        self.app, self.root_path = app, root_path
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]], send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
 
 
 class RequestIdMiddleware:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -137,12 +138,16 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     rest_task = asyncio.create_task(rest.serve())
-    print(f"omnimesh gateway listening: REST {front.scheme}://{args.host}:{args.port}/v1 , gRPC {args.host}:{args.grpc_port}", flush=True)
+    print(f"omnimesh gateway listening: REST {front.rest_url(args.host, args.port)} , gRPC {args.host}:{args.grpc_port}",
+          flush=True)
     done, _ = await asyncio.wait([rest_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if rest_task in done and (failure := rest_task.exception()) is not None:
         raise failure
     rest.should_exit = True
     await asyncio.gather(rest_task, return_exceptions=True)
+    if front.uds is not None:  # uvicorn leaves its socket file behind
+        with contextlib.suppress(OSError):
+            os.unlink(front.uds)
     await app.state.responses.close()  # background responses still running end "cancelled"
     await grpc_server.stop(5.0)
     if discovery is not None:

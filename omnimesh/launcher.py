@@ -166,6 +166,11 @@ class MeshLauncher:
         tells, since the gateway listens only once it has reached every stage."""
         a = self.args
         host = _client_host(a.host)
+        if a.uds is not None:  # --uds: the REST API is on a Unix socket, not a port (mutual TLS: is it there yet)
+            if a.ssl_cert_reqs == 2:
+                return lambda: _socket_exists(a.uds), f"the Unix socket {a.uds} (mutual TLS)"
+            url = f"{'https' if a.ssl_keyfile else 'http'}://localhost/health"
+            return lambda: _http_ok(url, a.uds), f"GET {url} over {a.uds}"
         if a.ssl_cert_reqs == 2:
             return lambda: _port_open(host, a.port), f"a TCP connection to {host}:{a.port} (mutual TLS)"
         url = f"{'https' if a.ssl_keyfile else 'http'}://{host}:{a.port}/health"
@@ -216,9 +221,11 @@ class MeshLauncher:
             self._wait_ready(child, lambda c=child: _grpc_serving(c.address), "gRPC health")
         gw = self._spawn("gateway", self._gateway_argv(addrs), f"{self.args.host}:{self.args.port}", self._gateway_env())
         self._wait_ready(gw, *self._gateway_probe())
-        scheme = "https" if self.args.ssl_keyfile else "http"
+        a = self.args
+        scheme = "https" if a.ssl_keyfile else "http"
+        rest = f"{scheme} over unix:{a.uds}" if a.uds else f"{scheme}://{a.host}:{a.port}"
         print(
-            f"omnimesh serving {self.model_dir} — REST {scheme}://{self.args.host}:{self.args.port}/v1 , "
+            f"omnimesh serving {self.model_dir} — REST {rest}/v1 , "
             f"gRPC {self.args.host}:{self.args.grpc_port} , stages "
             + ", ".join(f"{c.name}@{c.address}" for c in stage_children),
             flush=True,
@@ -356,12 +363,22 @@ def _grpc_status(address: str) -> str:
         return "UNREACHABLE"
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, uds: str | None = None) -> bool:
     import httpx
 
     try:
-        return httpx.get(url, timeout=1.0, verify=False).status_code == 200  # noqa: S501  # our child, on loopback
+        with httpx.Client(transport=httpx.HTTPTransport(uds=uds, verify=False), timeout=1.0) as client:  # noqa: S501
+            return client.get(url).status_code == 200  # our child, on loopback or its socket
     except httpx.HTTPError:
+        return False
+
+
+def _socket_exists(path: str) -> bool:
+    import stat
+
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
         return False
 
 

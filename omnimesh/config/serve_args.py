@@ -80,6 +80,13 @@ class ServeArgs:
                                           "--disable-uvicorn-access-log", action="store_true")
     uvicorn_log_level: str = _f("info", "log level of the REST server (uvicorn): critical, error, warning, info "
                                 "(start-up and access lines), debug, trace", "--uvicorn-log-level")
+    root_path: str | None = _f(None, "the path prefix of a proxy in front of the REST API, as vLLM's (FastAPI's "
+                               "root_path), e.g. /omni: /omni/v1/... and /v1/... both reach the API (a proxy may "
+                               "strip the prefix or pass it on), and the paths the gateway names carry it",
+                               "--root-path")
+    uds: str | None = _f(None, "serve the REST API on this Unix domain socket instead of --host:--port, as vLLM's "
+                         "(the gRPC API stays on --grpc-port); the socket file is made afresh at start-up",
+                         "--uds")
     chat_template: str | None = _f(None, "Jinja chat template to use instead of the model's: a file path or the template "
                                    "itself (checked at start-up on a system + user message)", "--chat-template")
     chat_template_content_format: str = _f(
@@ -471,7 +478,8 @@ RAY_MISSING = ("--distributed-executor-backend ray needs Ray in this environment
                "(or use --distributed-executor-backend mp)")
 HTTP_FRONT_FIELDS = frozenset(
     {"allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "ssl_keyfile", "ssl_certfile",
-     "ssl_ca_certs", "ssl_cert_reqs", "enable_request_id_headers", "disable_uvicorn_access_log", "uvicorn_log_level"}
+     "ssl_ca_certs", "ssl_cert_reqs", "enable_request_id_headers", "disable_uvicorn_access_log", "uvicorn_log_level",
+     "root_path", "uds"}
 )  # gateway/http_front.py
 GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",

@@ -111,6 +111,11 @@ def test_stage_base_port_leaves_room_for_every_replica() -> None:
     "kwargs, message",
     [
         ({"dtype": "fp8"}, "--dtype must be one of"),
+        ({"root_path": "omni"}, "--root-path must be a URL path that starts with / and does not end with one"),
+        ({"root_path": "/omni/"}, "--root-path must be a URL path"),
+        ({"uds": "/no/such/folder/gw.sock"}, "--uds '/no/such/folder/gw.sock': its folder '/no/such/folder' does not "
+                                             "exist"),
+        ({"uds": "/tmp/" + "s" * 120}, "a Unix socket path holds at most 107 bytes"),
         ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype must be one of auto, float32, bfloat16, float16, fp8, fp8_e4m3, "
                                      "fp8_e5m2, got 'int8'"),
         ({"stage_overrides": '{"talker": {"kv_cache_dtype": "fp4"}}'}, r"stage talker: kv_cache_dtype must be one of"),

@@ -6,7 +6,10 @@
   through, on REST and gRPC; a client's X-Request-Id names the chat and `--enable-request-id-headers` gives every response one; `--disable-uvicorn-access-log`
   leaves the line out;
 - the launcher's readiness probe (`omnimesh serve`) reaches both gateways, and plain http does not;
-- certificate files that do not load stop start-up with the flag named (exit 1), and `Tls.load` says why.
+- certificate files that do not load stop start-up with the flag named (exit 1), and `Tls.load` says why;
+- `--uds` and `--root-path` (vLLM's): the REST API on a Unix socket only (no TCP port), answering under the
+  proxy's prefix and without it alike, the API key still required under the prefix, the prefix in the paths
+  errors name; the launcher's probe finds it on the socket, and the socket file is gone after a stop.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from mesh_harness import Proc, start_gateway
+from mesh_harness import START_TIMEOUT_S, Proc, start_gateway
 from tls_certs import Certs, make_certs
 
 from gateway.http_front import Tls
 from omnimesh.config.serve_args import ServeArgs
-from omnimesh.launcher import MeshLauncher
+from omnimesh.launcher import MeshLauncher, _port_open
+from omnimesh.proc_utils import free_port
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc
 
 BODY = {"model": "tiny-qwen3-omni", "messages": [{"role": "user", "content": "Tell me about the sea."}],
@@ -154,3 +158,46 @@ def test_certificate_files_that_do_not_load(certs: Certs, tmp_path: Path, tiny_m
                  "thinker=127.0.0.1:1", "--ssl-keyfile", str(certs.stray_key), "--ssl-certfile", str(certs.server_crt)])
     assert proc.proc.wait(timeout=60) == 1
     proc.wait_for_line(r"omnimesh gateway: error: --ssl-certfile .* not a matching PEM", timeout_s=5)
+
+
+def test_unix_socket_gateway_under_a_root_path(mesh, tiny_model_dir, tmp_path: Path) -> None:
+    sock, port = tmp_path / "gw.sock", free_port()
+    proc = Proc(["gateway", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
+                 "--grpc-port", str(free_port()), "--stages", ",".join(f"{k}={v}" for k, v in mesh.stages.items()),
+                 "--uds", str(sock), "--root-path", "/omni", "--api-key", "k1"])
+    key = {"Authorization": "Bearer k1"}
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://gw", timeout=60) as http:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:
+                assert proc.proc.poll() is None and time.monotonic() < deadline, proc.output()
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+            proc.wait_for_line(r"gateway: served under /omni too \(--root-path\); REST on the Unix socket "
+                               rf"{sock} \(--uds\)", timeout_s=10)
+            proc.wait_for_line(rf"listening: REST http over unix:{sock}, /v1 , gRPC", timeout_s=10)
+            plain = httpx.post(f"{mesh.rest}/v1/chat/completions", json=BODY, timeout=60).json()
+            for path in ("/omni/v1/chat/completions", "/v1/chat/completions"):  # the proxy passes it on, or strips it
+                r = http.post(path, json=BODY, headers=key)
+                assert r.status_code == 200, (path, r.text)
+                assert r.json()["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+            assert http.post("/omni/v1/chat/completions", json=BODY).status_code == 401  # the key, under the prefix too
+            assert http.get("/omni/v1/models").status_code == 401
+            missing = http.get("/omni/v1/nothing", headers=key)
+            assert missing.status_code == 404 and "GET /omni/v1/nothing" in missing.json()["error"]["message"]
+            assert http.get("/omni/health").status_code == 200
+        assert not _port_open("127.0.0.1", port)  # REST is on the socket only
+        args = ServeArgs(uds=str(sock), root_path="/omni")
+        probe, what = MeshLauncher(args, Path("unused"))._gateway_probe()
+        assert probe() and what == f"GET http://localhost/health over {sock}"
+    finally:
+        assert proc.stop() == 0, proc.output()
+    assert not sock.exists()
+
+
+def test_serve_hands_the_gateway_its_socket_and_prefix(tmp_path: Path) -> None:
+    argv = MeshLauncher(ServeArgs(uds=str(tmp_path / "gw.sock"), root_path="/omni"), tmp_path)._gateway_argv({})
+    assert argv[argv.index("--uds") + 1] == str(tmp_path / "gw.sock") and argv[argv.index("--root-path") + 1] == "/omni"
