@@ -29,8 +29,8 @@ import grpc
 
 ENV_VAR = "OMNIMESH_API_KEY"
 PROTECTED_GRPC_PREFIX = "/omnimesh.v1.Omni/"
-# the OpenAI routes, and vLLM's /tokenize and /detokenize (they run the processor on a body's media)
-PROTECTED_PATH_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+# the OpenAI routes, vLLM's /tokenize and /detokenize (they run the processor on a body's media) and /invocations
+PROTECTED_PATH_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/invocations")
 _MISSING = "missing API key: send the header 'Authorization: Bearer <key>' (the server runs with --api-key)"
 _WRONG = "invalid API key"
 

@@ -63,6 +63,7 @@ from gateway.events import (
     check_request_id,
 )
 from gateway.completions_api import CompletionRoutes
+from gateway.invocations_api import InvocationRoutes
 from gateway.choices import MAX_CHOICES, Indexed, choice_requests, close_events, fan_out, total_usage
 from gateway.chat_template_options import final_assistant_text
 from gateway.http_errors import error_json, internal_error, read_body
@@ -772,8 +773,12 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     app.add_api_route("/v1/audio/translations", audio.translations, methods=["POST"])
     app.add_api_route("/v1/models", gw.models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", gw.model, methods=["GET"])
+    completions = CompletionRoutes(gw, prompts).completions if prompts is not None else None
+    if completions is not None:
+        app.add_api_route("/v1/completions", completions, methods=["POST"])
+    invocations = InvocationRoutes(gw.chat_completions, completions, loader.limits.max_request_bytes)
+    app.add_api_route("/invocations", invocations.invocations, methods=["POST"])  # vLLM's (SageMaker's), by body
     if prompts is not None:
-        app.add_api_route("/v1/completions", CompletionRoutes(gw, prompts).completions, methods=["POST"])
         routes = TokenizeRoutes(gw, prompts)
         app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])

@@ -63,7 +63,8 @@ def test_rest_needs_a_key_on_v1_only(locked_rest: RestServer, pipeline: Scripted
         assert r.json() == {"error": {"message": r.json()["error"]["message"], "type": "invalid_request_error",
                                       "param": None, "code": "invalid_api_key"}} and needle in r.text
         assert httpx.get(f"{locked_rest.base_url}/v1/models", headers=headers, timeout=10).status_code == 401
-        for path, body in (("/v1/responses", {"input": "hi"}), ("/v1/audio/speech", {"input": "hi"})):
+        for path, body in (("/v1/responses", {"input": "hi"}), ("/v1/audio/speech", {"input": "hi"}),
+                           ("/invocations", {"messages": USER_HI})):
             assert httpx.post(f"{locked_rest.base_url}{path}", json=body, headers=headers,
                               timeout=10).status_code == 401, path
     assert pipeline.requests == []  # refused before the pipeline saw anything

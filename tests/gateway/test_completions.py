@@ -2,7 +2,8 @@
 tokenizer: what reaches the pipeline (the prompt's ids exactly, no template; one run per prompt and choice,
 their ids and seeds), the response's shape (choice order, echo, the legacy logprobs with text offsets, usage
 counting each prompt once), the stream (echo first, a finish chunk per choice, usage, [DONE]), the official
-`openai` client, and every bad body as a 400 / 404 naming its field. Real tokens through a mesh:
+`openai` client, and every bad body as a 400 / 404 naming its field. vLLM's /invocations routes a body to
+this route or the chat's by its fields and answers as they do. Real tokens through a mesh:
 tests/e2e/test_completions_e2e.py."""
 
 from __future__ import annotations
@@ -306,3 +307,29 @@ def test_force_include_usage_ends_completion_streams_with_usage(shared_pipeline:
         events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
         usage = json.loads(events[-2])
         assert events[-1] == "[DONE]" and usage["choices"] == [] and usage["usage"]["total_tokens"] > 0
+
+
+def test_invocations_answers_as_the_route_its_body_belongs_to(server, pipeline):
+    url = f"{server.base_url}/invocations"
+    completion = httpx.post(url, json={"prompt": "The sea is", "max_tokens": 3}, timeout=30)
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion", completion.text
+    assert pipeline.requests[-1].prompt_ids is not None and pipeline.requests[-1].messages == ()
+    chat = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, timeout=30)
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
+    assert pipeline.requests[-1].messages and pipeline.requests[-1].request_id.startswith("chatcmpl-")
+    with httpx.stream("POST", url, json={"prompt": "x", "stream": True}, timeout=30) as streamed:
+        lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert streamed.headers["content-type"].startswith("text/event-stream") and lines[-1] == "data: [DONE]"
+    # the route's own errors, as the route gives them
+    wrong = httpx.post(url, json={"prompt": "x", "max_tokens": -1}, timeout=30)
+    assert wrong.status_code == 400 and wrong.json() == httpx.post(
+        f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=30).json()
+    seen = len(pipeline.requests)
+    for body, needle in (({"input": "hi"}, "takes the body of a chat completion (with `messages`) or a completion "
+                                           "(with `prompt`); this one has input"),
+                         ({}, "this one has no fields"), ([1], "must be a JSON object, got list")):
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    r = httpx.post(url, content=b"{nope", headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "the body is not JSON" in r.json()["error"]["message"]
+    assert len(pipeline.requests) == seen  # nothing reached the pipeline
