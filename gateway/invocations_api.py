@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import Request
@@ -60,7 +60,7 @@ def _replayed(request: Request, raw: bytes) -> Request:
     """The same request with its body, already read, given again to whoever reads it next."""
     sent = False
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> MutableMapping[str, Any]:
         nonlocal sent
         if not sent:
             sent = True
