@@ -108,7 +108,8 @@ class MeshLauncher:
                                   "shm_min_tensor_size": cfg.shm_min_tensor_size, "nice": cfg.nice,
                                   "scheduling_policy": cfg.scheduling_policy,
                                   "enable_prefix_caching": cfg.enable_prefix_caching,
-                                  "kv_cache_dtype": cfg.kv_cache_dtype}
+                                  "kv_cache_dtype": cfg.kv_cache_dtype,
+                                  "enable_chunked_prefill": cfg.enable_chunked_prefill}
         for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "bulk_nice", "yield_steps",
                     "default_sampling_params"):
             if getattr(cfg, key) is not None:

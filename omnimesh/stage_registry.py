@@ -85,7 +85,7 @@ def lm_engine(backend: Any, stage: str, args: ServeArgs, max_model_len: int,
                     scheduling_policy=cfg.scheduling_policy,
                     # only the thinker's rows have token ids to key a cache by (the talker's are the thinker's hidden)
                     enable_prefix_caching=cfg.enable_prefix_caching and stage == "thinker",
-                    kv_cache_dtype=cfg.kv_cache_dtype)
+                    kv_cache_dtype=cfg.kv_cache_dtype, enable_chunked_prefill=cfg.enable_chunked_prefill)
 
 
 def handler_factory(stage: str, model_dir: Path, args: ServeArgs) -> Callable[[], StageHandler]:

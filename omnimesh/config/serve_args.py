@@ -105,6 +105,8 @@ class ServeArgs:
                                    "count, media and sampling when it arrives, and how it ended (finish reason, "
                                    "tokens, seconds; cancelled; the error); off by default, prompts are users' data",
                                    "--enable-log-requests", action="store_true")
+    disable_log_requests: bool = _f(False, "vLLM's older flag, accepted so its command lines run: request logging is "
+                                    "off unless --enable-log-requests", "--disable-log-requests", action="store_true")
     max_log_len: int | None = _f(None, "with --enable-log-requests: the most prompt characters a line shows (default: all)",
                                  "--max-log-len")
     otlp_traces_endpoint: str | None = _f(None, "export OpenTelemetry traces (as vLLM's flag) to this OTLP/gRPC "
@@ -137,6 +139,12 @@ class ServeArgs:
                                      "caching; cached blocks count as free and are evicted least recently used "
                                      "first (off by default: each prompt is computed exactly as alone)",
                                      "--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    enable_chunked_prefill: bool = _f(True, "the thinker and talker prefill a prompt longer than a step's budget "
+                                      "(--max-num-batched-tokens) over several steps beside the running decodes, as "
+                                      "vLLM's (on by default); --no-enable-chunked-prefill: whole, in one step, once "
+                                      "the budget holds it (a long prompt's first token sooner, a pause for the "
+                                      "decodes beside it; the step budget then defaults to --max-model-len)",
+                                      "--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
     encoder_cache_memory: str = _f("512MiB", "the encoder stage keeps its outputs per media item (an audio clip, image or "
                                    "video) up to this size, least recently used out first, so media sent again (a "
                                    "chat's history, the same picture with another question) skip the towers; on "
@@ -310,6 +318,8 @@ class ServeArgs:
             from omnimesh.tracing import check_endpoint
 
             check_endpoint(self.otlp_traces_endpoint)
+        if self.disable_log_requests and self.enable_log_requests:
+            raise ValueError("--disable-log-requests and --enable-log-requests contradict each other; give one")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0 characters, got {self.max_log_len}")
         if not self.disable_log_stats:
@@ -378,6 +388,7 @@ class ServeArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             scheduling_policy=self.scheduling_policy,
             enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory, "--kv-cache-memory"),
             kv_cache_dtype=self.kv_cache_dtype,
             transport=self.transport,
@@ -488,13 +499,14 @@ GATEWAY_FIELDS = frozenset(
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice",
      "tool_call_parser",
      "reasoning_parser", "responses_store_memory", "trust_remote_code", "malloc", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
-     "trust_request_chat_template", "enable_log_requests", "max_log_len", "otlp_traces_endpoint"}
+     "trust_request_chat_template", "enable_log_requests", "disable_log_requests", "max_log_len",
+     "otlp_traces_endpoint"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "request_timeout",
      "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
-     "trust_request_chat_template", "enable_log_requests", "max_log_len", "limit_mm_per_prompt",
+     "trust_request_chat_template", "enable_log_requests", "disable_log_requests", "max_log_len", "limit_mm_per_prompt",
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
      "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice", "tool_call_parser",
      "reasoning_parser",

@@ -108,6 +108,10 @@ class StageConfig:
     enable_prefix_caching: bool = field(
         default=False, metadata={"help": "the thinker reuses the KV-cache blocks of a prompt prefix it has "
                                          "computed for an earlier request (vLLM's automatic prefix caching)"})
+    enable_chunked_prefill: bool = field(
+        default=True, metadata={"help": "the thinker / talker prefills a prompt longer than a step's budget over several "
+                                        "steps (false: whole, in one step; the step must then hold max_model_len "
+                                        "tokens)"})
     default_sampling_params: dict[str, Any] | None = field(
         default=None, metadata={"help": "the thinker's / talker's default sampling, over the model's own (requests "
                                         "still set theirs), as vLLM-Omni's per-stage default_sampling_params: "
@@ -159,6 +163,8 @@ class StageConfig:
                              f"got {self.yield_steps!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be true or false, got {self.enable_chunked_prefill!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.default_sampling_params is not None:

@@ -9,7 +9,9 @@ Each step, given the requests that have input waiting:
      from its stored inputs) — or itself when it is the newest;
   2. then waiting requests (new, or preempted earlier), first come first served, while there is budget,
      a free seat (`max_num_seqs`) and blocks for their next chunk (none newer than a request preempted in
-     this very step).
+     this very step). With `chunked_prefill` off (vLLM's --no-enable-chunked-prefill) a waiting request
+     starts only when its whole prompt fits the step's budget, and waits (nobody overtaking it) until then:
+     a long prompt's first token comes in one step, at the cost of a pause for the decodes beside it.
 "First" and "newest" follow each request's `rank`: its admission order under the default policy ("fcfs"),
 and (priority, admission order) under vLLM's "priority" policy (lower priority values first), where a
 waiting request that outranks a running one also takes its seat or its blocks: the lowest-ranked running
@@ -54,13 +56,13 @@ POLICIES = ("fcfs", "priority")
 
 class LMScheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", chunked_prefill: bool = True) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, "
                              f"{max_num_batched_tokens}")
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.policy = policy
+        self.policy, self.chunked_prefill = policy, chunked_prefill
         self.allocator = allocator
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.running: list[ScheduledSeq] = []  # admission order
@@ -128,6 +130,9 @@ class LMScheduler:
                 break
             hit = self._take_prefix(seq)
             n = min(seq.pending, budget)
+            if n < seq.pending and not self.chunked_prefill:  # its prompt whole, in a later step
+                self._drop_prefix(seq, hit)
+                break
             while not self.allocator.grow(seq.blocks, seq.cached + n):
                 if not self._make_room(seq, planned, preempted):
                     break

@@ -111,6 +111,7 @@ def test_stage_base_port_leaves_room_for_every_replica() -> None:
     "kwargs, message",
     [
         ({"dtype": "fp8"}, "--dtype must be one of"),
+        ({"disable_log_requests": True, "enable_log_requests": True}, "contradict each other"),
         ({"root_path": "omni"}, "--root-path must be a URL path that starts with / and does not end with one"),
         ({"root_path": "/omni/"}, "--root-path must be a URL path"),
         ({"uds": "/no/such/folder/gw.sock"}, "--uds '/no/such/folder/gw.sock': its folder '/no/such/folder' does not "
@@ -174,10 +175,10 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
     from omnimesh.launcher import MeshLauncher
 
     args = ServeArgs(max_num_seqs=64, kv_cache_memory="1GiB", max_waiting_requests=7, audio_windows="4,8,16",
-                     kv_cache_dtype="bfloat16",
+                     kv_cache_dtype="bfloat16", enable_chunked_prefill=False,
                      stage_overrides='{"thinker": {"pp": 2, "tp": 2, "devices": "0,1,2,3", "pp_layer_partition": [1, 3],'
                                      ' "kv_cache_memory": "256MiB", "max_num_batched_tokens": 512, "transport": "grpc",'
-                                     ' "kv_cache_dtype": "fp8",'
+                                     ' "kv_cache_dtype": "fp8", "enable_chunked_prefill": true,'
                                      ' "shm_arena_size": "64MiB", "max_waiting_requests": 3}, "talker": {"pp": 2, '
                                      '"shm_min_tensor_size": "0", "bulk_nice": 5}}')
     launcher = MeshLauncher(args, tmp_path)
@@ -188,13 +189,15 @@ def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
                                "max_waiting_requests": 3, "gpu_memory_utilization": 0.9, "kv_cache_memory": 256 * 2**20,
                                "max_num_batched_tokens": 512, "transport": "grpc", "shm_arena_size": 64 * 2**20,
                                "shm_min_tensor_size": 16 * 2**10, "nice": 0,
-                               "scheduling_policy": "fcfs", "enable_prefix_caching": False, "kv_cache_dtype": "fp8"}}
+                               "scheduling_policy": "fcfs", "enable_prefix_caching": False, "kv_cache_dtype": "fp8",
+                               "enable_chunked_prefill": True}}
     talker = launcher._stage_argv("talker", 50053)
     assert talker[talker.index("-pp") + 1] == "2"
     talker_own = json.loads(talker[talker.index("--stage-overrides") + 1])["talker"]
     assert talker_own["kv_cache_memory"] == 2**30 and talker_own["max_waiting_requests"] == 7
     assert (talker_own["transport"], talker_own["shm_arena_size"], talker_own["shm_min_tensor_size"]) == ("auto", 256 * 2**20, 0)
     assert (talker_own["nice"], talker_own["bulk_nice"], talker_own["kv_cache_dtype"]) == (0, 5, "bfloat16")
+    assert talker_own["enable_chunked_prefill"] is False
     encoder = launcher._stage_argv("encoder", 50051)
     assert encoder[encoder.index("-tp") + 1] == "1" and encoder[encoder.index("-pp") + 1] == "1"
     vocoder = launcher._stage_argv("vocoder", 50054)
@@ -465,3 +468,20 @@ def test_request_timeout_is_checked_and_reaches_the_gateway(tmp_path) -> None:
     argv = MeshLauncher(ServeArgs(request_timeout=30), tmp_path)._gateway_argv({})
     assert argv[argv.index("--request-timeout") + 1] == "30"
     assert "--request-timeout" not in MeshLauncher(ServeArgs(), tmp_path)._stage_argv("thinker", 1)
+
+
+def test_a_vllm_command_line_parses() -> None:
+    from omnimesh.cli import build_parser
+    from omnimesh.config.serve_args import from_namespace
+
+    argv = ["serve", "/models/qwen3-omni", "--disable-log-requests", "--enable-chunked-prefill", "--kv-cache-dtype",
+            "fp8", "--root-path", "/omni", "--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.85"]
+    args = from_namespace(build_parser().parse_args(argv))
+    assert args.disable_log_requests and not args.enable_log_requests and args.root_path == "/omni"
+    thinker = args.stage_configs()["thinker"]
+    assert (thinker.enable_chunked_prefill, thinker.kv_cache_dtype, thinker.max_num_batched_tokens) == (True, "fp8", 8192)
+    off = from_namespace(build_parser().parse_args(["serve", "--no-enable-chunked-prefill"]))
+    assert off.stage_configs()["talker"].enable_chunked_prefill is False
+    gateway = build_parser().parse_args(["gateway", "--model", "m", "--stages", "thinker=h:1", "--disable-log-requests",
+                                         "--uds", "/tmp/gw.sock", "--root-path", "/omni"])
+    assert gateway.disable_log_requests and gateway.uds == "/tmp/gw.sock"

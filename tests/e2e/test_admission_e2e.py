@@ -11,7 +11,9 @@ a video is refused on REST and gRPC, and 1 s of audio is a 413 naming the limit.
 that asks for them. --mm-processor-kwargs '{"max_pixels": 4096}' (launcher -> gateway): an image costs the
 prompt tokens the processor with that setting gives, fewer than the folder's own. --kv-cache-dtype fp8
 (launcher -> thinker / talker): both keep their KV cache in fp8, 4x the tokens of the float32 default in the
-same memory, and B's text is still exactly its solo text on that cache. Every wait is bounded.
+same memory, and B's text is still exactly its solo text on that cache. --no-enable-chunked-prefill
+(launcher -> thinker / talker): both prefill prompts whole, their step budget max_model_len. Every wait is
+bounded.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def capped(tiny_model_dir: Path):
                    "--limit-mm-per-prompt", '{"video": 0}', "--input-limits", '{"max_audio_seconds": 0.5}',
                    "--override-generation-config", '{"max_new_tokens": 3}',
                    "--stage-overrides", '{"talker": {"default_sampling_params": {"max_tokens": 5}}}',
-                   "--mm-processor-kwargs", '{"max_pixels": 4096}', "--kv-cache-dtype", "fp8")
+                   "--mm-processor-kwargs", '{"max_pixels": 4096}', "--kv-cache-dtype", "fp8",
+                   "--no-enable-chunked-prefill")
     try:
         yield m
     finally:
@@ -157,7 +160,7 @@ def test_the_processor_settings_apply(capped, tiny_model_dir):
     assert "gateway: processor settings max_pixels=4096" in capped.proc.output()
 
 
-def test_the_llm_stages_keep_their_kv_cache_in_fp8(capped, tiny_model_dir: Path):
+def test_the_llm_stages_keep_their_kv_cache_in_fp8_and_prefill_whole(capped, tiny_model_dir: Path):
     from omnimesh.models.qwen3_omni import paged_kv
     from omnimesh.models.qwen3_omni.lm_engine import CPU_KV_CACHE_BYTES
     from omnimesh.models.qwen3_omni.stage_loading import load_config
@@ -166,5 +169,6 @@ def test_the_llm_stages_keep_their_kv_cache_in_fp8(capped, tiny_model_dir: Path)
     for stage, text in (("thinker", config.thinker_config.text_config), ("talker", config.talker_config.text_config)):
         per_block = paged_kv.block_bytes(text, text.num_hidden_layers, 1, 16, paged_kv.KV_CACHE_DTYPES["fp8"])
         line = capped.proc.wait_for_line(rf"{stage} KV cache: (\d+) blocks x 16 tokens = \d+ tokens "
-                                         rf"\(kv-cache-dtype fp8\)", timeout_s=5)
+                                         rf"\(kv-cache-dtype fp8\); batches of up to 1 sequences / "
+                                         rf"{text.max_position_embeddings} tokens; chunked prefill off", timeout_s=5)
         assert int(line.group(1)) == CPU_KV_CACHE_BYTES // per_block  # 4x the float32 pool's blocks

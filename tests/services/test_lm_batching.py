@@ -415,6 +415,28 @@ def test_closing_two_hundred_requests_frees_every_block(model_dir: Path) -> None
     assert_drained(engine, start)
 
 
+def test_without_chunked_prefill_a_long_prompt_runs_in_one_step_and_equals_its_chunked_run(
+        model_dir: Path, thinker: Any) -> None:
+    ids = prompts([60], seed=7)[0]
+    want = solo(thinker, ids, 6)
+    whole = thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB", stream_interval=1,
+                                                 enable_chunked_prefill=False))
+    engine = whole.batcher.engine
+    assert engine.scheduler.max_num_batched_tokens == 2048  # the default step, already >= max_model_len
+    batches = record_batches(engine)
+    assert_same_run(solo(whole, ids, 6), want, "a prompt prefilled whole")
+    assert batches[0].x.shape[1] == 60  # the whole prompt in the first step
+    with pytest.raises(ValueError, match=r"thinker: with --no-enable-chunked-prefill a prompt is prefilled in one step, "
+                                         r"so --max-num-batched-tokens \(64\) must be at least max_model_len \(128\)"):
+        thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=64,
+                                             enable_chunked_prefill=False))
+    chunked = thinker_handler(model_dir, ServeArgs(max_model_len=128, kv_cache_memory="1MiB", stream_interval=1,
+                                                   max_num_batched_tokens=16))
+    batches = record_batches(chunked.batcher.engine)
+    assert_same_run(solo(chunked, ids, 6), want, "the same prompt in chunks of 16")
+    assert [b.x.shape[1] for b in batches[:4]] == [16, 16, 16, 12]
+
+
 def test_too_small_kv_cache_refuses_to_start(model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"holds 16 tokens .*fewer than max_model_len 64.*--kv-cache-memory"):
         thinker_handler(model_dir, ServeArgs(max_model_len=64, kv_cache_memory=str(block_bytes(model_dir, 16))))
@@ -686,6 +708,22 @@ def test_scheduler_splits_the_budget_between_decodes_and_a_chunked_prefill() -> 
     seqs = [add(sched2, str(i), 1) for i in range(3)]
     assert run(sched2.schedule({"0", "1", "2"})[0]) == [("0", 1), ("1", 1)]
     assert [s.running for s in seqs] == [True, True, False]
+
+
+def test_without_chunked_prefill_a_prompt_waits_until_it_fits_one_step_whole() -> None:
+    sched = LMScheduler(BlockAllocator(100, 4), max_num_seqs=8, max_num_batched_tokens=8, chunked_prefill=False)
+    a, b = add(sched, "a", 3), add(sched, "b", 2)
+    assert run(sched.schedule({"a", "b"})[0]) == [("a", 3), ("b", 2)]
+    a.pending = b.pending = 1
+    c, d = add(sched, "c", 7), add(sched, "d", 1)  # c needs 7 of the 6 the decodes leave; d must not overtake it
+    assert run(sched.schedule({"a", "b", "c", "d"})[0]) == [("a", 1), ("b", 1)]
+    assert not c.running and c.blocks == [] and [s.rid for s in sched.waiting] == ["c", "d"]
+    sched.remove(b)  # one decode fewer: c's 7 fit beside a's 1
+    a.pending = 1
+    assert run(sched.schedule({"a", "c", "d"})[0]) == [("a", 1), ("c", 7)]
+    a.pending = c.pending = 1
+    assert run(sched.schedule({"a", "c", "d"})[0]) == [("a", 1), ("c", 1), ("d", 1)]
+    assert d.running and d.cached == 1 and sched.waiting == []
 
 
 def test_scheduler_admits_first_come_first_served() -> None:

@@ -117,11 +117,14 @@ class LMEngine:
                  gpu_memory_utilization: float, max_num_seqs: int, max_num_batched_tokens: int | None,
                  max_model_len: int, capture_layer: int | None = None,
                  max_waiting_requests: int | None = None, scheduling_policy: str = "fcfs",
-                 enable_prefix_caching: bool = False, kv_cache_dtype: str = "auto") -> None:
+                 enable_prefix_caching: bool = False, kv_cache_dtype: str = "auto",
+                 enable_chunked_prefill: bool = True) -> None:
         """`backend` runs commands on every rank of the stage. Sizes the KV pool on the ranks and refuses to
         start when it cannot hold one request of `max_model_len` tokens. `max_waiting_requests`: see
         `admit` (None: no bound). `scheduling_policy`: fcfs or priority (`LMScheduler`). `enable_prefix_caching`:
-        see the module docstring. `kv_cache_dtype`: the pool's dtype (--kv-cache-dtype; auto: the model's)."""
+        see the module docstring. `kv_cache_dtype`: the pool's dtype (--kv-cache-dtype; auto: the model's).
+        `enable_chunked_prefill` off: a prompt is prefilled in one step (`LMScheduler`), so a step must hold
+        `max_model_len` tokens (the default step then does, as vLLM's)."""
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 (0: never queue), got {max_waiting_requests}")
         self.backend, self.role, self.capture_layer = backend, role, capture_layer
@@ -129,7 +132,12 @@ class LMEngine:
         self._lock = threading.Lock()
         self._inflight: set[str] = set()
         self._admitted: set[str] = set()  # requests opened through `admit` and not yet removed
-        tokens = max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, block_size)
+        tokens = max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, block_size,
+                                               0 if enable_chunked_prefill else max_model_len)
+        if not enable_chunked_prefill and tokens < max_model_len:
+            raise ValueError(f"{role}: with --no-enable-chunked-prefill a prompt is prefilled in one step, so "
+                             f"--max-num-batched-tokens ({tokens}) must be at least max_model_len ({max_model_len}); "
+                             f"raise it, lower --max-model-len, or leave chunked prefill on")
         init = LMInitCache(block_size, kv_bytes, gpu_memory_utilization, profile_tokens=tokens, logit_rows=max_num_seqs,
                            kv_cache_dtype=kv_cache_dtype)
         num_blocks = int(backend.submit(init).result())
@@ -139,12 +147,13 @@ class LMEngine:
                 f"{role}: the KV cache holds {self.allocator.capacity_tokens} tokens ({num_blocks} blocks of "
                 f"{block_size}), fewer than max_model_len {max_model_len}: a single long request could never "
                 f"finish. Raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len")
-        self.scheduler = LMScheduler(self.allocator, max_num_seqs, tokens, scheduling_policy)
+        self.scheduler = LMScheduler(self.allocator, max_num_seqs, tokens, scheduling_policy, enable_chunked_prefill)
         self._priorities: dict[str, int] = {}  # admitted task key -> its priority, until its first input
         self.seqs: dict[str, _Seq] = {}
         log.info("%s KV cache: %d blocks x %d tokens = %d tokens (kv-cache-dtype %s); batches of up to %d sequences "
-                 "/ %d tokens; prefix caching %s", role, num_blocks, block_size, self.allocator.capacity_tokens,
-                 kv_cache_dtype, max_num_seqs, tokens, "on" if enable_prefix_caching else "off")
+                 "/ %d tokens; chunked prefill %s; prefix caching %s", role, num_blocks, block_size,
+                 self.allocator.capacity_tokens, kv_cache_dtype, max_num_seqs, tokens,
+                 "on" if enable_chunked_prefill else "off", "on" if enable_prefix_caching else "off")
 
     def has(self, rid: str) -> bool:
         return rid in self.seqs
