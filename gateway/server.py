@@ -56,7 +56,6 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
                    stage_addrs: dict[str, list[str]]) -> tuple[StagePipeline, StageDiscovery | None]:
     """The stage chain over the given addresses, and the DNS lookups of the stages named dns:///HOST:PORT
     (None when every stage has fixed addresses; such a stage starts with no replica)."""
-    name = args.model_name(model_dir)
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     processor_kwargs = parse_mm_processor_kwargs(args.mm_processor_kwargs)
     builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir), chat_template=template,
@@ -87,7 +86,7 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
     clients = {stage: [client(stage, a) for a in addrs if stage not in targets] for stage, addrs in stage_addrs.items()}
     request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
     no_audio = text_only_reason(model_dir)
-    pipeline = StagePipeline(clients, builder, served_models=(name,), async_chunk=args.async_chunk,
+    pipeline = StagePipeline(clients, builder, served_models=args.model_names(model_dir), async_chunk=args.async_chunk,
                              request_log=request_log, request_timeout_s=args.request_timeout, no_audio=no_audio)
     discovery = StageDiscovery(targets, pipeline.stages, client, args.stage_dns_refresh) if targets else None
     return pipeline, discovery

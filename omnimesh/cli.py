@@ -193,7 +193,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if (rc := _check_memory(args, model_dir)) is not None:
         return rc
     if args.model is None and args.served_model_name is None:
-        args = replace(args, served_model_name=TINY_MODEL_NAME)
+        args = replace(args, served_model_name=(TINY_MODEL_NAME,))
     if args.node_rank > 0:  # a headless host: only its ranks of the spread stages, no gateway
         from omnimesh.node_launcher import HeadlessNode
 

@@ -93,8 +93,8 @@ class MeshLauncher:
         if a.generation_config != "auto" and stage == "thinker":  # a folder as an absolute path
             gen = a.generation_config
             argv += ["--generation-config", gen if gen == "vllm" else str(Path(gen).resolve())]
-        if a.served_model_name is not None:  # the stage's metrics carry it as model_name
-            argv += ["--served-model-name", a.served_model_name]
+        if a.served_model_name is not None:  # the stage's metrics carry the first as model_name
+            argv += ["--served-model-name", *a.served_model_name]
         cfg = a.stage_configs(together=True)[stage]  # the whole mesh on this host: GPUs shared
         argv += ["-tp", str(cfg.tp), "-pp", str(cfg.pp)]
         if cfg.world_size > 1 and a.distributed_executor_backend != "mp":  # how its ranks 1..N-1 start
@@ -128,7 +128,9 @@ class MeshLauncher:
         argv = ["gateway", "--model", str(self.model_dir), "--host", a.host, "--port", str(a.port),
                 "--grpc-port", str(a.grpc_port), "--stages", stages,
                 "--async-chunk" if a.async_chunk else "--no-async-chunk", "--malloc", a.malloc]
-        for flag, value in (("--served-model-name", a.served_model_name), ("--max-model-len", a.max_model_len),
+        if a.served_model_name is not None:
+            argv += ["--served-model-name", *a.served_model_name]
+        for flag, value in (("--max-model-len", a.max_model_len),
                             ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template),
                             ("--chat-template-content-format", a.chat_template_content_format),
                             ("--default-chat-template-kwargs", a.default_chat_template_kwargs),

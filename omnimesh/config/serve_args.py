@@ -55,8 +55,10 @@ class ServeArgs:
                              "/v1 and the Omni service; several keys comma-separated; /health and /metrics stay "
                              "open; default: $OMNIMESH_API_KEY, else none (prefer the variable: a flag shows in ps)",
                              "--api-key")
-    served_model_name: str | None = _f(None, "model name clients use, and the model_name label of every stage's metrics; "
-                                       "default: the folder name", "--served-model-name")
+    served_model_name: tuple[str, ...] | None = _f(
+        None, "model name(s) clients use, as vLLM's: the server answers to each, lists each in /v1/models, and the "
+        "first is the model_name label of every stage's metrics; default: the model folder's name",
+        "--served-model-name", nargs="+")
     allowed_origins: str | None = _f(None, "CORS: origins web pages may call the REST API from, a JSON list as vLLM's "
                                      "('[\"https://app.example\"]') or comma-separated, * for any; default: none, no "
                                      "CORS headers (only same-origin pages; vLLM allows every origin)", "--allowed-origins")
@@ -266,6 +268,15 @@ class ServeArgs:
                      "omnimesh/allocator.py", "--malloc")
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        if names is not None:  # one name (a str, as code gives it) or several (a list, as argparse's nargs)
+            names = (names,) if isinstance(names, str) else tuple(names)
+            if not names or any(not isinstance(n, str) or not n.strip() or n != n.strip() for n in names):
+                raise ValueError(f"--served-model-name takes one or more non-empty names without surrounding spaces, "
+                                 f"got {list(names)!r}")
+            if len(set(names)) != len(names):
+                raise ValueError(f"--served-model-name lists a name twice: {list(names)!r}")
+            object.__setattr__(self, "served_model_name", names)
         for name in ("port", "grpc_port"):
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"--{name.replace('_', '-')} must be a port number 1-65535, got {getattr(self, name)}")
@@ -370,8 +381,12 @@ class ServeArgs:
                              f"below 65536, got {self.stage_base_port}")
 
     def model_name(self, model_dir: Path) -> str:
-        """The name clients use and metrics carry: --served-model-name, else the model folder's name."""
-        return self.served_model_name or model_dir.name
+        """The name metrics carry: the first --served-model-name, else the model folder's name."""
+        return self.model_names(model_dir)[0]
+
+    def model_names(self, model_dir: Path) -> tuple[str, ...]:
+        """The names clients may use: every --served-model-name, else the model folder's name."""
+        return self.served_model_name or (model_dir.name,)
 
     def stage_configs(self, together: bool = False) -> dict[str, StageConfig]:
         """Each stage's settings: the global flags under its --stage-overrides entry. `together`: every stage
@@ -540,6 +555,8 @@ def add_arguments(
             kwargs["action"] = meta["action"]
         else:
             kwargs["type"] = _type_of(f.type)
+        if "nargs" in meta:
+            kwargs["nargs"] = meta["nargs"]
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
         parser.add_argument(*meta["flags"], **kwargs)

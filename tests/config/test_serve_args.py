@@ -281,6 +281,25 @@ def test_every_stage_labels_its_metrics_with_the_served_model_name(tmp_path) -> 
             tmp_path) == tmp_path.name
 
 
+def test_several_served_model_names_reach_the_gateway_and_the_first_labels_the_metrics(tmp_path) -> None:
+    from omnimesh.cli import build_parser
+    from omnimesh.config.serve_args import from_namespace
+    from omnimesh.launcher import MeshLauncher
+
+    args = from_namespace(build_parser().parse_args(["serve", str(tmp_path), "--served-model-name", "omni", "omni-alias"]))
+    assert args.served_model_name == ("omni", "omni-alias") and args.model_names(tmp_path) == ("omni", "omni-alias")
+    launcher = MeshLauncher(args, tmp_path)
+    gateway = from_namespace(build_parser().parse_args(launcher._gateway_argv({})))
+    assert gateway.model_names(tmp_path) == ("omni", "omni-alias")
+    thinker = from_namespace(build_parser().parse_args(launcher._stage_argv("thinker", 50052)))
+    assert thinker.model_name(tmp_path) == "omni"
+    assert ServeArgs(served_model_name="one").served_model_name == ("one",)
+    for bad, message in (([], "one or more non-empty names"), (["a", " b"], "without surrounding spaces"),
+                         (["a", "a"], "lists a name twice")):
+        with pytest.raises(ValueError, match=message):
+            ServeArgs(served_model_name=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("text, size", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("2G", 2 * 10**9),
                                         ("1000", 1000), (4096, 4096), ("1.5 GiB", int(1.5 * 2**30))])
 def test_sizes_parse(text, size) -> None:

@@ -9,7 +9,8 @@
 - certificate files that do not load stop start-up with the flag named (exit 1), and `Tls.load` says why;
 - `--uds` and `--root-path` (vLLM's): the REST API on a Unix socket only (no TCP port), answering under the
   proxy's prefix and without it alike, the API key still required under the prefix, the prefix in the paths
-  errors name; the launcher's probe finds it on the socket, and the socket file is gone after a stop.
+  errors name; the launcher's probe finds it on the socket, and the socket file is gone after a stop. That
+  gateway also serves two names (`--served-model-name omni omni-alias`, vLLM's): both listed and answered.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def test_unix_socket_gateway_under_a_root_path(mesh, tiny_model_dir, tmp_path: P
     sock, port = tmp_path / "gw.sock", free_port()
     proc = Proc(["gateway", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
                  "--grpc-port", str(free_port()), "--stages", ",".join(f"{k}={v}" for k, v in mesh.stages.items()),
-                 "--uds", str(sock), "--root-path", "/omni", "--api-key", "k1"])
+                 "--uds", str(sock), "--root-path", "/omni", "--api-key", "k1",
+                 "--served-model-name", "omni", "omni-alias"])
     key = {"Authorization": "Bearer k1"}
     try:
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://gw", timeout=60) as http:
@@ -180,10 +182,15 @@ def test_unix_socket_gateway_under_a_root_path(mesh, tiny_model_dir, tmp_path: P
                                rf"{sock} \(--uds\)", timeout_s=10)
             proc.wait_for_line(rf"listening: REST http over unix:{sock}, /v1 , gRPC", timeout_s=10)
             plain = httpx.post(f"{mesh.rest}/v1/chat/completions", json=BODY, timeout=60).json()
-            for path in ("/omni/v1/chat/completions", "/v1/chat/completions"):  # the proxy passes it on, or strips it
-                r = http.post(path, json=BODY, headers=key)
+            for path, name in (("/omni/v1/chat/completions", "omni"), ("/v1/chat/completions", "omni-alias")):
+                r = http.post(path, json={**BODY, "model": name}, headers=key)  # the proxy passes the prefix, or strips it
                 assert r.status_code == 200, (path, r.text)
                 assert r.json()["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+                assert r.json()["model"] == name
+            models = http.get("/v1/models", headers=key).json()["data"]
+            assert [m["id"] for m in models] == ["omni", "omni-alias"]
+            other = http.post("/v1/chat/completions", json=BODY, headers=key)  # "tiny-qwen3-omni": not served here
+            assert other.status_code == 404 and "omni-alias" in other.json()["error"]["message"], other.text
             assert http.post("/omni/v1/chat/completions", json=BODY).status_code == 401  # the key, under the prefix too
             assert http.get("/omni/v1/models").status_code == 401
             missing = http.get("/omni/v1/nothing", headers=key)
