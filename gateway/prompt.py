@@ -164,7 +164,8 @@ class PromptBuilder:
 
     def __init__(self, source: str | Path | Any, *, max_model_len: int, chat_template: str | None = None,
                  processor_kwargs: dict[str, Any] | None = None, content_format: str = "auto",
-                 default_kwargs: dict[str, Any] | None = None, trust_request_template: bool = False) -> None:
+                 default_kwargs: dict[str, Any] | None = None, trust_request_template: bool = False,
+                 tokenizer: str | Path | None = None) -> None:
         """`processor_kwargs`: --mm-processor-kwargs (gateway/processor_kwargs.py), for a folder `source`;
         `content_format`: --chat-template-content-format (gateway/content_format.py); `default_kwargs`:
         --default-chat-template-kwargs, the template variables under every request's own;
@@ -172,6 +173,7 @@ class PromptBuilder:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         self._folder: Path | None = None  # where processors for a request's own settings are loaded from
+        self._tokenizer = tokenizer  # --tokenizer: the folder of the tokenizer and its template (None: the model's)
         self._base_kwargs = dict(processor_kwargs or {})
         self._variants: OrderedDict[tuple[tuple[str, float], ...], Any] = OrderedDict()  # the last few, LRU
         self._variants_lock = threading.Lock()
@@ -179,7 +181,7 @@ class PromptBuilder:
             from omnimesh.models.qwen3_omni.processor import load_processor
 
             self._folder = Path(source)
-            source = load_processor(source, processor_kwargs)
+            source = load_processor(source, processor_kwargs, tokenizer)
         self.processor = source
         self.max_model_len = max_model_len
         self.chat_template = chat_template  # None: the model's own (tokenizer_config / chat_template.jinja)
@@ -203,7 +205,8 @@ class PromptBuilder:
         conv = render_conversation(request.messages)
         options = request.template
         template, fmt, whose = self.chat_template, self.content_format, (
-            "the model's" if self.chat_template is None else "the --chat-template")
+            ("the model's" if self._tokenizer is None else "the --tokenizer folder's") if self.chat_template is None
+            else "the --chat-template")
         if options.chat_template is not None:
             if not self.trust_request_template:
                 raise invalid_request("chat_template: this server does not render a request's own chat template; "
@@ -255,7 +258,7 @@ class PromptBuilder:
                 return self._variants[key]
         from omnimesh.models.qwen3_omni.processor import load_processor
 
-        processor = load_processor(self._folder, dict(key))
+        processor = load_processor(self._folder, dict(key), self._tokenizer)
         with self._variants_lock:
             self._variants[key] = processor
             while len(self._variants) > MAX_VARIANTS:

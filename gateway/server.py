@@ -61,7 +61,9 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
     builder = PromptBuilder(model_dir, max_model_len=args.max_model_len or model_max_len(model_dir), chat_template=template,
                             processor_kwargs=processor_kwargs, content_format=args.chat_template_content_format,
                             default_kwargs=parse_default_kwargs(args.default_chat_template_kwargs),
-                            trust_request_template=args.trust_request_chat_template)
+                            trust_request_template=args.trust_request_chat_template, tokenizer=args.tokenizer)
+    if args.tokenizer is not None:
+        log.info("gateway: tokenizer and chat template from %s (--tokenizer)", args.tokenizer)
     if args.trust_request_chat_template:
         log.warning("gateway: requests may bring their own chat_template (--trust-request-chat-template): each is "
                     "rendered in jinja's sandbox, but it is the client's code")

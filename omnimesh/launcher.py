@@ -95,6 +95,8 @@ class MeshLauncher:
             argv += ["--generation-config", gen if gen == "vllm" else str(Path(gen).resolve())]
         if a.served_model_name is not None:  # the stage's metrics carry the first as model_name
             argv += ["--served-model-name", *a.served_model_name]
+        if a.tokenizer is not None and stage == "thinker":  # its detokenizer, stop strings, grammars
+            argv += ["--tokenizer", str(Path(a.tokenizer).resolve())]
         cfg = a.stage_configs(together=True)[stage]  # the whole mesh on this host: GPUs shared
         argv += ["-tp", str(cfg.tp), "-pp", str(cfg.pp)]
         if cfg.world_size > 1 and a.distributed_executor_backend != "mp":  # how its ranks 1..N-1 start
@@ -130,6 +132,8 @@ class MeshLauncher:
                 "--async-chunk" if a.async_chunk else "--no-async-chunk", "--malloc", a.malloc]
         if a.served_model_name is not None:
             argv += ["--served-model-name", *a.served_model_name]
+        if a.tokenizer is not None:
+            argv += ["--tokenizer", str(Path(a.tokenizer).resolve())]
         for flag, value in (("--max-model-len", a.max_model_len),
                             ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template),
                             ("--chat-template-content-format", a.chat_template_content_format),

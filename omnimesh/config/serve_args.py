@@ -59,6 +59,10 @@ class ServeArgs:
         None, "model name(s) clients use, as vLLM's: the server answers to each, lists each in /v1/models, and the "
         "first is the model_name label of every stage's metrics; default: the model folder's name",
         "--served-model-name", nargs="+")
+    tokenizer: str | None = _f(None, "a folder (Hugging Face layout) whose tokenizer, and its chat template, the gateway "
+                               "and the thinker use instead of the model folder's, as vLLM's; it must hold the "
+                               "model's media tokens and no more tokens than the thinker's vocabulary (checked at "
+                               "start-up); local folders only: nothing is downloaded", "--tokenizer")
     allowed_origins: str | None = _f(None, "CORS: origins web pages may call the REST API from, a JSON list as vLLM's "
                                      "('[\"https://app.example\"]') or comma-separated, * for any; default: none, no "
                                      "CORS headers (only same-origin pages; vLLM allows every origin)", "--allowed-origins")
@@ -277,6 +281,9 @@ class ServeArgs:
             if len(set(names)) != len(names):
                 raise ValueError(f"--served-model-name lists a name twice: {list(names)!r}")
             object.__setattr__(self, "served_model_name", names)
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise ValueError(f"--tokenizer {self.tokenizer!r}: not a folder; give a local folder with the tokenizer "
+                             f"files (tokenizer.json / vocab + merges, tokenizer_config.json): nothing is downloaded")
         for name in ("port", "grpc_port"):
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"--{name.replace('_', '-')} must be a port number 1-65535, got {getattr(self, name)}")
@@ -508,7 +515,7 @@ HTTP_FRONT_FIELDS = frozenset(
      "root_path", "uds"}
 )  # gateway/http_front.py
 GATEWAY_FIELDS = frozenset(
-    {"host", "port", "grpc_port", "api_key", "served_model_name", "async_chunk", "allowed_media_domains", "max_model_len",
+    {"host", "port", "grpc_port", "api_key", "served_model_name", "tokenizer", "async_chunk", "allowed_media_domains", "max_model_len",
      "stage_dns_refresh", "request_timeout", "limit_mm_per_prompt", "input_limits", "max_logprobs",
      "return_tokens_as_token_ids",
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice",

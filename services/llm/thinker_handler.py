@@ -13,11 +13,12 @@ import logging
 from pathlib import Path
 
 import grpc
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.engine.task import StageRequestError
 from omnimesh.models.qwen3_omni.sampling import thinker_sampling_params
+from omnimesh.models.qwen3_omni.processor import load_tokenizer
 from omnimesh.models.qwen3_omni.stage_loading import LMLayout, load_thinker
 from omnimesh.models.qwen3_omni.thinker import Qwen3OmniThinker
 from omnimesh.server.stage_failure import StageFailure
@@ -122,7 +123,11 @@ def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
     failure = StageFailure()
     layout = lm_layout(args, "thinker", failure, model_dir)
     thinker = load_thinker(model_dir, resolve_dtype(args), layout)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = load_tokenizer(args.tokenizer or model_dir)
+    vocab = int(thinker.config.get_text_config().vocab_size)
+    if len(tokenizer) > vocab:
+        raise ValueError(f"the tokenizer in {args.tokenizer or model_dir} has {len(tokenizer)} tokens, more than the "
+                         f"thinker's vocabulary of {vocab}: it is not this model's (--tokenizer)")
     thinker.set_turn_tokens(tokenizer)  # Qwen2.5-Omni: where a continued assistant message starts
     gen = generation_config(model_dir, args.generation_config)
     limit = int(thinker.config.get_text_config().max_position_embeddings)

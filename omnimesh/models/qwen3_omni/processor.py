@@ -196,10 +196,21 @@ def family_video_settings(model_dir: Path, cls: type[OmniPromptProcessor]) -> di
     return settings
 
 
-def load_processor(model_dir: Path | str, overrides: Mapping[str, Any] | None = None) -> OmniPromptProcessor:
+def load_tokenizer(folder: Path | str) -> Any:
+    """The folder's tokenizer, offline; a folder without one is a ValueError that names it."""
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"no tokenizer loads from {folder} ({str(exc).splitlines()[0][:200]}); it needs "
+                         f"tokenizer_config.json and the tokenizer's files") from None
+
+
+def load_processor(model_dir: Path | str, overrides: Mapping[str, Any] | None = None,
+                   tokenizer_dir: Path | str | None = None) -> OmniPromptProcessor:
     """Build the prompt processor of a Qwen3-Omni or Qwen2.5-Omni Hugging Face folder, offline; `overrides`
     (--mm-processor-kwargs, gateway/processor_kwargs.py) replace the folder's min_pixels / max_pixels (images
-    and video frames) and video fps / min_frames / max_frames."""
+    and video frames) and video fps / min_frames / max_frames; `tokenizer_dir` (--tokenizer) holds the
+    tokenizer and chat template to use instead of the model folder's."""
     model_dir = Path(model_dir)
     cls = processor_class(model_dir)
     overrides = dict(overrides or {})
@@ -207,12 +218,12 @@ def load_processor(model_dir: Path | str, overrides: Mapping[str, Any] | None = 
     if not (model_dir / "preprocessor_config.json").is_file():
         raise ValueError(f"{model_dir} has no preprocessor_config.json; is it a {cls.family} model folder "
                          "with its processor files?")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
     for name in ("image_token", "audio_token", "video_token", "audio_bos_token", "vision_bos_token"):
         if getattr(tokenizer, name, None) is None:
             raise ValueError(
-                f"tokenizer in {model_dir} has no {name}; tokenizer_config.json must name the {cls.family} "
-                "media tokens (image_token, audio_token, video_token, vision/audio bos/eos)"
+                f"tokenizer in {tokenizer_dir or model_dir} has no {name}; tokenizer_config.json must name the "
+                f"{cls.family} media tokens (image_token, audio_token, video_token, vision/audio bos/eos)"
             )
     return cls(
         image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True, **pixels),
