@@ -15,6 +15,7 @@ names the fix, and a valid setting this version cannot run yet says so and exits
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 from dataclasses import replace
@@ -23,7 +24,7 @@ from pathlib import Path
 from omnimesh.config.serve_args import GATEWAY_FIELDS, STAGE_EXCLUDED, ServeArgs, add_arguments, from_namespace
 from omnimesh import tracing
 from omnimesh.config.stage_config import STAGES
-from omnimesh.log_setup import setup_logging
+from omnimesh.log_setup import CONFIG_ENV, LEVEL_ENV, LEVELS, check_level, setup_logging
 
 TINY_MODEL_NAME = "tiny-qwen3-omni"
 EXIT_USAGE = 2
@@ -307,6 +308,19 @@ def parse_stage_addresses(text: str) -> dict[str, list[str]]:
     return out
 
 
+def cmd_run_batch(ns: argparse.Namespace) -> int:
+    from omnimesh.run_batch import run_batch
+
+    try:
+        args = from_namespace(ns)
+        return run_batch(args, ns.input_file, ns.output_file, ns.url, ns.max_concurrency)
+    except ValueError as exc:
+        return _fail(str(exc))
+    except RuntimeError as exc:
+        print(f"omnimesh run-batch: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
 def cmd_make_tiny(ns: argparse.Namespace) -> int:
     if ns.family == "qwen2.5-omni":
         if ns.thinker_only:
@@ -326,7 +340,10 @@ def cmd_make_tiny(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnimesh", description="Serve omni multimodal models as a mesh of gRPC stages.")
-    parser.add_argument("--log-level", default=os.environ.get("OMNIMESH_LOG_LEVEL", "INFO"))
+    parser.add_argument("--version", action="version", version=f"omnimesh {importlib.metadata.version('omnimesh')}")
+    parser.add_argument("--log-level", default=os.environ.get(LEVEL_ENV, "INFO"),
+                        help=f"{', '.join(LEVELS)}: every process the command starts logs at it (default: "
+                             f"${LEVEL_ENV}, else INFO; a --log-config-file decides it instead)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="start every stage and the gateway on this host")
@@ -359,6 +376,18 @@ def build_parser() -> argparse.ArgumentParser:
                       "8 when none is and --device-memory is given)")
     plan.set_defaults(func=cmd_plan)
 
+    batch = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL of chat / completion / responses "
+                           "requests) with a mesh started for it, or the server at --url, as vLLM's run-batch")
+    add_arguments(batch)
+    batch.add_argument("-i", "--input-file", required=True, help="the batch file, one request per line: "
+                       "{\"custom_id\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\"}; - for stdin")
+    batch.add_argument("-o", "--output-file", required=True, help="where the answers go, one line per request in the "
+                       "input's order (OpenAI's batch output format); - for stdout")
+    batch.add_argument("--url", default=None, help="send the requests to this running server (e.g. "
+                       "http://127.0.0.1:8000) instead of starting a mesh")
+    batch.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at once (default: 64)")
+    batch.set_defaults(func=cmd_run_batch)
+
     tiny = sub.add_parser("make-tiny", help="write the built-in tiny random-weight model folder")
     tiny.add_argument("--family", default="qwen3-omni", choices=("qwen3-omni", "qwen2.5-omni"))
     tiny.add_argument("--out", required=True)
@@ -374,7 +403,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     ns.own_process = argv is None  # the command line of this process (not an in-process call)
-    setup_logging(ns.log_level)
+    config = getattr(ns, "log_config_file", None)
+    try:
+        level = check_level(ns.log_level)
+        setup_logging(level, config)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if ns.own_process:  # the processes it starts (stages, gateway, ranks) log the same way
+        os.environ[LEVEL_ENV] = level
+        if config:
+            os.environ[CONFIG_ENV] = str(Path(config).resolve())
     return ns.func(ns)
 
 

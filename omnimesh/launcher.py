@@ -27,10 +27,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-from omnimesh.config.serve_args import HTTP_FRONT_FIELDS, ServeArgs
+from omnimesh.config.serve_args import HTTP_FRONT_FIELDS, ServeArgs, to_argv
 from omnimesh.config.stage_config import STAGES
 from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, text_only_reason
 from omnimesh.node_launcher import node_argv
@@ -399,11 +399,4 @@ def _port_open(host: str, port: int) -> bool:
 
 def front_argv(args: ServeArgs) -> list[str]:
     """The gateway's HTTP front flags (CORS, TLS, logs) that differ from their defaults, as argv."""
-    out: list[str] = []
-    for f in fields(ServeArgs):
-        value = getattr(args, f.name)
-        if f.name not in HTTP_FRONT_FIELDS or value == f.default:
-            continue
-        flag = f.metadata["flags"][0]
-        out += [flag] if value is True else [flag, str(value)]
-    return out
+    return to_argv(args, only=HTTP_FRONT_FIELDS)

@@ -113,6 +113,9 @@ class ServeArgs:
                                    "--enable-log-requests", action="store_true")
     disable_log_requests: bool = _f(False, "vLLM's older flag, accepted so its command lines run: request logging is "
                                     "off unless --enable-log-requests", "--disable-log-requests", action="store_true")
+    log_config_file: str | None = _f(None, "a logging.config.dictConfig JSON for every process of the mesh, omnimesh's "
+                                     "and uvicorn's records alike (vLLM's flag; e.g. JSON lines to stdout); it sets "
+                                     "levels and formats instead of --log-level", "--log-config-file")
     max_log_len: int | None = _f(None, "with --enable-log-requests: the most prompt characters a line shows (default: all)",
                                  "--max-log-len")
     otlp_traces_endpoint: str | None = _f(None, "export OpenTelemetry traces (as vLLM's flag) to this OTLP/gRPC "
@@ -336,6 +339,10 @@ class ServeArgs:
             from omnimesh.tracing import check_endpoint
 
             check_endpoint(self.otlp_traces_endpoint)
+        if self.log_config_file is not None:
+            from omnimesh.log_setup import read_log_config
+
+            read_log_config(self.log_config_file)
         if self.disable_log_requests and self.enable_log_requests:
             raise ValueError("--disable-log-requests and --enable-log-requests contradict each other; give one")
         if self.max_log_len is not None and self.max_log_len < 0:
@@ -522,7 +529,7 @@ GATEWAY_FIELDS = frozenset(
      "tool_call_parser",
      "reasoning_parser", "responses_store_memory", "trust_remote_code", "malloc", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
      "trust_request_chat_template", "enable_log_requests", "disable_log_requests", "max_log_len",
-     "otlp_traces_endpoint"}
+     "otlp_traces_endpoint", "log_config_file"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "request_timeout",
@@ -576,6 +583,31 @@ def _type_of(annotation: Any) -> Any:
     if text.startswith("float"):
         return float
     return str
+
+
+def to_argv(args: ServeArgs, only: frozenset[str] | None = None, skip: frozenset[str] = frozenset()) -> list[str]:
+    """The flags (and the model, first) that `add_arguments` parses back into `args`: every field (of `only`, less
+    `skip`) that differs from its default."""
+    model: list[str] = []
+    out: list[str] = []
+    for f in fields(ServeArgs):
+        value = getattr(args, f.name)
+        if (only is not None and f.name not in only) or f.name in skip or value == f.default:
+            continue
+        meta = f.metadata
+        if meta.get("positional"):
+            model = [str(value)]
+            continue
+        flag, action = meta["flags"][-1], meta.get("action")
+        if action is argparse.BooleanOptionalAction:
+            out.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif action == "store_true":
+            out.append(flag)
+        elif isinstance(value, tuple):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return model + out
 
 
 def from_namespace(ns: argparse.Namespace) -> ServeArgs:

@@ -34,6 +34,7 @@ from dataclasses import replace
 from typing import Any
 
 from omnimesh.config.serve_args import RAY_MISSING
+from omnimesh.log_setup import log_config_from_env
 from omnimesh.parallel.mp_executor import MpExecutor
 from omnimesh.parallel.rank_worker import ProgramFactory, RankFailure, Rendezvous, serve_commands, setup_rank
 from omnimesh.proc_utils import free_port
@@ -57,12 +58,12 @@ class _RankActor:
     takes the driver's commands until STOP (Ray runs one caller's calls in order, so serve follows start)."""
 
     def start(self, rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
-              log_level: int, device: str | None) -> tuple[str, int]:
+              log_level: int, device: str | None, log_config: dict | None = None) -> tuple[str, int]:
         import torch
 
         from omnimesh.log_setup import setup_logging
 
-        setup_logging(logging.getLevelName(log_level))
+        setup_logging(logging.getLevelName(log_level), config=log_config)  # the config's content: hosts differ
         torch.set_num_threads(threads)
         self.rank = rank
         self.state = setup_rank(rank, pp, tp, rdzv, factory, device)
@@ -182,6 +183,7 @@ class RayExecutor(MpExecutor):
         actor_cls = ray.remote(_RankActor)
         starts: dict[Any, int] = {}
         level = logging.getLogger().getEffectiveLevel()
+        log_config = log_config_from_env()  # --log-config-file, read here: the actor's host may not have the file
         for rank in range(1, self.world):
             actor = actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), name=None, max_restarts=0,
@@ -190,7 +192,7 @@ class RayExecutor(MpExecutor):
             ).remote()
             self.actors[rank] = actor
             starts[actor.start.remote(rank, self.pp, self.tp, self.rdzv, self.factory, self.threads, level,
-                                      "cuda:0" if nccl else None)] = rank
+                                      "cuda:0" if nccl else None, log_config)] = rank
             self._serving[actor.serve.remote()] = rank  # queued behind start on the same actor
         return starts
 

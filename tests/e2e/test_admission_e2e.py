@@ -12,8 +12,9 @@ that asks for them. --mm-processor-kwargs '{"max_pixels": 4096}' (launcher -> ga
 prompt tokens the processor with that setting gives, fewer than the folder's own. --kv-cache-dtype fp8
 (launcher -> thinker / talker): both keep their KV cache in fp8, 4x the tokens of the float32 default in the
 same memory, and B's text is still exactly its solo text on that cache. --no-enable-chunked-prefill
-(launcher -> thinker / talker): both prefill prompts whole, their step budget max_model_len. Every wait is
-bounded.
+(launcher -> thinker / talker): both prefill prompts whole, their step budget max_model_len. --log-config-file
+(vLLM's; through the environment to every process): the stages' and the gateway's records, uvicorn's access
+lines among them, come out in its format. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -37,9 +38,17 @@ TIMEOUT_S = 120.0
 LONG = 4000  # A's tokens (min_tokens = max_tokens: no early stop): it holds the seat 4-10 s (max_model_len 4096)
 
 
+LOG_CONFIG = {"version": 1, "disable_existing_loggers": False,
+              "formatters": {"tagged": {"format": "LOGCFG %(levelname)s %(name)s: %(message)s"}},
+              "handlers": {"err": {"class": "logging.StreamHandler", "formatter": "tagged", "stream": "ext://sys.stderr"}},
+              "root": {"level": "INFO", "handlers": ["err"]}}
+
+
 @pytest.fixture(scope="module")
-def capped(tiny_model_dir: Path):
-    m = start_mesh(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1",
+def capped(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    log_config = tmp_path_factory.mktemp("logging") / "logging.json"
+    log_config.write_text(json.dumps(LOG_CONFIG))
+    m = start_mesh(tiny_model_dir, "--log-config-file", str(log_config), "--max-num-seqs", "1", "--max-waiting-requests", "1",
                    "--limit-mm-per-prompt", '{"video": 0}', "--input-limits", '{"max_audio_seconds": 0.5}',
                    "--override-generation-config", '{"max_new_tokens": 3}',
                    "--stage-overrides", '{"talker": {"default_sampling_params": {"max_tokens": 5}}}',
@@ -172,3 +181,11 @@ def test_the_llm_stages_keep_their_kv_cache_in_fp8_and_prefill_whole(capped, tin
                                          rf"\(kv-cache-dtype fp8\); batches of up to 1 sequences / "
                                          rf"{text.max_position_embeddings} tokens; chunked prefill off", timeout_s=5)
         assert int(line.group(1)) == CPU_KV_CACHE_BYTES // per_block  # 4x the float32 pool's blocks
+
+
+def test_every_process_logs_in_the_log_config_files_format(capped):
+    capped.proc.wait_for_line(r"^LOGCFG INFO omnimesh\.models\.qwen3_omni\.lm_engine: talker KV cache", timeout_s=5)
+    capped.proc.wait_for_line(r"^LOGCFG INFO omnimesh\.models\.qwen3_omni\.lm_engine: thinker KV cache", timeout_s=5)
+    assert _post(capped, _body("logged")).status_code == 200
+    capped.proc.wait_for_line(r'^LOGCFG INFO uvicorn\.access: .*"POST /v1/chat/completions HTTP/1\.1" 200',
+                              timeout_s=10)

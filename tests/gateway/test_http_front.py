@@ -32,7 +32,7 @@ def front_rest(shared_pipeline: ScriptedPipeline) -> Iterator[RestServer]:
 def _args(**over: object) -> SimpleNamespace:
     base = dict(allowed_origins=None, allowed_methods=None, allowed_headers=None, allow_credentials=False,
                 ssl_keyfile=None, ssl_certfile=None, ssl_ca_certs=None, ssl_cert_reqs=0, uvicorn_log_level="info",
-                enable_request_id_headers=False, disable_uvicorn_access_log=False)
+                enable_request_id_headers=False, disable_uvicorn_access_log=False, root_path=None, uds=None)
     return SimpleNamespace(**{**base, **over})
 
 
@@ -63,7 +63,7 @@ def test_combinations_that_cannot_work(over: dict, why: str) -> None:
 def test_defaults_install_nothing_and_keep_the_access_log() -> None:
     front = HttpFront.from_args(_args())
     assert front == HttpFront() and front.describe() is None and front.grpc_credentials() is None
-    assert front.uvicorn_kwargs() == {"log_level": "info", "access_log": True, "log_config": None}
+    assert front.uvicorn_kwargs() == {"log_level": "info", "access_log": True, "log_config": None, "uds": None}
     assert HttpFront.from_args(_args(disable_uvicorn_access_log=True)).uvicorn_kwargs()["access_log"] is False
 
 
