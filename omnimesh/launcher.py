@@ -90,6 +90,8 @@ class MeshLauncher:
             argv += ["--otlp-traces-endpoint", a.otlp_traces_endpoint]
         if a.seed is not None and stage in ("thinker", "talker"):  # the stages that sample
             argv += ["--seed", str(a.seed)]
+        if a.logprobs_mode != "raw_logprobs" and stage == "thinker":  # the stage that reports logprobs
+            argv += ["--logprobs-mode", a.logprobs_mode]
         if a.generation_config != "auto" and stage == "thinker":  # a folder as an absolute path
             gen = a.generation_config
             argv += ["--generation-config", gen if gen == "vllm" else str(Path(gen).resolve())]

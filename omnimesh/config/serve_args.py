@@ -24,6 +24,9 @@ from omnimesh.models.qwen3_omni.code_windows import DEFAULT_WINDOWS, parse_windo
 TOOL_CALL_PARSERS = ("hermes",)  # vLLM's names of the tool-call formats the gateway parses (gateway/tool_calls.py)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --logprobs-mode, vLLM's: which scores `logprobs` report (services/llm/thinker_task.py). raw: the model's logits as
+# they came; processed: the scores the token was sampled from; *_logprobs: their log-softmax, *_logits: the values
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # the part of --gpu-memory-utilization a KV-cache stage takes when it shares a GPU with another stage (and has
 # no fraction of its own): the thinker's cache is the one long prompts fill, the talker's holds short contexts
 SHARED_GPU = {"thinker": 2 / 3, "talker": 2 / 9}
@@ -223,6 +226,11 @@ class ServeArgs:
     allowed_media_domains: str | None = _f(None, "comma-separated domains http(s) media may be fetched from (default: none)", "--allowed-media-domains")
     max_logprobs: int = _f(20, "most alternatives per token a request may ask for (REST top_logprobs, gRPC "
                            "sampling.logprobs), as vLLM's; -1: up to the vocabulary", "--max-logprobs")
+    logprobs_mode: str = _f("raw_logprobs", "which scores logprobs report, as vLLM's: raw_logprobs (the model's "
+                            "distribution, before sampling settings), raw_logits, processed_logprobs (the "
+                            "distribution the token was sampled from: penalties, logit_bias, allowed / bad words, a "
+                            "grammar, and when sampling temperature, top-k, top-p, min-p) or processed_logits; prompt "
+                            "logprobs stay raw", "--logprobs-mode", choices=LOGPROBS_MODES)
     return_tokens_as_token_ids: bool = _f(False, "logprobs name each token 'token_id:<id>' instead of its text, as "
                                           "vLLM's (for tokens that are not valid text on their own)",
                                           "--return-tokens-as-token-ids", action="store_true")
@@ -343,6 +351,8 @@ class ServeArgs:
             from omnimesh.log_setup import read_log_config
 
             read_log_config(self.log_config_file)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.disable_log_requests and self.enable_log_requests:
             raise ValueError("--disable-log-requests and --enable-log-requests contradict each other; give one")
         if self.max_log_len is not None and self.max_log_len < 0:

@@ -57,6 +57,7 @@ class ThinkerHandler:
         self.token_bytes = TokenBytes(tokenizer)  # token id -> bytes, for logprobs (cached across requests)
         self.defaults = thinker_sampling_params(thinker.config, generation_config)
         self.seeds = SeedStream(None, self.name)  # --seed (build_handler)
+        self.logprobs_mode = "raw_logprobs"  # --logprobs-mode (build_handler)
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.stream_interval = stream_interval
@@ -85,7 +86,8 @@ class ThinkerHandler:
                            talker_inputs=msg.options.get("talker_inputs") == "1", max_model_len=self.max_model_len,
                            batcher=self.batcher, stream_interval=self.stream_interval,
                            eager_tokens=count_option(msg, "eager_tokens", 1, "tokens"), token_bytes=self.token_bytes,
-                           prefix_caching=self.batcher is not None and self.batcher.engine.allocator.prefix_caching)
+                           prefix_caching=self.batcher is not None and self.batcher.engine.allocator.prefix_caching,
+                           logprobs_mode=self.logprobs_mode)
         task.priority = priority_option(msg, self.batcher.engine.scheduler.policy if self.batcher else "fcfs")
         task.requested_stops = frozenset(int(i) for i in msg.sampling.stop_token_ids)
         task.own_stops = frozenset(self.defaults.stop_token_ids)
@@ -141,4 +143,5 @@ def build_handler(model_dir: Path, args: ServeArgs) -> ThinkerHandler:
                              first_output_rounds=cfg.effective_first_output_rounds("thinker"))
     handler.defaults = operator_defaults(handler.defaults, cfg.default_sampling_params, "thinker")
     handler.seeds = SeedStream(args.seed, "thinker")
+    handler.logprobs_mode = args.logprobs_mode
     return handler

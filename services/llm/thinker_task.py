@@ -55,10 +55,13 @@ MERGED = ("token_ids", "token_embeds")  # what several tokens' chunks stack into
 class ThinkerTask(BatchedTask):
     def __init__(self, request_id: str, thinker: Qwen3OmniThinker, tokenizer: object, params: SamplingParams,
                  *, talker_inputs: bool, max_model_len: int, batcher: object = None, stream_interval: int = 1,
-                 eager_tokens: int = 1, token_bytes: TokenBytes | None = None, prefix_caching: bool = False):
+                 eager_tokens: int = 1, token_bytes: TokenBytes | None = None, prefix_caching: bool = False,
+                 logprobs_mode: str = "raw_logprobs"):
         super().__init__(request_id, batcher)
         self.thinker = thinker
         self.sampler = Sampler(params)
+        self.logprobs_mode = logprobs_mode  # --logprobs-mode (token_logprobs.LOGPROBS_MODES)
+        self.sampler.keep_processed = logprobs_mode.startswith("processed") and params.logprobs is not None
         self.detok = Detokenizer(tokenizer, params.skip_special_tokens)
         self.token_bytes = token_bytes or TokenBytes(tokenizer)  # for logprobs: one per handler, cached
         self.stops = StopStrings(params.stop, include_stop=params.include_stop_str_in_output)
@@ -211,7 +214,10 @@ class ThinkerTask(BatchedTask):
         stop = grammar_done or self.sampler.is_stop(token)
         at_max = self.completion_tokens >= self.sampler.params.max_tokens
         k = self.sampler.params.logprobs
-        logprobs = [token_logprob(out.logits, token, k, self.token_bytes)] if k is not None and not stop else []
+        logprobs = []
+        if k is not None and not stop:
+            scores = self.sampler.processed if self.sampler.processed is not None else out.logits
+            logprobs = [token_logprob(scores, token, k, self.token_bytes, self.logprobs_mode.endswith("logprobs"))]
         raw = "" if stop else self.detok.push(token)
         if stop or at_max:
             raw += self.detok.finish()

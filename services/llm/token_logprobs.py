@@ -75,9 +75,13 @@ def prompt_logprobs(scores: PromptScores, token_bytes: TokenBytes) -> list[stage
     return out
 
 
-def token_logprob(logits: torch.Tensor, token: int, k: int, token_bytes: TokenBytes) -> stage_pb2.TokenLogprob:
-    """The sampled `token`'s entry from the step's raw `logits` (V,), with the `k` most likely alternatives."""
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # (V,)
+def token_logprob(logits: torch.Tensor, token: int, k: int, token_bytes: TokenBytes,
+                  normalize: bool = True) -> stage_pb2.TokenLogprob:
+    """The sampled `token`'s entry from the step's `logits` (V,) (raw or processed: --logprobs-mode), with the `k`
+    most likely alternatives; `normalize`: their log-softmax, else the values themselves."""
+    logprobs = logits.to(torch.float32)  # (V,)
+    if normalize:
+        logprobs = torch.log_softmax(logprobs, dim=-1)
     entry = stage_pb2.TokenLogprob(token_id=token, token=token_bytes(token),
                                    logprob=max(float(logprobs[token]), FLOOR))
     if k:

@@ -154,6 +154,8 @@ class Sampler:
         self._bad_always = torch.tensor(sorted(set(single)), dtype=torch.long) if single else None
         self._bad_longest = max(self._bad, default=0)
         self.num_sampled = 0  # tokens picked so far by `sample` (what min_tokens counts)
+        self.keep_processed = False  # set: `processed` holds the scores of the last `sample` (--logprobs-mode)
+        self.processed: torch.Tensor | None = None
         self._generated: dict[int, int] = {}  # id -> times picked; kept only when the output penalties are on
 
     def process(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,6 +215,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> int:
         """One token id from `logits` (V,), given the tokens `history` (n,) the penalty looks at."""
         scores = self.process(logits, history)  # (V,)
+        if self.keep_processed:
+            self.processed = scores
         if self.params.greedy:
             token = int(torch.argmax(scores, dim=-1).item())
         else:
