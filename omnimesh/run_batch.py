@@ -51,14 +51,18 @@ class BatchLine:
     body: dict[str, Any]
 
 
-def read_batch(stream: IO[str], where: str) -> list[BatchLine]:
-    """Every request of a batch file; ValueError naming the first bad line."""
+def read_batch(stream: IO[bytes], where: str) -> list[BatchLine]:
+    """Every request of a batch file (bytes, UTF-8); ValueError naming the first bad line."""
     lines: list[BatchLine] = []
     seen: dict[str, int] = {}
-    for number, text in enumerate(stream, 1):
+    for number, raw in enumerate(stream, 1):
+        what = f"{where} line {number}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{what}: not UTF-8 (byte {exc.start})") from None
         if not text.strip():
             continue
-        what = f"{where} line {number}"
         try:
             item = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -204,10 +208,10 @@ def run_batch(args: ServeArgs, input_file: str, output_file: str, url: str | Non
     if output_file != "-" and not Path(output_file).parent.is_dir():
         raise ValueError(f"--output-file {output_file}: its folder does not exist")
     if input_file == "-":
-        lines = read_batch(sys.stdin, "stdin")
+        lines = read_batch(sys.stdin.buffer, "stdin")
     else:
         try:
-            with open(input_file, encoding="utf-8") as f:
+            with open(input_file, "rb") as f:
                 lines = read_batch(f, input_file)
         except OSError as exc:
             raise ValueError(f"--input-file {input_file}: cannot read it ({exc.strerror})") from None

@@ -91,7 +91,12 @@ def test_a_batch_on_a_mesh_of_its_own_rides_out_backpressure(tiny_model_dir: Pat
 ])
 def test_bad_batch_files(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        read_batch(io.StringIO(text), "in.jsonl")
+        read_batch(io.BytesIO(text.encode()), "in.jsonl")
+
+
+def test_a_line_that_is_not_utf8() -> None:
+    with pytest.raises(ValueError, match=r"in.jsonl line 2: not UTF-8 \(byte 15\)"):
+        read_batch(io.BytesIO(_line("a", "/v1/completions", {}).encode() + b'{"custom_id": "\xff"}\n'), "in.jsonl")
 
 
 def test_a_bad_file_stops_the_run_before_anything_starts(tmp_path: Path) -> None:
