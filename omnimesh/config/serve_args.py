@@ -32,6 +32,21 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 SHARED_GPU = {"thinker": 2 / 3, "talker": 2 / 9}
 
 
+def human_readable_int(text: str) -> int:
+    """A token count as vLLM's flags take it: 4096, 4k (4000), 4K (4096), 25.6k, 1m / 1M, 1g / 1G."""
+    value = text.strip()
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    scale = units.get(value[-1:], 1)
+    number = value[:-1] if scale != 1 else value
+    try:
+        amount = float(number) * scale if scale != 1 else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 4096, 4k or 4K)") from None
+    if amount != int(amount):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(amount)
+
+
 def _f(default: Any, help: str, *flags: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, "flags": flags, **extra})
 
@@ -134,7 +149,8 @@ class ServeArgs:
     pipeline_parallel_size: int = _f(1, "pipeline-parallel ranks per model stage", "-pp", "--pipeline-parallel-size")
     pp_layer_partition: str | None = _f(None, "layers per pipeline rank, e.g. 3,5 (default: even, extra layers to the middle ranks)", "--pp-layer-partition")
     gpu_memory_utilization: float = _f(0.9, "fraction of each device a stage may take (weights + KV cache)", "--gpu-memory-utilization")
-    max_model_len: int | None = _f(None, "longest prompt + output in tokens; default: the model's limit", "--max-model-len")
+    max_model_len: int | None = _f(None, "longest prompt + output in tokens, e.g. 32768, 32k (32000) or 32K (32768) as "
+                                   "vLLM's; default: the model's limit", "--max-model-len", type=human_readable_int)
     max_num_seqs: int = _f(256, "most requests a stage runs at once", "--max-num-seqs")
     max_waiting_requests: int = _f(256, "most requests the thinker (and the talker) keeps waiting beyond its free --max-num-seqs "
                                    "seats; one more is refused at once (gRPC RESOURCE_EXHAUSTED, HTTP 429 with "
@@ -144,7 +160,8 @@ class ServeArgs:
                                 "priority (each request's `priority`, lower first, arrival among equals; a "
                                 "waiting request preempts a lower-priority running one when seats or KV blocks "
                                 "run short)", "--scheduling-policy")
-    max_num_batched_tokens: int | None = _f(None, "most tokens in one engine step (long prompts are chunked)", "--max-num-batched-tokens")
+    max_num_batched_tokens: int | None = _f(None, "most tokens in one engine step (long prompts are chunked); 8192, 8k or "
+                                            "8K as --max-model-len", "--max-num-batched-tokens", type=human_readable_int)
     enable_prefix_caching: bool = _f(False, "the thinker keeps the KV-cache blocks of prompts (media parts named by "
                                      "their content) and a later prompt that starts the same way "
                                      "reuses them instead of computing them again, as vLLM's automatic prefix "
@@ -578,7 +595,7 @@ def add_arguments(
         if "action" in meta:
             kwargs["action"] = meta["action"]
         else:
-            kwargs["type"] = _type_of(f.type)
+            kwargs["type"] = meta.get("type") or _type_of(f.type)
         if "nargs" in meta:
             kwargs["nargs"] = meta["nargs"]
         if "choices" in meta:

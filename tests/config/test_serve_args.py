@@ -504,3 +504,15 @@ def test_a_vllm_command_line_parses() -> None:
     gateway = build_parser().parse_args(["gateway", "--model", "m", "--stages", "thinker=h:1", "--disable-log-requests",
                                          "--uds", "/tmp/gw.sock", "--root-path", "/omni"])
     assert gateway.disable_log_requests and gateway.uds == "/tmp/gw.sock"
+
+
+def test_token_counts_take_vllms_human_readable_forms(capsys) -> None:
+    from omnimesh.cli import build_parser
+    from omnimesh.config.serve_args import from_namespace, human_readable_int
+
+    args = from_namespace(build_parser().parse_args(["serve", "--max-model-len", "2k", "--max-num-batched-tokens", "1K"]))
+    assert (args.max_model_len, args.max_num_batched_tokens) == (2000, 1024)
+    assert [human_readable_int(t) for t in ("4096", "25.6k", "1M", "1m")] == [4096, 25600, 2**20, 10**6]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-model-len", "1.5"])
+    assert "'1.5' is not a token count (e.g. 4096, 4k or 4K)" in capsys.readouterr().err
