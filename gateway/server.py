@@ -33,11 +33,12 @@ from gateway.response_store import responses_store
 from gateway.request_log import RequestLog
 from gateway.stage_discovery import StageDiscovery, parse_dns_target
 from gateway.rest import create_app
+from gateway.rest_socket import rest_socket
 from omnimesh import tracing
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.models.qwen3_omni.checkpoint_stages import text_only_reason
 from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
-from omnimesh.server.grpc_server import bind
+from omnimesh.server.grpc_server import BindError, bind
 from omnimesh.transport.stage_client import StageClient
 from omnimesh.transport.transport import Transport
 
@@ -124,6 +125,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     video_warmup = asyncio.create_task(_start_video_decoding())  # in the background: serving starts meanwhile
     if (described := front.describe()) is not None:
         log.info("%s", described)
+    sock = rest_socket(args.host, args.port, front.uds)  # BindError naming --port / --uds, before anything serves
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="none", lifespan="off", **front.uvicorn_kwargs())
     rest = uvicorn.Server(config)
     rest.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # we own the signals
@@ -131,14 +133,18 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
                                                     max_logprobs=args.max_logprobs, api_keys=keys,
                                                     auto_tool_choice=args.enable_auto_tool_choice,
                                                     reasoning=reasoning)
-    bind(grpc_server, args.host, args.grpc_port, front.grpc_credentials())
+    try:
+        bind(grpc_server, args.host, args.grpc_port, front.grpc_credentials(), flag="--grpc-port")
+    except BindError:
+        sock.close()
+        raise
     await grpc_server.start()
     log.info("gateway: %d start-up objects frozen out of the garbage collector's scans", freeze_startup_heap())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    rest_task = asyncio.create_task(rest.serve())
+    rest_task = asyncio.create_task(rest.serve(sockets=[sock]))
     print(f"omnimesh gateway listening: REST {front.rest_url(args.host, args.port)} , gRPC {args.host}:{args.grpc_port}",
           flush=True)
     done, _ = await asyncio.wait([rest_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

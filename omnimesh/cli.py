@@ -199,8 +199,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         from omnimesh.node_launcher import HeadlessNode
 
         return HeadlessNode(args, model_dir).run()
+    from gateway.rest_socket import check_free
     from omnimesh.launcher import MeshLauncher
+    from omnimesh.server.grpc_server import BindError
 
+    try:  # the gateway's ports, before any stage spends minutes loading
+        check_free(args.host, args.port, args.grpc_port, args.uds)
+    except BindError as exc:
+        return _fail(str(exc))
     return MeshLauncher(args, model_dir).run()
 
 
@@ -239,6 +245,13 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     from omnimesh.stage_registry import handler_factory
 
     port = ns.stage_port if ns.stage_port is not None else 50051 + STAGES.index(ns.stage_name)
+    from omnimesh.server.grpc_server import BindError, check_port
+
+    try:  # before the weights load
+        if port:
+            check_port(ns.stage_host, port, "--port")
+    except BindError as exc:
+        return _fail(str(exc))
     cfg = args.stage_configs()[stage]
     try:
         tracing.init(f"omnimesh-{stage}", args.otlp_traces_endpoint)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
@@ -23,6 +24,9 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# every server's: gRPC's default (1) lets a second server bind a port another already listens on, and the kernel
+# then splits the connections between them: a stale stage or gateway would silently answer part of the traffic
+SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
 
 class BindError(RuntimeError):
@@ -34,7 +38,8 @@ def make_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A grpc.aio server with `grpc.health.v1` and reflection (listing `service_names`) registered."""
-    server = grpc.aio.server(options=options if options is not None else GRPC_OPTIONS, interceptors=interceptors or None)
+    server = grpc.aio.server(options=(options if options is not None else GRPC_OPTIONS) + SERVER_OPTIONS,
+                             interceptors=interceptors or None)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -42,15 +47,30 @@ def make_server(
     return server, health_servicer
 
 
-def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
-    """Listen on host:port, with TLS when `credentials` are given; the port bound (0 is any free one)."""
+def check_port(host: str, port: int, flag: str) -> None:
+    """BindError naming `flag` when host:port cannot be listened on now (checked and let go: a server about to
+    spend minutes loading learns it at once)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise BindError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); another server may "
+                            f"hold it: stop it or pick another {flag}") from None
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None,
+         flag: str = "--port") -> int:
+    """Listen on host:port, with TLS when `credentials` are given; the port bound (0 is any free one). `flag`:
+    the flag that sets the port, for the error."""
     try:
         address = f"{host}:{port}"
         bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     except RuntimeError as exc:
-        raise BindError(f"cannot listen on {host}:{port}: {exc} (is the port in use? pick another with --port)") from exc
+        raise BindError(f"cannot listen on {host}:{port}: {exc} (is the port in use? pick another with {flag})") from exc
     if bound == 0:
-        raise BindError(f"cannot listen on {host}:{port} (is the port in use? pick another with --port)")
+        raise BindError(f"cannot listen on {host}:{port} (is the port in use? pick another with {flag})")
     return bound
 
 

@@ -10,7 +10,8 @@
 - `--uds` and `--root-path` (vLLM's): the REST API on a Unix socket only (no TCP port), answering under the
   proxy's prefix and without it alike, the API key still required under the prefix, the prefix in the paths
   errors name; the launcher's probe finds it on the socket, and the socket file is gone after a stop. That
-  gateway also serves two names (`--served-model-name omni omni-alias`, vLLM's): both listed and answered.
+  gateway also serves two names (`--served-model-name omni omni-alias`, vLLM's): both listed and answered;
+- a gateway whose REST or gRPC port is taken exits 1 naming the flag, and never says it listens.
 """
 
 from __future__ import annotations
@@ -208,3 +209,20 @@ def test_unix_socket_gateway_under_a_root_path(mesh, tiny_model_dir, tmp_path: P
 def test_serve_hands_the_gateway_its_socket_and_prefix(tmp_path: Path) -> None:
     argv = MeshLauncher(ServeArgs(uds=str(tmp_path / "gw.sock"), root_path="/omni"), tmp_path)._gateway_argv({})
     assert argv[argv.index("--uds") + 1] == str(tmp_path / "gw.sock") and argv[argv.index("--root-path") + 1] == "/omni"
+
+
+def test_a_gateway_on_a_taken_port_says_which_and_serves_nothing(mesh, tiny_model_dir) -> None:
+    from gateway.rest_socket import rest_socket
+
+    held = rest_socket("127.0.0.1", 0)
+    port, grpc_port = held.getsockname()[1], free_port()
+    stages = ",".join(f"{k}={v}" for k, v in mesh.stages.items())
+    try:
+        for flags, needle in ((["--port", str(port), "--grpc-port", str(grpc_port)], f"--port {port}: cannot listen"),
+                              (["--port", str(free_port()), "--grpc-port", str(port)], "pick another with --grpc-port")):
+            proc = Proc(["gateway", "--model", str(tiny_model_dir), "--host", "127.0.0.1", *flags, "--stages", stages])
+            assert proc.proc.wait(timeout=120) == 1, proc.output()
+            proc.wait_for_line(rf"omnimesh gateway: error: .*{needle}", timeout_s=5)
+            assert not any("listening" in line for line in proc.lines), proc.output()
+    finally:
+        held.close()
