@@ -21,7 +21,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from omnimesh.config.serve_args import GATEWAY_FIELDS, STAGE_EXCLUDED, ServeArgs, add_arguments, from_namespace
+from omnimesh.config.serve_args import (GATEWAY_FIELDS, HTTP_FRONT_FIELDS, STAGE_EXCLUDED, ServeArgs, add_arguments,
+                                        from_namespace)
 from omnimesh import tracing
 from omnimesh.config.stage_config import STAGES
 from omnimesh.log_setup import CONFIG_ENV, LEVEL_ENV, LEVELS, check_level, setup_logging
@@ -391,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     batch = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL of chat / completion / responses "
                            "requests) with a mesh started for it, or the server at --url, as vLLM's run-batch")
-    add_arguments(batch)
+    # the mesh it starts listens on loopback ports of its own, plain http: no front flags of a served gateway
+    add_arguments(batch, exclude=HTTP_FRONT_FIELDS | {"host", "port", "grpc_port", "stage_base_port"})
     batch.add_argument("-i", "--input-file", required=True, help="the batch file, one request per line: "
                        "{\"custom_id\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\"}; - for stdin")
     batch.add_argument("-o", "--output-file", required=True, help="where the answers go, one line per request in the "

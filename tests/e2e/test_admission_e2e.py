@@ -10,8 +10,9 @@ a video is refused on REST and gRPC, and 1 s of audio is a 413 naming the limit.
 {"max_tokens": 5} (launcher -> thinker / talker): a request that sets neither runs to them, exactly as one
 that asks for them. --mm-processor-kwargs '{"max_pixels": 4096}' (launcher -> gateway): an image costs the
 prompt tokens the processor with that setting gives, fewer than the folder's own. --kv-cache-dtype fp8
-(launcher -> thinker / talker): both keep their KV cache in fp8, 4x the tokens of the float32 default in the
-same memory, and B's text is still exactly its solo text on that cache. --no-enable-chunked-prefill
+(launcher -> talker) with the thinker's own "auto" in --stage-overrides: the talker keeps its KV cache in fp8,
+4x the tokens of the float32 default in the same memory, the thinker in float32 (its fused CPU decode kernel
+takes float32 pools only: A's 4000 tokens took 16 s on fp8 against 6 s). --no-enable-chunked-prefill
 (launcher -> thinker / talker): both prefill prompts whole, their step budget max_model_len. --log-config-file
 (vLLM's; through the environment to every process): the stages' and the gateway's records, uvicorn's access
 lines among them, come out in its format. Every wait is bounded.
@@ -51,7 +52,8 @@ def capped(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     m = start_mesh(tiny_model_dir, "--log-config-file", str(log_config), "--max-num-seqs", "1", "--max-waiting-requests", "1",
                    "--limit-mm-per-prompt", '{"video": 0}', "--input-limits", '{"max_audio_seconds": 0.5}',
                    "--override-generation-config", '{"max_new_tokens": 3}',
-                   "--stage-overrides", '{"talker": {"default_sampling_params": {"max_tokens": 5}}}',
+                   "--stage-overrides", '{"talker": {"default_sampling_params": {"max_tokens": 5}}, '
+                                        '"thinker": {"kv_cache_dtype": "auto"}}',
                    "--mm-processor-kwargs", '{"max_pixels": 4096}', "--kv-cache-dtype", "fp8",
                    "--no-enable-chunked-prefill")
     try:
@@ -169,18 +171,22 @@ def test_the_processor_settings_apply(capped, tiny_model_dir):
     assert "gateway: processor settings max_pixels=4096" in capped.proc.output()
 
 
-def test_the_llm_stages_keep_their_kv_cache_in_fp8_and_prefill_whole(capped, tiny_model_dir: Path):
+def test_the_kv_cache_dtypes_and_whole_prefills_reach_the_llm_stages(capped, tiny_model_dir: Path):
+    import torch
+
     from omnimesh.models.qwen3_omni import paged_kv
     from omnimesh.models.qwen3_omni.lm_engine import CPU_KV_CACHE_BYTES
     from omnimesh.models.qwen3_omni.stage_loading import load_config
 
     config = load_config(tiny_model_dir)
-    for stage, text in (("thinker", config.thinker_config.text_config), ("talker", config.talker_config.text_config)):
-        per_block = paged_kv.block_bytes(text, text.num_hidden_layers, 1, 16, paged_kv.KV_CACHE_DTYPES["fp8"])
+    for stage, text, dtype in (("thinker", config.thinker_config.text_config, "auto"),
+                               ("talker", config.talker_config.text_config, "fp8")):
+        kind = paged_kv.kv_cache_dtype(dtype, torch.float32)
+        per_block = paged_kv.block_bytes(text, text.num_hidden_layers, 1, 16, kind)
         line = capped.proc.wait_for_line(rf"{stage} KV cache: (\d+) blocks x 16 tokens = \d+ tokens "
-                                         rf"\(kv-cache-dtype fp8\); batches of up to 1 sequences / "
+                                         rf"\(kv-cache-dtype {dtype}\); batches of up to 1 sequences / "
                                          rf"{text.max_position_embeddings} tokens; chunked prefill off", timeout_s=5)
-        assert int(line.group(1)) == CPU_KV_CACHE_BYTES // per_block  # 4x the float32 pool's blocks
+        assert int(line.group(1)) == CPU_KV_CACHE_BYTES // per_block  # fp8: 4x the float32 pool's blocks
 
 
 def test_every_process_logs_in_the_log_config_files_format(capped):
