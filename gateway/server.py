@@ -3,7 +3,8 @@
 Data flow: load the tokenizer + processor from the model folder -> StageClients for the given stage
 addresses (several for a stage with replicas: gateway/replicas.py) -> StagePipeline.connect() (reads voices /
 sample rate from the stages, bounded wait) ->
-serve REST on --host:--port and gRPC on --host:--grpc-port (TLS, CORS, access log: gateway/http_front.py)
+serve REST on --host:--port or --uds (its socket bound first: gateway/rest_socket.py) and gRPC on
+--host:--grpc-port (TLS, CORS, access log, --root-path: gateway/http_front.py)
 until SIGTERM / SIGINT; meanwhile the video decoders' process server starts (gateway/video_process.py).
 REST /metrics also scrapes every stage's Metrics RPC through the same clients.
 """
@@ -152,7 +153,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
         raise failure
     rest.should_exit = True
     await asyncio.gather(rest_task, return_exceptions=True)
-    if front.uds is not None:  # uvicorn leaves its socket file behind
+    if front.uds is not None:  # a closed Unix socket leaves its file behind
         with contextlib.suppress(OSError):
             os.unlink(front.uds)
     await app.state.responses.close()  # background responses still running end "cancelled"
