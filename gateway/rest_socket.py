@@ -15,7 +15,7 @@ import os
 import socket
 import stat
 
-from omnimesh.server.grpc_server import BindError, check_port
+from omnimesh.server.grpc_server import BindError, bound_socket, check_port
 
 BACKLOG = 2048  # uvicorn's default
 
@@ -24,17 +24,8 @@ def rest_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
     """A listening socket for the REST API; BindError naming --port / --uds when it cannot be had."""
     if uds is not None:
         return _unix_socket(uds)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(BACKLOG)
-    except OSError as exc:
-        sock.close()
-        raise BindError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); another server may hold "
-                        f"it: stop it or pick another --port") from None
-    sock.set_inheritable(True)
+    sock = bound_socket(host, port, "--port")
+    sock.listen(BACKLOG)
     return sock
 
 

@@ -66,6 +66,9 @@ def test_the_cli_hands_its_level_and_log_config_to_what_it_starts(tmp_path) -> N
     config.write_text("{}")
     refused = cli("plan", "--log-config-file", str(config))
     assert refused.returncode == 2 and 'with "version": 1' in refused.stderr
+    config.write_text(json.dumps({"version": 1, "handlers": {"h": {"class": "no.such.Handler"}}}))
+    refused = cli("plan", "--log-config-file", str(config))
+    assert refused.returncode == 2 and "logging.config.dictConfig refuses it" in refused.stderr, refused.stderr
     config.write_text(json.dumps({"version": 1, "disable_existing_loggers": False,
                                   "formatters": {"f": {"format": "TAGGED %(name)s: %(message)s"}},
                                   "handlers": {"h": {"class": "logging.StreamHandler", "formatter": "f"}},

@@ -47,17 +47,23 @@ def make_server(
     return server, health_servicer
 
 
+def bound_socket(host: str, port: int, flag: str) -> socket.socket:
+    """A TCP socket bound to host:port (IPv6 when the host has a colon); BindError naming `flag` when it cannot be."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise BindError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); another server may "
+                        f"hold it: stop it or pick another {flag}") from None
+    return sock
+
+
 def check_port(host: str, port: int, flag: str) -> None:
     """BindError naming `flag` when host:port cannot be listened on now (checked and let go: a server about to
     spend minutes loading learns it at once)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise BindError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); another server may "
-                            f"hold it: stop it or pick another {flag}") from None
+    bound_socket(host, port, flag).close()
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None,

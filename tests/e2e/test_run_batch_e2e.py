@@ -99,6 +99,19 @@ def test_a_line_that_is_not_utf8() -> None:
         read_batch(io.BytesIO(_line("a", "/v1/completions", {}).encode() + b'{"custom_id": "\xff"}\n'), "in.jsonl")
 
 
+def test_a_server_that_does_not_answer_is_each_lines_error(tmp_path: Path) -> None:
+    from omnimesh.proc_utils import free_port
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(_line("a", "/v1/chat/completions", CHAT) + _line("b", "/v1/completions", {"prompt": "x"}))
+    done = _run("-i", str(src), "-o", "-", "--url", f"http://127.0.0.1:{free_port()}", timeout=120)
+    assert done.returncode == 1, done.stderr  # the output is complete even so
+    rows = [json.loads(x) for x in done.stdout.splitlines()]
+    assert [r["custom_id"] for r in rows] == ["a", "b"] and all(r["response"] is None for r in rows)
+    assert all(r["error"]["code"] == "request_failed" and "ConnectError" in r["error"]["message"] for r in rows)
+    assert "0 answered 2xx, 2 not (2 x no answer)" in done.stderr
+
+
 def test_a_bad_file_stops_the_run_before_anything_starts(tmp_path: Path) -> None:
     src = tmp_path / "in.jsonl"
     src.write_text(_line("a", "/v1/chat/completions", CHAT) + "{nope\n")
