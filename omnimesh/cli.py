@@ -78,7 +78,9 @@ def _check_supported(args: ServeArgs, only: str | None = None) -> int | None:
     return None
 
 
-def _model_dir(model: str | None) -> Path:
+def _model_dir(model: str | None, load_format: str | None = None) -> Path:
+    """The model folder (the built-in tiny one when none is given). With `load_format` (a process that loads
+    weights) a folder without a safetensors checkpoint is refused here, before anything starts, unless it is dummy."""
     if model is None:
         from omnimesh.tiny_cache import tiny_model_dir
 
@@ -90,6 +92,13 @@ def _model_dir(model: str | None) -> Path:
             f"model {model!r} is not a model folder (no config.json); give a local Hugging Face folder — "
             "this build never downloads from a hub"
         )
+    if load_format not in (None, "dummy"):
+        from omnimesh.models.loader import INDEX_FILE, SINGLE_FILE
+
+        if not (path / SINGLE_FILE).is_file() and not (path / INDEX_FILE).is_file():
+            raise ValueError(f"model {model!r} holds no weights (neither {SINGLE_FILE} nor {INDEX_FILE}); omnimesh "
+                             f"reads safetensors checkpoints, or give --load-format dummy to run the model's shape "
+                             f"with random weights")
     return path
 
 
@@ -141,7 +150,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         memory = None if ns.device_memory is None else parse_bytes(ns.device_memory, "--device-memory")
         if ns.num_devices is not None and ns.num_devices < 1:
             raise ValueError(f"--num-devices must be >= 1, got {ns.num_devices}")
-        model_dir = _model_dir(args.model)
+        model_dir = _model_dir(args.model, args.load_format)
     except ValueError as exc:
         return _fail(str(exc))
     if args.device == "cpu" and (rc := _check_devices(args)) is not None:
@@ -187,7 +196,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if (rc := _check_devices(args)) is not None or (rc := _check_nodes(args)) is not None:
         return rc
     try:
-        model_dir = _model_dir(args.model)
+        model_dir = _model_dir(args.model, args.load_format)
     except ValueError as exc:
         return _fail(str(exc))
     if (rc := _check_layout(args, model_dir)) is not None or (rc := _check_supported(args)) is not None:
@@ -220,12 +229,19 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     if (rc := _use_allocator(ns, args.malloc, args.device, f"stage {ns.stage_name}")) is not None:
         return rc
     try:
-        model_dir = _model_dir(args.model)
+        model_dir = _model_dir(args.model, args.load_format)
     except ValueError as exc:
         return _fail(str(exc))
     stage = ns.stage_name
     if (rc := _check_stage_exists(model_dir, stage)) is not None:
         return rc
+    if args.load_format != "auto":  # this process's own loads; its ranks get it through their factory
+        from omnimesh.models.loader import DUMMY_RANGE, set_load_format
+
+        set_load_format(args.load_format)
+        if args.load_format == "dummy":
+            print(f"omnimesh: stage {stage}: --load-format dummy: no weight file is read; every parameter is random "
+                  f"in [-{DUMMY_RANGE:g}, {DUMMY_RANGE:g}] (answers are noise)", file=sys.stderr)
     if (rc := _check_devices(args, stage)) is not None or (rc := _check_nodes(args, stage)) is not None:
         return rc
     if (rc := _check_layout(args, model_dir, only=stage)) is not None or (rc := _check_supported(args, stage)) is not None:

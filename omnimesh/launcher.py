@@ -82,6 +82,8 @@ class MeshLauncher:
                 "--stream-interval", str(a.stream_interval), "--audio-windows", a.audio_windows, "--malloc", a.malloc]
         if a.enforce_eager:
             argv.append("--enforce-eager")
+        if a.load_format != "auto":
+            argv += ["--load-format", a.load_format]
         if stage == "encoder":
             argv += ["--encoder-cache-memory", a.encoder_cache_memory]
         if a.disable_log_stats:

@@ -132,6 +132,26 @@ def read_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
     return out
 
 
+def shape_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
+    """What the folder's checkpoint would hold, from its config alone (--load-format dummy: there may be no
+    weight files): the whole model built on the meta device (no memory), its state dict under the checkpoint's
+    own key names (`transformers`' reverse of its load-time renaming: per-expert tensors, `thinker.audio_tower.`)."""
+    import torch
+    from transformers import Qwen2_5OmniForConditionalGeneration, Qwen3OmniMoeForConditionalGeneration
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from omnimesh.models.qwen3_omni.stage_loading import is_qwen2_5, load_config
+
+    config = load_config(model_dir)
+    cls: Any = Qwen2_5OmniForConditionalGeneration if is_qwen2_5(config) else Qwen3OmniMoeForConditionalGeneration
+    with torch.device("meta"):
+        model = cls(config)
+    def kind(t: torch.Tensor) -> str:  # floats take the serving dtype's size anyway
+        return "F32" if t.is_floating_point() else "BOOL" if t.dtype == torch.bool else f"I{8 * t.element_size()}"
+
+    return {key: TensorInfo(kind(t), t.numel()) for key, t in revert_weight_conversion(model, model.state_dict()).items()}
+
+
 @contextlib.contextmanager
 def _quiet_partitions() -> Iterator[None]:
     """`partition_layers` warns about uneven splits; the plan tries many layouts, so not here."""
@@ -368,7 +388,7 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
     dtype = resolve_dtype(args)
     float_bytes = torch.empty(0, dtype=dtype).element_size()
     config, family = load_config(model_dir), model_family(model_dir)
-    tensors = read_checkpoint(model_dir)
+    tensors = shape_checkpoint(model_dir) if args.load_format == "dummy" else read_checkpoint(model_dir)
     has = model_stages(model_dir)
     configs = {s: c for s, c in args.stage_configs(together=only is None).items()
                if s in has and (s == only if only is not None else c.num_replicas > 0)}

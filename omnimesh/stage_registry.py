@@ -45,7 +45,7 @@ def node_spec(args: ServeArgs, stage: str, model_dir: Path) -> NodeSpec | None:
         return None
     return NodeSpec(stage=stage, num_nodes=cfg.num_nodes, node_rank=args.node_rank, model=model_fingerprint(model_dir),
                     dtype=str(resolve_dtype(args)).removeprefix("torch."), partition=cfg.pp_layer_partition,
-                    timeout_s=args.rendezvous_timeout, model_dir=str(model_dir))
+                    timeout_s=args.rendezvous_timeout, model_dir=str(model_dir), load_format=args.load_format)
 
 
 def lm_layout(args: ServeArgs, stage: str, failure: StageFailure, model_dir: Path) -> LMLayout:
@@ -59,12 +59,16 @@ def lm_layout(args: ServeArgs, stage: str, failure: StageFailure, model_dir: Pat
                     backend="nccl" if cuda else "gloo", master_addr=args.master_addr,
                     master_port=args.master_port, on_failure=failure.report,
                     devices=tuple(f"cuda:{d}" for d in devices) if cuda else (), nodes=nodes,
-                    executor=args.distributed_executor_backend, ray_address=args.ray_address)
+                    executor=args.distributed_executor_backend, ray_address=args.ray_address,
+                    load_format=args.load_format)
 
 
 def rank_program(args: ServeArgs, stage: str, model_dir: Path) -> ProgramFactory:
     """What each of the stage's ranks runs (the same factory the stage's own load hands its executor)."""
-    return rank_factory(stage, model_dir, resolve_dtype(args), args.stage_configs()[stage].pp_layer_partition)
+    from omnimesh.models.loader import LoadFormatFactory
+
+    factory = rank_factory(stage, model_dir, resolve_dtype(args), args.stage_configs()[stage].pp_layer_partition)
+    return factory if args.load_format == "auto" else LoadFormatFactory(args.load_format, factory)
 
 
 def lm_engine(backend: Any, stage: str, args: ServeArgs, max_model_len: int,

@@ -16,9 +16,9 @@ from typing import Any
 
 from gateway.content_format import CONTENT_FORMATS, check_content_format
 from omnimesh.allocator import check_mode
-from omnimesh.config.stage_config import (KV_CACHE_DTYPE_CHOICES, SPEECH_STAGES, STAGES, TRANSPORT_CHOICES, StageConfig,
-                                          parse_bytes, parse_json_object, parse_size, parse_stage_overrides,
-                                          resolve_stage)
+from omnimesh.config.stage_config import (KV_CACHE_DTYPE_CHOICES, LOAD_FORMATS, SPEECH_STAGES, STAGES, TRANSPORT_CHOICES, StageConfig,
+                                          VLLM_ONLY_LOAD_FORMATS, parse_bytes, parse_json_object, parse_size,
+                                          parse_stage_overrides, resolve_stage)
 from omnimesh.models.qwen3_omni.code_windows import DEFAULT_WINDOWS, parse_windows, windows_text
 
 TOOL_CALL_PARSERS = ("hermes",)  # vLLM's names of the tool-call formats the gateway parses (gateway/tool_calls.py)
@@ -204,6 +204,11 @@ class ServeArgs:
                                   "model code and reads only config, weights and tokenizer files, so no code "
                                   "from the model folder runs either way", "--trust-remote-code", action="store_true")
     dtype: str = _f("auto", f"weight / activation dtype: {', '.join(DTYPES)} (auto: bfloat16 on CUDA, float32 on CPU)", "--dtype")
+    load_format: str = _f("auto", "where weights come from, as vLLM's flag: auto or safetensors (the folder's "
+                          "*.safetensors), or dummy (no weight file read: every parameter random in [-1e-3, 1e-3], "
+                          "for benchmarks and deployment checks of a model's shape; config, tokenizer and processor "
+                          "files are still needed). Headless --num-nodes hosts must be given the same",
+                          "--load-format")
     async_chunk: bool = _f(True, "stream chunks to the next stage as soon as they exist", "--async-chunk", action=argparse.BooleanOptionalAction)
     distributed_executor_backend: str = _f("mp", "how a stage of more than one rank starts its ranks 1..N-1: mp (local "
                                            "processes; several hosts with --num-nodes) or ray (actors placed by Ray, "
@@ -323,6 +328,12 @@ class ServeArgs:
             raise ValueError(f"--stage-restarts must be >= 0 (0: never restart a stage), got {self.stage_restarts}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.load_format in VLLM_ONLY_LOAD_FORMATS:
+            raise ValueError(f"--load-format {self.load_format} is not supported: omnimesh reads safetensors "
+                             f"checkpoints (--load-format auto or safetensors) or none (dummy); convert the "
+                             f"weights to safetensors")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.distributed_executor_backend not in ("mp", "ray"):

@@ -16,6 +16,11 @@ STAGE_IDS: dict[str, str] = {str(i): name for i, name in enumerate(STAGES)}
 TRANSPORT_CHOICES: tuple[str, ...] = ("auto", "grpc", "shm", "cuda-ipc")
 # dtypes of the thinker's / talker's paged KV cache, vLLM's names (omnimesh/models/qwen3_omni/paged_kv.py maps them)
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# --load-format, vLLM's names: auto and safetensors read the folder's safetensors; dummy reads no weights (random
+# values, omnimesh/models/loader.py). vLLM's other formats need files or libraries omnimesh does not read.
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+VLLM_ONLY_LOAD_FORMATS: tuple[str, ...] = ("pt", "npcache", "tensorizer", "sharded_state", "gguf", "bitsandbytes",
+                                           "mistral", "runai_streamer", "runai_streamer_sharded", "fastsafetensors")
 # below this a CPU tensor goes inline even on a shared-memory edge: a slot's publish, claim and release
 # (byte-range locks) cost the same however small the tensor. `bench/handoff.py --sizes 256B,4KiB,16KiB,
 # 64KiB,256KiB --transports shm,grpc` on the 2-core CPU machine: held 0.64 ms by reference vs 0.54 ms

@@ -12,6 +12,13 @@ Data flow:
       -> names relative to the module (per-expert tensors stacked per `StackedParam`)
       -> shape check -> module.load_state_dict(strict=False) with our own missing/unexpected checks
 
+--load-format dummy (vLLM's flag): no file is read; every parameter is filled with values drawn uniformly from
+[-1e-3, 1e-3] by a generator seeded from its checkpoint key, on the parameter's own device (so a tensor every tp rank
+keeps whole is the same on each). Persistent buffers keep what the module's constructor gave them. For benchmarks
+and deployment checks of a model's shape (config, tokenizer and processor files are still read), as in vLLM.
+The stage process sets it once (`set_load_format`); its ranks, which may run in other processes or on Ray, get
+it from `LoadFormatFactory` around their program factory.
+
 Usage:
     module = build_submodule(model_dir, config_path="code2wav_config", factory=Code2WavClass, prefix="code2wav.")
     report = load_state_dict(model_dir, "talker.", talker_module, stacked=HF_PER_EXPERT_MOE)
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -30,9 +38,51 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from omnimesh.config.stage_config import LOAD_FORMATS
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHOW = 5  # how many key names an error message lists
+DUMMY_RANGE = 1e-3  # vLLM's dummy weights: uniform in [-1e-3, 1e-3]
+_load_format = "auto"  # this process's (set_load_format)
+
+# per checkpoint key, the (parameter, its weight_loader, that loader's extra args) it is sharded into
+Plan = dict[str, list[tuple[torch.nn.Parameter, Callable[..., None], tuple[Any, ...]]]]
+
+
+def set_load_format(load_format: str) -> None:
+    """How this process's loads get their weights from now on (--load-format; ValueError naming the choices)."""
+    global _load_format
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    _load_format = load_format
+
+
+def dummy_weights() -> bool:
+    """True when this process fills weights with random values instead of reading them (--load-format dummy)."""
+    return _load_format == "dummy"
+
+
+@dataclass(frozen=True)
+class LoadFormatFactory:
+    """A rank's program factory that first sets the stage's load format in the process it runs in (picklable:
+    mp ranks and Ray actors build their programs from it)."""
+
+    load_format: str
+    factory: Callable[[Any], Any]
+
+    def __call__(self, ps: Any) -> Any:
+        set_load_format(self.load_format)
+        return self.factory(ps)
+
+
+def fill_dummy(tensor: torch.Tensor, key: str) -> None:
+    """Fill a floating-point tensor in place with --load-format dummy's values for checkpoint `key`."""
+    if not tensor.is_floating_point():
+        return
+    generator = torch.Generator(device=tensor.device).manual_seed(zlib.crc32(key.encode()))
+    with torch.no_grad():
+        tensor.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=generator)
 
 
 @dataclass(frozen=True)
@@ -186,6 +236,8 @@ def load_state_dict(
     """
     if not prefix.endswith("."):
         raise ValueError(f"prefix {prefix!r} must end with '.' (e.g. 'talker.') so it cannot match a longer name")
+    if dummy_weights():
+        return _fill_module(prefix, module)
     files = checkpoint_files(Path(model_dir))
     rel_files = {key[len(prefix):]: path for key, path in files.items() if key.startswith(prefix)}
     if not rel_files:
@@ -230,6 +282,48 @@ def load_state_dict(
         tensors = {name: t.to(dtype=state[name].dtype) for name, t in tensors.items()}
     module.load_state_dict(tensors, strict=False, assign=on_meta)
     return LoadReport(prefix=prefix, loaded=len(tensors), unexpected=unexpected)
+
+
+def _fill_module(prefix: str, module: torch.nn.Module) -> LoadReport:
+    """--load-format dummy for a whole module: every parameter (a tied one once) filled from its checkpoint key;
+    buffers as the constructor made them (so the module must not be on `meta`: it is filled in place)."""
+    if any(p.is_meta for p in module.parameters()):
+        raise RuntimeError(f"{type(module).__name__} is on the meta device: dummy weights fill parameters in place")
+    params = dict(module.named_parameters())  # (tied parameters appear once)
+    for name, param in params.items():
+        fill_dummy(param, prefix + name)
+    return LoadReport(prefix=prefix, loaded=len(params), unexpected=())
+
+
+def load_plan(module: torch.nn.Module, model_dir: Path, plan: Plan, what: str,
+              files: dict[str, Path] | None = None) -> tuple[str, ...]:
+    """Read exactly the plan's keys (one full tensor at a time) and shard each into its parameters; the keys read.
+
+    Every parameter of `module` must be in the plan (else RuntimeError: a bug in the plan, not the user's); a key
+    the checkpoint lacks is a ValueError naming it and `what`. With --load-format dummy no file is opened: each
+    parameter is filled from its first key (`fill_dummy`).
+    """
+    covered = {id(param) for entries in plan.values() for param, _, _ in entries}
+    uncovered = [name for name, param in module.named_parameters() if id(param) not in covered]
+    if uncovered:
+        raise RuntimeError(f"checkpoint plan misses parameters {uncovered[:_SHOW]}")  # a bug here, not the user's
+    if dummy_weights():
+        filled: set[int] = set()
+        for key, entries in plan.items():
+            for param, _, _ in entries:
+                if id(param) not in filled:
+                    filled.add(id(param))
+                    fill_dummy(param, key)
+        return tuple(sorted(plan))
+    files = files if files is not None else checkpoint_files(Path(model_dir))
+    missing = sorted(k for k in plan if k not in files)
+    if missing:
+        raise ValueError(f"{len(missing)} weight(s) for {what} are missing from {model_dir}: {_head(missing)}")
+    with torch.no_grad():
+        for key, full in iter_tensors(files, plan):
+            for param, loader, args in plan[key]:
+                loader(param, full, *args)  # copy_ casts to the param dtype
+    return tuple(sorted(plan))
 
 
 def sub_config(config: Any, config_path: str) -> Any:

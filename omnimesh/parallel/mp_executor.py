@@ -325,8 +325,12 @@ def start_program(factory: ProgramFactory, pp: int = 1, tp: int = 1,
     (on the device rank 0 would have: with `backend="nccl"` the first of `devices`, else cuda:0; CPU
     otherwise), else through a started `MpExecutor` (`executor="ray"`: a `RayExecutor` on the cluster at
     `ray_address`; this process is rank 0). Returns (run(command) -> result, the executor or None, rank 0's
-    program)."""
+    program). `load_format` (--load-format) is set in every rank's process before its program loads."""
     kind, ray_address = executor_args.pop("executor", "mp"), executor_args.pop("ray_address", None)
+    if (load_format := executor_args.pop("load_format", "auto")) != "auto":
+        from omnimesh.models.loader import LoadFormatFactory
+
+        factory = LoadFormatFactory(load_format, factory)
     if pp * tp == 1:
         devices = executor_args.get("devices") or ("cuda:0",)
         program = factory(ParallelState.single(devices[0] if executor_args.get("backend") == "nccl" else "cpu"))

@@ -4,7 +4,7 @@ Role: before any rank process starts, the nodes of one stage meet on node 0's TC
 --master-addr:--master-port that the stage's torch.distributed process group uses afterwards (the store lives in
 node 0's server process and serves both: torch's tcp:// rendezvous reuses it, `multi_tenant`). Every node
 publishes what it believes about the stage (`NodeSpec.view`: stage, pp, tp, num_nodes, model fingerprint, dtype,
-backend, partition); node 0 compares and answers each node with a verdict, so a mismatch, a node rank claimed
+backend, partition, load format); node 0 compares and answers each node with a verdict, so a mismatch, a node rank claimed
 twice or a node that never comes is an error on every node that joined, naming the values and the nodes —
 never a hang. After start-up the same store carries heartbeats, so a node that dies is noticed within
 HEARTBEAT_TIMEOUT_S even while the stage idles, and node 0's end (a clean stop or a failure) reaches the others.
@@ -49,9 +49,9 @@ HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT_S = 15.0  # a node silent this long is gone (its host, its process or the network to it)
 POLL_S = 0.1
 VERDICT_READ_S = 5.0  # how long a refusing node 0 waits for the refused nodes to read why
-COMPARED = ("stage", "pp", "tp", "num_nodes", "model", "dtype", "backend", "partition")
-SAME_FLAGS = ("Start every node of a stage with the same stage, -pp, -tp, --num-nodes, model, --dtype and device, "
-              "each with its own --node-rank")
+COMPARED = ("stage", "pp", "tp", "num_nodes", "model", "dtype", "backend", "partition", "load_format")
+SAME_FLAGS = ("Start every node of a stage with the same stage, -pp, -tp, --num-nodes, model, --dtype, --load-format "
+              "and device, each with its own --node-rank")
 
 
 class RendezvousError(RuntimeError):
@@ -80,6 +80,7 @@ class NodeSpec:
     node_rank: int
     model: str  # model_fingerprint(model_dir)
     dtype: str = "float32"
+    load_format: str = "auto"  # --load-format: nodes that disagree would run real and random weights side by side
     partition: tuple[int, ...] | None = None
     timeout_s: float = 120.0  # --rendezvous-timeout
     model_dir: str = ""  # shown in messages only (folders may differ between hosts)
@@ -95,7 +96,7 @@ class NodeSpec:
     def view(self, pp: int, tp: int, backend: str) -> dict[str, Any]:
         """What this node publishes at the rendezvous (COMPARED keys, plus who it is)."""
         return {"stage": self.stage, "pp": pp, "tp": tp, "num_nodes": self.num_nodes, "model": self.model,
-                "dtype": self.dtype, "backend": backend,
+                "dtype": self.dtype, "backend": backend, "load_format": self.load_format,
                 "partition": list(self.partition) if self.partition else None,
                 "node_rank": self.node_rank, "host": self.host, "pid": os.getpid(), "model_dir": self.model_dir}
 

@@ -274,12 +274,18 @@ class Qwen2_5OmniTalker:
             state.finished = True
 
 
-def thinker_rows(model_dir: Path, tokens: Sequence[int], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+def thinker_rows(model_dir: Path, tokens: Sequence[int], dtype: torch.dtype, width: int) -> dict[int, torch.Tensor]:
     """Rows of the checkpoint's thinker embedding table (`thinker.model.embed_tokens.weight`), read one by one
-    (never the whole table: 152064 x 3584 on the real model) -> {token: (E,)}."""
-    from omnimesh.models.loader import checkpoint_files
+    (never the whole table: 152064 x 3584 on the real model) -> {token: (width,)}; random rows under
+    --load-format dummy."""
+    from omnimesh.models.loader import checkpoint_files, dummy_weights, fill_dummy
 
     key = "thinker.model.embed_tokens.weight"
+    if dummy_weights():
+        rows = {int(t): torch.empty(width, dtype=dtype) for t in tokens}
+        for t, row in rows.items():
+            fill_dummy(row, f"{key}[{t}]")
+        return rows
     files = checkpoint_files(Path(model_dir))
     if key not in files:
         raise ValueError(f"{model_dir} has no {key}: the talker reads the speakers' and text markers' rows from it")
@@ -304,6 +310,6 @@ def load_qwen2_5_talker(model_dir: Path, dtype: torch.dtype, backend: LMBackend)
                             factory=lambda c: nn.Embedding(c.vocab_size, c.embedding_size), dtype=dtype)
     speakers = {name: int(p["bos_token"]) for name, p in load_speakers(model_dir).items()}
     end, pad = int(tk.tts_text_end_token_id), int(tk.tts_text_pad_token_id)
-    rows = thinker_rows(model_dir, [*speakers.values(), end, pad], dtype)
+    rows = thinker_rows(model_dir, [*speakers.values(), end, pad], dtype, int(tk.embedding_size))
     text = TextRows({name: (bos, rows[bos]) for name, bos in speakers.items()}, rows[end], rows[pad])
     return Qwen2_5OmniTalker(proj, codec, backend, config, text)

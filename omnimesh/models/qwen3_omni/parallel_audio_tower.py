@@ -21,7 +21,7 @@ Data flow (one batch of clips):
 `audio_pipeline_step` runs that across the pipeline; only the hidden (N, d_model) crosses a boundary.
 
 The layers and helpers shared with parallel_vision_tower.py are here too: `LayerNorm`,
-`ParallelFFN`, `varlen_attention`, the checkpoint plan helpers and `load_checkpoint_plan`.
+`ParallelFFN`, `varlen_attention` and the checkpoint plan helpers (the plan is read by `loader.load_plan`).
 
 Run the checks: python -m pytest tests/parallel/test_parallel_audio_tower.py -q
 """
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnimesh.models.loader import checkpoint_files, iter_tensors
+from omnimesh.models.loader import Plan, load_plan
 from omnimesh.parallel.layers import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -50,13 +50,10 @@ from omnimesh.parallel.layers import (
 from omnimesh.parallel.parallel_state import ParallelState, pp_recv, pp_send
 from omnimesh.parallel.partition import partition_layers
 
-_SHOW = 5
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,  # transformers' GELUActivation: the exact (erf) gelu
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
-# checkpoint key -> [(param, loader, extra loader args)]: exactly the tensors this rank reads
-Plan = dict[str, list[tuple[nn.Parameter, Callable[..., None], tuple[Any, ...]]]]
 
 
 # ---- shared with parallel_vision_tower.py ----
@@ -154,24 +151,6 @@ def add_weight_and_bias(plan: Plan, key: str, module: nn.Module, *args: Any) -> 
         add_to_plan(plan, key + ".bias", module.bias, *args)  # type: ignore[arg-type]
 
 
-def load_checkpoint_plan(module: nn.Module, model_dir: Path, plan: Plan, what: str) -> tuple[str, ...]:
-    """Read exactly the plan's keys (one full tensor at a time) and shard each into its parameters."""
-    files = checkpoint_files(Path(model_dir))
-    missing = sorted(k for k in plan if k not in files)
-    if missing:
-        shown = ", ".join(missing[:_SHOW]) + (f", ... ({len(missing) - _SHOW} more)" if len(missing) > _SHOW else "")
-        raise ValueError(f"{len(missing)} weight(s) for {what} are missing from {model_dir}: {shown}")
-    covered = {id(param) for entries in plan.values() for param, _, _ in entries}
-    uncovered = [name for name, param in module.named_parameters() if id(param) not in covered]
-    if uncovered:
-        raise RuntimeError(f"checkpoint plan misses parameters {uncovered[:_SHOW]}")  # a bug here, not the user's
-    with torch.no_grad():
-        for key, full in iter_tensors(files, plan):
-            for param, loader, args in plan[key]:
-                loader(param, full, *args)  # copy_ casts to the param dtype
-    return tuple(sorted(plan))
-
-
 class TowerRank(nn.Module):
     """What one rank of any tower (audio or vision, either family) shares: its blocks [start, end), the checkpoint
     plan it reads (`checkpoint_plan`, the tower's own) and its bytes."""
@@ -197,7 +176,7 @@ class TowerRank(nn.Module):
 
         Missing keys -> ValueError naming them. Returns the checkpoint keys read.
         """
-        return load_checkpoint_plan(self, model_dir, self.checkpoint_plan(prefix or self.default_prefix),
+        return load_plan(self, model_dir, self.checkpoint_plan(prefix or self.default_prefix),
                                     f"{self.blocks_name} [{self.start}, {self.end})")
 
     def param_bytes(self) -> int:

@@ -43,7 +43,7 @@ from torch import nn
 
 from omnimesh.engine.step_gate import checkpoint
 from omnimesh.kernels import cpu_kernels
-from omnimesh.models.loader import checkpoint_files, iter_tensors
+from omnimesh.models.loader import Plan, load_plan
 from omnimesh.models.qwen3_omni.parallel_text_model import (
     KVCache,
     ParallelMLP,
@@ -65,7 +65,6 @@ from omnimesh.parallel.layers import (
 from omnimesh.parallel.parallel_state import ParallelState, cpu_broadcast, pp_recv, pp_send
 from omnimesh.parallel.partition import partition_layers
 
-_SHOW = 5
 Sample = Callable[[torch.Tensor], int]  # logits (V,) -> token id
 
 
@@ -177,14 +176,11 @@ class ParallelDenseAttention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))  # (B, T, H), all-reduced
 
 
-PlanEntries = dict[str, list[tuple[nn.Parameter, Callable[..., None], tuple[Any, ...]]]]
-
-
 class CheckpointPlan:
     """Checkpoint key -> the (param, weight_loader, extra loader args) it fills, for one rank's tensors only."""
 
     def __init__(self) -> None:
-        self.entries: PlanEntries = {}
+        self.entries: Plan = {}
 
     def add(self, key: str, param: nn.Parameter, *args: Any) -> None:
         param.checkpoint_name = key  # type: ignore[attr-defined]
@@ -209,20 +205,7 @@ class CheckpointPlan:
 
     def load(self, model_dir: Path, module: nn.Module, what: str) -> tuple[str, ...]:
         """Read exactly the planned keys (one full tensor at a time), shard each into its params; keys read."""
-        files = checkpoint_files(Path(model_dir))
-        missing = sorted(k for k in self.entries if k not in files)
-        if missing:
-            shown = ", ".join(missing[:_SHOW]) + (f", ... ({len(missing) - _SHOW} more)" if len(missing) > _SHOW else "")
-            raise ValueError(f"{len(missing)} weight(s) for {what} are missing from {model_dir}: {shown}")
-        covered = {id(param) for entries in self.entries.values() for param, _, _ in entries}
-        uncovered = [name for name, param in module.named_parameters() if id(param) not in covered]
-        if uncovered:
-            raise RuntimeError(f"checkpoint plan misses parameters {uncovered[:_SHOW]}")  # a bug here, not the user's
-        with torch.no_grad():
-            for key, full in iter_tensors(files, self.entries):
-                for param, loader, args in self.entries[key]:
-                    loader(param, full, *args)  # copy_ casts to the param dtype
-        return tuple(sorted(self.entries))
+        return load_plan(module, model_dir, self.entries, what)
 
 
 class ParallelCodePredictorLayer(nn.Module):

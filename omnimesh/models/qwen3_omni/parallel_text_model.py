@@ -33,7 +33,6 @@ Run the checks: python -m pytest tests/parallel -q
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -44,7 +43,7 @@ from torch import nn
 
 from omnimesh.engine.step_gate import checkpoint
 from omnimesh.kernels import cpu_kernels
-from omnimesh.models.loader import checkpoint_files, iter_tensors
+from omnimesh.models.loader import Plan, checkpoint_files, dummy_weights, load_plan
 from omnimesh.models.qwen3_omni.text_arch import text_arch
 from omnimesh.parallel.layers import (
     MergedColumnParallelLinear,
@@ -60,7 +59,6 @@ from omnimesh.parallel.layers import (
 from omnimesh.parallel.parallel_state import ParallelState, pp_recv, pp_send, tp_all_reduce
 from omnimesh.parallel.partition import partition_layers
 
-_SHOW = 5
 
 
 def check_parallel_layout(config: Any, pp: int, tp: int, custom_partition: list[int] | None = None) -> None:
@@ -532,9 +530,9 @@ class ParallelTextModel(nn.Module):
                 captured = hidden
         return StageOutput(hidden=hidden, captured=captured)
 
-    def checkpoint_plan(self, prefix: str, head_key: str) -> dict[str, list[tuple[nn.Parameter, Callable[..., None], tuple]]]:
+    def checkpoint_plan(self, prefix: str, head_key: str) -> Plan:
         """Checkpoint key -> [(param, loader, extra loader args)] for exactly this rank's tensors."""
-        plan: dict[str, list[tuple[nn.Parameter, Callable[..., None], tuple]]] = {}
+        plan: Plan = {}
 
         def add(key: str, param: nn.Parameter, *args: Any) -> None:
             param.checkpoint_name = key  # type: ignore[attr-defined]
@@ -590,24 +588,11 @@ class ParallelTextModel(nn.Module):
         prefix = prefix if prefix is not None else f"{role}.model."
         head_key = head_key if head_key is not None else ("talker.codec_head.weight" if self.is_talker
                                                           else "thinker.lm_head.weight")
-        files = checkpoint_files(Path(model_dir))
+        files = {} if dummy_weights() else checkpoint_files(Path(model_dir))
         if head_key not in files and getattr(self.config, "tie_word_embeddings", False):
             head_key = f"{prefix}{self.embed_name}.weight"
-        plan = self.checkpoint_plan(prefix, head_key)
-        missing = sorted(k for k in plan if k not in files)
-        if missing:
-            shown = ", ".join(missing[:_SHOW]) + (f", ... ({len(missing) - _SHOW} more)" if len(missing) > _SHOW else "")
-            raise ValueError(f"{len(missing)} weight(s) for {role} layers [{self.start}, {self.end}) are missing "
-                             f"from {model_dir}: {shown}")
-        covered = {id(param) for entries in plan.values() for param, _, _ in entries}
-        uncovered = [name for name, param in self.named_parameters() if id(param) not in covered]
-        if uncovered:
-            raise RuntimeError(f"checkpoint_plan misses parameters {uncovered[:_SHOW]}")  # a bug here, not the user's
-        with torch.no_grad():
-            for key, full in iter_tensors(files, plan):
-                for param, loader, args in plan[key]:
-                    loader(param, full, *args)  # copy_ casts to the param dtype
-        return tuple(sorted(plan))
+        return load_plan(self, model_dir, self.checkpoint_plan(prefix, head_key),
+                         f"{role} layers [{self.start}, {self.end})", files)
 
     def param_bytes(self) -> int:
         """Bytes of this rank's parameters (buffers such as inv_freq excluded)."""

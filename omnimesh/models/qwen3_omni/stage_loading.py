@@ -99,6 +99,7 @@ class LMLayout:
     nodes: NodeSpec | None = None  # the stage spans several hosts: this host's part (node 0 runs the driver)
     executor: str = "mp"  # how ranks 1..N-1 start: "mp" (local processes) or "ray" (actors on a Ray cluster)
     ray_address: str | None = None  # with "ray": the cluster (None: a Ray instance of the stage's own)
+    load_format: str = "auto"  # --load-format: "dummy" fills every rank's weights with random values
 
     @property
     def driver_device(self) -> str:
@@ -117,7 +118,8 @@ class LMLayout:
         """What `start_program` takes from this layout (used only when pp x tp > 1)."""
         return {"backend": self.backend, "master_addr": self.master_addr, "master_port": self.master_port,
                 "on_failure": self.on_failure, "devices": self.devices, "timeout_s": self.timeout_s,
-                "nodes": self.nodes, "executor": self.executor, "ray_address": self.ray_address}
+                "nodes": self.nodes, "executor": self.executor, "ray_address": self.ray_address,
+                "load_format": self.load_format}
 
 
 def load_thinker(model_dir: Path, dtype: torch.dtype = torch.float32, layout: LMLayout = LMLayout()) -> Qwen3OmniThinker:
