@@ -147,6 +147,11 @@ class ServeArgs:
                                  action="store_true")
     tensor_parallel_size: int = _f(1, "tensor-parallel ranks per model stage", "-tp", "--tensor-parallel-size")
     pipeline_parallel_size: int = _f(1, "pipeline-parallel ranks per model stage", "-pp", "--pipeline-parallel-size")
+    data_parallel_size: int = _f(1, "copies of every stage, as vLLM's data parallelism: each stage's num_replicas "
+                                 "unless its --stage-overrides entry gives one; the gateway sends each request to "
+                                 "the least busy copy. On CUDA copy r of a stage without its own `devices` takes "
+                                 "devices r x pp x tp onwards, so -dp 2 on two GPUs runs one whole pipeline on each",
+                                 "-dp", "--data-parallel-size")
     pp_layer_partition: str | None = _f(None, "layers per pipeline rank, e.g. 3,5 (default: even, extra layers to the middle ranks)", "--pp-layer-partition")
     gpu_memory_utilization: float = _f(0.9, "fraction of each device a stage may take (weights + KV cache)", "--gpu-memory-utilization")
     max_model_len: int | None = _f(None, "longest prompt + output in tokens, e.g. 32768, 32k (32000) or 32K (32768) as "
@@ -346,6 +351,12 @@ class ServeArgs:
                              "--ray-address")
         if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
             raise ValueError(f"--node-rank must be in [0, --num-nodes) = [0, {self.num_nodes}), got {self.node_rank}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"-dp/--data-parallel-size must be >= 1 (copies of every stage), got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and self.num_nodes > 1:
+            raise ValueError(f"-dp {self.data_parallel_size} with --num-nodes {self.num_nodes}: a stage is either copied "
+                             f"on this host or spread over hosts; for copies on several hosts start a mesh (or stages) "
+                             f"on each and name them all in the gateway's --stages")
         if self.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0 (0: never queue beyond the free seats), "
                              f"got {self.max_waiting_requests}")
@@ -449,6 +460,7 @@ class ServeArgs:
             tp=self.tensor_parallel_size,
             pp_layer_partition=parse_partition(self.pp_layer_partition),
             gpu_memory_utilization=self.gpu_memory_utilization,
+            num_replicas=self.data_parallel_size,
             max_num_seqs=self.max_num_seqs,
             max_waiting_requests=self.max_waiting_requests,
             max_model_len=self.max_model_len,
@@ -475,6 +487,10 @@ class ServeArgs:
                                  f"only the thinker and the talker take sampling defaults")
         configs = {stage: resolve_stage(model_stage, self._spread(model_stage, overrides.get(stage, {}), stage), stage)
                    for stage in STAGES}
+        if self.data_parallel_size > 1 and self.device == "cuda":  # copy r on devices r x pp x tp onwards
+            configs = {s: c if c.devices is not None or c.num_replicas < 2 else
+                       replace(c, devices=",".join(str(d) for d in range(c.num_replicas * c.world_size)))
+                       for s, c in configs.items()}
         if len({configs[s].num_replicas == 0 for s in SPEECH_STAGES}) > 1:
             raise ValueError("--stage-overrides: num_replicas 0 for one of the talker and vocoder needs it for the other "
                              "too (speech needs both; both 0: a text-only mesh)")
@@ -538,7 +554,11 @@ class ServeArgs:
                 )
             for d in cfg.device_list():
                 if int(d) >= available:
-                    raise ValueError(f"stage {stage}: device {d} does not exist; this host has {available} {kind} (0-{available - 1})")
+                    dp = (f" (-dp {self.data_parallel_size} puts copy r of a stage on devices r x pp x tp onwards: "
+                          f"lower -dp, or give the stage's devices in --stage-overrides)" if self.data_parallel_size > 1
+                          else "")
+                    raise ValueError(f"stage {stage}: device {d} does not exist; this host has {available} {kind} "
+                                     f"(0-{available - 1}){dp}")
 
     def unsupported(self, only: str | None = None) -> list[str]:
         """Valid settings this installation cannot run (each says what would be needed)."""
@@ -577,7 +597,7 @@ STAGE_EXCLUDED = frozenset(
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
      "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice", "tool_call_parser",
      "reasoning_parser",
-     "responses_store_memory"}
+     "responses_store_memory", "data_parallel_size"}
 ) | HTTP_FRONT_FIELDS
 
 

@@ -247,6 +247,44 @@ def test_launcher_starts_every_replica_on_its_own_port_and_devices(tmp_path) -> 
         parse_stage_addresses("thinker=127.0.0.1:1,talker=127.0.0.1:2,talker=127.0.0.1:2")
 
 
+def test_data_parallel_size_copies_every_stage(tmp_path) -> None:
+    """-dp N (vLLM's): N replicas of each stage unless its --stage-overrides entry says otherwise (a text-only mesh
+    stays so); on CUDA copy r of a stage without devices of its own takes devices r x pp x tp onwards (one whole
+    pipeline per GPU group); too few devices, -dp with --num-nodes and -dp 0 are errors naming the fix;
+    `omnimesh stage` does not take it (a stage process is one replica)."""
+    from omnimesh.cli import build_parser
+    from omnimesh.config.serve_args import from_namespace
+    from omnimesh.launcher import MeshLauncher, stage_processes
+
+    args = from_namespace(build_parser().parse_args(["serve", "-dp", "2", "--stage-overrides",
+                                                     '{"encoder": {"num_replicas": 1}}']))
+    assert stage_processes(args) == [("encoder", 0, "encoder"), ("thinker", 0, "thinker#0"), ("thinker", 1, "thinker#1"),
+                                     ("talker", 0, "talker#0"), ("talker", 1, "talker#1"), ("vocoder", 0, "vocoder#0"),
+                                     ("vocoder", 1, "vocoder#1")]
+    assert {c.devices for c in args.stage_configs().values()} == {None}  # on CPU: no devices to place
+    text_only = ServeArgs(data_parallel_size=3, stage_overrides='{"talker": {"num_replicas": 0}, "vocoder": {"num_replicas": 0}}')
+    assert [s for s, _, _ in stage_processes(text_only)] == ["encoder"] * 3 + ["thinker"] * 3
+    cuda = ServeArgs(data_parallel_size=2, device="cuda", tensor_parallel_size=2,
+                     stage_overrides='{"encoder": {"tp": 1}, "talker": {"devices": "2,3,0,1"}}')
+    cfgs = cuda.stage_configs(together=True)
+    assert {s: c.devices for s, c in cfgs.items()} == {"encoder": "0,1", "thinker": "0,1,2,3", "talker": "2,3,0,1",
+                                                       "vocoder": "0,1,2,3"}
+    launcher = MeshLauncher(cuda, tmp_path)
+    for replica, devices in ((0, "0,1"), (1, "2,3")):
+        argv = launcher._stage_argv("thinker", 50052 + replica, replica)
+        assert json.loads(argv[argv.index("--stage-overrides") + 1])["thinker"]["devices"] == devices
+    cuda.check_devices(4, "CUDA devices")
+    with pytest.raises(ValueError, match=r"stage thinker: device 2 does not exist; this host has 2 CUDA devices "
+                                         r"\(0-1\) \(-dp 2 puts copy r of a stage on devices r x pp x tp onwards"):
+        cuda.check_devices(2, "CUDA devices")
+    with pytest.raises(ValueError, match=r"-dp/--data-parallel-size must be >= 1"):
+        ServeArgs(data_parallel_size=0)
+    with pytest.raises(ValueError, match=r"-dp 2 with --num-nodes 2: a stage is either copied on this host or spread"):
+        ServeArgs(data_parallel_size=2, num_nodes=2, master_port=29500, tensor_parallel_size=2)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["stage", "thinker", "-dp", "2"])
+
+
 def test_a_stage_process_is_one_replica(tmp_path) -> None:
     from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 

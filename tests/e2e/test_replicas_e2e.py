@@ -1,5 +1,6 @@
 """Stage replicas on a real mesh of this module's own: `omnimesh serve` with two talker and two vocoder
-replicas (`--stage-overrides '{"talker": {"num_replicas": 2}, "vocoder": {"num_replicas": 2}}'`).
+replicas (vLLM's `-dp 2`, with `--stage-overrides '{"encoder": {"num_replicas": 1}, "thinker": {"num_replicas": 1}}'`
+keeping one encoder and one thinker).
 
 Requests sent together spread over both replicas of each stage (the stages' own metrics, labelled
 `replica` by the gateway's scrape, say who served what) and answer exactly what the shared one-replica
@@ -29,7 +30,7 @@ TIMEOUT_S = 120.0
 PCM16_TOLERANCE = 1  # batched vocoder windows may round one sample by one step (test_concurrency_e2e.py)
 PROMPTS = [("Tell me about the sea.", "ethan"), ("What is 2+2?", "aiden"), ("Count to ten.", "chelsie"),
            ("Describe a forest.", "ethan")]
-OVERRIDES = '{"talker": {"num_replicas": 2}, "vocoder": {"num_replicas": 2}}'
+OVERRIDES = '{"encoder": {"num_replicas": 1}, "thinker": {"num_replicas": 1}}'  # under -dp 2
 
 
 def _body(prompt: str, voice: str) -> dict:
@@ -67,7 +68,7 @@ def _served(rest: str) -> dict[tuple[str, str], float]:
 
 @pytest.fixture(scope="module")
 def replica_mesh(tiny_model_dir: Path):
-    m = start_mesh(tiny_model_dir, "--stage-overrides", OVERRIDES, "--stage-restarts", "1")
+    m = start_mesh(tiny_model_dir, "-dp", "2", "--stage-overrides", OVERRIDES, "--stage-restarts", "1")
     try:
         yield m
     finally:
