@@ -151,7 +151,7 @@ class MpExecutor:
         except BaseException as exc:
             if self.node_host is not None:
                 self.node_host.failed(f"node 0 could not start its ranks: {type(exc).__name__}: {exc}")
-            self.shutdown()
+            self.shutdown(abort=True)
             raise
         threading.Thread(target=self._monitor, name="omnimesh-rank-monitor", daemon=True).start()
         if self.node_host is not None:
@@ -283,11 +283,15 @@ class MpExecutor:
             self._fail(f"no result within {self.rdzv.timeout_s:.0f}s")
             raise RankFailure(f"this stage lost a rank: {self.failure}") from None
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0, abort: bool = False) -> None:
+        """STOP to every rank, then wait up to `timeout_s` for them to end before killing what is left. `abort`
+        (a start that failed): no STOP and no wait, since a rank that failed to build its program takes no
+        commands, and a STOP sent to it would block until the collective timeout (a Ray actor outlives its
+        failed start)."""
         self._stopping = True
         if self.node_host is not None:
             self.node_host.stopping()
-        if self.ps is not None and self.failure is None and self.world > 1:
+        if self.ps is not None and self.failure is None and self.world > 1 and not abort:
             try:
                 with self._lock:
                     for rank in range(1, self.world):
@@ -295,7 +299,7 @@ class MpExecutor:
                             work.wait()
             except Exception:
                 pass
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (0.0 if abort else timeout_s)
         self._join_ranks(deadline)
         if self.node_host is not None and self.failure is None:
             self.node_host.wait_left(max(1.0, deadline - time.monotonic()))

@@ -66,9 +66,13 @@ def test_dead_actor_is_named_and_nothing_hangs() -> None:
 
 
 def test_start_up_failure_names_the_rank() -> None:
-    ex = RayExecutor(1, 2, toy_program.make_broken, timeout_s=20)
+    """At once, not after the collective timeout: the actor outlives its failed start, so a STOP sent to it would
+    block for the whole 60 s (it did, before shutdown learnt to abort)."""
+    ex = RayExecutor(1, 2, toy_program.make_broken, timeout_s=60)
+    t0 = time.monotonic()
     with pytest.raises(RankFailure, match="rank 1 failed to start: RuntimeError: weights for rank 1 are missing"):
         ex.start()
+    assert time.monotonic() - t0 < 30
 
 
 def test_ranks_the_cluster_cannot_place_are_a_clear_error() -> None:
