@@ -66,7 +66,9 @@ def served(model_dir: Path) -> Iterator[Mesh]:
     # the random talker never says its codec end: an operator default bounds what /v1/audio/speech gets
     overrides = {"encoder": {"pp": 2}, "thinker": {"pp": 2},
                  "talker": {"tp": 2, "default_sampling_params": {"max_tokens": 60}}, "vocoder": {"tp": 2}}
-    m = start_mesh(model_dir, "--served-model-name", NAME, "--stage-overrides", json.dumps(overrides))
+    # prefix caching on: every parity test below holds with it, and one of them (speech through the cache) needs it
+    m = start_mesh(model_dir, "--served-model-name", NAME, "--stage-overrides", json.dumps(overrides),
+                   "--enable-prefix-caching", "--enable-prompt-tokens-details")
     yield m
     assert m.proc.stop() == 0, m.proc.output()
 
@@ -220,38 +222,35 @@ def test_a_continued_assistant_message_is_spoken_from_its_start(served: Mesh, mo
     assert alone != codes
 
 
-def test_speech_through_the_prefix_cache_equals_transformers(model_dir: Path, reference: Qwen2_5Reference) -> None:
+def test_speech_through_the_prefix_cache_equals_transformers(served: Mesh, reference: Qwen2_5Reference) -> None:
     """`--enable-prefix-caching`: spoken answers that share a long system prompt; the second one's prompt comes
     from the cache (its talker reads every prompt row's final hidden, which the blocks of a speech request keep)
-    and both equal transformers' talker and token2wav on the request, within 4 LSB of pcm16."""
+    and both equal transformers' talker and token2wav on the request, within 4 LSB of pcm16 (through the pp = 2
+    thinker and the tp = 2 talker and vocoder)."""
     from dataclasses import replace
 
     from gateway.events import ChatMessage, TextPart
 
     system = ("You are a careful assistant for sailors. Answer in short plain sentences, name the sources you "
               "use, and say so when you do not know. Never guess a tide table or a weather report.")
-    m = start_mesh(model_dir, "--served-model-name", NAME, "--enable-prefix-caching", "--enable-prompt-tokens-details")
-    try:
-        for question, cached in ((PROMPTS[0], False), (PROMPTS[0], True), (PROMPTS[2], True)):
-            req = chat_request(question, None, None, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
-            req = replace(req, messages=(ChatMessage("system", (TextPart(system),)), *req.messages))
-            thinker, codes, wav = reference.speech(req, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX,
-                                                   speaker="chelsie", seed=0)
-            body = {"model": NAME, "messages": [{"role": "system", "content": system},
-                                                {"role": "user", "content": question}],
-                    "max_tokens": MAX_TOKENS, "temperature": 0, **SPEAK}
-            got = _chat(m.rest, body)
-            assert got.status_code == 200, got.text
-            answer = got.json()
-            hits = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-            assert (hits >= 16) == cached, (question, hits)
-            message = answer["choices"][0]["message"]
-            assert message["content"] == thinker.text
-            pcm = _pcm(message)
-            assert len(codes) >= 5 and pcm.shape == (len(codes) * 480,), (question, len(codes))
-            assert np.abs(pcm.astype(np.int32) - _pcm16(wav.numpy())).max() <= 4
-    finally:
-        assert m.proc.stop() == 0, m.proc.output()
+    for question, cached in ((PROMPTS[0], False), (PROMPTS[0], True), (PROMPTS[2], True)):
+        req = chat_request(question, None, None, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+        req = replace(req, messages=(ChatMessage("system", (TextPart(system),)), *req.messages))
+        thinker, codes, wav = reference.speech(req, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX,
+                                               speaker="chelsie", seed=0)
+        body = {"model": NAME, "messages": [{"role": "system", "content": system},
+                                            {"role": "user", "content": question}],
+                "max_tokens": MAX_TOKENS, "temperature": 0, **SPEAK}
+        got = _chat(served.rest, body)
+        assert got.status_code == 200, got.text
+        answer = got.json()
+        hits = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert (hits >= 16) == cached, (question, hits)
+        message = answer["choices"][0]["message"]
+        assert message["content"] == thinker.text
+        pcm = _pcm(message)
+        assert len(codes) >= 5 and pcm.shape == (len(codes) * 480,), (question, len(codes))
+        assert np.abs(pcm.astype(np.int32) - _pcm16(wav.numpy())).max() <= 4
 
 
 def test_concurrent_requests_each_equal_their_reference(served: Mesh, model_dir: Path,
