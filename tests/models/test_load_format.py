@@ -76,14 +76,23 @@ def test_values_depend_on_the_checkpoint_key_only() -> None:
     assert ids.eq(0).all()
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                     reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("family", ["qwen3-omni", "qwen2.5-omni"])
-def test_every_stage_builds_from_a_folder_without_weights(folders, family: str, dummy) -> None:
-    """Each stage's rank program (what its ranks run, in-process here) and the parts its own process keeps."""
+def test_every_stage_builds_from_a_folder_without_weights(folders, family: str, device: str, dummy) -> None:
+    """Each stage's rank program (what its ranks run, in-process here; on CUDA the values are drawn there) and the
+    parts its own process keeps."""
     _, bare = folders[family]
     for stage in ("encoder", "thinker", "talker", "vocoder"):
-        program = rank_factory(stage, bare)(ParallelState.single("cpu"))
+        program = rank_factory(stage, bare)(ParallelState.single(device))
         modules = [m for m in vars(program).values() if isinstance(m, nn.Module)]
         assert modules and sum(_check_dummy(m, f"{family} {stage} rank") for m in modules) > 0, stage
+        assert {p.device.type for m in modules for p in m.parameters()} == {device}, stage
+    if device != "cpu":
+        return
     assert _check_dummy(load_thinker(bare).embed_tokens, "thinker embedding") == 1
     talker = load_talker(bare)
     if family == "qwen3-omni":
