@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from omnimesh.parallel.rank_worker import ProgramFactory, Rendezvous, worker_main
 from omnimesh.parallel.node_rendezvous import HEARTBEAT_S, NodeLost, NodeMember, NodeSpec, RendezvousError
+from omnimesh.parallel.rank_worker import JOINING, ProgramFactory, Rendezvous, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,8 @@ class _Supervisor:
                 log.error("%s: %s", self.where, message)
                 self.member.ready(message)
                 return 1
+            return None
+        if error == JOINING:  # on its way to the rendezvous
             return None
         if error is not None:
             message = f"rank {rank} failed to start: {error}"

@@ -34,6 +34,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from omnimesh.parallel.node_rendezvous import NodeHost, NodeSpec
 from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
 from omnimesh.parallel.rank_worker import (  # noqa: F401 - RankProgram: part of this module's interface
+    JOINING,
     STOP,
     ProgramFactory,
     RankFailure,
@@ -131,6 +133,8 @@ class MpExecutor:
         self._sends: list[Any] = []
         self._waiting: collections.deque[_Pending] = collections.deque()
         self._results: Any = None
+        self._joining: set[int] = set()  # ranks that reported JOINING (or ready)
+        self._ready: set[int] = set()
 
     def start(self) -> None:
         """Spawn ranks 1..N-1 (this host's, after the other hosts' handshake), join the rendezvous as rank 0,
@@ -141,11 +145,12 @@ class MpExecutor:
             self.node_host.handshake()
         try:
             ready = self._spawn_ranks()
+            self._await_ranks(ready, joining=True)  # before rank 0 blocks in the rendezvous
             self.ps = init_parallel_state(self.pp, self.tp, 0, self.rdzv.master_addr, self.rdzv.master_port,
                                           self.rdzv.backend, self.rdzv.timeout_s, device=self.rdzv.device(0))
             self._results = result_group(self.ps)
             self.program = self.factory(self.ps)
-            self._wait_ready(ready)
+            self._await_ranks(ready, joining=False)
             if self.node_host is not None:
                 self.node_host.wait_ready(time.monotonic() + self.rdzv.timeout_s)
         except BaseException as exc:
@@ -175,23 +180,31 @@ class MpExecutor:
             self.procs[rank] = proc
         return ready
 
-    def _wait_ready(self, ready: Any) -> None:
-        pending = set(self.procs)
+    def _await_ranks(self, ready: Any, joining: bool) -> None:
+        """Read this host's ranks' reports until each is about to join the rendezvous (`joining`) or is ready. One
+        that reports an error, exits (a factory it cannot unpickle, a killed process) or stays silent past the
+        timeout fails the start, named: before the rendezvous this is what keeps rank 0 from waiting out the
+        whole timeout for a rank that will never come and then blaming the network."""
+        reached = self._joining if joining else self._ready
         deadline = time.monotonic() + self.rdzv.timeout_s
-        while pending:
+        while pending := sorted(set(self.procs) - reached):
             try:
-                rank, error = ready.get(timeout=0.2)
-            except Exception:
-                for rank in sorted(pending):
+                rank, status = ready.get(timeout=0.2)
+            except queue.Empty:
+                for rank in pending:
                     proc = self.procs[rank]
                     if proc.exitcode is not None:
-                        raise RankFailure(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} during start-up") from None
+                        raise RankFailure(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} during "
+                                          f"start-up") from None
                 if time.monotonic() > deadline:
-                    raise RankFailure(f"ranks {sorted(pending)} did not start within {self.rdzv.timeout_s:.0f}s") from None
+                    what = "reach the rendezvous" if joining else "start"
+                    raise RankFailure(f"ranks {pending} did not {what} within {self.rdzv.timeout_s:.0f}s") from None
                 continue
-            if error is not None:
-                raise RankFailure(f"rank {rank} failed to start: {error}")
-            pending.discard(rank)
+            if status not in (None, JOINING):
+                raise RankFailure(f"rank {rank} failed to start: {status}")
+            self._joining.add(rank)
+            if status is None:
+                self._ready.add(rank)
 
     def _monitor(self) -> None:
         sentinels = {proc.sentinel: rank for rank, proc in self.procs.items()}

@@ -124,6 +124,22 @@ def check_grid(pp: int, tp: int, rank: int) -> None:
         raise ValueError(f"rank {rank} is outside 0..{pp * tp - 1} for pp={pp} x tp={tp} (world size {pp * tp})")
 
 
+def select_device(rank: int, backend: str, device: torch.device | str | None = None) -> torch.device:
+    """The rank's device, made current on CUDA: `device`, else "cpu" for gloo and "cuda:<rank % device_count>"
+    for nccl. A rank process calls it before it reports that it joins the rendezvous (rank_worker.JOINING), so a
+    device it cannot take is its own start-up error, not a rendezvous that times out on rank 0."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {BACKENDS} (NCCL on CUDA, gloo on CPU)")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, which this process does not see; use backend 'gloo' on CPU")
+    if device is None:
+        device = f"cuda:{rank % torch.cuda.device_count()}" if backend == "nccl" else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
 def init_parallel_state(
     pp: int,
     tp: int,
@@ -141,21 +157,13 @@ def init_parallel_state(
     an error, not a hang. `device` defaults to "cpu" for gloo and "cuda:<rank % device_count>" for nccl.
     """
     check_grid(pp, tp, rank)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not one of {BACKENDS} (NCCL on CUDA, gloo on CPU)")
     if not 0 < master_port < 65536:
         raise ValueError(f"master_port {master_port} is not a TCP port (1..65535)")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} must be > 0")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend 'nccl' needs CUDA, which this process does not see; use backend 'gloo' on CPU")
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process; build ParallelState once")
-    if device is None:
-        device = f"cuda:{rank % torch.cuda.device_count()}" if backend == "nccl" else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    dev = select_device(rank, backend, device)
 
     world = pp * tp
     timeout = timedelta(seconds=timeout_s)

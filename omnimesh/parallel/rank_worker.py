@@ -2,7 +2,9 @@
 commands in order until STOP — the same on node 0 (spawned by MpExecutor), on a headless node (spawned by
 headless_ranks) and in a Ray actor (ray_executor.py), since every command travels over torch.distributed.
 
-Data flow: `worker_main(rank, ...)` -> `setup_rank`: init_parallel_state (rendezvous at master_addr:master_port,
+Data flow: `worker_main(rank, ...)` -> its device (`select_device`) -> JOINING on the queue (rank 0 joins the
+rendezvous only once every local rank got this far, so one that cannot start fails the stage at once with its own
+error) -> `setup_rank`: init_parallel_state (rendezvous at master_addr:master_port,
 bounded) -> factory(ps) -> ("ready" on the queue, or the start-up error) -> `serve_commands`: command = recv from
 rank 0 (gloo cpu_group) -> program.execute(command) -> the result owner (last pp rank, tp rank 0) sends the result to rank 0 on a
 two-rank gloo group. A lost driver (its connection closes) ends the rank with code 1 and one log line.
@@ -21,12 +23,15 @@ import torch
 import torch.distributed as dist
 
 from omnimesh.log_setup import setup_logging
-from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
+from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state, select_device
 from omnimesh.proc_utils import die_with_parent
 
 log = logging.getLogger(__name__)
 
 STOP = "__omnimesh_stop__"
+# a rank's report (rank, JOINING) on the ready queue: its process runs and has its device; it joins the rendezvous
+# next. Its other reports: (rank, None) ready, (rank, "Error: message") its start failed.
+JOINING = "\0joining"
 
 
 class RankFailure(RuntimeError):
@@ -125,6 +130,8 @@ def worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramF
     setup_logging(logging.getLevelName(log_level))
     torch.set_num_threads(threads)
     try:
+        select_device(rank, rdzv.backend, rdzv.device(rank))
+        ready.put((rank, JOINING))
         ps, results, program = setup_rank(rank, pp, tp, rdzv, factory)
     except Exception as exc:  # report start-up failures to the driver, then exit non-zero
         ready.put((rank, f"{type(exc).__name__}: {exc}"))

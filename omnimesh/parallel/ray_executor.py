@@ -10,8 +10,10 @@ Data flow:
     connect (ray.init, bounded by the rendezvous timeout)
     -> placement group: one bundle per worker rank ({"CPU": 1}, or {"GPU": 1, "CPU": 1} for NCCL), packed
        (bounded: a cluster that cannot place them is an error naming what it has free)
-    -> actor r: start(rank r, the rendezvous, the factory) = setup_rank; then serve() = serve_commands
-    -> rank 0 here joins the same rendezvous; the actors' start results are the "ready" signals
+    -> actor r: prepare(rank r, the rendezvous, the factory: unpickled there, its device taken); start() =
+       setup_rank; then serve() = serve_commands
+    -> once every prepare returned (an error or a dead actor fails the start here, named), rank 0 joins the same
+       rendezvous; the actors' start results are the "ready" signals
     -> a monitor thread waits on every actor's serve(): one that ends (its actor died, its node went away,
        an error) before shutdown fails the stage with the rank, node and pid named
     -> shutdown: STOP over the process group, wait for the serve() calls, kill the actors, free the group.
@@ -36,6 +38,7 @@ from typing import Any
 from omnimesh.config.serve_args import RAY_MISSING
 from omnimesh.log_setup import log_config_from_env
 from omnimesh.parallel.mp_executor import MpExecutor
+from omnimesh.parallel.parallel_state import select_device
 from omnimesh.parallel.rank_worker import ProgramFactory, RankFailure, Rendezvous, serve_commands, setup_rank
 from omnimesh.proc_utils import free_port
 
@@ -54,20 +57,26 @@ def import_ray() -> Any:
 
 
 class _RankActor:
-    """One worker rank inside a Ray actor: `start` joins the process group and builds the program, `serve`
-    takes the driver's commands until STOP (Ray runs one caller's calls in order, so serve follows start)."""
+    """One worker rank inside a Ray actor: `prepare` takes its arguments (the factory unpickled here) and its device,
+    `start` joins the process group and builds the program, `serve` takes the driver's commands until STOP (Ray
+    runs one caller's calls in order). The driver joins the rendezvous only after every `prepare` returned, so an
+    actor that cannot start fails the stage at once with its own error."""
 
-    def start(self, rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
-              log_level: int, device: str | None, log_config: dict | None = None) -> tuple[str, int]:
+    def prepare(self, rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
+                log_level: int, device: str | None, log_config: dict | None = None) -> tuple[str, int]:
         import torch
 
         from omnimesh.log_setup import setup_logging
 
         setup_logging(logging.getLevelName(log_level), config=log_config)  # the config's content: hosts differ
         torch.set_num_threads(threads)
+        select_device(rank, rdzv.backend, device or rdzv.device(rank))
+        self.args = (rank, pp, tp, rdzv, factory, device)
         self.rank = rank
-        self.state = setup_rank(rank, pp, tp, rdzv, factory, device)
         return import_ray().util.get_node_ip_address(), os.getpid()
+
+    def start(self) -> None:
+        self.state = setup_rank(*self.args)
 
     def serve(self) -> None:
         serve_commands(self.rank, *self.state)
@@ -181,6 +190,7 @@ class RayExecutor(MpExecutor):
                 f"{self.rdzv.timeout_s:.0f}s: it has CPU {free.get('CPU', 0):g} / GPU {free.get('GPU', 0):g} free "
                 f"of CPU {total.get('CPU', 0):g} / GPU {total.get('GPU', 0):g}; add nodes or lower pp x tp")
         actor_cls = ray.remote(_RankActor)
+        prepares: dict[Any, int] = {}
         starts: dict[Any, int] = {}
         level = logging.getLogger().getEffectiveLevel()
         log_config = log_config_from_env()  # --log-config-file, read here: the actor's host may not have the file
@@ -191,24 +201,29 @@ class RayExecutor(MpExecutor):
                                                                     placement_group_bundle_index=rank - 1),
             ).remote()
             self.actors[rank] = actor
-            starts[actor.start.remote(rank, self.pp, self.tp, self.rdzv, self.factory, self.threads, level,
-                                      "cuda:0" if nccl else None, log_config)] = rank
+            prepares[actor.prepare.remote(rank, self.pp, self.tp, self.rdzv, self.factory, self.threads, level,
+                                          "cuda:0" if nccl else None, log_config)] = rank
+            starts[actor.start.remote()] = rank
             self._serving[actor.serve.remote()] = rank  # queued behind start on the same actor
-        return starts
+        return prepares, starts
 
-    def _wait_ready(self, ready: Any) -> None:
-        pending: dict[Any, int] = dict(ready)
+    def _await_ranks(self, ready: Any, joining: bool) -> None:
+        """As MpExecutor's, over the actors' `prepare` calls (`joining`) or their `start` calls."""
+        pending: dict[Any, int] = dict(ready[0] if joining else ready[1])
         deadline = time.monotonic() + self.rdzv.timeout_s
         while pending:
             done, _ = self.ray.wait(list(pending), num_returns=len(pending), timeout=0.2)
             for ref in done:
                 rank = pending.pop(ref)
                 try:
-                    self.where[rank] = self.ray.get(ref)
+                    result = self.ray.get(ref)
                 except Exception as exc:
                     raise RankFailure(f"rank {rank} failed to start: {_cause(exc)}") from None
+                if joining:
+                    self.where[rank] = result
             if pending and time.monotonic() > deadline:
-                raise RankFailure(f"ranks {sorted(pending.values())} did not start within "
+                what = "reach the rendezvous" if joining else "start"
+                raise RankFailure(f"ranks {sorted(pending.values())} did not {what} within "
                                   f"{self.rdzv.timeout_s:.0f}s") from None
 
     def _describe(self, rank: int) -> str:

@@ -43,6 +43,23 @@ def test_start_up_failure_names_the_rank() -> None:
     assert time.monotonic() - t0 < 30  # named at once, well inside the rendezvous timeout
 
 
+@pytest.mark.parametrize("case", ["unpicklable factory", "device it cannot take"])
+def test_a_rank_that_never_reaches_the_rendezvous_fails_the_start_at_once(case: str) -> None:
+    """Rank 0 joins the rendezvous only after every local rank reported that it is about to (rank_worker.JOINING):
+    a rank whose factory does not unpickle dies at spawn, one given a device it cannot take fails before joining;
+    either is named within seconds, where rank 0 used to wait out the whole timeout and then blame the network."""
+    if case == "unpicklable factory":
+        ex = MpExecutor(1, 2, toy_program.ParentOnly(), timeout_s=60)
+        said = r"rank 1 \(pid \d+\) exited with code 1 during start-up"
+    else:
+        ex = MpExecutor(1, 2, toy_program.make_toy, timeout_s=60, devices=("cpu", "cuda:99"))
+        said = r"rank 1 failed to start: \w+"
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=said):
+        ex.start()
+    assert time.monotonic() - t0 < 30
+
+
 def test_a_process_can_start_ranks_again_after_a_shutdown() -> None:
     """A driver that already had (and tore down) a process group starts a new one with fresh ranks (torch's
     per-process group counter would otherwise name rendezvous keys the new ranks never write)."""

@@ -75,6 +75,16 @@ def test_start_up_failure_names_the_rank() -> None:
     assert time.monotonic() - t0 < 30
 
 
+def test_an_actor_that_cannot_take_its_factory_fails_the_start_at_once() -> None:
+    """The factory reaches the actor in `prepare`, before rank 0 joins the rendezvous: one the actor cannot unpickle
+    is named with its error, not a rendezvous timeout."""
+    ex = RayExecutor(1, 2, toy_program.ParentOnly(), timeout_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 failed to start: .*No module named 'weights_plugin'"):
+        ex.start()
+    assert time.monotonic() - t0 < 30
+
+
 def test_ranks_the_cluster_cannot_place_are_a_clear_error() -> None:
     """NCCL ranks ask Ray for a GPU each; this host's Ray instance has none: an error naming what it has,
     within the timeout, and no placement left behind."""

@@ -62,6 +62,28 @@ def make_toy(ps: ParallelState) -> ToyProgram:
     return ToyProgram(ps)
 
 
+class ParentOnly:
+    """A factory that unpickles in the process that made it and in no other, as one whose module a rank's host
+    lacks: the rank fails before it ever reaches the rendezvous."""
+
+    def __init__(self) -> None:
+        self.parent = os.getpid()
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return _parent_only, (self.parent,)
+
+    def __call__(self, ps: ParallelState) -> ToyProgram:
+        return ToyProgram(ps)
+
+
+def _parent_only(parent: int) -> ParentOnly:
+    if os.getpid() != parent:
+        raise ImportError("No module named 'weights_plugin' (on purpose: this rank cannot build the factory)")
+    factory = ParentOnly.__new__(ParentOnly)
+    factory.parent = parent
+    return factory
+
+
 def make_broken(ps: ParallelState) -> ToyProgram:
     if ps.rank == 1:
         raise RuntimeError("weights for rank 1 are missing")
