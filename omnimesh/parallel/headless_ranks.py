@@ -105,6 +105,7 @@ class _Supervisor:
                  stopped: Callable[[], str | None]):
         self.member, self.procs, self.ready, self.spec, self.stopped = member, procs, ready, spec, stopped
         self.pending = set(procs)  # ranks that have not reported ready
+        self.joining: set[int] = set()  # ranks that reported JOINING; all of them: node 0 hears it (NodeMember.joining)
         self.start_deadline = time.monotonic() + spec.timeout_s + start_timeout_s
         self.where = f"stage {spec.stage}, node {spec.node_rank}"
 
@@ -147,7 +148,10 @@ class _Supervisor:
                 self.member.ready(message)
                 return 1
             return None
-        if error == JOINING:  # on its way to the rendezvous
+        if error == JOINING:  # on its way to the rendezvous; once every rank is, node 0 may join too
+            self.joining.add(rank)
+            if self.joining == set(self.procs):
+                self.member.joining()
             return None
         if error is not None:
             message = f"rank {rank} failed to start: {error}"

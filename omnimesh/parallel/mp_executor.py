@@ -146,6 +146,8 @@ class MpExecutor:
         try:
             ready = self._spawn_ranks()
             self._await_ranks(ready, joining=True)  # before rank 0 blocks in the rendezvous
+            if self.node_host is not None:  # the other hosts' ranks too
+                self.node_host.wait_joining(time.monotonic() + self.rdzv.timeout_s)
             self.ps = init_parallel_state(self.pp, self.tp, 0, self.rdzv.master_addr, self.rdzv.master_port,
                                           self.rdzv.backend, self.rdzv.timeout_s, device=self.rdzv.device(0))
             self._results = result_group(self.ps)

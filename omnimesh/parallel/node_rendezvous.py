@@ -229,18 +229,29 @@ class NodeHost:
             time.sleep(POLL_S)
         raise RendezvousError(message)
 
+    def wait_joining(self, deadline: float) -> None:
+        """Every other node's ranks are about to join the process group (or one says why they cannot), by
+        `deadline`: node 0 joins only then, so a rank that cannot start on another host (a device that host
+        lacks, a factory it cannot build) is named at once instead of node 0 waiting out the rendezvous."""
+        self._wait_nodes("joining", deadline, "reach the rendezvous")
+
     def wait_ready(self, deadline: float) -> None:
         """Every other node's ranks have built their programs (or one says why it could not), by `deadline`."""
+        self._wait_nodes("ready", deadline, "report their ranks ready")
+
+    def _wait_nodes(self, key: str, deadline: float, what: str) -> None:
+        """Until every member has set `key`/R; a member's start-up error (ready/R) or failure (failed/R) raises."""
         pending = set(self.members)
         while pending:
             for rank in sorted(pending):
-                if self.store.check([f"ready/{rank}"]):
+                if self.store.check([f"failed/{rank}"]):
+                    raise RendezvousError(f"{describe(self.members[rank])}: {self.store.get(f'failed/{rank}').decode()}")
+                if self.store.check([f"ready/{rank}"]) and (error := self.store.get(f"ready/{rank}").decode()):
+                    raise RendezvousError(f"{describe(self.members[rank])}: {error}")
+                if self.store.check([f"{key}/{rank}"]):
                     pending.discard(rank)
-                    error = self.store.get(f"ready/{rank}").decode()
-                    if error:
-                        raise RendezvousError(f"{describe(self.members[rank])}: {error}")
             if pending and time.monotonic() > deadline:
-                raise RendezvousError(f"node(s) {sorted(pending)} did not report their ranks ready in time")
+                raise RendezvousError(f"node(s) {sorted(pending)} did not {what} in time")
             time.sleep(POLL_S)
 
     def watch(self, on_failure: Callable[[str], None]) -> None:
@@ -335,6 +346,10 @@ class NodeMember:
             raise RendezvousError(verdict)
         # from now on a silent node 0 is noticed within HEARTBEAT_TIMEOUT_S (each store call waits at most that)
         self._client.set_timeout(timedelta(seconds=HEARTBEAT_TIMEOUT_S))
+
+    def joining(self) -> None:
+        """This node's ranks all run and hold their devices: they join the process group next."""
+        self.store.set(f"joining/{self.spec.node_rank}", "")
 
     def ready(self, error: str | None) -> None:
         self.store.set(f"ready/{self.spec.node_rank}", error or "")

@@ -98,6 +98,20 @@ def test_the_driver_hears_a_headless_node_die(monkeypatch) -> None:
         ex.shutdown()
 
 
+def test_a_rank_that_never_reaches_the_rendezvous_on_node_1_fails_node_0s_start_at_once() -> None:
+    """Node 1's rank dies at spawn (its factory does not unpickle there): node 0 joins the rendezvous only after
+    every node said its ranks are about to, so it names node 1's failure within seconds instead of waiting out the
+    rendezvous timeout (30 s here) and blaming the network."""
+    port = free_port()
+    node1 = toy_nodes.start("headless", port, 2, 1, "ParentOnly")
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"node 1 \(.*\): rank 1 \(pid \d+\) exited with code 1"):
+        toy_nodes.driver(port, 2, 1)
+    assert time.monotonic() - t0 < toy_nodes.TIMEOUT_S / 2
+    code, out = _wait(node1)
+    assert code == 1 and "rank 1 (pid" in out, out
+
+
 def test_a_rank_that_cannot_start_on_node_1_fails_node_0s_start() -> None:
     port = free_port()
     node1 = toy_nodes.start("headless", port, 2, 1, "make_broken")  # rank 1 (node 1's) raises in its factory

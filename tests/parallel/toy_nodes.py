@@ -43,6 +43,7 @@ def main(argv: list[str]) -> int:
     role, port, pp, tp = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     if role == "headless":
         factory = getattr(toy_program, argv[4] if len(argv) > 4 else "make_toy")
+        factory = factory() if isinstance(factory, type) else factory  # a class: its instance is the factory
         return run_headless(factory, pp, tp, Rendezvous("127.0.0.1", port, "gloo", TIMEOUT_S), spec(1))
     driver(port, pp, tp)
     print("driver ready", flush=True)
