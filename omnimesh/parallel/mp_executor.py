@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -134,6 +135,7 @@ class MpExecutor:
         self._waiting: collections.deque[_Pending] = collections.deque()
         self._results: Any = None
         self._joining: set[int] = set()  # ranks that reported JOINING (or ready)
+        self._server: Any = None  # the rendezvous server (_open_rendezvous), held until shutdown
         self._ready: set[int] = set()
 
     def start(self) -> None:
@@ -145,6 +147,7 @@ class MpExecutor:
             self.node_host.handshake()
         try:
             ready = self._spawn_ranks()
+            self._open_rendezvous()
             self._await_ranks(ready, joining=True)  # before rank 0 blocks in the rendezvous
             if self.node_host is not None:  # the other hosts' ranks too
                 self.node_host.wait_joining(time.monotonic() + self.rdzv.timeout_s)
@@ -181,6 +184,21 @@ class MpExecutor:
             proc.start()
             self.procs[rank] = proc
         return ready
+
+    def _open_rendezvous(self) -> None:
+        """Rank 0's rendezvous server, listening before any rank dials it (torch's tcp:// rendezvous in this process
+        then reuses it: multi_tenant, as NodeHost's store on several hosts). The ranks connect at once and wait
+        there while rank 0 waits for their JOINING reports, instead of retrying against a closed port (each try a
+        new ephemeral port of this host), and the port is held from now on."""
+        if self.node_host is not None:  # NodeHost already listens there
+            return
+        addr, port = self.rdzv.master_addr, self.rdzv.master_port
+        try:
+            self._server = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                                         timeout=timedelta(seconds=self.rdzv.timeout_s))
+        except dist.DistError as exc:
+            raise RankFailure(f"rank 0 could not listen for the stage's rendezvous at {addr}:{port}: "
+                              f"{str(exc).splitlines()[0]}; choose another --master-port") from None
 
     def _await_ranks(self, ready: Any, joining: bool) -> None:
         """Read this host's ranks' reports until each is about to join the rendezvous (`joining`) or is ready. One
@@ -323,7 +341,7 @@ class MpExecutor:
                 dist.destroy_process_group()
             except Exception:
                 pass
-        self.ps = None
+        self.ps, self._server = None, None
 
     def _join_ranks(self, deadline: float) -> None:
         """After STOP: wait for this host's ranks to exit until `deadline`, then kill what is left."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,10 +16,28 @@ from pathlib import Path
 
 import httpx
 
-from omnimesh.proc_utils import free_port
-
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free port BELOW the host's ephemeral range, for a server a test starts later: an ephemeral port (what
+    binding port 0 gives) can be taken in the meantime as the source port of any outgoing connection, and a
+    mesh starting up opens many (its ranks, its health probes); this race made a gateway fail to listen."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a host with a crowded low range: the OS's choice
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 

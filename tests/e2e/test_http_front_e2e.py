@@ -23,13 +23,12 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from mesh_harness import START_TIMEOUT_S, Proc, start_gateway
+from mesh_harness import START_TIMEOUT_S, Proc, free_port, start_gateway
 from tls_certs import Certs, make_certs
 
 from gateway.http_front import Tls
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.launcher import MeshLauncher, _port_open
-from omnimesh.proc_utils import free_port
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc
 
 BODY = {"model": "tiny-qwen3-omni", "messages": [{"role": "user", "content": "Tell me about the sea."}],
