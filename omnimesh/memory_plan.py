@@ -268,6 +268,7 @@ class StagePlan:
     cache: int = 0  # rank 0: the encoder cache at its capacity (--encoder-cache-memory), on the encoder's device
     budget: int | None = None  # per rank: the smallest device's memory x gpu_memory_utilization (CUDA)
     missing: int = 0  # per rank, beyond the budget
+    copies: list[str] = field(default_factory=list)  # each replica's devices ("cuda:0,cuda:1"), for the table
     recommendation: str | None = None  # when it does not fit: the layout that would, or why none does
     fits_with: tuple[int, int] | None = None  # that layout's (pp, tp)
 
@@ -306,7 +307,7 @@ class MemoryPlan:
             kv = "-" if s.kv_one_sequence is None else f"{fmt_bytes(s.kv_one_sequence)} ({s.kv_max_len} tok)"
             fits = "yes" if not s.missing else f"NO: {fmt_bytes(s.missing)} missing"
             budget = "-" if s.budget is None else f"{fmt_bytes(s.budget)} ({s.cfg.gpu_memory_utilization:g})"
-            rows.append((s.stage, s.layout, ",".join(s.devices), fmt_bytes(s.weights_per_rank), fmt_bytes(s.driver + s.cache),
+            rows.append((s.stage, s.layout, " | ".join(s.copies) or ",".join(s.devices), fmt_bytes(s.weights_per_rank), fmt_bytes(s.driver + s.cache),
                          "-" if s.kv_per_token is None else fmt_bytes(s.kv_per_token), kv, fmt_bytes(s.need), budget,
                          fits if self.device == "cuda" else "(host RAM)"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -434,6 +435,7 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
             devices = _stage_devices(cfg, replica)
             if replica == 0:
                 sp.devices = tuple(f"cuda:{d}" for d in devices)
+            sp.copies.append(",".join(f"cuda:{d}" for d in devices))
             for rank, d in enumerate(devices):
                 need = sp.need if rank == 0 else sp.need - sp.driver - sp.cache
                 on_device.setdefault(f"cuda:{d}", []).append(

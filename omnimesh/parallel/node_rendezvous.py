@@ -348,8 +348,9 @@ class NodeMember:
         self._client.set_timeout(timedelta(seconds=HEARTBEAT_TIMEOUT_S))
 
     def joining(self) -> None:
-        """This node's ranks all run and hold their devices: they join the process group next."""
-        self.store.set(f"joining/{self.spec.node_rank}", "")
+        """This node's ranks all run and hold their devices: they join the process group next (best effort: a node 0
+        that is gone is noticed by the next heartbeat)."""
+        self._set(f"joining/{self.spec.node_rank}", "")
 
     def ready(self, error: str | None) -> None:
         self.store.set(f"ready/{self.spec.node_rank}", error or "")

@@ -117,6 +117,19 @@ def test_a_stage_too_big_for_its_device_says_what_is_missing_and_which_layout_fi
     assert tiny.stages[0].fits_with is None and "no pp x tp up to the 8 CUDA devices" in tiny.error_text()
 
 
+def test_the_table_names_each_copys_devices(models) -> None:
+    """-dp 2 -tp 2 on four GPUs: every stage's copies on cuda:0,1 and cuda:2,3 (one whole pipeline per pair), each
+    device shared by one copy of each stage, so it fits where the same stages all on cuda:0,1 would share more."""
+    args = ServeArgs(device="cuda", data_parallel_size=2, tensor_parallel_size=2, encoder_cache_memory="0")
+    plan = plan_memory(models["qwen3-omni"], args, device_memory=2 * 2**30, num_devices=4)
+    rows = {line.split()[0]: line for line in plan.table().splitlines()[1:]}
+    assert all("cuda:0,cuda:1 | cuda:2,cuda:3" in rows[s] for s in ("encoder", "thinker", "talker", "vocoder")), rows
+    assert plan.ok, plan.report()
+    one = plan_memory(models["qwen3-omni"], ServeArgs(device="cuda", encoder_cache_memory="0"), device_memory=2 * 2**30,
+                      num_devices=4)
+    assert all(line.split()[4] == "cuda:0" for line in one.table().splitlines()[1:])  # one copy: its devices alone
+
+
 def test_stages_sharing_a_device_must_not_claim_more_than_all_of_it(models) -> None:
     model = models["qwen3-omni"]
     shared = {"thinker": {"devices": "1", "gpu_memory_utilization": 0.6},
