@@ -240,15 +240,19 @@ class NodeHost:
         self._wait_nodes("ready", deadline, "report their ranks ready")
 
     def _wait_nodes(self, key: str, deadline: float, what: str) -> None:
-        """Until every member has set `key`/R; a member's start-up error (ready/R) or failure (failed/R) raises."""
+        """Until every member has set `key`/R ("joining" or "ready"; ready implies joining); a member's start-up
+        error (ready/R) or failure (failed/R) raises. ready/R is read once, after it is there, so an error written
+        between two reads is never taken for a success."""
         pending = set(self.members)
         while pending:
             for rank in sorted(pending):
                 if self.store.check([f"failed/{rank}"]):
                     raise RendezvousError(f"{describe(self.members[rank])}: {self.store.get(f'failed/{rank}').decode()}")
-                if self.store.check([f"ready/{rank}"]) and (error := self.store.get(f"ready/{rank}").decode()):
-                    raise RendezvousError(f"{describe(self.members[rank])}: {error}")
-                if self.store.check([f"{key}/{rank}"]):
+                if self.store.check([f"ready/{rank}"]):
+                    if error := self.store.get(f"ready/{rank}").decode():
+                        raise RendezvousError(f"{describe(self.members[rank])}: {error}")
+                    pending.discard(rank)
+                elif key == "joining" and self.store.check([f"joining/{rank}"]):
                     pending.discard(rank)
             if pending and time.monotonic() > deadline:
                 raise RendezvousError(f"node(s) {sorted(pending)} did not {what} in time")
