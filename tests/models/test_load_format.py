@@ -16,7 +16,7 @@ from torch import nn
 from omnimesh.cli import main
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.memory_plan import read_checkpoint, shape_checkpoint
-from omnimesh.models.loader import DUMMY_RANGE, fill_dummy, set_load_format
+from omnimesh.models.loader import DUMMY_RANGE, fill_dummy, load_state_dict, set_load_format
 from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni
 from omnimesh.models.qwen3_omni.stage_loading import load_code2wav, load_talker, load_thinker, rank_factory
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
@@ -74,6 +74,18 @@ def test_values_depend_on_the_checkpoint_key_only() -> None:
     ids = torch.zeros(5, dtype=torch.long)
     fill_dummy(ids, "codes")
     assert ids.eq(0).all()
+
+
+def test_a_module_on_meta_is_refused_not_left_without_storage(dummy) -> None:
+    """A real load assigns tensors to a `meta` module; a dummy one fills in place, so it names the device instead
+    of handing back a module with no storage; a module with storage is filled, tied weights once."""
+    with torch.device("meta"):
+        on_meta = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="meta device"):
+        load_state_dict(Path("/nonexistent"), "proj.", on_meta)
+    real = nn.Linear(4, 4)
+    report = load_state_dict(Path("/nonexistent"), "proj.", real)  # no file is opened
+    assert report.loaded == 2 and _check_dummy(real, "proj") == 2  # nn.Linear's own init is far outside the range
 
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
