@@ -103,7 +103,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     pipeline, discovery = build_pipeline(args, model_dir, stage_addrs)
     if discovery is not None:
         discovery.start()  # before connect(): it waits for each stage's first replica
-    await pipeline.connect()
+    await pipeline.connect(args.stage_start_timeout)  # under `omnimesh serve`: while the stages load
     if pipeline.no_audio is not None:
         log.info("gateway: text out only: %s", pipeline.no_audio)
     domains = frozenset(d.strip() for d in (args.allowed_media_domains or "").split(",") if d.strip())

@@ -29,6 +29,7 @@ from omnimesh.transport.transport import choose_transport
 log = logging.getLogger(__name__)
 
 REPLICA_GRACE_S = 10.0  # at start-up, how long replicas may lag once every stage has one answering
+WAIT_NOTE_S = 15.0  # at start-up, how often the log names the stages the gateway still waits for
 LATE_REPLICA_POLL_S = 2.0  # how often a replica that has not answered yet is asked again
 # producer -> consumer of every stage edge (the vocoder's pcm is read by the gateway itself)
 EDGES = (("encoder", "thinker"), ("thinker", "talker"), ("talker", "vocoder"), ("vocoder", "gateway"))
@@ -61,6 +62,7 @@ class StageMesh:
         in the background, when they come up."""
         deadline = time.monotonic() + timeout_s
         all_up_by: float | None = None
+        next_note = time.monotonic() + WAIT_NOTE_S
         while True:
             for rs in self.stages.values():
                 await rs.refresh(timeout_s=2.0)
@@ -72,7 +74,12 @@ class StageMesh:
                     break
             elif now > deadline:
                 rs = waiting[0]
-                raise RuntimeError(f"stage {rs.stage} did not answer within {timeout_s:.0f}s: {rs.why_none()}")
+                raise RuntimeError(f"stage {rs.stage} did not answer within {timeout_s:.0f}s (--stage-start-timeout): "
+                                   f"{rs.why_none()}")
+            elif now >= next_note:  # a stage still loading its weights, or an address nobody serves: the log says
+                next_note = now + WAIT_NOTE_S
+                log.info("gateway: still waiting for the stages: %s; %.0f s left (--stage-start-timeout)",
+                         "; ".join(rs.why_none() for rs in waiting), deadline - now)
             await asyncio.sleep(0.5)
         self._read_stage_settings()
         self.choose_transports()

@@ -209,13 +209,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         from omnimesh.node_launcher import HeadlessNode
 
         return HeadlessNode(args, model_dir).run()
+    from gateway.http_front import HttpFront
     from gateway.rest_socket import check_free
     from omnimesh.launcher import MeshLauncher
     from omnimesh.server.grpc_server import BindError
 
-    try:  # the gateway's ports, before any stage spends minutes loading
+    try:  # the gateway's ports and TLS files, before any stage spends minutes loading
         check_free(args.host, args.port, args.grpc_port, args.uds)
-    except BindError as exc:
+        HttpFront.from_args(args)
+    except (BindError, ValueError) as exc:
         return _fail(str(exc))
     return MeshLauncher(args, model_dir).run()
 

@@ -2,10 +2,11 @@
 
 Data flow: pick ports -> start the stage processes (`omnimesh stage NAME ...`; a stage with `num_replicas`
 N in --stage-overrides runs as N processes, `NAME#0` ... `NAME#N-1`, each on its own port and its own slice
-of the stage's `devices`, all handed to the gateway, which balances requests over them) -> wait until each
-answers gRPC health (bounded; a stage that exits during start-up is reported by name with its exit
-code) -> start the gateway process pointed at them (with the HTTP front flags: CORS, TLS, logs) -> wait
-for its /health -> print where it listens
+of the stage's `devices`, all handed to the gateway, which balances requests over them) and, at once, the
+gateway process pointed at them (with the HTTP front flags: CORS, TLS, logs): its imports, tokenizer and
+processor load while the stages load their weights, and it waits for them itself -> wait until each stage
+answers gRPC health, then the gateway's /health (bounded by --stage-start-timeout; a child that exits
+during start-up is reported by name with its exit code) -> print where it listens
 -> watch the children: a stage that dies is reported by name (the gateway answers 503 for requests
 that need it, and its /health says which stage is down) and started again on its port after a backoff
 (1, 2, 4 ... 30 s), at most `--stage-restarts` times in 10 minutes; one more exit, or the gateway dying,
@@ -36,7 +37,6 @@ from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, text_only
 from omnimesh.node_launcher import node_argv
 from omnimesh.proc_utils import die_with_parent, free_port
 
-START_TIMEOUT_S = 600.0
 STOP_GRACE_S = 10.0
 RESTART_WINDOW_S = 600.0  # --stage-restarts counts the restarts within this
 MAX_RESTART_BACKOFF_S = 30.0
@@ -148,7 +148,8 @@ class MeshLauncher:
                             ("--reasoning-parser", a.reasoning_parser),
                             ("--responses-store-memory", a.responses_store_memory),
                             ("--otlp-traces-endpoint", a.otlp_traces_endpoint),
-                            ("--request-timeout", a.request_timeout)):
+                            ("--request-timeout", a.request_timeout),
+                            ("--stage-start-timeout", a.stage_start_timeout)):
             if value is not None:
                 argv += [flag, str(value)]
         if a.enable_log_requests:
@@ -187,18 +188,20 @@ class MeshLauncher:
         url = f"{'https' if a.ssl_keyfile else 'http'}://{host}:{a.port}/health"
         return lambda: _http_ok(url), f"GET {url}"
 
-    def _wait_ready(self, child: Child, probe, what: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+    def _wait_ready(self, child: Child, probe, what: str, deadline: float) -> None:
+        """Until `probe()` holds for `child`; any child that exits meanwhile (the gateway too, while a stage
+        loads) fails the start at once, by name."""
         while time.monotonic() < deadline:
             if self._stopping:
                 raise KeyboardInterrupt  # Ctrl-C / SIGTERM during start-up (`_on_signal`)
-            code = child.proc.poll()
-            if code is not None:
-                raise RuntimeError(f"{child.name} exited with code {code} during start-up (see its log above)")
+            for started in self.children:
+                if (code := started.proc.poll()) is not None:
+                    raise RuntimeError(f"{started.name} exited with code {code} during start-up (see its log above)")
             if probe():
                 return
             time.sleep(0.25)
-        raise RuntimeError(f"{child.name} did not become ready within {START_TIMEOUT_S:.0f}s ({what})")
+        raise RuntimeError(f"{child.name} did not become ready within {self.args.stage_start_timeout:.0f}s ({what}; "
+                           "--stage-start-timeout)")
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -228,10 +231,12 @@ class MeshLauncher:
             port = base + len(stage_children) if base else free_port()
             addrs.setdefault(stage, []).append(f"127.0.0.1:{port}")
             stage_children.append(self._spawn(name, self._stage_argv(stage, port, replica), addrs[stage][-1]))
-        for child in stage_children:
-            self._wait_ready(child, lambda c=child: _grpc_serving(c.address), "gRPC health")
+        # the gateway starts now, not once the stages serve: it waits for them itself (--stage-start-timeout)
         gw = self._spawn("gateway", self._gateway_argv(addrs), f"{self.args.host}:{self.args.port}", self._gateway_env())
-        self._wait_ready(gw, *self._gateway_probe())
+        deadline = time.monotonic() + self.args.stage_start_timeout
+        for child in stage_children:
+            self._wait_ready(child, lambda c=child: _grpc_serving(c.address), "gRPC health", deadline)
+        self._wait_ready(gw, *self._gateway_probe(), deadline)
         a = self.args
         scheme = "https" if a.ssl_keyfile else "http"
         rest = f"{scheme} over unix:{a.uds}" if a.uds else f"{scheme}://{a.host}:{a.port}"

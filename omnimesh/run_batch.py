@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 RETRY_STATUSES = (429, 503)  # a full queue, a stage restarting: sent again after Retry-After
 RETRY_FOR_S = 600.0  # how long a line keeps being sent again before its last answer stands
-START_TIMEOUT_S = 600.0
+START_MARGIN_S = 60.0
 PROGRESS_EVERY_S = 10.0
 # the mesh a run starts: plain http on loopback ports of its own (no TLS, socket or CORS), its key in its environment
 MESH_SKIP = HTTP_FRONT_FIELDS | {"api_key"}
@@ -175,10 +175,13 @@ class BatchMesh:
         self.proc = subprocess.Popen([sys.executable, "-m", "omnimesh.cli", *argv], stdout=sys.stderr,
                                      preexec_fn=die_with_parent, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
+        # the mesh fails itself past --stage-start-timeout (its exit is noticed here); the margin: its checks
+        self.start_timeout_s = args.stage_start_timeout + START_MARGIN_S
 
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+    def wait_ready(self) -> None:
         import httpx
 
+        timeout_s = self.start_timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if (code := self.proc.poll()) is not None:

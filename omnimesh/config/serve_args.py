@@ -66,6 +66,10 @@ class ServeArgs:
     stage_dns_refresh: float = _f(10.0, "seconds between DNS lookups of the stages the gateway's --stages names as "
                                   "dns:///HOST:PORT (each address one replica; new ones join, gone ones retire)",
                                   "--stage-dns-refresh")
+    stage_start_timeout: float = _f(600.0, "seconds a stage may take to start serving, its model load included: "
+                                    "`omnimesh serve` stops with an error naming the stage past it, and a gateway "
+                                    "waits that long for every stage it names to answer (it says which it waits for)",
+                                    "--stage-start-timeout")
     stage_restarts: int = _f(3, "times `omnimesh serve` restarts a stage process that exits on its own, within 10 minutes "
                              "(backoff 1, 2, 4 ... 30 s); one more exit stops the whole mesh with code 1, for an outer "
                              "supervisor; 0: a dead stage stays down (requests that need it get 503)", "--stage-restarts")
@@ -327,6 +331,8 @@ class ServeArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be a port number 1-65535, got {getattr(self, name)}")
         if not self.request_timeout >= 0:
             raise ValueError(f"--request-timeout must be >= 0 seconds (0: no limit), got {self.request_timeout}")
+        if not self.stage_start_timeout > 0:
+            raise ValueError(f"--stage-start-timeout must be > 0 seconds, got {self.stage_start_timeout}")
         if not self.stage_dns_refresh > 0:
             raise ValueError(f"--stage-dns-refresh must be > 0 seconds, got {self.stage_dns_refresh}")
         if self.stage_restarts < 0:
@@ -581,7 +587,7 @@ HTTP_FRONT_FIELDS = frozenset(
 )  # gateway/http_front.py
 GATEWAY_FIELDS = frozenset(
     {"host", "port", "grpc_port", "api_key", "served_model_name", "tokenizer", "async_chunk", "allowed_media_domains", "max_model_len",
-     "stage_dns_refresh", "request_timeout", "limit_mm_per_prompt", "input_limits", "max_logprobs",
+     "stage_dns_refresh", "stage_start_timeout", "request_timeout", "limit_mm_per_prompt", "input_limits", "max_logprobs",
      "return_tokens_as_token_ids",
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice",
      "tool_call_parser",
@@ -590,7 +596,8 @@ GATEWAY_FIELDS = frozenset(
      "otlp_traces_endpoint", "log_config_file"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
-    {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "request_timeout",
+    {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "stage_start_timeout",
+     "request_timeout",
      "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
      "trust_request_chat_template", "enable_log_requests", "disable_log_requests", "max_log_len", "limit_mm_per_prompt",

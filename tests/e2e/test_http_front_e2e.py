@@ -27,6 +27,7 @@ from mesh_harness import START_TIMEOUT_S, Proc, free_port, start_gateway
 from tls_certs import Certs, make_certs
 
 from gateway.http_front import Tls
+from omnimesh.cli import main
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.launcher import MeshLauncher, _port_open
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc
@@ -144,7 +145,7 @@ def test_mutual_tls_gateway(mesh, tiny_model_dir, certs: Certs) -> None:
         assert proc.stop() == 0, proc.output()
 
 
-def test_certificate_files_that_do_not_load(certs: Certs, tmp_path: Path, tiny_model_dir) -> None:
+def test_certificate_files_that_do_not_load(certs: Certs, tmp_path: Path, tiny_model_dir, capsys) -> None:
     with pytest.raises(ValueError, match=r"--ssl-keyfile .*missing.key: cannot read it"):
         Tls.load(str(tmp_path / "missing.key"), str(certs.server_crt), None, 0)
     with pytest.raises(ValueError, match="not a matching PEM certificate and private key"):
@@ -159,6 +160,11 @@ def test_certificate_files_that_do_not_load(certs: Certs, tmp_path: Path, tiny_m
                  "thinker=127.0.0.1:1", "--ssl-keyfile", str(certs.stray_key), "--ssl-certfile", str(certs.server_crt)])
     assert proc.proc.wait(timeout=60) == 1
     proc.wait_for_line(r"omnimesh gateway: error: --ssl-certfile .* not a matching PEM", timeout_s=5)
+    # `omnimesh serve` reads them before any stage starts loading: exit 2 here, in this process (a mesh
+    # started instead would not return until stopped)
+    assert main(["serve", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(free_port()), "--grpc-port",
+                 str(free_port()), "--ssl-keyfile", str(certs.stray_key), "--ssl-certfile", str(certs.server_crt)]) == 2
+    assert "--ssl-certfile" in (err := capsys.readouterr().err) and "not a matching PEM" in err, err
 
 
 def test_unix_socket_gateway_under_a_root_path(mesh, tiny_model_dir, tmp_path: Path) -> None:

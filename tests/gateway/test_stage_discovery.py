@@ -6,10 +6,12 @@ keeps what is known. Real thinker replicas on loopback, with the lookups answere
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 
 import pytest
 
+from gateway import stage_mesh
 from gateway.pipeline import StagePipeline
 from gateway.stage_discovery import DnsTarget, StageDiscovery, parse_dns_target, resolve
 from omnimesh.cli import parse_stage_addresses
@@ -91,16 +93,23 @@ async def test_replicas_join_and_retire_with_the_dns_answer(caplog) -> None:
         await pipe.close()
 
 
-async def test_a_stage_whose_name_resolves_to_nothing_is_named_at_start_up() -> None:
+async def test_a_stage_whose_name_resolves_to_nothing_is_named_at_start_up(monkeypatch, caplog) -> None:
+    """The bounded wait names the flag that bounds it, and says meanwhile what it waits for (a stage may take
+    minutes to load its weights: the log is not silent until then)."""
+    monkeypatch.setattr(stage_mesh, "WAIT_NOTE_S", 0.3)
+    caplog.set_level(logging.INFO, logger="gateway.stage_mesh")
     dns = ScriptedDns()
     pipe = StagePipeline({"thinker": []}, _prompt, served_models=("m",))
     discovery = StageDiscovery({"thinker": DnsTarget("thinkers", 1)}, pipe.stages,
                                lambda stage, addr: StageClient(stage, addr), refresh_s=0.2, resolver=dns)
     discovery.start()
-    with pytest.raises(RuntimeError, match=r"stage thinker did not answer within 1s: stage thinker has no replica "
-                                           r"\(its DNS name resolves to no address yet\)"):
+    with pytest.raises(RuntimeError, match=r"stage thinker did not answer within 1s \(--stage-start-timeout\): stage "
+                                           r"thinker has no replica \(its DNS name resolves to no address yet\)"):
         await pipe.connect(timeout_s=1.0)
     assert dns.asked >= 3  # looked up again and again meanwhile
+    notes = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert notes and notes[0].startswith("gateway: still waiting for the stages: stage thinker has no replica (its DNS"), notes
+    assert notes[0].endswith("s left (--stage-start-timeout)")
     await discovery.stop()
     await asyncio.sleep(0)
     await pipe.close()

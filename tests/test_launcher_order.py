@@ -1,0 +1,77 @@
+"""`MeshLauncher` start and stop, on fake processes that record the order of events. Start: the gateway is
+spawned with the stages, and its exit while they load fails the start at once. Stop drains in order: the
+gateway gets SIGTERM and is waited for (it finishes the streams in flight) while every stage still runs; only
+then do the stages get theirs. A child that outlives the grace period is killed."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from omnimesh.config.serve_args import ServeArgs
+from omnimesh.config.stage_config import STAGES
+from omnimesh.launcher import Child, MeshLauncher
+
+
+class FakeProc:
+    def __init__(self, name: str, log: list[str], hangs: bool = False) -> None:
+        self.name, self.log, self.hangs, self.done = name, log, hangs, False
+
+    def poll(self) -> int | None:
+        return 0 if self.done else None
+
+    def terminate(self) -> None:
+        self.log.append(f"term {self.name}")
+
+    def kill(self) -> None:
+        self.log.append(f"kill {self.name}")
+        self.done = True
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.hangs and not self.done:
+            raise subprocess.TimeoutExpired(self.name, timeout or 0)
+        self.log.append(f"exited {self.name}")
+        self.done = True
+        return 0
+
+
+def test_gateway_drains_before_the_stages_stop(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr("omnimesh.launcher.STOP_GRACE_S", 0.01)
+    log: list[str] = []
+    launcher = MeshLauncher(ServeArgs(), tmp_path)
+    for name in ("encoder", "thinker", "talker", "vocoder", "gateway"):
+        launcher.children.append(Child(name, FakeProc(name, log, hangs=name == "talker"), "x", []))  # type: ignore[arg-type]
+    launcher.stop()
+    assert log[:2] == ["term gateway", "exited gateway"]  # waited for before any stage is told to stop
+    assert set(log[2:6]) == {f"term {s}" for s in ("encoder", "thinker", "talker", "vocoder")}
+    assert "kill talker" in log and "exited talker" in log  # the one past its grace period is killed
+    assert all(f"exited {s}" in log for s in ("encoder", "thinker", "vocoder"))
+
+
+def test_the_gateway_starts_with_the_stages_and_its_exit_fails_the_start_at_once(tmp_path, monkeypatch) -> None:
+    """The gateway is spawned right after the stages, not once they serve (its imports, tokenizer and processor
+    load meanwhile; it waits for them itself, as long as the launcher does); a gateway that exits while the
+    stages still load fails the start by name, without waiting for them."""
+    log: list[str] = []
+    spawned: list[list[str]] = []
+
+    def popen(argv: list[str], env: dict[str, str] | None = None) -> FakeProc:
+        spawned.append(argv)
+        proc = FakeProc(argv[0] if argv[0] == "gateway" else argv[1], log)
+        if argv[0] == "gateway":
+            proc.poll = lambda: 1  # type: ignore[method-assign]  # it exits at once
+        return proc
+
+    monkeypatch.setattr("omnimesh.launcher._popen", popen)
+    monkeypatch.setattr("omnimesh.launcher.model_stages", lambda model_dir: STAGES)
+    monkeypatch.setattr("omnimesh.launcher._grpc_serving", lambda address: False)  # the stages never serve
+    launcher = MeshLauncher(ServeArgs(stage_start_timeout=30.0), tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^gateway exited with code 1 during start-up"):
+        launcher._run()
+    assert time.monotonic() - t0 < 5
+    assert [argv[0] if argv[0] == "gateway" else argv[1] for argv in spawned] == [*STAGES, "gateway"]
+    gateway = spawned[-1]
+    assert gateway[gateway.index("--stage-start-timeout") + 1] == "30.0"
