@@ -105,7 +105,7 @@ def _model_dir(model: str | None, load_format: str | None = None) -> Path:
 def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> int | None:
     """pp x tp against the model's heads, vocab and layers (errors exit 2; advice goes to stderr)."""
     from omnimesh.models.qwen3_omni.parallel_plan import check_layout
-    from omnimesh.models.qwen3_omni.stage_loading import load_config
+    from omnimesh.models.model_config import load_config
 
     from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages
 

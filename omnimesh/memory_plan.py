@@ -140,7 +140,7 @@ def shape_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
     from transformers import Qwen2_5OmniForConditionalGeneration, Qwen3OmniMoeForConditionalGeneration
     from transformers.core_model_loading import revert_weight_conversion
 
-    from omnimesh.models.qwen3_omni.stage_loading import is_qwen2_5, load_config
+    from omnimesh.models.model_config import is_qwen2_5, load_config
 
     config = load_config(model_dir)
     cls: Any = Qwen2_5OmniForConditionalGeneration if is_qwen2_5(config) else Qwen3OmniMoeForConditionalGeneration
@@ -377,11 +377,9 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
     (no CUDA device and no --device-memory, a device the host lacks)."""
     import torch
 
+    from omnimesh.models.model_config import load_config, resolve_dtype
     from omnimesh.models.qwen3_omni.checkpoint_stages import model_family, model_stages
-    from omnimesh.models.qwen3_omni.lm_engine import CPU_KV_CACHE_BYTES
-    from omnimesh.models.qwen3_omni.paged_kv import kv_cache_dtype
-    from omnimesh.models.qwen3_omni.stage_loading import load_config
-    from omnimesh.stage_registry import resolve_dtype
+    from omnimesh.models.qwen3_omni.paged_kv import CPU_KV_CACHE_BYTES, kv_cache_dtype
 
     if args.device == "auto":
         args = replace(args, device="cuda" if torch.cuda.is_available() else "cpu")

@@ -12,9 +12,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from omnimesh.config.serve_args import ServeArgs
+from omnimesh.models.model_config import resolve_dtype
 from omnimesh.models.qwen3_omni.stage_loading import LMLayout, rank_factory
 from omnimesh.parallel.mp_executor import ProgramFactory
 from omnimesh.parallel.node_rendezvous import NodeSpec, model_fingerprint
@@ -30,12 +29,6 @@ SERVICES: dict[str, str] = {
     "talker": "services.llm.talker_handler",
     "vocoder": "services.vocoder.handler",
 }
-
-
-def resolve_dtype(args: ServeArgs) -> torch.dtype:
-    if args.dtype == "auto":
-        return torch.bfloat16 if args.device == "cuda" else torch.float32
-    return getattr(torch, args.dtype)
 
 
 def node_spec(args: ServeArgs, stage: str, model_dir: Path) -> NodeSpec | None:
@@ -76,7 +69,8 @@ def lm_engine(backend: Any, stage: str, args: ServeArgs, max_model_len: int,
     """The stage's continuous-batching engine over its ranks: KV pool sized from --kv-cache-memory (CPU
     default 4 GiB per rank) or, on CUDA, from --gpu-memory-utilization; scheduling and admission limits
     (--max-num-seqs, --max-num-batched-tokens, --max-waiting-requests) from the flags."""
-    from omnimesh.models.qwen3_omni.lm_engine import CPU_KV_CACHE_BYTES, LMEngine
+    from omnimesh.models.qwen3_omni.lm_engine import LMEngine
+    from omnimesh.models.qwen3_omni.paged_kv import CPU_KV_CACHE_BYTES
 
     cfg = args.stage_configs()[stage]
     kv_bytes = cfg.kv_cache_memory

@@ -175,8 +175,8 @@ def test_the_kv_cache_dtypes_and_whole_prefills_reach_the_llm_stages(capped, tin
     import torch
 
     from omnimesh.models.qwen3_omni import paged_kv
-    from omnimesh.models.qwen3_omni.lm_engine import CPU_KV_CACHE_BYTES
-    from omnimesh.models.qwen3_omni.stage_loading import load_config
+    from omnimesh.models.qwen3_omni.paged_kv import CPU_KV_CACHE_BYTES
+    from omnimesh.models.model_config import load_config
 
     config = load_config(tiny_model_dir)
     for stage, text, dtype in (("thinker", config.thinker_config.text_config, "auto"),

@@ -24,7 +24,7 @@ from reference import chat_request, mp4_bytes  # noqa: E402
 from gateway.prompt import PromptBuilder  # noqa: E402
 from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni  # noqa: E402
 from omnimesh.models.qwen3_omni.mrope import MropeSpec, prompt_positions  # noqa: E402
-from omnimesh.models.qwen3_omni.stage_loading import load_config  # noqa: E402
+from omnimesh.models.model_config import load_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")

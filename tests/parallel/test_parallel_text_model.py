@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni.decoder import run_decoder
 from omnimesh.models.qwen3_omni.parallel_text_model import ParallelTextModel, apply_rope, gqa_attention, signed_sin
-from omnimesh.models.qwen3_omni.stage_loading import load_config
+from omnimesh.models.model_config import load_config
 from omnimesh.parallel.parallel_state import ParallelState
 
 TOL = 1e-5

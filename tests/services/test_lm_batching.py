@@ -40,7 +40,7 @@ from omnimesh.engine.lm_scheduler import LMScheduler, ScheduledSeq
 from omnimesh.models.qwen3_omni import paged_kv
 from omnimesh.models.qwen3_omni.lm_engine import InputRun
 from omnimesh.models.qwen3_omni.lm_shard import LMBatch
-from omnimesh.models.qwen3_omni.stage_loading import load_config
+from omnimesh.models.model_config import load_config
 from omnimesh.models.qwen3_omni.tiny_config import ORDINARY_VOCAB_LIMIT
 from omnimesh.transport.frames import StageChunk
 from omnimesh.v1 import stage_pb2

@@ -300,7 +300,7 @@ def load_qwen2_5_talker(model_dir: Path, dtype: torch.dtype, backend: LMBackend)
     `backend` (the stage's pp x tp ranks)."""
     from omnimesh.models.loader import build_submodule
     from omnimesh.models.qwen2_5_omni.token2wav import load_speakers
-    from omnimesh.models.qwen3_omni.stage_loading import load_config
+    from omnimesh.models.model_config import load_config
 
     config = load_config(model_dir)
     tk: Any = config.talker_config

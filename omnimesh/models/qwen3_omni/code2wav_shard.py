@@ -51,7 +51,7 @@ class C2WShardSpec:
 
 class Code2WavShard:
     def __init__(self, spec: C2WShardSpec, ps: ParallelState):
-        from omnimesh.models.qwen3_omni.stage_loading import load_config
+        from omnimesh.models.model_config import load_config
 
         config: Any = load_config(spec.model_dir).code2wav_config
         ranges = partition_layers(config.num_hidden_layers, ps.pp_size, list(spec.partition) if spec.partition else None)

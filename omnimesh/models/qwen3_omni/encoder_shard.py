@@ -53,7 +53,7 @@ class EncoderShardSpec:
 
 class EncoderShard:
     def __init__(self, spec: EncoderShardSpec, ps: ParallelState):
-        from omnimesh.models.qwen3_omni.stage_loading import is_qwen2_5, load_config
+        from omnimesh.models.model_config import is_qwen2_5, load_config
 
         config = load_config(spec.model_dir)
         tc: Any = config.thinker_config

@@ -53,7 +53,6 @@ from omnimesh.parallel.mp_executor import RankFailure
 
 log = logging.getLogger(__name__)
 
-CPU_KV_CACHE_BYTES = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
 DEFAULT_BATCHED_TOKENS = 2048
 
 

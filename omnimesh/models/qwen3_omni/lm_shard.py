@@ -167,7 +167,7 @@ class LMShardSpec:
     dtype: torch.dtype = torch.float32
 
     def text_config(self):  # noqa: ANN201 - a transformers text config
-        from omnimesh.models.qwen3_omni.stage_loading import load_config
+        from omnimesh.models.model_config import load_config
 
         config = load_config(self.model_dir)
         sub = config.thinker_config if self.role == "thinker" else config.talker_config
@@ -193,7 +193,7 @@ class LMShard:
         self.codec_sums: dict[int, torch.Tensor] = {}  # LMPredict.key -> codec sum (first pp rank only)
         cp: Any = None
         if spec.role == "talker":  # Qwen3-Omni's talker has a code predictor; Qwen2.5-Omni's one codec stream none
-            from omnimesh.models.qwen3_omni.stage_loading import load_config
+            from omnimesh.models.model_config import load_config
 
             cp = getattr(load_config(spec.model_dir).talker_config, "code_predictor_config", None)
         if cp is not None:

@@ -35,6 +35,8 @@ from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni.parallel_text_model import gqa_attention
 from omnimesh.models.qwen3_omni.text_arch import text_arch
 
+CPU_KV_CACHE_BYTES = 4 * 2**30  # the KV pool on CPU without --kv-cache-memory: vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
+
 # --kv-cache-dtype (vLLM's names, omnimesh.config.stage_config.KV_CACHE_DTYPE_CHOICES): auto = the model's dtype
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -30,8 +30,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, Qwen2_5OmniConfig
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeCode2Wav,
     Qwen3OmniMoeTalkerForConditionalGeneration,
@@ -39,6 +37,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omnimesh.models.loader import build_submodule
+from omnimesh.models.model_config import is_qwen2_5, load_config
 from omnimesh.models.qwen3_omni.code2wav_shard import C2WShardSpec, Code2WavTransformerBackend, build_code2wav_shard
 from omnimesh.models.qwen3_omni.encoder import Qwen3OmniEncoder
 from omnimesh.models.qwen3_omni.encoder_shard import (
@@ -56,19 +55,6 @@ from omnimesh.parallel.mp_executor import ProgramFactory
 from omnimesh.parallel.node_rendezvous import NodeSpec
 
 log = logging.getLogger(__name__)
-
-
-def load_config(model_dir: Path) -> Any:
-    """The folder's `Qwen3OmniMoeConfig` or `Qwen2_5OmniConfig` (ValueError for any other model)."""
-    config = AutoConfig.from_pretrained(Path(model_dir), local_files_only=True)
-    if not isinstance(config, Qwen3OmniMoeConfig | Qwen2_5OmniConfig):
-        raise ValueError(f"{model_dir} holds a {type(config).__name__} ({config.model_type}), not a Qwen3-Omni or "
-                         f"Qwen2.5-Omni model")
-    return config
-
-
-def is_qwen2_5(config: Any) -> bool:
-    return isinstance(config, Qwen2_5OmniConfig)
 
 
 def _timed(what: str, model_dir: Path, fn):  # noqa: ANN001, ANN202
