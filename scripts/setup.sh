@@ -10,7 +10,8 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test,ray,otel]"  # ray: --distributed-executor-backend ray; otel: tracing; their tests
+# under constraints.txt: the versions the suite last passed with, not whatever was released since
+python -m pip install -q -c constraints.txt -e ".[test,ray,otel]"  # ray: --distributed-executor-backend ray; otel: tracing
 # tcmalloc: omnimesh's processes re-execute themselves on it where it is installed (--malloc auto,
 # omnimesh/allocator.py; +6-13% requests/s on CPU here). Optional: without it they run on glibc's malloc.
 if ! (ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null) | grep -q libtcmalloc; then

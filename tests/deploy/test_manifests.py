@@ -81,7 +81,7 @@ def test_the_gateway_takes_its_api_key_from_the_environment() -> None:
 
 def test_dockerfile_pins_torch_before_the_project() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
-    assert text.index("torch==2.13.0") < text.index('pip install --no-cache-dir ".[otel]"')
+    assert text.index("torch==2.13.0") < text.index('pip install --no-cache-dir -c constraints.txt ".[otel]"')
 
 
 def test_dockerfile_installs_the_tcmalloc_every_process_reexecutes_on() -> None:
@@ -108,7 +108,8 @@ def test_dockerfile_builds_the_cpu_kernels_with_a_compiler_it_installs() -> None
     eager PyTorch ops and warn."""
     text = (DEPLOY / "Dockerfile").read_text()
     assert "libtcmalloc-minimal4 g++" in text
-    assert text.index('pip install --no-cache-dir ".[otel]"') < text.index("RUN python -m omnimesh.kernels.cpu_kernels")
+    assert text.index('pip install --no-cache-dir -c constraints.txt ".[otel]"') < text.index(
+        "RUN python -m omnimesh.kernels.cpu_kernels")
 
 
 def test_the_kernel_source_ships_in_the_package() -> None:
@@ -117,3 +118,34 @@ def test_the_kernel_source_ships_in_the_package() -> None:
     project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())
     assert "csrc/*.cpp" in project["tool"]["setuptools"]["package-data"]["omnimesh"]
     assert any(dep.startswith("ninja") for dep in project["project"]["dependencies"])
+
+
+def test_constraints_pin_every_dependency_within_the_projects_ranges() -> None:
+    """constraints.txt (what setup.sh and the image install under) names one exact version of every dependency
+    and extra of pyproject.toml but torch (pinned on its own), each inside the range pyproject.toml allows, and
+    the Dockerfile copies it before installing."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    root = DEPLOY.parent
+    pins = {}
+    for line in (root / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            assert len(req.specifier) == 1 and next(iter(req.specifier)).operator == "==", line
+            pins[canonicalize_name(req.name)] = next(iter(req.specifier)).version
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *(d for extra in project["optional-dependencies"].values() for d in extra)]
+    for text in wanted:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        if name == "torch":
+            assert name not in pins
+            continue
+        assert name in pins, f"{req.name} is not pinned in constraints.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), f"constraints.txt's {req.name}=={pins[name]} " \
+                                                                     f"is outside pyproject.toml's {req.specifier}"
+    docker = (DEPLOY / "Dockerfile").read_text()
+    assert docker.index("constraints.txt ./") < docker.index("-c constraints.txt")
