@@ -44,14 +44,13 @@ import logging
 import math
 import os
 import re
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from omnimesh.config.serve_args import ServeArgs
-from omnimesh.config.stage_config import StageConfig, parse_size
+from omnimesh.config.stage_config import StageConfig, fmt_bytes, parse_size
 
 LM_STAGES = ("thinker", "talker")
 PLANNED_DEVICES = 8  # CUDA devices per host when planning on a host that has none (`--num-devices` overrides)
@@ -119,16 +118,12 @@ class TensorInfo:
 def read_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
     """Every tensor of the folder's safetensors checkpoint: its dtype and element count, from the files'
     headers only (8 bytes of header length, then the JSON header)."""
-    from omnimesh.models.loader import checkpoint_files
+    from omnimesh.models.loader import checkpoint_files, safetensors_header
 
     out: dict[str, TensorInfo] = {}
     for path in sorted(set(checkpoint_files(Path(model_dir)).values())):
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for key, entry in header.items():
-            if key != "__metadata__":
-                out[key] = TensorInfo(entry["dtype"], math.prod(entry["shape"]))
+        for key, entry in safetensors_header(path).items():
+            out[key] = TensorInfo(entry["dtype"], math.prod(entry["shape"]))
     return out
 
 
@@ -241,15 +236,6 @@ def _kv_shape(config: Any, stage: str, cfg: StageConfig) -> KVShape:
     talker = config.talker_config
     text = getattr(talker, "text_config", None) or talker  # Qwen2.5-Omni's talker config is its LM's config
     return KVShape(text, int(text.max_position_embeddings), "the talker's max_position_embeddings")
-
-
-def fmt_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB', 2**31 -> '2 GiB' (binary units, 3 significant digits below 100)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.3g} {unit}" if n < 100 else f"{n:.0f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass

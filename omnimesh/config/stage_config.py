@@ -321,6 +321,15 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB', 2**31 -> '2 GiB' (binary units, 3 significant digits below 100)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.3g} {unit}" if n < 100 else f"{n:.0f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def parse_bytes(value: Any, what: str = "size") -> int:
     """'4GiB', '512MiB', '2G', '1e9' or a number -> bytes (decimal units K/M/G/T, binary KiB/MiB/GiB/TiB)."""
     if isinstance(value, bool):

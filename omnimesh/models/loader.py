@@ -11,6 +11,8 @@ Data flow:
     model.safetensors | model.safetensors.index.json -> keys under `prefix` (only those shards opened)
       -> names relative to the module (per-expert tensors stacked per `StackedParam`)
       -> shape check -> module.load_state_dict(strict=False) with our own missing/unexpected checks
+A read that takes longer than PROGRESS_EVERY_S logs how far it is (bytes and files, from the files' headers) as it
+goes and its rate at the end (`ReadProgress`), as vLLM's "Loading safetensors checkpoint shards" bar does.
 
 --load-format dummy (vLLM's flag): no file is read; every parameter is filled with values drawn uniformly from
 [-1e-3, 1e-3] by a generator seeded from its checkpoint key, on the parameter's own device (so a tensor every tp rank
@@ -28,6 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import struct
+import time
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -38,11 +43,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from omnimesh.config.stage_config import LOAD_FORMATS
+from omnimesh.config.stage_config import LOAD_FORMATS, fmt_bytes
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+log = logging.getLogger(__name__)
+
 _SHOW = 5  # how many key names an error message lists
+PROGRESS_EVERY_S = 10.0  # how often a long checkpoint read logs how far it is (ReadProgress)
 DUMMY_RANGE = 1e-3  # vLLM's dummy weights: uniform in [-1e-3, 1e-3]
 _load_format = "auto"  # this process's (set_load_format)
 
@@ -191,21 +199,55 @@ def _plan(
     return plan, missing
 
 
-def _read(files: dict[str, Path], wanted: set[str]) -> dict[str, torch.Tensor]:
+def safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """A safetensors file's tensor entries (dtype, shape, data_offsets) from its header alone: 8 bytes of header
+    length, then the JSON header; no tensor data is read."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+class ReadProgress:
+    """How far a long checkpoint read is, as vLLM's "Loading safetensors checkpoint shards" bar says it: a log line
+    every PROGRESS_EVERY_S seconds once the read has taken that long, and one when it ends; a quick read (the tiny
+    model's) says nothing. The bytes are the files' own sizes of the tensors this process reads (their headers)."""
+
+    def __init__(self, what: str, by_file: dict[Path, list[str]]) -> None:
+        self.what, self.files = what, len(by_file)
+        self.sizes: dict[str, int] = {}
+        for path, keys in by_file.items():
+            header = safetensors_header(path)
+            self.sizes.update({key: header[key]["data_offsets"][1] - header[key]["data_offsets"][0] for key in keys})
+        self.total = sum(self.sizes.values())
+        self.done = self.files_done = 0
+        self.start = self.noted = time.monotonic()
+
+    def read(self, key: str) -> None:
+        self.done += self.sizes[key]
+        now = time.monotonic()
+        if now - self.start >= PROGRESS_EVERY_S and now - self.noted >= PROGRESS_EVERY_S:
+            self.noted = now
+            log.info("%s: read %s of %s (%.0f%%) from %d of %d checkpoint file(s) in %.0f s", self.what,
+                     fmt_bytes(self.done), fmt_bytes(self.total), 100 * self.done / max(self.total, 1),
+                     self.files_done + 1, self.files, now - self.start)
+
+    def finish(self) -> None:
+        took = time.monotonic() - self.start
+        if took >= PROGRESS_EVERY_S:
+            log.info("%s: read %s from %d checkpoint file(s) in %.0f s (%s/s)", self.what, fmt_bytes(self.total),
+                     self.files, took, fmt_bytes(self.total / max(took, 1e-9)))
+
+
+def _read(files: dict[str, Path], wanted: set[str], what: str) -> dict[str, torch.Tensor]:
     """Read exactly the `wanted` full key names, opening each shard once."""
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for key in sorted(wanted):
-        by_file[files[key]].append(key)
-    out: dict[str, torch.Tensor] = {}
-    for path, keys in sorted(by_file.items()):
-        with safe_open(str(path), framework="pt") as f:
-            for key in keys:
-                out[key] = f.get_tensor(key)
-    return out
+    return dict(iter_tensors(files, wanted, what))
 
 
-def iter_tensors(files: dict[str, Path], keys: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (key, tensor) for exactly `keys`, one tensor at a time, opening each shard once.
+def iter_tensors(files: dict[str, Path], keys: Iterable[str], what: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (key, tensor) for exactly `keys`, one tensor at a time, opening each shard once; a long read logs its
+    progress under `what` (`ReadProgress`).
 
     For sharded loading: the caller narrows each full tensor to its shard and drops it before the next
     one is read, so a rank never holds more than one full tensor beyond its own shards.
@@ -213,10 +255,15 @@ def iter_tensors(files: dict[str, Path], keys: Iterable[str]) -> Iterator[tuple[
     by_file: dict[Path, list[str]] = defaultdict(list)
     for key in sorted(set(keys)):
         by_file[files[key]].append(key)
+    progress = ReadProgress(what, by_file)
     for path, names in sorted(by_file.items()):
         with safe_open(str(path), framework="pt") as f:
             for key in names:
-                yield key, f.get_tensor(key)
+                tensor = f.get_tensor(key)
+                progress.read(key)
+                yield key, tensor
+        progress.files_done += 1
+    progress.finish()
 
 
 def load_state_dict(
@@ -261,7 +308,7 @@ def load_state_dict(
             f"{_head(list(unexpected))}"
         )
 
-    raw = _read(files, {prefix + src for src in used})
+    raw = _read(files, {prefix + src for src in used}, f"{type(module).__name__} ({prefix}*)")
     tensors: dict[str, torch.Tensor] = {}
     for name, groups in plan.items():
         if groups == [[name]]:
@@ -320,7 +367,7 @@ def load_plan(module: torch.nn.Module, model_dir: Path, plan: Plan, what: str,
     if missing:
         raise ValueError(f"{len(missing)} weight(s) for {what} are missing from {model_dir}: {_head(missing)}")
     with torch.no_grad():
-        for key, full in iter_tensors(files, plan):
+        for key, full in iter_tensors(files, plan, what):
             for param, loader, args in plan[key]:
                 loader(param, full, *args)  # copy_ casts to the param dtype
     return tuple(sorted(plan))

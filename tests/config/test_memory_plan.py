@@ -14,7 +14,8 @@ import pytest
 from safetensors import safe_open
 
 from omnimesh.config.serve_args import ServeArgs
-from omnimesh.memory_plan import fmt_bytes, plan_memory
+from omnimesh.config.stage_config import fmt_bytes
+from omnimesh.memory_plan import plan_memory
 
 FAMILIES = ("qwen3-omni", "qwen2.5-omni")
 # what each stage loads (stage_loading.py): prefixes its pp x tp ranks split, and what rank 0 keeps whole

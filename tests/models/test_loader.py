@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from transformers import Qwen3OmniMoeForConditionalGeneration
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as q3
 
 import omnimesh.models.loader as loader_mod
+from omnimesh.config.stage_config import fmt_bytes
 from omnimesh.models.loader import HF_PER_EXPERT_MOE, StackedParam, build_submodule, load_state_dict
 from omnimesh.models.qwen3_omni.tiny import build_tiny_model, build_tiny_qwen3_omni
 
@@ -147,14 +149,20 @@ def test_meta_module_gets_tensors_assigned(folder: Path, reference: Omni) -> Non
     assert torch.equal(head.weight, reference.thinker.lm_head.weight)
 
 
+@pytest.fixture(scope="module")
+def sharded(folder: Path, reference: Omni, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny folder with its weights in 1 MB shards and an index, as a real checkpoint's are."""
+    out = tmp_path_factory.mktemp("sharded") / "model"
+    shutil.copytree(folder, out, ignore=shutil.ignore_patterns("model.safetensors"))
+    reference.save_pretrained(out, max_shard_size="1MB")
+    assert len(list(out.glob("model-*.safetensors"))) > 2 and (out / "model.safetensors.index.json").is_file()
+    return out
+
+
 def test_sharded_folder_reads_only_the_shards_it_needs(
-    folder: Path, tmp_path: Path, reference: Omni, monkeypatch: pytest.MonkeyPatch
+    sharded: Path, reference: Omni, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sharded = tmp_path / "sharded"
-    shutil.copytree(folder, sharded, ignore=shutil.ignore_patterns("model.safetensors"))
-    reference.save_pretrained(sharded, max_shard_size="1MB")
     shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
-    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
 
     opened: list[str] = []
     real_open = loader_mod.safe_open
@@ -169,6 +177,26 @@ def test_sharded_folder_reads_only_the_shards_it_needs(
     assert set(opened) < set(shards)  # the index says where code2wav lives; other shards stay closed
     want = reference.code2wav.state_dict()
     assert all(torch.equal(module.state_dict()[k], want[k]) for k in want)
+
+
+def test_a_long_read_says_how_far_it_is(sharded: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A read that takes PROGRESS_EVERY_S logs its bytes and files as it goes (here every tensor: the interval
+    is 0) and a last line with the rate; the bytes are those of the tensors read; a quick read logs nothing."""
+    caplog.set_level(logging.INFO, logger="omnimesh.models.loader")
+    files = loader_mod.checkpoint_files(sharded)
+    n = len(set(files.values()))
+    dict(loader_mod.iter_tensors(files, files, "the whole model"))
+    assert not caplog.records  # the default interval: ~0.1 s of reading says nothing
+    monkeypatch.setattr(loader_mod, "PROGRESS_EVERY_S", 0.0)
+    got = dict(loader_mod.iter_tensors(files, files, "the whole model"))
+    total = fmt_bytes(sum(t.numel() * t.element_size() for t in got.values()))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(files) + 1, lines
+    assert re.fullmatch(r"the whole model: read .* of .* \(\d+%\) from 1 of \d+ checkpoint file\(s\) in \d+ s", lines[0])
+    assert re.fullmatch(rf"the whole model: read {re.escape(total)} of {re.escape(total)} \(100%\) from {n} of {n} "
+                        r"checkpoint file\(s\) in \d+ s", lines[-2])
+    assert re.fullmatch(rf"the whole model: read {re.escape(total)} from {n} checkpoint file\(s\) in \d+ s \(.*/s\)",
+                        lines[-1])
 
 
 def test_stacked_param_needs_an_expert_field() -> None:
