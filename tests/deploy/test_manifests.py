@@ -149,3 +149,23 @@ def test_constraints_pin_every_dependency_within_the_projects_ranges() -> None:
                                                                      f"is outside pyproject.toml's {req.specifier}"
     docker = (DEPLOY / "Dockerfile").read_text()
     assert docker.index("constraints.txt ./") < docker.index("-c constraints.txt")
+
+
+def test_a_stage_loading_its_weights_is_not_killed_before_its_start_timeout() -> None:
+    """A real checkpoint takes minutes to load: Kubernetes gives each stage a startup probe that allows as long
+    as omnimesh's --stage-start-timeout (liveness counts only after it), and compose's health check a start
+    period as long (failures in it do not count), instead of a liveness probe that fired after 60-90 s."""
+    from omnimesh.config.serve_args import ServeArgs
+
+    allowed = ServeArgs().stage_start_timeout
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "omnimesh.yaml").read_text()) if d]
+    stages = [c for d in docs if d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"]
+              if c["name"] in STAGES]
+    assert sorted(c["name"] for c in stages) == sorted(STAGES)
+    for c in stages:
+        startup, live = c["startupProbe"], c["livenessProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= allowed, c["name"]
+        assert startup["grpc"] == live["grpc"] == c["readinessProbe"]["grpc"], c["name"]
+        assert "initialDelaySeconds" not in live, c["name"]
+    health = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["x-stage"]["healthcheck"]
+    assert health["start_period"] == f"{allowed:.0f}s"
