@@ -128,6 +128,7 @@ def test_stage_base_port_leaves_room_for_every_replica() -> None:
         ({"num_nodes": 2, "node_rank": 2}, r"--node-rank must be in \[0, --num-nodes\)"),
         ({"max_waiting_requests": -1}, r"--max-waiting-requests must be >= 0"),
         ({"stage_dns_refresh": 0.0}, r"--stage-dns-refresh must be > 0 seconds, got 0.0"),
+        ({"stage_start_timeout": 0.0}, r"--stage-start-timeout must be > 0 seconds, got 0.0"),
         ({"stage_restarts": -1}, r"--stage-restarts must be >= 0 \(0: never restart a stage\), got -1"),
         ({"stream_interval": 0}, r"--stream-interval must be >= 1 token"),
         ({"audio_windows": "5,0"}, r"--audio-windows must be 1 to 32 comma-separated whole numbers of codes >= 1"),
