@@ -212,37 +212,38 @@ def safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
 class ReadProgress:
     """How far a long checkpoint read is, as vLLM's "Loading safetensors checkpoint shards" bar says it: a log line
     every PROGRESS_EVERY_S seconds once the read has taken that long, and one when it ends; a quick read (the tiny
-    model's) says nothing. The bytes are the files' own sizes of the tensors this process reads (their headers)."""
+    model's) says nothing. The total is the files' own sizes of the tensors this process reads, from their headers,
+    parsed only once a first line is due (a quick read opens no header twice)."""
 
     def __init__(self, what: str, by_file: dict[Path, list[str]]) -> None:
-        self.what, self.files = what, len(by_file)
-        self.sizes: dict[str, int] = {}
-        for path, keys in by_file.items():
-            header = safetensors_header(path)
-            self.sizes.update({key: header[key]["data_offsets"][1] - header[key]["data_offsets"][0] for key in keys})
-        self.total = sum(self.sizes.values())
+        self.what, self.by_file = what, by_file
+        self.total: int | None = None
         self.done = self.files_done = 0
         self.start = self.noted = time.monotonic()
 
-    def read(self, key: str) -> None:
-        self.done += self.sizes[key]
+    def _total(self) -> int:
+        if self.total is None:
+            self.total = 0
+            for path, keys in self.by_file.items():
+                header = safetensors_header(path)
+                self.total += sum(header[key]["data_offsets"][1] - header[key]["data_offsets"][0] for key in keys)
+        return self.total
+
+    def read(self, tensor: torch.Tensor) -> None:
+        self.done += tensor.numel() * tensor.element_size()  # as stored: safetensors hands back the file's dtype
         now = time.monotonic()
         if now - self.start >= PROGRESS_EVERY_S and now - self.noted >= PROGRESS_EVERY_S:
             self.noted = now
+            total = self._total()
             log.info("%s: read %s of %s (%.0f%%) from %d of %d checkpoint file(s) in %.0f s", self.what,
-                     fmt_bytes(self.done), fmt_bytes(self.total), 100 * self.done / max(self.total, 1),
-                     self.files_done + 1, self.files, now - self.start)
+                     fmt_bytes(self.done), fmt_bytes(total), 100 * self.done / max(total, 1),
+                     self.files_done + 1, len(self.by_file), now - self.start)
 
     def finish(self) -> None:
         took = time.monotonic() - self.start
         if took >= PROGRESS_EVERY_S:
-            log.info("%s: read %s from %d checkpoint file(s) in %.0f s (%s/s)", self.what, fmt_bytes(self.total),
-                     self.files, took, fmt_bytes(self.total / max(took, 1e-9)))
-
-
-def _read(files: dict[str, Path], wanted: set[str], what: str) -> dict[str, torch.Tensor]:
-    """Read exactly the `wanted` full key names, opening each shard once."""
-    return dict(iter_tensors(files, wanted, what))
+            log.info("%s: read %s from %d checkpoint file(s) in %.0f s (%s/s)", self.what, fmt_bytes(self.done),
+                     len(self.by_file), took, fmt_bytes(self.done / max(took, 1e-9)))
 
 
 def iter_tensors(files: dict[str, Path], keys: Iterable[str], what: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -260,7 +261,7 @@ def iter_tensors(files: dict[str, Path], keys: Iterable[str], what: str) -> Iter
         with safe_open(str(path), framework="pt") as f:
             for key in names:
                 tensor = f.get_tensor(key)
-                progress.read(key)
+                progress.read(tensor)
                 yield key, tensor
         progress.files_done += 1
     progress.finish()
@@ -308,7 +309,7 @@ def load_state_dict(
             f"{_head(list(unexpected))}"
         )
 
-    raw = _read(files, {prefix + src for src in used}, f"{type(module).__name__} ({prefix}*)")
+    raw = dict(iter_tensors(files, {prefix + src for src in used}, f"{type(module).__name__} ({prefix}*)"))
     tensors: dict[str, torch.Tensor] = {}
     for name, groups in plan.items():
         if groups == [[name]]:

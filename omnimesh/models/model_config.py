@@ -12,11 +12,14 @@ build modules) keeps that check quick. Every stage loader gets its config from h
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, Qwen2_5OmniConfig
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
+
+if TYPE_CHECKING:
+    from omnimesh.config.serve_args import ServeArgs
 
 
 def load_config(model_dir: Path) -> Any:
@@ -32,8 +35,8 @@ def is_qwen2_5(config: Any) -> bool:
     return isinstance(config, Qwen2_5OmniConfig)
 
 
-def resolve_dtype(args: Any) -> torch.dtype:
-    """The weights' dtype for `ServeArgs` `args`: --dtype, where auto is bfloat16 on CUDA and float32 on CPU."""
+def resolve_dtype(args: ServeArgs) -> torch.dtype:
+    """The weights' dtype for `args`: --dtype, where auto is bfloat16 on CUDA and float32 on CPU."""
     if args.dtype == "auto":
         return torch.bfloat16 if args.device == "cuda" else torch.float32
     return getattr(torch, args.dtype)

@@ -40,7 +40,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-
 @dataclass
 class Proc:
     """A child process whose output is collected in the background (so pipes never fill up)."""
