@@ -200,7 +200,7 @@ class MeshLauncher:
             if probe():
                 return
             time.sleep(0.25)
-        raise RuntimeError(f"{child.name} did not become ready within {self.args.stage_start_timeout:.0f}s ({what}; "
+        raise RuntimeError(f"{child.name} did not become ready within {self.args.stage_start_timeout:g}s ({what}; "
                            "--stage-start-timeout)")
 
     def run(self) -> int:

@@ -1,5 +1,6 @@
 """`MeshLauncher` start and stop, on fake processes that record the order of events. Start: the gateway is
-spawned with the stages, and its exit while they load fails the start at once. Stop drains in order: the
+spawned with the stages, and its exit while they load fails the start at once; a stage that never serves
+fails it at --stage-start-timeout. Stop drains in order: the
 gateway gets SIGTERM and is waited for (it finishes the streams in flight) while every stage still runs; only
 then do the stages get theirs. A child that outlives the grace period is killed."""
 
@@ -75,3 +76,18 @@ def test_the_gateway_starts_with_the_stages_and_its_exit_fails_the_start_at_once
     assert [argv[0] if argv[0] == "gateway" else argv[1] for argv in spawned] == [*STAGES, "gateway"]
     gateway = spawned[-1]
     assert gateway[gateway.index("--stage-start-timeout") + 1] == "30.0"
+
+
+def test_a_stage_that_never_serves_fails_the_start_at_the_flags_bound(tmp_path, monkeypatch) -> None:
+    """Past --stage-start-timeout the start fails naming the stage, the probe and the flag (the children stay up
+    until then: none exited)."""
+    log: list[str] = []
+    monkeypatch.setattr("omnimesh.launcher._popen", lambda argv, env=None: FakeProc(argv[0], log))
+    monkeypatch.setattr("omnimesh.launcher.model_stages", lambda model_dir: STAGES)
+    monkeypatch.setattr("omnimesh.launcher._grpc_serving", lambda address: False)
+    launcher = MeshLauncher(ServeArgs(stage_start_timeout=0.5), tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^encoder did not become ready within 0.5s \(gRPC health; "
+                                           r"--stage-start-timeout\)$"):
+        launcher._run()
+    assert 0.5 <= time.monotonic() - t0 < 5

@@ -95,3 +95,21 @@ def test_one_rank_runs_in_process_on_the_stage_device(args: dict, device: str) -
 
     run, executor, _ = start_program(Program, 1, 1, executor="mp", **args)
     assert executor is None and run(1) == 2 and seen == [torch.device(device)]
+
+
+def test_a_taken_rendezvous_port_is_named_with_the_fix() -> None:
+    """Rank 0 listens for its ranks right after they spawn; a --master-port another process holds is a RankFailure
+    that names the address and the flag, and the spawned ranks do not outlive it."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ex = MpExecutor(1, 2, toy_program.make_toy, master_port=port, timeout_s=30)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match=rf"rank 0 could not listen for the stage's rendezvous at "
+                                              rf"127\.0\.0\.1:{port}: .*; choose another --master-port"):
+            ex.start()
+        assert time.monotonic() - t0 < 20
+    assert not any(toy_program.alive(pid) for rank, pid in ex.pids.items() if rank != 0)
