@@ -293,7 +293,9 @@ class EngineLoop:
                 self._bulk.boost()  # an urgent request waits for the steps in flight: lift the bulk ones
             if not idle:
                 for group in self._plan(ready, len(running)):
-                    running.add(asyncio.create_task(self._step_group(loop, group)))
+                    # started here, not in the task: a cancel that lands before the task's first turn then
+                    # finds the request in flight and closes it after the step, never before it
+                    running.add(asyncio.create_task(self._step_group(group, *self._launch(loop, group))))
             # hold no request past its end while waiting: a cancelled one must free its tensors (and the shared
             # memory slots under them) now, not at the next wake-up
             ready = group = entry = None  # type: ignore[assignment]
@@ -378,9 +380,10 @@ class EngineLoop:
             except Exception as exc:
                 return {task.request_id: exc}
 
-    async def _step_group(self, loop: asyncio.AbstractEventLoop, group: list[_Entry]) -> bool:
-        """Run one step over `group`; deliver each request's outputs or error. True if any request progressed
-        or one was newly left out (the next pass plans differently, see `waits_seat`)."""
+    def _launch(self, loop: asyncio.AbstractEventLoop,
+                group: list[_Entry]) -> tuple[asyncio.Future, float, bool, bool]:
+        """Start one step over `group` on a compute thread, its requests marked in flight at once -> (the
+        step's future, its start, whether a request in it waits for its first output, whether it is pressing)."""
         started = time.monotonic()
         tasks = [e.task for e in group]
         first_output = any(t.urgent() for t in tasks)  # a request in it waits for its first output
@@ -394,6 +397,12 @@ class EngineLoop:
         for entry in group:
             entry.inflight = future
             entry.last_step = self._steps
+        return future, started, first_output, pressing
+
+    async def _step_group(self, group: list[_Entry], future: asyncio.Future, started: float, first_output: bool,
+                          pressing: bool) -> bool:
+        """Wait for the step `_launch` started over `group`; deliver each request's outputs or error. True if
+        any request progressed or one was newly left out (the next pass plans differently, see `waits_seat`)."""
         try:
             results = await future
         except Exception as exc:  # the batch as a whole failed (a rank died, a model bug): every request in it

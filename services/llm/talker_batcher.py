@@ -76,14 +76,18 @@ class TalkerBatcher:
                 task.finished = True
                 out.setdefault(task.request_id, [])
                 continue
-            live[task.key] = task  # the engine knows tasks by key, not request id (BatchedTask)
             if not task.queued:
-                embeds, positions = self.talker.prefill_input(state)
+                try:
+                    embeds, positions = self.talker.prefill_input(state)
+                except Exception as exc:  # a bug in this request's prompt ends it alone, never the batch's others
+                    out[task.request_id] = exc
+                    continue
                 self.engine.feed(task.key, InputRun(embeds, positions))
                 task.queued = task.awaiting = True
                 task.on_close.append(self.engine.remove)
             elif not task.awaiting and self.talker.needs_predict(state):
                 predict.append(task)
+            live[task.key] = task  # the engine knows tasks by key, not request id (BatchedTask)
         if predict:
             self._predict(predict, out)
         sampled: list[tuple[TalkerTask, Any]] = []

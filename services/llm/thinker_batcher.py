@@ -1,8 +1,8 @@
 """ThinkerBatcher: the thinker stage's continuous batching — every ready request in one step per call.
 
 Data flow (`step_batch`, on the engine loop's compute thread): a request seen for the first time has its
-prompt prepared (`ThinkerTask.prompt_run`; bad media fail that request alone) and queued in the
-`LMEngine`; then one `LMEngine.step` runs the scheduled rows of all ready requests (decodes + prefill
+prompt prepared (`ThinkerTask.prompt_run`; bad media, or any error there, fail that request alone) and
+queued in the `LMEngine`; then one `LMEngine.step` runs the scheduled rows of all ready requests (decodes + prefill
 chunks) as one batched forward over the stage's pp x tp ranks; each request that got logits samples its
 next token (`ThinkerTask.on_output`), whose row is queued for the next step. Requests the scheduler left
 out this step (budget, seats, KV blocks) are simply not in the result: they stay ready.
@@ -45,8 +45,8 @@ class ThinkerBatcher:
             if not self.engine.has(task.key):
                 try:
                     run = task.prompt_run()
-                except ValueError as exc:
-                    out[task.request_id] = exc
+                except Exception as exc:  # bad media (ValueError: a 400), or a bug in preparing this prompt:
+                    out[task.request_id] = exc  # it ends this request alone, never the batch's others
                     continue
                 self.engine.feed(task.key, run)
                 task.on_close.append(self.engine.remove)

@@ -12,7 +12,7 @@ the tiny model folder. What it proves:
   tokens equal its solo run, and all blocks come back; a request preempted in the middle of a prefill with
   capture rows hands each captured row to its task exactly once;
 - cancellation: 200 requests holding blocks, closed the way a cancel does, give every block back and leave the
-  scheduler empty; a cache that cannot hold max_model_len refuses to start, naming --kv-cache-memory;
+  scheduler empty; a prompt whose preparation raises (any error) fails alone, its step's others exact; a cache that cannot hold max_model_len refuses to start, naming --kv-cache-memory;
 - talker batched == solo: 4 requests fed from real thinker output give the same codes together as alone, with
   ONE code-predictor call per step for the batch;
 - both batchers' stats() report running / waiting / kv_cache_usage / preemptions while requests run;
@@ -415,6 +415,31 @@ def test_closing_two_hundred_requests_frees_every_block(model_dir: Path) -> None
     assert_drained(engine, start)
 
 
+def test_a_prompt_that_fails_to_prepare_ends_only_its_request(model_dir: Path, thinker: Any) -> None:
+    """Any error while preparing one prompt (not only bad media's ValueError) fails that request alone; the
+    step's other requests keep their solo tokens, and the failed one holds no blocks."""
+    handler = thinker_handler(model_dir, ServeArgs(max_model_len=64, kv_cache_memory="1MiB"))
+    engine = handler.batcher.engine
+    start = engine.allocator.num_free
+    ids = prompts([5, 9, 7], seed=5)
+    tasks = [open_thinker(handler, f"r{i}", p, 4) for i, p in enumerate(ids)]
+
+    def broken() -> Any:
+        raise RuntimeError("a bug preparing this prompt")
+
+    tasks[1].prompt_run = broken
+    out = handler.batcher.step_batch(tasks)
+    assert isinstance(out["r1"], RuntimeError) and not engine.has(tasks[1].key)
+    tasks[1].close()
+    d = Driver(handler)
+    d.add(tasks[0], tasks[2])
+    d.chunks.update({rid: out[rid] for rid in ("r0", "r2")})
+    got = d.run()
+    for i in (0, 2):
+        assert token_ids(got[f"r{i}"]) == solo(thinker, ids[i], 4)[0], i
+    assert_drained(engine, start)
+
+
 def test_without_chunked_prefill_a_long_prompt_runs_in_one_step_and_equals_its_chunked_run(
         model_dir: Path, thinker: Any) -> None:
     ids = prompts([60], seed=7)[0]
@@ -531,6 +556,35 @@ def test_sampled_talker_batched_equals_solo(model_dir: Path, thinker_out: dict) 
     together = d.run()
     for rid in seeds:
         assert torch.equal(codes(together[rid]), solo[rid]), rid
+
+
+def test_a_talker_prompt_that_fails_to_prepare_ends_only_its_request(model_dir: Path, thinker_out: dict) -> None:
+    handler = talker_handler(model_dir, ServeArgs(max_model_len=128))
+    want = {}
+    for rid in ("t0", "t2"):
+        d = Driver(handler)
+        d.add(open_talker(handler, thinker_out, rid))
+        want[rid] = codes(d.run()[rid])
+    tasks = [open_talker(handler, thinker_out, rid) for rid in ("t0", "t1", "t2")]
+    talker, bad_state = handler.batcher.talker, tasks[1].state
+    prefill_input = talker.prefill_input
+
+    def t1_fails(state: Any) -> Any:
+        if state is bad_state:
+            raise RuntimeError("a bug preparing t1's prompt")
+        return prefill_input(state)
+
+    talker.prefill_input = t1_fails
+    out = handler.batcher.step_batch(tasks)
+    assert isinstance(out["t1"], RuntimeError) and not handler.batcher.engine.has(tasks[1].key)
+    tasks[1].close()
+    d = Driver(handler)
+    d.add(tasks[0], tasks[2])
+    d.chunks.update({rid: out[rid] for rid in ("t0", "t2")})
+    got = d.run()
+    for rid in ("t0", "t2"):
+        assert torch.equal(codes(got[rid]), want[rid]), rid
+    assert_drained(handler.batcher.engine, handler.batcher.engine.allocator.num_blocks)
 
 
 def test_a_talker_sampling_failure_ends_only_its_request(model_dir: Path, thinker_out: dict) -> None:
