@@ -13,6 +13,9 @@ blocks, and LMEngine skipping their rows, in-process on the tiny model folder. W
   equals its solo run, and every block is free again at the end (cached blocks count as free);
 - a preemption with cached blocks keeps tokens exact; eviction reuses the least recently freed cached block,
   a request's last blocks before its first ones; a request that cannot start gives its matched blocks back;
+- new tokens take a free block that holds no cached prefix before any cached one, the most recently freed
+  first: 1,000 requests one after another use no more blocks in all than one of them holds (at e1042a7 they
+  walked the whole pool, its pages resident one new block at a time);
 - the stage reports prefix_cache_queries / prefix_cache_hits (tokens), as vLLM does; off by default.
 """
 
@@ -332,6 +335,36 @@ def test_allocator_reference_counts_and_evicts_least_recently_freed() -> None:
     assert c[3] == blocks[2] and alloc.num_cached == 2
     assert alloc.match(h, 13) == blocks[:2]  # the chain stops at the evicted block
     assert alloc.queried_tokens == 13 + 5 + 13 and alloc.hit_tokens == 12 + 4 + 8
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_freed_blocks_are_reused_before_untouched_ones(caching: bool) -> None:
+    alloc = BlockAllocator(1000, BLOCK, prefix_caching=caching)
+    used: set[int] = set()
+    for i in range(1000):  # one request after another, 1 to 3 blocks each
+        table: list[int] = []
+        assert alloc.grow(table, BLOCK * (1 + i % 3))
+        used.update(table)
+        alloc.free(table)
+    assert used == {0, 1, 2} and alloc.num_free == 1000
+
+
+def test_blocks_without_a_cached_prefix_are_taken_before_cached_ones() -> None:
+    alloc = BlockAllocator(4, BLOCK, prefix_caching=True)
+    cached: list[int] = []
+    plain: list[int] = []
+    assert alloc.grow(cached, 2 * BLOCK) and alloc.grow(plain, 2 * BLOCK)
+    alloc.register(zip(cached, hashes(2)))
+    kept, spare = list(cached), list(plain)
+    alloc.free(cached)
+    alloc.free(plain)
+    taken: list[int] = []
+    assert alloc.grow(taken, 2 * BLOCK)
+    assert sorted(taken) == spare and alloc.num_cached == 2  # the cached prefix survives
+    assert alloc.match(hashes(2), 2 * BLOCK + 1) == kept
+    alloc.free(taken)
+    alloc.register([(spare[0], hashes(3)[2])])  # a free block is never registered (no request computed it)
+    assert alloc.num_cached == 2
 
 
 def test_kept_rows_are_counted_until_their_block_is_reused() -> None:
