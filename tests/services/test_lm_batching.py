@@ -12,7 +12,8 @@ the tiny model folder. What it proves:
   tokens equal its solo run, and all blocks come back; a request preempted in the middle of a prefill with
   capture rows hands each captured row to its task exactly once;
 - cancellation: 200 requests holding blocks, closed the way a cancel does, give every block back and leave the
-  scheduler empty; a prompt whose preparation raises (any error) fails alone, its step's others exact; a cache that cannot hold max_model_len refuses to start, naming --kv-cache-memory;
+  scheduler empty; a prompt whose preparation raises (any error) fails alone, its step's others exact (the
+  thinker's and the talker's); a cache that cannot hold max_model_len refuses to start, naming --kv-cache-memory;
 - talker batched == solo: 4 requests fed from real thinker output give the same codes together as alone, with
   ONE code-predictor call per step for the batch;
 - both batchers' stats() report running / waiting / kv_cache_usage / preemptions while requests run;
