@@ -19,6 +19,11 @@ NOT_SERVING). Commands after that raise `RankFailure` at once; a command in flig
 collective notices the dead peer, or at the process-group timeout — never an unbounded hang. Workers get
 PR_SET_PDEATHSIG, so they die with the server even when it is killed outright.
 
+Idle stages: a rank waits for its next command, and the driver's receiver for the owner's next result, in a
+recv bounded by the same timeout (gloo's, per operation). While no command goes out for a quarter of it, a
+keep-alive thread sends KEEPALIVE (a no-op every rank answers like a command), so a stage that idles for hours
+still serves, and a lost peer is still found within the timeout.
+
 Several hosts (`nodes`, --num-nodes N): the driver is node 0 and spawns only its own ranks 1..L-1 (L =
 world / N); node R's ranks [R*L, (R+1)*L) run headless there (omnimesh/parallel/headless_ranks.py) and take
 the same commands over the same process group. Before any rank starts, node 0 hosts the handshake and then
@@ -48,6 +53,7 @@ from omnimesh.parallel.node_rendezvous import NodeHost, NodeSpec
 from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
 from omnimesh.parallel.rank_worker import (  # noqa: F401 - RankProgram: part of this module's interface
     JOINING,
+    KEEPALIVE,
     STOP,
     ProgramFactory,
     RankFailure,
@@ -133,6 +139,8 @@ class MpExecutor:
         self._stopping = False
         self._sends: list[Any] = []
         self._waiting: collections.deque[_Pending] = collections.deque()
+        self._last_command = time.monotonic()  # when the last command went out (the keep-alive's clock)
+        self._quiet = threading.Event()  # set at shutdown: the keep-alive thread ends
         self._results: Any = None
         self._joining: set[int] = set()  # ranks that reported JOINING (or ready)
         self._server: Any = None  # the rendezvous server (_open_rendezvous), held until shutdown
@@ -169,6 +177,8 @@ class MpExecutor:
             atexit.register(self.shutdown)  # the other nodes hear a clean stop, not a lost driver
         if self.ps.last_pp_rank_driver != 0:
             threading.Thread(target=self._receive_results, name="omnimesh-rank-results", daemon=True).start()
+        if self.world > 1:
+            threading.Thread(target=self._keep_alive, name="omnimesh-rank-keepalive", daemon=True).start()
         log.info("stage ranks up: pp=%d tp=%d world=%d%s (rendezvous %s:%d, %s)", self.pp, self.tp, self.world,
                  f" over {self.nodes.num_nodes} nodes" if self.nodes else "", self.rdzv.master_addr,
                  self.rdzv.master_port, self.rdzv.backend)
@@ -270,6 +280,19 @@ class MpExecutor:
                 return
             self._waiting.popleft().remote(result)
 
+    def _keep_alive(self) -> None:
+        """KEEPALIVE to every rank whenever no command went out for a quarter of the collective timeout."""
+        every = self.rdzv.timeout_s / 4
+        while not self._quiet.is_set() and self.failure is None:
+            due = self._last_command + every - time.monotonic()
+            if due > 0:
+                self._quiet.wait(due)
+                continue
+            try:
+                self.submit(KEEPALIVE)
+            except RankFailure:  # the stage failed or stops: nothing left to keep alive
+                return
+
     def submit(self, command: Any) -> Future:
         """Send `command` to every rank and run rank 0's part; the future gets the owner's result.
 
@@ -283,6 +306,9 @@ class MpExecutor:
                 raise RankFailure(f"this stage lost a rank: {self.failure}")
             if self.ps is None or self.program is None:
                 raise RankFailure("the executor is not started")
+            if self._stopping:  # the ranks may have had their STOP: nothing would answer
+                raise RankFailure("the stage is shutting down")
+            self._last_command = time.monotonic()
             owner = self.ps.last_pp_rank_driver
             if owner != 0:
                 self._waiting.append(pending)  # before any rank can answer
@@ -293,7 +319,7 @@ class MpExecutor:
                 for rank in range(1, self.world):
                     self._sends += send_obj(command, rank, self.ps.cpu_group)
                 try:
-                    result = self.program.execute(command)
+                    result = None if command is KEEPALIVE else self.program.execute(command)
                 except (RuntimeError, dist.DistError):
                     raise
                 except Exception as exc:  # raised alike on every rank, before any collective
@@ -322,6 +348,7 @@ class MpExecutor:
         commands, and a STOP sent to it would block until the collective timeout (a Ray actor outlives its
         failed start)."""
         self._stopping = True
+        self._quiet.set()
         if self.node_host is not None:
             self.node_host.stopping()
         if self.ps is not None and self.failure is None and self.world > 1 and not abort:

@@ -8,6 +8,9 @@ error) -> `setup_rank`: init_parallel_state (rendezvous at master_addr:master_po
 bounded) -> factory(ps) -> ("ready" on the queue, or the start-up error) -> `serve_commands`: command = recv from
 rank 0 (gloo cpu_group) -> program.execute(command) -> the result owner (last pp rank, tp rank 0) sends the result to rank 0 on a
 two-rank gloo group. A lost driver (its connection closes) ends the rank with code 1 and one log line.
+Every recv is bounded by the process-group timeout (--rendezvous-timeout), the wait for the next command too:
+an idle driver sends KEEPALIVE (a no-op every rank answers like a command) often enough that a quiet stage
+never reaches it (MpExecutor._keep_alive).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from omnimesh.proc_utils import die_with_parent
 log = logging.getLogger(__name__)
 
 STOP = "__omnimesh_stop__"
+KEEPALIVE = "__omnimesh_keepalive__"  # a no-op: the owner's result is None
 # a rank's report (rank, JOINING) on the ready queue: its process runs and has its device; it joins the rendezvous
 # next. Its other reports: (rank, None) ready, (rank, "Error: message") its start failed.
 JOINING = "\0joining"
@@ -110,9 +114,11 @@ def serve_commands(rank: int, ps: ParallelState, results: Any, program: RankProg
                 for work, _ in send_obj(STOP, 0, results):  # releases the driver's receiver thread
                     work.wait()
             break
+        result: Any = None
         try:
-            with torch.inference_mode():  # as the driver's engine thread runs its part
-                result: Any = program.execute(command)
+            if command != KEEPALIVE:
+                with torch.inference_mode():  # as the driver's engine thread runs its part
+                    result = program.execute(command)
         except (RuntimeError, dist.DistError):
             raise  # a collective broke: this rank is out of step for good
         except Exception as exc:  # raised alike on every rank, before any collective

@@ -113,3 +113,24 @@ def test_a_taken_rendezvous_port_is_named_with_the_fix() -> None:
             ex.start()
         assert time.monotonic() - t0 < 20
     assert not any(toy_program.alive(pid) for rank, pid in ex.pids.items() if rank != 0)
+
+
+def test_a_stage_idle_past_its_collective_timeout_still_serves() -> None:
+    """A rank waits for the driver's next command in a gloo recv bounded by the process-group timeout (the
+    stage's --rendezvous-timeout, 120 s), and pp > 1's result channel likewise: idle longer than that, every
+    worker rank of a served stage died (at e1042a7 a pp x tp mesh lost a stage after two quiet minutes). The
+    driver keeps them alive while idle, and commands after the quiet spell run."""
+    x = torch.randn(3, toy_program.H, generator=torch.Generator().manual_seed(2))
+    failures: list[str] = []
+    ex = MpExecutor(2, 1, toy_program.make_toy, timeout_s=3, on_failure=failures.append)  # pp 2: results idle too
+    ex.start()
+    try:
+        torch.testing.assert_close(ex.execute(("run", x)), toy_program.reference(x), rtol=1e-5, atol=1e-5)
+        time.sleep(7.5)  # idle for 2.5 timeouts
+        assert not failures
+        torch.testing.assert_close(ex.execute(("run", x)), toy_program.reference(x), rtol=1e-5, atol=1e-5)
+        pids = ex.pids
+    finally:
+        ex.shutdown()
+    assert not failures
+    assert not any(toy_program.alive(pid) for rank, pid in pids.items() if rank != 0)
