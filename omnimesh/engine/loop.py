@@ -427,6 +427,7 @@ class EngineLoop:
                 continue  # no progress this step, or cancelled during it (its outputs go nowhere)
             if entry.timing is not None:
                 entry.timing.stepped(started)
+                entry.timing.count(entry.task)
             if isinstance(result, BaseException):
                 self._finish(rid, self._failure(rid, result))
             else:

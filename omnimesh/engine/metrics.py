@@ -114,7 +114,8 @@ class EngineMetrics:
 class RequestTiming:
     """One request's timestamps (time.monotonic) inside the engine loop."""
 
-    __slots__ = ("m", "submitted", "ready_at", "first_step", "first_output", "last_output", "trace", "traced")
+    __slots__ = ("m", "submitted", "ready_at", "first_step", "first_output", "last_output", "trace", "traced",
+                 "counted_prompt", "counted_generation")
 
     def __init__(self, metrics: EngineMetrics, trace: Any = None) -> None:
         self.m = metrics
@@ -125,6 +126,7 @@ class RequestTiming:
         self.last_output = 0.0
         self.trace = trace  # the caller's context: this stage's span goes under it
         self.traced = tracing.enabled()
+        self.counted_prompt = self.counted_generation = 0  # the task's tokens already in the counters
 
     def ready(self) -> None:
         if not self.ready_at:
@@ -134,6 +136,21 @@ class RequestTiming:
         if not self.first_step:
             self.first_step = started
             self.m.queue.labels(**self.m.labels).observe(max(0.0, started - (self.ready_at or self.submitted)))
+
+    def count(self, task: StageTask) -> None:
+        """Add the tokens the task processed since the last call to the counters: after every step, as vLLM
+        counts each iteration's, so a long request's tokens (the stage's throughput line, a rate() over the
+        counters) show while it runs, not all at its end."""
+        m, labels = self.m, self.m.labels
+        prompt, generation = max(0, task.prompt_tokens), max(0, task.completion_tokens)
+        if prompt > self.counted_prompt:
+            m.prompt_tokens.labels(**labels).inc(prompt - self.counted_prompt)
+            m.totals["prompt_tokens"] += prompt - self.counted_prompt
+            self.counted_prompt = prompt
+        if generation > self.counted_generation:
+            m.generation_tokens.labels(**labels).inc(generation - self.counted_generation)
+            m.totals["generation_tokens"] += generation - self.counted_generation
+            self.counted_generation = generation
 
     def output(self) -> None:
         now = time.monotonic()
@@ -147,11 +164,8 @@ class RequestTiming:
     def finished(self, task: StageTask, event: EngineDone | EngineFailed) -> None:
         if self.traced:
             self._span(task, event)
+        self.count(task)
         m, labels = self.m, self.m.labels
-        m.prompt_tokens.labels(**labels).inc(max(0, task.prompt_tokens))
-        m.generation_tokens.labels(**labels).inc(max(0, task.completion_tokens))
-        m.totals["prompt_tokens"] += max(0, task.prompt_tokens)
-        m.totals["generation_tokens"] += max(0, task.completion_tokens)
         m.totals["finished"] += 1
         code = getattr(event, "code", None)  # EngineFailed
         if code is not None:

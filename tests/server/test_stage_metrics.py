@@ -169,6 +169,29 @@ async def test_cancelled_request_counts_but_has_no_e2e_latency(stage):
     assert value(got, "omnimesh:generation_tokens_total") > 0  # what it generated before the cancel
 
 
+async def test_tokens_count_as_they_are_generated(stage):
+    """As vLLM's, every step: a long request's tokens are in the counters while it runs (at e1042a7 they came
+    only at its end, so the stage's throughput line said 0 tokens/s for a minute and then spiked)."""
+    client, engine = stage
+    s = await client.open("long", options={"steps": "100000"})
+    await s.send(StageChunk(tensors={"ids": torch.zeros(4, dtype=torch.long)}, final=True))
+    chunks = aiter(s)
+    for _ in range(5):
+        await anext(chunks)
+    got = samples(await client.metrics())
+    assert value(got, "omnimesh:prompt_tokens_total") == 4
+    assert value(got, "omnimesh:generation_tokens_total") >= 5
+    assert value(got, "omnimesh:request_success_total", finished_reason="cancelled") == 0  # still running
+    await s.cancel()
+    for _ in range(100):
+        if engine.num_requests == 0:
+            break
+        await asyncio.sleep(0.01)
+    after = samples(await client.metrics())
+    assert value(after, "omnimesh:prompt_tokens_total") == 4  # counted once
+    assert value(after, "omnimesh:generation_tokens_total") >= value(got, "omnimesh:generation_tokens_total")
+
+
 async def test_batcher_stats_are_the_load_gauges():
     batcher = FakeBatcher()
     async with _serve(batcher) as served:
