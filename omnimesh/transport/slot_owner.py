@@ -5,7 +5,11 @@ for device tensors the producer keeps alive). A slot comes back to the producer 
   - its consumer released it (state RELEASED; found by `sweep`, a vectorised scan of the table);
   - the request was cancelled and the frame never reached a consumer (`end_request(cancelled=True)`);
   - the caller dropped the frame undelivered and said so (`release`, the Stage `Release` RPC);
-  - its consumer died holding it, or its request's deadline passed unclaimed (`sweep(deep=True)`).
+  - its consumer died holding it, or its request's deadline passed unclaimed (`sweep(deep=True)`); a request
+    without a deadline (`--request-timeout 0`) gets one when its stream ends, UNCLAIMED_TTL_S later, for the
+    frames still unclaimed then: their consumer has long had them, unless it died before claiming them (a
+    gateway killed between a stage's answer and its read, a `Release` RPC that failed), and such a slot
+    would otherwise stay taken until the producer exits.
 Every take-back of a slot that a consumer might touch goes through the slot's exclusive lock, so a slot
 being read is never reused (see `shm_region`). Single-threaded: the stage's event loop calls all of it.
 """
@@ -21,6 +25,7 @@ import numpy as np
 from omnimesh.transport.shm_region import FREE, MAPPED, PUBLISHED, RELEASED, Region
 
 DEEP_SWEEP_EVERY_S = 2.0  # how often publishing also looks for dead consumers and expired slots
+UNCLAIMED_TTL_S = 3600.0  # a deadline-less request's frames unclaimed this long after its stream ended are orphans
 
 
 @dataclass(slots=True)
@@ -120,12 +125,18 @@ class SlotOwner:
         return freed
 
     def end_request(self, request_id: str, cancelled: bool) -> None:
-        """The request's stream ended. Cancelled: frames still unclaimed will never be read; take them back."""
+        """The request's stream ended. Cancelled: frames still unclaimed will never be read; take them back.
+        Else they are on their way; those without a deadline get one, UNCLAIMED_TTL_S from now."""
         slots = self._by_request.get(request_id)
-        if not slots or not cancelled:
+        if not slots:
             return
-        for slot in list(slots):
-            self._reclaim(slot, (PUBLISHED,))
+        if cancelled:
+            for slot in list(slots):
+                self._reclaim(slot, (PUBLISHED,))
+            return
+        table = self.region.table  # the deadline is the producer's field alone: no lock needed to set it
+        late = [s for s in slots if table["deadline"][s] == 0 and table["state"][s] == PUBLISHED]
+        table["deadline"][late] = time.time() + UNCLAIMED_TTL_S
 
     def release(self, slot: int, generation: int) -> bool:
         """A frame the caller dropped undelivered (the Release RPC); False when unknown or held."""

@@ -6,7 +6,8 @@
 - a stale reference (its slot taken back and published again) is refused, never read;
 - a consumer's live claim survives a replayed/stale frame of the same slot and a discard of its part;
 - a consumer process killed while holding a slot: the slot is kept while it lives, reclaimed after;
-- a request deadline that passed reclaims an unclaimed slot in a deep sweep, never a claimed one;
+- a request deadline that passed reclaims an unclaimed slot in a deep sweep, never a claimed one; a request
+  without a deadline gets one for its still unclaimed frames when its stream ends (UNCLAIMED_TTL_S);
 - a part the consumer refuses (FrameError) does not strand the references it carried."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import torch
 from transport_testlib import make_tensor, over_wire, python_child, read_line
 
+from omnimesh.transport import slot_owner
 from omnimesh.transport.chunk_codec import ChunkAssembler
 from omnimesh.transport.frames import FrameError, StageChunk
 from omnimesh.transport.shm_region import MAPPED, PUBLISHED, RegionError, RegionReader
@@ -233,6 +235,35 @@ def test_expired_deadline_reclaims_unclaimed_slots_only(make_arena) -> None:
     assert arena.free_bytes() == start and arena.live_slots == 0
 
 
+
+
+def test_a_request_without_a_deadline_gets_one_for_its_unclaimed_frames_at_its_end(make_arena, monkeypatch) -> None:
+    """--request-timeout 0: a frame whose consumer died before claiming it (a gateway killed between the
+    stage's answer and its read) would hold its slot until the producer exits; once the request's stream
+    ended its unclaimed frames expire UNCLAIMED_TTL_S later. A running request's frames never do."""
+    arena = make_arena("orphans", max_slots=8)
+    start = arena.free_bytes()
+    table = arena.region.table
+    ended = arena.publish(torch.ones(4), "req-ended")
+    claimed = arena.publish(torch.ones(4), "req-ended")
+    running = arena.publish(torch.ones(4), "req-running")
+    waiting = arena.publish(torch.ones(4), "req-waiting")
+    assert None not in (ended, claimed, running, waiting)
+    view = RegionReader().view(claimed.region, claimed.host_id, claimed.slot, claimed.generation,
+                               claimed.offset, claimed.nbytes, "claimed")
+    arena.end_request("req-waiting", cancelled=False)  # the default: an hour to be claimed
+    assert time.time() + 3590 < table["deadline"][waiting.slot] < time.time() + 3610
+    monkeypatch.setattr(slot_owner, "UNCLAIMED_TTL_S", -1.0)  # as if that hour had passed
+    arena.end_request("req-ended", cancelled=False)
+    assert table["deadline"][running.slot] == 0 and table["deadline"][claimed.slot] == 0  # claimed: its own
+    assert arena.sweep(deep=True) == 1 and arena.reclaimed_unreleased == 1  # the unclaimed one alone
+    assert arena.live_slots == 3
+    del view
+    gc.collect()
+    arena.end_request("req-running", cancelled=True)
+    arena.end_request("req-waiting", cancelled=True)
+    arena.sweep()
+    assert arena.free_bytes() == start and arena.live_slots == 0
 
 
 @pytest.mark.parametrize(("field", "value", "match"), [
