@@ -3,8 +3,9 @@ anything a round leaves behind.
 
 Role: what an operator (or a test) runs before trusting a build with real traffic. Each round sends
 `--requests` requests, `--concurrency` at a time, cycling through KINDS: plain and streamed chat, audio and
-image input, speech out, transcription, Responses, legacy completions with n=2, and the paths that end early
-(a client that leaves after the first event or times out mid-stream, a broken image, a prompt over
+image input, speech out, transcription, Responses, legacy completions with n=2, a Realtime session's spoken
+turn, a gRPC Generate of three choices, and the paths that end early (a client that leaves after the first
+event or times out mid-stream, a gRPC call cancelled after its first response, a broken image, a prompt over
 max-model-len). After the round it waits up to `--drain-s` for every stage to settle: no request running, no
 shared-memory slot held, no KV block in use (the gateway's /metrics). It prints per round the answers by kind,
 the settle time, and the resident anonymous memory of every omnimesh process on this host, so growth across
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import base64
 import io
+import json
 import re
 import sys
 import time
@@ -30,8 +32,12 @@ import wave
 from collections import Counter
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
+import websockets
+
+from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
 
 LEFT = "left"  # the client gave up on purpose
 SETTLE_GAUGES = ("omnimesh:num_requests_running", "omnimesh:shm_arena_slots_in_use", "omnimesh:kv_cache_usage_perc")
@@ -59,9 +65,10 @@ def png_b64() -> str:
 class Traffic:
     """One request of each kind; each returns its HTTP status or LEFT."""
 
-    def __init__(self, client: httpx.AsyncClient, model: str):
-        self.c, self.model = client, model
+    def __init__(self, client: httpx.AsyncClient, model: str, grpc_stub: omni_pb2_grpc.OmniStub):
+        self.c, self.model, self.stub = client, model, grpc_stub
         self.wav, self.png = wav_bytes(), png_b64()
+        self.ws_url = str(client.base_url).replace("http", "ws", 1).rstrip("/") + f"/v1/realtime?model={model}"
 
     def chat(self, i: int, **body: object) -> dict:
         return {"model": self.model, "messages": [{"role": "user", "content": f"hello there {i}"}], **body}
@@ -135,11 +142,51 @@ class Traffic:
         return r.status_code
 
 
+    async def realtime_turn(self, i: int) -> int | str:
+        """A Realtime session: one spoken turn (24 kHz pcm16), answered to its `response.done`."""
+        pcm = (0.2 * np.sin(np.arange(24000) / 24000 * 2 * np.pi * 300) * 32767).astype("<i2").tobytes()
+        async with websockets.connect(self.ws_url, max_size=2**26, open_timeout=60) as ws:
+            for event in ({"type": "session.update", "session": {"max_response_output_tokens": 8}},
+                          {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()},
+                          {"type": "input_audio_buffer.commit"}, {"type": "response.create"}):
+                await ws.send(json.dumps(event))
+            while True:
+                event = json.loads(await asyncio.wait_for(ws.recv(), 300))
+                if event["type"] == "error":
+                    return f"error:{event['error'].get('code')}"
+                if event["type"] == "response.done":  # incomplete: it reached max_response_output_tokens
+                    status = event["response"]["status"]
+                    return 200 if status in ("completed", "incomplete") else status
+
+    def generate(self, i: int) -> grpc.aio.UnaryStreamCall:
+        message = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text=f"hi {i}")])
+        return self.stub.Generate(omni_pb2.GenerateRequest(model=self.model, messages=[message], n=3,
+                                                           sampling=stage_pb2.SamplingParams(max_tokens=8)),
+                                  timeout=300)
+
+    async def grpc_choices(self, i: int) -> int | str:
+        """gRPC Generate with n=3: every choice ends with its `done`."""
+        done = 0
+        async for response in self.generate(i):
+            if response.WhichOneof("kind") == "error":
+                return f"error:{response.error.code}"
+            done += response.WhichOneof("kind") == "done"
+        return 200 if done == 3 else f"{done} of 3 choices done"
+
+    async def grpc_cancel(self, i: int) -> int | str:
+        call = self.generate(i)
+        async for _ in call:
+            call.cancel()
+            return LEFT
+        return 200
+
+
 # kind -> the answers it may get (LEFT: the client left on purpose; 200 when the answer beat it)
 KINDS: dict[str, set[int | str]] = {
     "text": {200}, "stream_cut": {LEFT, 200}, "audio_in": {200}, "image_in": {200}, "transcription": {200},
     "responses": {200}, "broken_image": {400}, "speech": {200}, "completions": {200}, "audio_stream": {200},
-    "too_long": {400}, "timeout_mid_stream": {LEFT, 200},
+    "too_long": {400}, "timeout_mid_stream": {LEFT, 200}, "realtime_turn": {200}, "grpc_choices": {200},
+    "grpc_cancel": {LEFT, 200},
 }
 
 
@@ -186,12 +233,12 @@ async def settle(client: httpx.AsyncClient, limit_s: float) -> tuple[float, dict
         await asyncio.sleep(0.2)
 
 
-async def soak(url: str, rounds: int, requests: int, concurrency: int, kinds: list[str], drain_s: float,
-               out=sys.stdout) -> int:
+async def soak(url: str, grpc_address: str, rounds: int, requests: int, concurrency: int, kinds: list[str],
+               drain_s: float, out=sys.stdout) -> int:
     failed = False
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client, grpc.aio.insecure_channel(grpc_address) as ch:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        traffic = Traffic(client, model)
+        traffic = Traffic(client, model, omni_pb2_grpc.OmniStub(ch))
         gate = asyncio.Semaphore(concurrency)
 
         async def one(i: int) -> tuple[str, int | str]:
@@ -199,7 +246,8 @@ async def soak(url: str, rounds: int, requests: int, concurrency: int, kinds: li
             async with gate:
                 try:
                     return kind, await getattr(traffic, kind)(i)
-                except httpx.HTTPError as exc:
+                except (httpx.HTTPError, grpc.aio.AioRpcError, websockets.WebSocketException, OSError,
+                        asyncio.TimeoutError) as exc:
                     return kind, type(exc).__name__
 
         for n in range(rounds):
@@ -227,6 +275,7 @@ async def soak(url: str, rounds: int, requests: int, concurrency: int, kinds: li
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default: %(default)s)")
+    p.add_argument("--grpc", default="127.0.0.1:8001", help="the gateway's gRPC API (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=240, help="per round (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=24)
@@ -236,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = a.kinds.split(",")
     if unknown := [k for k in kinds if k not in KINDS]:
         p.error(f"unknown kinds {unknown}; choose from {', '.join(KINDS)}")
-    return asyncio.run(soak(a.url, a.rounds, a.requests, a.concurrency, kinds, a.drain_s))
+    return asyncio.run(soak(a.url, a.grpc, a.rounds, a.requests, a.concurrency, kinds, a.drain_s))
 
 
 if __name__ == "__main__":
