@@ -15,7 +15,8 @@ rounds shows (a leak, or a pool being touched for the first time).
 
 Exit status 1 when a request got an answer its kind does not expect (a 500, a 400 for good input, a broken
 connection) or a round did not settle. Found at its first runs: a cancel racing a step failed whole batches
-with 500s, and a thinker's memory grew with every request (its KV blocks were taken round-robin).
+with 500s, a thinker's memory grew with every request (its KV blocks were taken round-robin), and the ranks
+of a pp x tp stage died after two idle minutes.
 """
 
 from __future__ import annotations
