@@ -152,16 +152,21 @@ async def test_counters_and_histograms_match_what_ran(stage):
     assert value(got, "omnimesh:request_success_total", finished_reason="stop") == 3
 
 
+async def drained(engine: EngineLoop) -> None:
+    """Wait (up to 1 s) until the engine has no request left."""
+    for _ in range(100):
+        if engine.num_requests == 0:
+            return
+        await asyncio.sleep(0.01)
+
+
 async def test_cancelled_request_counts_but_has_no_e2e_latency(stage):
     client, engine = stage
     s = await client.open("long", options={"steps": "100000"})
     await s.send(StageChunk(tensors={"ids": torch.zeros(4, dtype=torch.long)}, final=True))
     await asyncio.sleep(0.1)
     await s.cancel()
-    for _ in range(100):
-        if engine.num_requests == 0:
-            break
-        await asyncio.sleep(0.01)
+    await drained(engine)
     got = samples(await client.metrics())
     assert value(got, "omnimesh:request_success_total", finished_reason="cancelled") == 1
     assert value(got, "omnimesh:e2e_request_latency_seconds_count") == 0
@@ -183,10 +188,7 @@ async def test_tokens_count_as_they_are_generated(stage):
     assert value(got, "omnimesh:generation_tokens_total") >= 5
     assert value(got, "omnimesh:request_success_total", finished_reason="cancelled") == 0  # still running
     await s.cancel()
-    for _ in range(100):
-        if engine.num_requests == 0:
-            break
-        await asyncio.sleep(0.01)
+    await drained(engine)
     after = samples(await client.metrics())
     assert value(after, "omnimesh:prompt_tokens_total") == 4  # counted once
     assert value(after, "omnimesh:generation_tokens_total") >= value(got, "omnimesh:generation_tokens_total")

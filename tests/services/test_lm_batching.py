@@ -559,13 +559,19 @@ def test_sampled_talker_batched_equals_solo(model_dir: Path, thinker_out: dict) 
         assert torch.equal(codes(together[rid]), solo[rid]), rid
 
 
-def test_a_talker_prompt_that_fails_to_prepare_ends_only_its_request(model_dir: Path, thinker_out: dict) -> None:
-    handler = talker_handler(model_dir, ServeArgs(max_model_len=128))
+def solo_codes(handler: Any, thinker_out: dict, rids: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Each request's codes, run alone on `handler`."""
     want = {}
-    for rid in ("t0", "t2"):
+    for rid in rids:
         d = Driver(handler)
         d.add(open_talker(handler, thinker_out, rid))
         want[rid] = codes(d.run()[rid])
+    return want
+
+
+def test_a_talker_prompt_that_fails_to_prepare_ends_only_its_request(model_dir: Path, thinker_out: dict) -> None:
+    handler = talker_handler(model_dir, ServeArgs(max_model_len=128))
+    want = solo_codes(handler, thinker_out, ("t0", "t2"))
     tasks = [open_talker(handler, thinker_out, rid) for rid in ("t0", "t1", "t2")]
     talker, bad_state = handler.batcher.talker, tasks[1].state
     prefill_input = talker.prefill_input
@@ -592,11 +598,7 @@ def test_a_talker_sampling_failure_ends_only_its_request(model_dir: Path, thinke
     """If the step's batched pick raises, every request picks alone; the one whose pick fails ends with that
     error, the others go on to exactly their codes."""
     handler = talker_handler(model_dir, ServeArgs(max_model_len=128))
-    want = {}
-    for rid in ("t0", "t2"):
-        d = Driver(handler)
-        d.add(open_talker(handler, thinker_out, rid))
-        want[rid] = codes(d.run()[rid])
+    want = solo_codes(handler, thinker_out, ("t0", "t2"))
     talker = handler.batcher.talker
     tasks = {rid: open_talker(handler, thinker_out, rid) for rid in ("t0", "t1", "t2")}
     bad_state = tasks["t1"].state
