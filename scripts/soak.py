@@ -29,7 +29,6 @@ import json
 import re
 import sys
 import time
-import wave
 from collections import Counter
 from pathlib import Path
 
@@ -38,21 +37,16 @@ import httpx
 import numpy as np
 import websockets
 
+from gateway.audio_encoding import pcm16_bytes, wav_bytes
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
 
 LEFT = "left"  # the client gave up on purpose
 SETTLE_GAUGES = ("omnimesh:num_requests_running", "omnimesh:shm_arena_slots_in_use", "omnimesh:kv_cache_usage_perc")
 
 
-def wav_bytes(seconds: float = 1.0, rate: int = 16000) -> bytes:
-    t = np.arange(int(rate * seconds)) / rate
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2").tobytes())
-    return buf.getvalue()
+def tone(seconds: float, rate: int, freq: float) -> np.ndarray:
+    """A sine of amplitude 0.3, float samples (the gateway's encoders make WAV or pcm16 of it)."""
+    return 0.3 * np.sin(2 * np.pi * freq * np.arange(int(rate * seconds)) / rate)
 
 
 def png_b64() -> str:
@@ -68,7 +62,7 @@ class Traffic:
 
     def __init__(self, client: httpx.AsyncClient, model: str, grpc_stub: omni_pb2_grpc.OmniStub):
         self.c, self.model, self.stub = client, model, grpc_stub
-        self.wav, self.png = wav_bytes(), png_b64()
+        self.wav, self.png = wav_bytes(tone(1.0, 16000, 440.0), 16000), png_b64()
         self.ws_url = str(client.base_url).replace("http", "ws", 1).rstrip("/") + f"/v1/realtime?model={model}"
 
     def chat(self, i: int, **body: object) -> dict:
@@ -145,7 +139,7 @@ class Traffic:
 
     async def realtime_turn(self, i: int) -> int | str:
         """A Realtime session: one spoken turn (24 kHz pcm16), answered to its `response.done`."""
-        pcm = (0.2 * np.sin(np.arange(24000) / 24000 * 2 * np.pi * 300) * 32767).astype("<i2").tobytes()
+        pcm = pcm16_bytes(tone(1.0, 24000, 300.0))
         async with websockets.connect(self.ws_url, max_size=2**26, open_timeout=60) as ws:
             for event in ({"type": "session.update", "session": {"max_response_output_tokens": 8}},
                           {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()},
