@@ -4,6 +4,7 @@ rank (pp = tp = 1) runs in this process, on the stage's device (CUDA's first dev
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -134,3 +135,9 @@ def test_a_stage_idle_past_its_collective_timeout_still_serves() -> None:
         ex.shutdown()
     assert not failures
     assert not any(toy_program.alive(pid) for rank, pid in pids.items() if rank != 0)
+    keepalive = [t for t in threading.enumerate() if t.name == "omnimesh-rank-keepalive"]
+    for t in keepalive:
+        t.join(timeout=0.2)  # well inside its 0.75 s wait: only the shutdown ends it this soon
+    assert not any(t.is_alive() for t in keepalive)  # shutdown wakes it and it ends: no thread outlives the stage
+    with pytest.raises(RankFailure, match="not started"):  # nothing goes to ranks that had their STOP
+        ex.submit(("run", x))
