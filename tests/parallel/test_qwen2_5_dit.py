@@ -1,8 +1,11 @@
 """ParallelDiT (Qwen2.5-Omni's token2wav DiT decoder layers) equals transformers' layers, and over gloo.
 
 Reference: transformers' `dit.transformer_blocks` loop (its whole token2wav, loaded alone) on 2 right-padded rows of
-26 and 60 real frames (block_size 24: three blocks, the short row's padding spans two), with the per-row
-block distance of `dit_batch.block_distance` and transformers' own rotary table: what `sample_mels` runs.
+26 and 60 real frames (block_size 24: three blocks, the short row's padding spans two), with a per-row
+block distance (`block_distance` below: transformers' (T, T) one, padding unreachable) and transformers' own
+rotary table. Ours computes the same attention block-locally (`dit_attention`), which
+`test_block_attention_equals_the_full_mask` checks alone against SDPA under that full mask, for every window,
+ragged rows and lengths that are not whole blocks.
 The folder is the tiny one with the DiT's layers re-drawn at O(1) (`with_random_tower`: weights
 N(0, 1/fan_in)), since the tiny init's gates (std 0.02) leave attention all but invisible;
 `test_the_mask_and_rope_matter` proves the comparison sees a wrong mask or a missing RoPE (~2 vs 1e-5).
@@ -33,7 +36,7 @@ from gloo_harness import (  # one_thread: autouse here
     with_random_tower,
 )
 
-from omnimesh.models.qwen2_5_omni.dit_batch import block_distance
+from omnimesh.models.qwen2_5_omni.dit_attention import block_attention, window_mask
 from omnimesh.models.qwen2_5_omni.dit_shard import DiTBackend, DiTShard, DiTShardSpec, DiTStep
 from omnimesh.models.qwen2_5_omni.parallel_dit import ParallelDiT, check_dit_layout, dit_rotary
 from omnimesh.parallel.parallel_state import ParallelState
@@ -42,6 +45,43 @@ TOL, GLOO_TOL = 1e-5, 1e-4
 PREFIX = "token2wav.code2wav_dit_model."
 STEPS = ((26, 60), (60, 13))  # real frames per row, T = the longest
 HIDDEN = 64
+UNREACHABLE = 1 << 20  # a block distance no layer's look-ahead/-back window reaches: masked
+
+
+def block_distance(block_size: int, frames: list[int], total: int) -> torch.Tensor:
+    """(B, 1, T, T) int64: transformers' block distance (key block - query block) for the real frames of each
+    row; UNREACHABLE from a real frame to a padded one and between padded frames, 0 from a padded frame to
+    itself (the reference the block-local masks must agree with)."""
+    blocks = torch.arange(total) // block_size
+    distance = blocks.unsqueeze(0) - blocks.unsqueeze(1)
+    eye = torch.eye(total, dtype=torch.bool)
+    rows = []
+    for n in frames:
+        real = torch.arange(total) < n
+        both = real.unsqueeze(1) & real.unsqueeze(0)
+        rows.append(torch.where(both, distance, torch.where(eye & ~real.unsqueeze(1), 0, UNREACHABLE)))
+    return torch.stack(rows).unsqueeze(1)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (1, 0), (0, 1), (1, 1), (2, 1)])
+@pytest.mark.parametrize("frames", [(26, 60), (60, 13, 1), (5,), (24, 48), (97, 200, 130)])
+def test_block_attention_equals_the_full_mask(window: tuple[int, int], frames: tuple[int, ...]) -> None:
+    """Each real frame's output equals SDPA over (R, heads, T, T) under transformers' mask to float rounding;
+    padded frames stay finite. Block 8 (so the rows span 1-25 blocks, ragged ends)."""
+    gen = torch.Generator().manual_seed(sum(frames) + 7 * window[0] + window[1])
+    bs, back, ahead, T = 8, *window, max(frames)
+    q, k, v = (torch.randn(len(frames), 3, T, 16, generator=gen) for _ in range(3))
+    distance = block_distance(bs, list(frames), T)
+    full = (distance >= -back) & (distance <= ahead)  # transformers' mask
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full)
+    got = block_attention(q, k, v, window_mask(bs, frames, T, back, ahead, "cpu"), bs, back, ahead)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    for r, n in enumerate(frames):
+        assert (got[r, :, :n] - want[r, :, :n]).abs().max() < 1e-5
+    # the window is what decides: one block less either way gives other outputs wherever a frame sees a neighbour
+    if ahead and max(frames) > bs:
+        narrower = block_attention(q, k, v, window_mask(bs, frames, T, back, 0, "cpu"), bs, back, 0)
+        assert (narrower[:, :, :bs] - got[:, :, :bs]).abs().max() > 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +119,7 @@ def hf(model_dir: Path) -> dict[str, Any]:
     hidden, t = inputs(frames, 0)
     T = hidden.shape[1]
     rotary = dit.rotary_embed(hidden, torch.arange(T)[None, :].repeat(len(frames), 1))
-    distance = block_distance(dit.block_size, list(frames), T, torch.device("cpu"))
+    distance = block_distance(dit.block_size, list(frames), T)
     out = hidden
     with torch.no_grad():
         for block in dit.transformer_blocks:
@@ -103,17 +143,17 @@ def test_single_rank_matches_transformers(model_dir: Path, hf: dict[str, Any]) -
 
 
 def test_the_mask_and_rope_matter(model_dir: Path, hf: dict[str, Any]) -> None:
-    """A plain (unpadded) block distance moves the short row's real frames, no RoPE moves every row: by far
+    """Masks that ignore the padding move the short row's real frames, no RoPE moves every row: by far
     more than the tolerance, so the comparison above sees both."""
     model = ParallelDiT(dit_config(model_dir), ParallelState.single(), (0, 2))
     model.load_weights(model_dir)
     T, n = hf["hidden"].shape[1], STEPS[0][0]
-    cos, sin, distance = model.geometry(STEPS[0], T)
-    assert torch.equal(distance, hf["distance"])
-    plain = block_distance(model.block_size, [T, T], T, torch.device("cpu"))
+    cos, sin, masks = model.geometry(STEPS[0], T)
+    assert sorted(masks) == [(0, 1), (1, 0)]  # the tiny DiT's two layers: one looks back a block, one ahead
+    plain = model.geometry((T, T), T)[2]
     unmasked = model(hf["hidden"], hf["t"], cos, sin, plain)
     assert (unmasked[0, :n] - hf["out"][0, :n]).abs().max() > 1e4 * TOL
-    unrotated = model(hf["hidden"], hf["t"], torch.ones_like(cos), torch.zeros_like(sin), distance)
+    unrotated = model(hf["hidden"], hf["t"], torch.ones_like(cos), torch.zeros_like(sin), masks)
     assert (unrotated - hf["out"]).abs().max() > 1e4 * TOL
 
 

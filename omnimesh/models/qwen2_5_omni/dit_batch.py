@@ -9,14 +9,16 @@ projection) called in transformers' order around the decoder layers, which run o
 layers), and three differences that keep each request's result its own:
 - the noise of each request comes from a generator of its own (its seed), drawn at its own length, so a
   request's mel depends on its seed alone (not on torch's global generator nor on what else runs);
-- rows are right-padded to the longest request; the decoder layers' block distance (`block_distance`, which
-  each layer turns into its attention mask, `-look_backward <= diff <= look_ahead`; each rank builds it from
-  the rows' frame counts) is built per row so that
-  a real frame never attends a padded one and a padded frame attends only itself (no all-masked row, no
-  NaN); every other op is per position, so padding changes nothing but float rounding (~1e-7);
+- rows are right-padded to the longest request; the decoder layers' attention masks (transformers'
+  `-look_backward <= block_diff <= look_ahead`, computed block-locally: `dit_attention.window_mask`, built
+  by each rank from the rows' frame counts) are per row, so that a real frame never attends a padded one
+  and a padded frame attends only itself (no all-masked row, no NaN); every other op is per position, so
+  padding changes nothing but float rounding (~1e-7);
 - the speaker encoder (ECAPA over the speaker's reference mel, and over zeros for the null rows) depends
   on the speaker only: `encode_voice` runs it once per speaker, on the [reference | zeros] pair transformers
-  runs each call, and every call reuses it (one request alone: bit-identical to transformers' `sample`).
+  runs each call, and every call reuses it.
+One request alone equals transformers' `sample` under the same noise to float rounding (its attention is
+block-local: O(T) where transformers' is O(T^2); the keys each frame attends are the same).
 Everything that does not change across the ~40 calls (code embeddings, conditioning; on the ranks the rotary
 table and masks) is built once per batch.
 
@@ -36,7 +38,6 @@ from typing import Any
 import torch
 
 Layers = Callable[[torch.Tensor, torch.Tensor, Sequence[int]], torch.Tensor]  # (x, time_embedding, frames) -> x
-UNREACHABLE = 1 << 20  # a block distance no layer's look-ahead/-back window reaches: masked
 
 
 @torch.no_grad()
@@ -44,23 +45,6 @@ def encode_voice(dit: Any, reference_mel: torch.Tensor) -> torch.Tensor:
     """The speaker encoder over [reference mel | zeros] (what transformers runs on every DiT call of a
     request): (2, enc_dim), row 0 for the guided rows, row 1 for the null rows."""
     return dit.input_embed.spk_encoder(torch.cat([reference_mel, torch.zeros_like(reference_mel)], dim=0))
-
-
-def block_distance(block_size: int, frames: list[int], total: int, device: torch.device) -> torch.Tensor:
-    """(B, 1, T, T) int64: transformers' block distance (`block_size`: the DiT's) for the real frames of each
-    row; UNREACHABLE from a real frame to a padded one and between padded frames, 0 from a padded frame to
-    itself."""
-    blocks = torch.arange(total, device=device) // block_size
-    distance = blocks.unsqueeze(0) - blocks.unsqueeze(1)  # (T, T): key block - query block
-    if all(n == total for n in frames):
-        return distance.expand(len(frames), 1, total, total)
-    eye = torch.eye(total, dtype=torch.bool, device=device)
-    rows = []
-    for n in frames:
-        real = torch.arange(total, device=device) < n
-        both = real.unsqueeze(1) & real.unsqueeze(0)
-        rows.append(torch.where(both, distance, torch.where(eye & ~real.unsqueeze(1), 0, UNREACHABLE)))
-    return torch.stack(rows).unsqueeze(1)
 
 
 @torch.no_grad()

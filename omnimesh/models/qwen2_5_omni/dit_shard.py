@@ -5,7 +5,7 @@ in-process). Each rank builds `ParallelDiT` over its own layer range and loads o
 for its TP rank). The rest of token2wav (DiT embeddings, speaker encoder, input projection, norm_out /
 proj_out, the RK4 loop, BigVGAN) stays in the stage's driver process, which calls `DiTBackend` once per
 DiT evaluation (~40 per decode) in place of transformers' `dit.transformer_blocks` loop. No state is
-kept between steps but the last step's geometry (rotary table, block distance), reused while the rows'
+kept between steps but the last step's geometry (rotary table, window masks), reused while the rows'
 frame counts stay the same.
 
 Commands:  DiTStep(hidden (R, T, H), time_embedding (R, H), frames (R,))

@@ -9,7 +9,8 @@ line:
     attn_norm (AdaLayerNormZero): linear(silu(t)) (R, 6H) -> shift/scale/gate for attention and MLP;
     LayerNorm(eps 1e-6, no affine) * (1 + scale) + shift
     attention: q/k/v (with biases), RoPE on the FIRST head only (deinterleaved head dim, then half-split
-    rotation), SDPA under the mask -look_backward <= block_diff <= look_ahead (per layer), to_out
+    rotation), attention under the mask -look_backward <= block_diff <= look_ahead (per layer; computed
+    block-locally, `dit_attention.block_attention`: each query block against its window's blocks only), to_out
     residuals gated by gate_msa / gate_mlp; MLP: Linear -> gelu(tanh) -> Linear.
 
 TP sharding: to_q/to_k/to_v fused column-parallel by heads, to_out row-parallel (one all-reduce); the MLP
@@ -18,12 +19,13 @@ all six chunks). TP rank 0 owns global head 0, so it alone applies RoPE. Row-par
 and added once after the all-reduce.
 
 Geometry: every rank builds the rotary table (cos, sin (1, T, D), as transformers'
-`Qwen2_5OmniDiTRotaryEmbedding`) and the per-row block distance (`dit_batch.block_distance`: padded frames
-are unreachable from real ones) from the step's metadata alone (frames per row, T); nothing of it is sent.
+`Qwen2_5OmniDiTRotaryEmbedding`) and one block-window mask per (look_backward, look_ahead) its layers use
+(`dit_attention.window_mask`: padded frames are unreachable from real ones) from the step's metadata alone
+(frames per row, T); nothing of it is sent.
 
 Data flow (one DiT evaluation of R rows, every rank of the stage calls `dit_pipeline_step` for it):
     driver: x = input_embed.proj([noise | speaker enc | code embed | cond]) (R, T, H), t = time_embed (R, H)
-    every rank:     frames (R,), T -> cos, sin (1, T, D), distance (R, 1, T, T); t (R, H)
+    every rank:     frames (R,), T -> cos, sin (1, T, D), window masks (R x nb, 1, block, W x block); t (R, H)
     first pp rank:  hidden = x;  others: hidden (R, T, H) received from the previous pipeline rank
         -> layers start..end-1 over this rank's heads / ff columns -> send to the next pipeline rank
     last pp rank:   hidden (R, T, H) -> driver: norm_out(hidden, t) -> proj_out -> velocity
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnimesh.models.qwen2_5_omni.dit_batch import block_distance
+from omnimesh.models.qwen2_5_omni.dit_attention import block_attention, window_mask
 from omnimesh.models.qwen3_omni.parallel_audio_tower import (
     ParallelFFN,
     Plan,
@@ -59,6 +61,8 @@ from omnimesh.parallel.partition import partition_layers
 __all__ = ["ParallelDiT", "check_dit_layout", "dit_head_dim", "dit_pipeline_step", "dit_rotary"]
 
 NORM_EPS = 1e-6  # transformers' AdaLayerNormZero and ff_norm
+Window = tuple[int, int]  # a layer's (look_backward, look_ahead) in blocks
+Geometry = tuple[torch.Tensor, torch.Tensor, dict[Window, torch.Tensor]]  # cos, sin, the mask of each window
 
 
 def dit_head_dim(config: Any) -> int:
@@ -104,7 +108,7 @@ class ParallelDiTLayer(nn.Module):
         super().__init__()
         tp: dict[str, Any] = {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "ps": ps, "params_dtype": dtype}
         H, nh = int(config.hidden_size), int(config.num_attention_heads)
-        self.hidden_size, self.head_dim = H, dit_head_dim(config)
+        self.hidden_size, self.head_dim, self.block_size = H, dit_head_dim(config), int(config.block_size)
         self.look_ahead = 1 if layer_idx in config.look_ahead_layers else 0
         self.look_backward = 1 if layer_idx in config.look_backward_layers else 0
         self.rope = ps.tp_rank == 0  # owns global head 0, the only head transformers rotates
@@ -114,12 +118,13 @@ class ParallelDiTLayer(nn.Module):
         self.to_out = RowParallelLinear(nh * self.head_dim, H, bias=True, **tp)
         self.ff = ParallelFFN(H, int(H * config.ff_mult), H, "gelu_pytorch_tanh", ps, dtype)
 
-    def window(self) -> tuple[int, int]:
+    def window(self) -> Window:
         return self.look_backward, self.look_ahead
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        """x (R, T, H), t (R, H) time embedding, mask (R, 1, T, T) bool -> (R, T, H), whole on every TP rank."""
+        """x (R, T, H), t (R, H) time embedding, mask: `window_mask` of this layer's window -> (R, T, H),
+        whole on every TP rank."""
         R, T, H, D = x.shape[0], x.shape[1], self.hidden_size, self.head_dim
         emb = F.linear(F.silu(t), self.modulation["weight"], self.modulation["bias"])  # (R, 6H)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = torch.chunk(emb, 6, dim=1)
@@ -128,7 +133,7 @@ class ParallelDiTLayer(nn.Module):
         q, k, v = (a.view(R, T, -1, D).transpose(1, 2) for a in (q, k, v))  # (R, nh/tp, T, D)
         if self.rope:
             q, k = rope_first_head(q, cos, sin), rope_first_head(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (R, nh/tp, T, D)
+        o = block_attention(q, k, v, mask, self.block_size, *self.window())  # (R, nh/tp, T, D)
         x = x + gate_msa.unsqueeze(1) * self.to_out(o.transpose(1, 2).reshape(R, T, -1))  # all-reduced
         norm = F.layer_norm(x, (H,), eps=NORM_EPS) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp.unsqueeze(1) * self.ff(norm)  # (R, T, H)
@@ -157,42 +162,44 @@ class ParallelDiT(TowerRank):
         self.hidden_size, self.block_size = int(config.hidden_size), int(config.block_size)
         with torch.device(ps.device):
             self.layers = nn.ModuleList(ParallelDiTLayer(config, i, ps, dtype) for i in range(self.start, self.end))
-        self._geometry: tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._geometry: tuple[tuple[Any, ...], Geometry] | None = None
 
     def dit_layers(self) -> list[ParallelDiTLayer]:
         return [cast(ParallelDiTLayer, layer) for layer in self.layers]
 
-    def geometry(self, frames: Sequence[int], total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """cos, sin (1, T, D) and the block distance (R, 1, T, T) of rows with `frames` real frames padded to
-        `total`; the last one is kept (a decode's ~40 evaluations share it)."""
+    def geometry(self, frames: Sequence[int], total: int) -> Geometry:
+        """cos, sin (1, T, D) and the window masks (`window_mask`, one per window this rank's layers use) of
+        rows with `frames` real frames padded to `total`; the last one is kept (a decode's ~40 evaluations
+        share it)."""
         key = (tuple(int(n) for n in frames), int(total))
         cached = self._geometry  # one read: two compute threads may step disjoint batches on this rank at once
         if cached is None or cached[0] != key:
             if not key[0] or not all(1 <= n <= total for n in key[0]):
                 raise ValueError(f"frames must be one count in 1..{total} per row, got {list(key[0])}")
             cos, sin = dit_rotary(self.config, total, self.ps.device, self.dtype)
-            cached = key, (cos, sin, block_distance(self.block_size, list(key[0]), total, self.ps.device))
+            masks = {window: window_mask(self.block_size, key[0], total, *window, self.ps.device)
+                     for window in sorted({layer.window() for layer in self.dit_layers()})}
+            cached = key, (cos, sin, masks)
             self._geometry = cached
         return cached[1]
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, time_embedding: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                distance: torch.Tensor) -> torch.Tensor:
+                masks: dict[Window, torch.Tensor]) -> torch.Tensor:
         """This rank's layers on hidden (R, T, H) with time_embedding (R, H), the rotary table cos/sin
-        (1 or R, T, D) and the block distance (R, 1, T, T) -> (R, T, H) (padded frames: finite, to drop)."""
+        (1 or R, T, D) and `geometry`'s window masks -> (R, T, H) (padded frames: finite, to drop)."""
         R, T = hidden.shape[0], hidden.shape[1]
         if hidden.dim() != 3 or hidden.shape[2] != self.hidden_size:
             raise ValueError(f"hidden must be (R, T, {self.hidden_size}), got {tuple(hidden.shape)}")
         if tuple(time_embedding.shape) != (R, self.hidden_size):
             raise ValueError(f"time_embedding must be (R={R}, {self.hidden_size}), got {tuple(time_embedding.shape)}")
-        if tuple(distance.shape) != (R, 1, T, T):
-            raise ValueError(f"distance must be (R={R}, 1, T={T}, T={T}), got {tuple(distance.shape)}")
-        masks: dict[tuple[int, int], torch.Tensor] = {}  # (look_backward, look_ahead) -> (R, 1, T, T) bool
+        rows = R * -(-T // self.block_size)
         for layer in self.dit_layers():
-            back, ahead = layer.window()
-            if (back, ahead) not in masks:
-                masks[back, ahead] = (distance >= -float(back)) & (distance <= float(ahead))
-            hidden = layer(hidden, time_embedding, cos, sin, masks[back, ahead])
+            mask = masks[layer.window()]
+            if mask.shape[0] != rows or mask.shape[2] != self.block_size:
+                raise ValueError(f"the {layer.window()} window mask must be (R x blocks = {rows}, 1, "
+                                 f"{self.block_size}, ...), got {tuple(mask.shape)}")
+            hidden = layer(hidden, time_embedding, cos, sin, mask)
         return hidden
 
     def checkpoint_plan(self, prefix: str) -> Plan:
@@ -217,7 +224,7 @@ def dit_pipeline_step(model: ParallelDiT, hidden: torch.Tensor | None, time_embe
             raise ValueError(f"the first pipeline rank needs the hidden (R, T, {model.hidden_size})")
     else:
         hidden = pp_recv((len(frames), total, model.hidden_size), model.dtype, ps)
-    cos, sin, distance = model.geometry(frames, total)
-    hidden = model(hidden, time_embedding.to(ps.device, model.dtype), cos, sin, distance)  # (R, T, H)
+    cos, sin, masks = model.geometry(frames, total)
+    hidden = model(hidden, time_embedding.to(ps.device, model.dtype), cos, sin, masks)  # (R, T, H)
     pp_send(hidden, ps)  # no-op on the last pipeline rank
     return hidden

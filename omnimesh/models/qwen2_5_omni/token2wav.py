@@ -1,20 +1,20 @@
 """Qwen2.5-Omni's token2wav: codec ids -> 24 kHz waveform, several requests per call, each reproducible by seed.
 
-Role: the vocoder half of Qwen2.5-Omni's speech. transformers' `Qwen2_5OmniToken2WavModel` runs a DiT that turns
-the codes (50 a second, each repeated twice: 100 mel frames a second) into a mel spectrogram by integrating a
-flow from Gaussian noise (RK4, 10 steps, classifier-free guidance 0.5), conditioned on the speaker's embedding
-and reference mel from `spk_dict.pt`; BigVGAN turns the mel into samples (240 per mel frame: 480 per code).
-transformers' `sample` draws that noise from torch's global generator and decodes one request per call; here
-(`dit_batch.sample_mels`, `bigvgan_batch.decode_mels`) the noise of each request comes from a generator of its
-own, seeded, and several requests of any lengths and speakers decode in one batched DiT loop and (on CUDA) one
-batched BigVGAN call: a request's audio depends on its codes, speaker and seed alone, not on what ran before or
-beside it (alone: bit-identical to transformers under the same seed; in a batch: equal to that to float
-rounding). On CPU BigVGAN runs per request: batched it decodes no faster there (measured on the tiny model, 1
-thread, 8 requests of 12-30 codes: 43 ms a request batched, 37 alone; its convolutions are compute-bound and
-the padding is waste), while the DiT's ~40 small calls halve (28 -> 15 ms a request). Two calls may run at
-once on two threads (nothing global is touched; the modules are only read). The DiT's decoder layers run on
-the stage's pp x tp ranks (`dit_shard.DiTBackend`; in-process for pp = tp = 1); this process keeps the rest:
-the DiT's embeddings, speaker encoder, input and output projections, the RK4 loop, and BigVGAN.
+Role: the vocoder half of Qwen2.5-Omni's speech. transformers' `Qwen2_5OmniToken2WavModel` runs a DiT that turns the
+codes (50 a second, each repeated twice: 100 mel frames a second) into a mel spectrogram by integrating a flow from
+Gaussian noise (RK4, 10 steps, classifier-free guidance 0.5), conditioned on the speaker's embedding and reference mel
+from `spk_dict.pt`; BigVGAN turns the mel into samples (240 per mel frame: 480 per code). transformers' `sample` draws
+that noise from torch's global generator and decodes one request per call; here (`dit_batch.sample_mels`,
+`bigvgan_batch.decode_mels`) the noise of each request comes from a generator of its own, seeded, and several requests
+of any lengths and speakers decode in one batched DiT loop and (on CUDA) one batched BigVGAN call: a request's audio
+depends on its codes, speaker and seed alone, not on what ran before or beside it (alone or in a batch: equal to
+transformers' under the same seed to float rounding; the DiT attends block-locally, `dit_attention`, where transformers
+masks a full (T, T) attention). On CPU BigVGAN runs per request: batched it decodes no faster there (measured on the
+tiny model, 1 thread, 8 requests of 12-30 codes: 43 ms a request batched, 37 alone; its convolutions are compute-bound
+and the padding is waste), while the DiT's ~40 small calls halve (28 -> 15 ms a request). Two calls may run at once on
+two threads (nothing global is touched; the modules are only read). The DiT's decoder layers run on the stage's pp x tp
+ranks (`dit_shard.DiTBackend`; in-process for pp = tp = 1); this process keeps the rest: the DiT's embeddings, speaker
+encoder, input and output projections, the RK4 loop, and BigVGAN.
 
 Data flow:
     load_speakers(model_dir) -> {name (lower case): {"bos_token", "cond" (1, enc_emb_dim), "ref_mel" (1, T, 80)}}
