@@ -9,19 +9,20 @@ that noise from torch's global generator and decodes one request per call; here 
 of any lengths and speakers decode in one batched DiT loop and (on CUDA) one batched BigVGAN call: a request's audio
 depends on its codes, speaker and seed alone, not on what ran before or beside it (alone or in a batch: equal to
 transformers' under the same seed to float rounding; the DiT attends block-locally, `dit_attention`, where transformers
-masks a full (T, T) attention). On CPU BigVGAN runs per request: batched it decodes no faster there (measured on the
-tiny model, 1 thread, 8 requests of 12-30 codes: 43 ms a request batched, 37 alone; its convolutions are compute-bound
-and the padding is waste), while the DiT's ~40 small calls halve (28 -> 15 ms a request). Two calls may run at once on
-two threads (nothing global is touched; the modules are only read). The DiT's decoder layers run on the stage's pp x tp
-ranks (`dit_shard.DiTBackend`; in-process for pp = tp = 1); this process keeps the rest: the DiT's embeddings, speaker
-encoder, input and output projections, the RK4 loop, and BigVGAN.
+masks a full (T, T) attention). BigVGAN decodes pieces of at most 10 s of audio (with the context its receptive field
+needs: `bigvgan_windows`), so its memory does not grow with an utterance's length; on CPU one piece a call: batched it
+decodes no faster there (measured on the tiny model, 1 thread, 8 requests of 12-30 codes: 43 ms a request batched, 37
+alone; its convolutions are compute-bound and the padding is waste), while the DiT's ~40 small calls halve (28 -> 15 ms
+a request). Two calls may run at once on two threads (nothing global is touched; the modules are only read). The DiT's
+decoder layers run on the stage's pp x tp ranks (`dit_shard.DiTBackend`; in-process for pp = tp = 1); this process keeps
+the rest: the DiT's embeddings, speaker encoder, input and output projections, the RK4 loop, and BigVGAN.
 
 Data flow:
     load_speakers(model_dir) -> {name (lower case): {"bos_token", "cond" (1, enc_emb_dim), "ref_mel" (1, T, 80)}}
     Qwen2_5OmniToken2Wav(module, speakers, layers).decode([Utterance(codes (n_b,) int64, speaker, seed), ...])
         -> sample_mels (per request noise (1, 2 n_b, 80) from its seed -> 10 RK4 steps of the guided DiT over
-           the right-padded batch) -> mels (80, 2 n_b) -> BigVGAN (CUDA: batched, exact per row; CPU: per
-           request) -> waveforms (480 n_b,)
+           the right-padded batch) -> mels (80, 2 n_b) -> BigVGAN in pieces of <= 10 s (+ context) each
+           (`bigvgan_windows`; CUDA: batched, exact per row; CPU: one piece a call) -> waveforms (480 n_b,)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from omnimesh.models.qwen2_5_omni.bigvgan_batch import decode_mels
+from omnimesh.models.qwen2_5_omni.bigvgan_windows import WINDOW_FRAMES, decode_windowed, reach_frames
 from omnimesh.models.qwen2_5_omni.dit_batch import Layers, encode_voice, sample_mels
 from omnimesh.models.qwen2_5_omni.dit_shard import DiTBackend, DiTShardSpec
 
@@ -70,6 +71,8 @@ class Qwen2_5OmniToken2Wav:
         self.num_steps, self.guidance_scale, self.sway_coefficient = num_steps, guidance_scale, sway_coefficient
         self.device = next(self.module.parameters()).device  # the stage's; the samples come back to the host
         dit = self.module.code2wav_dit_model
+        # BigVGAN decodes pieces of at most this many mel frames (+ its reach either side): bounded memory
+        self.bigvgan_window, self.bigvgan_context = WINDOW_FRAMES, reach_frames(self.module.code2wav_bigvgan_model)
         # per speaker, on the device: its conditioning vector and its speaker encoding (constant per speaker)
         self.voices = {name: (voice["cond"].float().to(self.device),
                               encode_voice(dit, voice["ref_mel"].float().to(self.device)))
@@ -93,9 +96,8 @@ class Qwen2_5OmniToken2Wav:
                                [v[0] for v in voices], [v[1] for v in voices],
                                [torch.Generator(device=self.device).manual_seed(u.seed) for _, u in todo],
                                self.num_steps, self.guidance_scale, self.sway_coefficient)
-            bigvgan = self.module.code2wav_bigvgan_model
-            waves = (decode_mels(bigvgan, mels) if self.device.type == "cuda"
-                     else [w for mel in mels for w in decode_mels(bigvgan, [mel])])
+            waves = decode_windowed(self.module.code2wav_bigvgan_model, mels, self.device.type == "cuda",
+                                    self.bigvgan_window, context=self.bigvgan_context)
             for (i, _), wave in zip(todo, waves):
                 out[i] = wave
         return [w for w in out if w is not None]
