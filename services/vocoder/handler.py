@@ -1,12 +1,12 @@
 """The vocoder stage service: loads code2wav, opens a VocoderTask per request and steps all ready
 requests together through its `batcher` (a `VocoderBatcher`: one model call per engine step).
 
-Run: `omnimesh stage vocoder --model DIR --port 50054`. `--audio-windows` (default 5,25: the first decode
-takes 5 codes, so the first audio leaves early, then 25 = 2 s of audio on Qwen3-Omni at a time; see
-code_windows) is the stage's schedule, advertised in Info so that the talker chunks its codes to match.
-Per request, option `windows` (a schedule) or `window` / `first_window` (at most `window`) override it. Any
-windows, and any batch a request shares a step with, give the same samples (to float rounding, ~1e-7).
-The stage's max_num_batched_tokens caps the codes decoded in one step (default: no cap). On CPU the
+Run: `omnimesh stage vocoder --model DIR --port 50054`. `--audio-windows` (default 5,25: the first decode takes 5 codes,
+so the first audio leaves early, then 25 = 2 s of audio on Qwen3-Omni at a time; see code_windows) is the stage's
+schedule, advertised in Info so that the talker chunks its codes to match. Per request, option `windows` (a schedule) or
+`window` / `first_window` (at most `window`) override it. Any windows, and any batch a request shares a step with, give
+the same samples (to float rounding, ~1e-7). The stage's max_num_batched_tokens caps the codes decoded in one step
+(default: no cap on Qwen3-Omni; Qwen2.5-Omni's token2wav: 8,192, `token2wav_handler.DEFAULT_STEP_CODES`). On CPU the
 SnakeBeta activations run as one kernel (snake_kernel): omnimesh's fused CPU kernel, or, with those off
 (OMNIMESH_CPU_KERNELS=0), a torch.compile'd one made at start-up (a few seconds) unless `--enforce-eager`.
 """

@@ -9,7 +9,7 @@ seed give the same samples, whatever else the stage runs.
 
 Continuous batching (`Token2WavBatcher`, the engine loop's batcher): each engine step decodes every request
 whose stream ended, up to `max_requests` (`--max-num-seqs`, and at most `CPU_ROWS` on CPU) and
-`max_codes` (`--max-num-batched-tokens`) codes, in ONE batched DiT loop and (on CUDA) ONE batched BigVGAN
+`max_codes` (`--max-num-batched-tokens`, default `DEFAULT_STEP_CODES`) codes, in ONE batched DiT loop and (on CUDA) ONE batched BigVGAN
 call, each request's samples equal to its solo decode to float rounding (`token2wav.decode`). On CPU two steps
 run at once (two compute threads over disjoint requests; the modules are only read).
 
@@ -43,6 +43,11 @@ WINDOW_CODES = 50  # one second of codes per talker chunk
 # 52 in a step of 2, 49 of 4, 47 of 8, 48 of 16 (the DiT's share falls; BigVGAN's does not): wider steps
 # gain nothing and hold every request's audio until the whole step ends
 CPU_ROWS = 8
+# most codes in one step without --max-num-batched-tokens (164 s of audio): a step's DiT memory and time grow
+# with its codes (its BigVGAN's do not: `bigvgan_windows`), so a step of many long utterances is capped; an
+# utterance longer than this still decodes, alone. The tiny mesh's soak (every utterance ~4,000 codes, its
+# talker never stops early): 8 to a step, the vocoder's RssAnon reached 2.6 GiB.
+DEFAULT_STEP_CODES = 8192
 
 StepResult = dict[str, list[StageChunk] | BaseException]
 
@@ -140,14 +145,14 @@ class Token2WavHandler:
                  device: str = "cpu", max_requests: int | None = None, max_codes: int | None = None,
                  layout: tuple[int, int] = (1, 1)):
         """`device`: "cuda" when the stage runs on a GPU (its Info says so). `max_requests` / `max_codes`: the
-        caps of one step (none: all ready ones; on CPU at most CPU_ROWS requests). `layout`: the (pp, tp) of
-        the DiT's ranks."""
+        caps of one step (none: all ready requests, on CPU at most CPU_ROWS; DEFAULT_STEP_CODES codes).
+        `layout`: the (pp, tp) of the DiT's ranks."""
         self.token2wav = token2wav
         self.device = device
         self.layout = layout
         if device == "cpu":
             max_requests = min(max_requests or CPU_ROWS, CPU_ROWS)
-        self.batcher = Token2WavBatcher(token2wav, max_requests, max_codes)
+        self.batcher = Token2WavBatcher(token2wav, max_requests, max_codes or DEFAULT_STEP_CODES)
         dit = token2wav.module.code2wav_dit_model
         self.max_codes = int(dit.config.max_position_embeddings) // int(dit.repeats)
         self.model_name = model_name

@@ -22,7 +22,14 @@ from omnimesh.models.qwen2_5_omni.token2wav import load_token2wav
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.transport.frames import StageChunk
 from omnimesh.v1 import stage_pb2
-from services.vocoder.token2wav_handler import CPU_ROWS, DEFAULT_SEED, WINDOW_CODES, Token2WavBatcher, Token2WavHandler
+from services.vocoder.token2wav_handler import (
+    CPU_ROWS,
+    DEFAULT_SEED,
+    DEFAULT_STEP_CODES,
+    WINDOW_CODES,
+    Token2WavBatcher,
+    Token2WavHandler,
+)
 
 NUM_EMBEDS = 512  # the tiny DiT's codec table
 
@@ -78,7 +85,8 @@ def test_bad_options_and_codes_are_refused_by_name(handler: Token2WavHandler) ->
 
 
 def test_the_batcher_decodes_ended_streams_together_within_its_caps(handler: Token2WavHandler) -> None:
-    assert handler.batcher.max_requests == CPU_ROWS  # the CPU stage's default cap
+    assert handler.batcher.max_requests == CPU_ROWS  # the CPU stage's default caps
+    assert handler.batcher.max_codes == DEFAULT_STEP_CODES == 8192
     draw = torch.Generator().manual_seed(1)
     streams = [(torch.randint(0, 500, (1, n), generator=draw), speaker, seed)
                for n, speaker, seed in [(9, "ethan", "1"), (31, "chelsie", "2"), (0, "ethan", "3"), (20, "ethan", "4")]]
