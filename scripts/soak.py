@@ -60,8 +60,8 @@ def png_b64() -> str:
 class Traffic:
     """One request of each kind; each returns its HTTP status or LEFT."""
 
-    def __init__(self, client: httpx.AsyncClient, model: str, grpc_stub: omni_pb2_grpc.OmniStub):
-        self.c, self.model, self.stub = client, model, grpc_stub
+    def __init__(self, client: httpx.AsyncClient, model: str, grpc_stub: omni_pb2_grpc.OmniStub, timeout: float):
+        self.c, self.model, self.stub, self.timeout = client, model, grpc_stub, timeout
         self.wav, self.png = wav_bytes(tone(1.0, 16000, 440.0), 16000), png_b64()
         self.ws_url = str(client.base_url).replace("http", "ws", 1).rstrip("/") + f"/v1/realtime?model={model}"
 
@@ -146,7 +146,7 @@ class Traffic:
                           {"type": "input_audio_buffer.commit"}, {"type": "response.create"}):
                 await ws.send(json.dumps(event))
             while True:
-                event = json.loads(await asyncio.wait_for(ws.recv(), 300))
+                event = json.loads(await asyncio.wait_for(ws.recv(), self.timeout))
                 if event["type"] == "error":
                     return f"error:{event['error'].get('code')}"
                 if event["type"] == "response.done":  # incomplete: it reached max_response_output_tokens
@@ -157,7 +157,7 @@ class Traffic:
         message = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text=f"hi {i}")])
         return self.stub.Generate(omni_pb2.GenerateRequest(model=self.model, messages=[message], n=3,
                                                            sampling=stage_pb2.SamplingParams(max_tokens=8)),
-                                  timeout=300)
+                                  timeout=self.timeout)
 
     async def grpc_choices(self, i: int) -> int | str:
         """gRPC Generate with n=3: every choice ends with its `done`."""
@@ -229,11 +229,12 @@ async def settle(client: httpx.AsyncClient, limit_s: float) -> tuple[float, dict
 
 
 async def soak(url: str, grpc_address: str, rounds: int, requests: int, concurrency: int, kinds: list[str],
-               drain_s: float, out=sys.stdout) -> int:
+               drain_s: float, client_timeout: float = 300.0, out=sys.stdout) -> int:
     failed = False
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client, grpc.aio.insecure_channel(grpc_address) as ch:
+    async with (httpx.AsyncClient(base_url=url, timeout=client_timeout) as client,
+                grpc.aio.insecure_channel(grpc_address) as ch):
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        traffic = Traffic(client, model, omni_pb2_grpc.OmniStub(ch))
+        traffic = Traffic(client, model, omni_pb2_grpc.OmniStub(ch), client_timeout)
         gate = asyncio.Semaphore(concurrency)
 
         async def one(i: int) -> tuple[str, int | str]:
@@ -276,11 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, from: " + ", ".join(KINDS))
     p.add_argument("--drain-s", type=float, default=30.0, help="how long a round may take to settle")
+    p.add_argument("--client-timeout", type=float, default=300.0,
+                   help="seconds a client waits for an answer before it counts as unexpected (default: %(default)s; "
+                        "more for a slow mesh: the tiny Qwen2.5-Omni's talker speaks to its max length)")
     a = p.parse_args(argv)
     kinds = a.kinds.split(",")
     if unknown := [k for k in kinds if k not in KINDS]:
         p.error(f"unknown kinds {unknown}; choose from {', '.join(KINDS)}")
-    return asyncio.run(soak(a.url, a.grpc, a.rounds, a.requests, a.concurrency, kinds, a.drain_s))
+    return asyncio.run(soak(a.url, a.grpc, a.rounds, a.requests, a.concurrency, kinds, a.drain_s, a.client_timeout))
 
 
 if __name__ == "__main__":
