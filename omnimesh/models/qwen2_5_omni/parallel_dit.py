@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnimesh.models.qwen2_5_omni.dit_attention import block_attention, window_mask
+from omnimesh.models.qwen2_5_omni.dit_attention import block_attention, num_blocks, window_mask
 from omnimesh.models.qwen3_omni.parallel_audio_tower import (
     ParallelFFN,
     Plan,
@@ -193,7 +193,7 @@ class ParallelDiT(TowerRank):
             raise ValueError(f"hidden must be (R, T, {self.hidden_size}), got {tuple(hidden.shape)}")
         if tuple(time_embedding.shape) != (R, self.hidden_size):
             raise ValueError(f"time_embedding must be (R={R}, {self.hidden_size}), got {tuple(time_embedding.shape)}")
-        rows = R * -(-T // self.block_size)
+        rows = R * num_blocks(T, self.block_size)
         for layer in self.dit_layers():
             mask = masks[layer.window()]
             if mask.shape[0] != rows or mask.shape[2] != self.block_size:
