@@ -32,13 +32,14 @@ def prompt(i: int) -> str:
     return PROMPTS[i % len(PROMPTS)]
 
 
-def model_folder(model: Path | None) -> Path:
-    """`--model`, or the built-in tiny Qwen3-Omni (the folder `omnimesh serve` uses without a model, built once)."""
+def model_folder(model: Path | None, family: str = "qwen3-omni") -> Path:
+    """`--model`, or the built-in tiny model of `family` (Qwen3-Omni's: the folder `omnimesh serve` uses without a
+    model), built once."""
     if model is not None:
         return model
     from omnimesh.tiny_cache import tiny_model_dir
 
-    return tiny_model_dir()
+    return tiny_model_dir(family)
 
 
 def percentile(values: list[float], q: float) -> float:

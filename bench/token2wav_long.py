@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import machine_info
+from common import machine_info, model_folder
 
 
 def _rss_mib() -> int:
@@ -84,14 +84,7 @@ def main() -> None:
     if args.one:
         run_one(args.model, args.one[0], int(args.one[1]), Path(args.one[2]))
         return
-    model = args.model
-    if model is None:
-        from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni
-        from omnimesh.tiny_cache import cache_root
-
-        model = cache_root() / "bench-tiny-qwen2.5-omni"
-        if not (model / "config.json").is_file():
-            build_tiny_qwen2_5_omni(model)
+    model = model_folder(args.model, "qwen2.5-omni")
     print(json.dumps(machine_info()))
     print(f"model {model}, torch threads {args.threads}")
     print(f"{'codes':>6} {'audio s':>8} {'hf s':>8} {'ours s':>8} {'hf/ours':>8} {'hf MiB':>8} {'ours MiB':>9} "

@@ -136,7 +136,6 @@ class Traffic:
             return LEFT
         return r.status_code
 
-
     async def realtime_turn(self, i: int) -> int | str:
         """A Realtime session: one spoken turn (24 kHz pcm16), answered to its `response.done`."""
         pcm = pcm16_bytes(tone(1.0, 24000, 300.0))

@@ -17,6 +17,12 @@ def test_tiny_model_is_built_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert [p.name for p in tmp_path.iterdir()] == [first.name], "no temporary build folder may be left behind"
 
 
+def test_the_qwen2_5_family_has_its_own_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNIMESH_CACHE", str(tmp_path))
+    folder = tiny_cache.tiny_model_dir("qwen2.5-omni")
+    assert folder.name.startswith("tiny-qwen2.5-omni-") and (folder / "spk_dict.pt").is_file()
+
+
 def test_unknown_family_is_refused() -> None:
-    with pytest.raises(ValueError, match="no built-in tiny model for family 'llama'"):
+    with pytest.raises(ValueError, match="no built-in tiny model for family 'llama'; known: qwen3-omni, qwen2.5-omni"):
         tiny_cache.tiny_model_dir("llama")

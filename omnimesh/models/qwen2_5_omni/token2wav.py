@@ -6,7 +6,7 @@ Gaussian noise (RK4, 10 steps, classifier-free guidance 0.5), conditioned on the
 from `spk_dict.pt`; BigVGAN turns the mel into samples (240 per mel frame: 480 per code). transformers' `sample` draws
 that noise from torch's global generator and decodes one request per call; here (`dit_batch.sample_mels`,
 `bigvgan_batch.decode_mels`) the noise of each request comes from a generator of its own, seeded, and several requests
-of any lengths and speakers decode in one batched DiT loop and (on CUDA) one batched BigVGAN call: a request's audio
+of any lengths and speakers decode in one batched DiT loop and (on CUDA) batched BigVGAN calls: a request's audio
 depends on its codes, speaker and seed alone, not on what ran before or beside it (alone or in a batch: equal to
 transformers' under the same seed to float rounding; the DiT attends block-locally, `dit_attention`, where transformers
 masks a full (T, T) attention). BigVGAN decodes pieces of at most 10 s of audio (with the context its receptive field
