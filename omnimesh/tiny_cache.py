@@ -7,6 +7,7 @@ a half-written model that a later start would trust.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import tempfile
@@ -20,24 +21,27 @@ def cache_root() -> Path:
     return Path(os.environ.get("OMNIMESH_CACHE", Path.home() / ".cache" / "omnimesh"))
 
 
+# family -> (module, builder); the module is imported only to build, so a start that finds the folder cached
+# never loads the modeling code (the checks before the stages start rely on that: tests/test_start_checks.py).
+_BUILDERS = {
+    "qwen3-omni": ("omnimesh.models.qwen3_omni.tiny", "build_tiny_qwen3_omni"),
+    "qwen2.5-omni": ("omnimesh.models.qwen2_5_omni.tiny", "build_tiny_qwen2_5_omni"),
+}
+
+
 def _builder(family: str) -> Callable[[Path], Path]:
-    if family == "qwen3-omni":
-        from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
-
-        return build_tiny_qwen3_omni
-    if family == "qwen2.5-omni":
-        from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni
-
-        return build_tiny_qwen2_5_omni
-    raise ValueError(f"no built-in tiny model for family {family!r}; known: qwen3-omni, qwen2.5-omni")
+    module, name = _BUILDERS[family]
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
 def tiny_model_dir(family: str = "qwen3-omni") -> Path:
     """Return the cached tiny model folder of `family`, building it first if needed."""
-    build = _builder(family)
+    if family not in _BUILDERS:
+        raise ValueError(f"no built-in tiny model for family {family!r}; known: {', '.join(_BUILDERS)}")
     target = cache_root() / f"tiny-{family}-{TINY_VERSION}"
     if (target / "config.json").exists():
         return target
+    build = _builder(family)
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
