@@ -1,14 +1,15 @@
 """Spawn one stage's pp x tp gloo ranks as processes, run a scenario on each, and collect what they return.
 
 Role: the launcher the distributed model tests share. A test passes a module-level `scenario(ps, *args) ->
-dict` (picklable by reference: spawned ranks import the test module, so keep transformers' modeling out of
+dict` (picklable by reference: the ranks import the test module, so keep transformers' modeling out of
 its top-level imports); every rank runs it on its own `ParallelState`. Nothing can hang: the rendezvous and
 every collective time out after `RENDEZVOUS_TIMEOUT_S`, the parent waits at most `deadline_s`, and ranks still
 alive after that are killed.
 
 Data flow:
     run_layout(pp, tp, scenario, *args)
-      -> pp*tp spawned processes (free TCP port), each: torch.set_num_threads(1)
+      -> pp*tp processes forked from a forkserver with torch and the modeling code imported (free TCP port),
+         each: torch.set_num_threads(1)
          -> init_parallel_state(pp, tp, rank, 127.0.0.1, port, "gloo") -> scenario(ps, *args) -> dict
          -> tensors as numpy (torch's queue pickling shares memory that dies with the process) -> queue
       -> parent: results by rank with tensors restored, or pytest.fail with every rank's traceback
@@ -88,10 +89,25 @@ def run_single(scenario: Scenario, *args: Any) -> dict[str, Any]:
         torch.set_num_threads(before)
 
 
+# What every rank imports anyway: a forkserver imports it once per test session and forks each rank from there
+# (a spawned rank spent ~3 s of CPU importing it: tests/parallel took 251 s with "spawn", 163 s so). The server only
+# imports, it never runs torch, so a forked rank inherits no threads or process groups; it also keeps the environment
+# of its first use (no test of this harness changes the environment for its ranks).
+RANK_PRELOAD = ["torch", "torch.distributed", "safetensors.torch", "omnimesh.parallel.parallel_state",
+                "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe",
+                "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni"]
+
+
+def _rank_context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
+
+
 def run_layout(pp: int, tp: int, scenario: Scenario, *args: Any,
                deadline_s: float = LAYOUT_DEADLINE_S) -> list[dict[str, Any]]:
     """Spawn pp*tp gloo ranks running `scenario(ps, *args)`; return their dicts by rank. Never hangs."""
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, pp, tp, port, scenario, args, results), daemon=True)
