@@ -170,7 +170,8 @@ def test_ranks_on_a_running_cluster_meet_at_this_nodes_address(tmp_path) -> None
         master, node = out.stdout.split("OK", 1)[1].split()[:2]
         assert master == node and master not in ("127.0.0.1", "localhost"), out.stdout
     finally:
-        os.killpg(head.pid, 15)
+        os.kill(head.pid, 15)  # `ray start` alone: it drains its node and stops GCS and raylet itself (~2 s); a
+        # SIGTERM to the whole group took GCS down first, and the drain then waited out its 30-s GCS timeout
         try:
             head.wait(timeout=20)
         except subprocess.TimeoutExpired:
