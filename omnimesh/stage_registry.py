@@ -58,10 +58,10 @@ def lm_layout(args: ServeArgs, stage: str, failure: StageFailure, model_dir: Pat
 
 def rank_program(args: ServeArgs, stage: str, model_dir: Path) -> ProgramFactory:
     """What each of the stage's ranks runs (the same factory the stage's own load hands its executor)."""
-    from omnimesh.models.loader import LoadFormatFactory
+    from omnimesh.models.loader import with_load_format
 
     factory = rank_factory(stage, model_dir, resolve_dtype(args), args.stage_configs()[stage].pp_layer_partition)
-    return factory if args.load_format == "auto" else LoadFormatFactory(args.load_format, factory)
+    return with_load_format(factory, args.load_format)
 
 
 def lm_engine(backend: Any, stage: str, args: ServeArgs, max_model_len: int,

@@ -84,6 +84,13 @@ class LoadFormatFactory:
         return self.factory(ps)
 
 
+def with_load_format(factory: Callable[[Any], Any], load_format: str) -> Callable[[Any], Any]:
+    """`factory` for ranks that load as `load_format` says: wrapped in a LoadFormatFactory unless it is "auto" (what
+    node 0's executor (mp_executor.start_program) and a headless node (stage_registry.rank_program) both hand their
+    ranks)."""
+    return factory if load_format == "auto" else LoadFormatFactory(load_format, factory)
+
+
 def fill_dummy(tensor: torch.Tensor, key: str) -> None:
     """Fill a floating-point tensor in place with --load-format dummy's values for checkpoint `key`."""
     if not tensor.is_floating_point():

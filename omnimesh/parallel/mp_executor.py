@@ -391,10 +391,9 @@ def start_program(factory: ProgramFactory, pp: int = 1, tp: int = 1,
     `ray_address`; this process is rank 0). Returns (run(command) -> result, the executor or None, rank 0's
     program). `load_format` (--load-format) is set in every rank's process before its program loads."""
     kind, ray_address = executor_args.pop("executor", "mp"), executor_args.pop("ray_address", None)
-    if (load_format := executor_args.pop("load_format", "auto")) != "auto":
-        from omnimesh.models.loader import LoadFormatFactory
+    from omnimesh.models.loader import with_load_format
 
-        factory = LoadFormatFactory(load_format, factory)
+    factory = with_load_format(factory, executor_args.pop("load_format", "auto"))
     if pp * tp == 1:
         devices = executor_args.get("devices") or ("cuda:0",)
         program = factory(ParallelState.single(devices[0] if executor_args.get("backend") == "nccl" else "cpu"))
