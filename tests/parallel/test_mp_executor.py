@@ -77,6 +77,37 @@ def test_a_process_can_start_ranks_again_after_a_shutdown() -> None:
             ex.shutdown()
 
 
+def test_a_command_during_shutdown_is_refused_and_one_after_it_too(monkeypatch) -> None:
+    """Once shutdown began, the ranks may already have had their STOP: a command then is refused at once by name
+    (nothing would answer it), and after shutdown the executor says it is not started; neither waits."""
+    ex = MpExecutor(1, 2, toy_program.make_toy, timeout_s=30)
+    ex.start()
+    x = torch.randn(2, toy_program.H)
+    joining, release = threading.Event(), threading.Event()
+    join_ranks = ex._join_ranks
+
+    def held_join(deadline: float) -> None:  # shutdown has sent STOP and now waits for the ranks to end
+        joining.set()
+        release.wait(10)
+        join_ranks(deadline)
+
+    monkeypatch.setattr(ex, "_join_ranks", held_join)
+    stopper = threading.Thread(target=ex.shutdown)
+    stopper.start()
+    try:
+        assert joining.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match="the stage is shutting down"):
+            ex.execute(("run", x))
+        assert time.monotonic() - t0 < 1
+    finally:
+        release.set()
+        stopper.join(timeout=20)
+    assert not stopper.is_alive()
+    with pytest.raises(RankFailure, match="the executor is not started"):
+        ex.execute(("run", x))
+
+
 @pytest.mark.parametrize(("args", "device"), [({}, "cpu"), ({"backend": "gloo", "devices": ()}, "cpu"),
                                               ({"backend": "nccl", "devices": ()}, "cuda:0"),
                                               ({"backend": "nccl", "devices": ("cuda:3", "cuda:4")}, "cuda:3")])
