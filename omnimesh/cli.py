@@ -52,11 +52,24 @@ def _devices(device: str) -> tuple[int, str]:
     return CPU_RANKS_PER_CORE * (os.cpu_count() or 1), f"CPU ranks ({CPU_RANKS_PER_CORE} per core)"
 
 
+# the device nodes of a GPU driver torch could use: NVIDIA's, WSL's GPU bridge, ROCm's
+GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
+def gpu_driver_present() -> bool:
+    """Whether this host exposes a GPU driver (Linux: one of GPU_DRIVER_NODES; elsewhere assumed). Without one no
+    CUDA device can be visible, so `--device auto` is cpu without importing torch to ask: a standalone CPU stage
+    re-executes itself on tcmalloc right after, and would otherwise have imported torch (~1.3 s of CPU) in vain."""
+    return not sys.platform.startswith("linux") or any(os.path.exists(p) for p in GPU_DRIVER_NODES)
+
+
 def resolve_device(args: ServeArgs) -> ServeArgs:
     """`--device auto` made concrete once, before anything reads it: cuda when a CUDA device is visible, else
     cpu (the stages, their dtype and KV-cache defaults and the launcher's stage command lines all read it)."""
     if args.device != "auto":
         return args
+    if not gpu_driver_present():
+        return replace(args, device="cpu")
     import torch
 
     return replace(args, device="cuda" if torch.cuda.is_available() else "cpu")

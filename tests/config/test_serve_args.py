@@ -397,14 +397,44 @@ def test_bulk_steps_run_lower_on_cpu_unless_told() -> None:
 def test_device_auto_is_resolved_before_the_stages_read_it(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
+    from omnimesh import cli
     from omnimesh.cli import resolve_device
 
     assert resolve_device(ServeArgs(device="cpu")).device == "cpu"
+    monkeypatch.setattr(cli, "gpu_driver_present", lambda: True)  # a GPU host: torch is asked
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device(ServeArgs()).device == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device(ServeArgs()).device == "cuda"
     assert resolve_device(ServeArgs(device="cpu")).device == "cpu"
+    monkeypatch.setattr(cli, "gpu_driver_present", lambda: False)  # no driver: cpu, whatever torch would say
+    assert resolve_device(ServeArgs()).device == "cpu"
+
+
+def test_device_auto_on_a_host_without_a_gpu_driver_imports_no_torch(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """What a standalone CPU stage does before it re-executes itself on tcmalloc: no torch to resolve auto."""
+    import torch
+
+    from omnimesh import cli
+
+    def asked() -> bool:
+        raise AssertionError("torch was asked on a host without a GPU driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", asked)
+    monkeypatch.setattr(cli, "GPU_DRIVER_NODES", (str(tmp_path / "nvidiactl"),))
+    if sys.platform.startswith("linux"):
+        assert not cli.gpu_driver_present() and cli.resolve_device(ServeArgs()).device == "cpu"
+        (tmp_path / "nvidiactl").touch()
+        assert cli.gpu_driver_present()
+    code = ("import sys; from omnimesh.cli import resolve_device, gpu_driver_present; "
+            "from omnimesh.config.serve_args import ServeArgs; d = resolve_device(ServeArgs()).device; "
+            "print(gpu_driver_present(), d, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    present, device, imported = out.stdout.split()
+    if present == "False":  # this host has no GPU driver (CI): auto is cpu and torch stayed out
+        assert (device, imported) == ("cpu", "False"), out.stdout
+    else:  # a GPU host: torch was asked
+        assert imported == "True", out.stdout
 
 
 def test_num_nodes_spreads_every_stage_of_more_than_one_rank() -> None:
