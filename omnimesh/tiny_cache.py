@@ -31,7 +31,8 @@ _BUILDERS = {
 
 def _builder(family: str) -> Callable[[Path], Path]:
     module, name = _BUILDERS[family]
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+    build: Callable[[Path], Path] = getattr(importlib.import_module(module), name)
+    return build
 
 
 def tiny_model_dir(family: str = "qwen3-omni") -> Path:
