@@ -5,7 +5,7 @@ vLLM reads `VLLM_API_KEY`) -> `parse_api_keys` -> a tuple of keys (comma-separat
 at once, so one can be rotated without downtime) ->
 - REST: `ApiKeyMiddleware` (plain ASGI, so streamed responses pass untouched) answers a `/v1/...` request
   whose `Authorization` header is not `Bearer <one of the keys>` with OpenAI's 401 body before any handler
-  runs (the `/v1/realtime` WebSocket handshake: refused, close code 1008 with the reason; a browser, which cannot
+  runs (the `/v1/realtime` WebSocket handshake: refused with the same 401 and body; a browser, which cannot
   set headers on a WebSocket, may give the key as OpenAI's subprotocol `openai-insecure-api-key.<key>`); `/health` and
   `/metrics` stay open, as in vLLM, for probes and Prometheus;
 - gRPC: `ApiKeyInterceptor` does the same for `omnimesh.v1.Omni` methods from the `authorization`
@@ -20,12 +20,13 @@ command line that `ps` shows.
 from __future__ import annotations
 
 import hmac
-import json
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+
+from gateway.handshake_refusal import send_error
 
 ENV_VAR = "OMNIMESH_API_KEY"
 PROTECTED_GRPC_PREFIX = "/omnimesh.v1.Omni/"
@@ -101,16 +102,9 @@ class ApiKeyMiddleware:
         if why is None:
             await self.app(scope, receive, send)
             return
-        if scope["type"] == "websocket":  # /v1/realtime: the handshake is refused (HTTP 403) with the reason
-            await receive()  # websocket.connect
-            await send({"type": "websocket.close", "code": 1008, "reason": why})
-            return
-        body = json.dumps({"error": {"message": why, "type": "invalid_request_error", "param": None,
-                                     "code": "invalid_api_key"}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        body = {"error": {"message": why, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+        # a request, or /v1/realtime's WebSocket handshake (refused with the same 401 before it is accepted)
+        await send_error(scope, receive, send, 401, body, [(b"www-authenticate", b"Bearer")])
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -702,6 +702,9 @@ def resolve_voice(requested: str | None, pipeline: Pipeline, param: str, speakin
         raise audio_unavailable(why_no_voices(pipeline), "modalities" if speaking else param)
     if requested is None or requested == "":
         return pipeline.default_voice
+    if not isinstance(requested, str):  # (a Realtime event's raw JSON; the REST models check their own)
+        raise invalid_request(f"{param}: a voice is named by a string, got {requested!r}; available: "
+                              f"{', '.join(voices)}", param)
     for v in voices:
         if v.lower() == requested.lower():
             return v

@@ -55,7 +55,10 @@ from gateway.audio_tempo import Tempo
 from gateway.realtime_audio import RATES, AudioFormatError, OutputEncoder, decode
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, ImagePart, PipelineError,
                             SamplingOverrides, TextDelta, TextPart)
-from gateway.openai_schema import check_sampling, default_modalities, resolve_voice
+from gateway.handshake_refusal import send_error
+from gateway.media import invalid_request
+from gateway.openai_schema import (check_sampling, default_modalities, dump, error_response, resolve_voice,
+                                   unknown_model)
 from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
                                        check_temperature, updated)
@@ -125,12 +128,13 @@ class RealtimeSession:
         async with self.send_lock:
             await self.ws.send_text(json.dumps(event))
 
-    async def error(self, message: str, param: str | None, code: str, event_id: str | None) -> None:
+    async def error(self, message: str, param: str | None, code: str, event_id: str | None,
+                    kind: str = "invalid_request_error") -> None:
         if self.vllm is not None:  # vLLM's error event
             await self.send_raw({"type": "error", "error": message, "code": code})
             return
-        await self.send("error", error={"type": "invalid_request_error", "code": code, "message": message,
-                                        "param": param, "event_id": event_id})
+        await self.send("error", error={"type": kind, "code": code, "message": message, "param": param,
+                                        "event_id": event_id})
 
     @property
     def input_rate(self) -> int:
@@ -184,6 +188,12 @@ class RealtimeSession:
                     await self.error(e.message, e.param, e.code, event_id)
                 except PipelineError as e:
                     await self.error(e.message, e.param, "invalid_value", event_id)
+                except WebSocketDisconnect:
+                    raise
+                except Exception as e:  # a bug: an error event (as REST's 500) and the session stays open
+                    log.exception("realtime session %s: the event %s failed", self.id, event_id)
+                    await self.error(f"internal error: {type(e).__name__}: {e}", None, "internal_error", event_id,
+                                     kind="server_error")
         except WebSocketDisconnect:
             pass
         finally:
@@ -639,6 +649,11 @@ class RealtimeSession:
                         _out_of_band=not in_conversation)
 
 
+async def refuse(ws: WebSocket, err: PipelineError) -> None:
+    """The handshake refused before it is accepted, with the error's HTTP status and OpenAI's body."""
+    await send_error(ws.scope, ws.receive, ws.send, err.http_status, dump(error_response(err)))
+
+
 class RealtimeRoutes:
     """The `/v1/realtime` WebSocket on one `RestGateway`."""
 
@@ -647,17 +662,16 @@ class RealtimeRoutes:
 
     async def realtime(self, ws: WebSocket) -> None:
         model = ws.query_params.get("model")
-        if model and model not in self.gw.served_model_names:
-            await ws.close(code=1008, reason=f"the model {model!r} does not exist; served: "
-                                             f"{', '.join(self.gw.served_model_names)}")
+        if model and model not in self.gw.served_model_names:  # refused as REST refuses it: 404, OpenAI's body
+            await refuse(ws, unknown_model(model, self.gw.served_model_names))
             return
         # OpenAI's live captions connect with ?intent=transcription (no model): a GA transcription session from
         # session.created on; beta's transcription sessions (transcription_session.update) are not served
         intent = ws.query_params.get("intent")
         beta = "realtime=v1" in ws.headers.get("openai-beta", "")
         if intent not in (None, "transcription") or (intent and beta):
-            await ws.close(code=1008, reason="intent: only 'transcription' (GA's, without the OpenAI-Beta: "
-                                             "realtime=v1 header) is served")
+            await refuse(ws, invalid_request(f"intent {intent!r}: only 'transcription' (GA's, without the "
+                                             "OpenAI-Beta: realtime=v1 header) is served", "intent"))
             return
         # a browser's subprotocols (OpenAI's: "realtime", the key, "openai-beta.realtime-v1"): one must be
         # chosen in the answer or the browser drops the connection; never the key

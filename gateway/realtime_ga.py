@@ -80,7 +80,7 @@ def _modalities(value: Any, where: str) -> list[str]:
 
 def _format(value: Any, where: str) -> str:
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in _FORMATS:
+    if not isinstance(kind, str) or kind not in _FORMATS:
         raise RealtimeError("format must be {\"type\": \"audio/pcm\", \"rate\": 24000}, {\"type\": \"audio/pcmu\"} or "
                             f"{{\"type\": \"audio/pcma\"}}, got {value!r}", where)
     if kind == "audio/pcm" and value.get("rate", 24_000) != 24_000:

@@ -67,7 +67,7 @@ def updated(settings: RealtimeSettings, s: Any, pipeline: Pipeline) -> RealtimeS
         elif key == "max_response_output_tokens":
             new.max_response_output_tokens = check_max_tokens(value, where)
         elif key in ("input_audio_format", "output_audio_format"):
-            if value not in RATES:
+            if not isinstance(value, str) or value not in RATES:
                 raise RealtimeError(f"{key} must be one of {', '.join(RATES)} (pcm16: 24 kHz mono 16-bit; g711: "
                                     f"8 kHz), got {value!r}", where)
             setattr(new, key, value)
@@ -130,7 +130,7 @@ def _turn_detection(value: Any, where: str) -> dict[str, Any] | None:
 def check_modalities(value: Any, where: str) -> tuple[str, ...]:
     if value in (["text"], ("text",)):
         return ("text",)
-    if isinstance(value, (list, tuple)) and set(value) == {"text", "audio"}:
+    if isinstance(value, (list, tuple)) and all(isinstance(m, str) for m in value) and set(value) == {"text", "audio"}:
         return ("text", "audio")
     raise RealtimeError(f"modalities must be [\"text\"] or [\"text\", \"audio\"], got {value!r}", where)
 

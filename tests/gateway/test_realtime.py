@@ -23,6 +23,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from gateway.audio_encoding import pcm16_bytes
 from gateway.events import AudioPart, Finished, ImagePart, TextDelta, TextPart
+from gateway.realtime_api import RealtimeSession
 from gateway.rest import create_app
 
 TIMEOUT_S = 10.0
@@ -212,6 +213,14 @@ def test_cancelling_a_response(ws: ClientConnection, pipeline: ScriptedPipeline)
     ({"type": "session.update", "session": {"input_audio_format": "opus"}}, "invalid_value",
      "session.input_audio_format"),
     ({"type": "session.update", "session": {"voice": "alloy"}}, "invalid_value", "session.voice"),
+    ({"type": "session.update", "session": {"voice": 7}}, "invalid_value", "session.voice"),  # wrong types too
+    ({"type": "session.update", "session": {"voice": {"name": "x"}}}, "invalid_value", "session.voice"),
+    ({"type": "session.update", "session": {"input_audio_format": ["pcm16"]}}, "invalid_value",
+     "session.input_audio_format"),
+    ({"type": "session.update", "session": {"modalities": [["text"], "audio"]}}, "invalid_value",
+     "session.modalities"),
+    ({"type": "response.create", "response": {"voice": True}}, "invalid_value", "response.voice"),
+    ({"type": "response.create", "response": {"modalities": [{}]}}, "invalid_value", "response.modalities"),
     ({"type": "session.update", "session": {"temperature": 3}}, "invalid_value", "session.temperature"),
     ({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}, "invalid_value",
      "tool_choice"),  # "auto" needs --enable-auto-tool-choice
@@ -251,6 +260,21 @@ def test_mistakes_are_error_events(ws: ClientConnection, pipeline: ScriptedPipel
     assert pipeline.requests == []
 
 
+def test_a_failing_event_is_a_server_error_event_and_the_session_goes_on(
+        ws: ClientConnection, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(RealtimeSession, "_insert_at", broken)  # conversation.item.create's first step
+    send(ws, event_id="e7", type="conversation.item.create",
+         item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]})
+    error = recv(ws)["error"]
+    assert error["type"] == "server_error" and error["code"] == "internal_error" and error["event_id"] == "e7"
+    assert error["message"] == "internal error: KeyError: 'a bug'"
+    send(ws, type="session.update", session={})  # the connection and the session are still there
+    assert recv(ws)["type"] == "session.updated"
+
+
 def test_too_much_audio_is_refused_and_the_buffer_cleared(shared_pipeline: ScriptedPipeline) -> None:
     from tests.gateway.conftest import TEST_LIMITS  # max_audio_seconds 5
 
@@ -265,17 +289,28 @@ def test_too_much_audio_is_refused_and_the_buffer_cleared(shared_pipeline: Scrip
         assert recv(conn)["error"]["code"] == "input_audio_buffer_commit_empty"  # cleared
 
 
+def refused_with(refusal: InvalidStatus, status: int) -> dict:
+    """The OpenAI error object of a refused handshake, after checking its HTTP status."""
+    assert refusal.response.status_code == status, refusal.response
+    assert refusal.response.headers["content-type"] == "application/json"
+    return json.loads(bytes(refusal.response.body))["error"]
+
+
 def test_the_handshake_needs_the_key_and_a_served_model(shared_pipeline: ScriptedPipeline) -> None:
     with RestServer(create_app(shared_pipeline, served_model_names=("tiny-omni",), api_keys=("sk-1",))) as server:
-        with pytest.raises(InvalidStatus) as refused:
+        with pytest.raises(InvalidStatus) as refused:  # REST's 401 and body, not a bare 403
             connect(url(server), open_timeout=TIMEOUT_S)
-        assert refused.value.response.status_code == 403
+        assert refused_with(refused.value, 401)["code"] == "invalid_api_key"
+        assert refused.value.response.headers["www-authenticate"] == "Bearer"
         with connect(url(server), additional_headers={"Authorization": "Bearer sk-1"},
                      open_timeout=TIMEOUT_S) as conn:
             assert recv(conn)["type"] == "session.created"
-        with pytest.raises(InvalidStatus):
+        with pytest.raises(InvalidStatus) as unknown:
             connect(url(server).replace("tiny-omni", "gpt-4o-realtime"),
                     additional_headers={"Authorization": "Bearer sk-1"}, open_timeout=TIMEOUT_S)
+        error = refused_with(unknown.value, 404)
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        assert error["message"] == "The model 'gpt-4o-realtime' does not exist; served models: tiny-omni"
         # a browser cannot set headers: OpenAI's subprotocols carry the key, and "realtime" is chosen, never the key
         with connect(url(server), subprotocols=["realtime", "openai-insecure-api-key.sk-1"],  # type: ignore[list-item]
                      open_timeout=TIMEOUT_S) as conn:
@@ -283,7 +318,7 @@ def test_the_handshake_needs_the_key_and_a_served_model(shared_pipeline: Scripte
         with pytest.raises(InvalidStatus) as wrong:
             connect(url(server), subprotocols=["realtime", "openai-insecure-api-key.sk-2"],  # type: ignore[list-item]
                     open_timeout=TIMEOUT_S)
-        assert wrong.value.response.status_code == 403
+        assert refused_with(wrong.value, 401)["message"] == "invalid API key"
 
 
 def speech(seconds: float | None = None) -> np.ndarray:

@@ -6,6 +6,7 @@ created and retrieved; mistakes come back as error events naming GA paths; a bet
 from __future__ import annotations
 
 import base64
+import json
 
 import openai
 import pytest
@@ -91,6 +92,9 @@ def test_a_text_response_and_items_in_ga(rest_server: RestServer, pipeline: Scri
     ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
     ({"prompt": {"id": "pmpt_1"}}, "session.prompt"),
     ({"audio": {"output": {"speed": 3}}}, "session.audio.output.speed"),
+    ({"audio": {"output": {"voice": ["x"]}}}, "session.audio.output.voice"),  # wrong types: named, not a crash
+    ({"audio": {"input": {"format": {"type": ["audio/pcm"]}}}}, "session.audio.input.format"),
+    ({"audio": {"output": {"format": {"type": {}}}}}, "session.audio.output.format"),
 ])
 def test_ga_mistakes_name_ga_paths(rest_server: RestServer, session: dict, param: str) -> None:
     with connect(url(rest_server), open_timeout=10) as ws:
@@ -172,8 +176,11 @@ def test_intent_transcription_opens_a_transcription_session(rest_server: RestSer
         assert "only transcribes" in recv(ws)["error"]["message"]
     assert pipeline.requests[-1].modalities == ("text",)
     for query, headers in (("?intent=speech", {}), ("?intent=transcription", {"OpenAI-Beta": "realtime=v1"})):
-        with pytest.raises(InvalidStatus):
+        with pytest.raises(InvalidStatus) as refused:  # a 400 naming the field, as REST's
             connect(base + query, additional_headers=headers, open_timeout=10)
+        assert refused.value.response.status_code == 400
+        error = json.loads(bytes(refused.value.response.body))["error"]
+        assert error["param"] == "intent" and "only 'transcription'" in error["message"]
 
 
 def test_a_browser_says_its_interface_by_its_subprotocols(rest_server: RestServer) -> None:
