@@ -10,6 +10,7 @@ version cannot run yet, so the CLI can say so plainly instead of misbehaving.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,25 @@ def human_readable_int(text: str) -> int:
 
 def _f(default: Any, help: str, *flags: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, "flags": flags, **extra})
+
+
+def check_generation_config_folder(source: str) -> None:
+    """--generation-config FOLDER, before anything starts: it must hold a generation_config.json that is a JSON
+    object (a ValueError saying what is wrong; the thinker reads its values when it loads)."""
+    folder, why = Path(source), None
+    if not folder.is_dir():
+        why = "no such folder"
+    elif not (folder / "generation_config.json").is_file():
+        why = "the folder holds no generation_config.json"
+    else:
+        try:
+            if not isinstance(json.loads((folder / "generation_config.json").read_text()), dict):
+                why = "its generation_config.json is not a JSON object"
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            why = f"its generation_config.json is not readable JSON ({exc})"
+    if why is not None:
+        raise ValueError(f"--generation-config {source!r}: {why}; give auto (the model folder's "
+                         "generation_config.json), vllm, or a folder holding a generation_config.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,6 +416,8 @@ class ServeArgs:
             from omnimesh.log_setup import read_log_config
 
             read_log_config(self.log_config_file)
+        if self.generation_config not in ("auto", "vllm"):  # a folder, read by the thinker once its weights load
+            check_generation_config_folder(self.generation_config)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.disable_log_requests and self.enable_log_requests:
