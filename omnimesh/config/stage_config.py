@@ -303,9 +303,7 @@ def parse_stage_overrides(text: str | None) -> dict[str, dict[str, Any]]:
                     f"--stage-overrides[{key!r}]: unknown key {name!r}; known keys: {', '.join(sorted(_KEYS))}"
                 )
             if name == "pp_layer_partition" and value is not None:
-                if isinstance(value, str):
-                    value = [int(v) for v in value.split(",")]
-                value = tuple(value)
+                value = _layer_counts(value, f"--stage-overrides[{key!r}].pp_layer_partition")
             if name == "kv_cache_memory" and value is not None:
                 value = parse_bytes(value, f"--stage-overrides[{key!r}].kv_cache_memory")
             if name in ("shm_arena_size", "shm_min_tensor_size"):
@@ -315,6 +313,21 @@ def parse_stage_overrides(text: str | None) -> dict[str, dict[str, Any]]:
             clean[name] = value
         out[stage] = clean
     return out
+
+
+def _layer_counts(value: Any, where: str) -> tuple[int, ...]:
+    """pp_layer_partition as given in JSON ([3, 5] or "3,5") -> (3, 5); anything else a ValueError naming it
+    (the counts' number and sign are checked against pp with the rest of the stage's settings)."""
+    parts = value.split(",") if isinstance(value, str) else value
+    counts: list[int] = []
+    for part in parts if isinstance(parts, list) else [None]:
+        if isinstance(part, str) and part.strip().lstrip("-").isdigit():
+            part = int(part)
+        if isinstance(part, bool) or not isinstance(part, int):
+            raise ValueError(f"{where} must list whole layer counts, one per pipeline rank ([3, 5] or \"3,5\"), "
+                             f"got {value!r}")
+        counts.append(part)
+    return tuple(counts)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

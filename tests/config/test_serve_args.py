@@ -44,6 +44,10 @@ def test_stage_overrides_by_name_and_id() -> None:
         ('{"thinker": {"tp": 0}}', "tp must be a whole number >= 1"),
         ('{"thinker": {"tp": 2, "devices": "0"}}', "names 1 devices but pp x tp"),
         ('{"thinker": {"pp": 2, "pp_layer_partition": [1, 2, 1]}}', "must list 2 positive layer counts"),
+        ('{"talker": {"pp": 2, "pp_layer_partition": 3}}', r"pp_layer_partition must list whole layer counts.*got 3"),
+        ('{"talker": {"pp": 2, "pp_layer_partition": "1,x"}}', "pp_layer_partition must list whole layer counts"),
+        ('{"talker": {"pp": 2, "pp_layer_partition": [1, true]}}', "pp_layer_partition must list whole layer counts"),
+        ('{"talker": {"pp": 2, "pp_layer_partition": [1.5, 1]}}', "pp_layer_partition must list whole layer counts"),
     ],
 )
 def test_bad_stage_overrides(text: str, message: str) -> None:
