@@ -89,7 +89,7 @@ def check_front_args(args: Any) -> None:
                          f"got {root!r}")
     if args.uds is not None:
         folder = Path(args.uds).parent
-        if not args.uds.strip() or not folder.is_dir():
+        if not args.uds.strip() or not os.path.isdir(folder):
             raise ValueError(f"--uds {args.uds!r}: its folder {str(folder)!r} does not exist")
         if len(os.fsencode(args.uds)) > UDS_PATH_MAX:
             raise ValueError(f"--uds {args.uds!r}: a Unix socket path holds at most {UDS_PATH_MAX} bytes; pick a "

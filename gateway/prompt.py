@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -410,7 +411,7 @@ def _reads_tools(template: str | None) -> bool:
 def load_chat_template(value: str) -> str:
     """vLLM's --chat-template: a Jinja file's path, or the template itself (anything with `{{` or `{%`)."""
     path = Path(value).expanduser()
-    if path.is_file():
+    if os.path.isfile(path):  # (not Path.is_file: an inline template longer than a file name raises there)
         try:
             return path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:

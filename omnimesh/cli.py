@@ -100,7 +100,7 @@ def _model_dir(model: str | None, load_format: str | None = None) -> Path:
         print("omnimesh: no MODEL given; using the built-in tiny Qwen3-Omni (random weights)", file=sys.stderr)
         return tiny_model_dir()
     path = Path(model)
-    if not (path / "config.json").is_file():
+    if not os.path.isfile(path / "config.json"):  # (os.path: False, not OSError, for a name too long)
         raise ValueError(
             f"model {model!r} is not a model folder (no config.json); give a local Hugging Face folder — "
             "this build never downloads from a hub"
@@ -108,7 +108,7 @@ def _model_dir(model: str | None, load_format: str | None = None) -> Path:
     if load_format not in (None, "dummy"):
         from omnimesh.models.loader import INDEX_FILE, SINGLE_FILE
 
-        if not (path / SINGLE_FILE).is_file() and not (path / INDEX_FILE).is_file():
+        if not os.path.isfile(path / SINGLE_FILE) and not os.path.isfile(path / INDEX_FILE):
             raise ValueError(f"model {model!r} holds no weights (neither {SINGLE_FILE} nor {INDEX_FILE}); omnimesh "
                              f"reads safetensors checkpoints, or give --load-format dummy to run the model's shape "
                              f"with random weights")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,9 @@ def check_generation_config_folder(source: str) -> None:
     """--generation-config FOLDER, before anything starts: it must hold a generation_config.json that is a JSON
     object (a ValueError saying what is wrong; the thinker reads its values when it loads)."""
     folder, why = Path(source), None
-    if not folder.is_dir():
+    if not os.path.isdir(folder):  # (os.path: False, not OSError, for a name too long)
         why = "no such folder"
-    elif not (folder / "generation_config.json").is_file():
+    elif not os.path.isfile(folder / "generation_config.json"):
         why = "the folder holds no generation_config.json"
     else:
         try:
@@ -343,7 +344,7 @@ class ServeArgs:
             if len(set(names)) != len(names):
                 raise ValueError(f"--served-model-name lists a name twice: {list(names)!r}")
             object.__setattr__(self, "served_model_name", names)
-        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"--tokenizer {self.tokenizer!r}: not a folder; give a local folder with the tokenizer "
                              f"files (tokenizer.json / vocab + merges, tokenizer_config.json): nothing is downloaded")
         for name in ("port", "grpc_port"):

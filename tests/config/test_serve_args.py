@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from omnimesh.cli import _model_dir
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.config.stage_config import StageConfig, parse_stage_overrides
 
@@ -53,6 +54,19 @@ def test_stage_overrides_by_name_and_id() -> None:
 def test_bad_stage_overrides(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ServeArgs(stage_overrides=text)
+
+
+def test_a_path_longer_than_a_file_name_is_refused_not_a_crash() -> None:
+    """Paths are tested with os.path, which answers False where pathlib raises (ENAMETOOLONG)."""
+    name = "n" * 300
+    with pytest.raises(ValueError, match="--tokenizer"):
+        ServeArgs(tokenizer=name)
+    with pytest.raises(ValueError, match="--generation-config 'n+': no such folder"):
+        ServeArgs(generation_config=name)
+    with pytest.raises(ValueError, match="--uds"):
+        ServeArgs(uds=f"{name}/s.sock")
+    with pytest.raises(ValueError, match="is not a model folder"):
+        _model_dir(name)
 
 
 def test_bad_input_limits_stop_the_start() -> None:

@@ -47,6 +47,10 @@ def test_load_from_a_file_or_inline(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--chat-template"):
         ServeArgs(chat_template=str(tmp_path / "missing.jinja"))
     assert ServeArgs(chat_template=str(f)).chat_template == str(f)
+    long = "{% for m in messages %}" + "{{ m.role }}: {{ m.content }}\n" * 10 + "{% endfor %}"  # > a file name's 255
+    assert load_chat_template(long) == long and ServeArgs(chat_template=long).chat_template == long
+    with pytest.raises(ValueError, match="no such file, and not an inline Jinja template"):
+        load_chat_template("t" * 300)
 
 
 def test_the_prompt_is_what_transformers_renders_with_it(processor, caplog: pytest.LogCaptureFixture) -> None:
