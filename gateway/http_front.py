@@ -31,6 +31,8 @@ from typing import Any
 
 import grpc
 
+from omnimesh.server.grpc_server import listen_address
+
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 CERT_REQS = {0: "none", 1: "optional", 2: "required"}  # ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED
 REQUEST_ID_HEADER = b"x-request-id"
@@ -165,7 +167,7 @@ class HttpFront:
         """Where the REST API answers, for the start-up lines: scheme://host:port/v1, or its Unix socket (--uds)."""
         if self.uds is not None:
             return f"{self.scheme} over unix:{self.uds}, /v1"
-        return f"{self.scheme}://{host}:{port}/v1"
+        return f"{self.scheme}://{listen_address(host, port)}/v1"
 
     def install(self, app: Any) -> None:
         """Call after every other middleware: the last one added is the outermost."""

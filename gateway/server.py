@@ -39,7 +39,7 @@ from omnimesh import tracing
 from omnimesh.config.serve_args import ServeArgs
 from omnimesh.models.qwen3_omni.checkpoint_stages import text_only_reason
 from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
-from omnimesh.server.grpc_server import BindError, bind
+from omnimesh.server.grpc_server import BindError, bind, listen_address
 from omnimesh.transport.stage_client import StageClient
 from omnimesh.transport.transport import Transport
 
@@ -146,7 +146,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     rest_task = asyncio.create_task(rest.serve(sockets=[sock]))
-    print(f"omnimesh gateway listening: REST {front.rest_url(args.host, args.port)} , gRPC {args.host}:{args.grpc_port}",
+    print(f"omnimesh gateway listening: REST {front.rest_url(args.host, args.port)} , gRPC {listen_address(args.host, args.grpc_port)}",
           flush=True)
     done, _ = await asyncio.wait([rest_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if rest_task in done and (failure := rest_task.exception()) is not None:

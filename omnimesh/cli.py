@@ -279,9 +279,8 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     port = ns.stage_port if ns.stage_port is not None else 50051 + STAGES.index(ns.stage_name)
     from omnimesh.server.grpc_server import BindError, check_port
 
-    try:  # before the weights load
-        if port:
-            check_port(ns.stage_host, port, "--port")
+    try:  # before the weights load (port 0 too: the host must be one to listen on)
+        check_port(ns.stage_host, port, "--port")
     except BindError as exc:
         return _fail(str(exc))
     cfg = args.stage_configs()[stage]
@@ -339,8 +338,12 @@ def parse_stage_addresses(text: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         name, sep, addr = item.partition("=")
-        if not sep or name not in STAGES or ":" not in addr:
+        host, colon, port = addr.rpartition(":")
+        if not sep or name not in STAGES or not colon:
             raise ValueError(f"--stages: {item!r} must look like NAME=HOST:PORT with NAME one of {', '.join(STAGES)}")
+        if parse_dns_target(addr) is None and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+            raise ValueError(f"--stages: {item!r}: the address must be HOST:PORT with a port in 1-65535 "
+                             f"([v6]:PORT for an IPv6 address)")
         if addr in out.get(name, []):
             raise ValueError(f"--stages names {name}={addr} twice; each replica needs its own address")
         out.setdefault(name, []).append(addr)

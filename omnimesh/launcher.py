@@ -36,6 +36,7 @@ from omnimesh.config.stage_config import STAGES
 from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, text_only_reason
 from omnimesh.node_launcher import node_argv
 from omnimesh.proc_utils import die_with_parent, free_port
+from omnimesh.server.grpc_server import listen_address
 
 STOP_GRACE_S = 10.0
 RESTART_WINDOW_S = 600.0  # --stage-restarts counts the restarts within this
@@ -185,7 +186,7 @@ class MeshLauncher:
             return lambda: _http_ok(url, a.uds), f"GET {url} over {a.uds}"
         if a.ssl_cert_reqs == 2:
             return lambda: _port_open(host, a.port), f"a TCP connection to {host}:{a.port} (mutual TLS)"
-        url = f"{'https' if a.ssl_keyfile else 'http'}://{host}:{a.port}/health"
+        url = f"{'https' if a.ssl_keyfile else 'http'}://{listen_address(host, a.port)}/health"
         return lambda: _http_ok(url), f"GET {url}"
 
     def _wait_ready(self, child: Child, probe, what: str, deadline: float) -> None:
@@ -239,10 +240,10 @@ class MeshLauncher:
         self._wait_ready(gw, *self._gateway_probe(), deadline)
         a = self.args
         scheme = "https" if a.ssl_keyfile else "http"
-        rest = f"{scheme} over unix:{a.uds}" if a.uds else f"{scheme}://{a.host}:{a.port}"
+        rest = f"{scheme} over unix:{a.uds}" if a.uds else f"{scheme}://{listen_address(a.host, a.port)}"
         print(
             f"omnimesh serving {self.model_dir} — REST {rest}/v1 , "
-            f"gRPC {self.args.host}:{self.args.grpc_port} , stages "
+            f"gRPC {listen_address(a.host, a.grpc_port)} , stages "
             + ", ".join(f"{c.name}@{c.address}" for c in stage_children),
             flush=True,
         )

@@ -8,6 +8,7 @@ services SERVING, waits for a signal, then marks them NOT_SERVING and stops with
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import socket
@@ -47,14 +48,25 @@ def make_server(
     return server, health_servicer
 
 
+def listen_address(host: str, port: int) -> str:
+    """host:port as gRPC reads it: an IPv6 literal in brackets ([::1]:50051)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def bound_socket(host: str, port: int, flag: str) -> socket.socket:
     """A TCP socket bound to host:port (IPv6 when the host has a colon); BindError naming `flag` when it cannot be."""
+    if isinstance(port, bool) or not 0 <= port <= 65535:
+        raise BindError(f"{flag} {port}: a port is a number in 0-65535 (0: any free one)")
+    host = host.removeprefix("[").removesuffix("]")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            raise BindError(f"cannot listen on host {host!r} ({exc.strerror}): give an address of this machine, or "
+                            f"0.0.0.0 / :: for all of them") from None
         raise BindError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); another server may "
                         f"hold it: stop it or pick another {flag}") from None
     return sock
@@ -71,7 +83,7 @@ def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Server
     """Listen on host:port, with TLS when `credentials` are given; the port bound (0 is any free one). `flag`:
     the flag that sets the port, for the error."""
     try:
-        address = f"{host}:{port}"
+        address = listen_address(host, port)
         bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         raise BindError(f"cannot listen on {host}:{port}: {exc} (is the port in use? pick another with {flag})") from exc

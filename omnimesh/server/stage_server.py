@@ -23,7 +23,7 @@ from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.engine.stat_logger import StatLogger, interval_from_env
 from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
-from omnimesh.server.grpc_server import bind, make_server, serve_forever
+from omnimesh.server.grpc_server import bind, listen_address, make_server, serve_forever
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.server.stage_servicer import StageHandler, StageServicer
 from omnimesh.transport.shm_arena import DEFAULT_ARENA_BYTES
@@ -58,7 +58,7 @@ async def _serve(handler: StageHandler, host: str, port: int, transport: Transpo
                     health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING), loop)
 
         failure.listen(not_serving)
-    print(f"omnimesh stage {handler.name} listening on {host}:{bound}", flush=True)
+    print(f"omnimesh stage {handler.name} listening on {listen_address(host, bound)}", flush=True)
     stats = asyncio.get_running_loop().create_task(StatLogger(metrics, interval_from_env()).run()) if log_stats else None
     try:
         await serve_forever(server, health_servicer, [STAGE_SERVICE], on_stop=engine.stop)

@@ -1,6 +1,8 @@
 """gateway/rest_socket.py: the REST front's socket, bound before anything serves. A TCP port in use and a
 --uds path that is a plain file or a live server's socket are errors naming the flag; an earlier run's stale
-socket file is replaced; `omnimesh serve` checks the gateway's ports before any stage starts (exit 2 at once)."""
+socket file is replaced; `omnimesh serve` checks the gateway's ports before any stage starts (exit 2 at once), and a
+stage its host and port; a port outside 0-65535 or a host that is not this machine's is an error, not a traceback;
+an IPv6 host is written [v6]:PORT wherever an address is formed."""
 
 from __future__ import annotations
 
@@ -81,6 +83,60 @@ def test_a_stage_on_a_taken_port_stops_before_it_loads() -> None:
         held.close()
     assert out.returncode == 2 and f"--port {port}: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
     assert "parameters" not in out.stderr  # no rank loaded its layers
+    # port 0 (any free one) too: the host is checked before the weights load, not by gRPC's bind after them
+    out = subprocess.run([sys.executable, "-m", "omnimesh.cli", "stage", "encoder", "--host", "no-such-host.invalid",
+                          "--port", "0", "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "cannot listen on host 'no-such-host.invalid'" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "loaded" not in out.stderr
+
+
+def test_a_port_out_of_range_or_a_host_not_here_is_refused() -> None:
+    for port in (-1, 65536, 99999):
+        with pytest.raises(BindError, match=rf"--port {port}: a port is a number in 0-65535 \(0: any free one\)"):
+            rest_socket("127.0.0.1", port)
+    for host in ("no-such-host.invalid", "192.0.2.1"):  # not resolvable; TEST-NET-1, no address of this host
+        with pytest.raises(BindError, match=rf"cannot listen on host '{host}' \(.*\): give an address of this "
+                                            r"machine, or 0.0.0.0 / :: for all of them"):
+            rest_socket(host, 0)
+
+
+def test_an_ipv6_host_is_bracketed_where_an_address_is_written() -> None:
+    from omnimesh.config.serve_args import ServeArgs
+    from omnimesh.launcher import MeshLauncher
+    from omnimesh.server.grpc_server import listen_address
+
+    assert listen_address("::1", 5) == "[::1]:5" and listen_address("[::1]", 5) == "[::1]:5"
+    assert listen_address("127.0.0.1", 5) == "127.0.0.1:5" and listen_address("omni.local", 5) == "omni.local:5"
+    _probe, what = MeshLauncher(ServeArgs(host="::1", port=8123), Path("unused"))._gateway_probe()
+    assert what == "GET http://[::1]:8123/health"
+
+
+def test_a_grpc_server_listens_on_ipv6_loopback() -> None:
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from omnimesh.server.grpc_server import bind, listen_address, make_server
+
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("this host has no IPv6 loopback")
+
+    async def main() -> None:
+        server, health = make_server(["omnimesh.v1.Stage"])
+        port = bind(server, "::1", 0)
+        await server.start()
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        try:
+            async with grpc.aio.insecure_channel(listen_address("::1", port)) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
 
 
 def test_a_second_grpc_server_on_a_port_is_refused_not_shared() -> None:

@@ -28,6 +28,11 @@ def test_dns_targets_parse_and_mixing_them_with_addresses_is_refused() -> None:
         with pytest.raises(ValueError, match="dns:///HOST:PORT"):
             parse_dns_target(bad)
     assert parse_stage_addresses("thinker=dns:///t:1,vocoder=v:2") == {"thinker": ["dns:///t:1"], "vocoder": ["v:2"]}
+    assert parse_stage_addresses("thinker=[::1]:50052,encoder=omni-enc:1") == {"thinker": ["[::1]:50052"],
+                                                                              "encoder": ["omni-enc:1"]}
+    for bad in ("thinker=x:y", "thinker=:1", "thinker=127.0.0.1:99999", "thinker=127.0.0.1:0", "thinker=h:"):
+        with pytest.raises(ValueError, match="the address must be HOST:PORT with a port in 1-65535"):
+            parse_stage_addresses(bad)
     for mixed in ("thinker=dns:///t:1,thinker=a:2", "thinker=a:2,thinker=dns:///t:1"):
         with pytest.raises(ValueError, match="stage thinker is named by DNS"):
             parse_stage_addresses(mixed)
