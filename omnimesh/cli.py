@@ -228,6 +228,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from omnimesh.server.grpc_server import BindError
 
     try:  # the gateway's ports and TLS files, before any stage spends minutes loading
+        args.check_stage_ports()
         check_free(args.host, args.port, args.grpc_port, args.uds)
         HttpFront.from_args(args)
     except (BindError, ValueError) as exc:

@@ -69,6 +69,21 @@ def test_a_path_longer_than_a_file_name_is_refused_not_a_crash() -> None:
         _model_dir(name)
 
 
+def test_the_gateways_ports_and_the_stages_differ() -> None:
+    with pytest.raises(ValueError, match="--port and --grpc-port are both 9000: the REST and gRPC APIs need a port"):
+        ServeArgs(port=9000, grpc_port=9000)
+    assert ServeArgs(port=9000, grpc_port=9000, uds="/tmp/omni.sock").grpc_port == 9000  # REST is on the socket
+    with pytest.raises(ValueError, match=r"--grpc-port 50053 is one of the stages' ports \(50051-50054: "
+                                         r"--stage-base-port 50051, one per stage replica\)"):
+        ServeArgs(grpc_port=50053).check_stage_ports()
+    with pytest.raises(ValueError, match=r"--port 8000 is one of the stages' ports \(7999-8003"):
+        ServeArgs(stage_base_port=7999, data_parallel_size=1,
+                  stage_overrides='{"vocoder": {"num_replicas": 2}}').check_stage_ports()
+    ServeArgs(grpc_port=50053, stage_base_port=0).check_stage_ports()  # stages on free ports: no clash
+    ServeArgs(grpc_port=50055).check_stage_ports()
+    assert ServeArgs(grpc_port=50052).grpc_port == 50052  # a gateway alone (its stages elsewhere) may take it
+
+
 def test_bad_input_limits_stop_the_start() -> None:
     """The gateway's --limit-mm-per-prompt and --input-limits are checked when the flags are read, before any
     stage starts (their parsing: tests/gateway/test_input_limits.py)."""
