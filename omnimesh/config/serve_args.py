@@ -429,6 +429,10 @@ class ServeArgs:
             from omnimesh.engine.stat_logger import interval_from_env
 
             interval_from_env()
+        from omnimesh.config.cpu_env import cpu_threads, kernels_mode
+
+        kernels_mode()  # OMNIMESH_CPU_KERNELS and OMNIMESH_CPU_THREADS: wrong ones stop the start here
+        cpu_threads()
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (hermes for the Qwen omni models)")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

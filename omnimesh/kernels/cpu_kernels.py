@@ -24,7 +24,6 @@ import contextlib
 import fcntl
 import hashlib
 import logging
-import os
 import platform
 import sys
 import time
@@ -33,11 +32,12 @@ from pathlib import Path
 
 import torch
 
+from omnimesh.config.cpu_env import KERNELS_ENV as ENV
+from omnimesh.config.cpu_env import kernels_mode as mode
 from omnimesh.tiny_cache import cache_root
 
 log = logging.getLogger(__name__)
 
-ENV = "OMNIMESH_CPU_KERNELS"
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_kernels.cpp"
 _state: str | None = None  # None: not tried; "loaded"; else why not
 ready = False  # the kernels are loaded in this process and not `disabled` (what `use` reads)
@@ -46,17 +46,6 @@ _off = 0  # `disabled` blocks open
 
 class KernelsUnavailable(RuntimeError):
     """OMNIMESH_CPU_KERNELS=1 and the kernels could not be built or loaded."""
-
-
-def mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in ("0", "off", "false", "no"):
-        return "off"
-    if value in ("1", "on", "true", "yes"):
-        return "on"
-    raise ValueError(f"{ENV}={os.environ[ENV]!r}: use auto, 0 (eager PyTorch) or 1 (required)")
 
 
 def cpu_flags() -> list[str]:

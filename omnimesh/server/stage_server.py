@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from grpc_health.v1 import health_pb2
 
+from omnimesh.config.cpu_env import cpu_threads
 from omnimesh.config.stage_config import SHM_MIN_TENSOR_BYTES
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.metrics import EngineMetrics
@@ -66,17 +67,6 @@ async def _serve(handler: StageHandler, host: str, port: int, transport: Transpo
         if stats is not None:
             stats.cancel()
         transport.close()
-
-
-def cpu_threads() -> int:
-    """Intra-op threads for a CPU stage: OMNIMESH_CPU_THREADS, else an even share of the cores between the
-    four stages of a mesh on this host (oversubscribed OpenMP threads make small ops ~20x slower)."""
-    text = os.environ.get("OMNIMESH_CPU_THREADS")
-    if text:
-        if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"OMNIMESH_CPU_THREADS must be a whole number >= 1, got {text!r}")
-        return int(text)
-    return max(1, (os.cpu_count() or 1) // 4)
 
 
 def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, transport: str = "auto",

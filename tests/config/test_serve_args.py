@@ -84,6 +84,24 @@ def test_the_gateways_ports_and_the_stages_differ() -> None:
     assert ServeArgs(grpc_port=50052).grpc_port == 50052  # a gateway alone (its stages elsewhere) may take it
 
 
+def test_bad_cpu_environment_variables_stop_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read with the flags (exit 2 before any stage starts), not by each stage once it is up."""
+    from omnimesh.config.cpu_env import cpu_threads, kernels_mode
+
+    for value in ("x", "-1", "0", "1.5"):
+        monkeypatch.setenv("OMNIMESH_CPU_THREADS", value)
+        with pytest.raises(ValueError, match=f"OMNIMESH_CPU_THREADS must be a whole number >= 1, got '{value}'"):
+            ServeArgs()
+    monkeypatch.setenv("OMNIMESH_CPU_THREADS", "3")
+    assert cpu_threads() == 3 and ServeArgs().device
+    monkeypatch.setenv("OMNIMESH_CPU_KERNELS", "sometimes")
+    with pytest.raises(ValueError, match="OMNIMESH_CPU_KERNELS='sometimes': use auto, 0 .* or 1"):
+        ServeArgs()
+    for value, mode in (("", "auto"), ("Off", "off"), ("1", "on"), ("auto", "auto")):
+        monkeypatch.setenv("OMNIMESH_CPU_KERNELS", value)
+        assert kernels_mode() == mode
+
+
 def test_bad_input_limits_stop_the_start() -> None:
     """The gateway's --limit-mm-per-prompt and --input-limits are checked when the flags are read, before any
     stage starts (their parsing: tests/gateway/test_input_limits.py)."""
