@@ -185,7 +185,17 @@ def decode_wav(data: bytes, *, max_seconds: float, param: str = "audio") -> tupl
 _RESAMPLE_ZERO_CROSSINGS = 32  # sinc lobes each side of the centre tap (sets the transition width)
 _RESAMPLE_KAISER_BETA = 8.6  # ~ 85 dB stop-band
 _RESAMPLE_ROLLOFF = 0.92  # cutoff as a fraction of the lower Nyquist: the transition band ends below it
-_RESAMPLE_BLOCK = 8192  # output samples gathered per matmul (bounds the temporary to BLOCK x taps)
+_RESAMPLE_BLOCK = 8192  # output samples gathered per matmul (the temporary is block x taps) ...
+_RESAMPLE_TEMP = 2**22  # ... fewer when the taps are many (a large down-sampling): at most 16 MB of float32
+# The largest term of the reduced ratio dst/src: the filter has 2 x 32 x that many taps (a 2**31 Hz header would
+# ask for 10**9 of them, ~8 GB each array). Real rates stay far below (44.1 kHz -> 16 kHz is 160/441).
+MAX_RESAMPLE_TERM = 2**14
+
+
+def resample_ratio(src_rate: int, dst_rate: int) -> tuple[int, int]:
+    """(up, down): dst/src in lowest terms."""
+    g = math.gcd(src_rate, dst_rate)
+    return dst_rate // g, src_rate // g
 
 
 def resample(x: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
@@ -200,9 +210,11 @@ def resample(x: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
         raise ValueError(f"sample rates must be positive, got {src_rate} -> {dst_rate}")
     if src_rate == dst_rate or x.size == 0:
         return x.copy()
-    g = math.gcd(src_rate, dst_rate)
-    up, down = dst_rate // g, src_rate // g
+    up, down = resample_ratio(src_rate, dst_rate)
     max_rate = max(up, down)
+    if max_rate > MAX_RESAMPLE_TERM:
+        raise ValueError(f"resampling {src_rate} Hz -> {dst_rate} Hz takes the ratio {up}/{down}; terms above "
+                         f"{MAX_RESAMPLE_TERM} are not supported (the filter would have {64 * max_rate} taps)")
     half = _RESAMPLE_ZERO_CROSSINGS * max_rate  # filter half-length, in the up-sampled domain
     n = np.arange(-half, half + 1, dtype=np.float64)
     cutoff = _RESAMPLE_ROLLOFF / max_rate  # in units of the up-sampled Nyquist
@@ -219,6 +231,7 @@ def resample(x: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
     windows = np.lib.stride_tricks.sliding_window_view(xp, taps)  # (len(xp)-taps+1, taps), a view
     hp = np.concatenate([h, np.zeros(up, np.float64)])  # so out-of-range tap indices read zero
     y = np.empty(n_out, np.float32)
+    block = max(1, min(_RESAMPLE_BLOCK, _RESAMPLE_TEMP // taps))
     for c in range(min(up, n_out)):  # outputs c, c+up, ... share one phase of the filter
         m0 = -((half - c * down) // up)
         r = c * down + half - m0 * up  # tap index for the first input of the window
@@ -226,8 +239,8 @@ def resample(x: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
         phase = np.where(idx >= 0, hp[np.clip(idx, 0, None)], 0.0).astype(np.float32)
         starts = m0 + pad_left + down * np.arange(len(range(c, n_out, up)))
         out = y[c::up]
-        for b in range(0, starts.size, _RESAMPLE_BLOCK):
-            out[b:b + _RESAMPLE_BLOCK] = windows[starts[b:b + _RESAMPLE_BLOCK]] @ phase
+        for b in range(0, starts.size, block):
+            out[b:b + block] = windows[starts[b:b + block]] @ phase
     return y
 
 
@@ -242,6 +255,10 @@ def samples_to_audio_part(samples: np.ndarray, rate: int, *, param: str) -> Audi
     if not np.isfinite(samples).all():
         raise invalid_request(f"{param}: the audio has samples that are NaN or infinite; send finite samples "
                               "(float audio is expected in [-1, 1])", param)
+    if max(resample_ratio(rate, TARGET_SAMPLE_RATE)) > MAX_RESAMPLE_TERM:
+        raise invalid_request(f"{param}: a sample rate of {rate} Hz is not supported: converting it to "
+                              f"{TARGET_SAMPLE_RATE} Hz would need too long a filter; send a common rate (8, 11.025, "
+                              "16, 22.05, 24, 32, 44.1, 48, 96 or 192 kHz, ...)", param)
     mono = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
     waveform = resample(mono, rate, TARGET_SAMPLE_RATE)
     if waveform.size < MIN_AUDIO_SAMPLES:

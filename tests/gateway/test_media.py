@@ -20,8 +20,8 @@ from PIL import Image
 
 from gateway.events import PipelineError
 from gateway.input_limits import InputLimits
-from gateway.media import (MediaLoader, decode_image, decode_wav, fetch_url, parse_data_uri, resample,
-                           wav_to_audio_part)
+from gateway.media import (MAX_RESAMPLE_TERM, MediaLoader, decode_image, decode_wav, fetch_url, parse_data_uri,
+                           resample, resample_ratio, wav_to_audio_part)
 
 
 def sine(freq: float, rate: int, seconds: float, amp: float = 0.5) -> np.ndarray:
@@ -141,6 +141,38 @@ def test_resample_length_and_identity() -> None:
     assert resample(np.zeros(1, np.float32), 44_100, 16_000).shape == (1,)
     with pytest.raises(ValueError, match="positive"):
         resample(x, 0, 16_000)
+
+
+@pytest.mark.parametrize("rate", [2**30, 44_101, 1_000_003])
+def test_a_rate_whose_filter_would_not_fit_is_400_not_gigabytes(rate: int) -> None:
+    """A 2**31 Hz header asked for a 10**9-tap filter (~8 GB an array): the gateway was OOM-killed and took the
+    mesh down. Rates whose ratio to 16 kHz has a term above MAX_RESAMPLE_TERM are refused before any filter."""
+    with pytest.raises(PipelineError, match=rf"a sample rate of {rate} Hz is not supported") as e:
+        wav_to_audio_part(riff(1, 1, rate, 16, bytes(3200)), max_seconds=10, param="input_audio")
+    assert e.value.http_status == 400 and e.value.param == "input_audio"
+    with pytest.raises(ValueError, match="terms above 16384 are not supported"):
+        resample(np.zeros(1600, np.float32), rate, 16_000)
+    for common in (5_512, 11_025, 37_800, 44_100, 88_200, 352_800, 768_000):
+        assert max(resample_ratio(common, 16_000)) <= MAX_RESAMPLE_TERM
+
+
+def test_a_large_down_sampling_gathers_its_windows_in_bounded_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1/16384 needs ~10**6 taps per output: the blocks shrink so the gathered windows stay ~16 MB (whole
+    blocks gathered ~490 MB here); the filter's own arrays are bounded by MAX_RESAMPLE_TERM. Another block size
+    gives the same samples to float rounding (BLAS sums a long row in its own order per batch shape); the
+    common rates' taps fit whole blocks, as before."""
+    import tracemalloc
+
+    import gateway.media as media
+
+    x = np.random.default_rng(0).standard_normal(2_000_000).astype(np.float32)
+    tracemalloc.start()
+    y = resample(x, 16_000 * 16_384, 16_000)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert y.shape == (123,) and peak < 150 * 2**20, peak
+    monkeypatch.setattr(media, "_RESAMPLE_TEMP", 2**24)  # 4x the block
+    np.testing.assert_allclose(resample(x, 16_000 * 16_384, 16_000), y, rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------- data URIs and images
