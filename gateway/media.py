@@ -49,6 +49,18 @@ def invalid_request(message: str, param: str | None = None) -> PipelineError:
                          kind="invalid_request_error", param=param)
 
 
+def _av_installed() -> bool:
+    try:  # PyAV loads with the first file FFmpeg decodes (and media_video imports this module)
+        import gateway.media_video  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class UnsupportedWavEncoding(PipelineError):
+    """A WAV whose encoding this module does not parse (A-law, mu-law, ADPCM, ...): FFmpeg may read it."""
+
+
 def too_large(message: str, param: str | None = None) -> PipelineError:
     """A 413 / INVALID_ARGUMENT error: the input breaks one of the `InputLimits`."""
     return PipelineError(message, http_status=413, grpc_code=_GRPC_INVALID_ARGUMENT,
@@ -175,8 +187,9 @@ def decode_wav(data: bytes, *, max_seconds: float, param: str = "audio") -> tupl
     elif tag == _WAVE_FORMAT_FLOAT and bits in (32, 64):
         x = np.frombuffer(raw, "<f4" if bits == 32 else "<f8").astype(np.float32)
     else:
-        raise invalid_request(f"{param}: unsupported WAV encoding (format tag {tag}, {bits} bits); "
-                              "supported: PCM 8/16/24/32-bit, IEEE float 32/64-bit", param)
+        raise UnsupportedWavEncoding(f"{param}: unsupported WAV encoding (format tag {tag}, {bits} bits); "
+                                     "supported: PCM 8/16/24/32-bit, IEEE float 32/64-bit", http_status=400,
+                                     grpc_code=_GRPC_INVALID_ARGUMENT, kind="invalid_request_error", param=param)
     return x.reshape(frames, channels), rate
 
 
@@ -366,8 +379,15 @@ class MediaLoader:
                                        kind="audio")
 
     async def audio_from_wav(self, data: bytes, param: str) -> AudioPart:
-        return await asyncio.to_thread(wav_to_audio_part, data, max_seconds=self.limits.max_audio_seconds,
-                                       param=param)
+        """PCM and float WAVs are parsed here; other encodings (telephony's A-law and mu-law, ADPCM, ...) go to
+        FFmpeg as any other file does, where PyAV is installed."""
+        try:
+            return await asyncio.to_thread(wav_to_audio_part, data, max_seconds=self.limits.max_audio_seconds,
+                                           param=param)
+        except UnsupportedWavEncoding as unsupported:
+            if not _av_installed():  # the encoding's own 400 then stands
+                raise unsupported from None
+            return await self.audio_from_file(data, param)
 
     async def image_from_url(self, url: str, param: str) -> ImagePart:
         """OpenAI `image_url.url`: a `data:image/...;base64,` URI or an allowed http(s) URL."""

@@ -288,6 +288,32 @@ def test_url_policy_refusals(media_server: str, url: str, domains: set[str], sta
     assert e.value.http_status == status and e.value.param == "image_url.url"
 
 
+@pytest.mark.parametrize(("tag", "encode"), [(7, "linear_to_ulaw"), (6, "linear_to_alaw")])
+def test_a_telephony_wav_is_decoded_by_ffmpeg(tag: int, encode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mu-law or A-law WAV sent as "wav" is not parsed here: it goes to FFmpeg as any other file, so it equals
+    the same bytes sent as another format; without PyAV the encoding's own 400 stands."""
+    import gateway.media as media
+    from gateway import realtime_audio
+
+    pcm = np.rint(sine(440, 8_000, 0.5) * 32767).astype(np.int16)
+    codes = getattr(realtime_audio, encode)(pcm).astype(np.uint8).tobytes()
+    fmt = struct.pack("<HHIIHHH", tag, 1, 8_000, 8_000, 1, 8, 0)  # non-PCM: cbSize 0
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(codes)) + codes
+    data = b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
+    b64 = base64.b64encode(data).decode()
+    loader = MediaLoader(InputLimits())
+    as_wav = run(loader.audio_from_base64(b64, "wav", "input_audio"))
+    as_file = run(loader.audio_from_base64(b64, "mp3", "input_audio"))
+    assert as_wav.sample_rate == 16_000 and as_wav.waveform.shape == (8_000,)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(as_wav.waveform, as_file.waveform)  # type: ignore[attr-defined]
+    y = as_wav.waveform[800:-800]  # type: ignore[attr-defined]
+    assert np.abs(y - sine(440, 16_000, 0.5)[800:-800]).max() < 0.02  # G.711's step, not noise
+    monkeypatch.setattr(media, "_av_installed", lambda: False)
+    with pytest.raises(PipelineError, match=f"unsupported WAV encoding \\(format tag {tag}, 8 bits\\)") as e:
+        run(loader.audio_from_base64(b64, "wav", "input_audio"))
+    assert e.value.http_status == 400
+
+
 def test_loader_refuses_unsupported_input_audio_format() -> None:
     with pytest.raises(PipelineError, match="'amr' is not supported; supported: wav, mp3, flac") as e:
         run(MediaLoader(InputLimits()).audio_from_base64("AAAA", "amr", "input_audio"))
