@@ -250,19 +250,26 @@ class MeshLauncher:
         return self._watch()
 
     def _watch(self) -> int:
-        state = {child.name: Restarts([]) for child in self.children if child.name != "gateway"}
+        """Until a signal: a stage (or the gateway) that exits is restarted on its port within --stage-restarts
+        (the gateway finds its stages again; the stages never notice a new gateway); past the limit, or a
+        gateway with --stage-restarts 0, the mesh stops with exit code 1."""
+        state = {child.name: Restarts([]) for child in self.children}
         while not self._stopping:
             now = time.monotonic()
             for child in self.children:
                 code = child.proc.poll()
-                if child.name == "gateway":
-                    if code is not None:
-                        print(f"omnimesh: the gateway exited with code {code}; stopping the mesh", file=sys.stderr, flush=True)
-                        return 1
-                    continue
                 st = state[child.name]
+                if child.name == "gateway" and code is not None and st.due is None and not self.args.stage_restarts:
+                    print(f"omnimesh: the gateway exited with code {code}; stopping the mesh (--stage-restarts 0)",
+                          file=sys.stderr, flush=True)
+                    return 1
                 if code is None:
-                    if self.args.stage_restarts and (now - st.checked >= HEALTH_EVERY_S or st.starting):
+                    if child.name == "gateway":  # restarted: it waits for the stages itself, then answers /health
+                        if st.starting and self._gateway_probe()[0]():
+                            st.starting = False
+                            print(f"omnimesh: the gateway (pid {child.proc.pid}) is serving again", file=sys.stderr,
+                                  flush=True)
+                    elif self.args.stage_restarts and (now - st.checked >= HEALTH_EVERY_S or st.starting):
                         st.checked = now
                         self._check_health(child, st)
                     continue
@@ -273,7 +280,7 @@ class MeshLauncher:
                     st.due, st.starting = None, True
                     st.times.append(now)
                     child.proc = _popen(child.argv, child.env)
-                    print(f"omnimesh: stage {child.name} restarted (pid {child.proc.pid})", file=sys.stderr, flush=True)
+                    print(f"omnimesh: {_what(child)} restarted (pid {child.proc.pid})", file=sys.stderr, flush=True)
             time.sleep(POLL_S)
         return 0
 
@@ -297,7 +304,7 @@ class MeshLauncher:
         """Report a stage that exited and plan its restart; False when it may not restart (stop the mesh)."""
         limit = self.args.stage_restarts
         st.times = [t for t in st.times if now - t < RESTART_WINDOW_S]
-        said = f"omnimesh: stage {child.name} (pid {child.proc.pid}) exited with code {code}"
+        said = f"omnimesh: {_what(child)} (pid {child.proc.pid}) exited with code {code}"
         if limit == 0:
             st.due = float("inf")  # reported once, never restarted
             print(f"{said}; {_meanwhile(child)} (--stage-restarts 0: it is not restarted)",
@@ -347,8 +354,14 @@ def stage_processes(args: ServeArgs, stages: tuple[str, ...] = STAGES) -> list[t
     return out
 
 
+def _what(child: Child) -> str:
+    return "the gateway" if child.name == "gateway" else f"stage {child.name}"
+
+
 def _meanwhile(child: Child) -> str:
     """What a stage process being down means for requests: a replica's go to its stage's other replicas."""
+    if child.name == "gateway":
+        return "no request is answered"
     if "#" in child.name:
         return "the gateway sends its requests to the stage's other replicas"
     return "requests that need it fail with 503"

@@ -2,7 +2,8 @@
 spawned with the stages, and its exit while they load fails the start at once; a stage that never serves
 fails it at --stage-start-timeout. Stop drains in order: the
 gateway gets SIGTERM and is waited for (it finishes the streams in flight) while every stage still runs; only
-then do the stages get theirs. A child that outlives the grace period is killed."""
+then do the stages get theirs. A child that outlives the grace period is killed. Watch: a gateway that dies
+is restarted like a stage (the stages keep running), within --stage-restarts; past it, or with 0, the mesh stops."""
 
 from __future__ import annotations
 
@@ -91,3 +92,67 @@ def test_a_stage_that_never_serves_fails_the_start_at_the_flags_bound(tmp_path, 
                                            r"--stage-start-timeout\)$"):
         launcher._run()
     assert 0.5 <= time.monotonic() - t0 < 5
+
+
+class DyingProc(FakeProc):
+    """A child that has exited with `code`."""
+
+    def __init__(self, name: str, log: list[str], code: int) -> None:
+        super().__init__(name, log)
+        self.code, self.pid = code, 4242
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+def _watched(tmp_path, monkeypatch, restarts: int, gateway_codes: list[int]) -> tuple[MeshLauncher, list[str]]:
+    """A launcher whose stages run and whose gateway process exits with each of `gateway_codes` in turn (the
+    launcher's restarts get the next one; after the last, the gateway runs)."""
+    monkeypatch.setattr("omnimesh.launcher.MAX_RESTART_BACKOFF_S", 0.0)  # restart at once
+    monkeypatch.setattr("omnimesh.launcher._grpc_status", lambda address: "SERVING")
+    monkeypatch.setattr("omnimesh.launcher._http_ok", lambda url, uds=None: True)
+    log: list[str] = []
+    codes = list(gateway_codes)
+
+    def popen(argv: list[str], env: dict[str, str] | None = None) -> FakeProc:
+        log.append("spawn gateway")
+        proc = DyingProc("gateway", log, codes.pop(0)) if codes else FakeProc("gateway", log)
+        proc.pid = 4243  # type: ignore[attr-defined]
+        return proc
+
+    monkeypatch.setattr("omnimesh.launcher._popen", popen)
+    launcher = MeshLauncher(ServeArgs(stage_restarts=restarts), tmp_path)
+    for name in STAGES:
+        launcher.children.append(Child(name, FakeProc(name, log), "x", []))  # type: ignore[arg-type]
+    launcher.children.append(Child("gateway", DyingProc("gateway", log, codes.pop(0)), "x", []))  # type: ignore[arg-type]
+    return launcher, log
+
+
+def test_a_gateway_that_dies_is_restarted_and_the_stages_keep_running(tmp_path, monkeypatch, capsys) -> None:
+    import threading
+
+    launcher, log = _watched(tmp_path, monkeypatch, restarts=2, gateway_codes=[-9])
+    result: list[int] = []
+    watch = threading.Thread(target=lambda: result.append(launcher._watch()))
+    watch.start()
+    deadline = time.monotonic() + 10
+    while "spawn gateway" not in log:
+        assert time.monotonic() < deadline, log
+        time.sleep(0.05)
+    time.sleep(1.2)  # a few polls: the restarted gateway answers /health
+    launcher._stopping = True
+    watch.join(5)
+    err = capsys.readouterr().err
+    assert result == [0] and log.count("spawn gateway") == 1 and not any(e.startswith("term ") for e in log)
+    assert "the gateway (pid 4242) exited with code -9; restarting it in 0s (restart 1 of at most 2" in err
+    assert "no request is answered until it serves again" in err
+    assert "the gateway restarted (pid 4243)" in err and "the gateway (pid 4243) is serving again" in err
+
+
+def test_a_gateway_past_the_restart_limit_or_with_none_allowed_stops_the_mesh(tmp_path, monkeypatch, capsys) -> None:
+    launcher, log = _watched(tmp_path, monkeypatch, restarts=0, gateway_codes=[1])
+    assert launcher._watch() == 1 and "spawn gateway" not in log
+    assert "the gateway exited with code 1; stopping the mesh (--stage-restarts 0)" in capsys.readouterr().err
+    launcher, log = _watched(tmp_path, monkeypatch, restarts=2, gateway_codes=[1, 1, 1])
+    assert launcher._watch() == 1 and log.count("spawn gateway") == 2
+    assert "after 2 restart(s) in the last 10 minutes (--stage-restarts 2); stopping the mesh" in capsys.readouterr().err

@@ -5,8 +5,9 @@ Killing the talker mid-request (with `--stage-restarts 0`, so it stays down): th
 promptly with 503 (an SSE `error` event then `[DONE]` for a stream that already started), nothing hangs, the
 gateway keeps serving what does not need the talker, `/health` names the stage that is down, the launcher
 reports it, and SIGTERM still stops the whole mesh cleanly. Killing the vocoder with restarts on: the launcher
-starts it again on its port, the gateway finds it, and the same request gets the same audio; one exit more
-than `--stage-restarts` allows stops the mesh with code 1. A checkpoint missing a talker weight makes
+starts it again on its port, the gateway finds it, and the same request gets the same audio; a killed gateway is
+restarted the same way and answers the same; one exit more than `--stage-restarts` allows stops the mesh with
+code 1. A checkpoint missing a talker weight makes
 `omnimesh serve` fail at start-up, naming the stage and the key. Every wait is bounded."""
 
 from __future__ import annotations
@@ -225,6 +226,15 @@ def test_a_dead_stage_is_restarted_until_the_limit(tiny_model_dir: Path):
             assert time.monotonic() < deadline, f"the gateway did not find the restarted vocoder: {health.text}"
             time.sleep(0.2)
         assert audio() == before, "the restarted vocoder must give the same audio for the same greedy request"
+
+        # the gateway dies too (an OOM kill, say): it is restarted on its ports, finds the stages, answers the same
+        gateway = _children(mesh.proc.proc.pid)["gateway"]
+        os.kill(gateway, signal.SIGKILL)
+        mesh.proc.wait_for_line(rf"the gateway \(pid {gateway}\) exited with code -9; restarting it in 1s \(restart 1 "
+                                r"of at most 1 in 10 minutes\); no request is answered", timeout_s=FAIL_WITHIN_S)
+        new = int(mesh.proc.wait_for_line(r"the gateway restarted \(pid (\d+)\)", timeout_s=FAIL_WITHIN_S).group(1))
+        mesh.proc.wait_for_line(rf"the gateway \(pid {new}\) is serving again", timeout_s=START_FAIL_WITHIN_S)
+        assert _children(mesh.proc.proc.pid)["gateway"] == new and audio() == before
 
         # a second exit within 10 minutes is one more than --stage-restarts 1 allows: the mesh stops, code 1
         others = {name: pid for name, pid in _children(mesh.proc.proc.pid).items() if name != "stage vocoder"}
