@@ -5,11 +5,14 @@ Role: the gateway's media policy in numbers. `--limit-mm-per-prompt` (vLLM's fla
 checked from the request's shape before any part is decoded; `--input-limits` (JSON keyed by the field
 names below) changes the sizes: body bytes, audio seconds, pixels, download size and time, video decoding.
 `limits_from_flags` turns both into one frozen `InputLimits`; `gateway.media.MediaLoader` enforces it.
+`parse_media_domains` reads `--allowed-media-domains` (the hosts http(s) media may come from).
 Every parse error is a ValueError naming the flag and the fix, raised when `omnimesh serve` starts.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -112,3 +115,26 @@ def describe_limits(limits: InputLimits) -> str:
             if getattr(limits, name) != getattr(default, name)]
     said += [f"{kind} refused" if n == 0 else f"{kind} parts <= {n}" for kind, n in limits.limit_mm_per_prompt.items()]
     return ", ".join(said) or "the defaults"
+
+
+_HOST_NAME = re.compile(r"(?i)^(?!-)[a-z0-9-]{1,63}(?<!-)(\.(?!-)[a-z0-9-]{1,63}(?<!-))*\.?$")
+
+
+def parse_media_domains(text: str | None) -> frozenset[str]:
+    """--allowed-media-domains "a.example,10.0.0.5" -> the hosts, lower-case; each must be a host name or an IP
+    address as a URL's host reads (no scheme, port, path or wildcard: the match is exact), else a ValueError
+    saying what to write (a typo would only ever refuse media, silently)."""
+    hosts = []
+    for item in (p.strip() for p in (text or "").split(",")):
+        if not item:
+            continue
+        host = item.removeprefix("[").removesuffix("]")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not _HOST_NAME.match(host):
+                raise ValueError(f"--allowed-media-domains: {item!r} is not a host name or IP address; give hosts "
+                                 f"as a URL names them, comma-separated (e.g. media.example.com,10.0.0.5), without "
+                                 f"scheme, port, path or wildcard") from None
+        hosts.append(host.lower().rstrip("."))
+    return frozenset(hosts)

@@ -24,7 +24,7 @@ import uvicorn
 from gateway.auth import parse_api_keys
 from gateway.grpc_api import create_grpc_server
 from gateway.http_front import HttpFront
-from gateway.input_limits import InputLimits, describe_limits, limits_from_flags
+from gateway.input_limits import InputLimits, describe_limits, limits_from_flags, parse_media_domains
 from gateway.pipeline import StagePipeline
 from gateway.processor_kwargs import parse_mm_processor_kwargs
 from gateway.chat_template_options import parse_default_kwargs
@@ -106,7 +106,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     await pipeline.connect(args.stage_start_timeout)  # under `omnimesh serve`: while the stages load
     if pipeline.no_audio is not None:
         log.info("gateway: text out only: %s", pipeline.no_audio)
-    domains = frozenset(d.strip() for d in (args.allowed_media_domains or "").split(",") if d.strip())
+    domains = parse_media_domains(args.allowed_media_domains)
     limits = limits_from_flags(args.limit_mm_per_prompt, args.input_limits)
     if limits != InputLimits():
         log.info("gateway: input limits %s", describe_limits(limits))

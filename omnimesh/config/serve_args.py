@@ -445,12 +445,13 @@ class ServeArgs:
             raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
         if self.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be >= 0 (or -1: up to the vocabulary), got {self.max_logprobs}")
-        from gateway.input_limits import limits_from_flags
+        from gateway.input_limits import limits_from_flags, parse_media_domains
         from gateway.processor_kwargs import parse_mm_processor_kwargs
 
         parse_mm_processor_kwargs(self.mm_processor_kwargs)
 
         limits_from_flags(self.limit_mm_per_prompt, self.input_limits)
+        parse_media_domains(self.allowed_media_domains)
         check_content_format(self.chat_template_content_format)
         from gateway.chat_template_options import parse_default_kwargs
 

@@ -1,11 +1,13 @@
 """`--limit-mm-per-prompt` and `--input-limits` -> `InputLimits`: vLLM's syntax, sizes with units, and an
-error naming the flag and the fix for every bad value."""
+error naming the flag and the fix for every bad value; `--allowed-media-domains` -> the exact hosts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from gateway.input_limits import SIZE_FIELDS, InputLimits, limits_from_flags
+from gateway.input_limits import SIZE_FIELDS, InputLimits, limits_from_flags, parse_media_domains
 
 
 def test_no_flags_are_the_defaults() -> None:
@@ -55,3 +57,19 @@ def test_the_start_up_log_names_what_differs() -> None:
     assert describe_limits(InputLimits()) == "the defaults"
     limits = limits_from_flags('{"image": 2, "video": 0}', '{"max_audio_seconds": 30}')
     assert describe_limits(limits) == "max_audio_seconds=30 (default 600), image parts <= 2, video refused"
+
+
+def test_allowed_media_domains_are_hosts_as_a_url_names_them() -> None:
+    """Exact, lower-case hosts; anything a URL's host could never equal is refused at start-up (a typo would only
+    ever refuse media, silently)."""
+    from omnimesh.config.serve_args import ServeArgs
+
+    assert parse_media_domains(None) == frozenset()
+    assert parse_media_domains("Media.Example.com, 10.0.0.5,[::1],localhost,") == {
+        "media.example.com", "10.0.0.5", "::1", "localhost"}
+    for bad in ("https://a.example", "a.example:8080", "a.example/media", "*.a.example", "-a.example", "a..example",
+                "a b", "{"):
+        with pytest.raises(ValueError, match=f"--allowed-media-domains: '{re.escape(bad)}' is not a host name"):
+            parse_media_domains(bad)
+        with pytest.raises(ValueError, match="--allowed-media-domains"):
+            ServeArgs(allowed_media_domains=f"ok.example,{bad}")
