@@ -49,12 +49,13 @@ def invalid_request(message: str, param: str | None = None) -> PipelineError:
                          kind="invalid_request_error", param=param)
 
 
-def _av_installed() -> bool:
+def _av_missing() -> ImportError | None:
+    """Why FFmpeg's decoders (PyAV) cannot load here, or None when they can."""
     try:  # PyAV loads with the first file FFmpeg decodes (and media_video imports this module)
         import gateway.media_video  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError as e:
+        return e
+    return None
 
 
 class UnsupportedWavEncoding(PipelineError):
@@ -385,7 +386,7 @@ class MediaLoader:
             return await asyncio.to_thread(wav_to_audio_part, data, max_seconds=self.limits.max_audio_seconds,
                                            param=param)
         except UnsupportedWavEncoding as unsupported:
-            if not _av_installed():  # the encoding's own 400 then stands
+            if _av_missing() is not None:  # the encoding's own 400 then stands
                 raise unsupported from None
             return await self.audio_from_file(data, param)
 
@@ -433,12 +434,10 @@ class MediaLoader:
     @staticmethod
     def _need_av(param: str, what: str) -> None:
         """501 naming PyAV when this server lacks it (the decoders need FFmpeg)."""
-        try:  # PyAV loads with the first such file (and media_video imports this module)
-            import gateway.media_video  # noqa: F401
-        except ImportError as e:
+        if (e := _av_missing()) is not None:
             raise PipelineError(f"{param}: this server cannot decode {what}: {e}; its operator must install PyAV "
                                 "(pip install av)", http_status=501, grpc_code=_GRPC_UNIMPLEMENTED,
-                                kind="server_error", param=param) from None
+                                kind="server_error", param=param)
 
     def check_counts(self, kinds: Sequence[str]) -> None:
         """The request's media parts by modality ('audio', 'image', 'video'), checked before any is decoded:

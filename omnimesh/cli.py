@@ -342,13 +342,14 @@ def parse_stage_addresses(text: str) -> dict[str, list[str]]:
         host, colon, port = addr.rpartition(":")
         if not sep or name not in STAGES or not colon:
             raise ValueError(f"--stages: {item!r} must look like NAME=HOST:PORT with NAME one of {', '.join(STAGES)}")
-        if parse_dns_target(addr) is None and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+        dns = parse_dns_target(addr)
+        if dns is None and (not host or not port.isdigit() or not 0 < int(port) < 65536):
             raise ValueError(f"--stages: {item!r}: the address must be HOST:PORT with a port in 1-65535 "
                              f"([v6]:PORT for an IPv6 address)")
         if addr in out.get(name, []):
             raise ValueError(f"--stages names {name}={addr} twice; each replica needs its own address")
         out.setdefault(name, []).append(addr)
-        if parse_dns_target(addr) is not None and len(out[name]) > 1 or any(
+        if dns is not None and len(out[name]) > 1 or any(
                 parse_dns_target(a) is not None for a in out[name][:-1]):
             raise ValueError(f"--stages: stage {name} is named by DNS ({name}=dns:///HOST:PORT); give it alone, "
                              f"without other addresses")

@@ -259,10 +259,6 @@ class MeshLauncher:
             for child in self.children:
                 code = child.proc.poll()
                 st = state[child.name]
-                if child.name == "gateway" and code is not None and st.due is None and not self.args.stage_restarts:
-                    print(f"omnimesh: the gateway exited with code {code}; stopping the mesh (--stage-restarts 0)",
-                          file=sys.stderr, flush=True)
-                    return 1
                 if code is None:
                     if child.name == "gateway":  # restarted: it waits for the stages itself, then answers /health
                         if st.starting and self._gateway_probe()[0]():
@@ -301,10 +297,15 @@ class MeshLauncher:
                 child.proc.wait()
 
     def _schedule_restart(self, child: Child, code: int, st: Restarts, now: float) -> bool:
-        """Report a stage that exited and plan its restart; False when it may not restart (stop the mesh)."""
+        """Report a stage (or the gateway) that exited and plan its restart; False when it may not restart (stop
+        the mesh)."""
         limit = self.args.stage_restarts
         st.times = [t for t in st.times if now - t < RESTART_WINDOW_S]
         said = f"omnimesh: {_what(child)} (pid {child.proc.pid}) exited with code {code}"
+        if limit == 0 and child.name == "gateway":  # a stage may stay down; without a gateway nothing is served
+            print(f"omnimesh: the gateway exited with code {code}; stopping the mesh (--stage-restarts 0)",
+                  file=sys.stderr, flush=True)
+            return False
         if limit == 0:
             st.due = float("inf")  # reported once, never restarted
             print(f"{said}; {_meanwhile(child)} (--stage-restarts 0: it is not restarted)",

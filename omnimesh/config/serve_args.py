@@ -472,17 +472,21 @@ class ServeArgs:
         if not self.rendezvous_timeout > 0:
             raise ValueError(f"--rendezvous-timeout must be > 0 seconds, got {self.rendezvous_timeout}")
         self._check_global_spread()
-        processes = sum(cfg.num_replicas for cfg in self.stage_configs().values())  # validates -tp/-pp, --stage-overrides
+        processes = self.stage_processes()  # validates -tp/-pp, --stage-overrides
         if not 0 <= self.stage_base_port <= 65536 - processes:
             raise ValueError(f"--stage-base-port must leave room for {processes} stage ports (one per stage replica) "
                              f"below 65536, got {self.stage_base_port}")
         if self.uds is None and self.port == self.grpc_port:
             raise ValueError(f"--port and --grpc-port are both {self.port}: the REST and gRPC APIs need a port each")
 
+    def stage_processes(self) -> int:
+        """How many stage processes `omnimesh serve` starts at most: one per replica of every stage."""
+        return sum(cfg.num_replicas for cfg in self.stage_configs().values())
+
     def check_stage_ports(self) -> None:
         """`omnimesh serve`: the stages' ports (--stage-base-port on, one per replica) miss the gateway's."""
-        processes = sum(cfg.num_replicas for cfg in self.stage_configs().values())
-        stage_ports = range(self.stage_base_port, self.stage_base_port + processes if self.stage_base_port else 0)
+        end = self.stage_base_port + self.stage_processes() if self.stage_base_port else 0
+        stage_ports = range(self.stage_base_port, end)
         for flag, port in {"--port": None if self.uds is not None else self.port, "--grpc-port": self.grpc_port}.items():
             if port in stage_ports:
                 raise ValueError(f"{flag} {port} is one of the stages' ports ({stage_ports.start}-{stage_ports.stop - 1}: "

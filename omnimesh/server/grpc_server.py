@@ -55,7 +55,7 @@ def listen_address(host: str, port: int) -> str:
 
 def bound_socket(host: str, port: int, flag: str) -> socket.socket:
     """A TCP socket bound to host:port (IPv6 when the host has a colon); BindError naming `flag` when it cannot be."""
-    if isinstance(port, bool) or not 0 <= port <= 65535:
+    if not 0 <= port <= 65535:
         raise BindError(f"{flag} {port}: a port is a number in 0-65535 (0: any free one)")
     host = host.removeprefix("[").removesuffix("]")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)

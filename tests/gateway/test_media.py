@@ -308,7 +308,7 @@ def test_a_telephony_wav_is_decoded_by_ffmpeg(tag: int, encode: str, monkeypatch
     np.testing.assert_array_equal(as_wav.waveform, as_file.waveform)  # type: ignore[attr-defined]
     y = as_wav.waveform[800:-800]  # type: ignore[attr-defined]
     assert np.abs(y - sine(440, 16_000, 0.5)[800:-800]).max() < 0.02  # G.711's step, not noise
-    monkeypatch.setattr(media, "_av_installed", lambda: False)
+    monkeypatch.setattr(media, "_av_missing", lambda: ImportError("No module named 'av'"))
     with pytest.raises(PipelineError, match=f"unsupported WAV encoding \\(format tag {tag}, 8 bits\\)") as e:
         run(loader.audio_from_base64(b64, "wav", "input_audio"))
     assert e.value.http_status == 400
