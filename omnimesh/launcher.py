@@ -35,7 +35,7 @@ from omnimesh.config.serve_args import HTTP_FRONT_FIELDS, ServeArgs, to_argv
 from omnimesh.config.stage_config import STAGES
 from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, text_only_reason
 from omnimesh.node_launcher import node_argv
-from omnimesh.proc_utils import die_with_parent, free_port
+from omnimesh.proc_utils import RESERVED_PORTS_ENV, die_with_parent, free_port
 from omnimesh.server.grpc_server import listen_address
 
 STOP_GRACE_S = 10.0
@@ -228,10 +228,14 @@ class MeshLauncher:
         elif self.args.stage_configs()["talker"].num_replicas == 0:  # --stage-overrides leave speech out
             print("omnimesh: num_replicas 0 for the talker and vocoder: text out only; starting the encoder and "
                   "thinker stages only", file=sys.stderr, flush=True)
-        for stage, replica, name in stage_processes(self.args, stages):
-            port = base + len(stage_children) if base else free_port()
+        plan = list(stage_processes(self.args, stages))
+        ports: list[int] = []
+        for _ in plan:
+            ports.append(base + len(ports) if base else free_port(avoid=ports))
+        reserved = {RESERVED_PORTS_ENV: ",".join(map(str, ports))}  # no stage's rank rendezvous takes one of them
+        for (stage, replica, name), port in zip(plan, ports):
             addrs.setdefault(stage, []).append(f"127.0.0.1:{port}")
-            stage_children.append(self._spawn(name, self._stage_argv(stage, port, replica), addrs[stage][-1]))
+            stage_children.append(self._spawn(name, self._stage_argv(stage, port, replica), addrs[stage][-1], reserved))
         # the gateway starts now, not once the stages serve: it waits for them itself (--stage-start-timeout)
         gw = self._spawn("gateway", self._gateway_argv(addrs), f"{self.args.host}:{self.args.port}", self._gateway_env())
         deadline = time.monotonic() + self.args.stage_start_timeout

@@ -8,16 +8,26 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Collection
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free now (another process may still take it before it is bound)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+RESERVED_PORTS_ENV = "OMNIMESH_RESERVED_PORTS"  # the stage ports `omnimesh serve` handed out, comma-separated
+
+
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port the OS says is free now (another process may still take it before it is bound), none of `avoid` nor
+    of $OMNIMESH_RESERVED_PORTS: a stage binds the port the launcher gave it only once it has loaded, and until
+    then the OS would hand it out again, e.g. to a stage's own rank rendezvous (seen: the talker's gRPC bind failed)."""
+    reserved = set(avoid) | {int(p) for p in os.environ.get(RESERVED_PORTS_ENV, "").split(",") if p.strip().isdigit()}
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port: int = s.getsockname()[1]
+        if port not in reserved:
+            return port
 
 
 def _prctl(option: int, arg: int | bytes) -> None:

@@ -59,8 +59,11 @@ def test_the_gateway_starts_with_the_stages_and_its_exit_fails_the_start_at_once
     log: list[str] = []
     spawned: list[list[str]] = []
 
+    envs: list[dict[str, str] | None] = []
+
     def popen(argv: list[str], env: dict[str, str] | None = None) -> FakeProc:
         spawned.append(argv)
+        envs.append(env)
         proc = FakeProc(argv[0] if argv[0] == "gateway" else argv[1], log)
         if argv[0] == "gateway":
             proc.poll = lambda: 1  # type: ignore[method-assign]  # it exits at once
@@ -77,6 +80,10 @@ def test_the_gateway_starts_with_the_stages_and_its_exit_fails_the_start_at_once
     assert [argv[0] if argv[0] == "gateway" else argv[1] for argv in spawned] == [*STAGES, "gateway"]
     gateway = spawned[-1]
     assert gateway[gateway.index("--stage-start-timeout") + 1] == "30.0"
+    # every stage knows all the stage ports (free_port never hands one to a rank rendezvous); they differ
+    ports = [int(argv[argv.index("--port") + 1]) for argv in spawned[:-1]]
+    assert len(set(ports)) == len(STAGES)
+    assert all(env == {"OMNIMESH_RESERVED_PORTS": ",".join(map(str, ports))} for env in envs[:-1])
 
 
 def test_a_stage_that_never_serves_fails_the_start_at_the_flags_bound(tmp_path, monkeypatch) -> None:

@@ -64,3 +64,28 @@ def test_freeze_startup_heap_takes_start_up_objects_out_of_collections() -> None
     assert not got["kept_scanned"]
     assert got["cycle_collected"]  # garbage made after the freeze is still found
     assert got["after"] < got["before"] / 3, got
+
+
+def test_free_port_skips_the_ports_a_launcher_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OS may hand a stage's port out again before the stage binds it (after its load): free_port skips
+    `avoid` and $OMNIMESH_RESERVED_PORTS, as each stage's rank rendezvous must."""
+    import omnimesh.proc_utils as proc_utils
+
+    offered = iter([50100, 50101, 50102, 50103])
+
+    class FakeSocket:
+        def __enter__(self) -> FakeSocket:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            self.port = next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(proc_utils.socket, "socket", FakeSocket)
+    monkeypatch.setenv(proc_utils.RESERVED_PORTS_ENV, "50100, 50102,")
+    assert proc_utils.free_port(avoid=[50101]) == 50103
