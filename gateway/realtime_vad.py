@@ -3,20 +3,23 @@ voice-activity model, MIT, shipped inside the `silero-vad` wheel) over the appen
 
 Data flow: `ServerVAD.push(samples)` (float32 at 24 kHz, as appended) -> 32 ms frames, each resampled to
 16 kHz (`gateway.media.resample`, with the previous frame's tail as its left context) and scored by the
-session's own copy of the model (it is recurrent: its state carries from frame to frame) -> a frame is speech
+process's one model with the session's own recurrent state (the LSTM's h and c, and the 64 samples at 16 kHz
+before the frame, carried from frame to frame) -> a frame is speech
 when its probability is at least `threshold` (OpenAI's meaning of it; default 0.5) -> the first speech frame
 starts a turn (`Started(ms)`: where in the session's audio it began), and `silence_duration_ms` of frames
 below it end the turn (`Stopped(ms, audio)`: the turn's audio from `prefix_padding_ms` before its first speech
 frame to the end of its last one). Between turns only the last `prefix_padding_ms` are kept.
 
 The model hears voices, not loudness: steady noise, hum and tones are not speech, and quiet speech is. The
-weights are read once per process (`_template`); each detector deep-copies them (~25 ms) and scores a frame
-in ~2 ms of one core: create and push off the event loop (gateway/realtime_api.py does).
+weights are read once per process (`_network`) and shared by every session: the wheel's TorchScript wrapper
+keeps the state inside itself, so the detector calls the stateless network inside it (`_model`: frame with
+context and state in, probability and state out; the same numbers as the wrapper, bit for bit) and a session
+costs ~1 KB of state instead of a 2.8 MB copy of the model. A frame scores in ~2 ms of one core: push off the
+event loop (gateway/realtime_api.py does).
 """
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import threading
 import warnings
@@ -33,14 +36,16 @@ FRAME_MS = 32  # Silero scores 512 samples at 16 kHz
 MODEL_RATE = 16_000
 MODEL_FRAME = 512
 CONTEXT = 96  # input samples of the previous frame resampled with each frame (a whole number of outputs)
+MODEL_CONTEXT = 64  # samples at 16 kHz before the frame that the network hears with it (the wrapper's context)
+HIDDEN = 128  # the network's LSTM width: its state is (h, c), each (1, HIDDEN)
 
 _lock = threading.Lock()
 _loaded: Any = None
 
 
-def _template() -> Any:
-    """The Silero VAD TorchScript model from the installed `silero-vad` wheel, loaded once. Found by path: importing
-    the package would set torch's thread count for the whole gateway."""
+def _network() -> Any:
+    """The stateless 16 kHz network of the Silero VAD TorchScript model in the installed `silero-vad` wheel, loaded
+    once. Found by path: importing the package would set torch's thread count for the whole gateway."""
     global _loaded
     with _lock:
         if _loaded is None:
@@ -51,7 +56,7 @@ def _template() -> Any:
             with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript loading; the wheel ships TorchScript
                 warnings.simplefilter("ignore", DeprecationWarning)
                 model = torch.jit.load(str(Path(spec.origin).parent / "data" / "silero_vad.jit"), map_location="cpu")
-            _loaded = model.eval()
+            _loaded = model.eval()._model
         return _loaded
 
 
@@ -67,15 +72,16 @@ class Stopped:
 
 
 class SpeechProbability:
-    """One audio stream's speech probability per 32 ms frame (its own model state)."""
+    """One audio stream's speech probability per 32 ms frame (its own recurrent state, the process's network)."""
 
     def __init__(self, rate: int) -> None:
         if rate * MODEL_FRAME % MODEL_RATE or rate * CONTEXT % MODEL_RATE:
             raise ValueError(f"input rate {rate} Hz does not frame into 512 samples at 16 kHz")
         self.rate = rate
         self.frame = rate * MODEL_FRAME // MODEL_RATE
-        self.model = copy.deepcopy(_template())
-        self.model.reset_states()
+        self.network = _network()
+        self.state = torch.zeros(2, 1, HIDDEN)  # the LSTM's (h, c)
+        self.context = torch.zeros(1, MODEL_CONTEXT)  # the 16 kHz samples before the next frame
         self.tail = np.zeros(CONTEXT, np.float32)  # the input just before the next frame
 
     @torch.inference_mode()
@@ -84,7 +90,10 @@ class SpeechProbability:
         x = resample(np.concatenate([self.tail, frame]), self.rate, MODEL_RATE)
         skip = CONTEXT * MODEL_RATE // self.rate
         self.tail = frame[-CONTEXT:].astype(np.float32, copy=True)
-        return float(self.model(torch.from_numpy(np.ascontiguousarray(x[skip:skip + MODEL_FRAME]))[None], MODEL_RATE))
+        heard = torch.cat([self.context, torch.from_numpy(np.ascontiguousarray(x[skip:skip + MODEL_FRAME]))[None]], 1)
+        probability, self.state = self.network(heard, self.state)
+        self.context = heard[:, -MODEL_CONTEXT:].clone()
+        return float(probability)
 
 
 class ServerVAD:

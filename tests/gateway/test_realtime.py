@@ -12,6 +12,7 @@ import base64
 import json
 import wave
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -404,6 +405,45 @@ def test_each_session_has_its_own_model_state() -> None:
         got[0].append(a(clip[i:i + 768]))
         got[1].append(b(noise[i:i + 768]))
     assert got == want and max(want[0]) > 0.9 and max(want[1]) < 0.5
+    assert a.network is b.network  # one network per process: a session holds only its state
+    streams = [clip, noise] * 4  # and sessions scored at once on threads (as the gateway's pushes run) agree too
+
+    def score(x: np.ndarray) -> list[float]:
+        detector = SpeechProbability(24_000)
+        return [detector(x[i:i + 768]) for i in range(0, 768 * 20, 768)]
+
+    with ThreadPoolExecutor(8) as pool:
+        scored = list(pool.map(score, streams))
+    assert scored == want * 4
+
+
+def test_the_shared_network_scores_as_the_wheels_model() -> None:
+    """The detector's stateless call of the shared network gives the wheel's own stateful TorchScript model's
+    probabilities bit for bit, frame after frame (state and context carried the same way)."""
+    import importlib.util
+    import warnings
+    from pathlib import Path
+
+    import torch
+
+    from gateway.media import resample
+    from gateway.realtime_vad import CONTEXT, MODEL_FRAME, MODEL_RATE, SpeechProbability
+
+    origin = importlib.util.find_spec("silero_vad").origin  # type: ignore[union-attr]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        wheel = torch.jit.load(str(Path(origin).parent / "data" / "silero_vad.jit"), map_location="cpu").eval()
+    audio = np.concatenate([speech(), (np.random.default_rng(2).standard_normal(20_000) * 0.05).astype(np.float32)])
+    ours, tail, want, got = SpeechProbability(24_000), np.zeros(CONTEXT, np.float32), [], []
+    skip = CONTEXT * MODEL_RATE // 24_000
+    with torch.inference_mode():
+        for at in range(0, audio.size - 768, 768):
+            frame = audio[at:at + 768]
+            x = resample(np.concatenate([tail, frame]), 24_000, MODEL_RATE)[skip:skip + MODEL_FRAME]
+            tail = frame[-CONTEXT:]
+            want.append(float(wheel(torch.from_numpy(np.ascontiguousarray(x))[None], MODEL_RATE)))
+            got.append(ours(frame))
+    assert got == want and max(want) > 0.9 and min(want) < 0.1
 
 
 def test_input_audio_transcription(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
