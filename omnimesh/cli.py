@@ -138,7 +138,8 @@ def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> 
 
 def _check_memory(args: ServeArgs, model_dir: Path, only: str | None = None) -> int | None:
     """Weights + KV cache against the devices' memory (omnimesh/memory_plan.py): on CUDA a stage that does not
-    fit exits 2 saying what is missing and which pp / tp fits; on CPU a shortfall is advice only."""
+    fit exits 2 saying what is missing and which pp / tp fits; on CPU a shortfall is advice only. A KV cache
+    too small for one sequence exits 2 on any device (the stage's engine would refuse it after loading)."""
     from omnimesh.memory_plan import plan_memory
 
     try:
@@ -146,6 +147,8 @@ def _check_memory(args: ServeArgs, model_dir: Path, only: str | None = None) -> 
     except Exception as exc:  # an estimate never stops a start that might work
         print(f"omnimesh: advice: no memory estimate ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
+    if plan.refusals:  # the stage's engine would refuse them whatever the memory
+        return _fail(plan.refusal_text())
     if not plan.ok and args.device == "cuda":
         return _fail(plan.error_text())
     for line in plan.errors + plan.advice:
@@ -175,6 +178,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     print(plan.report())
+    if plan.refusals:
+        return _fail(f"{len(plan.refusals)} stage(s) would refuse to start: see 'cannot start' above")
     return 0 if plan.ok else _fail(f"the model does not fit its devices: {len(plan.errors)} problem(s) above")
 
 
@@ -274,7 +279,7 @@ def cmd_stage(ns: argparse.Namespace) -> int:
         from omnimesh.node_launcher import run_headless_stage
 
         return run_headless_stage(stage, model_dir, args)
-    from omnimesh.server.stage_server import run_stage
+    from omnimesh.server.stage_server import StageStartRefused, run_stage
     from omnimesh.stage_registry import handler_factory
 
     port = ns.stage_port if ns.stage_port is not None else 50051 + STAGES.index(ns.stage_name)
@@ -297,6 +302,8 @@ def cmd_stage(ns: argparse.Namespace) -> int:
                   yield_steps=cfg.effective_yield_steps(stage), log_stats=not args.disable_log_stats)
     except RendezvousError as exc:  # the stage's nodes could not meet or disagree: the message says which
         return _fail(str(exc), 1)
+    except StageStartRefused as exc:  # its settings or model folder: the message says what to change
+        return _fail(str(exc) if str(exc).startswith(f"{stage}:") else f"stage {stage}: {exc}")
     return 0
 
 

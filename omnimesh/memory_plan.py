@@ -3,7 +3,10 @@
 Role: the SPEC's rule of thumb "a model that does not fit in pp x tp x memory x utilization -> an error that
 says how much is missing and which pp / tp would fit", and its failure mode "OOM at load". `omnimesh plan`
 prints `MemoryPlan.report()` and starts nothing; `omnimesh serve` (and `omnimesh stage`, for its own stage)
-refuses on CUDA when the plan does not fit, and on CPU only prints advice.
+refuses on CUDA when the plan does not fit, and on CPU only prints advice. What a stage's engine would refuse
+at start-up whatever the memory (`refusals`: a KV cache given a size that cannot hold one max-length sequence, a
+--max-model-len beyond the thinker's max_position_embeddings) stops the start on any device, before anything
+loads.
 
 Data flow:
     model.safetensors[.index.json] headers (shapes and dtypes; no tensor is read)
@@ -278,12 +281,13 @@ class MemoryPlan:
     memory_source: str
     stages: list[StagePlan] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # each one a reason it does not fit (exit 2 on CUDA)
+    refusals: list[str] = field(default_factory=list)  # what a stage would refuse at start-up (exit 2 anywhere)
     advice: list[str] = field(default_factory=list)
     total_cpu: int = 0  # CPU: every stage's ranks together
 
     @property
     def ok(self) -> bool:
-        return not self.errors
+        return not self.errors and not self.refusals
 
     def table(self) -> str:
         head = ("stage", "pp x tp", "devices", "weights/rank", "+ on rank 0", "KV/token", "KV, one sequence",
@@ -310,6 +314,7 @@ class MemoryPlan:
             out.append(f"all stages on this host: up to {fmt_bytes(self.total_cpu)} of {fmt_bytes(self.memory['cpu'])} "
                        f"RAM (KV pools counted full)")
         out += [f"does not fit: {e}" for e in self.errors]
+        out += [f"cannot start: {r}" for r in self.refusals]
         out += self.recommendations()
         out += [f"advice: {a}" for a in self.advice]
         out.append("estimate from the checkpoint's shapes: activations and the CUDA context are not counted"
@@ -325,6 +330,9 @@ class MemoryPlan:
     def error_text(self) -> str:
         return ("the model does not fit its devices (`omnimesh plan` with the same flags prints the table):\n  "
                 + "\n  ".join(self.errors + self.recommendations()))
+
+    def refusal_text(self) -> str:
+        return "\n  ".join(self.refusals)
 
 
 def host_memory() -> int:
@@ -397,6 +405,9 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
         sp = StagePlan(stage, cfg, (), weights.per_rank(cfg.pp, cfg.tp, cfg.pp_layer_partition), driver)
         if stage == "encoder" and (args.node_rank == 0 or cfg.num_nodes == 1):  # rank 0 keeps its outputs
             sp.cache = parse_size(args.encoder_cache_memory, "--encoder-cache-memory")
+        if kv is not None and stage == "thinker" and kv.max_len > (limit := int(kv.config.max_position_embeddings)):
+            plan.refusals.append(f"stage thinker: --max-model-len {kv.max_len} exceeds the model's "
+                                 f"max_position_embeddings {limit}")  # as its handler refuses after loading
         if kv is not None:
             sp.kv_per_token = kv.per_token(cfg.pp, cfg.tp, cfg.pp_layer_partition, kv_cache_dtype(cfg.kv_cache_dtype, dtype))
             sp.kv_max_len = kv.max_len
@@ -404,11 +415,12 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
             pool = cfg.kv_cache_memory if cfg.kv_cache_memory is not None or cuda else CPU_KV_CACHE_BYTES
             sp.kv_pool = pool if pool is not None else sp.kv_one_sequence
             if pool is not None and pool // (sp.kv_per_token * args.block_size) * args.block_size < kv.max_len:
-                (plan.errors if cuda else plan.advice).append(
+                plan.refusals.append(  # the engine's own check (lm_engine.py), the same block arithmetic
                     f"stage {stage}: its KV cache of {fmt_bytes(pool)} per rank (kv_cache_memory"
                     f"{'' if cfg.kv_cache_memory is not None else ', the CPU default'}) holds fewer than the "
                     f"{kv.max_len} tokens of one sequence ({kv.what}), {fmt_bytes(sp.kv_one_sequence)} per rank: "
-                    f"the stage would refuse to start; raise --kv-cache-memory or lower --max-model-len")
+                    f"raise --kv-cache-memory (or this stage's kv_cache_memory in --stage-overrides)"
+                    f"{' or lower --max-model-len' if stage == 'thinker' else ''}")
         plan.stages.append(sp)
         if not cuda:
             plan.total_cpu += cfg.num_replicas * (weights.split + driver + cfg.world_size * sp.kv_pool + sp.cache)

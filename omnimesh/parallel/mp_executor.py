@@ -113,7 +113,10 @@ class MpExecutor:
     def __init__(self, pp: int, tp: int, factory: ProgramFactory, *, backend: str = "gloo",
                  master_addr: str = "127.0.0.1", master_port: int | None = None, timeout_s: float = 60.0,
                  threads_per_rank: int = 1, on_failure: Callable[[str], None] | None = None,
-                 devices: tuple[str, ...] = (), nodes: NodeSpec | None = None):
+                 devices: tuple[str, ...] = (), nodes: NodeSpec | None = None, start_timeout_s: float | None = None):
+        """`timeout_s`: the process group's (every collective's, and the rendezvous'); `start_timeout_s`: how long
+        this host's ranks may take to report in (a fresh process importing torch, then building its program;
+        default `timeout_s`)."""
         if pp < 1 or tp < 1:
             raise ValueError(f"pp and tp must be >= 1, got pp={pp}, tp={tp}")
         num_nodes = nodes.num_nodes if nodes is not None else 1
@@ -129,6 +132,7 @@ class MpExecutor:
         self.node_host: NodeHost | None = None
         self.factory = factory
         self.rdzv = Rendezvous(master_addr, master_port or free_port(master_addr), backend, timeout_s, tuple(devices))
+        self.start_timeout_s = timeout_s if start_timeout_s is None else start_timeout_s
         self.threads = threads_per_rank
         self.on_failure = on_failure
         self.failure: str | None = None
@@ -174,7 +178,9 @@ class MpExecutor:
         threading.Thread(target=self._monitor, name="omnimesh-rank-monitor", daemon=True).start()
         if self.node_host is not None:
             self.node_host.watch(self._fail)
-            atexit.register(self.shutdown)  # the other nodes hear a clean stop, not a lost driver
+        # any exit, a start-up refusal after the ranks came up included: the ranks hear STOP and the process group
+        # ends before the interpreter does (else gloo's threads abort its exit); other nodes hear a clean stop
+        atexit.register(self.shutdown)
         if self.ps.last_pp_rank_driver != 0:
             threading.Thread(target=self._receive_results, name="omnimesh-rank-results", daemon=True).start()
         if self.world > 1:
@@ -216,7 +222,7 @@ class MpExecutor:
         timeout fails the start, named: before the rendezvous this is what keeps rank 0 from waiting out the
         whole timeout for a rank that will never come and then blaming the network."""
         reached = self._joining if joining else self._ready
-        deadline = time.monotonic() + self.rdzv.timeout_s
+        deadline = time.monotonic() + self.start_timeout_s
         while pending := sorted(set(self.procs) - reached):
             try:
                 rank, status = ready.get(timeout=0.2)
@@ -228,7 +234,7 @@ class MpExecutor:
                                           f"start-up") from None
                 if time.monotonic() > deadline:
                     what = "reach the rendezvous" if joining else "start"
-                    raise RankFailure(f"ranks {pending} did not {what} within {self.rdzv.timeout_s:.0f}s") from None
+                    raise RankFailure(f"ranks {pending} did not {what} within {self.start_timeout_s:.0f}s") from None
                 continue
             if status not in (None, JOINING):
                 raise RankFailure(f"rank {rank} failed to start: {status}")
@@ -347,6 +353,7 @@ class MpExecutor:
         (a start that failed): no STOP and no wait, since a rank that failed to build its program takes no
         commands, and a STOP sent to it would block until the collective timeout (a Ray actor outlives its
         failed start)."""
+        atexit.unregister(self.shutdown)  # once is enough, and the exit hook no longer keeps this executor alive
         self._stopping = True
         self._quiet.set()
         if self.node_host is not None:

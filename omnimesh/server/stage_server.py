@@ -37,6 +37,12 @@ log = logging.getLogger(__name__)
 STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 
 
+class StageStartRefused(Exception):
+    """The stage's own start-up checks refused its settings or model folder (a ValueError while it loaded, e.g. a
+    KV cache that cannot hold one max_model_len sequence): the message says what to change. `omnimesh stage`
+    exits 2 with it, no traceback (--log-level DEBUG logs one); its ranks were stopped at exit."""
+
+
 async def _serve(handler: StageHandler, host: str, port: int, transport: Transport, bulk_nice: int,
                  yield_steps: int, log_stats: bool = True) -> None:
     metrics = EngineMetrics(handler.name, model_name=handler.info().model)
@@ -85,9 +91,13 @@ def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, tran
     torch.set_num_threads(cpu_threads())
     tune_malloc()
     t0 = time.monotonic()
-    handler = factory()
-    log.info("stage %s loaded in %.1fs", handler.name, time.monotonic() - t0)
-    hand_off = Transport(handler.name, transport, shm_arena_size, shm_min_tensor_size)  # before serving: a bad setting stops start-up
+    try:
+        handler = factory()
+        log.info("stage %s loaded in %.1fs", handler.name, time.monotonic() - t0)
+        hand_off = Transport(handler.name, transport, shm_arena_size, shm_min_tensor_size)  # a bad setting stops start-up
+    except ValueError as exc:
+        log.debug("stage start-up refused", exc_info=True)
+        raise StageStartRefused(str(exc)) from exc
     log.info("stage %s: %d start-up objects frozen out of the garbage collector's scans", handler.name,
              freeze_startup_heap())
     uvloop.run(_serve(handler, host, port, hand_off, bulk_nice, yield_steps, log_stats))

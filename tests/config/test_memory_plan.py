@@ -258,3 +258,42 @@ def test_a_narrower_kv_cache_dtype_counts_fewer_bytes_per_token(models) -> None:
     assert fp8["thinker"].kv_per_token * 2 == auto["thinker"].kv_per_token  # bf16 -> fp8
     assert fp8["talker"].kv_per_token == 2 * auto["talker"].kv_per_token  # its own override: float32
     assert fp8["thinker"].need < auto["thinker"].need
+
+
+def test_what_a_stage_would_refuse_stops_any_start_before_loading(models, monkeypatch, capsys) -> None:
+    """A KV cache given a size that holds less than one max-length sequence, and a --max-model-len beyond the
+    thinker's max_position_embeddings: the engine / handler would refuse them after loading, so `serve`,
+    `stage` and `plan` refuse them first, on CPU as on CUDA. The boundary is the engine's own block arithmetic:
+    exactly one sequence of whole blocks starts, one byte less does not."""
+    from omnimesh import cli, launcher
+
+    model = models["qwen3-omni"]
+    text = json.loads((model / "config.json").read_text())["thinker_config"]["text_config"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    per_block = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4 * 16  # fp32, 16 tokens
+    one_sequence = -(-text["max_position_embeddings"] // 16) * per_block
+
+    def refusals(thinker_kv: int, **kw: object) -> list[str]:
+        overrides = json.dumps({"thinker": {"kv_cache_memory": thinker_kv}})
+        return plan_memory(model, ServeArgs(device="cpu", stage_overrides=overrides, **kw)).refusals
+
+    assert refusals(one_sequence) == []
+    (refused,) = refusals(one_sequence - 1)
+    assert refused.startswith(f"stage thinker: its KV cache of {fmt_bytes(one_sequence - 1)} per rank") and \
+        refused.endswith("or lower --max-model-len")
+    assert refusals(per_block * 4, max_model_len=64) == []  # 4 blocks hold 64 tokens
+    too_long = refusals(one_sequence, max_model_len=10**5)
+    assert too_long[0] == (f"stage thinker: --max-model-len 100000 exceeds the model's max_position_embeddings "
+                           f"{text['max_position_embeddings']}") and "holds fewer than the 100000 tokens" in too_long[1]
+
+    started: list[str] = []
+    monkeypatch.setattr(launcher, "MeshLauncher", lambda *a: started.append("serve"))
+    for argv in (["serve", str(model), "--kv-cache-memory", "256KiB"], ["serve", str(model), "--max-model-len", "99999"],
+                 ["stage", "talker", "--model", str(model), "--kv-cache-memory", "256KiB"]):
+        assert cli.main(argv) == 2, argv
+        assert "omnimesh: error: stage t" in capsys.readouterr().err
+    assert not started
+    assert cli.main(["plan", str(model), "--kv-cache-memory", "256KiB"]) == 2
+    out, err = capsys.readouterr()
+    assert "cannot start: stage thinker" in out and "cannot start: stage talker" in out
+    assert "2 stage(s) would refuse to start" in err

@@ -8,7 +8,8 @@ reports it, and SIGTERM still stops the whole mesh cleanly. Killing the vocoder 
 starts it again on its port, the gateway finds it, and the same request gets the same audio; a killed gateway is
 restarted the same way and answers the same; one exit more than `--stage-restarts` allows stops the mesh with
 code 1. A checkpoint missing a talker weight makes
-`omnimesh serve` fail at start-up, naming the stage and the key. Every wait is bounded."""
+`omnimesh serve` fail at start-up, naming the stage and the key; a stage whose settings its loaded model
+refuses exits 2 with the reason, its ranks stopped cleanly. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from mesh_harness import Proc, free_port, start_mesh
+from mesh_harness import REPO, Proc, free_port, start_mesh
 from mesh_harness import alive as _alive
 from mesh_harness import children as _children
 from mesh_harness import stage_pid as _stage_pid
@@ -287,3 +289,28 @@ def test_missing_weight_fails_start_up(tiny_model_dir: Path, tmp_path: Path):
     assert not any("omnimesh serving" in line for line in proc.lines), out
     assert re.search(r"talker exited with code [1-9]\d* during start-up", out), out
     assert removed in out, f"the error must name the missing key {removed}:\n{out}"
+
+
+def test_a_stage_refusing_its_settings_after_its_ranks_start_exits_2_cleanly(tiny_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """A check the thinker can make only once loaded (a --tokenizer with more tokens than its vocabulary), on a
+    thinker of 2 pipeline ranks: `omnimesh stage` exits 2 with one error line naming the stage and the reason,
+    no traceback, and no abort at exit: its ranks are stopped (they never report a lost driver) and the process
+    group ends before the interpreter does (before, the exit aborted: code -6, "terminate called")."""
+    from transformers import AutoTokenizer
+
+    bigger = tmp_path / "bigger"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    tok.add_tokens(["<|not_in_the_model|>"])
+    tok.save_pretrained(bigger)
+    done = subprocess.run([sys.executable, "-m", "omnimesh.cli", "stage", "thinker", "--model", str(tiny_model_dir),
+                           "--host", "127.0.0.1", "--port", "0", "--tokenizer", str(bigger), "--max-model-len", "64",
+                           "--kv-cache-memory", "1MiB", "--stage-overrides", '{"thinker": {"pp": 2}}'],
+                          cwd=REPO, capture_output=True, text=True, timeout=START_FAIL_WITHIN_S)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("omnimesh: error:")]
+    assert done.returncode == 2 and errors == [
+        f"omnimesh: error: stage thinker: the tokenizer in {bigger} has {len(tok)} tokens, more than the thinker's "
+        f"vocabulary of {len(tok) - 1}: it is not this model's (--tokenizer)"], done.stderr
+    assert "stage ranks up: pp=2" in done.stderr  # the refusal came after the ranks started
+    for sign in ("Traceback", "terminate called", "lost the stage's driver"):
+        assert sign not in done.stderr, done.stderr

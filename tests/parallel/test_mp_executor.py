@@ -154,7 +154,8 @@ def test_a_stage_idle_past_its_collective_timeout_still_serves() -> None:
     driver keeps them alive while idle, and commands after the quiet spell run."""
     x = torch.randn(3, toy_program.H, generator=torch.Generator().manual_seed(2))
     failures: list[str] = []
-    ex = MpExecutor(2, 1, toy_program.make_toy, timeout_s=3, on_failure=failures.append)  # pp 2: results idle too
+    ex = MpExecutor(2, 1, toy_program.make_toy, timeout_s=3, on_failure=failures.append,  # pp 2: results idle too
+                    start_timeout_s=60)  # a fresh rank's `import torch` alone can take longer than 3 s
     ex.start()
     try:
         torch.testing.assert_close(ex.execute(("run", x)), toy_program.reference(x), rtol=1e-5, atol=1e-5)
