@@ -230,10 +230,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from gateway.http_front import HttpFront
     from gateway.rest_socket import check_free
     from omnimesh.launcher import MeshLauncher
+    from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages
     from omnimesh.server.grpc_server import BindError
 
     try:  # the gateway's ports and TLS files, before any stage spends minutes loading
-        args.check_stage_ports()
+        args.check_stage_ports(model_stages(model_dir))
         check_free(args.host, args.port, args.grpc_port, args.uds)
         HttpFront.from_args(args)
     except (BindError, ValueError) as exc:

@@ -479,13 +479,15 @@ class ServeArgs:
         if self.uds is None and self.port == self.grpc_port:
             raise ValueError(f"--port and --grpc-port are both {self.port}: the REST and gRPC APIs need a port each")
 
-    def stage_processes(self) -> int:
-        """How many stage processes `omnimesh serve` starts at most: one per replica of every stage."""
-        return sum(cfg.num_replicas for cfg in self.stage_configs().values())
+    def stage_processes(self, stages: tuple[str, ...] = STAGES) -> int:
+        """How many stage processes `omnimesh serve` starts for the model's `stages` (at most, all four): one per
+        replica of each."""
+        return sum(cfg.num_replicas for stage, cfg in self.stage_configs().items() if stage in stages)
 
-    def check_stage_ports(self) -> None:
-        """`omnimesh serve`: the stages' ports (--stage-base-port on, one per replica) miss the gateway's."""
-        end = self.stage_base_port + self.stage_processes() if self.stage_base_port else 0
+    def check_stage_ports(self, stages: tuple[str, ...] = STAGES) -> None:
+        """`omnimesh serve`: the ports of the model's `stages` (--stage-base-port on, one per replica, as the
+        launcher hands them out) miss the gateway's."""
+        end = self.stage_base_port + self.stage_processes(stages) if self.stage_base_port else 0
         stage_ports = range(self.stage_base_port, end)
         for flag, port in {"--port": None if self.uds is not None else self.port, "--grpc-port": self.grpc_port}.items():
             if port in stage_ports:

@@ -81,6 +81,9 @@ def test_the_gateways_ports_and_the_stages_differ() -> None:
                   stage_overrides='{"vocoder": {"num_replicas": 2}}').check_stage_ports()
     ServeArgs(grpc_port=50053, stage_base_port=0).check_stage_ports()  # stages on free ports: no clash
     ServeArgs(grpc_port=50055).check_stage_ports()
+    ServeArgs(grpc_port=50053).check_stage_ports(("encoder", "thinker"))  # a thinker-only model's stages: 50051-50052
+    with pytest.raises(ValueError, match=r"--grpc-port 50052 is one of the stages' ports \(50051-50052"):
+        ServeArgs(grpc_port=50052).check_stage_ports(("encoder", "thinker"))
     assert ServeArgs(grpc_port=50052).grpc_port == 50052  # a gateway alone (its stages elsewhere) may take it
 
 
