@@ -63,6 +63,7 @@ from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
                                        check_temperature, updated)
 from gateway.realtime_tools import CallItem, OutputItem, chat_messages, new_call_item, parse_call_item
+from gateway.realtime_truncation import fitted_run, truncation_json
 from gateway.realtime_vllm import VllmTranscriber, speaks_vllm
 from gateway.realtime_vad import ServerVAD, Started, Stopped
 from gateway.responses_tools import responses_tool_plan
@@ -156,7 +157,8 @@ class RealtimeSession:
                 "input_audio_transcription": s.input_audio_transcription,
                 "turn_detection": s.turn_detection, "tools": list(s.tools), "tool_choice": s.tool_choice,
                 "temperature": s.temperature if s.temperature is not None else 0.8, "speed": s.speed,
-                "max_response_output_tokens": s.max_response_output_tokens or "inf"}
+                "max_response_output_tokens": s.max_response_output_tokens or "inf",
+                "truncation": truncation_json(s.truncation)}
         return ga.session_object(beta, self.transcription) if self.ga else beta
 
     async def run(self) -> None:
@@ -536,7 +538,9 @@ class RealtimeSession:
         encoder = OutputEncoder(self.settings.output_audio_format, self.gw.pipeline.sample_rate)  # this answer's
         tempo = Tempo(self.settings.speed if audio else 1.0, self.gw.pipeline.sample_rate)  # gateway/audio_tempo.py
         answer = _Item(item_id, "assistant", [])  # in the conversation from its created event on; its text
-        events = aiter(self.gw.pipeline.run(chat))  # comes at the end (later items created meanwhile follow it)
+        # its text comes at the end (later items created meanwhile follow it); a prompt over the context is run again
+        # without the conversation's oldest messages (the session's truncation: gateway/realtime_truncation.py)
+        events = aiter(fitted_run(self.gw.pipeline, chat, self.settings.truncation))
         self.gw.metrics.running.inc()
         try:  # (a cancel may come at any await, these first sends included: the `finally` settles it all)
             await self.send("response.created", response={**base, "status": "in_progress", "output": []})

@@ -47,8 +47,7 @@ _GA_PATHS = {"session.modalities": "session.output_modalities", "session.voice":
              "session.max_response_output_tokens": "session.max_output_tokens",
              "session.speed": "session.audio.output.speed",
              "response.modalities": "response.output_modalities", "response.voice": "response.audio.output.voice"}
-_NEUTRAL: dict[str, tuple[Any, ...]] = {"tracing": (None, "auto"), "truncation": ("auto", None), "include": (None, []),
-                                        "prompt": (None,)}
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"tracing": (None, "auto"), "include": (None, []), "prompt": (None,)}
 
 
 def is_ga(session: Any) -> bool:
@@ -99,7 +98,7 @@ def session_fields(session: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in session.items():
         where = f"session.{key}"
-        if key in ("type", "model", "id", "object", "instructions", "tools", "tool_choice", "temperature"):
+        if key in ("type", "model", "id", "object", "instructions", "tools", "tool_choice", "temperature", "truncation"):
             if key not in ("type", "model", "id", "object"):
                 out[key] = value
         elif key == "output_modalities":
@@ -163,7 +162,7 @@ def session_object(beta: dict[str, Any], transcription: bool = False) -> dict[st
     return {"type": "realtime", "object": "realtime.session", "id": beta["id"], "model": beta["model"],
             "output_modalities": ["audio"] if "audio" in beta["modalities"] else ["text"],
             "instructions": beta["instructions"], "tools": beta["tools"], "tool_choice": beta["tool_choice"],
-            "max_output_tokens": beta["max_response_output_tokens"], "tracing": None, "truncation": "auto",
+            "max_output_tokens": beta["max_response_output_tokens"], "tracing": None, "truncation": beta["truncation"],
             "prompt": None, "include": None,
             "audio": {"input": audio_in,
                       "output": {"format": _format_object(beta["output_audio_format"]), "voice": beta["voice"],

@@ -40,6 +40,7 @@ class RealtimeSettings:
     input_audio_format: str = "pcm16"  # pcm16 (24 kHz) | g711_ulaw | g711_alaw (8 kHz): gateway/realtime_audio.py
     output_audio_format: str = "pcm16"
     speed: float = 1.0  # OpenAI's, 0.25 to 1.5: the answers' audio faster or slower at the same pitch (from the next)
+    truncation: float | None = 1.0  # a prompt over the context: its oldest messages left out (gateway/realtime_truncation.py)
 
 
 def updated(settings: RealtimeSettings, s: Any, pipeline: Pipeline) -> RealtimeSettings:
@@ -81,6 +82,10 @@ def updated(settings: RealtimeSettings, s: Any, pipeline: Pipeline) -> RealtimeS
             new.tools = tuple(value or ())
         elif key == "tool_choice":
             new.tool_choice = "auto" if value is None else value
+        elif key == "truncation":
+            from gateway.realtime_truncation import parse_truncation
+
+            new.truncation = parse_truncation(value, where)
         elif key not in ("model", "type", "object", "id"):
             raise RealtimeError(f"unknown session field {key!r}", where)
     return new
