@@ -2,7 +2,8 @@
 chunks and committed) answers with exactly the text and audio of the same conversation sent as a chat
 completion (the instructions as its system turn, the clip as a WAV), and a second, text-only turn sees the
 first answer in the conversation; a telephone turn (G.711 mu-law in and out) and the openai SDK's GA client
-likewise; a picture in a user item (GA's input_image) answers as the chat does; a GA transcription session transcribes as /v1/audio/transcriptions does. Gateway-level events and errors: tests/gateway/test_realtime.py, test_realtime_audio.py and
+likewise; a picture in a user item (GA's input_image) answers as the chat does; a GA transcription session transcribes as /v1/audio/transcriptions does;
+a conversation past the context is answered from its latest items (truncation). Gateway-level events and errors: tests/gateway/test_realtime.py, test_realtime_audio.py and
 test_realtime_ga.py."""
 
 from __future__ import annotations
@@ -267,3 +268,34 @@ def test_a_picture_in_the_conversation_is_the_same_chat(mesh):
         "model": MODEL, "temperature": 0, "max_tokens": 8, "modalities": ["text"], "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "What is in it?"}]}]}).json()
     assert answer == chat["choices"][0]["message"]["content"] and answer
+
+
+def test_a_conversation_past_the_context_is_still_answered(mesh):
+    """truncation through the real pipeline: user items summing to more than the thinker's 4096-token context
+    are answered ("auto", the default) from a prompt that fits, the oldest left out (the items stay: the oldest
+    is still retrievable); with "disabled" the same conversation fails with the prompt-length error."""
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+        _until(ws, "session.created")
+        ws.send(json.dumps({"type": "session.update", "session": {
+            "modalities": ["text"], "instructions": INSTRUCTIONS, "max_response_output_tokens": 4}}))
+        _until(ws, "session.updated")
+        ids = []
+        for i in range(5):
+            text = f"part {i}: " + "the sea was calm and the sky was clear " * 100  # ~1,000 tokens each
+            ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
+            ids.append(_until(ws, "conversation.item.created")[-1]["item"]["id"])
+        ws.send(json.dumps({"type": "response.create"}))
+        done = _until(ws, "response.done")[-1]["response"]
+        assert done["status"] == "incomplete" and done["status_details"]["reason"] == "max_output_tokens", done
+        assert 2000 < done["usage"]["input_tokens"] <= 4096 - 4, done["usage"]  # cut, not emptied
+        ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": ids[0]}))
+        assert _until(ws, "conversation.item.retrieved")[-1]["item"]["id"] == ids[0]
+        ws.send(json.dumps({"type": "session.update", "session": {"truncation": "disabled"}}))
+        _until(ws, "session.updated")
+        ws.send(json.dumps({"type": "response.create"}))
+        events = []
+        while not events or events[-1]["type"] != "response.done":
+            events.append(json.loads(ws.recv(timeout=TIMEOUT_S)))
+        assert events[-1]["response"]["status"] == "failed"
+        assert any(e["type"] == "error" and "maximum context length" in e["error"]["message"] for e in events)
