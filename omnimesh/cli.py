@@ -138,8 +138,9 @@ def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> 
 
 def _check_memory(args: ServeArgs, model_dir: Path, only: str | None = None) -> int | None:
     """Weights + KV cache against the devices' memory (omnimesh/memory_plan.py): on CUDA a stage that does not
-    fit exits 2 saying what is missing and which pp / tp fits; on CPU a shortfall is advice only. A KV cache
-    too small for one sequence exits 2 on any device (the stage's engine would refuse it after loading)."""
+    fit exits 2 saying what is missing and which pp / tp fits; on CPU a shortfall is advice only. What a stage
+    would refuse after loading whatever the memory (`MemoryPlan.refusals`: a KV cache too small for one sequence,
+    a --max-model-len past the model's) exits 2 on any device."""
     from omnimesh.memory_plan import plan_memory
 
     try:
