@@ -61,9 +61,9 @@ from gateway.openai_schema import (check_sampling, default_modalities, dump, err
                                    unknown_model)
 from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
-                                       check_temperature, updated)
+                                       check_temperature, truncation_json, updated)
 from gateway.realtime_tools import CallItem, OutputItem, chat_messages, new_call_item, parse_call_item
-from gateway.realtime_truncation import fitted_run, truncation_json
+from gateway.realtime_truncation import fitted_run
 from gateway.realtime_vllm import VllmTranscriber, speaks_vllm
 from gateway.realtime_vad import ServerVAD, Started, Stopped
 from gateway.responses_tools import responses_tool_plan

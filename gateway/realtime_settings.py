@@ -83,12 +83,32 @@ def updated(settings: RealtimeSettings, s: Any, pipeline: Pipeline) -> RealtimeS
         elif key == "tool_choice":
             new.tool_choice = "auto" if value is None else value
         elif key == "truncation":
-            from gateway.realtime_truncation import parse_truncation
-
             new.truncation = parse_truncation(value, where)
         elif key not in ("model", "type", "object", "id"):
             raise RealtimeError(f"unknown session field {key!r}", where)
     return new
+
+
+def parse_truncation(value: Any, where: str) -> float | None:
+    """"auto" (or null: the default) -> 1.0, {"type": "retention_ratio", "retention_ratio": r in [0, 1]} -> r,
+    "disabled" -> None."""
+    if value is None or value == "auto":
+        return 1.0
+    if value == "disabled":
+        return None
+    if isinstance(value, dict) and value.get("type") == "retention_ratio" and set(value) <= {"type", "retention_ratio"}:
+        r = value.get("retention_ratio")
+        if not isinstance(r, bool) and isinstance(r, (int, float)) and 0.0 <= r <= 1.0:
+            return float(r)
+    raise RealtimeError("truncation must be \"auto\", \"disabled\" or {\"type\": \"retention_ratio\", "
+                        f"\"retention_ratio\": a number in [0, 1]}}, got {value!r}", where)
+
+
+def truncation_json(ratio: float | None) -> Any:
+    """The session's setting as `parse_truncation` took it."""
+    if ratio is None:
+        return "disabled"
+    return "auto" if ratio == 1.0 else {"type": "retention_ratio", "retention_ratio": ratio}
 
 
 def _transcription(value: Any, where: str) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 model's context, the response reads it without its oldest messages (the items stay in the conversation), so a long
 call keeps being answered instead of every response failing.
 
-Settings (`parse_truncation`): "auto" (the default) keeps as much as fits; {"type": "retention_ratio",
+Settings (`gateway.realtime_settings.parse_truncation`): "auto" (the default) keeps as much as fits; {"type": "retention_ratio",
 "retention_ratio": r} cuts deeper, to r x what fits, so the next turns fit again without a new cut (and, with
 --enable-prefix-caching, keep the cached prefix longer); "disabled": a prompt that does not fit fails the
 response, as before.
@@ -23,37 +23,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any
 
 from gateway.events import ChatRequest, Event, Pipeline, PipelineError
 from gateway.prompt import PromptBuilder
-from gateway.realtime_settings import RealtimeError
 
 log = logging.getLogger(__name__)
 
 TOO_LONG = "maximum context length (max_model_len)"  # in PromptBuilder.check_length's two messages
-
-
-def parse_truncation(value: Any, where: str) -> float | None:
-    """"auto" (or null: the default) -> 1.0, {"type": "retention_ratio", "retention_ratio": r in [0, 1]} -> r,
-    "disabled" -> None."""
-    if value is None or value == "auto":
-        return 1.0
-    if value == "disabled":
-        return None
-    if isinstance(value, dict) and value.get("type") == "retention_ratio" and set(value) <= {"type", "retention_ratio"}:
-        r = value.get("retention_ratio")
-        if not isinstance(r, bool) and isinstance(r, (int, float)) and 0.0 <= r <= 1.0:
-            return float(r)
-    raise RealtimeError("truncation must be \"auto\", \"disabled\" or {\"type\": \"retention_ratio\", "
-                        f"\"retention_ratio\": a number in [0, 1]}}, got {value!r}", where)
-
-
-def truncation_json(ratio: float | None) -> Any:
-    """The session's setting as `parse_truncation` took it."""
-    if ratio is None:
-        return "disabled"
-    return "auto" if ratio == 1.0 else {"type": "retention_ratio", "retention_ratio": ratio}
 
 
 def too_long(error: PipelineError) -> bool:

@@ -14,15 +14,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from gateway_harness import RestServer, ScriptedPipeline, tone
 from websockets.sync.client import ClientConnection, connect
 
 from gateway.events import AudioPart, ChatMessage, ChatRequest, Finished, SamplingOverrides, TextDelta, TextPart
 from gateway.prompt import PromptBuilder
-from gateway.realtime_settings import RealtimeError
-from gateway.realtime_truncation import fit, parse_truncation, truncation_json
+from gateway.realtime_settings import RealtimeError, parse_truncation, truncation_json
+from gateway.realtime_truncation import fit
 from gateway.rest import create_app
 
 MAX_LEN = 160
@@ -138,6 +137,7 @@ def _say(ws: ClientConnection, n: int) -> list[str]:
 
 def test_a_long_conversation_is_still_answered(counted: tuple[RestServer, ScriptedPipeline], builder: PromptBuilder) -> None:
     server, pipeline = counted
+    before = len(pipeline.requests)  # the server (and its pipeline) is the module's
     with _session(server) as ws:
         ids = _say(ws, 15)
         ws.send(json.dumps({"type": "response.create"}))
@@ -147,7 +147,8 @@ def test_a_long_conversation_is_still_answered(counted: tuple[RestServer, Script
         ran = pipeline.requests[-1]
         assert ran.messages[0].content[0].text == "Be brief."  # the instructions kept
         assert ran.messages[-1].content[0].text.startswith("turn 14:")  # the latest turns kept
-        assert len(pipeline.requests) == 2 and len(pipeline.requests[0].messages) == 16  # the whole one ran first
+        assert len(pipeline.requests) == before + 2  # the whole one ran first, then the cut one
+        assert len(pipeline.requests[before].messages) == 16
         ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": ids[0]}))  # the oldest is still there
         assert _events_until(ws, "conversation.item.retrieved")[-1]["item"]["id"] == ids[0]
 
@@ -179,4 +180,4 @@ def test_audio_counts_too(builder: PromptBuilder) -> None:
     chat = _chat(3)
     with_audio = _tokens(builder, chat)
     without = replace(chat, messages=tuple(replace(m, content=m.content[:1]) for m in chat.messages))
-    assert with_audio - _tokens(builder, without) > 5 and np.isfinite(with_audio)
+    assert with_audio - _tokens(builder, without) > 5
