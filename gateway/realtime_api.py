@@ -30,7 +30,9 @@ response (`conversation.item.input_audio_transcription.delta` as it is written, 
 `tools` / `tool_choice`, `function_call` items out, `function_call_output` items in. Audio formats, each way:
 `pcm16` (24 kHz), `g711_ulaw` and `g711_alaw` (8 kHz, as telephone lines carry them).
 Every problem is an `error` event (invalid_request_error, with the client's
-`event_id`); the socket stays open. One response at a time (another `response.create` meanwhile is an error).
+`event_id`); the socket stays open. A conversation holds at most what one REST request may carry (the input
+limits' max_audio_seconds, max_messages items, max_request_bytes characters of text; past them
+`conversation_too_large`), and --max-realtime-sessions bounds the sessions open at once (429 on the handshake). One response at a time (another `response.create` meanwhile is an error).
 With `--api-key`, the handshake needs `Authorization: Bearer <key>` (gateway/auth.py).
 """
 
@@ -56,6 +58,7 @@ from gateway.realtime_audio import RATES, AudioFormatError, OutputEncoder, decod
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, ImagePart, PipelineError,
                             SamplingOverrides, TextDelta, TextPart)
 from gateway.handshake_refusal import send_error
+from gateway.http_errors import RETRY_AFTER_S
 from gateway.media import invalid_request
 from gateway.openai_schema import (check_sampling, default_modalities, dump, error_response, resolve_voice,
                                    unknown_model)
@@ -95,6 +98,15 @@ class _Item:
                    for p in self.parts]
         return {"id": self.id, "object": "realtime.item", "type": "message", "status": "completed", "role": self.role,
                 "content": content}
+
+
+def item_chars(item: _Item | CallItem | OutputItem) -> int:
+    """The text one conversation item holds, in characters."""
+    if isinstance(item, CallItem):
+        return len(item.call.name) + len(item.call.arguments)
+    if isinstance(item, OutputItem):
+        return len(item.output)
+    return sum(len(p.text) for p in item.parts if isinstance(p, TextPart)) + len(item.transcript or "")
 
 
 @dataclass
@@ -239,6 +251,7 @@ class RealtimeSession:
             if not self.buffer:
                 raise RealtimeError("the input audio buffer is empty: append audio before committing",
                                     None, "input_audio_buffer_commit_empty")
+            self._check_size(adding=1)  # refused: the buffer keeps its audio for a commit after a delete
             wave = np.concatenate(self.buffer)
             self.buffer = []
             await self._commit(wave, f"item_{uuid.uuid4().hex}")
@@ -255,6 +268,7 @@ class RealtimeSession:
             try:
                 self._check_audio()
                 self._check_images(self.items)
+                self._check_size()
             except (RealtimeError, PipelineError):
                 self.items.remove(item)  # refused: the conversation stays as it was
                 raise
@@ -357,6 +371,11 @@ class RealtimeSession:
                         await self.response
             else:
                 await self.send("input_audio_buffer.speech_stopped", audio_end_ms=ev.ms, item_id=self.turn_id)
+                try:
+                    self._check_size(adding=1, dropped="this turn's audio was not kept")
+                except RealtimeError as e:  # the error alone: the detector goes on with the turns after it
+                    await self.error(e.message, e.param, e.code, None)
+                    continue
                 await self._commit(ev.audio, self.turn_id)
                 if (td.get("create_response", True) and not self.transcription
                         and (self.response is None or self.response.done())):
@@ -463,6 +482,25 @@ class RealtimeSession:
                                 f"max_audio_seconds of {limit:g} s; the buffer was cleared (delete older items)",
                                 None, "audio_too_long")
 
+    def _check_size(self, adding: int = 0, dropped: str = "") -> None:
+        """The conversation against what one REST request may carry: at most `max_messages` items and
+        `max_request_bytes` characters of text (messages, transcripts, calls and their outputs), so a long
+        session cannot grow the gateway's memory without end. `adding`: items about to join. A response's own
+        items may take it past the bounds by one answer; whatever is added next is refused until the client
+        deletes older items (the refused item is not kept; `dropped` says what else was not)."""
+        limits = self.gw.loader.limits
+        count = len(self.items) + adding
+        then = f"; {dropped}" if dropped else ""
+        if count > limits.max_messages:
+            raise RealtimeError(f"the conversation would hold {count} items, over this server's max_messages of "
+                                f"{limits.max_messages}: delete older items (conversation.item.delete){then}",
+                                None, "conversation_too_large")
+        chars = sum(item_chars(i) for i in self.items)
+        if chars > limits.max_request_bytes:
+            raise RealtimeError(f"the conversation holds {chars} characters of text, over this server's "
+                                f"max_request_bytes of {limits.max_request_bytes}: delete older items "
+                                f"(conversation.item.delete){then}", None, "conversation_too_large")
+
     async def _chat(self, r: dict[str, Any]) -> tuple[ChatRequest, tuple[str, ...], ToolPlan]:
         """`response.create` -> the pipeline's request (the response's own settings over the session's)."""
         if not isinstance(r, dict):
@@ -482,6 +520,8 @@ class RealtimeSession:
                 isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
                 for k, v in metadata.items())):
             raise RealtimeError("metadata must be an object of at most 16 string pairs", "response.metadata")
+        if r.get("conversation", "auto") == "auto":
+            self._check_size(adding=1)  # its answer joins the conversation
         items = await self._input(r["input"]) if "input" in r else self.items  # the response's own context, else ours
         if not any(i.role == "user" for i in items):
             raise RealtimeError("the conversation has no user item yet: commit audio or create a user item first",
@@ -653,16 +693,28 @@ class RealtimeSession:
                         _out_of_band=not in_conversation)
 
 
+def sessions_full(limit: int) -> PipelineError:
+    """The 429 of a handshake past --max-realtime-sessions."""
+    return PipelineError(f"this server already has its {limit} Realtime sessions open (--max-realtime-sessions); "
+                         "try again when one closes", http_status=429, grpc_code=8, kind="rate_limit_error")
+
+
 async def refuse(ws: WebSocket, err: PipelineError) -> None:
-    """The handshake refused before it is accepted, with the error's HTTP status and OpenAI's body."""
-    await send_error(ws.scope, ws.receive, ws.send, err.http_status, dump(error_response(err)))
+    """The handshake refused before it is accepted, with the error's HTTP status and OpenAI's body (a 429 with
+    Retry-After, as REST's)."""
+    retry = [(b"retry-after", str(RETRY_AFTER_S).encode())] if err.http_status == 429 else []
+    await send_error(ws.scope, ws.receive, ws.send, err.http_status, dump(error_response(err)), retry)
 
 
 class RealtimeRoutes:
-    """The `/v1/realtime` WebSocket on one `RestGateway`."""
+    """The `/v1/realtime` WebSocket on one `RestGateway`. `max_sessions` (--max-realtime-sessions; None: no
+    bound) caps the sessions open at once: one more handshake is refused with a 429 and Retry-After, before it
+    is accepted (each session holds its conversation, up to the input limits, for as long as it is open)."""
 
-    def __init__(self, gw: RestGateway) -> None:
+    def __init__(self, gw: RestGateway, max_sessions: int | None = None) -> None:
         self.gw = gw
+        self.max_sessions = max_sessions
+        self.open = 0  # sessions accepted and not yet closed (omnimesh:realtime_sessions)
 
     async def realtime(self, ws: WebSocket) -> None:
         model = ws.query_params.get("model")
@@ -680,7 +732,19 @@ class RealtimeRoutes:
         # a browser's subprotocols (OpenAI's: "realtime", the key, "openai-beta.realtime-v1"): one must be
         # chosen in the answer or the browser drops the connection; never the key
         offered = [p for p in ws.scope.get("subprotocols") or () if not p.startswith(KEY_SUBPROTOCOL)]
-        await ws.accept(subprotocol="realtime" if "realtime" in offered else (offered[0] if offered else None))
+        if self.max_sessions is not None and self.open >= self.max_sessions:
+            await refuse(ws, sessions_full(self.max_sessions))
+            return
+        self.open += 1  # counted before the first await: the check and the count are one step on the loop
+        self.gw.metrics.realtime_sessions.inc()
+        try:
+            await ws.accept(subprotocol="realtime" if "realtime" in offered else (offered[0] if offered else None))
+            await self._session(ws, model, intent, offered)
+        finally:
+            self.open -= 1
+            self.gw.metrics.realtime_sessions.dec()
+
+    async def _session(self, ws: WebSocket, model: str | None, intent: str | None, offered: list[str]) -> None:
         # the handshake's traceparent, when tracing: every response of the session is a run under it
         trace = tracing.set_request_parent(ws.headers.items())
         try:

@@ -122,7 +122,8 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
                      force_include_usage=args.enable_force_include_usage,
                      auto_tool_choice=args.enable_auto_tool_choice,
                      stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=prompts,
-                     reasoning=reasoning, responses_store=responses_store(args.responses_store_memory))
+                     reasoning=reasoning, responses_store=responses_store(args.responses_store_memory),
+                     max_realtime_sessions=args.max_realtime_sessions)
     video_warmup = asyncio.create_task(_start_video_decoding())  # in the background: serving starts meanwhile
     if (described := front.describe()) is not None:
         log.info("%s", described)

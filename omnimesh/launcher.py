@@ -148,6 +148,7 @@ class MeshLauncher:
                             ("--mm-processor-kwargs", a.mm_processor_kwargs), ("--tool-call-parser", a.tool_call_parser),
                             ("--reasoning-parser", a.reasoning_parser),
                             ("--responses-store-memory", a.responses_store_memory),
+                            ("--max-realtime-sessions", a.max_realtime_sessions),
                             ("--otlp-traces-endpoint", a.otlp_traces_endpoint),
                             ("--request-timeout", a.request_timeout),
                             ("--stage-start-timeout", a.stage_start_timeout)):

@@ -296,6 +296,11 @@ class ServeArgs:
                                             "size (e.g. 512MiB; the least recently used dropped first), for "
                                             "previous_response_id and GET /v1/responses/{id}; default: keep none",
                                             "--responses-store-memory")
+    max_realtime_sessions: int = _f(256, "most Realtime API sessions (/v1/realtime WebSockets) the gateway keeps "
+                                    "open at once; one more handshake is refused with HTTP 429 and Retry-After. "
+                                    "Each session holds its conversation while it is open, bounded by "
+                                    "--input-limits (max_audio_seconds of audio, max_messages items, "
+                                    "max_request_bytes of text)", "--max-realtime-sessions")
     reasoning_parser: str | None = _f(None, "split a thinking model's reasoning from its answer, as vLLM's: qwen3 or "
                                       "deepseek_r1 (<think>...</think>; Qwen3-Omni-30B-A3B-Thinking): chat answers "
                                       "carry it in message.reasoning (and reasoning_content), streamed as "
@@ -322,7 +327,9 @@ class ServeArgs:
                                   "together), max_image_pixels (16777216, per image or video frame), "
                                   "max_video_seconds (600), max_video_pixels (268435456, one video's sampled frames "
                                   "together), max_media_items (32), max_fetch_bytes (32MiB, one http(s) download), "
-                                  "fetch_timeout_s (10), video_decode_timeout_s (60); byte sizes also take '16MiB'; "
+                                  "fetch_timeout_s (10), video_decode_timeout_s (60), max_messages (4096, a chat's "
+                                  "messages; a Realtime conversation's items), max_content_parts (16384); byte sizes "
+                                  "also take '16MiB'; "
                                   "413 (or 400) beyond, with a message naming the limit", "--input-limits")
     device: str = _f("auto", "auto, cpu or cuda", "--device")
     transport: str = _f("auto", "where tensors between stages travel: auto (shared memory / CUDA IPC between co-located stages, gRPC frames across hosts), grpc, shm or cuda-ipc", "--transport")
@@ -402,6 +409,8 @@ class ServeArgs:
         parse_size(self.encoder_cache_memory, "--encoder-cache-memory")
         if self.responses_store_memory is not None:
             parse_bytes(self.responses_store_memory, "--responses-store-memory")
+        if self.max_realtime_sessions < 1:
+            raise ValueError(f"--max-realtime-sessions must be >= 1, got {self.max_realtime_sessions}")
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.transport!r}")
         check_mode(self.malloc)
@@ -636,7 +645,8 @@ GATEWAY_FIELDS = frozenset(
      "return_tokens_as_token_ids",
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice",
      "tool_call_parser",
-     "reasoning_parser", "responses_store_memory", "trust_remote_code", "malloc", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
+     "reasoning_parser", "responses_store_memory", "max_realtime_sessions", "trust_remote_code", "malloc",
+     "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
      "trust_request_chat_template", "enable_log_requests", "disable_log_requests", "max_log_len",
      "otlp_traces_endpoint", "log_config_file"}
 ) | HTTP_FRONT_FIELDS
@@ -649,7 +659,7 @@ STAGE_EXCLUDED = frozenset(
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
      "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice", "tool_call_parser",
      "reasoning_parser",
-     "responses_store_memory", "data_parallel_size"}
+     "responses_store_memory", "max_realtime_sessions", "data_parallel_size"}
 ) | HTTP_FRONT_FIELDS
 
 
