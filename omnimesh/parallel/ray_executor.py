@@ -76,9 +76,13 @@ class _RankActor:
         return import_ray().util.get_node_ip_address(), os.getpid()
 
     def start(self) -> None:
+        if not hasattr(self, "args"):  # `prepare` failed (its error fails the stage): nothing to start, no 2nd error
+            return
         self.state = setup_rank(*self.args)
 
     def serve(self) -> None:
+        if not hasattr(self, "state"):  # `prepare` or `start` failed: the driver reports that one; nothing to serve
+            return
         serve_commands(self.rank, *self.state)
 
 

@@ -85,6 +85,13 @@ def test_an_actor_that_cannot_take_its_factory_fails_the_start_at_once() -> None
     assert time.monotonic() - t0 < 30
 
 
+def test_an_actor_whose_prepare_failed_runs_its_queued_calls_as_no_ops() -> None:
+    """`start` and `serve` are queued behind `prepare` on the actor: after a failed prepare (or start) they return
+    instead of raising an AttributeError that Ray printed as an unhandled error beside the real one."""
+    actor = ray_executor._RankActor()
+    assert actor.start() is None and actor.serve() is None
+
+
 def test_ranks_the_cluster_cannot_place_are_a_clear_error() -> None:
     """NCCL ranks ask Ray for a GPU each; this host's Ray instance has none: an error naming what it has,
     within the timeout, and no placement left behind."""
