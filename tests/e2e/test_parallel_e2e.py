@@ -67,10 +67,11 @@ def test_stages_run_at_their_os_priority(split_mesh, tiny_model_dir) -> None:
     `bulk_nice` here); their other compute threads at the stage's own priority; the encoder has none."""
     want = {"encoder": (0, None), "thinker": (0, 19), "talker": (0, 19), "vocoder": (3, 14)}
     # A bulk thread starts at a stage's first bulk step. On a loaded host the vocoder can get all of a request's
-    # codes before its first step and decode them in that one (urgent) step: send requests until each stage
-    # that has a bulk lane has used it (bounded).
-    for _ in range(5):
-        req = chat_request("Hello there.", sine_wav(), None, max_tokens=MAX_TOKENS, talker_max=TALKER_MAX)
+    # codes before its first step and decode them in that one (urgent) step (5 requests of 40 codes did, once, in a
+    # CI run): send requests of 3x the codes, so they come over a longer time, until each stage that has a bulk
+    # lane has used it (bounded).
+    for _ in range(10):
+        req = chat_request("Hello there.", sine_wav(), None, max_tokens=MAX_TOKENS, talker_max=3 * TALKER_MAX)
         run_pipeline(split_mesh, tiny_model_dir, req, async_chunk=True)
         if all(f"{s}-bulk" in thread_nices(stage_pid(split_mesh, s)) for s, (_, bulk) in want.items() if bulk):
             break
