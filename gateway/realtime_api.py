@@ -32,7 +32,8 @@ response (`conversation.item.input_audio_transcription.delta` as it is written, 
 Every problem is an `error` event (invalid_request_error, with the client's
 `event_id`); the socket stays open. A conversation holds at most what one REST request may carry (the input
 limits' max_audio_seconds, max_messages items, max_request_bytes characters of text; past them
-`conversation_too_large`), and --max-realtime-sessions bounds the sessions open at once (429 on the handshake). One response at a time (another `response.create` meanwhile is an error).
+`conversation_too_large`), and --max-realtime-sessions bounds the sessions open at once (429 on the
+handshake). One response at a time (another `response.create` meanwhile is an error).
 With `--api-key`, the handshake needs `Authorization: Bearer <key>` (gateway/auth.py).
 """
 
