@@ -697,7 +697,8 @@ class RealtimeSession:
 def sessions_full(limit: int) -> PipelineError:
     """The 429 of a handshake past --max-realtime-sessions."""
     return PipelineError(f"this server already has its {limit} Realtime sessions open (--max-realtime-sessions); "
-                         "try again when one closes", http_status=429, grpc_code=8, kind="rate_limit_error")
+                         "try again when one closes", http_status=429,
+                         grpc_code=8, kind="rate_limit_error")  # 8: RESOURCE_EXHAUSTED
 
 
 async def refuse(ws: WebSocket, err: PipelineError) -> None:
@@ -715,7 +716,8 @@ class RealtimeRoutes:
     def __init__(self, gw: RestGateway, max_sessions: int | None = None) -> None:
         self.gw = gw
         self.max_sessions = max_sessions
-        self.open = 0  # sessions accepted and not yet closed (omnimesh:realtime_sessions)
+        self.open = 0  # sessions accepted and not yet closed
+        gw.metrics.realtime_sessions.set_function(lambda: self.open)  # read at each scrape
 
     async def realtime(self, ws: WebSocket) -> None:
         model = ws.query_params.get("model")
@@ -737,13 +739,11 @@ class RealtimeRoutes:
             await refuse(ws, sessions_full(self.max_sessions))
             return
         self.open += 1  # counted before the first await: the check and the count are one step on the loop
-        self.gw.metrics.realtime_sessions.inc()
         try:
             await ws.accept(subprotocol="realtime" if "realtime" in offered else (offered[0] if offered else None))
             await self._session(ws, model, intent, offered)
         finally:
             self.open -= 1
-            self.gw.metrics.realtime_sessions.dec()
 
     async def _session(self, ws: WebSocket, model: str | None, intent: str | None, offered: list[str]) -> None:
         # the handshake's traceparent, when tracing: every response of the session is a run under it

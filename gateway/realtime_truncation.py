@@ -2,10 +2,10 @@
 model's context, the response reads it without its oldest messages (the items stay in the conversation), so a long
 call keeps being answered instead of every response failing.
 
-Settings (`gateway.realtime_settings.parse_truncation`): "auto" (the default) keeps as much as fits; {"type": "retention_ratio",
-"retention_ratio": r} cuts deeper, to r x what fits, so the next turns fit again without a new cut (and, with
---enable-prefix-caching, keep the cached prefix longer); "disabled": a prompt that does not fit fails the
-response, as before.
+Settings (`gateway.realtime_settings.parse_truncation`): "auto" (the default) keeps as much as fits;
+{"type": "retention_ratio", "retention_ratio": r} cuts deeper, to r x what fits, so the next turns fit again
+without a new cut (and, with --enable-prefix-caching, keep the cached prefix longer); "disabled": a prompt that
+does not fit fails the response, as before.
 
 Data flow: RealtimeSession._respond -> `fitted_run(pipeline, chat, ratio)`: the pipeline runs the chat as it is
 (nothing is counted twice while it fits) -> its prompt-length 400 (`too_long`, raised before any output) -> `fit`
