@@ -32,8 +32,9 @@ response (`conversation.item.input_audio_transcription.delta` as it is written, 
 Every problem is an `error` event (invalid_request_error, with the client's
 `event_id`); the socket stays open. A conversation holds at most what one REST request may carry (the input
 limits' max_audio_seconds, max_messages items, max_request_bytes characters of text; past them
-`conversation_too_large`), and --max-realtime-sessions bounds the sessions open at once (429 on the
-handshake). One response at a time (another `response.create` meanwhile is an error).
+`conversation_too_large`), --max-realtime-sessions bounds the sessions open at once (429 on the
+handshake) and --max-realtime-session-duration how long each stays open (the session's `expires_at`; then a
+response in progress is cancelled, an error event with code `session_expired`, and the WebSocket closed). One response at a time (another `response.create` meanwhile is an error).
 With `--api-key`, the handshake needs `Authorization: Bearer <key>` (gateway/auth.py).
 """
 
@@ -110,6 +111,10 @@ def item_chars(item: _Item | CallItem | OutputItem) -> int:
     return sum(len(p.text) for p in item.parts if isinstance(p, TextPart)) + len(item.transcript or "")
 
 
+class _Expired(Exception):
+    """The session reached --max-realtime-session-duration."""
+
+
 @dataclass
 class RealtimeSession:
     gw: RestGateway
@@ -127,6 +132,8 @@ class RealtimeSession:
     ga: bool = False  # the GA interface (a session.update said "type": "realtime"): gateway/realtime_ga.py
     transcription: bool = False  # a GA transcription session ("type": "transcription"): no responses
     vllm: VllmTranscriber | None = None  # a client speaking vLLM's realtime dialect (gateway/realtime_vllm.py)
+    max_duration: float | None = None  # seconds the session may stay open (--max-realtime-session-duration)
+    opened: float = field(default_factory=time.time)  # when it was accepted (epoch seconds)
 
     # ------------------------------------------------------------------------------------ plumbing
     async def send(self, kind: str, **fields: Any) -> None:
@@ -171,14 +178,46 @@ class RealtimeSession:
                 "turn_detection": s.turn_detection, "tools": list(s.tools), "tool_choice": s.tool_choice,
                 "temperature": s.temperature if s.temperature is not None else 0.8, "speed": s.speed,
                 "max_response_output_tokens": s.max_response_output_tokens or "inf",
-                "truncation": truncation_json(s.truncation)}
+                "truncation": truncation_json(s.truncation),
+                "expires_at": None if self.max_duration is None else int(self.opened + self.max_duration)}
         return ga.session_object(beta, self.transcription) if self.ga else beta
+
+    async def _receive(self, deadline: float | None) -> Any:
+        """The client's next message; `_Expired` at the session's end (`deadline`, on the loop's clock)."""
+        if deadline is None:
+            return await self.ws.receive()
+        try:
+            async with asyncio.timeout_at(deadline):  # a queue read: nothing is half-received when it fires
+                return await self.ws.receive()
+        except TimeoutError:
+            raise _Expired from None
+
+    async def _expire(self) -> None:
+        """The session's end: its runs cancelled (a response's events end with response.done, cancelled), the
+        client told why, the socket closed."""
+        assert self.max_duration is not None
+        for task in [self.response, *self.side_tasks]:
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        log.info("realtime session %s: closed at its maximum duration (%gs)", self.id, self.max_duration)
+        minutes = self.max_duration / 60
+        span = f"{minutes:g} minutes" if minutes == int(minutes) else f"{self.max_duration:g} seconds"
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):  # the client left meanwhile
+            await self.error(f"this session hit its maximum duration of {span} (--max-realtime-session-duration); "
+                             "open a new session to go on", None, "session_expired", None)
+            await self.ws.close(code=1000, reason="session expired")
 
     async def run(self) -> None:
         await self.send("session.created", session=self.session_json())
+        deadline = None
+        if self.max_duration is not None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.max_duration - (time.time() - self.opened)
         try:
             while True:
-                message = await self.ws.receive()
+                message = await self._receive(deadline)  # between events: an event in hand is handled whole
                 if message["type"] == "websocket.disconnect":
                     raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
                 raw = message.get("text")
@@ -211,6 +250,8 @@ class RealtimeSession:
                                      kind="server_error")
         except WebSocketDisconnect:
             pass
+        except _Expired:
+            await self._expire()
         finally:
             for task in [self.response, *self.side_tasks]:
                 if task is not None and not task.done():
@@ -711,11 +752,13 @@ async def refuse(ws: WebSocket, err: PipelineError) -> None:
 class RealtimeRoutes:
     """The `/v1/realtime` WebSocket on one `RestGateway`. `max_sessions` (--max-realtime-sessions; None: no
     bound) caps the sessions open at once: one more handshake is refused with a 429 and Retry-After, before it
-    is accepted (each session holds its conversation, up to the input limits, for as long as it is open)."""
+    is accepted (each session holds its conversation, up to the input limits, for as long as it is open);
+    `max_duration` (--max-realtime-session-duration; None: no limit) is how long each may stay open."""
 
-    def __init__(self, gw: RestGateway, max_sessions: int | None = None) -> None:
+    def __init__(self, gw: RestGateway, max_sessions: int | None = None, max_duration: float | None = None) -> None:
         self.gw = gw
         self.max_sessions = max_sessions
+        self.max_duration = max_duration
         self.open = 0  # sessions accepted and not yet closed
         gw.metrics.realtime_sessions.set_function(lambda: self.open)  # read at each scrape
 
@@ -758,6 +801,6 @@ class RealtimeRoutes:
             speaks_ga = "realtime" in offered and "openai-beta.realtime-v1" not in offered
             await RealtimeSession(self.gw, ws, model or self.gw.served_model_names[0], settings=settings,
                                   ga=speaks_ga or intent == "transcription",
-                                  transcription=intent == "transcription").run()
+                                  transcription=intent == "transcription", max_duration=self.max_duration).run()
         finally:
             tracing.reset_request_parent(trace)

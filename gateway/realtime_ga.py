@@ -158,8 +158,9 @@ def session_object(beta: dict[str, Any], transcription: bool = False) -> dict[st
                 "transcription": beta["input_audio_transcription"], "noise_reduction": None, "turn_detection": None if td is None else {**td, "idle_timeout_ms": None}}
     if transcription:
         return {"type": "transcription", "object": "realtime.transcription_session", "id": beta["id"],
-                "audio": {"input": audio_in}, "include": None}
+                "expires_at": beta["expires_at"], "audio": {"input": audio_in}, "include": None}
     return {"type": "realtime", "object": "realtime.session", "id": beta["id"], "model": beta["model"],
+            "expires_at": beta["expires_at"],
             "output_modalities": ["audio"] if "audio" in beta["modalities"] else ["text"],
             "instructions": beta["instructions"], "tools": beta["tools"], "tool_choice": beta["tool_choice"],
             "max_output_tokens": beta["max_response_output_tokens"], "tracing": None, "truncation": beta["truncation"],

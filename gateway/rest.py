@@ -726,7 +726,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
                auto_tool_choice: bool = False, stage_metrics: StageSources | None = None, api_keys: tuple[str, ...] = (),
                front: HttpFront | None = None, prompts: PromptBuilder | None = None,
                reasoning: ReasoningParser | None = None, responses_store: ResponseStore | None = None,
-               force_include_usage: bool = False, max_realtime_sessions: int | None = None) -> FastAPI:
+               force_include_usage: bool = False, max_realtime_sessions: int | None = None,
+               max_realtime_session_s: float | None = None) -> FastAPI:
     """The REST app. `served_model_names` (default: `pipeline.served_models`) are the names clients may
     ask for; `allowed_media_domains` the hosts http(s) media may come from (empty = none);
     `media_transport` an `httpx.AsyncBaseTransport` for tests; `stage_metrics` the stages whose series
@@ -740,7 +741,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     answer (--reasoning-parser, gateway/reasoning.py); `responses_store` keeps the Responses API's answers
     (--responses-store-memory, gateway/response_store.py); `force_include_usage` ends every streamed chat and
     completion with its usage chunk, asked or not (--enable-force-include-usage); `max_realtime_sessions` caps
-    the Realtime sessions open at once (--max-realtime-sessions; None: no cap)."""
+    the Realtime sessions open at once (--max-realtime-sessions; None: no cap) and `max_realtime_session_s` how
+    long each may stay open (--max-realtime-session-duration; None: no limit)."""
     names = tuple(served_model_names) if served_model_names else tuple(pipeline.served_models)
     if not names:
         raise ValueError("no served model names: give served_model_names or a pipeline with served_models")
@@ -770,7 +772,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     app.add_api_route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"])
     app.add_api_route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"])
-    app.add_api_websocket_route("/v1/realtime", RealtimeRoutes(gw, max_realtime_sessions).realtime)
+    app.add_api_websocket_route("/v1/realtime", RealtimeRoutes(gw, max_realtime_sessions,
+                                                                 max_realtime_session_s).realtime)
     audio = TranscriptionRoutes(gw)
     app.add_api_route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"])
     app.add_api_route("/v1/audio/translations", audio.translations, methods=["POST"])

@@ -123,7 +123,8 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
                      auto_tool_choice=args.enable_auto_tool_choice,
                      stage_metrics=pipeline.stages, api_keys=keys, front=front, prompts=prompts,
                      reasoning=reasoning, responses_store=responses_store(args.responses_store_memory),
-                     max_realtime_sessions=args.max_realtime_sessions)
+                     max_realtime_sessions=args.max_realtime_sessions,
+                     max_realtime_session_s=args.max_realtime_session_duration or None)
     video_warmup = asyncio.create_task(_start_video_decoding())  # in the background: serving starts meanwhile
     if (described := front.describe()) is not None:
         log.info("%s", described)

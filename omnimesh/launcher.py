@@ -149,6 +149,7 @@ class MeshLauncher:
                             ("--reasoning-parser", a.reasoning_parser),
                             ("--responses-store-memory", a.responses_store_memory),
                             ("--max-realtime-sessions", a.max_realtime_sessions),
+                            ("--max-realtime-session-duration", a.max_realtime_session_duration),
                             ("--otlp-traces-endpoint", a.otlp_traces_endpoint),
                             ("--request-timeout", a.request_timeout),
                             ("--stage-start-timeout", a.stage_start_timeout)):

@@ -301,6 +301,11 @@ class ServeArgs:
                                     "Each session holds its conversation while it is open, bounded by "
                                     "--input-limits (max_audio_seconds of audio, max_messages items, "
                                     "max_request_bytes of text)", "--max-realtime-sessions")
+    max_realtime_session_duration: float = _f(3600.0, "seconds a Realtime API session may stay open (OpenAI's 60 "
+                                              "minutes); past it a response in progress is cancelled, the client "
+                                              "gets an error event (code session_expired) and the WebSocket is "
+                                              "closed, freeing its --max-realtime-sessions slot (0: no limit)",
+                                              "--max-realtime-session-duration")
     reasoning_parser: str | None = _f(None, "split a thinking model's reasoning from its answer, as vLLM's: qwen3 or "
                                       "deepseek_r1 (<think>...</think>; Qwen3-Omni-30B-A3B-Thinking): chat answers "
                                       "carry it in message.reasoning (and reasoning_content), streamed as "
@@ -411,6 +416,9 @@ class ServeArgs:
             parse_bytes(self.responses_store_memory, "--responses-store-memory")
         if self.max_realtime_sessions < 1:
             raise ValueError(f"--max-realtime-sessions must be >= 1, got {self.max_realtime_sessions}")
+        if not self.max_realtime_session_duration >= 0:
+            raise ValueError("--max-realtime-session-duration must be >= 0 seconds (0: no limit), got "
+                             f"{self.max_realtime_session_duration}")
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.transport!r}")
         check_mode(self.malloc)
@@ -645,7 +653,8 @@ GATEWAY_FIELDS = frozenset(
      "return_tokens_as_token_ids",
      "mm_processor_kwargs", "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice",
      "tool_call_parser",
-     "reasoning_parser", "responses_store_memory", "max_realtime_sessions", "trust_remote_code", "malloc",
+     "reasoning_parser", "responses_store_memory", "max_realtime_sessions", "max_realtime_session_duration",
+     "trust_remote_code", "malloc",
      "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
      "trust_request_chat_template", "enable_log_requests", "disable_log_requests", "max_log_len",
      "otlp_traces_endpoint", "log_config_file"}
@@ -659,7 +668,7 @@ STAGE_EXCLUDED = frozenset(
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
      "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice", "tool_call_parser",
      "reasoning_parser",
-     "responses_store_memory", "max_realtime_sessions", "data_parallel_size"}
+     "responses_store_memory", "max_realtime_sessions", "max_realtime_session_duration", "data_parallel_size"}
 ) | HTTP_FRONT_FIELDS
 
 
