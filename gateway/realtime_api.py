@@ -34,7 +34,8 @@ Every problem is an `error` event (invalid_request_error, with the client's
 limits' max_audio_seconds, max_messages items, max_request_bytes characters of text; past them
 `conversation_too_large`), --max-realtime-sessions bounds the sessions open at once (429 on the
 handshake) and --max-realtime-session-duration how long each stays open (the session's `expires_at`; then a
-response in progress is cancelled, an error event with code `session_expired`, and the WebSocket closed). One response at a time (another `response.create` meanwhile is an error).
+response in progress is cancelled, an error event with code `session_expired`, and the WebSocket closed); at a
+shutdown the response in progress finishes first (`shut`; the handshake and the drain: gateway/realtime_routes.py). One response at a time (another `response.create` meanwhile is an error).
 With `--api-key`, the handshake needs `Authorization: Bearer <key>` (gateway/auth.py).
 """
 
@@ -54,16 +55,11 @@ import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 
 from gateway import realtime_ga as ga
-from gateway.auth import KEY_SUBPROTOCOL
 from gateway.audio_tempo import Tempo
 from gateway.realtime_audio import RATES, AudioFormatError, OutputEncoder, decode
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, ImagePart, PipelineError,
                             SamplingOverrides, TextDelta, TextPart)
-from gateway.handshake_refusal import send_error
-from gateway.http_errors import RETRY_AFTER_S
-from gateway.media import invalid_request
-from gateway.openai_schema import (check_sampling, default_modalities, dump, error_response, resolve_voice,
-                                   unknown_model)
+from gateway.openai_schema import check_sampling, resolve_voice
 from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
                                        check_temperature, truncation_json, updated)
@@ -74,7 +70,6 @@ from gateway.realtime_vad import ServerVAD, Started, Stopped
 from gateway.responses_tools import responses_tool_plan
 from gateway.tool_calls import ToolAnswer, ToolPlan
 from gateway.transcription_api import collect_text, token_usage, transcription_request
-from omnimesh import tracing
 
 if TYPE_CHECKING:
     from gateway.rest import RestGateway
@@ -111,8 +106,8 @@ def item_chars(item: _Item | CallItem | OutputItem) -> int:
     return sum(len(p.text) for p in item.parts if isinstance(p, TextPart)) + len(item.transcript or "")
 
 
-class _Expired(Exception):
-    """The session reached --max-realtime-session-duration."""
+class _Ended(Exception):
+    """The session ends: it reached --max-realtime-session-duration, or the server is shutting down."""
 
 
 @dataclass
@@ -134,6 +129,8 @@ class RealtimeSession:
     vllm: VllmTranscriber | None = None  # a client speaking vLLM's realtime dialect (gateway/realtime_vllm.py)
     max_duration: float | None = None  # seconds the session may stay open (--max-realtime-session-duration)
     opened: float = field(default_factory=time.time)  # when it was accepted (epoch seconds)
+    shutdown_by: float | None = None  # the server is shutting down: what runs finishes by then (loop clock)
+    _waiting: asyncio.Timeout | None = None  # the wait for the client's next message, while it waits
 
     # ------------------------------------------------------------------------------------ plumbing
     async def send(self, kind: str, **fields: Any) -> None:
@@ -183,31 +180,55 @@ class RealtimeSession:
         return ga.session_object(beta, self.transcription) if self.ga else beta
 
     async def _receive(self, deadline: float | None) -> Any:
-        """The client's next message; `_Expired` at the session's end (`deadline`, on the loop's clock)."""
-        if deadline is None:
-            return await self.ws.receive()
+        """The client's next message; `_Ended` at the session's end (`deadline`, on the loop's clock) or when the
+        server shuts down (`shut`)."""
+        if self.shutdown_by is not None:
+            raise _Ended
         try:
-            async with asyncio.timeout_at(deadline):  # a queue read: nothing is half-received when it fires
+            async with asyncio.timeout_at(deadline) as self._waiting:  # a queue read: nothing is half-received
                 return await self.ws.receive()
         except TimeoutError:
-            raise _Expired from None
+            raise _Ended from None
+        finally:
+            self._waiting = None
 
-    async def _expire(self) -> None:
-        """The session's end: its runs cancelled (a response's events end with response.done, cancelled), the
-        client told why, the socket closed."""
-        assert self.max_duration is not None
-        for task in [self.response, *self.side_tasks]:
-            if task is not None and not task.done():
+    def shut(self, by: float) -> None:
+        """The server is shutting down: the session ends after the event in hand, letting the response and
+        transcriptions in progress finish by `by` (the loop's clock)."""
+        self.shutdown_by = by
+        if self._waiting is not None:
+            self._waiting.reschedule(asyncio.get_running_loop().time())  # wake the wait for the next event
+
+    async def _end(self) -> None:
+        """The session's end. At its maximum duration its runs are cancelled (a response's events end with
+        response.done, cancelled); at a shutdown they may finish first, within the grace. Then the client is told
+        why and the socket closed: 1000 when expired, 1012 (service restart: connect again) at a shutdown."""
+        runs = [t for t in [self.response, *self.side_tasks] if t is not None and not t.done()]
+        loop = asyncio.get_running_loop()
+        if runs and self.shutdown_by is not None and self.shutdown_by > loop.time():
+            await asyncio.wait(runs, timeout=self.shutdown_by - loop.time())
+        for task in runs:
+            if not task.done():
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-        log.info("realtime session %s: closed at its maximum duration (%gs)", self.id, self.max_duration)
-        minutes = self.max_duration / 60
-        span = f"{minutes:g} minutes" if minutes == int(minutes) else f"{self.max_duration:g} seconds"
+        if self.shutdown_by is not None:
+            log.info("realtime session %s: closed, the server is shutting down", self.id)
+            message, code, kind = ("the server is shutting down: open a new session to go on (another replica, or "
+                                   "this server once it is back)", "server_shutting_down", "server_error")
+            close, reason = 1012, "server shutting down"
+        else:
+            assert self.max_duration is not None
+            log.info("realtime session %s: closed at its maximum duration (%gs)", self.id, self.max_duration)
+            minutes = self.max_duration / 60
+            span = f"{minutes:g} minutes" if minutes == int(minutes) else f"{self.max_duration:g} seconds"
+            message, code, kind = (f"this session hit its maximum duration of {span} "
+                                   "(--max-realtime-session-duration); open a new session to go on",
+                                   "session_expired", "invalid_request_error")
+            close, reason = 1000, "session expired"
         with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):  # the client left meanwhile
-            await self.error(f"this session hit its maximum duration of {span} (--max-realtime-session-duration); "
-                             "open a new session to go on", None, "session_expired", None)
-            await self.ws.close(code=1000, reason="session expired")
+            await self.error(message, None, code, None, kind=kind)
+            await self.ws.close(code=close, reason=reason)
 
     async def run(self) -> None:
         await self.send("session.created", session=self.session_json())
@@ -250,8 +271,8 @@ class RealtimeSession:
                                      kind="server_error")
         except WebSocketDisconnect:
             pass
-        except _Expired:
-            await self._expire()
+        except _Ended:
+            await self._end()
         finally:
             for task in [self.response, *self.side_tasks]:
                 if task is not None and not task.done():
@@ -733,74 +754,3 @@ class RealtimeSession:
         await self.send("response.function_call_arguments.done", **at, arguments=item.call.arguments)
         await self.send("response.output_item.done", response_id=rid, output_index=index, item=item.to_json(),
                         _out_of_band=not in_conversation)
-
-
-def sessions_full(limit: int) -> PipelineError:
-    """The 429 of a handshake past --max-realtime-sessions."""
-    return PipelineError(f"this server already has its {limit} Realtime sessions open (--max-realtime-sessions); "
-                         "try again when one closes", http_status=429,
-                         grpc_code=8, kind="rate_limit_error")  # 8: RESOURCE_EXHAUSTED
-
-
-async def refuse(ws: WebSocket, err: PipelineError) -> None:
-    """The handshake refused before it is accepted, with the error's HTTP status and OpenAI's body (a 429 with
-    Retry-After, as REST's)."""
-    retry = [(b"retry-after", str(RETRY_AFTER_S).encode())] if err.http_status == 429 else []
-    await send_error(ws.scope, ws.receive, ws.send, err.http_status, dump(error_response(err)), retry)
-
-
-class RealtimeRoutes:
-    """The `/v1/realtime` WebSocket on one `RestGateway`. `max_sessions` (--max-realtime-sessions; None: no
-    bound) caps the sessions open at once: one more handshake is refused with a 429 and Retry-After, before it
-    is accepted (each session holds its conversation, up to the input limits, for as long as it is open);
-    `max_duration` (--max-realtime-session-duration; None: no limit) is how long each may stay open."""
-
-    def __init__(self, gw: RestGateway, max_sessions: int | None = None, max_duration: float | None = None) -> None:
-        self.gw = gw
-        self.max_sessions = max_sessions
-        self.max_duration = max_duration
-        self.open = 0  # sessions accepted and not yet closed
-        gw.metrics.realtime_sessions.set_function(lambda: self.open)  # read at each scrape
-
-    async def realtime(self, ws: WebSocket) -> None:
-        model = ws.query_params.get("model")
-        if model and model not in self.gw.served_model_names:  # refused as REST refuses it: 404, OpenAI's body
-            await refuse(ws, unknown_model(model, self.gw.served_model_names))
-            return
-        # OpenAI's live captions connect with ?intent=transcription (no model): a GA transcription session from
-        # session.created on; beta's transcription sessions (transcription_session.update) are not served
-        intent = ws.query_params.get("intent")
-        beta = "realtime=v1" in ws.headers.get("openai-beta", "")
-        if intent not in (None, "transcription") or (intent and beta):
-            await refuse(ws, invalid_request(f"intent {intent!r}: only 'transcription' (GA's, without the "
-                                             "OpenAI-Beta: realtime=v1 header) is served", "intent"))
-            return
-        # a browser's subprotocols (OpenAI's: "realtime", the key, "openai-beta.realtime-v1"): one must be
-        # chosen in the answer or the browser drops the connection; never the key
-        offered = [p for p in ws.scope.get("subprotocols") or () if not p.startswith(KEY_SUBPROTOCOL)]
-        if self.max_sessions is not None and self.open >= self.max_sessions:
-            await refuse(ws, sessions_full(self.max_sessions))
-            return
-        self.open += 1  # counted before the first await: the check and the count are one step on the loop
-        try:
-            await ws.accept(subprotocol="realtime" if "realtime" in offered else (offered[0] if offered else None))
-            await self._session(ws, model, intent, offered)
-        finally:
-            self.open -= 1
-
-    async def _session(self, ws: WebSocket, model: str | None, intent: str | None, offered: list[str]) -> None:
-        # the handshake's traceparent, when tracing: every response of the session is a run under it
-        trace = tracing.set_request_parent(ws.headers.items())
-        try:
-            settings = RealtimeSettings(modalities=default_modalities(self.gw.pipeline))  # text alone: no speech here
-            if intent == "transcription":  # text out, each committed turn transcribed (with the defaults)
-                settings = updated(settings, {"modalities": ["text"], "input_audio_transcription": {}},
-                                   self.gw.pipeline)
-            # a browser says which interface it speaks by its subprotocols: "realtime" alone is GA (OpenAI's GA
-            # docs), with "openai-beta.realtime-v1" beta; without subprotocols a GA session.update switches it
-            speaks_ga = "realtime" in offered and "openai-beta.realtime-v1" not in offered
-            await RealtimeSession(self.gw, ws, model or self.gw.served_model_names[0], settings=settings,
-                                  ga=speaks_ga or intent == "transcription",
-                                  transcription=intent == "transcription", max_duration=self.max_duration).run()
-        finally:
-            tracing.reset_request_parent(trace)

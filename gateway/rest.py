@@ -110,7 +110,7 @@ from gateway.prompt_logprobs import prompt_logprobs_json
 from gateway.tokenize_api import TokenizeRoutes
 from gateway.structured_request import structured_spec
 from gateway.tool_calls import NO_TOOLS, ToolAnswer, ToolPlan, forced_calls, parse_tool_calls, tool_plan
-from gateway.realtime_api import RealtimeRoutes
+from gateway.realtime_routes import RealtimeRoutes
 from gateway.reasoning import END, AnswerSplit, ReasoningParser, thinks
 from gateway.response_store import ResponseStore
 from gateway.responses_api import ResponsesRoutes
@@ -772,8 +772,8 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     app.add_api_route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"])
     app.add_api_route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"])
-    app.add_api_websocket_route("/v1/realtime", RealtimeRoutes(gw, max_realtime_sessions,
-                                                                 max_realtime_session_s).realtime)
+    app.state.realtime = RealtimeRoutes(gw, max_realtime_sessions, max_realtime_session_s)  # drained at shutdown
+    app.add_api_websocket_route("/v1/realtime", app.state.realtime.realtime)
     audio = TranscriptionRoutes(gw)
     app.add_api_route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"])
     app.add_api_route("/v1/audio/translations", audio.translations, methods=["POST"])

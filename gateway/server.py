@@ -5,7 +5,9 @@ addresses (several for a stage with replicas: gateway/replicas.py) -> StagePipel
 sample rate from the stages, bounded wait) ->
 serve REST on --host:--port or --uds (its socket bound first: gateway/rest_socket.py) and gRPC on
 --host:--grpc-port (TLS, CORS, access log, --root-path: gateway/http_front.py)
-until SIGTERM / SIGINT; meanwhile the video decoders' process server starts (gateway/video_process.py).
+until SIGTERM / SIGINT (then: no new connection, the Realtime sessions end after their responses in progress,
+`stop_rest`, then uvicorn finishes the HTTP requests in flight); meanwhile the video decoders' process server
+starts (gateway/video_process.py).
 REST /metrics also scrapes every stage's Metrics RPC through the same clients.
 """
 
@@ -29,6 +31,7 @@ from gateway.pipeline import StagePipeline
 from gateway.processor_kwargs import parse_mm_processor_kwargs
 from gateway.chat_template_options import parse_default_kwargs
 from gateway.prompt import PromptBuilder, load_chat_template
+from gateway.realtime_routes import RealtimeRoutes
 from gateway.reasoning import ReasoningParser
 from gateway.response_store import responses_store
 from gateway.request_log import RequestLog
@@ -44,6 +47,9 @@ from omnimesh.transport.stage_client import StageClient
 from omnimesh.transport.transport import Transport
 
 log = logging.getLogger(__name__)
+# a shutdown's wait for the Realtime responses in progress: within `omnimesh serve`'s 10 s for the gateway to stop
+# (omnimesh/launcher.py STOP_GRACE_S), the HTTP requests in flight meanwhile served beside them
+REALTIME_DRAIN_S = 8.0
 
 
 def model_max_len(model_dir: Path) -> int:
@@ -153,7 +159,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     done, _ = await asyncio.wait([rest_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if rest_task in done and (failure := rest_task.exception()) is not None:
         raise failure
-    rest.should_exit = True
+    await stop_rest(rest, app.state.realtime)
     await asyncio.gather(rest_task, return_exceptions=True)
     if front.uds is not None:  # a closed Unix socket leaves its file behind
         with contextlib.suppress(OSError):
@@ -165,6 +171,16 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     video_warmup.cancel()
     await pipeline.close()
     tracing.shutdown()  # the spans still batched leave now
+
+
+async def stop_rest(rest: uvicorn.Server, realtime: RealtimeRoutes, grace_s: float = REALTIME_DRAIN_S) -> None:
+    """The REST front's shutdown: no new connection; the Realtime sessions open finish their responses (at most
+    `grace_s`) and are closed with the reason (uvicorn would close them at once, mid-answer); then uvicorn's own
+    shutdown, which finishes the HTTP requests in flight."""
+    for server in getattr(rest, "servers", ()):  # set once it listens
+        server.close()  # the listening socket only: the connections open go on
+    await realtime.drain(grace_s)
+    rest.should_exit = True
 
 
 async def _start_video_decoding() -> None:
