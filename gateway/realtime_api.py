@@ -35,7 +35,8 @@ limits' max_audio_seconds, max_messages items, max_request_bytes characters of t
 `conversation_too_large`), --max-realtime-sessions bounds the sessions open at once (429 on the
 handshake) and --max-realtime-session-duration how long each stays open (the session's `expires_at`; then a
 response in progress is cancelled, an error event with code `session_expired`, and the WebSocket closed); at a
-shutdown the response in progress finishes first (`shut`; the handshake and the drain: gateway/realtime_routes.py). One response at a time (another `response.create` meanwhile is an error).
+shutdown the response in progress finishes first (`shut`; the handshake and the drain: gateway/realtime_routes.py).
+One response at a time (another `response.create` meanwhile is an error).
 With `--api-key`, the handshake needs `Authorization: Bearer <key>` (gateway/auth.py).
 """
 
