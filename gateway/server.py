@@ -5,8 +5,9 @@ addresses (several for a stage with replicas: gateway/replicas.py) -> StagePipel
 sample rate from the stages, bounded wait) ->
 serve REST on --host:--port or --uds (its socket bound first: gateway/rest_socket.py) and gRPC on
 --host:--grpc-port (TLS, CORS, access log, --root-path: gateway/http_front.py)
-until SIGTERM / SIGINT (then: no new connection, the Realtime sessions end after their responses in progress,
-`stop_rest`, then uvicorn finishes the HTTP requests in flight); meanwhile the video decoders' process server
+until SIGTERM / SIGINT (then, at once on both fronts: no new connection or call; the gRPC calls in flight finish,
+the Realtime sessions end after their responses in progress (`stop_rest`), then uvicorn finishes the HTTP
+requests in flight); meanwhile the video decoders' process server
 starts (gateway/video_process.py).
 REST /metrics also scrapes every stage's Metrics RPC through the same clients.
 """
@@ -47,9 +48,9 @@ from omnimesh.transport.stage_client import StageClient
 from omnimesh.transport.transport import Transport
 
 log = logging.getLogger(__name__)
-# a shutdown's wait for the Realtime responses in progress: within `omnimesh serve`'s 10 s for the gateway to stop
-# (omnimesh/launcher.py STOP_GRACE_S), the HTTP requests in flight meanwhile served beside them
-REALTIME_DRAIN_S = 8.0
+# a shutdown's wait for the Realtime responses and gRPC calls in progress, all at once: within `omnimesh serve`'s
+# 10 s for the gateway to stop (omnimesh/launcher.py STOP_GRACE_S), the HTTP requests in flight served beside them
+STOP_GRACE_S = 8.0
 
 
 def model_max_len(model_dir: Path) -> int:
@@ -159,13 +160,15 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     done, _ = await asyncio.wait([rest_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if rest_task in done and (failure := rest_task.exception()) is not None:
         raise failure
+    # gRPC takes no new call from now on and its calls in flight finish (STOP_GRACE_S), while REST stops
+    grpc_stopped = asyncio.create_task(grpc_server.stop(STOP_GRACE_S))
     await stop_rest(rest, app.state.realtime)
     await asyncio.gather(rest_task, return_exceptions=True)
     if front.uds is not None:  # a closed Unix socket leaves its file behind
         with contextlib.suppress(OSError):
             os.unlink(front.uds)
     await app.state.responses.close()  # background responses still running end "cancelled"
-    await grpc_server.stop(5.0)
+    await grpc_stopped
     if discovery is not None:
         await discovery.stop()
     video_warmup.cancel()
@@ -173,7 +176,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
     tracing.shutdown()  # the spans still batched leave now
 
 
-async def stop_rest(rest: uvicorn.Server, realtime: RealtimeRoutes, grace_s: float = REALTIME_DRAIN_S) -> None:
+async def stop_rest(rest: uvicorn.Server, realtime: RealtimeRoutes, grace_s: float = STOP_GRACE_S) -> None:
     """The REST front's shutdown: no new connection; the Realtime sessions open finish their responses (at most
     `grace_s`) and are closed with the reason (uvicorn would close them at once, mid-answer); then uvicorn's own
     shutdown, which finishes the HTTP requests in flight."""
