@@ -285,20 +285,21 @@ class RealtimeSession:
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event["type"]
         if kind == "session.update":
-            session = event.get("session") or {}
-            changes = (isinstance(session, dict) and "type" in session
-                       and ga.is_transcription(session) != self.transcription)
-            if changes and (self.items or self.buffer):
+            session = event.get("session")
+            session = {} if session is None else session
+            if not isinstance(session, dict):
+                raise RealtimeError("session must be an object", "session")
+            transcription = ga.is_transcription(session) if "type" in session else self.transcription
+            if transcription != self.transcription and (self.items or self.buffer):
                 raise RealtimeError("a session becomes a transcription session (or stops being one) only before "
                                     "any audio or item", "session.type")
-            self.ga = self.ga or ga.is_ga(session)  # the SDK's client.realtime (GA) from here on
-            if isinstance(session, dict) and "type" in session:
-                self.transcription = ga.is_transcription(session)
-            fields = ga.session_fields(session) if self.ga else session
-            if (self.transcription and isinstance(fields, dict)
-                    and fields.get("input_audio_transcription", self.settings.input_audio_transcription) is None):
+            self.ga = self.ga or ga.is_ga(session)  # the SDK's client.realtime (GA) from here on, refused or not
+            fields = ga.session_fields(session) if self.ga else dict(session)
+            if transcription and fields.get("input_audio_transcription",
+                                            self.settings.input_audio_transcription) is None:
                 fields["input_audio_transcription"] = {}  # a transcription session always transcribes
             heard = await self.update(fields)
+            self.transcription = transcription  # a refused update changes no setting, the session's type included
             await self.send("session.updated", session=self.session_json())
             await self._turns(heard)
         elif kind == "input_audio_buffer.append":

@@ -195,3 +195,31 @@ def test_a_browser_says_its_interface_by_its_subprotocols(rest_server: RestServe
         assert "modalities" in created and "type" not in created
     with connect(url(rest_server), open_timeout=10) as ws:
         assert "modalities" in recv(ws)["session"]
+
+
+@pytest.mark.parametrize("session", ["realtime", 3, [], True])
+def test_a_session_that_is_not_an_object_is_named(rest_server: RestServer, session: object) -> None:
+    """In a GA session too (it was an internal error there: the GA fields were read before the check)."""
+    with connect(url(rest_server), subprotocols=["realtime"], open_timeout=10) as ws:  # type: ignore[list-item]
+        assert recv(ws)["session"]["type"] == "realtime"
+        send(ws, type="session.update", session=session, event_id="evt_1")
+        error = recv(ws)["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "session", error
+        assert error["message"] == "session must be an object" and error["event_id"] == "evt_1"
+        send(ws, type="session.update", session={"type": "realtime", "instructions": "Be brief."})
+        assert recv(ws)["session"]["instructions"] == "Be brief."  # the session goes on
+
+
+def test_a_refused_update_does_not_make_a_transcription_session(rest_server: RestServer,
+                                                                pipeline: ScriptedPipeline) -> None:
+    with connect(url(rest_server), open_timeout=10) as ws:
+        recv(ws)
+        send(ws, type="session.update",
+             session={"type": "transcription", "audio": {"input": {"format": {"type": "audio/opus"}}}})
+        assert recv(ws)["error"]["param"] == "session.audio.input.format"
+        send(ws, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                        "content": [{"type": "input_text", "text": "Hi."}]})
+        assert recv(ws)["type"] == "conversation.item.added"  # GA names: the client spoke GA
+        send(ws, type="response.create")  # still a session that answers
+        done = until(ws, "response.done")[-1]["response"]
+        assert done["status"] == "completed" and pipeline.requests
