@@ -132,6 +132,7 @@ class RealtimeSession:
     opened: float = field(default_factory=time.time)  # when it was accepted (epoch seconds)
     shutdown_by: float | None = None  # the server is shutting down: what runs finishes by then (loop clock)
     _waiting: asyncio.Timeout | None = None  # the wait for the client's next message, while it waits
+    cancel_reason: str = "client_cancelled"  # why the response in progress is cancelled (its status_details)
 
     # ------------------------------------------------------------------------------------ plumbing
     async def send(self, kind: str, **fields: Any) -> None:
@@ -208,6 +209,7 @@ class RealtimeSession:
         loop = asyncio.get_running_loop()
         if runs and self.shutdown_by is not None and self.shutdown_by > loop.time():
             await asyncio.wait(runs, timeout=self.shutdown_by - loop.time())
+        self.cancel_reason = "server_shutting_down" if self.shutdown_by is not None else "session_expired"
         for task in runs:
             if not task.done():
                 task.cancel()
@@ -358,6 +360,7 @@ class RealtimeSession:
         elif kind == "response.cancel":
             if self.response is None or self.response.done():
                 raise RealtimeError("no response is in progress", None, "response_cancel_not_active")
+            self.cancel_reason = "client_cancelled"
             self.response.cancel()
         else:
             raise RealtimeError(f"unknown event type {kind!r}", "type", "unknown_event")
@@ -431,6 +434,7 @@ class RealtimeSession:
                 self.turn_id = f"item_{uuid.uuid4().hex}"
                 await self.send("input_audio_buffer.speech_started", audio_start_ms=ev.ms, item_id=self.turn_id)
                 if td.get("interrupt_response", True) and self.response is not None and not self.response.done():
+                    self.cancel_reason = "turn_detected"  # OpenAI's reason for a response cut by speech
                     self.response.cancel()
                     with contextlib.suppress(BaseException):
                         await self.response
@@ -677,7 +681,7 @@ class RealtimeSession:
                              "input_token_details": {"cached_tokens": ev.cached_tokens}}
                     break
         except asyncio.CancelledError:
-            status, reason = "cancelled", "client_cancelled"
+            status, reason = "cancelled", self.cancel_reason
         except PipelineError as e:
             status = "failed"
             await self.error(e.message, e.param, "response_failed", None)

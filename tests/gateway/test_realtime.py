@@ -366,6 +366,7 @@ def test_speech_interrupts_a_response(ws: ClientConnection, pipeline: ScriptedPi
     events = until(ws, "response.done")
     assert "input_audio_buffer.speech_started" in [e["type"] for e in events]
     assert events[-1]["response"]["status"] == "cancelled"
+    assert events[-1]["response"]["status_details"]["reason"] == "turn_detected"  # OpenAI's: not the client's cancel
 
 
 def test_the_detector_hears_voices_not_loudness() -> None:

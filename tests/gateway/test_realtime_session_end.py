@@ -61,6 +61,7 @@ def test_a_response_in_progress_is_cancelled_at_the_end(pipeline: ScriptedPipeli
         events = until(conn, "error")
         done = [e for e in events if e["type"] == "response.done"]
         assert len(done) == 1 and done[0]["response"]["status"] == "cancelled"  # before the error: it ended first
+        assert done[0]["response"]["status_details"]["reason"] == "session_expired"
         assert events[-1]["error"]["code"] == "session_expired"
         assert "maximum duration of 2 seconds" in events[-1]["error"]["message"]
         with pytest.raises(ConnectionClosedOK):
@@ -149,6 +150,7 @@ def test_a_response_past_the_grace_is_cancelled(pipeline: ScriptedPipeline) -> N
             events = until(conn, "error")
             done = [e for e in events if e["type"] == "response.done"]
             assert len(done) == 1 and done[0]["response"]["status"] == "cancelled"
+            assert done[0]["response"]["status_details"]["reason"] == "server_shutting_down"
             assert events[-1]["error"]["code"] == "server_shutting_down"
             _closed_for_shutdown(conn)
             stopping.result(TIMEOUT_S)
