@@ -74,7 +74,8 @@ def test_random_events_are_named_mistakes_never_crashes(pipeline: ScriptedPipeli
     subprotocols = ["realtime"] if ga else None
     with RestServer(create_app(pipeline, served_model_names=("tiny-omni",))) as server:
         for _ in range(8):
-            with connect(url(server), subprotocols=subprotocols, open_timeout=TIMEOUT_S) as conn:  # type: ignore[arg-type]
+            with connect(url(server), subprotocols=subprotocols,  # type: ignore[arg-type]
+                         open_timeout=TIMEOUT_S) as conn:
                 conn.recv(timeout=TIMEOUT_S)
                 sent = [_event(rng) for _ in range(40)]
                 for event in sent:
