@@ -7,8 +7,7 @@ serve REST on --host:--port or --uds (its socket bound first: gateway/rest_socke
 --host:--grpc-port (TLS, CORS, access log, --root-path: gateway/http_front.py)
 until SIGTERM / SIGINT (then, at once on both fronts: no new connection or call; the gRPC calls in flight finish,
 the Realtime sessions end after their responses in progress (`stop_rest`), then uvicorn finishes the HTTP
-requests in flight); meanwhile the video decoders' process server
-starts (gateway/video_process.py).
+requests in flight); meanwhile the video decoders' process server starts (gateway/video_process.py).
 REST /metrics also scrapes every stage's Metrics RPC through the same clients.
 """
 
