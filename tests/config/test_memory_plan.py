@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -204,7 +205,13 @@ def test_serve_and_stage_refuse_on_cuda_and_only_advise_on_cpu(models, monkeypat
     err = capsys.readouterr().err
     assert "stage thinker" in err and "stage talker" not in err  # its own stage only
     monkeypatch.setattr(memory_plan, "host_memory", lambda: memory)
-    assert cli.main(["serve", str(model), "--device", "cpu"]) == 0 and started == ["cpu"]
+    free = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            free.append(str(sock.getsockname()[1]))
+    ports = ["--port", free[0], "--grpc-port", free[1], "--stage-base-port", "0"]  # a server on the defaults: no matter
+    assert cli.main(["serve", str(model), "--device", "cpu", *ports]) == 0 and started == ["cpu"]
     assert "omnimesh: advice: the stages may take up to" in capsys.readouterr().err
 
 
