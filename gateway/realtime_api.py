@@ -201,20 +201,26 @@ class RealtimeSession:
         if self._waiting is not None:
             self._waiting.reschedule(asyncio.get_running_loop().time())  # wake the wait for the next event
 
+    def _runs(self) -> list[asyncio.Task]:
+        """The response and the input transcriptions still running."""
+        return [t for t in [self.response, *self.side_tasks] if t is not None and not t.done()]
+
+    async def _cancel_runs(self) -> None:
+        for task in self._runs():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
     async def _end(self) -> None:
         """The session's end. At its maximum duration its runs are cancelled (a response's events end with
         response.done, cancelled); at a shutdown they may finish first, within the grace. Then the client is told
         why and the socket closed: 1000 when expired, 1012 (service restart: connect again) at a shutdown."""
-        runs = [t for t in [self.response, *self.side_tasks] if t is not None and not t.done()]
+        runs = self._runs()
         loop = asyncio.get_running_loop()
         if runs and self.shutdown_by is not None and self.shutdown_by > loop.time():
             await asyncio.wait(runs, timeout=self.shutdown_by - loop.time())
         self.cancel_reason = "server_shutting_down" if self.shutdown_by is not None else "session_expired"
-        for task in runs:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+        await self._cancel_runs()
         if self.shutdown_by is not None:
             log.info("realtime session %s: closed, the server is shutting down", self.id)
             message, code, kind = ("the server is shutting down: open a new session to go on (another replica, or "
@@ -277,11 +283,7 @@ class RealtimeSession:
         except _Ended:
             await self._end()
         finally:
-            for task in [self.response, *self.side_tasks]:
-                if task is not None and not task.done():
-                    task.cancel()  # the client went away: its runs stop in the stages
-                    with contextlib.suppress(BaseException):
-                        await task
+            await self._cancel_runs()  # the client went away: its runs stop in the stages
 
     # ---------------------------------------------------------------------------------- client events
     async def handle(self, event: dict[str, Any]) -> None:
