@@ -168,3 +168,26 @@ def test_a_handshake_while_the_server_shuts_down_is_a_503(pipeline: ScriptedPipe
             connect(url(server), open_timeout=TIMEOUT_S)
         error = refused_with(refused.value, 503)
         assert error["type"] == "server_error" and "shutting down" in error["message"]
+
+
+def test_a_session_accepted_as_the_drain_begins_is_shut_at_once(pipeline: ScriptedPipeline,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race the 503 cannot cover: the handshake passed the check, then the drain began while it was being
+    accepted (one await). The session must not serve on: it says why and closes as the others do."""
+    from starlette.websockets import WebSocket
+
+    app = create_app(pipeline, served_model_names=("tiny-omni",))
+    accept = WebSocket.accept
+
+    async def accept_as_the_drain_begins(self: WebSocket, *args: object, **kwargs: object) -> None:
+        app.state.realtime.closing = True  # as drain sets it, between the check and the session's start
+        await accept(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(WebSocket, "accept", accept_as_the_drain_begins)
+    with RestServer(app) as server, connect(url(server), open_timeout=TIMEOUT_S) as conn:
+        assert recv(conn)["type"] == "session.created"
+        error = recv(conn)["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+        _closed_for_shutdown(conn)
+        assert app.state.realtime.sessions == {} and app.state.realtime.open == 0
+        assert pipeline.closed == []  # nothing ran
