@@ -1,8 +1,11 @@
 """The Realtime API's GA interface (what the `openai` SDK's `client.realtime.connect()` speaks) on top of the
 beta one the session runs (gateway/realtime_api.py).
 
-A session starts in the beta shape; a `session.update` whose session says `"type": "realtime"` switches it to
-GA for good (a browser offering the subprotocol "realtime" without "openai-beta.realtime-v1" starts in GA). Then, both ways:
+A session speaks GA from `session.created` on, as OpenAI's server since the beta's end, unless the client asks
+for beta (the header `OpenAI-Beta: realtime=v1`, or a browser's subprotocol "openai-beta.realtime-v1":
+gateway/realtime_routes.py); a beta session's `session.update` whose session says `"type": "realtime"` switches
+it to GA for good. A GA session's beta-only field is refused with its GA name and the header to send. In GA,
+both ways:
 
     client -> session: `session_fields` turns a GA session object into the beta fields `updated` checks
       (`output_modalities` -> modalities, `audio.input.format` / `.turn_detection` / `.transcription` ->
@@ -128,6 +131,10 @@ def session_fields(session: dict[str, Any]) -> dict[str, Any]:
                         raise RealtimeError(f"{side}.{name}: {v!r} is not supported here", at)
         elif key in _NEUTRAL and value in _NEUTRAL[key]:
             continue
+        elif where in _GA_PATHS:  # a beta client that did not say so
+            raise RealtimeError(f"session field {key!r} is the beta interface's; this session speaks GA, where it is "
+                                f"{_GA_PATHS[where]} (a beta client connects with the header "
+                                "OpenAI-Beta: realtime=v1)", where, code="unknown_parameter")
         else:
             raise RealtimeError(f"session field {key!r}: {value!r} is not supported here", where)
     return out
@@ -202,8 +209,8 @@ def events(kind: str, fields: dict[str, Any], in_conversation: bool = True) -> l
         if isinstance(response.get("output"), list):
             response["output"] = [_item(i) for i in response["output"]]
         fields["response"] = response
-    if isinstance(fields.get("error"), dict):
-        fields["error"] = {**fields["error"], "param": ga_param(fields["error"].get("param"))}
+    if isinstance(fields.get("error"), dict) and fields["error"].get("code") != "unknown_parameter":  # that one
+        fields["error"] = {**fields["error"], "param": ga_param(fields["error"].get("param"))}  # names what was sent
     out = [(_RENAMED.get(kind, kind), fields)]
     item = fields.get("item")
     if kind == "conversation.item.created" and isinstance(item, dict) and item.get("status") == "completed":

@@ -36,6 +36,13 @@ def sessions_full(limit: int) -> PipelineError:
                          grpc_code=8, kind="rate_limit_error")  # 8: RESOURCE_EXHAUSTED
 
 
+def asks_beta(header: str, subprotocols: list[str]) -> bool:
+    """The client asks for the beta interface: the header `OpenAI-Beta: realtime=v1` (the SDK's
+    `client.beta.realtime`), or a browser's subprotocol `openai-beta.realtime-v1`. Anything else speaks GA, as
+    OpenAI's own server since the beta's end."""
+    return "realtime=v1" in header or "openai-beta.realtime-v1" in subprotocols
+
+
 def shutting_down() -> PipelineError:
     """The 503 of a handshake while the server shuts down."""
     return PipelineError("the server is shutting down: connect to another replica, or again once it is back",
@@ -84,14 +91,14 @@ class RealtimeRoutes:
         # OpenAI's live captions connect with ?intent=transcription (no model): a GA transcription session from
         # session.created on; beta's transcription sessions (transcription_session.update) are not served
         intent = ws.query_params.get("intent")
-        beta = "realtime=v1" in ws.headers.get("openai-beta", "")
+        # a browser's subprotocols (OpenAI's: "realtime", the key, "openai-beta.realtime-v1"): one must be
+        # chosen in the answer or the browser drops the connection; never the key
+        offered = [p for p in ws.scope.get("subprotocols") or () if not p.startswith(KEY_SUBPROTOCOL)]
+        beta = asks_beta(ws.headers.get("openai-beta", ""), offered)
         if intent not in (None, "transcription") or (intent and beta):
             await refuse(ws, invalid_request(f"intent {intent!r}: only 'transcription' (GA's, without the "
                                              "OpenAI-Beta: realtime=v1 header) is served", "intent"))
             return
-        # a browser's subprotocols (OpenAI's: "realtime", the key, "openai-beta.realtime-v1"): one must be
-        # chosen in the answer or the browser drops the connection; never the key
-        offered = [p for p in ws.scope.get("subprotocols") or () if not p.startswith(KEY_SUBPROTOCOL)]
         if self.closing:
             await refuse(ws, shutting_down())
             return
@@ -101,11 +108,11 @@ class RealtimeRoutes:
         self.open += 1  # counted before the first await: the check and the count are one step on the loop
         try:
             await ws.accept(subprotocol="realtime" if "realtime" in offered else (offered[0] if offered else None))
-            await self._session(ws, model, intent, offered)
+            await self._session(ws, model, intent, beta)
         finally:
             self.open -= 1
 
-    async def _session(self, ws: WebSocket, model: str | None, intent: str | None, offered: list[str]) -> None:
+    async def _session(self, ws: WebSocket, model: str | None, intent: str | None, beta: bool) -> None:
         # the handshake's traceparent, when tracing: every response of the session is a run under it
         trace = tracing.set_request_parent(ws.headers.items())
         try:
@@ -113,11 +120,8 @@ class RealtimeRoutes:
             if intent == "transcription":  # text out, each committed turn transcribed (with the defaults)
                 settings = updated(settings, {"modalities": ["text"], "input_audio_transcription": {}},
                                    self.gw.pipeline)
-            # a browser says which interface it speaks by its subprotocols: "realtime" alone is GA (OpenAI's GA
-            # docs), with "openai-beta.realtime-v1" beta; without subprotocols a GA session.update switches it
-            speaks_ga = "realtime" in offered and "openai-beta.realtime-v1" not in offered
             session = RealtimeSession(self.gw, ws, model or self.gw.served_model_names[0], settings=settings,
-                                      ga=speaks_ga or intent == "transcription",
+                                      ga=not beta,
                                       transcription=intent == "transcription", max_duration=self.max_duration)
             task = asyncio.current_task()
             assert task is not None

@@ -140,7 +140,7 @@ class Traffic:
         """A Realtime session: one spoken turn (24 kHz pcm16), answered to its `response.done`."""
         pcm = pcm16_bytes(tone(1.0, 24000, 300.0))
         async with websockets.connect(self.ws_url, max_size=2**26, open_timeout=60) as ws:
-            for event in ({"type": "session.update", "session": {"max_response_output_tokens": 8}},
+            for event in ({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 8}},
                           {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()},
                           {"type": "input_audio_buffer.commit"}, {"type": "response.create"}):
                 await ws.send(json.dumps(event))

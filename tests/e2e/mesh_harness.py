@@ -18,6 +18,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
+REALTIME_BETA = {"OpenAI-Beta": "realtime=v1"}  # the Realtime beta interface's header (without it: GA)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

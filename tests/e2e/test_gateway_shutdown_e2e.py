@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 import httpx
-from mesh_harness import free_port, start_gateway
+from mesh_harness import REALTIME_BETA, free_port, start_gateway
 from websockets.exceptions import ConnectionClosedError
 from websockets.sync.client import connect
 
@@ -59,7 +59,8 @@ def _grpc(address: str, started: threading.Event) -> dict[str, Any]:
 
 def _realtime(url: str, started: threading.Event) -> dict[str, Any]:
     events = []
-    with connect(url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=TIMEOUT_S) as ws:
+    with connect(url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}",
+                 additional_headers=REALTIME_BETA, open_timeout=TIMEOUT_S) as ws:
         ws.send(json.dumps({"type": "conversation.item.create", "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me about the sea."}]}}))
         ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 200}}))

@@ -36,7 +36,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from mesh_harness import Mesh, start_mesh
+from mesh_harness import REALTIME_BETA, Mesh, start_mesh
 from reference import chat_request, mp4_bytes, openai_content, png_bytes, sine_wav
 from reference_qwen2_5 import Qwen2_5Reference
 
@@ -277,7 +277,8 @@ def test_a_realtime_spoken_turn_is_the_same_chat(served: Mesh) -> None:
     clip = sine_wav(1.0, rate=24_000)
     with wave.open(io.BytesIO(clip)) as w:
         pcm = w.readframes(w.getnframes())
-    with connect(served.rest.replace("http://", "ws://") + f"/v1/realtime?model={NAME}", open_timeout=30) as ws:
+    with connect(served.rest.replace("http://", "ws://") + f"/v1/realtime?model={NAME}",
+                 additional_headers=REALTIME_BETA, open_timeout=30) as ws:
         def until(kind: str) -> list[dict]:
             out: list[dict] = []
             while not out or out[-1]["type"] != kind:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from mesh_harness import REALTIME_BETA
 from reference import sine_wav
 from websockets.sync.client import connect
 
@@ -37,7 +38,8 @@ def test_a_spoken_turn_is_the_same_chat(mesh):
     clip = sine_wav(1.0, rate=24_000)
     with wave.open(io.BytesIO(clip)) as w:
         pcm = w.readframes(w.getnframes())
-    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}",
+                 additional_headers=REALTIME_BETA, open_timeout=30) as ws:
         _until(ws, "session.created")
         ws.send(json.dumps({"type": "session.update", "session": {
             "instructions": INSTRUCTIONS, "voice": "ethan", "temperature": 0, "max_response_output_tokens": 8}}))
@@ -82,7 +84,8 @@ def test_server_vad_turns_are_the_same_chat(mesh):
         sentence = w.readframes(w.getnframes())
     silence = bytes(2 * 12_288)  # 0.512 s of pcm16 at 24 kHz
     pcm = silence + sentence + silence
-    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}",
+                 additional_headers=REALTIME_BETA, open_timeout=30) as ws:
         _until(ws, "session.created")
         ws.send(json.dumps({"type": "session.update", "session": {
             "modalities": ["text"], "temperature": 0, "max_response_output_tokens": 6,
@@ -113,7 +116,8 @@ def test_a_function_call_and_its_result_are_the_chats(mesh):
     params = {"type": "object", "properties": {"mode": {"enum": ["calm", "storm"]}}, "required": ["mode"],
               "additionalProperties": False}
     tool = {"type": "function", "name": "set_mode", "parameters": params}
-    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}",
+                 additional_headers=REALTIME_BETA, open_timeout=30) as ws:
         _until(ws, "session.created")
         ws.send(json.dumps({"type": "session.update", "session": {
             "modalities": ["text"], "temperature": 0, "max_response_output_tokens": 40, "tools": [tool],
@@ -154,7 +158,8 @@ def test_a_telephone_turn_is_the_same_chat(mesh):
     t = np.arange(8000) / 8000
     pcm = np.round(0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype(np.int16)
     heard = ulaw_to_linear(linear_to_ulaw(pcm)).astype(np.float32) / 32768  # what the gateway decodes
-    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}",
+                 additional_headers=REALTIME_BETA, open_timeout=30) as ws:
         _until(ws, "session.created")
         ws.send(json.dumps({"type": "session.update", "session": {
             "instructions": INSTRUCTIONS, "voice": "ethan", "temperature": 0, "max_response_output_tokens": 8,
@@ -232,7 +237,8 @@ def test_a_transcription_session_is_the_transcriptions_endpoint(mesh):
     clip = sine_wav(1.0, rate=24_000)
     with wave.open(io.BytesIO(clip)) as w:
         pcm = w.readframes(w.getnframes())
-    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}",
+                 additional_headers=REALTIME_BETA, open_timeout=30) as ws:
         _until(ws, "session.created")
         ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
             "format": {"type": "audio/pcm", "rate": 24000}, "transcription": {"model": MODEL, "language": "en"}}}}}))
@@ -253,7 +259,8 @@ def test_a_picture_in_the_conversation_is_the_same_chat(mesh):
     from reference import png_bytes
 
     uri = "data:image/png;base64," + base64.b64encode(png_bytes(40, seed=905)).decode()
-    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}",
+                 additional_headers=REALTIME_BETA, open_timeout=30) as ws:
         _until(ws, "session.created")
         ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0, "max_response_output_tokens": 8,
                                                                   "modalities": ["text"]}}))
@@ -274,7 +281,8 @@ def test_a_conversation_past_the_context_is_still_answered(mesh):
     """truncation through the real pipeline: user items summing to more than the thinker's 4096-token context
     are answered ("auto", the default) from a prompt that fits, the oldest left out (the items stay: the oldest
     is still retrievable); with "disabled" the same conversation fails with the prompt-length error."""
-    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}", open_timeout=30) as ws:
+    with connect(mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}",
+                 additional_headers=REALTIME_BETA, open_timeout=30) as ws:
         _until(ws, "session.created")
         ws.send(json.dumps({"type": "session.update", "session": {
             "modalities": ["text"], "instructions": INSTRUCTIONS, "max_response_output_tokens": 4}}))

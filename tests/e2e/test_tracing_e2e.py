@@ -112,11 +112,12 @@ def _gateway_span(traces, request_id: str, timeout_s: float = 20.0):
 def test_a_realtime_session_traces_each_response_under_its_handshake(mesh, traces):
     import json
 
+    from mesh_harness import REALTIME_BETA
     from websockets.sync.client import connect
 
     header, trace, client_span = _traceparent()
     url = mesh.rest.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"
-    with connect(url, additional_headers={"traceparent": header}, open_timeout=30) as ws:
+    with connect(url, additional_headers={"traceparent": header, **REALTIME_BETA}, open_timeout=30) as ws:
         ws.send(json.dumps({"type": "session.update", "session": {"modalities": ["text"], "temperature": 0,
                                                                   "max_response_output_tokens": 4}}))
         ws.send(json.dumps({"type": "conversation.item.create", "item": {

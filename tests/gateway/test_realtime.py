@@ -28,6 +28,7 @@ from gateway.realtime_api import RealtimeSession
 from gateway.rest import create_app
 
 TIMEOUT_S = 10.0
+BETA = {"OpenAI-Beta": "realtime=v1"}  # the beta interface's handshake header; without it a session speaks GA
 SPEECH_WAV = Path(__file__).parent.parent / "data" / "speech_24k.wav"
 
 
@@ -37,7 +38,7 @@ def url(server: RestServer) -> str:
 
 @pytest.fixture()
 def ws(rest_server: RestServer, pipeline: ScriptedPipeline) -> Iterator[ClientConnection]:
-    with connect(url(rest_server), open_timeout=TIMEOUT_S) as conn:
+    with connect(url(rest_server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
         created = recv(conn)
         assert created["type"] == "session.created" and created["session"]["turn_detection"] is None
         yield conn
@@ -280,7 +281,7 @@ def test_too_much_audio_is_refused_and_the_buffer_cleared(shared_pipeline: Scrip
     from tests.gateway.conftest import TEST_LIMITS  # max_audio_seconds 5
 
     with RestServer(create_app(shared_pipeline, served_model_names=("tiny-omni",), limits=TEST_LIMITS)) as server, \
-            connect(url(server), open_timeout=TIMEOUT_S) as conn:
+            connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
         recv(conn)
         for _ in range(3):
             send(conn, type="input_audio_buffer.append", audio=audio_b64(2.0))
@@ -300,10 +301,10 @@ def refused_with(refusal: InvalidStatus, status: int) -> dict:
 def test_the_handshake_needs_the_key_and_a_served_model(shared_pipeline: ScriptedPipeline) -> None:
     with RestServer(create_app(shared_pipeline, served_model_names=("tiny-omni",), api_keys=("sk-1",))) as server:
         with pytest.raises(InvalidStatus) as refused:  # REST's 401 and body, not a bare 403
-            connect(url(server), open_timeout=TIMEOUT_S)
+            connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S)
         assert refused_with(refused.value, 401)["code"] == "invalid_api_key"
         assert refused.value.response.headers["www-authenticate"] == "Bearer"
-        with connect(url(server), additional_headers={"Authorization": "Bearer sk-1"},
+        with connect(url(server), additional_headers={"Authorization": "Bearer sk-1", **BETA},
                      open_timeout=TIMEOUT_S) as conn:
             assert recv(conn)["type"] == "session.created"
         with pytest.raises(InvalidStatus) as unknown:
@@ -500,7 +501,7 @@ def test_a_client_gone_mid_response_leaves_nothing_running(rest_server: RestServ
     import httpx
 
     pipeline.event_delay_s = 0.3
-    with connect(url(rest_server), open_timeout=TIMEOUT_S) as conn:
+    with connect(url(rest_server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
         recv(conn)
         send(conn, type="conversation.item.create", item={"type": "message", "role": "user",
                                                           "content": [{"type": "input_text", "text": "Talk."}]})
@@ -537,7 +538,7 @@ def test_a_server_without_speech_defaults_sessions_to_text() -> None:
     pipeline.voices = ()
     pipeline.no_audio = "the model m has no audio output"
     with RestServer(create_app(pipeline, served_model_names=("tiny-omni",))) as server, \
-            connect(url(server), open_timeout=TIMEOUT_S) as conn:
+            connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
         assert recv(conn)["session"]["modalities"] == ["text"]
         send(conn, type="conversation.item.create",
              item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]})
@@ -559,7 +560,7 @@ def test_a_reasoning_models_thought_is_not_said() -> None:
     pipeline.script = lambda request: [TextDelta("<think>\nHmm, a gre"), TextDelta("eting.</th"), TextDelta("ink>\n\nHi"),
                                        TextDelta(" there."), Finished("stop", 9, 12)]
     app = create_app(pipeline, served_model_names=("tiny-omni",), reasoning=ReasoningParser("qwen3"))
-    with RestServer(app) as server, connect(url(server), open_timeout=TIMEOUT_S) as conn:
+    with RestServer(app) as server, connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
         recv(conn)
         send(conn, type="conversation.item.create",
              item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]})

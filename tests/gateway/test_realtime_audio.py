@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 from gateway_harness import RestServer, ScriptedPipeline, tone
-from test_realtime import recv, send, speech, until, url
+from test_realtime import BETA, recv, send, speech, until, url
 from websockets.sync.client import connect
 
 from gateway.events import AudioPart
@@ -66,7 +66,7 @@ def _g711(samples: np.ndarray, fmt: str) -> str:
 
 @pytest.mark.parametrize("fmt", ["g711_ulaw", "g711_alaw"])
 def test_a_telephone_session(rest_server: RestServer, pipeline: ScriptedPipeline, fmt: str) -> None:
-    with connect(url(rest_server), open_timeout=10) as ws:
+    with connect(url(rest_server), additional_headers=BETA, open_timeout=10) as ws:
         recv(ws)
         send(ws, type="session.update", session={"input_audio_format": fmt, "output_audio_format": fmt})
         session = recv(ws)["session"]
@@ -97,7 +97,7 @@ def test_server_vad_hears_8_khz(rest_server: RestServer, pipeline: ScriptedPipel
     """The sentence as a telephone sends it (8 kHz mu-law) between silences is one turn."""
     sentence = resample(speech(), 24_000, 8000)
     audio = np.concatenate([np.zeros(4000, np.float32), sentence, np.zeros(8000, np.float32)])
-    with connect(url(rest_server), open_timeout=10) as ws:
+    with connect(url(rest_server), additional_headers=BETA, open_timeout=10) as ws:
         recv(ws)
         send(ws, type="session.update", session={"input_audio_format": "g711_ulaw", "turn_detection": {
             "type": "server_vad", "create_response": False}})

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from gateway_harness import RestServer, ScriptedPipeline
-from test_realtime import TIMEOUT_S, audio_b64, url
+from test_realtime import BETA, TIMEOUT_S, audio_b64, url
 from websockets.sync.client import connect
 
 from gateway.rest import create_app
@@ -71,11 +71,11 @@ def _event(rng: random.Random) -> dict[str, Any]:
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_events_are_named_mistakes_never_crashes(pipeline: ScriptedPipeline, ga: bool, seed: int) -> None:
     rng = random.Random(seed)
-    subprotocols = ["realtime"] if ga else None
+    subprotocols, headers = (["realtime"], None) if ga else (None, BETA)
     with RestServer(create_app(pipeline, served_model_names=("tiny-omni",))) as server:
         for _ in range(8):
             with connect(url(server), subprotocols=subprotocols,  # type: ignore[arg-type]
-                         open_timeout=TIMEOUT_S) as conn:
+                         additional_headers=headers, open_timeout=TIMEOUT_S) as conn:
                 conn.recv(timeout=TIMEOUT_S)
                 sent = [_event(rng) for _ in range(40)]
                 for event in sent:

@@ -1,7 +1,8 @@
 """The Realtime API's GA interface (gateway/realtime_ga.py) against a scripted pipeline: the `openai` SDK's own
 GA client (`client.realtime.connect`) holds a spoken turn with typed events (GA names, output_audio parts,
 the session in the GA shape, mu-law out), a text-only response by its output_modalities, a user item
-created and retrieved; mistakes come back as error events naming GA paths; a beta session is unchanged."""
+created and retrieved; mistakes come back as error events naming GA paths; a client that names no interface
+speaks GA, one with the OpenAI-Beta header beta, unchanged."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import openai
 import pytest
 from gateway_harness import RestServer, ScriptedPipeline, tone
-from test_realtime import audio_b64, recv, send, until, url
+from test_realtime import BETA, audio_b64, recv, send, until, url
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
@@ -115,7 +116,7 @@ def test_ga_speed_is_the_sessions(rest_server: RestServer) -> None:
 
 
 def test_a_beta_session_keeps_beta_events(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
-    with connect(url(rest_server), open_timeout=10) as ws:
+    with connect(url(rest_server), additional_headers=BETA, open_timeout=10) as ws:
         recv(ws)
         send(ws, type="session.update", session={"modalities": ["text"]})
         assert "output_modalities" not in recv(ws)["session"]
@@ -185,7 +186,7 @@ def test_intent_transcription_opens_a_transcription_session(rest_server: RestSer
 
 def test_a_browser_says_its_interface_by_its_subprotocols(rest_server: RestServer) -> None:
     """Subprotocol "realtime" alone (OpenAI's GA browser handshake): GA from session.created on; with
-    "openai-beta.realtime-v1": beta; without subprotocols: beta until a GA session.update."""
+    "openai-beta.realtime-v1": beta; without subprotocols or the beta header: GA, as OpenAI's server."""
     with connect(url(rest_server), subprotocols=["realtime"], open_timeout=10) as ws:  # type: ignore[list-item]
         created = recv(ws)["session"]
         assert ws.subprotocol == "realtime" and created["type"] == "realtime" and "output_modalities" in created
@@ -194,7 +195,30 @@ def test_a_browser_says_its_interface_by_its_subprotocols(rest_server: RestServe
         created = recv(ws)["session"]
         assert "modalities" in created and "type" not in created
     with connect(url(rest_server), open_timeout=10) as ws:
+        assert recv(ws)["session"]["type"] == "realtime"
+    with connect(url(rest_server), additional_headers=BETA, open_timeout=10) as ws:
         assert "modalities" in recv(ws)["session"]
+
+
+def test_a_client_that_names_no_interface_speaks_ga(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    """No OpenAI-Beta header and no subprotocol: GA from session.created on, with no session.update (OpenAI
+    serves only GA since the beta's end); a beta field is refused with its GA name and the header to send."""
+    with connect(url(rest_server), open_timeout=10) as ws:
+        created = recv(ws)["session"]
+        assert created["type"] == "realtime" and created["output_modalities"] == ["audio"]
+        assert created["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
+        send(ws, type="session.update", session={"modalities": ["text"]}, event_id="evt_1")
+        error = recv(ws)["error"]
+        assert error["param"] == "session.modalities" and error["code"] == "unknown_parameter"
+        assert error["event_id"] == "evt_1"
+        assert "session.output_modalities" in error["message"] and "OpenAI-Beta: realtime=v1" in error["message"]
+        send(ws, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                        "content": [{"type": "input_text", "text": "Hi."}]})
+        assert [recv(ws)["type"], recv(ws)["type"]] == ["conversation.item.added", "conversation.item.done"]
+        send(ws, type="response.create")
+        kinds = [e["type"] for e in until(ws, "response.done")]
+        assert "response.output_audio.delta" in kinds and "response.output_audio_transcript.delta" in kinds
+        assert not any(k.startswith("response.audio") for k in kinds)
 
 
 @pytest.mark.parametrize("session", ["realtime", 3, [], True])

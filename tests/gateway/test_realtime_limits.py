@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from gateway_harness import RestServer, ScriptedPipeline
-from test_realtime import TIMEOUT_S, _pcm, audio_b64, recv, refused_with, send, until, url
+from test_realtime import BETA, TIMEOUT_S, _pcm, audio_b64, recv, refused_with, send, until, url
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
@@ -29,7 +29,7 @@ def small(pipeline: ScriptedPipeline) -> Iterator[ClientConnection]:
     """A session on a server whose conversations hold 3 items and 1,000 characters of text."""
     limits = InputLimits(max_messages=3, max_request_bytes=1_000)
     with RestServer(create_app(pipeline, served_model_names=("tiny-omni",), limits=limits)) as server, \
-            connect(url(server), open_timeout=TIMEOUT_S) as conn:
+            connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
         assert recv(conn)["type"] == "session.created"
         yield conn
 
@@ -126,12 +126,12 @@ def _sessions_gauge(server: RestServer) -> float:
 
 def test_max_realtime_sessions_refuses_one_more_handshake_with_429(shared_pipeline: ScriptedPipeline) -> None:
     app = create_app(shared_pipeline, served_model_names=("tiny-omni",), max_realtime_sessions=2)
-    with RestServer(app) as server, connect(url(server), open_timeout=TIMEOUT_S) as first, \
-            connect(url(server), open_timeout=TIMEOUT_S) as second:
+    with RestServer(app) as server, connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as first, \
+            connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as second:
         assert recv(first)["type"] == recv(second)["type"] == "session.created"
         assert _sessions_gauge(server) == 2
         with pytest.raises(InvalidStatus) as full:
-            connect(url(server), open_timeout=TIMEOUT_S)
+            connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S)
         error = refused_with(full.value, 429)
         assert full.value.response.headers["retry-after"] == "1"
         assert error["type"] == "rate_limit_error" and "--max-realtime-sessions" in error["message"]
@@ -142,7 +142,7 @@ def test_max_realtime_sessions_refuses_one_more_handshake_with_429(shared_pipeli
         deadline = time.monotonic() + TIMEOUT_S  # the server sees the close a moment later
         while _sessions_gauge(server) != 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        with connect(url(server), open_timeout=TIMEOUT_S) as third:
+        with connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as third:
             assert recv(third)["type"] == "session.created"
         second.close()
         while _sessions_gauge(server) != 0 and time.monotonic() < deadline:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from gateway_harness import RestServer, ScriptedPipeline
-from test_realtime import TIMEOUT_S, recv, refused_with, send, until, url
+from test_realtime import BETA, TIMEOUT_S, recv, refused_with, send, until, url
 from test_realtime_limits import _sessions_gauge
 from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
@@ -29,7 +29,7 @@ from omnimesh.config.serve_args import ServeArgs
 
 def test_an_idle_session_ends_at_its_maximum_duration(pipeline: ScriptedPipeline) -> None:
     app = create_app(pipeline, served_model_names=("tiny-omni",), max_realtime_session_s=1.5)
-    with RestServer(app) as server, connect(url(server), open_timeout=TIMEOUT_S) as conn:
+    with RestServer(app) as server, connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
         opened = time.time()
         session = recv(conn)["session"]
         assert opened <= session["expires_at"] + 1 and session["expires_at"] <= opened + 1.5
@@ -52,7 +52,7 @@ def test_an_idle_session_ends_at_its_maximum_duration(pipeline: ScriptedPipeline
 def test_a_response_in_progress_is_cancelled_at_the_end(pipeline: ScriptedPipeline) -> None:
     pipeline.event_delay_s = 5.0  # far past the session's end
     app = create_app(pipeline, served_model_names=("tiny-omni",), max_realtime_session_s=2)
-    with RestServer(app) as server, connect(url(server), open_timeout=TIMEOUT_S) as conn:
+    with RestServer(app) as server, connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
         assert recv(conn)["type"] == "session.created"
         send(conn, type="conversation.item.create", item={"type": "message", "role": "user",
                                                           "content": [{"type": "input_text", "text": "Talk."}]})
@@ -77,7 +77,7 @@ def test_expires_at_in_ga_sessions_and_none_without_a_limit(pipeline: ScriptedPi
         session = recv(conn)["session"]
         assert session["type"] == "realtime" and abs(session["expires_at"] - (time.time() + 3600)) < 5
     with RestServer(create_app(pipeline, served_model_names=("tiny-omni",))) as server, \
-            connect(url(server), open_timeout=TIMEOUT_S) as conn:
+            connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
         assert recv(conn)["session"]["expires_at"] is None
         send(conn, type="session.update", session={"type": "transcription"})  # a GA transcription session too
         assert recv(conn)["session"]["expires_at"] is None
@@ -119,8 +119,8 @@ def test_a_shutdown_lets_the_response_in_progress_finish(pipeline: ScriptedPipel
     pipeline.event_delay_s = 0.3  # 5 events: 1.5 s
     server = RestServer(create_app(pipeline, served_model_names=("tiny-omni",))).start()
     try:
-        with connect(url(server), open_timeout=TIMEOUT_S) as conn, \
-                connect(url(server), open_timeout=TIMEOUT_S) as idle:
+        with connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn, \
+                connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as idle:
             _talk(conn)
             assert recv(idle)["type"] == "session.created"
             stopping = _shut_down(server, grace_s=TIMEOUT_S)
@@ -143,7 +143,7 @@ def test_a_response_past_the_grace_is_cancelled(pipeline: ScriptedPipeline) -> N
     pipeline.event_delay_s = 30.0
     server = RestServer(create_app(pipeline, served_model_names=("tiny-omni",))).start()
     try:
-        with connect(url(server), open_timeout=TIMEOUT_S) as conn:
+        with connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
             _talk(conn)
             started = time.monotonic()
             stopping = _shut_down(server, grace_s=1.0)
@@ -165,7 +165,7 @@ def test_a_handshake_while_the_server_shuts_down_is_a_503(pipeline: ScriptedPipe
     with RestServer(app) as server:
         app.state.realtime.closing = True  # as drain sets it: a connection taken before the listener closed
         with pytest.raises(InvalidStatus) as refused:
-            connect(url(server), open_timeout=TIMEOUT_S)
+            connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S)
         error = refused_with(refused.value, 503)
         assert error["type"] == "server_error" and "shutting down" in error["message"]
 
@@ -184,7 +184,7 @@ def test_a_session_accepted_as_the_drain_begins_is_shut_at_once(pipeline: Script
         await accept(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(WebSocket, "accept", accept_as_the_drain_begins)
-    with RestServer(app) as server, connect(url(server), open_timeout=TIMEOUT_S) as conn:
+    with RestServer(app) as server, connect(url(server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
         assert recv(conn)["type"] == "session.created"
         error = recv(conn)["error"]
         assert error["code"] == "server_shutting_down" and error["type"] == "server_error"

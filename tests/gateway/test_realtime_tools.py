@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from gateway_harness import ScriptedPipeline
+from test_realtime import BETA
 from websockets.sync.client import ClientConnection, connect
 
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, TextDelta, TextPart, ToolCall
@@ -33,7 +34,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</t
 def ws(auto_tools_server) -> Iterator[tuple[ClientConnection, ScriptedPipeline]]:
     s, pipeline = auto_tools_server
     pipeline.reset()
-    with connect(s.base_url.replace("http://", "ws://") + "/v1/realtime?model=tiny-omni", open_timeout=TIMEOUT_S) as c:
+    with connect(s.base_url.replace("http://", "ws://") + "/v1/realtime?model=tiny-omni", additional_headers=BETA,
+                 open_timeout=TIMEOUT_S) as c:
         assert recv(c)["type"] == "session.created"
         yield c, pipeline
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from gateway_harness import RestServer, ScriptedPipeline, tone
+from test_realtime import BETA
 from websockets.sync.client import ClientConnection, connect
 
 from gateway.events import AudioPart, ChatMessage, ChatRequest, Finished, SamplingOverrides, TextDelta, TextPart
@@ -115,7 +116,7 @@ def _events_until(ws: ClientConnection, *kinds: str) -> list[dict[str, Any]]:
 @contextlib.contextmanager
 def _session(server: RestServer, ga: bool = False) -> Iterator[ClientConnection]:
     with connect(server.base_url.replace("http://", "ws://") + "/v1/realtime?model=tiny-omni",
-                 open_timeout=TIMEOUT_S) as ws:
+                 additional_headers=None if ga else BETA, open_timeout=TIMEOUT_S) as ws:
         assert json.loads(ws.recv(timeout=TIMEOUT_S))["type"] == "session.created"
         session = ({"type": "realtime", "output_modalities": ["text"], "instructions": "Be brief."} if ga
                    else {"modalities": ["text"], "instructions": "Be brief."})
