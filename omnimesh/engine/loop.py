@@ -49,8 +49,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -69,6 +71,8 @@ if TYPE_CHECKING:
     from omnimesh.engine.metrics import EngineMetrics, RequestTiming, Stats
 
 log = logging.getLogger(__name__)
+
+MAX_WAIT_S = 3600.0  # the loop wakes at least this often, whatever deadline its requests carry
 
 
 @dataclass(slots=True)
@@ -164,6 +168,8 @@ class EngineLoop:
         # one step at a time across both executors: a close (frees KV blocks) never overlaps a step
         self._serial = threading.Lock() if max_inflight == 1 and self._bulk is not None else None
         self._runner: asyncio.Task | None = None
+        self._stopped: str | None = None  # why the loop died (a bug): every request since is refused
+        self.on_crash: Callable[[str], None] | None = None  # told once if the loop dies (the stage: NOT_SERVING)
         self._closed = False
         self._steps = 0
         self._metrics = metrics
@@ -182,6 +188,22 @@ class EngineLoop:
 
     def start(self) -> None:
         self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"{self.name}-engine")
+        self._runner.add_done_callback(self._runner_ended)
+
+    def _runner_ended(self, runner: asyncio.Task) -> None:
+        """The loop must not die, and never silently: a stage whose loop stopped would take requests and answer
+        none while its health said SERVING. Should a bug end it, its requests fail, later ones are refused, and
+        `on_crash` hears why (the stage turns NOT_SERVING, so its launcher or Kubernetes restarts it)."""
+        if runner.cancelled() or runner.exception() is None:
+            return
+        exc = runner.exception()
+        self._stopped = f"{type(exc).__name__}: {exc}"
+        log.critical("%s: the engine loop stopped: %s", self.name, self._stopped, exc_info=exc)
+        for rid in list(self._entries):
+            self._finish(rid, EngineFailed(grpc.StatusCode.UNAVAILABLE,
+                                           f"stage {self.name}'s engine stopped ({self._stopped})"))
+        if self.on_crash is not None:
+            self.on_crash(f"its engine loop stopped ({self._stopped})")
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -198,10 +220,16 @@ class EngineLoop:
                trace: object = None) -> asyncio.Queue:
         """Queue `task`; its events come on the returned queue. `trace`: the caller's trace context, under which
         the request's span in this stage is written (omnimesh/tracing.py; nothing when tracing is off)."""
+        if self._stopped is not None:
+            raise StageRequestError(grpc.StatusCode.UNAVAILABLE,
+                                    f"stage {self.name}'s engine stopped ({self._stopped}); it must be restarted")
         if task.request_id in self._entries:
             raise StageRequestError(
                 grpc.StatusCode.ALREADY_EXISTS, f"request {task.request_id} is already running in {self.name}"
             )
+        if timeout_s is not None and not math.isfinite(timeout_s):  # the loop's timer takes no NaN or infinity
+            raise StageRequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the request's timeout must be finite, got {timeout_s}")
         deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
         queue: asyncio.Queue = asyncio.Queue()
         timing = self._metrics.request(trace) if self._metrics is not None else None
@@ -265,13 +293,18 @@ class EngineLoop:
             chunk = entry.inbox.pop(0)
             try:
                 entry.task.feed(chunk)
-            except StageRequestError as exc:
-                self._finish(entry.task.request_id, EngineFailed(exc.code, exc.message))
-                return False
-            except ValueError as exc:
-                self._finish(entry.task.request_id, EngineFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            except Exception as exc:  # the request's mistake (StageRequestError, ValueError) or a bug: it fails alone
+                self._finish(entry.task.request_id, self._failure(entry.task.request_id, exc))
                 return False
         return True
+
+    def _ready(self, entry: _Entry) -> bool:
+        """Its inputs handed over, the task can step now; a task that raises here fails, never the loop."""
+        try:
+            return self._deliver_inputs(entry) and entry.task.ready()
+        except Exception as exc:
+            self._finish(entry.task.request_id, self._failure(entry.task.request_id, exc))
+            return False
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -284,7 +317,7 @@ class EngineLoop:
             for rid, entry in list(self._entries.items()):
                 if now > entry.deadline:
                     self._finish(rid, EngineFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} ran past its deadline in {self.name}"))
-                elif entry.inflight is None and self._deliver_inputs(entry) and entry.task.ready():
+                elif entry.inflight is None and self._ready(entry):
                     ready.append(entry)  # inputs wait in the inbox while a step is in flight
                     if entry.timing is not None:
                         entry.timing.ready()
@@ -299,9 +332,9 @@ class EngineLoop:
             # hold no request past its end while waiting: a cancelled one must free its tensors (and the shared
             # memory slots under them) now, not at the next wake-up
             ready = group = entry = None  # type: ignore[assignment]
-            timeout = min((e.deadline for e in self._entries.values()), default=float("inf")) - now
+            timeout = min(min((e.deadline for e in self._entries.values()), default=float("inf")) - now, MAX_WAIT_S)
             waits: list[asyncio.Future] = [asyncio.ensure_future(self._wake.wait()), *running]
-            done, _ = await asyncio.wait(waits, timeout=None if timeout == float("inf") else max(timeout, 0.001),
+            done, _ = await asyncio.wait(waits, timeout=max(timeout, 0.001),
                                          return_when=asyncio.FIRST_COMPLETED)
             waits[0].cancel()
             finished = [t for t in running if t in done]

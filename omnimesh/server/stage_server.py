@@ -54,17 +54,18 @@ async def _serve(handler: StageHandler, host: str, port: int, transport: Transpo
     server, health_servicer = make_server([STAGE_SERVICE])
     stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine, metrics, transport), server)
     bound = bind(server, host, port)
+    loop = asyncio.get_running_loop()
+
+    def not_serving(message: str) -> None:
+        log.error("stage %s is NOT_SERVING: %s", handler.name, message)
+        for name in ("", STAGE_SERVICE):
+            asyncio.run_coroutine_threadsafe(
+                health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING), loop)
+
+    engine.on_crash = not_serving  # a dead engine loop: health says so, and the launcher restarts the stage
     failure: StageFailure | None = getattr(handler, "failure", None)
     if failure is not None:
-        loop = asyncio.get_running_loop()
-
-        def not_serving(message: str) -> None:
-            log.error("stage %s is NOT_SERVING: %s", handler.name, message)
-            for name in ("", STAGE_SERVICE):
-                asyncio.run_coroutine_threadsafe(
-                    health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING), loop)
-
-        failure.listen(not_serving)
+        failure.listen(not_serving)  # a rank died
     print(f"omnimesh stage {handler.name} listening on {listen_address(host, bound)}", flush=True)
     stats = asyncio.get_running_loop().create_task(StatLogger(metrics, interval_from_env()).run()) if log_stats else None
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -40,6 +41,7 @@ from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+MAX_DEADLINE_S = 30 * 86400.0  # a deadline further off than this counts as this far
 SETTLE_CAP_S = 600.0  # the longest a finished request's stream waits for its caller to half-close
 
 
@@ -102,11 +104,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if not rid:
             yield _error(grpc.StatusCode.INVALID_ARGUMENT, "open.request_id is empty")
             return
-        timeout = opened.deadline_unix_s - time.time() if opened.deadline_unix_s else None
+        deadline = opened.deadline_unix_s
+        if not math.isfinite(deadline):  # NaN or infinity: no timer can take it
+            yield _error(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"open.deadline_unix_s must be a Unix time in seconds (0: none), got {deadline}")
+            return
+        # one far in the future waits as long as MAX_DEADLINE_S does (a finite time for every timer and sweep)
+        deadline = min(deadline, time.time() + MAX_DEADLINE_S) if deadline else 0.0
+        timeout = deadline - time.time() if deadline else None
         try:
             if opened.transport and opened.transport not in TRANSPORTS:
                 raise ValueError(f"open.transport must be one of {', '.join(TRANSPORTS)}, got {opened.transport!r}")
-            encoder = self.transport.encoder(opened.transport, rid, opened.deadline_unix_s)
+            encoder = self.transport.encoder(opened.transport, rid, deadline)
             if timeout is not None and timeout <= 0:  # before `open`, which may count it in the engine: only a
                 # submitted task is ever closed, and closing is what gives that count back
                 raise StageRequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} arrived past its deadline")

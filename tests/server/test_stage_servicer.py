@@ -318,3 +318,75 @@ async def test_queued_chunks_leave_as_one_when_the_handler_merges(merging: bool)
         assert torch.cat([c.tensors["y"] for c in out]).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert len(out) == (1 if merging else 5) and out[-1].final
         assert s.done is not None and s.done.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("deadline", [float("nan"), float("inf"), float("-inf")])
+async def test_a_deadline_no_timer_can_take_is_refused_and_the_stage_serves_on(stage, deadline: float):
+    """A NaN deadline reached the engine loop's timer and stopped the loop for good (every later request of the
+    stage hung while its health said SERVING): found by fuzzing a stage's own gRPC API."""
+    client, engine, _, _ = stage
+    s = await client.open("bad-deadline", deadline_unix_s=deadline)
+    await s.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+    with pytest.raises(StageCallError) as err:
+        await asyncio.wait_for(collect(s), 10)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "deadline_unix_s" in err.value.message
+    for rid, far in (("after", 0.0), ("far-off", 1e300), ("years-off", time.time() + 1e9)):  # far ones are capped
+        good = await client.open(rid, deadline_unix_s=far)
+        await good.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+        assert (await asyncio.wait_for(collect(good), 10))[0].tensors["y"].tolist() == [2.0]
+    assert engine.num_requests == 0
+
+
+class _RaisingTask(DoubleTask):
+    def ready(self) -> bool:
+        raise RuntimeError("ready broke")
+
+
+async def test_a_task_that_raises_outside_its_step_fails_alone():
+    """A bug in a task's `feed` or `ready` (the engine calls them between steps) fails that request with
+    INTERNAL; before, it ended the engine loop, and the stage answered nothing more."""
+    handler = DoubleHandler()
+    opened = handler.open
+    handler.open = lambda msg: (_RaisingTask(msg.request_id, 0, False, handler.log)  # type: ignore[method-assign]
+                                if msg.options.get("raise") == "1" else opened(msg))
+    engine = EngineLoop("double")
+    async with served_stage(handler, engine) as served:
+        bad = await served.client.open("raises", options={"raise": "1"})
+        await bad.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+        with pytest.raises(StageCallError) as err:
+            await asyncio.wait_for(collect(bad), 10)
+        assert err.value.code == grpc.StatusCode.INTERNAL and "ready broke" in err.value.message
+        good = await served.client.open("good")
+        await good.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+        assert (await asyncio.wait_for(collect(good), 10))[0].tensors["y"].tolist() == [2.0]
+
+
+async def test_an_engine_loop_that_dies_fails_its_requests_refuses_more_and_says_so(monkeypatch):
+    """Should a bug end the loop anyway, nothing hangs: its requests fail, new ones are refused (UNAVAILABLE),
+    and `on_crash` hears why (the stage server turns its health NOT_SERVING, so the stage is restarted)."""
+    handler = DoubleHandler()
+    engine = EngineLoop("double")
+    crashed: list[str] = []
+    engine.on_crash = crashed.append
+    async with served_stage(handler, engine) as served:
+        waiting = await served.client.open("waiting", whole_input=True)  # held: it never steps
+        await waiting.send(StageChunk(tensors={"x": torch.ones(1)}))
+        await asyncio.sleep(0.1)
+
+        def broken_plan(*_: object) -> list:
+            raise RuntimeError("planner bug")
+
+        monkeypatch.setattr(engine, "_plan", broken_plan)
+        ready = await served.client.open("ready")
+        await ready.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+        for stream in (waiting, ready):
+            with pytest.raises(StageCallError) as err:
+                await asyncio.wait_for(collect(stream), 10)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE and "engine stopped" in err.value.message
+            assert "planner bug" in err.value.message
+        assert crashed == ["its engine loop stopped (RuntimeError: planner bug)"]
+        later = await served.client.open("later")
+        await later.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+        with pytest.raises(StageCallError) as err:
+            await asyncio.wait_for(collect(later), 10)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and "must be restarted" in err.value.message
