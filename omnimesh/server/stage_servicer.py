@@ -3,7 +3,8 @@
 Data flow: the first message must be `open` -> `StageHandler.open` builds a `StageTask` -> the engine
 loop runs it; a reader coroutine assembles incoming chunk parts (`ChunkAssembler`: inline pieces, shm
 slots mapped without copying; seq numbers must be contiguous, so a lost chunk is an error, never
-silence) and feeds them to the engine; engine events are written back as `chunk` parts (through the
+silence; a floating-point tensor with a NaN or an infinity is refused, as it would spread through the model
+and the KV blocks it writes) and feeds them to the engine; engine events are written back as `chunk` parts (through the
 request's `ChunkEncoder`: tensors inline or in this stage's shm arena, per `open.transport`), then
 `done` / `error`; chunks that queued up while the writer was busy leave as one when the handler can merge
 them (`merge_outputs`). Errors travel inside the stream, so one bad request never
@@ -28,6 +29,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
+import torch
 
 from omnimesh import tracing
 from omnimesh.engine.loop import EngineDone, EngineEvent, EngineFailed, EngineLoop
@@ -221,6 +223,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                         continue
                     if chunk is None:
                         continue  # more parts of this chunk follow
+                    bad = _non_finite(chunk)
+                    if bad is not None:  # a NaN would spread through the model (and the KV blocks it writes)
+                        fail(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"request {rid}: input tensor {bad!r} has NaN or infinite values")
+                        continue
                     expected += 1
                     got_final = chunk.final
                     self.engine.feed(rid, chunk)
@@ -233,6 +240,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         except Exception as exc:  # a reader that dies silently would leave the request waiting for its deadline
             log.exception("%s: reading the input of request %s failed", self.handler.name, rid)
             self.engine.fail(rid, grpc.StatusCode.INTERNAL, f"{self.handler.name}: reading input failed: {exc!r}")
+
+
+def _non_finite(chunk: StageChunk) -> str | None:
+    """The name of a floating-point input tensor holding a NaN or an infinity (one pass over it), else None."""
+    for name, tensor in chunk.tensors.items():
+        if tensor.dtype.is_floating_point and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
 
 
 def _trace_parent(context: grpc.aio.ServicerContext) -> object:

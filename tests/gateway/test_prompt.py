@@ -214,3 +214,14 @@ def test_an_image_the_resize_rule_refuses_is_a_400(builder: PromptBuilder) -> No
     with pytest.raises(PipelineError, match="could not prepare the prompt: .*aspect ratio") as e:
         builder.build(request(user(strip, TextPart("what is it?"))))
     assert e.value.http_status == 400 and e.value.param == "messages"
+
+
+def test_audio_too_loud_to_analyse_is_a_400(builder: PromptBuilder) -> None:
+    """Finite float samples far past 1.0 overflow the float32 spectrum into infinities; the thinker then sampled
+    from NaN logits (a 500). A 400 that says to scale it down; loud but sane audio (peak 8) still goes through."""
+    loud = sine(1.0, 16_000) * np.float32(1e30)
+    with pytest.raises(PipelineError, match="too loud to analyse") as e:
+        builder.build(request(user(TextPart("what?"), AudioPart(loud, 16_000))))
+    assert e.value.http_status == 400 and e.value.param == "messages"
+    out = builder.build(request(user(AudioPart(sine(1.0, 16_000) * np.float32(8), 16_000))))
+    assert out.input_features is not None and bool(torch.isfinite(out.input_features).all())

@@ -390,3 +390,20 @@ async def test_an_engine_loop_that_dies_fails_its_requests_refuses_more_and_says
         with pytest.raises(StageCallError) as err:
             await asyncio.wait_for(collect(later), 10)
         assert err.value.code == grpc.StatusCode.UNAVAILABLE and "must be restarted" in err.value.message
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+async def test_a_non_finite_input_tensor_is_refused(stage, bad: float):
+    """A NaN reaching a model spreads through the batch's arithmetic and the KV blocks it writes: a caller's
+    non-finite floating-point tensor is INVALID_ARGUMENT, naming it; the stage serves on."""
+    client, engine, _, _ = stage
+    s = await client.open("nan-in")
+    await s.send(StageChunk(tensors={"x": torch.tensor([1.0, bad])}, final=True))
+    with pytest.raises(StageCallError) as err:
+        await asyncio.wait_for(collect(s), 10)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input tensor 'x' has NaN or infinite values" in err.value.message
+    good = await client.open("finite")
+    await good.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+    assert (await asyncio.wait_for(collect(good), 10))[0].tensors["y"].tolist() == [2.0]
+    assert engine.num_requests == 0
