@@ -44,6 +44,7 @@ from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 log = logging.getLogger(__name__)
 
 MAX_DEADLINE_S = 30 * 86400.0  # a deadline further off than this counts as this far
+CANCEL_MARK_S = 0.5  # how long an input that ended without its final chunk waits to learn the call was cancelled
 SETTLE_CAP_S = 600.0  # the longest a finished request's stream waits for its caller to half-close
 
 
@@ -132,7 +133,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await _settle(asyncio.ensure_future(_drain(request_iterator)), timeout)
             return
 
-        reader = asyncio.create_task(self._read_inputs(request_iterator, rid))
+        reader = asyncio.create_task(self._read_inputs(request_iterator, rid, context))
         cancelled = True  # until the stream ends the normal way: a caller that cancels gave up on our frames
         merge = getattr(self.handler, "merge_outputs", None)
         held: EngineEvent | None = None  # taken off the queue while merging, handled next
@@ -175,7 +176,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self.transport.end_request(rid, cancelled)
 
     async def _read_inputs(
-        self, request_iterator: AsyncIterator[stage_pb2.StageRequest], rid: str
+        self, request_iterator: AsyncIterator[stage_pb2.StageRequest], rid: str, context: grpc.aio.ServicerContext
     ) -> None:
         """Check and feed input chunks until the caller half-closes. After a fault (or a cancel) it keeps
         reading and drops what comes: the caller may still be writing, and its writes must not hit a closed
@@ -231,7 +232,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     expected += 1
                     got_final = chunk.final
                     self.engine.feed(rid, chunk)
-            if not got_final and not dropping:
+            if not got_final and not dropping and await _cancelled_soon(context):  # the caller gave up: no data lost
+                self.engine.cancel(rid)
+            elif not got_final and not dropping:
                 fail(grpc.StatusCode.DATA_LOSS, f"request {rid}: the input stream ended after {expected} chunks without a final chunk")
         except asyncio.CancelledError:
             raise
@@ -240,6 +243,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         except Exception as exc:  # a reader that dies silently would leave the request waiting for its deadline
             log.exception("%s: reading the input of request %s failed", self.handler.name, rid)
             self.engine.fail(rid, grpc.StatusCode.INTERNAL, f"{self.handler.name}: reading input failed: {exc!r}")
+
+
+async def _cancelled_soon(context: grpc.aio.ServicerContext) -> bool:
+    """Was the call cancelled? A caller's cancel can end its input stream a moment before gRPC marks the call
+    cancelled: wait up to CANCEL_MARK_S for the mark (only an input that ended without its final chunk waits)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CANCEL_MARK_S
+    while not context.cancelled():
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 def _non_finite(chunk: StageChunk) -> str | None:

@@ -407,3 +407,36 @@ async def test_a_non_finite_input_tensor_is_refused(stage, bad: float):
     await good.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
     assert (await asyncio.wait_for(collect(good), 10))[0].tensors["y"].tolist() == [2.0]
     assert engine.num_requests == 0
+
+
+async def test_a_caller_that_cancels_mid_input_counts_as_a_cancel_not_lost_data(stage, monkeypatch):
+    """A client that goes away mid-answer makes the gateway cancel the talker's and the vocoder's calls while
+    their input still streams; the stage saw the input end without its final chunk and failed the request as
+    DATA_LOSS, so `request_failure_total{code="DATA_LOSS"}` rose with every disconnect (found under random
+    disconnects on a real mesh). A cancelled call is a cancel."""
+    client, engine, _, _ = stage
+    failed: list[grpc.StatusCode] = []
+    fail = engine.fail
+    monkeypatch.setattr(engine, "fail", lambda rid, code, message: (failed.append(code), fail(rid, code, message)))
+    for i in range(10):
+        s = await client.open(f"mid-{i}", options={"steps": "100000"})
+        await s.send(StageChunk(tensors={"x": torch.ones(1)}))  # more input would follow
+        await asyncio.sleep(0.02)
+        await s.cancel()
+    deadline = time.monotonic() + 10
+    while engine.num_requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert engine.num_requests == 0 and failed == []
+
+
+async def test_input_that_ends_without_its_final_chunk_is_data_loss(stage):
+    """A caller that half-closes before its final chunk (not a cancel) lost input: DATA_LOSS, within the moment
+    the stage waits to tell it from a cancel."""
+    client, engine, _, _ = stage
+    s = await client.open("no-final", options={"steps": "100000"})
+    await s.send(StageChunk(tensors={"x": torch.ones(1)}))
+    await s._call.done_writing()
+    with pytest.raises(StageCallError) as err:
+        await asyncio.wait_for(collect(s), 10)
+    assert err.value.code == grpc.StatusCode.DATA_LOSS and "without a final chunk" in err.value.message
+    assert engine.num_requests == 0
