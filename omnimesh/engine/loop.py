@@ -285,23 +285,15 @@ class EngineLoop:
         except Exception:
             log.exception("closing request %s failed", task.request_id)
 
-    def _deliver_inputs(self, entry: _Entry) -> bool:
-        """Hand buffered chunks to the task; False if the task rejected one (already finished)."""
-        if entry.whole_input and not (entry.inbox and entry.inbox[-1].final):
-            return True
-        while entry.inbox:
-            chunk = entry.inbox.pop(0)
-            try:
-                entry.task.feed(chunk)
-            except Exception as exc:  # the request's mistake (StageRequestError, ValueError) or a bug: it fails alone
-                self._finish(entry.task.request_id, self._failure(entry.task.request_id, exc))
-                return False
-        return True
-
     def _ready(self, entry: _Entry) -> bool:
-        """Its inputs handed over, the task can step now; a task that raises here fails, never the loop."""
+        """Hand the buffered chunks to the task (all at once under whole_input, with the final one); True if it can
+        step now. A task that raises in `feed` or `ready` (the request's mistake: StageRequestError, ValueError;
+        or a bug) fails alone, never the loop."""
         try:
-            return self._deliver_inputs(entry) and entry.task.ready()
+            if not entry.whole_input or (entry.inbox and entry.inbox[-1].final):
+                while entry.inbox:
+                    entry.task.feed(entry.inbox.pop(0))
+            return entry.task.ready()
         except Exception as exc:
             self._finish(entry.task.request_id, self._failure(entry.task.request_id, exc))
             return False

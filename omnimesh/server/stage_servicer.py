@@ -4,8 +4,8 @@ Data flow: the first message must be `open` -> `StageHandler.open` builds a `Sta
 loop runs it; a reader coroutine assembles incoming chunk parts (`ChunkAssembler`: inline pieces, shm
 slots mapped without copying; seq numbers must be contiguous, so a lost chunk is an error, never
 silence; a floating-point tensor with a NaN or an infinity is refused, as it would spread through the model
-and the KV blocks it writes) and feeds them to the engine; engine events are written back as `chunk` parts (through the
-request's `ChunkEncoder`: tensors inline or in this stage's shm arena, per `open.transport`), then
+and the KV blocks it writes) and feeds them to the engine; engine events are written back as `chunk` parts
+(through the request's `ChunkEncoder`: tensors inline or in this stage's shm arena, per `open.transport`), then
 `done` / `error`; chunks that queued up while the writer was busy leave as one when the handler can merge
 them (`merge_outputs`). Errors travel inside the stream, so one bad request never
 touches the others. A `cancel` message, or the client cancelling the RPC, frees the request at once.

@@ -440,3 +440,16 @@ async def test_input_that_ends_without_its_final_chunk_is_data_loss(stage):
         await asyncio.wait_for(collect(s), 10)
     assert err.value.code == grpc.StatusCode.DATA_LOSS and "without a final chunk" in err.value.message
     assert engine.num_requests == 0
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf")])
+async def test_the_engine_itself_refuses_a_timeout_its_timer_cannot_take(timeout_s: float):
+    """Below the servicer's check of `deadline_unix_s`: the engine keeps its loop alive on its own, for any caller."""
+    engine = EngineLoop("double")
+    engine.start()
+    try:
+        with pytest.raises(StageRequestError, match="timeout must be finite") as err:
+            engine.submit(DoubleTask("t", 0, False, []), timeout_s=timeout_s)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and engine.num_requests == 0
+    finally:
+        await engine.stop()
