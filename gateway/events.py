@@ -132,6 +132,8 @@ class ChatRequest:
     reasoning_end: str | None = None
     # tools with tool_choice "auto" and audio out: the talker stops where a call starts (gateway/spoken_calls.py)
     spoken_calls: bool = False
+    # the client's field that carried the media, for errors about them (a transcription's upload is `file`)
+    media_param: str = "messages"
 
 
 @dataclass(frozen=True, slots=True)

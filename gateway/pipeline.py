@@ -423,7 +423,8 @@ class StagePipeline:
                 if audio:
                     chunk = source.assemble(part)
                     if chunk is not None and "pcm" in chunk.tensors and chunk.tensors["pcm"].numel():
-                        pcm = chunk.tensors["pcm"].to(torch.float32).numpy()
+                        # a copy: the client's unread audio must not hold the vocoder's shm slot (its arena)
+                        pcm = chunk.tensors["pcm"].to(torch.float32, copy=True).numpy()
                         events.put_nowait(AudioDelta(pcm=pcm, sample_rate=self.mesh.sample_rate))
                 if sink is not None:
                     # without async_chunk the sink was opened with whole_input: it buffers until the final chunk

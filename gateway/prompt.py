@@ -376,9 +376,10 @@ class PromptBuilder:
         has_videos = bool(conv.videos)
         features, frames = _valid_frames(batch) if has_audio else (None, None)
         if features is not None and not bool(torch.isfinite(features).all()):  # float32 spectra overflow
-            raise invalid_request("messages: an audio input is too loud to analyse (its spectrum overflows float32: "
+            where = request.media_param
+            raise invalid_request(f"{where}: an audio input is too loud to analyse (its spectrum overflows float32: "
                                   "its samples reach far past 1.0); float audio is expected in [-1, 1]: scale it down",
-                                  "messages")
+                                  where)
         return PromptInputs(
             input_ids=input_ids,
             input_features=features,

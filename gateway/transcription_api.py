@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
@@ -218,7 +218,7 @@ class TranscriptionRoutes:
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
         chat = transcription_request(pipeline_model, audio, self.gw.reasoning, task=task,
                                      language=check_language(_field(form, "language")), prompt=_field(form, "prompt"),
-                                     sampling=sampling, request_id=f"trsc-{suffix}")
+                                     sampling=sampling, request_id=f"trsc-{suffix}", media_param="file")
         split = ThoughtTokens(AnswerSplit(self.gw.reasoning, chat.reasoning_end is not None, include=False))
         return _Transcription(chat, fmt, stream, started, split, [] if include else None, self.gw.tokens_as_ids)
 
@@ -257,13 +257,14 @@ class TranscriptionRoutes:
 def transcription_request(model: str, audio: AudioPart, reasoning: ReasoningParser | None, *,
                           task: Task = "transcribe", language: str | None = None, prompt: str | None = None,
                           sampling: SamplingOverrides = SamplingOverrides(temperature=0.0),
-                          request_id: str | None = None) -> ChatRequest:
+                          request_id: str | None = None, media_param: str = "messages") -> ChatRequest:
     """The chat every transcription runs (this route, the Realtime API's input transcriptions, vLLM's realtime
     dialect): one user message, the clip then the instruction with the client's hints; text only, greedy unless
-    `sampling` says otherwise."""
+    `sampling` says otherwise. `media_param` names the clip's field in errors about it."""
     ask = instruction(task, language, prompt)
-    return text_request(request_id or f"trsc-{uuid.uuid4().hex}", model,
+    chat = text_request(request_id or f"trsc-{uuid.uuid4().hex}", model,
                         (ChatMessage("user", (audio, TextPart(ask))),), sampling, reasoning)
+    return replace(chat, media_param=media_param)
 
 
 def text_request(request_id: str, model: str, messages: tuple[ChatMessage, ...], sampling: SamplingOverrides,

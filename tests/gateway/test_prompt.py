@@ -19,6 +19,7 @@ tiny = pytest.importorskip("omnimesh.models.qwen3_omni.tiny",
 from omnimesh.models.qwen3_omni.tiny_config import SPECIAL_TOKENS  # noqa: E402
 
 from gateway.prompt import PromptBuilder  # noqa: E402
+from gateway.transcription_api import transcription_request  # noqa: E402
 
 AUDIO_PAD, IMAGE_PAD = SPECIAL_TOKENS["<|audio_pad|>"], SPECIAL_TOKENS["<|image_pad|>"]
 VIDEO_PAD, VISION_START = SPECIAL_TOKENS["<|video_pad|>"], SPECIAL_TOKENS["<|vision_start|>"]
@@ -223,5 +224,8 @@ def test_audio_too_loud_to_analyse_is_a_400(builder: PromptBuilder) -> None:
     with pytest.raises(PipelineError, match="too loud to analyse") as e:
         builder.build(request(user(TextPart("what?"), AudioPart(loud, 16_000))))
     assert e.value.http_status == 400 and e.value.param == "messages"
+    with pytest.raises(PipelineError, match="^file: an audio input is too loud") as e:  # a transcription's upload
+        builder.build(transcription_request("tiny", AudioPart(loud, 16_000), None, media_param="file"))
+    assert e.value.param == "file"
     out = builder.build(request(user(AudioPart(sine(1.0, 16_000) * np.float32(8), 16_000))))
     assert out.input_features is not None and bool(torch.isfinite(out.input_features).all())

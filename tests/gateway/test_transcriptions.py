@@ -35,6 +35,7 @@ def test_transcription_is_one_text_only_chat(rest_server: RestServer, pipeline: 
                                                          "total_tokens": 9}}
     req = pipeline.requests[-1]
     assert req.modalities == ("text",) and req.sampling.temperature == 0.0 and req.request_id.startswith("trsc-")
+    assert req.media_param == "file"  # an error about the clip (too loud to analyse) names the upload's field
     (msg,) = req.messages
     audio, ask = msg.content
     assert msg.role == "user" and isinstance(audio, AudioPart) and audio.sample_rate == 16_000

@@ -1,0 +1,65 @@
+"""The gateway's relay of the vocoder's pcm gives the shared-memory slot back at once: the audio a client has
+not read yet (queued events, a slow or gone client, a cycle the collector has not reached) holds a copy, never
+the vocoder's arena, which would otherwise fill and push every co-located hand-off back onto gRPC bytes."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from gateway.events import AudioDelta
+from gateway.pipeline import StagePipeline
+from omnimesh.transport.frames import StageChunk
+from omnimesh.transport.host_id import shm_available
+from omnimesh.transport.transport import Transport
+from omnimesh.v1 import stage_pb2
+
+pytestmark = pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm")
+
+
+class _VocoderStream:
+    """The vocoder's output as the gateway reads it: parts over the wire, assembled by the gateway's reader."""
+
+    stage = "vocoder"
+
+    def __init__(self, parts: list[stage_pb2.Chunk], reader: Transport, request_id: str):
+        self._parts = parts
+        self._assembler = reader.assembler(request_id)
+
+    async def parts(self):
+        for part in self._parts:
+            yield part
+
+    def assemble(self, part: stage_pb2.Chunk) -> StageChunk | None:
+        return self._assembler.add(part)
+
+
+async def test_relayed_pcm_frees_its_slot_while_the_client_still_holds_it() -> None:
+    vocoder = Transport("relaytest-voc", "shm", 4 * 2**20, 0)
+    gateway = Transport("relaytest-gw", "grpc")
+    try:
+        arena = vocoder.arena
+        assert arena is not None
+        start = arena.free_bytes()
+        pcm = torch.linspace(-0.5, 0.5, 4800, dtype=torch.float32)
+        encoder = vocoder.encoder("shm", "r1", deadline=0.0)
+        parts = [stage_pb2.Chunk.FromString(p.SerializeToString())  # what the gRPC hop does
+                 for p in encoder.parts(StageChunk(tensors={"pcm": pcm}, final=True))]
+        assert any(f.WhichOneof("payload") == "shm" for p in parts for f in p.tensors)  # a zero-copy hand-off
+        events: asyncio.Queue = asyncio.Queue()
+        relay_self = SimpleNamespace(mesh=SimpleNamespace(sample_rate=24_000))
+        source = _VocoderStream(parts, gateway, "r1")
+        await StagePipeline._relay(relay_self, source, None, events, text=False, audio=True)  # type: ignore[arg-type]
+        vocoder.end_request("r1", cancelled=False)
+        delta = events.get_nowait()
+        assert isinstance(delta, AudioDelta) and events.get_nowait() is None
+        assert np.array_equal(delta.pcm, pcm.numpy())
+        assert arena.free_bytes() == start, "the queued audio still holds the vocoder's slot"
+        assert arena.live_slots == 0
+    finally:
+        gateway.close()
+        vocoder.close()
