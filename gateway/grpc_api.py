@@ -71,6 +71,7 @@ from gateway.openai_schema import (
     why_no_voices,
 )
 from omnimesh import tracing
+from omnimesh.server.grpc_decode import add_service
 from omnimesh.server.grpc_server import make_server
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
 from gateway.structured_request import require_llguidance
@@ -80,7 +81,8 @@ if TYPE_CHECKING:
     from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
 
 log = logging.getLogger(__name__)
-OMNI_SERVICE_NAME = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name  # "omnimesh.v1.Omni"
+OMNI_SERVICE = omni_pb2.DESCRIPTOR.services_by_name["Omni"]
+OMNI_SERVICE_NAME = OMNI_SERVICE.full_name  # "omnimesh.v1.Omni"
 _ROLES = ("system", "user", "assistant", "tool")
 _MEDIA_KINDS = {"audio_wav": "audio", "audio": "audio", "image": "image", "video": "video"}  # ContentPart oneof -> modality
 def grpc_server_options(limits: InputLimits) -> list[tuple[str, int]]:
@@ -396,10 +398,9 @@ async def create_grpc_server(pipeline: Pipeline, *, served_model_names: Sequence
     limits = limits or InputLimits()
     server, health = make_server([OMNI_SERVICE_NAME], options=grpc_server_options(limits),
                                  interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else ())
-    omni_pb2_grpc.add_OmniServicer_to_server(
-        OmniServicer(pipeline, served_model_names=served_model_names, limits=limits, max_logprobs=max_logprobs,
-                     auto_tool_choice=auto_tool_choice, reasoning=reasoning),
-        server)
+    add_service(server, OmniServicer(pipeline, served_model_names=served_model_names, limits=limits,
+                                     max_logprobs=max_logprobs, auto_tool_choice=auto_tool_choice, reasoning=reasoning),
+                OMNI_SERVICE)  # a request protobuf cannot parse: INVALID_ARGUMENT
     for name in ("", OMNI_SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health

@@ -16,10 +16,10 @@ from typing import Any
 
 from omnimesh.engine.loop import EngineLoop
 from omnimesh.server.grpc_server import make_server
-from omnimesh.server.stage_server import STAGE_SERVICE
+from omnimesh.server.grpc_decode import add_service
+from omnimesh.server.stage_server import STAGE_DESCRIPTOR, STAGE_SERVICE
 from omnimesh.server.stage_servicer import StageHandler, StageServicer
 from omnimesh.transport.stage_client import StageClient
-from omnimesh.v1 import stage_pb2_grpc
 
 
 @dataclass
@@ -35,7 +35,7 @@ async def served_stage(handler: StageHandler, engine: EngineLoop, **servicer: An
     """`servicer`: StageServicer's other arguments (metrics, transport)."""
     engine.start()
     server, health = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine, **servicer), server)
+    add_service(server, StageServicer(handler, engine, **servicer), STAGE_DESCRIPTOR)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     client = StageClient(handler.name, f"127.0.0.1:{port}")

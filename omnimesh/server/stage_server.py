@@ -25,16 +25,18 @@ from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.engine.stat_logger import StatLogger, interval_from_env
 from omnimesh.proc_utils import freeze_startup_heap, tune_malloc
 from omnimesh.server.grpc_server import bind, listen_address, make_server, serve_forever
+from omnimesh.server.grpc_decode import add_service
 from omnimesh.server.stage_failure import StageFailure
 from omnimesh.server.stage_servicer import StageHandler, StageServicer
 from omnimesh.transport.shm_arena import DEFAULT_ARENA_BYTES
 from omnimesh.transport.transport import Transport
 from omnimesh.transport.transport_metrics import register_transport_metrics
-from omnimesh.v1 import stage_pb2, stage_pb2_grpc
+from omnimesh.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 
-STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
+STAGE_DESCRIPTOR = stage_pb2.DESCRIPTOR.services_by_name["Stage"]
+STAGE_SERVICE = STAGE_DESCRIPTOR.full_name
 
 
 class StageStartRefused(Exception):
@@ -52,7 +54,7 @@ async def _serve(handler: StageHandler, host: str, port: int, transport: Transpo
                         yield_steps=yield_steps, preempt=getattr(handler, "preempt", False))
     engine.start()
     server, health_servicer = make_server([STAGE_SERVICE])
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(handler, engine, metrics, transport), server)
+    add_service(server, StageServicer(handler, engine, metrics, transport), STAGE_DESCRIPTOR)
     bound = bind(server, host, port)
     loop = asyncio.get_running_loop()
 

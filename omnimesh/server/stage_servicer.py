@@ -8,7 +8,7 @@ and the KV blocks it writes) and feeds them to the engine; engine events are wri
 (through the request's `ChunkEncoder`: tensors inline or in this stage's shm arena, per `open.transport`), then
 `done` / `error`; chunks that queued up while the writer was busy leave as one when the handler can merge
 them (`merge_outputs`). Errors travel inside the stream, so one bad request never
-touches the others. A `cancel` message, or the client cancelling the RPC, frees the request at once.
+touches the others; a message protobuf cannot parse (`Undecodable`) is INVALID_ARGUMENT. A `cancel` message, or the client cancelling the RPC, frees the request at once.
 After its answer (done or error) a stream stays open, dropping input, until the caller half-closes or
 cancels: a caller still writing (the gateway relaying the thinker into a talker that already failed)
 then reads the stage's own answer instead of a transport error.
@@ -36,6 +36,7 @@ from omnimesh.engine.loop import EngineDone, EngineEvent, EngineFailed, EngineLo
 from omnimesh.engine.metrics import EngineMetrics
 from omnimesh.engine.task import StageRequestError, StageTask
 from omnimesh.queue_runs import take_run
+from omnimesh.server.grpc_decode import Undecodable
 from omnimesh.transport.chunk_codec import TRANSPORTS, ChunkAssembler
 from omnimesh.transport.frames import FrameError, StageChunk
 from omnimesh.transport.transport import Transport
@@ -98,6 +99,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             first = await anext(aiter(request_iterator))
         except StopAsyncIteration:
             yield _error(grpc.StatusCode.INVALID_ARGUMENT, "empty stream: the first message must be `open`")
+            return
+        if isinstance(first, Undecodable):
+            yield _error(grpc.StatusCode.INVALID_ARGUMENT, first.message)
             return
         if first.WhichOneof("kind") != "open":
             yield _error(grpc.StatusCode.INVALID_ARGUMENT, f"the first message must be `open`, got `{first.WhichOneof('kind')}`")
@@ -193,6 +197,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
         try:
             async for msg in request_iterator:
+                if isinstance(msg, Undecodable):  # what it carried cannot be known: the request cannot go on
+                    if not dropping:
+                        fail(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {msg.message}")
+                    continue
                 kind = msg.WhichOneof("kind")
                 if dropping:
                     if kind == "chunk":

@@ -155,3 +155,26 @@ def test_client_cancel_closes_the_pipeline_request(grpc_server: GrpcServer, pipe
         while not pipeline.closed and time.monotonic() < deadline:
             time.sleep(0.02)
     assert pipeline.closed == [pipeline.requests[-1].request_id]
+
+
+def test_a_request_protobuf_cannot_parse_is_invalid_argument(grpc_server: GrpcServer,
+                                                             pipeline: ScriptedPipeline) -> None:
+    """Corrupt wire bytes, or a string field that is not UTF-8, were grpcio's UNKNOWN "Unexpected <class
+    DecodeError>" (a crash, to read it); now INVALID_ARGUMENT naming the message type, and nothing runs."""
+    good = hello().SerializeToString()
+    assert good.startswith(b"\x0a\x09tiny-omni")  # model: field 1, length 9
+    not_utf8 = b"\x0a\x09tiny-\xff\xfeni" + good[11:]
+    truncated = good[:-3]  # the last message field ends short
+    before = len(pipeline.requests)
+    with grpc.insecure_channel(grpc_server.target) as ch:
+        for method, data in [("Generate", not_utf8), ("Generate", truncated), ("ListModels", b"\xff\xff\xff")]:
+            call = ch.unary_stream if method == "Generate" else ch.unary_unary
+            rpc = call(f"/omnimesh.v1.Omni/{method}", request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as e:
+                result = rpc(data, timeout=10)
+                list(result) if method == "Generate" else result
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.details())
+            request_type = "Generate" if method == "Generate" else "ListModels"
+            assert f"not a valid omnimesh.v1.{request_type}Request" in (e.value.details() or "")
+        assert generate(grpc_server, hello())[-1].WhichOneof("kind") == "done"  # it serves on
+    assert len(pipeline.requests) == before + 1

@@ -453,3 +453,29 @@ async def test_the_engine_itself_refuses_a_timeout_its_timer_cannot_take(timeout
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and engine.num_requests == 0
     finally:
         await engine.stop()
+
+
+async def test_a_message_protobuf_cannot_parse_is_invalid_argument(stage):
+    """Corrupt bytes as the first message, later in a stream, or as a unary request: INVALID_ARGUMENT naming the
+    type (grpcio's own answer was UNKNOWN "Unexpected DecodeError", and mid-stream the stage said INTERNAL)."""
+    client, engine, _, port = stage
+    corrupt = b"\x0a\xff\xff"  # field 1 declares far more bytes than follow
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        process = channel.stream_stream("/omnimesh.v1.Stage/Process", request_serializer=None,
+                                        response_deserializer=stage_pb2.StageResponse.FromString)
+        opened = stage_pb2.StageRequest(open=stage_pb2.Open(request_id="corrupt-later")).SerializeToString()
+        for rid, messages in [("", [corrupt]), ("corrupt-later", [opened, corrupt])]:
+            answers = [r async for r in process(iter(messages), timeout=10)]
+            assert [a.WhichOneof("kind") for a in answers] == ["error"], answers
+            assert answers[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "not a valid omnimesh.v1.StageRequest" in answers[0].error.message
+            assert answers[0].error.message.startswith("request corrupt-later: ") == bool(rid)
+        info = channel.unary_unary("/omnimesh.v1.Stage/Info", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await info(corrupt, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid omnimesh.v1.InfoRequest" in (err.value.details() or "")
+    good = await client.open("after")
+    await good.send(StageChunk(tensors={"x": torch.ones(1)}, final=True))
+    assert (await asyncio.wait_for(collect(good), 10))[0].tensors["y"].tolist() == [2.0]
+    assert engine.num_requests == 0
