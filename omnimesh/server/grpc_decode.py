@@ -68,8 +68,8 @@ def _handler(method: MethodDescriptor, behavior: Callable[..., Any]) -> grpc.Rpc
     parse = _lenient(message_factory.GetMessageClass(method.input_type))
     write = message_factory.GetMessageClass(method.output_type).SerializeToString
     if method.client_streaming:
-        make = grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
-        return make(behavior, request_deserializer=parse, response_serializer=write)
+        streamed = grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
+        return streamed(behavior, request_deserializer=parse, response_serializer=write)
     make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
     return make(_checked_unary(behavior), request_deserializer=parse, response_serializer=write)
 

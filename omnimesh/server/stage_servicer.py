@@ -7,8 +7,9 @@ silence; a floating-point tensor with a NaN or an infinity is refused, as it wou
 and the KV blocks it writes) and feeds them to the engine; engine events are written back as `chunk` parts
 (through the request's `ChunkEncoder`: tensors inline or in this stage's shm arena, per `open.transport`), then
 `done` / `error`; chunks that queued up while the writer was busy leave as one when the handler can merge
-them (`merge_outputs`). Errors travel inside the stream, so one bad request never
-touches the others; a message protobuf cannot parse (`Undecodable`) is INVALID_ARGUMENT. A `cancel` message, or the client cancelling the RPC, frees the request at once.
+them (`merge_outputs`). Errors travel inside the stream, so one bad request never touches the others; a
+message protobuf cannot parse (`Undecodable`) is INVALID_ARGUMENT. A `cancel` message, or the client
+cancelling the RPC, frees the request at once.
 After its answer (done or error) a stream stays open, dropping input, until the caller half-closes or
 cancels: a caller still writing (the gateway relaying the thinker into a talker that already failed)
 then reads the stage's own answer instead of a transport error.
