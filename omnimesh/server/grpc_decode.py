@@ -67,10 +67,11 @@ def _checked_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
 def _handler(method: MethodDescriptor, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler:
     parse = _lenient(message_factory.GetMessageClass(method.input_type))
     write = message_factory.GetMessageClass(method.output_type).SerializeToString
+    streams_out = method.server_streaming
     if method.client_streaming:
-        streamed = grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
-        return streamed(behavior, request_deserializer=parse, response_serializer=write)
-    make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        make = grpc.stream_stream_rpc_method_handler if streams_out else grpc.stream_unary_rpc_method_handler
+        return make(behavior, request_deserializer=parse, response_serializer=write)
+    make = grpc.unary_stream_rpc_method_handler if streams_out else grpc.unary_unary_rpc_method_handler
     return make(_checked_unary(behavior), request_deserializer=parse, response_serializer=write)
 
 
