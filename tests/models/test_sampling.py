@@ -20,6 +20,7 @@ from transformers.generation.logits_process import (
 )
 
 from omnimesh.models.qwen3_omni.sampling import (
+    MIN_TEMPERATURE,
     Sampler,
     SamplingParams,
     code_predictor_sampling_params,
@@ -302,3 +303,38 @@ def test_the_talkers_code_buffer_is_its_codes() -> None:
         Qwen3OmniTalker._took(None, state, (t * 7) % 31)  # type: ignore[arg-type]  # touches only the state
         assert history(state).tolist() == state.codes
     assert state.code_buffer.numel() == 256
+
+
+def test_a_tiny_temperature_samples_at_vllms_floor() -> None:
+    """1e-45 (a float32 subnormal, what a fuzzed gRPC request sent) divided the scores into infinities and the
+    draw failed on NaN probabilities (INTERNAL); as vLLM, a temperature in (0, 0.01) samples at 0.01."""
+    assert SamplingParams(temperature=1.4e-45).temperature == MIN_TEMPERATURE == 0.01
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.02).temperature == 0.02
+    x = logits(5)
+    tiny = Sampler(SamplingParams(temperature=1.4e-45, seed=1))
+    floor = Sampler(SamplingParams(temperature=0.01, seed=1))
+    assert [tiny.sample(x) for _ in range(5)] == [floor.sample(x) for _ in range(5)]
+
+
+def test_a_step_with_no_token_to_pick_says_why() -> None:
+    """Settings that exclude every id, or overflow the scores, fail the request (ValueError: the stage's
+    INVALID_ARGUMENT) with the reason; before, a draw raised on NaN probabilities (and would assert on the
+    device under CUDA) and argmax picked id 0 from nothing. The model's own NaN is a RuntimeError (INTERNAL)."""
+    x = logits(6)
+    for temperature in (0.0, 0.7):
+        shut = Sampler(SamplingParams(temperature=temperature, allowed_token_ids=(3,), bad_words_ids=((3,),)))
+        with pytest.raises(ValueError, match="no token can be picked at this step"):
+            shut.sample(x)
+        held = Sampler(SamplingParams(temperature=temperature, allowed_token_ids=(7,), stop_token_ids=(7,),
+                                      min_tokens=2))
+        with pytest.raises(ValueError, match="no token can be picked"):
+            held.sample(x)
+    history = torch.arange(64)  # every id seen: each positive score divided by 1e-40 is inf
+    with pytest.raises(ValueError, match=r"the scores overflow float32 \(repetition_penalty 1e-40"):
+        Sampler(SamplingParams(temperature=0.7, repetition_penalty=1e-40)).sample(x, history)
+    assert 0 <= Sampler(SamplingParams(temperature=0.0, repetition_penalty=1e-40)).sample(x, history) < 64  # argmax
+    broken = x.clone()
+    broken[4] = float("nan")
+    for temperature in (0.0, 0.7):
+        with pytest.raises(RuntimeError, match="the model's logits hold NaN"):
+            Sampler(SamplingParams(temperature=temperature)).sample(broken)

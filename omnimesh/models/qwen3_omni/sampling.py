@@ -11,7 +11,12 @@ Role: the thinker, the talker and the code predictor each pick tokens through a 
                 -> [greedy]       argmax
 
 `temperature == 0` means greedy (`do_sample=False`): transformers then skips temperature / top-k / top-p
-but still applies the repetition penalty and suppressed tokens, and so does this file. `min_tokens` is
+but still applies the repetition penalty and suppressed tokens, and so does this file. A temperature in
+(0, MIN_TEMPERATURE) samples at MIN_TEMPERATURE, as vLLM does: dividing by less overflows the scores (1e-45
+made every probability NaN). A step with no token left to pick (allowed_token_ids, bad_words and min_tokens
+excluding them all) or with scores no distribution can come from (an extreme repetition_penalty) fails its
+request with a ValueError that says which (the stage: INVALID_ARGUMENT); `torch.multinomial` would raise
+on CPU and assert on the device under CUDA, and argmax would pick id 0 from nothing. `min_tokens` is
 `generate`'s `min_new_tokens` (`MinNewTokensLengthLogitsProcessor`, over every stop id, the EOS included);
 0 (the default) changes nothing. `frequency_penalty` / `presence_penalty` are OpenAI's (transformers has
 none; the arithmetic is vLLM's): each id's score loses `frequency_penalty` per time the request generated
@@ -41,6 +46,8 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 
 from omnimesh.config.stage_config import typed_number
 from omnimesh.kernels import cpu_kernels
+
+MIN_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: a lower non-zero temperature samples at this one
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # less overflows the scores (see the module docstring)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable it")
         if not 0.0 <= self.min_p <= 1.0:
@@ -218,14 +227,32 @@ class Sampler:
         if self.keep_processed:
             self.processed = scores
         if self.params.greedy:
-            token = int(torch.argmax(scores, dim=-1).item())
+            best, index = torch.max(scores, dim=-1)  # one pass, as argmax
+            if math.isnan(top := float(best)) or top == -math.inf:
+                self._no_distribution(logits, top)
+            token = int(index)
         else:
+            if not math.isfinite(top := float(scores.max())):  # NaN probabilities: checked before the draw
+                self._no_distribution(logits, top)
             probs = torch.softmax(scores.view(1, -1), dim=-1)  # (1, V)
             token = int(torch.multinomial(probs, num_samples=1, generator=self.generator).item())
         self.num_sampled += 1
         if self.params.output_penalties:
             self._generated[token] = self._generated.get(token, 0) + 1
         return token
+
+    def _no_distribution(self, logits: torch.Tensor, top: float) -> None:
+        """Raise why this step has no token to pick: the model's fault (RuntimeError: INTERNAL) or the request's
+        settings' (ValueError: INVALID_ARGUMENT)."""
+        if not bool(torch.isfinite(logits).all()):
+            raise RuntimeError("the model's logits hold NaN or infinite values")
+        p = self.params
+        if top == -math.inf:
+            raise ValueError("no token can be picked at this step: allowed_token_ids, bad_words and min_tokens (which "
+                             "holds the stop ids back) exclude every one; allow more tokens")
+        raise ValueError(f"the scores overflow float32 (repetition_penalty {p.repetition_penalty:g}, temperature "
+                         f"{p.temperature:g}): there is no distribution to sample from; use a repetition_penalty "
+                         "nearer 1")
 
     def is_stop(self, token_id: int) -> bool:
         return token_id in self.params.stop_token_ids
