@@ -29,6 +29,7 @@ from typing import Any
 
 from gateway.events import ChatMessage, TemplateOptions, TextPart
 from gateway.media import invalid_request
+from omnimesh import json_text
 
 # apply_chat_template's own parameters: not template variables; where a request sets each instead
 _RESERVED: dict[str, str] = {
@@ -104,7 +105,7 @@ def parse_kwargs_json(text: str, param: str) -> dict[str, Any]:
     if not text:
         return {}
     try:
-        value = json.loads(text)
+        value = json_text.loads(text)  # nested too deeply: TooDeep, a JSONDecodeError
     except json.JSONDecodeError as e:
         raise invalid_request(f"{param}: not JSON: {e}", param) from None
     return check_kwargs(value, param)

@@ -23,7 +23,6 @@ large as the REST body limit are accepted (gRPC's default is 4 MiB). Inside a ru
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -70,7 +69,7 @@ from gateway.openai_schema import (
     resolve_voice,
     why_no_voices,
 )
-from omnimesh import tracing
+from omnimesh import json_text, tracing
 from omnimesh.server.grpc_decode import add_service
 from omnimesh.server.grpc_server import make_server
 from omnimesh.v1 import omni_pb2, omni_pb2_grpc, stage_pb2
@@ -289,7 +288,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 function["description"] = t.description
             if t.parameters:
                 try:
-                    schema = json.loads(t.parameters)
+                    schema = json_text.loads(t.parameters)
                 except ValueError as e:
                     raise invalid_request(f"tools[{i}].parameters: not JSON: {e}", f"tools[{i}].parameters") from None
                 if not isinstance(schema, dict):

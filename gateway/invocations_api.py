@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from gateway.events import PipelineError
 from gateway.http_errors import error_json, read_body
 from gateway.media import invalid_request
+from omnimesh import json_text
 
 Route = Callable[[Request], Awaitable[Response]]
 
@@ -48,7 +49,7 @@ class InvocationRoutes:
 
 def _fields(raw: bytes) -> set[str]:
     try:
-        body = json.loads(raw)
+        body = json_text.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid_request(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
@@ -50,6 +49,7 @@ from gateway.input_limits import InputLimits
 from gateway.media import invalid_request, too_large
 from gateway.processor_kwargs import KEYS, check_settings
 from gateway.prompt_logprobs import token_text
+from omnimesh import json_text
 from omnimesh.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)
@@ -488,34 +488,12 @@ def _message(err: Any) -> str:  # a pydantic ErrorDetails
     return msg
 
 
-# a high-surrogate escape not followed by a low one, or a low one not after a high one: maybe half a pair (an
-# escaped backslash before "ud800" also matches; `_valid_unicode` decides). Pairs, as in every emoji that a
-# client's json.dumps writes as \ud83d\ude00, never match, so they cost no second pass over the body
-_LONE_SURROGATE_ESCAPE = re.compile(
-    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]")
-
-
-def _valid_unicode(obj: Any) -> bool:
-    """Every string of the parsed body is encodable text (JSON lets `\\ud800` stand alone; UTF-8 cannot)."""
-    try:
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """Raw body -> a JSON object; malformed JSON, unpaired surrogates and non-objects -> 400."""
+    """Raw body -> a JSON object; malformed JSON, unpaired surrogates, nesting too deep and non-objects -> 400."""
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        obj = json_text.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # json_text's own refusals are JSONDecodeErrors
         raise invalid_request(f"request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise invalid_request("request body is not valid JSON here: its arrays / objects nest too deeply") from None
-    # json.loads decodes bytes with "surrogatepass", so a surrogate's UTF-8-style bytes (ED A0..BF ..) get in too
-    if (_LONE_SURROGATE_ESCAPE.search(raw) or b"\xed" in raw) and not _valid_unicode(obj):
-        raise invalid_request("request body has a string with an unpaired UTF-16 surrogate (an escape such as "
-                              "\\ud800, or its bytes): not valid Unicode text")
     if not isinstance(obj, dict):
         raise invalid_request(f"request body must be a JSON object, got {type(obj).__name__}")
     return obj

@@ -30,7 +30,6 @@ prompt, checked against max_model_len like any other. CPU-bound: call it off the
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
@@ -47,6 +46,7 @@ from gateway.content_format import as_strings, check_content_format, detect_cont
 from gateway.events import AudioPart, ChatMessage, ChatRequest, ImagePart, TextPart, VideoPart
 from gateway.media import TARGET_SAMPLE_RATE, invalid_request, resample
 from gateway.media_digest import media_digests
+from omnimesh import json_text
 
 MAX_VARIANTS = 8  # processors kept for requests with their own mm_processor_kwargs
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
 def _arguments(text: str) -> Any:
     """A call's arguments for the template: the JSON object they hold (as vLLM passes them), else the text."""
     try:
-        value = json.loads(text)
+        value = json_text.loads(text)  # nested too deeply, a lone surrogate: ValueErrors too
     except ValueError:
         return text
     return value if isinstance(value, dict) else text

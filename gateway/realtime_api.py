@@ -71,6 +71,7 @@ from gateway.realtime_vad import ServerVAD, Started, Stopped
 from gateway.responses_tools import responses_tool_plan
 from gateway.tool_calls import ToolAnswer, ToolPlan
 from gateway.transcription_api import collect_text, token_usage, transcription_request
+from omnimesh import json_text
 
 if TYPE_CHECKING:
     from gateway.rest import RestGateway
@@ -259,7 +260,7 @@ class RealtimeSession:
                     if len(raw) > MAX_EVENT_BYTES:
                         raise RealtimeError(f"an event is at most {MAX_EVENT_BYTES} bytes; send audio in smaller "
                                             "chunks", None, "event_too_large")
-                    event = json.loads(raw)
+                    event = json_text.loads(raw)  # nesting too deep, a lone surrogate: JSONDecodeErrors too
                     if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                         raise RealtimeError("an event is a JSON object with a string 'type'", "type")
                     event_id = event.get("event_id")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from gateway.events import ToolCall
 from gateway.media import invalid_request
 from gateway.openai_schema import ChatCompletionRequest
+from omnimesh import json_text
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -110,7 +111,7 @@ def forced_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
     arguments are the text as far as it got; "required" gives each whole call and the cut one with its name and
     its arguments so far. None when not even a call's name was written: then the text stays content."""
     try:
-        value = json.loads(text)
+        value = json_text.loads(text)
     except ValueError:
         if plan.forced != "required":
             return [ToolCall(id=new_call_id(), name=str(plan.forced), arguments=text.strip())]
@@ -137,7 +138,7 @@ def _cut_calls(text: str) -> list[ToolCall] | None:
             pos += 1
         try:
             value, pos = decoder.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser follows
             cut = _CUT_CALL.match(text, pos)
             if cut:
                 calls.append(ToolCall(id=new_call_id(), name=json.loads(cut[1]), arguments=cut[2].strip()))
@@ -155,7 +156,7 @@ def new_call_id() -> str:
 def _call(block: str) -> ToolCall | None:
     """The call one block's JSON names, or None when it is not one."""
     try:
-        value = json.loads(block)
+        value = json_text.loads(block)
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:

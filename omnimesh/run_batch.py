@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
+from omnimesh import json_text
 from omnimesh.config.serve_args import HTTP_FRONT_FIELDS, ServeArgs, to_argv
 from omnimesh.proc_utils import die_with_parent, free_port
 
@@ -64,7 +65,7 @@ def read_batch(stream: IO[bytes], where: str) -> list[BatchLine]:
         if not text.strip():
             continue
         try:
-            item = json.loads(text)
+            item = json_text.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{what}: not JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(item, dict):

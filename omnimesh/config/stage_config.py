@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from omnimesh import json_text
+
 STAGES: tuple[str, ...] = ("encoder", "thinker", "talker", "vocoder")
 STAGE_IDS: dict[str, str] = {str(i): name for i, name in enumerate(STAGES)}
 TRANSPORT_CHOICES: tuple[str, ...] = ("auto", "grpc", "shm", "cuda-ipc")
@@ -271,7 +273,7 @@ def typed_number(value: Any, kind: type, what: str, noun: str = "a number") -> A
 def parse_json_object(text: str, flag: str, keyed: str) -> dict[str, Any]:
     """A flag's JSON object value (`keyed` says by what, for the error) -> dict; errors name the flag."""
     try:
-        raw = json.loads(text)
+        raw = json_text.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{flag} is not valid JSON ({exc.msg} at char {exc.pos}): {text!r}") from exc
     if not isinstance(raw, dict):

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from omnimesh import json_text
+
 log = logging.getLogger(__name__)
 
 KINDS = ("json", "regex", "choice", "grammar")
@@ -43,7 +45,7 @@ def grammar_for(kind: str, spec: str) -> str:
         raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got {kind!r}")
     try:
         if kind == "json":
-            schema = json.loads(spec)
+            schema = json_text.loads(spec)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
             # no free whitespace between tokens (vLLM's disable_any_whitespace): a weak model cannot pad forever
@@ -51,7 +53,7 @@ def grammar_for(kind: str, spec: str) -> str:
         elif kind == "regex":
             grammar = LLMatcher.grammar_from_regex(spec)
         elif kind == "choice":
-            options = json.loads(spec)
+            options = json_text.loads(spec)
             if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
                 raise ValueError("choice must be a non-empty list of strings")
             grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))

@@ -90,6 +90,13 @@ def test_forced_calls_and_the_next_turn(served) -> None:
     ({"tools": [omni_pb2.Tool(name="")]}, "tools[0].name: a function needs a name"),
     ({"tools": [omni_pb2.Tool(name="f", parameters="{oops")]}, "tools[0].parameters: not JSON"),
     ({"tools": [omni_pb2.Tool(name="f", parameters="[1]")]}, "tools[0].parameters: must be a JSON schema object"),
+    ({"tools": [omni_pb2.Tool(name="f", parameters="[" * 5000 + "]" * 5000)]},  # was UNKNOWN (RecursionError)
+     "tools[0].parameters: not JSON: its arrays / objects nest too deeply"),
+    ({"tools": [omni_pb2.Tool(name="f", parameters='{"description": "\\ud800"}')]},  # was INTERNAL (the tokenizer)
+     "tools[0].parameters: not JSON: a string has an unpaired UTF-16 surrogate"),
+    ({"chat_template_kwargs": '{"x": ' + "[" * 5000 + "]" * 5000 + "}"}, "chat_template_kwargs: not JSON: its arrays"),
+    ({"structured_output": omni_pb2.StructuredOutput(kind="json", spec="[" * 5000 + "]" * 5000)},
+     "structured_output: invalid json: its arrays / objects nest too deeply"),
     ({"tools": TOOLS, "tool_choice": "get_nothing"}, "tool_choice: function 'get_nothing' is not among the tools"),
     ({"tool_choice": "required"}, "tool_choice: forcing a call needs tools"),
     ({"tools": TOOLS, "tool_choice": "required", "modalities": ["text", "audio"]}, "tool_choice: a forced call is the whole answer"),

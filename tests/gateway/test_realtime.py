@@ -255,6 +255,14 @@ def test_mistakes_are_error_events(ws: ClientConnection, pipeline: ScriptedPipel
     assert err["error"]["event_id"] == "e1"
     ws.send("not json")
     assert recv(ws)["error"]["code"] == "invalid_json"
+    ws.send("[" * 100_000 + "]" * 100_000)  # deeper than json.loads follows: was a server_error (RecursionError)
+    deep = recv(ws)["error"]
+    assert deep["code"] == "invalid_json" and "nest too deeply" in deep["message"], deep
+    # a lone surrogate escape: accepted, then the tokenizer failed on it in the response (a server_error)
+    ws.send('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", '
+            '"content": [{"type": "input_text", "text": "hi \\ud800"}]}}')
+    lone = recv(ws)["error"]
+    assert lone["code"] == "invalid_json" and "unpaired UTF-16 surrogate" in lone["message"], lone
     ws.send(b"\x00\x01")  # a binary frame: an error event, not a dropped connection
     assert recv(ws)["error"]["code"] == "invalid_event"
     send(ws, type="session.update", session={})  # the session goes on

@@ -159,6 +159,20 @@ def test_tools_and_earlier_calls_render_as_the_template_writes_them(builder: Pro
     assert "# Tools" not in plain
 
 
+def test_arguments_json_cannot_parse_reach_the_template_as_their_text(builder: PromptBuilder) -> None:
+    """A call's arguments nested deeper than json.loads follows (a RecursionError: a 500) or holding a lone
+    surrogate escape (a str the tokenizer failed on: a 500) are not an object: the template gets their text."""
+    builder = PromptBuilder(builder.processor, max_model_len=32_768)
+    for arguments in ("[" * 5000 + "]" * 5000, '{"city": "\\ud800"}'):
+        messages = (ChatMessage("user", (TextPart("Weather?"),)),
+                    ChatMessage("assistant", (), tool_calls=(ToolCall("c1", "get_weather", arguments),)),
+                    ChatMessage("tool", (TextPart("rain"),), tool_call_id="c1"))
+        request = ChatRequest(request_id="r", model="m", messages=messages, tools=(WEATHER,))
+        text, _ = builder.render(request)
+        assert f'"arguments": {json.dumps(arguments)}' in text or arguments in text
+        assert builder.build(request).prompt_tokens > 0  # tokenized, with the text as it came
+
+
 def test_an_assistant_turns_reasoning_reaches_the_template(builder: PromptBuilder) -> None:
     """vLLM hands an assistant message's `reasoning` (or `reasoning_content`) to the template as `reasoning_content`:
     a thinking model's template decides where it shows (here, one that writes every turn's)."""
