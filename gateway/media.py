@@ -168,6 +168,11 @@ def decode_wav(data: bytes, *, max_seconds: float, param: str = "audio") -> tupl
     if fmt is None or pcm is None:
         raise invalid_request(f"{param}: WAV file has no {'fmt ' if fmt is None else 'data'} chunk", param)
     tag, channels, rate, block_align, bits = fmt
+    if not ((tag == _WAVE_FORMAT_PCM and bits in (8, 16, 24, 32)) or (tag == _WAVE_FORMAT_FLOAT and bits in (32, 64))):
+        # before the PCM checks: a compressed encoding's block_align is its own (ADPCM: a block of many samples)
+        raise UnsupportedWavEncoding(f"{param}: unsupported WAV encoding (format tag {tag}, {bits} bits); "
+                                     "supported: PCM 8/16/24/32-bit, IEEE float 32/64-bit", http_status=400,
+                                     grpc_code=_GRPC_INVALID_ARGUMENT, kind="invalid_request_error", param=param)
     if channels < 1 or rate < 1 or block_align != channels * ((bits + 7) // 8):
         raise invalid_request(f"{param}: WAV header is inconsistent (channels={channels}, rate={rate}, "
                               f"bits={bits}, block_align={block_align})", param)
@@ -183,14 +188,10 @@ def decode_wav(data: bytes, *, max_seconds: float, param: str = "audio") -> tupl
         b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)  # (n, 3) little-endian bytes
         v = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
         x = (np.where(v >= 1 << 23, v - (1 << 24), v)).astype(np.float32) / float(1 << 23)
-    elif tag == _WAVE_FORMAT_PCM and bits == 32:
+    elif tag == _WAVE_FORMAT_PCM:  # 32-bit
         x = (np.frombuffer(raw, "<i4").astype(np.float64) / float(1 << 31)).astype(np.float32)
-    elif tag == _WAVE_FORMAT_FLOAT and bits in (32, 64):
+    else:  # IEEE float, 32 or 64-bit
         x = np.frombuffer(raw, "<f4" if bits == 32 else "<f8").astype(np.float32)
-    else:
-        raise UnsupportedWavEncoding(f"{param}: unsupported WAV encoding (format tag {tag}, {bits} bits); "
-                                     "supported: PCM 8/16/24/32-bit, IEEE float 32/64-bit", http_status=400,
-                                     grpc_code=_GRPC_INVALID_ARGUMENT, kind="invalid_request_error", param=param)
     return x.reshape(frames, channels), rate
 
 
