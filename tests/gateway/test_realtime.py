@@ -363,6 +363,10 @@ def test_server_vad_cuts_turns_and_answers_them(ws: ClientConnection, pipeline: 
     assert "response.created" in kinds and events[-1]["response"]["status"] == "completed"
     [clip] = pipeline.requests[-1].messages[-1].content
     assert isinstance(clip, AudioPart) and clip.waveform.size == 2400 + (end - start) * 24  # 0.1 s padding + speech
+    send(ws, type="input_audio_buffer.append", audio=base64.b64encode(_pcm(("silence", 0.3))).decode())
+    send(ws, type="input_audio_buffer.commit")  # nothing but silence since the turn: why the buffer is empty
+    error = recv(ws)["error"]
+    assert error["code"] == "input_audio_buffer_commit_empty" and "server VAD heard no speech" in error["message"]
 
 
 def test_speech_interrupts_a_response(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
