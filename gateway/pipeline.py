@@ -421,11 +421,7 @@ class StagePipeline:
                     del part.logprobs[:]  # the client's, like the text: the talker never reads them
                     del part.prompt_logprobs[:]
                 if audio:
-                    chunk = source.assemble(part)
-                    if chunk is not None and "pcm" in chunk.tensors and chunk.tensors["pcm"].numel():
-                        # a copy: the client's unread audio must not hold the vocoder's shm slot (its arena)
-                        pcm = chunk.tensors["pcm"].to(torch.float32, copy=True).numpy()
-                        events.put_nowait(AudioDelta(pcm=pcm, sample_rate=self.mesh.sample_rate))
+                    self._audio_out(source, part, events)
                 if sink is not None:
                     # without async_chunk the sink was opened with whole_input: it buffers until the final chunk
                     await sink.send_part(part)
@@ -437,6 +433,18 @@ class StagePipeline:
         except Exception as exc:  # a relay bug must fail the request, not hang it
             log.exception("relay %s -> %s failed", source.stage, sink.stage if sink else "client")
             events.put_nowait(PipelineError(f"gateway relay failed: {exc}", http_status=500, grpc_code=13, kind="internal_error"))
+
+
+    def _audio_out(self, source: StageStream, part: stage_pb2.Chunk, events: asyncio.Queue) -> None:
+        """The vocoder's pcm of a whole chunk, copied out to the client's events. A function of its own, so the
+        chunk, whose tensor maps the vocoder's shm slot, is gone when it returns: held in the relay's frame it
+        kept the slot taken while the relay waited for the next part, and after a cancel for as long as the
+        cancelled task's traceback lived (a slot stayed MAPPED after clients hung up); the client's unread
+        audio holds the copy, never the vocoder's arena."""
+        chunk = source.assemble(part)
+        if chunk is not None and "pcm" in chunk.tensors and chunk.tensors["pcm"].numel():
+            pcm = chunk.tensors["pcm"].to(torch.float32, copy=True).numpy()
+            events.put_nowait(AudioDelta(pcm=pcm, sample_rate=self.mesh.sample_rate))
 
 
 def _stop_reason(done: stage_pb2.Done | None) -> str | int | None:
