@@ -319,9 +319,9 @@ class RealtimeSession:
             if turn is not None:
                 self.buffer.append(turn)
             if not self.buffer:
-                heard = ("" if self.vad is None else ": server VAD heard no speech in the audio appended since the "
-                         "last turn (it keeps only speech, and a commit ends the turn in progress)")
-                raise RealtimeError(f"the input audio buffer is empty{heard or ': append audio before committing'}",
+                why = ("" if self.vad is None else ": server VAD heard no speech in the audio appended since the "
+                       "last turn (it keeps only speech, and a commit ends the turn in progress)")
+                raise RealtimeError(f"the input audio buffer is empty{why or ': append audio before committing'}",
                                     None, "input_audio_buffer_commit_empty")
             self._check_size(adding=1)  # refused: the buffer keeps its audio for a commit after a delete
             wave = np.concatenate(self.buffer)
