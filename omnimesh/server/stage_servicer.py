@@ -39,7 +39,7 @@ from omnimesh.engine.task import StageRequestError, StageTask
 from omnimesh.queue_runs import take_run
 from omnimesh.server.grpc_decode import Undecodable
 from omnimesh.transport.chunk_codec import TRANSPORTS, ChunkAssembler
-from omnimesh.transport.frames import FrameError, StageChunk
+from omnimesh.transport.frames import FrameError, StageChunk, StaleFrame
 from omnimesh.transport.transport import Transport
 from omnimesh.v1 import stage_pb2, stage_pb2_grpc
 
@@ -222,6 +222,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 else:
                     try:
                         chunk = assembler.add(msg.chunk)
+                    except StaleFrame as exc:  # its producer took the slot back: because the caller cancels?
+                        if await _cancelled_soon(context):  # then it cancelled this call too: no one's mistake
+                            self.engine.cancel(rid)
+                            dropping = True
+                        else:
+                            fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                        continue
                     except FrameError as exc:
                         fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                         continue
@@ -256,7 +263,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
 async def _cancelled_soon(context: grpc.aio.ServicerContext) -> bool:
     """Was the call cancelled? A caller's cancel can end its input stream a moment before gRPC marks the call
-    cancelled: wait up to CANCEL_MARK_S for the mark (only an input that ended without its final chunk waits)."""
+    cancelled: wait up to CANCEL_MARK_S for the mark (only an input that ended without its final chunk, or a
+    frame whose slot its producer took back, waits)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + CANCEL_MARK_S
     while not context.cancelled():

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from omnimesh.transport.frames import FrameError, StageChunk, dtype_name, frame_layout, frame_where
-from omnimesh.transport.shm_region import RegionError, RegionReader
+from omnimesh.transport.frames import FrameError, StageChunk, StaleFrame, dtype_name, frame_layout, frame_where
+from omnimesh.transport.shm_region import RegionError, RegionReader, StaleSlot
 from omnimesh.v1 import stage_pb2, tensor_pb2
 
 TRANSPORTS = ("grpc", "shm", "cuda-ipc")
@@ -241,7 +241,7 @@ class ChunkAssembler:
                                  f"{frame.dtype} {list(shape)}")
             return tensor
         except RegionError as exc:
-            raise FrameError(str(exc)) from exc
+            raise (StaleFrame if isinstance(exc, StaleSlot) else FrameError)(str(exc)) from exc
 
     def discard(self, part: stage_pb2.Chunk) -> None:
         """Release the references of a part that will not be read (its request failed or was cancelled)."""

@@ -40,6 +40,11 @@ class FrameError(ValueError):
     """A frame whose header and bytes disagree, or whose dtype is unknown."""
 
 
+class StaleFrame(FrameError):
+    """A frame by reference whose slot its producer took back: released, expired, or its request cancelled (a
+    consumer reading it while the caller cancels both calls is a cancel, not the caller's mistake)."""
+
+
 @dataclass(slots=True)
 class StageChunk:
     """One chunk of a request's stream inside a process."""

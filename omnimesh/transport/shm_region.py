@@ -57,6 +57,10 @@ class RegionError(RuntimeError):
     """A region that cannot be created or opened (no /dev/shm space, a foreign or corrupt file)."""
 
 
+class StaleSlot(RegionError):
+    """A reference to a slot its producer took back (its request cancelled, the frame released or expired)."""
+
+
 def _flock(fd: int, kind: int, start: int, wait: bool) -> bool:
     """An OFD byte-range lock on one byte (kind: F_RDLCK, F_WRLCK or F_UNLCK); False when it is held."""
     arg = struct.pack("hhqqi4x", kind, os.SEEK_SET, start, 1, 0)
@@ -175,7 +179,7 @@ class Region:
         if held or state != PUBLISHED or gen != generation:
             if not held:
                 self.unlock(slot)
-            raise RegionError(f"{what}: slot {slot} of {self.name} no longer holds this tensor (publication "
+            raise StaleSlot(f"{what}: slot {slot} of {self.name} no longer holds this tensor (publication "
                               f"{generation}, now {gen}, state {state}): it was released, cancelled or expired")
         if int(entry["offset"]) != offset or int(entry["nbytes"]) != nbytes:
             self.unlock(slot)

@@ -89,3 +89,38 @@ async def test_an_unknown_transport_is_invalid_argument(shm_stage):
     with pytest.raises(StageCallError) as err:
         [c async for c in s]
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "open.transport" in err.value.message
+
+
+async def test_a_frame_whose_slot_was_taken_back_by_a_cancel_is_a_cancel(shm_stage):
+    """A client that goes away: the gateway cancels the thinker's call (which takes back its unclaimed slots) and
+    the talker's, while a thinker part it already relayed is on its way to the talker. The talker, reading it,
+    found the slot gone and failed the request as INVALID_ARGUMENT (`request_failure_total` rose under random
+    disconnects on a real mesh). Its own call turning cancelled makes it a cancel; without the cancel the stale
+    reference is still the caller's error."""
+    producer, arena = shm_stage
+    failed: list[grpc.StatusCode] = []
+    consumer_engine = EngineLoop("double")
+    fail = consumer_engine.fail
+    consumer_engine.fail = lambda rid, code, message: (failed.append(code), fail(rid, code, message))  # type: ignore
+    async with served_stage(DoubleHandler(), consumer_engine,
+                            transport=Transport("txtest-consumer", "grpc")) as consumer:
+        for cancelled in (True, False):
+            s = await producer.open(f"p-{cancelled}", transport="shm")
+            await s.send(StageChunk(tensors={"x": torch.ones(256)}))  # not final: the request stays open
+            part = await anext(aiter(s.parts()))
+            assert part.tensors[0].WhichOneof("payload") == "shm"
+            await s.cancel()  # the producer takes the unclaimed slot back
+            await _until(lambda: arena.live_slots == 0)
+            relayed = await consumer.client.open(f"c-{cancelled}")
+            await relayed.send_part(part)
+            if cancelled:
+                await asyncio.sleep(0.1)  # it reads the part first; the cancel comes a moment later
+                await relayed.cancel()
+                await _until(lambda: consumer_engine.num_requests == 0)
+                assert failed == []
+            else:
+                with pytest.raises(StageCallError) as err:
+                    [c async for c in relayed]
+                assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                assert "no longer holds this tensor" in err.value.message
+                assert failed == [grpc.StatusCode.INVALID_ARGUMENT]
