@@ -59,7 +59,7 @@ def test_what_text_output_allows() -> None:
     assert parse_kwargs_json("", "chat_template_kwargs") == {}
     assert parse_kwargs_json('{"enable_thinking": false}', "chat_template_kwargs") == {"enable_thinking": False}
     for bad, needle in (("{", "not JSON"), ("[]", "must be a JSON object"),
-                        ('{"x": ' + "[" * 50_000 + "]" * 50_000 + "}", "not JSON: its arrays / objects nest too deeply")):
+                        ('{"x": ' + "[" * 50_000 + "]" * 50_000 + "}", "not JSON: its arrays / objects nest too")):
         with pytest.raises(PipelineError, match=needle):
             parse_kwargs_json(bad, "chat_template_kwargs")
 
