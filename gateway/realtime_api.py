@@ -647,7 +647,7 @@ class RealtimeSession:
         said = AnswerSplit(self.gw.reasoning, chat.reasoning_end is not None, include=False)  # a thought stays unsaid
         shaped = ToolAnswer(tools)  # the calls out of the text (gateway/tool_calls.py), each its own item
         calls: list[CallItem] = []
-        status, usage, reason = "in_progress", None, None
+        status, usage, reason, gone = "in_progress", None, None, False
         started = time.perf_counter()
         encoder = OutputEncoder(self.settings.output_audio_format, self.gw.pipeline.sample_rate)  # this answer's
         tempo = Tempo(self.settings.speed if audio else 1.0, self.gw.pipeline.sample_rate)  # gateway/audio_tempo.py
@@ -687,6 +687,8 @@ class RealtimeSession:
                     break
         except asyncio.CancelledError:
             status, reason = "cancelled", self.cancel_reason
+        except WebSocketDisconnect:  # the client hung up mid-answer: a cancel, with no one left to tell
+            status, gone = "cancelled", True
         except PipelineError as e:
             status = "failed"
             await self.error(e.message, e.param, "response_failed", None)
@@ -701,6 +703,20 @@ class RealtimeSession:
             self.gw._finish("realtime", 200 if status in ("completed", "incomplete") else 499 if status == "cancelled"
                             else 500, started)
         transcript = "".join(text)
+        if transcript and status != "failed":  # the next turn hears what was said
+            answer.parts = [TextPart(transcript)]
+        else:
+            self.items = [i for i in self.items if i is not answer]
+        if not gone:
+            with contextlib.suppress(WebSocketDisconnect):  # the client may hang up while its response closes
+                await self._response_done(base, item, where, status, reason, usage, transcript, audio, calls,
+                                          in_conversation)
+
+    async def _response_done(self, base: dict[str, Any], item: dict[str, Any], where: dict[str, Any], status: str,
+                             reason: str | None, usage: dict[str, Any] | None, transcript: str, audio: bool,
+                             calls: list[CallItem], in_conversation: bool) -> None:
+        """A response's closing events: its content and item done (unless it failed), then `response.done`."""
+        rid = base["id"]
         output = []
         if status in ("completed", "incomplete", "cancelled"):
             done_part = {"type": "audio", "transcript": transcript} if audio else {"type": "text", "text": transcript}
@@ -715,10 +731,6 @@ class RealtimeSession:
                             _out_of_band=not in_conversation)
             output.append(final)
         output += [c.to_json() for c in calls]
-        if transcript and status != "failed":  # the next turn hears what was said
-            answer.parts = [TextPart(transcript)]
-        else:
-            self.items = [i for i in self.items if i is not answer]
         details = {"type": status, "reason": reason} if reason else None
         await self.send("response.done", response={**base, "status": status, "status_details": details,
                                                    "output": output, "usage": usage})

@@ -8,8 +8,13 @@ weather today?", 24 kHz) against loud noise and a tone. Through a real mesh: tes
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import gc
 import json
+import logging
+import socket
+import time
 import wave
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -616,3 +621,34 @@ def test_an_out_of_band_response(ws: ClientConnection, pipeline: ScriptedPipelin
                        ({"metadata": {"k": 1}}, "response.metadata"), ({"input": "x"}, "response.input")):
         send(ws, type="response.create", response=bad)
         assert recv(ws)["error"]["param"] == param, bad
+
+
+@pytest.mark.parametrize("when", ["response.created", "response.audio.delta"])
+def test_a_client_that_hangs_up_mid_answer_is_no_error(rest_server: RestServer, pipeline: ScriptedPipeline,
+                                                      caplog: pytest.LogCaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """A hang-up is a cancel: it logged an ERROR with a traceback ("realtime response ... failed") when the
+    answer's next event found the socket closed, or asyncio's "Task exception was never retrieved" when the
+    closing events did (both under random Realtime hang-ups on a real mesh)."""
+    receive = RealtimeSession._receive
+
+    async def late(self: RealtimeSession, deadline: float | None) -> Any:  # the session hears of it last
+        message = await receive(self, deadline)
+        if message["type"] == "websocket.disconnect":
+            await asyncio.sleep(0.8)
+        return message
+
+    monkeypatch.setattr(RealtimeSession, "_receive", late)
+    pipeline.event_delay_s = 0.2
+    with connect(url(rest_server), additional_headers=BETA, open_timeout=TIMEOUT_S) as conn:
+        recv(conn)
+        send(conn, type="conversation.item.create",
+             item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]})
+        recv(conn)
+        send(conn, type="response.create")
+        until(conn, when)
+        conn.socket.shutdown(socket.SHUT_RDWR)  # gone without a close frame, as a dropped network or a killed app
+    time.sleep(1.5)  # the answer's next event (0.2 s apart), or its closing events, meet the closed socket
+    gc.collect()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
