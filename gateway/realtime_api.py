@@ -64,6 +64,7 @@ from gateway.openai_schema import check_sampling, resolve_voice
 from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
                                        check_temperature, truncation_json, updated)
+from gateway.realtime_tasks import spawn
 from gateway.realtime_tools import CallItem, OutputItem, chat_messages, new_call_item, parse_call_item
 from gateway.realtime_truncation import fitted_run
 from gateway.realtime_vllm import VllmTranscriber, speaks_vllm
@@ -404,9 +405,8 @@ class RealtimeSession:
         await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id)
         await self.send("conversation.item.created", previous_item_id=previous, item=item.to_json())
         if self.settings.input_audio_transcription is not None:
-            task = asyncio.create_task(self._transcribe(item, wave, self.settings.input_audio_transcription))
-            self.side_tasks.add(task)
-            task.add_done_callback(self.side_tasks.discard)
+            spawn(self._transcribe(item, wave, self.settings.input_audio_transcription), self.side_tasks,
+                  "input transcription")
 
     async def _transcribe(self, item: _Item, wave: np.ndarray, how: dict[str, Any]) -> None:
         """`input_audio_transcription`: the thinker transcribes the clip (as /v1/audio/transcriptions does, greedy)

@@ -33,6 +33,7 @@ import numpy as np
 from gateway.events import AudioPart, PipelineError
 from gateway.media import MIN_AUDIO_SAMPLES
 from gateway.realtime_settings import RealtimeError
+from gateway.realtime_tasks import spawn
 from gateway.realtime_vad import ServerVAD, Stopped
 from gateway.transcription_api import collect_text, transcription_request
 
@@ -98,9 +99,8 @@ class VllmTranscriber:
         if self.open:
             return  # vLLM ignores a commit while its stream runs
         self.open, self.vad, self.clips = True, ServerVAD(rate=RATE), asyncio.Queue()
-        self.worker = asyncio.create_task(self._transcribe(self.clips, self.worker))  # after the last stream's
-        self.tasks.add(self.worker)
-        self.worker.add_done_callback(self.tasks.discard)
+        self.worker = spawn(self._transcribe(self.clips, self.worker), self.tasks,  # after the last stream's
+                            "transcription (vLLM's dialect)")
 
     async def _append(self, data: Any) -> None:
         try:
