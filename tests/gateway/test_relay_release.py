@@ -5,6 +5,7 @@ the vocoder's arena, which would otherwise fill and push every co-located hand-o
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,6 +16,7 @@ from gateway.events import AudioDelta
 from gateway.pipeline import StagePipeline
 from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.host_id import shm_available
+from omnimesh.transport.shm_arena import ShmArena
 from omnimesh.transport.transport import Transport
 from omnimesh.v1 import stage_pb2
 
@@ -56,53 +58,47 @@ def _published(vocoder: Transport, pcm: torch.Tensor, request_id: str) -> list[s
     return parts
 
 
-async def test_relayed_pcm_frees_its_slot_while_the_client_still_holds_it() -> None:
+@pytest.fixture()
+def vocoder_and_gateway() -> Iterator[tuple[Transport, Transport, ShmArena, int]]:
+    """The vocoder's transport (an arena), the gateway's (a reader), the arena and its free bytes at the start."""
     vocoder = Transport("relaytest-voc", "shm", 4 * 2**20, 0)
     gateway = Transport("relaytest-gw", "grpc")
     try:
-        arena = vocoder.arena
-        assert arena is not None
-        start = arena.free_bytes()
-        pcm = torch.linspace(-0.5, 0.5, 4800, dtype=torch.float32)
-        parts = _published(vocoder, pcm, "r1")
-        events: asyncio.Queue = asyncio.Queue()
-        relay_self = _relay_owner()
-        source = _VocoderStream(parts, gateway, "r1")
-        await StagePipeline._relay(relay_self, source, None, events, text=False, audio=True)  # type: ignore[arg-type]
-        vocoder.end_request("r1", cancelled=False)
-        delta = events.get_nowait()
-        assert isinstance(delta, AudioDelta) and events.get_nowait() is None
-        assert np.array_equal(delta.pcm, pcm.numpy())
-        assert arena.free_bytes() == start, "the queued audio still holds the vocoder's slot"
-        assert arena.live_slots == 0
+        assert vocoder.arena is not None
+        yield vocoder, gateway, vocoder.arena, vocoder.arena.free_bytes()
     finally:
         gateway.close()
         vocoder.close()
 
 
-async def test_a_relay_waiting_for_the_next_part_or_cancelled_holds_no_slot() -> None:
+async def test_relayed_pcm_frees_its_slot_while_the_client_still_holds_it(vocoder_and_gateway) -> None:
+    vocoder, gateway, arena, start = vocoder_and_gateway
+    pcm = torch.linspace(-0.5, 0.5, 4800, dtype=torch.float32)
+    events: asyncio.Queue = asyncio.Queue()
+    source = _VocoderStream(_published(vocoder, pcm, "r1"), gateway, "r1")
+    await StagePipeline._relay(_relay_owner(), source, None, events, text=False, audio=True)  # type: ignore[arg-type]
+    vocoder.end_request("r1", cancelled=False)
+    delta = events.get_nowait()
+    assert isinstance(delta, AudioDelta) and events.get_nowait() is None
+    assert np.array_equal(delta.pcm, pcm.numpy())
+    assert arena.free_bytes() == start, "the queued audio still holds the vocoder's slot"
+    assert arena.live_slots == 0
+
+
+async def test_a_relay_waiting_for_the_next_part_or_cancelled_holds_no_slot(vocoder_and_gateway) -> None:
     """The assembled chunk lived in the relay's frame: its slot stayed taken while the relay waited for the next
     part, and after a client hung up for as long as the cancelled task's traceback lived (a vocoder slot was
     still MAPPED 30 s after 200 cut requests on a real mesh)."""
-    vocoder = Transport("relaytest-voc2", "shm", 4 * 2**20, 0)
-    gateway = Transport("relaytest-gw2", "grpc")
-    try:
-        arena = vocoder.arena
-        assert arena is not None
-        start = arena.free_bytes()
-        events: asyncio.Queue = asyncio.Queue()
-        relay_self = _relay_owner()
-        source = _VocoderStream(_published(vocoder, torch.ones(4800), "r2"), gateway, "r2", more=True)
-        relay = asyncio.create_task(StagePipeline._relay(relay_self, source, None, events,  # type: ignore[arg-type]
-                                                         text=False, audio=True))
-        delta = await asyncio.wait_for(events.get(), 5)
-        assert isinstance(delta, AudioDelta) and not relay.done()
-        vocoder.end_request("r2", cancelled=False)
-        assert arena.free_bytes() == start, "the waiting relay holds the vocoder's slot"
-        relay.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await relay
-        assert relay.cancelled() and arena.free_bytes() == start and arena.live_slots == 0  # the task still held
-    finally:
-        gateway.close()
-        vocoder.close()
+    vocoder, gateway, arena, start = vocoder_and_gateway
+    events: asyncio.Queue = asyncio.Queue()
+    source = _VocoderStream(_published(vocoder, torch.ones(4800), "r2"), gateway, "r2", more=True)
+    relay = asyncio.create_task(StagePipeline._relay(_relay_owner(), source, None, events,  # type: ignore[arg-type]
+                                                     text=False, audio=True))
+    delta = await asyncio.wait_for(events.get(), 5)
+    assert isinstance(delta, AudioDelta) and not relay.done()
+    vocoder.end_request("r2", cancelled=False)
+    assert arena.free_bytes() == start, "the waiting relay holds the vocoder's slot"
+    relay.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await relay
+    assert relay.cancelled() and arena.free_bytes() == start and arena.live_slots == 0  # the task still held
