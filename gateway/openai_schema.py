@@ -574,10 +574,10 @@ def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOG
         problems.append(("top_p", f"must be in (0, 1], got {s.top_p}"))
     if s.min_p is not None and not 0.0 <= s.min_p <= 1.0:
         problems.append(("min_p", f"must be in [0, 1] (0 disables it), got {s.min_p}"))
-    if s.top_k is not None and s.top_k < 1:
-        problems.append(("top_k", f"must be >= 1, got {s.top_k}"))
-    if s.max_tokens is not None and s.max_tokens < 1:
-        problems.append(("max_tokens", f"must be >= 1, got {s.max_tokens}"))
+    if s.top_k is not None and not -1 <= s.top_k <= INT32_MAX:  # vLLM's: -1 or 0 = every token (off)
+        problems.append(("top_k", f"must be -1 or 0 (off: every token) or in [1, {INT32_MAX}], got {s.top_k}"))
+    if s.max_tokens is not None and not 1 <= s.max_tokens <= INT32_MAX:
+        problems.append(("max_tokens", f"must be >= 1 and at most {INT32_MAX}, got {s.max_tokens}"))
     if s.min_tokens is not None and not 0 <= s.min_tokens <= INT32_MAX:
         problems.append(("min_tokens", f"must be in [0, {INT32_MAX}], got {s.min_tokens}"))
     elif s.min_tokens is not None and s.max_tokens is not None and s.min_tokens > s.max_tokens:

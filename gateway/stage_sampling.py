@@ -23,7 +23,7 @@ def _to_proto(s: SamplingOverrides) -> stage_pb2.SamplingParams:
     if s.top_p is not None:
         msg.top_p = s.top_p
     if s.top_k is not None:
-        msg.top_k = s.top_k
+        msg.top_k = max(s.top_k, 0)  # vLLM's -1 (off) is the stages' 0
     if s.seed is not None:
         msg.seed = s.seed
     if s.max_tokens is not None:

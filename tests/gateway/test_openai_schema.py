@@ -108,8 +108,12 @@ def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFix
 
 def test_check_sampling_ranges() -> None:
     check_sampling(SamplingOverrides(temperature=0.0, top_p=1.0, top_k=1, max_tokens=1, repetition_penalty=1.0), "")
+    for top_k in (-1, 0, 2**31 - 1):  # vLLM's -1 and 0 turn top-k off
+        check_sampling(SamplingOverrides(top_k=top_k), "")
     for s, field in [(SamplingOverrides(temperature=-0.1), "temperature"), (SamplingOverrides(top_p=1.5), "top_p"),
-                     (SamplingOverrides(max_tokens=0), "max_tokens"),
+                     (SamplingOverrides(max_tokens=0), "max_tokens"), (SamplingOverrides(top_k=-2), "top_k"),
+                     (SamplingOverrides(top_k=2**31), "top_k"),  # past the stages' int32: was a 500
+                     (SamplingOverrides(max_tokens=2**31), "max_tokens"),
                      (SamplingOverrides(repetition_penalty=0.0), "repetition_penalty"),
                      (SamplingOverrides(seed=2**63), "seed"), (SamplingOverrides(presence_penalty=-2.5), "presence_penalty"),
                      (SamplingOverrides(frequency_penalty=float("nan")), "frequency_penalty")]:

@@ -360,7 +360,8 @@ def _user(*parts: dict) -> list[dict]:
     ({"messages": USER_HI, "modalities": ["text", "audio"], "audio": {"format": "ogg"}}, 400, "audio.format", "wav, pcm16, mp3, flac, opus, aac"),
     ({"messages": USER_HI, "stage_params": {"vocoder": {}}}, 400, "stage_params.vocoder", "unknown field"),
     ({"messages": USER_HI, "stage_params": {"talker": {"top_kk": 3}}}, 400, "stage_params.talker.top_kk", "unknown"),
-    ({"messages": USER_HI, "stage_params": {"talker": {"top_k": 0}}}, 400, "stage_params.talker.top_k", ">= 1"),
+    ({"messages": USER_HI, "stage_params": {"talker": {"top_k": -2}}}, 400, "stage_params.talker.top_k",
+     "must be -1 or 0 (off"),  # vLLM's -1 and 0 are top-k off
     ({"messages": _user({"type": "file", "file": {"file_id": "x"}})}, 400, "messages[0].content[0]", "supported"),
     ({"messages": _user({"type": "image_url"})}, 400, "messages[0].content[0]", "needs a 'image_url'"),
     ({"messages": _user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "amr"}})}, 400,

@@ -52,6 +52,17 @@ def test_rest_fields_reach_each_stage(rest_server: RestServer, pipeline: Scripte
     assert not talker.HasField("top_p") and not talker.HasField("repetition_penalty")
 
 
+def test_vllms_top_k_minus_one_turns_top_k_off(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    """vLLM's clients send -1 (LangChain's VLLMOpenAI by default) or 0 for "every token": a 400 here before; now
+    the stages' 0 (off), also over a stage's own default (the talker's generation config samples top-50)."""
+    r = post(rest_server, {"top_k": -1, "stage_params": {"talker": {"top_k": 0}}})
+    assert r.status_code == 200, r.text
+    thinker, talker = wire(pipeline.requests[-1])
+    assert thinker.HasField("top_k") and thinker.top_k == 0 and talker.HasField("top_k") and talker.top_k == 0
+    r = post(rest_server, {"top_k": 2**31})  # past the wire's int32: was a 500
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+
+
 def test_rest_stage_params_override_the_top_level(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
     r = post(rest_server, {"stop": "A", "stop_token_ids": [1],
                            "stage_params": {"thinker": {"stop": "B", "stop_token_ids": [2, 3], "temperature": 0.5}}})
