@@ -49,10 +49,12 @@ def loads(text: str | bytes | bytearray) -> Any:
         value = json.loads(text)
     except RecursionError:
         raise TooDeep() from None
+    # a surrogate escape starts \ud or \uD: a substring search (memchr speed) before the regex, which costs ~20 ms
+    # a MB (a Realtime event of audio, a body of base64 media: none of them has a backslash)
     if isinstance(text, str):
-        maybe = _HALF_TEXT.search(text) is not None
+        maybe = ("\\ud" in text or "\\uD" in text) and _HALF_TEXT.search(text) is not None
     else:
-        maybe = _HALF_BYTES.search(text) is not None or b"\xed" in text
+        maybe = ((b"\\ud" in text or b"\\uD" in text) and _HALF_BYTES.search(text) is not None) or b"\xed" in text
     if maybe and _unpaired(value):
         raise LoneSurrogate()
     return value

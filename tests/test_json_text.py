@@ -48,3 +48,21 @@ def test_a_lone_surrogate_escape_is_a_decode_error(half: str) -> None:
 def test_pairs_and_escaped_backslashes_are_text() -> None:
     assert loads('["\\ud83d\\ude00", "\\\\ud800", "\\u00fc"]') == ["\U0001F600", "\\ud800", "ü"]
     assert loads('["\ud55c"]'.encode()) == ["\ud55c"]  # Hangul: bytes ED 95 9C
+
+
+def test_text_without_a_surrogate_escape_skips_the_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The escape scan costs ~20 ms a MB: a Realtime audio event or a body of base64 media (no backslash at all)
+    and text whose escapes are no surrogates are let through by a substring search alone."""
+    import omnimesh.json_text as json_text
+
+    class Refuse:
+        def search(self, _: object) -> None:
+            raise AssertionError("scanned")
+
+    monkeypatch.setattr(json_text, "_HALF_TEXT", Refuse())
+    monkeypatch.setattr(json_text, "_HALF_BYTES", Refuse())
+    audio = '{"type": "input_audio_buffer.append", "audio": "' + "QUJD" * 100_000 + '"}'
+    for text in (audio, '{"text": "\\u00fc\\u4e2d"}'):
+        assert loads(text) and loads(text.encode())
+    with pytest.raises(AssertionError, match="scanned"):  # a surrogate escape, paired or not, is scanned
+        loads('["\\ud83d\\ude00"]')
