@@ -1,5 +1,5 @@
-"""The background tasks of a Realtime session (its response, its input transcriptions, the vLLM dialect's
-transcription worker): kept in the session's set while they run, and settled when they end.
+"""The background tasks of a Realtime session (its input transcriptions, the vLLM dialect's transcription
+worker; a response settles its own hang-up): kept in the session's set while they run, settled when they end.
 
 A task whose send met a closed socket ends with WebSocketDisconnect: the client hung up, which is no error;
 nobody awaits a task that ended on its own, so asyncio would log "Task exception was never retrieved" with a
