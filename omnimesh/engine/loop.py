@@ -168,6 +168,7 @@ class EngineLoop:
         # one step at a time across both executors: a close (frees KV blocks) never overlaps a step
         self._serial = threading.Lock() if max_inflight == 1 and self._bulk is not None else None
         self._runner: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: str | None = None  # why the loop died (a bug): every request since is refused
         self.on_crash: Callable[[str], None] | None = None  # told once if the loop dies (the stage: NOT_SERVING)
         self._closed = False
@@ -187,7 +188,8 @@ class EngineLoop:
         return {"running": len(self._entries), "waiting": 0, **(stats() if stats is not None else {})}
 
     def start(self) -> None:
-        self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"{self.name}-engine")
+        self._loop = asyncio.get_running_loop()
+        self._runner = self._loop.create_task(self._run(), name=f"{self.name}-engine")
         self._runner.add_done_callback(self._runner_ended)
 
     def _runner_ended(self, runner: asyncio.Task) -> None:
@@ -284,6 +286,11 @@ class EngineLoop:
                 task.close()
         except Exception:
             log.exception("closing request %s failed", task.request_id)
+        # what a close frees (a seat, KV blocks) is news: a request a step beside it found no room for would
+        # otherwise wait, the loop idle, until something else happened (on a quiet stage: its deadline)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the stage stopped)
+                self._loop.call_soon_threadsafe(self._wake.set)
 
     def _ready(self, entry: _Entry) -> bool:
         """Hand the buffered chunks to the task (all at once under whole_input, with the final one); True if it can
