@@ -10,7 +10,9 @@ import asyncio
 import threading
 import time
 
-from omnimesh.engine.loop import EngineDone, EngineLoop
+from test_engine_priority import run_to_end
+
+from omnimesh.engine.loop import EngineLoop
 from omnimesh.engine.task import StageTask
 from omnimesh.transport.frames import StageChunk
 
@@ -64,8 +66,7 @@ async def test_a_freed_seat_wakes_the_loop() -> None:
     loop.start()
     try:
         for queue in queues:
-            while not isinstance(await asyncio.wait_for(queue.get(), 10), EngineDone):
-                pass
+            await run_to_end(queue)
     finally:
         await loop.stop()
     assert first.left == 0 and second.left == 0
