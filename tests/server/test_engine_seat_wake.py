@@ -6,7 +6,6 @@ stage the waiting request hung until its deadline (seen once in CI: the thinker 
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
