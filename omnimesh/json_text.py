@@ -30,15 +30,22 @@ _HALF_TEXT = re.compile(_HALF)
 _HALF_BYTES = re.compile(_HALF.encode())
 
 
-class TooDeep(json.JSONDecodeError):
-    def __init__(self, why: str = TOO_DEEP) -> None:
+class Refused(json.JSONDecodeError):
+    """JSON that `json.loads` took (or could not follow) but no caller can use; its text is the reason alone."""
+
+    def __init__(self, why: str) -> None:
         super().__init__(why, "", 0)
 
     def __str__(self) -> str:
         return self.msg
 
 
-class LoneSurrogate(TooDeep):
+class TooDeep(Refused):
+    def __init__(self) -> None:
+        super().__init__(TOO_DEEP)
+
+
+class LoneSurrogate(Refused):
     def __init__(self) -> None:
         super().__init__(LONE_SURROGATE)
 
