@@ -9,6 +9,7 @@ against a real mesh (seeds 1-7, 150 calls each) found only the corrupt wire byte
 
 from __future__ import annotations
 
+import base64
 import math
 import random
 from typing import Any
@@ -24,7 +25,7 @@ from omnimesh.v1 import omni_pb2, stage_pb2
 
 CALLS = 150
 CRASHES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED}
-PNG = __import__("base64").b64decode(png_data_uri(8, 8).split(",", 1)[1])
+PNG = base64.b64decode(png_data_uri(8, 8).split(",", 1)[1])
 F = FieldDescriptor
 INTS = [0, 1, -1, 7, 2**31 - 1, -(2**31), 100_000]
 VALUES: dict[int, list[Any]] = {
