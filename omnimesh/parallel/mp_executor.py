@@ -148,6 +148,7 @@ class MpExecutor:
         self._results: Any = None
         self._joining: set[int] = set()  # ranks that reported JOINING (or ready)
         self._server: Any = None  # the rendezvous server (_open_rendezvous), held until shutdown
+        self._threads: list[threading.Thread] = []  # the result receiver and keep-alive: joined at shutdown
         self._ready: set[int] = set()
 
     def start(self) -> None:
@@ -182,9 +183,13 @@ class MpExecutor:
         # ends before the interpreter does (else gloo's threads abort its exit); other nodes hear a clean stop
         atexit.register(self.shutdown)
         if self.ps.last_pp_rank_driver != 0:
-            threading.Thread(target=self._receive_results, name="omnimesh-rank-results", daemon=True).start()
+            self._threads.append(threading.Thread(target=self._receive_results, name="omnimesh-rank-results",
+                                                  daemon=True))
         if self.world > 1:
-            threading.Thread(target=self._keep_alive, name="omnimesh-rank-keepalive", daemon=True).start()
+            self._threads.append(threading.Thread(target=self._keep_alive, name="omnimesh-rank-keepalive",
+                                                  daemon=True))
+        for thread in self._threads:
+            thread.start()
         log.info("stage ranks up: pp=%d tp=%d world=%d%s (rendezvous %s:%d, %s)", self.pp, self.tp, self.world,
                  f" over {self.nodes.num_nodes} nodes" if self.nodes else "", self.rdzv.master_addr,
                  self.rdzv.master_port, self.rdzv.backend)
@@ -370,12 +375,26 @@ class MpExecutor:
         self._join_ranks(deadline)
         if self.node_host is not None and self.failure is None:
             self.node_host.wait_left(max(1.0, deadline - time.monotonic()))
+        self._join_threads()
         if self.ps is not None and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
         self.ps, self._server = None, None
+
+    def _join_threads(self, timeout_s: float = 5.0) -> None:
+        """Before the process group goes: wait for the threads that call into it to return. The result receiver
+        leaves its `recv` when the owner echoes STOP (or its rank is gone); one still on its way out of gloo's C++
+        code when the interpreter finalizes is ended by the runtime mid-frame, and the process aborts ("terminate
+        called without an active exception", exit -6 where a refused start exits 2)."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if stuck := [t.name for t in self._threads if t.is_alive() and t is not threading.current_thread()]:
+            log.warning("stage shutdown: %s still running after %.0fs", ", ".join(stuck), timeout_s)
+        self._threads = []
 
     def _join_ranks(self, deadline: float) -> None:
         """After STOP: wait for this host's ranks to exit until `deadline`, then kill what is left."""

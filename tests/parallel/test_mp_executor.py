@@ -108,6 +108,32 @@ def test_a_command_during_shutdown_is_refused_and_one_after_it_too(monkeypatch) 
         ex.execute(("run", x))
 
 
+def test_shutdown_returns_after_the_threads_that_call_gloo(monkeypatch) -> None:
+    """The result receiver (pp = 2: the last pipeline rank owns the results) may still be on its way out of its
+    last `recv` when the ranks are gone; shutdown waits for it (and the keep-alive) before the process group
+    ends and the caller goes on to exit, since a thread the interpreter ends inside gloo's C++ code aborts the
+    process (seen as exit -6 where a refused start exits 2). The receiver here is slowed after the echoed STOP."""
+    from omnimesh.parallel import mp_executor
+
+    real_recv = mp_executor.recv_obj
+
+    def slow_recv(src, group):
+        result = real_recv(src, group)
+        if result == mp_executor.STOP:
+            time.sleep(1.5)  # a thread not scheduled at once on a busy host
+        return result
+
+    monkeypatch.setattr(mp_executor, "recv_obj", slow_recv)
+    ex = MpExecutor(2, 1, toy_program.make_toy, timeout_s=30)
+    before = set(threading.enumerate())
+    ex.start()
+    threads = [t for t in set(threading.enumerate()) - before
+               if t.name in ("omnimesh-rank-results", "omnimesh-rank-keepalive")]
+    assert len(threads) == 2
+    ex.shutdown()
+    assert not [t.name for t in threads if t.is_alive()]
+
+
 @pytest.mark.parametrize(("args", "device"), [({}, "cpu"), ({"backend": "gloo", "devices": ()}, "cpu"),
                                               ({"backend": "nccl", "devices": ()}, "cuda:0"),
                                               ({"backend": "nccl", "devices": ("cuda:3", "cuda:4")}, "cuda:3")])
