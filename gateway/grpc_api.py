@@ -56,7 +56,7 @@ from gateway.input_limits import InputLimits
 from gateway.processor_kwargs import check_settings
 from gateway.prompt import PromptBuilder
 from gateway.reasoning import END, AnswerSplit, ReasoningParser, thinks
-from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
+from gateway.media import MediaLoader, audio_seconds, invalid_request, media_not_from_user, video_sampling_of
 from gateway.openai_schema import (
     MAX_LOGPROBS,
     STAGE_NAMES,
@@ -204,8 +204,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                     parts.append(TextPart(text=p.text))
                     continue
                 if m.role != "user":
-                    raise invalid_request(f"{where}: only user messages may carry audio, images or video "
-                                          f"(this is a '{m.role}' message)", where)
+                    raise media_not_from_user(where, m.role)
                 if kind == "audio_wav":
                     parts.append(await self.loader.audio_from_wav(p.audio_wav, f"{where}.audio_wav"))
                 elif kind == "audio":

@@ -49,6 +49,12 @@ def invalid_request(message: str, param: str | None = None) -> PipelineError:
                          kind="invalid_request_error", param=param)
 
 
+def media_not_from_user(where: str, role: str) -> PipelineError:
+    """A media part in a message of another role than user (REST and gRPC chats alike)."""
+    return invalid_request(f"{where}: only user messages may carry audio, images or video (this is "
+                           f"{'an' if role[:1] in 'aeiou' else 'a'} '{role}' message)", where)
+
+
 def _av_missing() -> ImportError | None:
     """Why FFmpeg's decoders (PyAV) cannot load here, or None when they can."""
     try:  # PyAV loads with the first file FFmpeg decodes (and media_video imports this module)

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -190,6 +191,23 @@ class _Response:
         return self.sequence - 1
 
 
+_CHAT_PARAM = re.compile(r"messages(?:\[(\d+)\])?")
+
+
+def _named_by_input(e: PipelineError, names: Sequence[str]) -> PipelineError:
+    """An error about the chat built from a Responses body, named by the body's fields: `messages[k]...` becomes
+    the input item (or `instructions`, `previous_response_id`) message k came from, `messages` becomes `input`;
+    an image's field is `image_url` itself there (a URL string, not `{"url"}`)."""
+    old = e.param or ""
+    if (m := _CHAT_PARAM.match(old)) is None:
+        return e
+    new = ("input" if m.group(1) is None else names[int(m.group(1))]) + old[m.end():].replace(".image_url.url",
+                                                                                             ".image_url")
+    message = e.message.replace(old, new, 1) if e.message.startswith(old) else e.message
+    return PipelineError(message, http_status=e.http_status, grpc_code=e.grpc_code, kind=e.kind, param=new,
+                         stage=e.stage)
+
+
 class ResponsesRoutes:
     """`POST /v1/responses` on one `RestGateway` (its pipeline, media loader, model names, metrics)."""
 
@@ -237,11 +255,17 @@ class ResponsesRoutes:
                 raise invalid_request(e.message.replace(str(e.param), name, 1), name) from None
             raise
         previous = self._previous(body.previous_response_id)
+        items: dict[int, int] = {}  # id(message) -> the input item it came from
         conversation = self._messages(body, previous.conversation if previous is not None else [],
-                                      previous.call_ids() if previous is not None else set())
+                                      previous.call_ids() if previous is not None else set(), items)
         system = [Message(role="system", content=[ContentPart(type="text", text=body.instructions)])] \
             if body.instructions else []
-        messages = await gw.chat_messages(system + conversation)
+        try:
+            messages = await gw.chat_messages(system + conversation)
+        except PipelineError as e:  # named by the chat's messages: say the input item instead
+            names = ["instructions"] * len(system) + [f"input[{items[id(m)]}]" if id(m) in items
+                                                      else "previous_response_id" for m in conversation]
+            raise _named_by_input(e, names) from None
         structured = await asyncio.to_thread(_structured, body)
         other = await asyncio.to_thread(structured_spec, body)  # vLLM's structured_outputs / guided_* too
         if structured is not None and other is not None:
@@ -352,9 +376,11 @@ class ResponsesRoutes:
         return stored
 
     @staticmethod
-    def _messages(body: ResponsesRequest, before: list[Message], calls: set[str]) -> list[Message]:
+    def _messages(body: ResponsesRequest, before: list[Message], calls: set[str],
+                  items: dict[int, int] | None = None) -> list[Message]:
         """The conversation (`before`: a stored one's, whose call ids are `calls`) and the chat messages the input
-        stands for after it; the instructions are not among them."""
+        stands for after it; the instructions are not among them. `items` gets each message's input item index
+        (by `id`) for the message items (those that can carry media)."""
         out = [m.model_copy() for m in before]  # the stored turns stay as they were kept
         calls = set(calls)  # the call ids of the function_call items so far
         raw_items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
@@ -384,6 +410,8 @@ class ResponsesRoutes:
                 out[-1].content = content
             else:
                 out.append(Message(role=item.role, content=content))
+            if items is not None:
+                items[id(out[-1])] = i
         return [m for m in out if not _thought_only(m)]  # a reasoning item that no answer followed says nothing
 
     # ---------------------------------------------------------------------------------------- answers

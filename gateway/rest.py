@@ -70,7 +70,7 @@ from gateway.http_errors import error_json, internal_error, read_body
 from gateway import video_process
 from gateway.http_front import HttpFront
 from gateway.input_limits import InputLimits
-from gateway.media import MediaLoader, audio_seconds, invalid_request, video_sampling_of
+from gateway.media import MediaLoader, audio_seconds, invalid_request, media_not_from_user, video_sampling_of
 from gateway.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -351,8 +351,7 @@ class RestGateway:
                 parts.append(TextPart(text=p.text or ""))
                 continue
             if m.role != "user":
-                raise invalid_request(f"{where}: only user messages may carry audio, images or video "
-                                      f"(this is a '{m.role}' message)", where)
+                raise media_not_from_user(where, m.role)
             if p.image_url is not None and p.type == "image_url":
                 parts.append(await self.loader.image_from_url(p.image_url.url, f"{where}.image_url.url"))
             elif p.input_audio is not None and p.type == "input_audio":

@@ -146,6 +146,32 @@ def test_bad_bodies(rest_server, pipeline, body, param, needle) -> None:
     assert pipeline.requests == []
 
 
+def test_media_errors_name_the_input_item(rest_server, pipeline) -> None:
+    """A part the media loader refuses is named by the Responses body's own fields (`input[i].content[j]...`),
+    never by the chat messages they become (instructions add a system turn; call items fold into one assistant
+    turn), and an image's field is `image_url` (a string here, not chat's `{"url"}`)."""
+    bad_png = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    calls = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "rain"}]
+    cases = [
+        ({"instructions": "Be brief.", "input": [*calls, {"role": "user", "content": [
+            {"type": "input_text", "text": "and this?"}, bad_png]}]}, "input[2].content[1].image_url", 400),
+        ({"input": [{"role": "user", "content": "hi"}, {"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]},
+         "input[1].content[0].input_audio", 400),
+        ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+                    {"role": "assistant", "content": [bad_png]}]}, "input[1].content[0]", 400),
+        ({"input": [{"role": "user", "content": [bad_png] * 300}]}, "input", 400),
+    ]
+    for body, param, status in cases:
+        r = post(rest_server, body)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "messages[" not in err["message"], err
+    assert "an 'assistant' message" in post(rest_server, cases[2][0]).json()["error"]["message"]
+    assert pipeline.requests == []
+
+
 def test_a_failure_midstream_is_an_error_event(rest_server, pipeline) -> None:
     from gateway.events import PipelineError
 
