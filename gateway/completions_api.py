@@ -219,7 +219,8 @@ class CompletionRoutes:
             raise invalid_request(f"prompt: {len(prompts)} prompts x n={n} is {len(prompts) * n} runs; at most "
                                   f"{MAX_RUNS} per request: split them over several requests", "prompt")
         structured = await asyncio.to_thread(structured_spec, body)
-        ids = await asyncio.to_thread(self._token_ids, prompts, body.add_special_tokens)
+        listed = not isinstance(body.prompt, str) and not all(isinstance(p, int) for p in body.prompt)
+        ids = await asyncio.to_thread(self._token_ids, prompts, body.add_special_tokens, listed)
         if body.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens; an echo shows what ran
             kept = [self.builder.truncated(torch.tensor(i), body.truncate_prompt_tokens).tolist() for i in ids]
             prompts = [p if len(k) == len(i) else k for p, i, k in zip(prompts, ids, kept, strict=True)]
@@ -243,10 +244,10 @@ class CompletionRoutes:
                            created=int(time.time()), started=started,
                            offsets=[len(e) for e in echo for _ in range(n)])
 
-    def _token_ids(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
+    def _token_ids(self, prompts: list[str | list[int]], add_special_tokens: bool, listed: bool) -> list[list[int]]:
+        """`listed`: the body's prompt is a list of prompts (each named `prompt[i]`), not one (`prompt`)."""
         tokenizer = self.builder.processor.tokenizer
-        single = len(prompts) == 1
-        return [prompt_token_ids(tokenizer, p, add_special_tokens, "prompt" if single else f"prompt[{i}]")
+        return [prompt_token_ids(tokenizer, p, add_special_tokens, f"prompt[{i}]" if listed else "prompt")
                 for i, p in enumerate(prompts)]
 
     def _echo_texts(self, prompts: list[str | list[int]], ids: list[list[int]]) -> list[str]:

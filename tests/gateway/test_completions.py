@@ -221,6 +221,8 @@ def test_the_openai_client(server, pipeline):
     ({"prompt": ["a", ""]}, 400, "prompt[1]", "the prompt is empty"),
     ({"prompt": [1, 10**9]}, 400, "prompt[1]", "is not a token id"),
     ({"prompt": [[1], [2, -1]]}, 400, "prompt[1][1]", "is not a token id"),
+    ({"prompt": [[-5, 3]]}, 400, "prompt[0][0]", "is not a token id"),  # a list of one prompt: still indexed
+    ({"prompt": [""]}, 400, "prompt[0]", "the prompt is empty"),
     ({"prompt": 5}, 400, "prompt", "one kind per request"),
     ({"prompt": ["a", [1]]}, 400, "prompt", "one kind per request"),
     ({"prompt": [True]}, 400, "prompt", "one kind per request"),
