@@ -145,6 +145,9 @@ def test_invalid_params() -> None:
     with pytest.raises(ValueError, match="frequency_penalty must be a finite number"):
         SamplingParams(frequency_penalty=float("nan"))
     SamplingParams(max_tokens=8, min_tokens=8)  # every token then: the request ends by length
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "off" (a direct stage call, --default-sampling-params)
+    with pytest.raises(ValueError, match=r"top_k must be >= 0, got -2; use 0 \(or -1\) to disable it"):
+        SamplingParams(top_k=-2)
 
 
 def test_stop_strings_and_vocab_do_not_change_the_draw() -> None:

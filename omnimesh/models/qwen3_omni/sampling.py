@@ -96,8 +96,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable it")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}; use 0 to disable it")
+        if self.top_k == -1:  # vLLM's "off", as the gateway takes it (a direct stage call, --default-sampling)
+            object.__setattr__(self, "top_k", 0)
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}; use 0 to disable it")
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}; use 0 (or -1) to disable it")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.repetition_penalty <= 0:
