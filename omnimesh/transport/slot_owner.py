@@ -124,6 +124,11 @@ class SlotOwner:
                     freed += 1
         return freed
 
+    def sweep_due(self) -> int:
+        """A sweep, deep when the last deep one is DEEP_SWEEP_EVERY_S old (a metrics scrape: a stage that publishes
+        nothing more still reports the slots of a dead consumer or an expired request as free)."""
+        return self.sweep(deep=time.monotonic() - self._last_deep > DEEP_SWEEP_EVERY_S)
+
     def end_request(self, request_id: str, cancelled: bool) -> None:
         """The request's stream ended. Cancelled: frames still unclaimed will never be read; take them back.
         Else they are on their way; those without a deadline get one, UNCLAIMED_TTL_S from now."""

@@ -25,7 +25,7 @@ class _TransportCollector(Collector):
         arena = self.transport.arena
         out: list[Metric] = []
         if arena is not None:
-            arena.sweep()
+            arena.sweep_due()
             for name, doc, value in (("omnimesh:shm_arena_size_bytes", "Data bytes of the stage's shm arena", arena.size),
                                      ("omnimesh:shm_arena_free_bytes", "Free data bytes of the stage's shm arena",
                                       arena.free_bytes_now),

@@ -7,7 +7,8 @@
 - a consumer's live claim survives a replayed/stale frame of the same slot and a discard of its part;
 - a consumer process killed while holding a slot: the slot is kept while it lives, reclaimed after;
 - a request deadline that passed reclaims an unclaimed slot in a deep sweep, never a claimed one; a request
-  without a deadline gets one for its still unclaimed frames when its stream ends (UNCLAIMED_TTL_S);
+  without a deadline gets one for its still unclaimed frames when its stream ends (UNCLAIMED_TTL_S); a metrics
+  scrape runs the deep sweep when it is due, so an idle stage reports such slots free;
 - a part the consumer refuses (FrameError) does not strand the references it carried."""
 
 from __future__ import annotations
@@ -325,3 +326,27 @@ def test_a_dead_producers_region_is_unmapped_once_nothing_views_it(make_arena) -
     gc.collect()
     assert reader.drop_dead() == 1 and name not in reader._regions
     assert ref.region in reader._regions and bytes(alive_view) == bytes(range(4))  # the living one stays
+
+
+def test_a_scrape_reports_expired_slots_free_with_nothing_published_since(make_transport, monkeypatch) -> None:
+    """The arena gauges are read at scrape time: a deep sweep is due every DEEP_SWEEP_EVERY_S there too, so an
+    idle stage (no publish to trigger one) reports the slot of an expired request as free, not in use."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from omnimesh.transport.transport_metrics import register_transport_metrics
+
+    producer = make_transport("scrape", arena_bytes=2**20)
+    arena = producer.arena
+    assert arena is not None and arena.publish(torch.ones(64), "req-gone", deadline_unix_s=time.time() - 1)
+    registry = CollectorRegistry()
+    register_transport_metrics(registry, producer, {"stage": "talker"})
+
+    def scraped(name: str) -> float:
+        [line] = [x for x in generate_latest(registry).decode().splitlines() if x.startswith(name + "{")]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert scraped("omnimesh:shm_arena_slots_in_use") == 1  # the arena is new: no deep sweep due yet
+    monkeypatch.setattr(slot_owner, "DEEP_SWEEP_EVERY_S", 0.0)  # as if its interval had passed
+    assert scraped("omnimesh:shm_arena_slots_in_use") == 0
+    assert scraped("omnimesh:shm_arena_reclaimed_total") == 1
+    assert scraped("omnimesh:shm_arena_free_bytes") == scraped("omnimesh:shm_arena_size_bytes")
