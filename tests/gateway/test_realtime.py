@@ -650,5 +650,7 @@ def test_a_client_that_hangs_up_mid_answer_is_no_error(rest_server: RestServer, 
         conn.socket.shutdown(socket.SHUT_RDWR)  # gone without a close frame, as a dropped network or a killed app
     time.sleep(1.5)  # the answer's next event (0.2 s apart), or its closing events, meet the closed socket
     gc.collect()
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # the server's records only: this test's own client, cut off mid-read by its shutdown, may log that its
+    # stream ended ("unexpected internal error", websockets.client: seen once in CI)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and not r.name.startswith("websockets.client")]
     assert errors == [], [r.getMessage() for r in errors]
