@@ -184,6 +184,7 @@ class StagePipeline:
         self._in_flight.add(rid)
         started, done, error = time.monotonic(), None, None
         span = RunSpan.start(request)  # tracing on: this run's span, the stages' spans under it
+        output = self.request_log.output() if self.request_log is not None else None  # --enable-log-outputs
         try:
             prompt = await asyncio.to_thread(self._prepared, request, self.hashes_media())
             if self.request_log is not None:
@@ -195,6 +196,8 @@ class StagePipeline:
                         done = event
                     if span is not None:
                         span.saw(event)
+                    if output is not None:
+                        output.saw(event)
                     yield event
         except (GeneratorExit, asyncio.CancelledError):
             raise  # the client went away: logged as cancelled
@@ -206,7 +209,7 @@ class StagePipeline:
             if span is not None:
                 span.end(done, error)
             if self.request_log is not None:
-                self.request_log.finished(rid, time.monotonic() - started, done, error)
+                self.request_log.finished(rid, time.monotonic() - started, done, error, output)
 
     def hashes_media(self) -> bool:
         """Does a thinker replica cache prefixes, or an encoder replica its outputs (both key media items by the

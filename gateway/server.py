@@ -94,7 +94,7 @@ def build_pipeline(args: ServeArgs, model_dir: Path,
 
     targets = {stage: t for stage, addrs in stage_addrs.items() for a in addrs if (t := parse_dns_target(a)) is not None}
     clients = {stage: [client(stage, a) for a in addrs if stage not in targets] for stage, addrs in stage_addrs.items()}
-    request_log = RequestLog(args.max_log_len) if args.enable_log_requests else None
+    request_log = RequestLog(args.max_log_len, args.enable_log_outputs) if args.enable_log_requests else None
     no_audio = text_only_reason(model_dir)
     pipeline = StagePipeline(clients, builder, served_models=args.model_names(model_dir), async_chunk=args.async_chunk,
                              request_log=request_log, request_timeout_s=args.request_timeout, no_audio=no_audio)

@@ -156,10 +156,14 @@ class ServeArgs:
                                    "--enable-log-requests", action="store_true")
     disable_log_requests: bool = _f(False, "vLLM's older flag, accepted so its command lines run: request logging is "
                                     "off unless --enable-log-requests", "--disable-log-requests", action="store_true")
+    enable_log_outputs: bool = _f(False, "with --enable-log-requests: also log what each request generated (vLLM's "
+                                  "flag): its text, cut to --max-log-len, and the seconds of audio, when it ends",
+                                  "--enable-log-outputs", action="store_true")
     log_config_file: str | None = _f(None, "a logging.config.dictConfig JSON for every process of the mesh, omnimesh's "
                                      "and uvicorn's records alike (vLLM's flag; e.g. JSON lines to stdout); it sets "
                                      "levels and formats instead of --log-level", "--log-config-file")
-    max_log_len: int | None = _f(None, "with --enable-log-requests: the most prompt characters a line shows (default: all)",
+    max_log_len: int | None = _f(None, "with --enable-log-requests: the most prompt (and output) characters a line "
+                                 "shows (default: all)",
                                  "--max-log-len")
     otlp_traces_endpoint: str | None = _f(None, "export OpenTelemetry traces (as vLLM's flag) to this OTLP/gRPC "
                                           "receiver, e.g. http://127.0.0.1:4317: one trace per request, the "
@@ -440,6 +444,9 @@ class ServeArgs:
             raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.disable_log_requests and self.enable_log_requests:
             raise ValueError("--disable-log-requests and --enable-log-requests contradict each other; give one")
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ValueError("--enable-log-outputs logs each request's output beside its request lines: add "
+                             "--enable-log-requests")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0 characters, got {self.max_log_len}")
         if not self.disable_log_stats:
@@ -657,14 +664,15 @@ GATEWAY_FIELDS = frozenset(
      "trust_remote_code", "malloc",
      "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
      "trust_request_chat_template", "enable_log_requests", "disable_log_requests", "max_log_len",
-     "otlp_traces_endpoint", "log_config_file"}
+     "enable_log_outputs", "otlp_traces_endpoint", "log_config_file"}
 ) | HTTP_FRONT_FIELDS
 STAGE_EXCLUDED = frozenset(
     {"model", "host", "port", "grpc_port", "stage_base_port", "stage_restarts", "stage_dns_refresh", "stage_start_timeout",
      "request_timeout",
      "api_key", "async_chunk",
      "allowed_media_domains", "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
-     "trust_request_chat_template", "enable_log_requests", "disable_log_requests", "max_log_len", "limit_mm_per_prompt",
+     "trust_request_chat_template", "enable_log_requests", "disable_log_requests", "max_log_len", "enable_log_outputs",
+     "limit_mm_per_prompt",
      "input_limits", "max_logprobs", "return_tokens_as_token_ids", "mm_processor_kwargs",
      "enable_prompt_tokens_details", "enable_force_include_usage", "enable_auto_tool_choice", "tool_call_parser",
      "reasoning_parser",

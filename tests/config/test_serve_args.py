@@ -166,6 +166,8 @@ def test_stage_base_port_leaves_room_for_every_replica() -> None:
     [
         ({"dtype": "fp8"}, "--dtype must be one of"),
         ({"disable_log_requests": True, "enable_log_requests": True}, "contradict each other"),
+        ({"enable_log_outputs": True}, "--enable-log-outputs logs each request's output beside its request lines: "
+                                       "add --enable-log-requests"),
         ({"root_path": "omni"}, "--root-path must be a URL path that starts with / and does not end with one"),
         ({"root_path": "/omni/"}, "--root-path must be a URL path"),
         ({"uds": "/no/such/folder/gw.sock"}, "--uds '/no/such/folder/gw.sock': its folder '/no/such/folder' does not "

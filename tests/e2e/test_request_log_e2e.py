@@ -1,9 +1,9 @@
-"""`--enable-log-requests` / `--max-log-len` in a real `omnimesh gateway` on the shared mesh's stages: a
-request that completes logs a `Received` line (id, model, prompt cut to --max-log-len, token count,
-sampling, stage_params) and a `Finished` line with its finish reason and tokens; one refused after
-arriving logs its status and error; a stream the client drops logs `cancelled`; a completion's prompt is
-logged as its token ids. The shared mesh (flag
-off) logs no such line."""
+"""`--enable-log-requests` / `--max-log-len` / `--enable-log-outputs` in a real `omnimesh gateway` on the shared
+mesh's stages: a request that completes logs a `Received` line (id, model, prompt cut to --max-log-len, token
+count, sampling, stage_params), a `Generated response` line with the text the client got (cut the same way)
+and a `Finished` line with its finish reason and tokens; a spoken answer's line gives its seconds of audio; one
+refused after arriving logs its status and error; a stream the client drops logs what it had and `cancelled`;
+a completion's prompt is logged as its token ids. The shared mesh (flags off) logs no such line."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ BODY = {"model": "tiny-qwen3-omni", "messages": [{"role": "user", "content": "Te
 
 
 def test_requests_are_logged_when_asked(mesh, tiny_model_dir) -> None:
-    proc, url = start_gateway(tiny_model_dir, mesh.stages, "--enable-log-requests", "--max-log-len", "12")
+    proc, url = start_gateway(tiny_model_dir, mesh.stages, "--enable-log-requests", "--max-log-len", "12",
+                              "--enable-log-outputs")
     try:
         r = httpx.post(f"{url}/v1/chat/completions", json=BODY, headers={"X-Request-Id": "log-1"}, timeout=60)
         assert r.status_code == 200, r.text
@@ -28,6 +29,10 @@ def test_requests_are_logged_when_asked(mesh, tiny_model_dir) -> None:
                        f"stage_params=talker: top_k=10"), got
         proc.wait_for_line(rf"Finished request chatcmpl-log-1: length, {n} prompt \+ 8 completion tokens in "
                            r"[\d.]+ s", timeout_s=10)
+        text = r.json()["choices"][0]["message"]["content"]
+        said = [line for line in proc.lines if "Generated response chatcmpl-log-1:" in line]
+        cut = text if len(text) <= 12 else text[:12] + f"... ({len(text) - 12} more characters)"
+        assert len(said) == 1 and said[0].endswith(f"Generated response chatcmpl-log-1: output={cut!r}"), said
         long = {**BODY, "max_tokens": 10**6}
         assert httpx.post(f"{url}/v1/chat/completions", json=long, headers={"X-Request-Id": "log-2"},
                           timeout=60).status_code == 400
@@ -38,6 +43,12 @@ def test_requests_are_logged_when_asked(mesh, tiny_model_dir) -> None:
             assert s.status_code == 200
             next(s.iter_lines())
         proc.wait_for_line(r"Finished request chatcmpl-log-3: cancelled \(the client stopped reading\)", timeout_s=20)
+        assert any("Generated response chatcmpl-log-3: output='" in line for line in proc.lines)
+        spoken = {**BODY, "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"},
+                  "stage_params": {"talker": {"max_tokens": 12}}}
+        assert httpx.post(f"{url}/v1/chat/completions", json=spoken, headers={"X-Request-Id": "log-5"},
+                          timeout=60).status_code == 200
+        proc.wait_for_line(r"Generated response chatcmpl-log-5: output='.*', \d+\.\d\d s of audio$", timeout_s=10)
         # a completion's prompt is logged as its token ids (cut to --max-log-len ids), as vLLM logs them
         ids = list(range(20, 40))
         assert httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 2},
@@ -46,4 +57,4 @@ def test_requests_are_logged_when_asked(mesh, tiny_model_dir) -> None:
         assert got == f"token ids {ids[:12]}... (8 more)", got
     finally:
         assert proc.stop() == 0, proc.output()
-    assert not any(re.search(r"(Received|Finished) request", line) for line in mesh.proc.lines)
+    assert not any(re.search(r"(Received|Finished) request|Generated response", line) for line in mesh.proc.lines)
