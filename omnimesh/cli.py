@@ -21,6 +21,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from omnimesh.config.config_file import add_config_flag, apply_config
 from omnimesh.config.serve_args import (GATEWAY_FIELDS, HTTP_FRONT_FIELDS, STAGE_EXCLUDED, ServeArgs, add_arguments,
                                         from_namespace)
 from omnimesh import tracing
@@ -407,11 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start every stage and the gateway on this host")
     add_arguments(serve)
+    add_config_flag(serve)
     serve.set_defaults(func=cmd_serve)
 
     stage = sub.add_parser("stage", help="start one stage service")
     stage.add_argument("stage_name", choices=STAGES)
     add_arguments(stage, exclude=STAGE_EXCLUDED)
+    add_config_flag(stage)
     stage.add_argument("--model", default=None, help="model folder (default: the built-in tiny model)")
     stage.add_argument("--host", dest="stage_host", default="127.0.0.1", help="address the stage listens on")
     stage.add_argument("--port", dest="stage_port", type=int, default=None, help="port (default: 50051 + stage index; 0 = any free port)")
@@ -419,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gw = sub.add_parser("gateway", help="start the gateway against running stages")
     add_arguments(gw, only=GATEWAY_FIELDS)
+    add_config_flag(gw)
     gw.add_argument("--model", default=None, help="model folder: tokenizer and processor (default: the built-in tiny model)")
     gw.add_argument("--stages", required=True, help="NAME=HOST:PORT,... for encoder, thinker, talker, vocoder; "
                     "name a stage again for each of its replicas (vocoder=A:P,vocoder=B:P), or once by a DNS name "
@@ -429,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print each stage's weights and KV cache per rank against its devices' memory, "
                           "and a pp / tp that fits; starts nothing (exit 0: everything fits, 2: not)")
     add_arguments(plan)
+    add_config_flag(plan)
     plan.add_argument("--device-memory", default=None, help="memory of each device, e.g. 80GiB, instead of each CUDA "
                       "device's own (with --device cpu: instead of the host's RAM); plans for another machine")
     plan.add_argument("--num-devices", type=int, default=None, help="CUDA devices per host (default: those visible; "
@@ -439,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "requests) with a mesh started for it, or the server at --url, as vLLM's run-batch")
     # the mesh it starts listens on loopback ports of its own, plain http: no front flags of a served gateway
     add_arguments(batch, exclude=HTTP_FRONT_FIELDS | {"host", "port", "grpc_port", "stage_base_port"})
+    add_config_flag(batch)
     batch.add_argument("-i", "--input-file", required=True, help="the batch file, one request per line: "
                        "{\"custom_id\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\"}; - for stdin")
     batch.add_argument("-o", "--output-file", required=True, help="where the answers go, one line per request in the "
@@ -461,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    apply_config(parser, sys.argv[1:] if argv is None else argv)  # --config FILE: its flags as defaults
     ns = parser.parse_args(argv)
     ns.own_process = argv is None  # the command line of this process (not an in-process call)
     config = getattr(ns, "log_config_file", None)
