@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omnimesh.config.serve_args import HTTP_FRONT_FIELDS, ServeArgs, to_argv
+from omnimesh.config.serve_args import GATEWAY_FIELDS, ServeArgs, to_argv
 from omnimesh.config.stage_config import STAGES
 from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages, text_only_reason
 from omnimesh.node_launcher import node_argv
@@ -135,39 +135,10 @@ class MeshLauncher:
         argv = ["gateway", "--model", str(self.model_dir), "--host", a.host, "--port", str(a.port),
                 "--grpc-port", str(a.grpc_port), "--stages", stages,
                 "--async-chunk" if a.async_chunk else "--no-async-chunk", "--malloc", a.malloc]
-        if a.served_model_name is not None:
-            argv += ["--served-model-name", *a.served_model_name]
         if a.tokenizer is not None:
             argv += ["--tokenizer", str(Path(a.tokenizer).resolve())]
-        for flag, value in (("--max-model-len", a.max_model_len),
-                            ("--allowed-media-domains", a.allowed_media_domains), ("--chat-template", a.chat_template),
-                            ("--chat-template-content-format", a.chat_template_content_format),
-                            ("--default-chat-template-kwargs", a.default_chat_template_kwargs),
-                            ("--max-log-len", a.max_log_len), ("--limit-mm-per-prompt", a.limit_mm_per_prompt),
-                            ("--input-limits", a.input_limits), ("--max-logprobs", a.max_logprobs),
-                            ("--mm-processor-kwargs", a.mm_processor_kwargs), ("--tool-call-parser", a.tool_call_parser),
-                            ("--reasoning-parser", a.reasoning_parser),
-                            ("--responses-store-memory", a.responses_store_memory),
-                            ("--max-realtime-sessions", a.max_realtime_sessions),
-                            ("--max-realtime-session-duration", a.max_realtime_session_duration),
-                            ("--otlp-traces-endpoint", a.otlp_traces_endpoint),
-                            ("--request-timeout", a.request_timeout),
-                            ("--stage-start-timeout", a.stage_start_timeout)):
-            if value is not None:
-                argv += [flag, str(value)]
-        if a.enable_log_requests:
-            argv.append("--enable-log-requests")
-        if a.trust_request_chat_template:
-            argv.append("--trust-request-chat-template")
-        if a.return_tokens_as_token_ids:
-            argv.append("--return-tokens-as-token-ids")
-        if a.enable_force_include_usage:
-            argv.append("--enable-force-include-usage")
-        if a.enable_prompt_tokens_details:
-            argv.append("--enable-prompt-tokens-details")
-        if a.enable_auto_tool_choice:
-            argv.append("--enable-auto-tool-choice")
-        return argv + front_argv(a)
+        # every other gateway flag as given (the HTTP front's too): a flag added to GATEWAY_FIELDS reaches it
+        return argv + to_argv(a, only=GATEWAY_FIELDS, skip=_GATEWAY_SET_HERE)
 
     def _gateway_env(self) -> dict[str, str] | None:
         """--api-key reaches the gateway in its environment, not on a command line that `ps` shows."""
@@ -427,6 +398,7 @@ def _port_open(host: str, port: int) -> bool:
         return False
 
 
-def front_argv(args: ServeArgs) -> list[str]:
-    """The gateway's HTTP front flags (CORS, TLS, logs) that differ from their defaults, as argv."""
-    return to_argv(args, only=HTTP_FRONT_FIELDS)
+# the gateway flags `_gateway_argv` sets itself (the rest go as given): its address and the stages', a resolved
+# tokenizer path; the API key and log config travel in the environment, away from `ps`
+_GATEWAY_SET_HERE = frozenset({"model", "host", "port", "grpc_port", "async_chunk", "malloc", "tokenizer", "api_key",
+                               "log_config_file"})

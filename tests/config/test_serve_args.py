@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from omnimesh.cli import _model_dir
-from omnimesh.config.serve_args import ServeArgs
+from omnimesh.cli import _model_dir, build_parser
+from omnimesh.config.serve_args import ServeArgs, from_namespace
 from omnimesh.config.stage_config import StageConfig, parse_stage_overrides
 
 
@@ -226,6 +226,23 @@ def test_cli_checks_the_layout_against_the_model(tmp_path) -> None:
     assert heads.returncode == 2 and "tp=3 does not divide the thinker LM's 4 attention heads" in heads.stderr
     layers = _cli("serve", str(model), "--stage-overrides", '{"talker": {"pp": 2, "pp_layer_partition": [1, 2]}}', "--device", "cpu")
     assert layers.returncode == 2 and "sums to 3, but the talker LM has 2 layers" in layers.stderr
+
+
+def test_serve_hands_the_gateway_every_gateway_flag(tmp_path) -> None:
+    """`omnimesh serve` starts its gateway with each gateway flag as given (`--enable-log-outputs` once went
+    missing from a hand-kept list): the gateway's own parser reads the same values back."""
+    from omnimesh.launcher import MeshLauncher
+
+    given = dict(enable_log_requests=True, enable_log_outputs=True, max_log_len=40, stage_dns_refresh=7.5,
+                 return_tokens_as_token_ids=True, enable_prompt_tokens_details=True, max_logprobs=5,
+                 reasoning_parser="qwen3", responses_store_memory="64MiB", allowed_media_domains="media.example.com",
+                 chat_template_content_format="string", request_timeout=12.0, served_model_name=("omni", "o2"),
+                 trust_request_chat_template=True, max_realtime_sessions=3, allowed_origins='["https://a.example"]',
+                 disable_uvicorn_access_log=True, async_chunk=False)
+    argv = MeshLauncher(ServeArgs(**given), tmp_path)._gateway_argv({"thinker": ["127.0.0.1:1"]})
+    parsed = from_namespace(build_parser().parse_args(argv))
+    assert {name: getattr(parsed, name) for name in given} == given
+    assert ServeArgs(**given).api_key is None and "--api-key" not in argv  # the key goes by the environment
 
 
 def test_launcher_passes_each_stage_its_own_layout(tmp_path) -> None:
