@@ -196,8 +196,9 @@ def decode_wav(data: bytes, *, max_seconds: float, param: str = "audio") -> tupl
         x = (np.where(v >= 1 << 23, v - (1 << 24), v)).astype(np.float32) / float(1 << 23)
     elif tag == _WAVE_FORMAT_PCM:  # 32-bit
         x = (np.frombuffer(raw, "<i4").astype(np.float64) / float(1 << 31)).astype(np.float32)
-    else:  # IEEE float, 32 or 64-bit
-        x = np.frombuffer(raw, "<f4" if bits == 32 else "<f8").astype(np.float32)
+    else:  # IEEE float, 32 or 64-bit; a 64-bit sample past float32's range becomes inf, refused as not finite later
+        with np.errstate(over="ignore"):  # not a RuntimeWarning in the gateway's log for each such request
+            x = np.frombuffer(raw, "<f4" if bits == 32 else "<f8").astype(np.float32)
     return x.reshape(frames, channels), rate
 
 

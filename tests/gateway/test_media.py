@@ -97,6 +97,7 @@ def test_audio_shorter_than_one_feature_window_is_400(frames: int, rate: int) ->
     assert wav_to_audio_part(pcm16_wav(np.zeros((400, 1)), 16_000), max_seconds=10, param="a").waveform.size == 400
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the 64-bit overflow is no warning in the gateway's log
 @pytest.mark.parametrize(("bits", "bad"), [(32, np.nan), (32, np.inf), (64, 1e300)])  # 1e300: inf as float32
 def test_float_audio_that_is_not_finite_is_400(bits: int, bad: float) -> None:
     x = np.full(800, 0.25, np.float32 if bits == 32 else np.float64)
