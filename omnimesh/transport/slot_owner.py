@@ -50,6 +50,11 @@ class SlotOwner:
     def live_slots(self) -> int:
         return len(self._live)
 
+    @property
+    def live_bytes(self) -> int:
+        """Bytes the published, not yet released slots stand for."""
+        return sum(live.nbytes for live in self._live.values())
+
     def _take_slot(self) -> int | None:
         if not self._free_slots:
             self.sweep(deep=True)

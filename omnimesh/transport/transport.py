@@ -97,6 +97,11 @@ class Transport(Publisher):
             self._ipc = CudaIpcExporter(self.tag)
         return self._ipc.publish(tensor, request_id, deadline)
 
+    @property
+    def ipc(self) -> CudaIpcExporter | None:
+        """The CUDA IPC exporter, once this process exported a device tensor (None before, and on CPU)."""
+        return self._ipc
+
     def _owners(self) -> list[SlotOwner]:
         return [o for o in (self.arena, self._ipc) if o is not None]
 

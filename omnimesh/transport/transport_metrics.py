@@ -1,5 +1,9 @@
 """Prometheus series of a process's hand-off resources (its shm arena and CUDA IPC slots).
 
+The CUDA IPC series appear once the process has exported a device tensor (a CUDA stage's first hand-off):
+`cuda_ipc_slots_in_use` and `cuda_ipc_held_bytes` (device tensors kept alive for consumers that have not
+released them) and `cuda_ipc_reclaimed` (taken back without a release: cancelled, dead consumer, expired).
+
 Read at scrape time from the `Transport`; registered into the stage's engine registry, so they travel with
 the stage's other series through the Metrics RPC to the gateway's /metrics.
 """
@@ -21,26 +25,34 @@ class _TransportCollector(Collector):
         self.labels = dict(labels)
 
     def collect(self) -> Iterable[Metric]:
-        names, values = list(self.labels), list(self.labels.values())
-        arena = self.transport.arena
         out: list[Metric] = []
+
+        def add(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, value: float) -> None:
+            family = kind(name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), float(value))
+            out.append(family)
+
+        arena = self.transport.arena
         if arena is not None:
             arena.sweep_due()
-            for name, doc, value in (("omnimesh:shm_arena_size_bytes", "Data bytes of the stage's shm arena", arena.size),
-                                     ("omnimesh:shm_arena_free_bytes", "Free data bytes of the stage's shm arena",
-                                      arena.free_bytes_now),
-                                     ("omnimesh:shm_arena_slots_in_use", "Published tensors not yet released",
-                                      arena.live_slots)):
-                g = GaugeMetricFamily(name, doc, labels=names)
-                g.add_metric(values, float(value))
-                out.append(g)
-            for name, doc, value in (("omnimesh:shm_arena_fallbacks", "Tensors sent inline because the arena was full",
-                                      arena.fallbacks),
-                                     ("omnimesh:shm_arena_reclaimed", "Slots taken back without their consumer's "
-                                      "release (cancelled, dead consumer, expired)", arena.reclaimed_unreleased)):
-                c = CounterMetricFamily(name, doc, labels=names)
-                c.add_metric(values, float(value))
-                out.append(c)
+            add(GaugeMetricFamily, "omnimesh:shm_arena_size_bytes", "Data bytes of the stage's shm arena", arena.size)
+            add(GaugeMetricFamily, "omnimesh:shm_arena_free_bytes", "Free data bytes of the stage's shm arena",
+                arena.free_bytes_now)
+            add(GaugeMetricFamily, "omnimesh:shm_arena_slots_in_use", "Published tensors not yet released",
+                arena.live_slots)
+            add(CounterMetricFamily, "omnimesh:shm_arena_fallbacks", "Tensors sent inline because the arena was full",
+                arena.fallbacks)
+            add(CounterMetricFamily, "omnimesh:shm_arena_reclaimed", "Slots taken back without their consumer's "
+                "release (cancelled, dead consumer, expired)", arena.reclaimed_unreleased)
+        ipc = self.transport.ipc
+        if ipc is not None:
+            ipc.sweep_due()
+            add(GaugeMetricFamily, "omnimesh:cuda_ipc_slots_in_use", "Exported device tensors not yet released",
+                ipc.live_slots)
+            add(GaugeMetricFamily, "omnimesh:cuda_ipc_held_bytes", "Bytes of the device tensors kept alive for "
+                "consumers that have not released them", ipc.live_bytes)
+            add(CounterMetricFamily, "omnimesh:cuda_ipc_reclaimed", "Device tensors taken back without their "
+                "consumer's release (cancelled, dead consumer, expired)", ipc.reclaimed_unreleased)
         return out
 
 

@@ -8,8 +8,9 @@ cuda-ipc mode and through the host arena in shm mode.
 
 Without a GPU: exporting a CPU tensor is refused; in cuda-ipc mode CPU tensors travel by shm; an IPC frame
 that does not match its header, is stale, or whose handle cannot be opened is a FrameError naming the
-tensor and request, and its slot goes back to the exporter (never stranded). (`encode_handle` and
-`decode_handle` need CUDA tensors: they are covered by the GPU test only.)"""
+tensor and request, and its slot goes back to the exporter (never stranded); a stage's /metrics shows the
+exported tensors held for consumers (slots, bytes) and those taken back unreleased, once it exported one.
+(`encode_handle` and `decode_handle` need CUDA tensors: they are covered by the GPU test only.)"""
 
 from __future__ import annotations
 
@@ -105,6 +106,8 @@ def test_encoder_sends_cuda_tensors_by_handle(make_transport) -> None:
     x = torch.randn(4, 4, device="cuda")
     parts = producer.encoder("cuda-ipc", "req-e").parts(StageChunk(tensors={"x": x, "y": torch.ones(3)}))
     assert [f.WhichOneof("payload") for f in parts[0].tensors] == ["cuda_ipc", "shm"]
+    got = _scrape(producer)
+    assert (got["omnimesh:cuda_ipc_slots_in_use"], got["omnimesh:cuda_ipc_held_bytes"]) == (1, 64)
     assert producer.release("req-e") == 2
     # shm mode: the CUDA tensor is copied to the host arena, and comes back equal
     parts = producer.encoder("shm", "req-s").parts(StageChunk(tensors={"x": x}))
@@ -126,6 +129,33 @@ def test_cpu_tensors_travel_by_shm_in_cuda_ipc_mode(make_transport) -> None:
     assert parts[0].tensors[0].WhichOneof("payload") == "shm"
     chunk = ChunkAssembler(RegionReader(), "req-c").add(over_wire(parts[0]))
     assert chunk is not None and torch.equal(chunk.tensors["codes"], sent)
+
+
+def _scrape(transport) -> dict[str, float]:
+    """The transport's series by name, as a stage's Metrics RPC renders them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from omnimesh.transport.transport_metrics import register_transport_metrics
+
+    registry = CollectorRegistry()
+    register_transport_metrics(registry, transport, {"stage": "encoder"})
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in generate_latest(registry).decode().splitlines() if line.startswith("omnimesh:")}
+
+
+def test_the_metrics_show_exported_tensors_held_and_reclaimed(make_transport) -> None:
+    producer = make_transport("ipc-metrics", preference="cuda-ipc")
+    assert not any(name.startswith("omnimesh:cuda_ipc") for name in _scrape(producer))  # none exported yet
+    producer._ipc = CudaIpcExporter(producer.tag, max_slots=8)  # as its first publish_ipc makes it
+    for nbytes in (64, 4096):  # published by hand: no CUDA here
+        producer.ipc._publish(producer.ipc._take_slot(), "req-m", 0, nbytes, 0.0)
+    got = _scrape(producer)
+    assert (got["omnimesh:cuda_ipc_slots_in_use"], got["omnimesh:cuda_ipc_held_bytes"]) == (2, 4160)
+    assert got["omnimesh:cuda_ipc_reclaimed_total"] == 0
+    assert producer.release("req-m") == 2  # the caller dropped the frames undelivered
+    got = _scrape(producer)
+    assert (got["omnimesh:cuda_ipc_slots_in_use"], got["omnimesh:cuda_ipc_held_bytes"]) == (0, 0)
+    assert got["omnimesh:cuda_ipc_reclaimed_total"] == 2
 
 
 def _ipc_part(exporter: CudaIpcExporter, handle: bytes, nbytes: int = 16, shape=(4,)) -> stage_pb2.Chunk:
