@@ -220,7 +220,8 @@ class CompletionRoutes:
                                   f"{MAX_RUNS} per request: split them over several requests", "prompt")
         structured = await asyncio.to_thread(structured_spec, body)
         listed = not isinstance(body.prompt, str) and not all(isinstance(p, int) for p in body.prompt)
-        ids = await asyncio.to_thread(self._token_ids, prompts, body.add_special_tokens, listed)
+        ids = await asyncio.to_thread(self._token_ids, prompts, body.add_special_tokens, listed,
+                                      body.truncate_prompt_tokens is None)
         if body.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens; an echo shows what ran
             kept = [self.builder.truncated(torch.tensor(i), body.truncate_prompt_tokens).tolist() for i in ids]
             prompts = [p if len(k) == len(i) else k for p, i, k in zip(prompts, ids, kept, strict=True)]
@@ -244,11 +245,17 @@ class CompletionRoutes:
                            created=int(time.time()), started=started,
                            offsets=[len(e) for e in echo for _ in range(n)])
 
-    def _token_ids(self, prompts: list[str | list[int]], add_special_tokens: bool, listed: bool) -> list[list[int]]:
-        """`listed`: the body's prompt is a list of prompts (each named `prompt[i]`), not one (`prompt`)."""
+    def _token_ids(self, prompts: list[str | list[int]], add_special_tokens: bool, listed: bool,
+                   whole: bool) -> list[list[int]]:
+        """`listed`: the body's prompt is a list of prompts (each named `prompt[i]`), not one (`prompt`); `whole`:
+        no truncate_prompt_tokens, so a text too long to fit max_model_len is refused before it is tokenized."""
         tokenizer = self.builder.processor.tokenizer
-        return [prompt_token_ids(tokenizer, p, add_special_tokens, f"prompt[{i}]" if listed else "prompt")
-                for i, p in enumerate(prompts)]
+        names = [f"prompt[{i}]" if listed else "prompt" for i in range(len(prompts))]
+        if whole:
+            for p, name in zip(prompts, names, strict=True):
+                if isinstance(p, str):
+                    self.builder.check_chars(p, name)
+        return [prompt_token_ids(tokenizer, p, add_special_tokens, name) for p, name in zip(prompts, names, strict=True)]
 
     def _echo_texts(self, prompts: list[str | list[int]], ids: list[list[int]]) -> list[str]:
         tokenizer = self.builder.processor.tokenizer

@@ -185,6 +185,7 @@ class PromptBuilder:
             source = load_processor(source, processor_kwargs, tokenizer)
         self.processor = source
         self.max_model_len = max_model_len
+        self._longest_token: int | None = None  # characters of the vocabulary's longest token (check_chars)
         self.chat_template = chat_template  # None: the model's own (tokenizer_config / chat_template.jinja)
         self.content_format_flag = check_content_format(content_format)  # a request's own template: detected too
         if content_format == "auto":
@@ -316,6 +317,22 @@ class PromptBuilder:
         the refusal of videos that alone exceed max_model_len (their preprocessing would be wasted work)."""
         return self._process(*self.render(request), self.processor_for(request))[0]
 
+    def check_chars(self, text: str, param: str = "messages") -> None:
+        """Before tokenizing (~1 s of a gateway core per MB of text): a prompt text longer than max_model_len
+        tokens of this vocabulary's longest could cover is a 400 at once. The bound allows 4x for Unicode
+        normalization (NFC joins characters before the tokenizer counts them), so no prompt that fits is refused.
+        A request that truncates its prompt (truncate_prompt_tokens) is not checked: its text is cut after."""
+        longest = self._longest_token
+        if longest is None:
+            vocab = self.processor.tokenizer.get_vocab()  # byte-level strings: at least as long as the text they cover
+            longest = self._longest_token = max((len(t) for t in vocab), default=1)
+        if len(text) > (limit := 4 * longest * self.max_model_len):
+            shorten = "shorten the messages" if param == "messages" else f"shorten the {param}"
+            raise invalid_request(
+                f"the prompt is {len(text)} characters, more than the {self.max_model_len} tokens of this model's "
+                f"maximum context length (max_model_len) can hold (no prompt over {limit} characters fits: refused "
+                f"before tokenizing); {shorten}", param)
+
     def check_length(self, n: int, max_tokens: int | None, param: str = "messages") -> None:
         """A prompt of `n` tokens and the `max_tokens` asked for (None: up to the limit) must fit
         max_model_len with at least one generated token: else a 400 naming `param` or max_tokens."""
@@ -367,6 +384,8 @@ class PromptBuilder:
             return PromptInputs(input_ids=ids, input_features=None, feature_attention_mask=None, pixel_values=None,
                                 image_grid_thw=None, prompt_tokens=int(ids.numel()))
         text, conv = self.render(request)
+        if request.truncate_prompt_tokens is None:
+            self.check_chars(text)
         input_ids, batch = self._process(text, conv, self.processor_for(request))
         input_ids = self.truncated(input_ids, request.truncate_prompt_tokens)
         n = int(input_ids.shape[0])

@@ -223,6 +223,8 @@ def test_the_openai_client(server, pipeline):
     ({"prompt": [[1], [2, -1]]}, 400, "prompt[1][1]", "is not a token id"),
     ({"prompt": [[-5, 3]]}, 400, "prompt[0][0]", "is not a token id"),  # a list of one prompt: still indexed
     ({"prompt": [""]}, 400, "prompt[0]", "the prompt is empty"),
+    ({"prompt": "a" * 10**6}, 400, "prompt", "characters, more than the"),  # refused before it is tokenized
+    ({"prompt": ["x", "a" * 10**6]}, 400, "prompt[1]", "shorten the prompt[1]"),
     ({"prompt": 5}, 400, "prompt", "one kind per request"),
     ({"prompt": ["a", [1]]}, 400, "prompt", "one kind per request"),
     ({"prompt": [True]}, 400, "prompt", "one kind per request"),
@@ -277,6 +279,8 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(server, pipeline, builder):
     for bad in (0, 65, -2):
         r = post(server, {"prompt": ids, "truncate_prompt_tokens": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    r = post(server, {"prompt": "ab " * 10**5, "truncate_prompt_tokens": 5})  # past the text bound, but cut
+    assert r.status_code == 200 and len(pipeline.requests[-1].prompt_ids) == 5, r.text
 
 
 def test_truncating_a_chat_never_cuts_its_media(builder):

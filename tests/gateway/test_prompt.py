@@ -180,6 +180,34 @@ def test_prompt_longer_than_max_model_len_is_400_with_both_numbers(builder: Prom
     assert e.value.param == "max_tokens"
 
 
+def test_a_prompt_text_too_long_to_fit_is_refused_before_it_is_tokenized(builder: PromptBuilder,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizing costs ~1 s of a gateway core per MB: a text longer than max_model_len tokens of the vocabulary's
+    longest could cover is a 400 at once. The bound never refuses a prompt that fits: the longest tokens repeated
+    up to max_model_len (each the most characters one token covers) pass it and get the tokens-counted answer."""
+    small = PromptBuilder(builder.processor, max_model_len=64)
+    longest = max(builder.processor.tokenizer.get_vocab(), key=len)
+    limit = 4 * len(longest) * 64
+    tokenized: list[str] = []
+    process = PromptBuilder._process
+    def counted(self: PromptBuilder, text: str, *rest: object):
+        tokenized.append(text)
+        return process(self, text, *rest)
+
+    monkeypatch.setattr(PromptBuilder, "_process", counted)
+    with pytest.raises(PipelineError, match=rf"the prompt is \d+ characters, more than the 64 tokens of this model's "
+                                            rf"maximum context length \(max_model_len\) can hold \(no prompt over "
+                                            rf"{limit} characters fits") as e:
+        small.build(request(user(TextPart("a" * limit))))
+    assert (e.value.http_status, e.value.param, tokenized) == (400, "messages", [])
+    with pytest.raises(PipelineError, match="the prompt is 7[0-9] tokens, but"):  # the worst case that could fit
+        small.build(request(user(TextPart(longest * 64))))
+    assert len(tokenized) == 1
+    cut = ChatRequest(request_id="r", model="m", messages=(user(TextPart("ab " * limit)),),
+                      sampling=SamplingOverrides(), truncate_prompt_tokens=32)  # cut after tokenizing: not refused
+    assert small.build(cut).prompt_tokens == 32
+
+
 def test_media_items_are_named_by_their_content_and_settings(builder: PromptBuilder) -> None:
     """The thinker's prefix cache keys media rows by these digests (gateway/media_digest.py): one per item, in
     prompt order per modality; equal for equal content, different for other samples, pixels or settings."""
