@@ -56,7 +56,9 @@ def grammar_for(kind: str, spec: str) -> str:
             options = json_text.loads(spec)
             if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
                 raise ValueError("choice must be a non-empty list of strings")
-            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+            # one terminal (the lexer's automaton), not one parser rule per option: llguidance's Earley rows hold
+            # at most 2,000 items, so 2,000 options as rules failed at the first token, and 50,000 took 7 s to
+            grammar = LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(o) for o in options))
         else:
             grammar = LLMatcher.grammar_from_lark(spec)
     except ValueError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,16 @@ def test_one_choice_holds_the_thinker_to_any_text(handler: Any) -> None:
     said = 'Say "héllo wörld" — 世界!\nA back\\slash, a tab\tand 🎉.'
     text, task = answer(handler, "choice", json.dumps([said]), max_tokens=128)
     assert text == said and task.finish_reason == "stop"
+
+
+def test_a_choice_among_many_thousands(handler: Any) -> None:
+    """The options are one lexer terminal: 50,000 of them compile in well under a second and the answer is one of
+    them (as parser rules, 2,000 or more failed at the first token: llguidance's Earley rows stop at 2,000)."""
+    options = [f"option {i}" for i in range(50_000)] + ["yes"]
+    t0 = time.monotonic()
+    text, task = answer(handler, "choice", json.dumps(options), seed=5)
+    assert text in set(options) and task.finish_reason == "stop"
+    assert time.monotonic() - t0 < 5
 
 
 def test_the_grammar_waits_for_the_end_of_the_reasoning(handler: Any) -> None:
