@@ -19,7 +19,7 @@ from typing import Any
 from omnimesh.config.stage_config import parse_bytes, parse_json_object, typed_number
 
 MODALITIES = ("audio", "image", "video")  # the part kinds --limit-mm-per-prompt caps
-_BYTE_FIELDS = frozenset({"max_request_bytes", "max_fetch_bytes"})  # these also take '64MiB'
+_BYTE_FIELDS = frozenset({"max_request_bytes", "max_fetch_bytes", "media_build_memory"})  # these also take '64MiB'
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,9 @@ class InputLimits:
     max_messages: int = 4096
     max_content_parts: int = 16384
     max_fetch_bytes: int = 32 * 1024 * 1024  # one remote media download
+    # working memory of the prompt builds with media running at once (gateway/media_budget.py: a 10-minute clip
+    # takes ~400 MB while its features are computed); a request that needs more than all of it runs alone
+    media_build_memory: int = 1024 * 1024 * 1024
     fetch_timeout_s: float = 10.0  # one remote media download, start to end (400 beyond)
     # decoding one video's frames (every frame up to the last sampled one is decoded): a small file can hold
     # minutes of large frames, and a gateway thread must not spend longer than this on one (400 beyond)
@@ -50,7 +53,7 @@ class InputLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_image_pixels", "max_video_pixels", "max_media_items",
-                     "max_fetch_bytes", "max_messages", "max_content_parts"):
+                     "max_fetch_bytes", "max_messages", "max_content_parts", "media_build_memory"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"InputLimits.{name} must be positive, got {getattr(self, name)}")
         for name in ("max_audio_seconds", "max_video_seconds", "fetch_timeout_s", "video_decode_timeout_s"):
@@ -91,7 +94,7 @@ def parse_input_limits(text: str | None) -> dict[str, Any]:
         if name not in SIZE_FIELDS:
             raise ValueError(f"--input-limits: unknown limit {name!r}; limits are {', '.join(SIZE_FIELDS)}"
                              + (" (per-modality counts go in --limit-mm-per-prompt)" if name in MODALITIES else ""))
-        kind = int if name.startswith("max_") and not name.endswith("_seconds") else float
+        kind = int if name in _BYTE_FIELDS or (name.startswith("max_") and not name.endswith("_seconds")) else float
         if name in _BYTE_FIELDS and isinstance(value, str):
             value = parse_bytes(value, f"--input-limits[{name!r}]")
         out[name] = typed_number(value, kind, f"--input-limits[{name!r}]", "a number of seconds")

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from gateway.events import AudioDelta, ChatRequest, Event, Finished, PipelineError, TextDelta
+from gateway.media_budget import MediaBudget, build_cost
 from gateway.openai_schema import audio_unavailable
 from gateway.prompt import PromptBuilder, PromptInputs
 from gateway.replicas import RETRY_CODES, Lease, Replica
@@ -112,6 +113,7 @@ class StagePipeline:
         self.async_chunk = async_chunk
         self.request_timeout_s = request_timeout_s
         self.request_log = request_log  # --enable-log-requests
+        self.media_budget: MediaBudget | None = None  # the prompt builds' working memory (InputLimits; None: unbounded)
         if no_audio is None and not {"talker", "vocoder"} <= set(stages):
             no_audio = "this gateway was given no talker / vocoder stage (--stages)"
         self.no_audio = no_audio  # why this gateway speaks no audio (a thinker-only model, ...); None: it does
@@ -186,7 +188,8 @@ class StagePipeline:
         span = RunSpan.start(request)  # tracing on: this run's span, the stages' spans under it
         output = self.request_log.output() if self.request_log is not None else None  # --enable-log-outputs
         try:
-            prompt = await asyncio.to_thread(self._prepared, request, self.hashes_media())
+            async with self.building(request):
+                prompt = await asyncio.to_thread(self._prepared, request, self.hashes_media())
             if self.request_log is not None:
                 self.request_log.received(request, int(prompt.input_ids.numel()))
             trace = span.headers() if span is not None else {}
@@ -210,6 +213,12 @@ class StagePipeline:
                 span.end(done, error)
             if self.request_log is not None:
                 self.request_log.finished(rid, time.monotonic() - started, done, error, output)
+
+    def building(self, request: ChatRequest) -> contextlib.AbstractAsyncContextManager[None]:
+        """Around a build of `request`'s prompt: its share of the media budget (nothing to wait for without media)."""
+        if self.media_budget is None:
+            return contextlib.nullcontext()
+        return self.media_budget.hold(build_cost(request))
 
     def hashes_media(self) -> bool:
         """Does a thinker replica cache prefixes, or an encoder replica its outputs (both key media items by the

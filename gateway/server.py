@@ -27,6 +27,7 @@ from gateway.auth import parse_api_keys
 from gateway.grpc_api import create_grpc_server
 from gateway.http_front import HttpFront
 from gateway.input_limits import InputLimits, describe_limits, limits_from_flags, parse_media_domains
+from gateway.media_budget import MediaBudget
 from gateway.pipeline import StagePipeline
 from gateway.processor_kwargs import parse_mm_processor_kwargs
 from gateway.chat_template_options import parse_default_kwargs
@@ -114,6 +115,7 @@ async def serve_gateway(args: ServeArgs, model_dir: Path, stage_addrs: dict[str,
         log.info("gateway: text out only: %s", pipeline.no_audio)
     domains = parse_media_domains(args.allowed_media_domains)
     limits = limits_from_flags(args.limit_mm_per_prompt, args.input_limits)
+    pipeline.media_budget = MediaBudget(limits.media_build_memory)  # REST, gRPC and /tokenize share it
     if limits != InputLimits():
         log.info("gateway: input limits %s", describe_limits(limits))
     if keys:

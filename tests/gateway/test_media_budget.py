@@ -1,0 +1,133 @@
+"""The gateway's media build budget (gateway/media_budget.py, `InputLimits.media_build_memory`): a request's
+estimate by its media (none for text), grants in arrival order (a small request does not overtake a waiting
+large one), a request larger than the budget runs alone, a waiter that leaves gives its place or its grant back;
+through `StagePipeline.run`, audio prompts are built one at a time when two do not fit together while text
+prompts build beside them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gateway.events import (
+    AudioPart,
+    ChatMessage,
+    ChatRequest,
+    ImagePart,
+    PipelineError,
+    SamplingOverrides,
+    TextPart,
+    VideoPart,
+)
+from gateway.media_budget import AUDIO_BYTES_PER_SAMPLE, IMAGE_BYTES_PER_PIXEL, MediaBudget, build_cost
+from gateway.pipeline import StagePipeline
+
+
+def _chat(*parts: object) -> ChatRequest:
+    return ChatRequest(request_id=f"r{time.monotonic_ns()}", model="m", sampling=SamplingOverrides(),
+                       modalities=("text",), messages=(ChatMessage("user", tuple(parts)),))  # type: ignore[arg-type]
+
+
+def test_the_estimate_counts_each_kind_of_media() -> None:
+    assert build_cost(_chat(TextPart("a long text " * 1000))) == 0
+    second_16k, second_48k = AudioPart(np.zeros(16_000, np.float32), 16_000), AudioPart(np.zeros(48_000, np.float32),
+                                                                                         48_000)
+    assert build_cost(_chat(second_16k)) == build_cost(_chat(second_48k)) == 16_000 * AUDIO_BYTES_PER_SAMPLE
+    image = ImagePart(Image.new("RGB", (640, 480)))
+    assert build_cost(_chat(image, second_16k)) == 640 * 480 * IMAGE_BYTES_PER_PIXEL + 16_000 * AUDIO_BYTES_PER_SAMPLE
+    video = VideoPart(np.zeros((4, 32, 48, 3), np.uint8), 2.0)
+    assert build_cost(_chat(video)) == 4 * 32 * 48
+    with_sound = VideoPart(video.frames, 2.0, audio=second_16k)
+    assert build_cost(_chat(with_sound)) == 4 * 32 * 48 + 16_000 * AUDIO_BYTES_PER_SAMPLE
+
+
+async def test_grants_go_in_arrival_order_and_a_large_request_runs_alone() -> None:
+    budget, order = MediaBudget(100), []
+
+    async def run(name: str, cost: int, release: asyncio.Event) -> None:
+        async with budget.hold(cost):
+            order.append(name)
+            await release.wait()
+
+    a, b, c, big = (asyncio.Event() for _ in range(4))
+    tasks = [asyncio.create_task(run("a", 60, a))]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(run("b", 60, b)))  # does not fit beside a: waits
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(run("c", 10, c)))  # would fit, but b came first
+    tasks.append(asyncio.create_task(run("text", 0, asyncio.Event())))  # no media: never waits
+    await asyncio.sleep(0.01)
+    assert order == ["a", "text"] and budget.used == 60
+    a.set()
+    await asyncio.sleep(0.01)
+    assert order == ["a", "text", "b", "c"] and budget.used == 70
+    tasks.append(asyncio.create_task(run("big", 10**9, big)))  # more than the budget: waits for it all, then alone
+    await asyncio.sleep(0.01)
+    assert order[-1] == "c"
+    b.set(), c.set()
+    await asyncio.sleep(0.01)
+    assert order[-1] == "big" and budget.used == 100
+    big.set()
+    tasks[3].cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert budget.used == 0
+
+
+async def test_a_waiter_that_leaves_gives_its_place_or_its_grant_back() -> None:
+    budget = MediaBudget(100)
+    async with budget.hold(80):
+        waiting = asyncio.create_task(budget.hold(50).__aenter__())
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # left while waiting: out of the queue
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert not budget._waiting and budget.used == 80
+        granted_late = asyncio.create_task(budget.hold(50).__aenter__())
+        await asyncio.sleep(0.01)
+    # the 80 went back and the waiter got its 50 in the same moment; it is cancelled before it could run
+    granted_late.cancel()
+    await asyncio.gather(granted_late, return_exceptions=True)
+    assert budget.used == 0 and not budget._waiting
+    with pytest.raises(ValueError, match="must be positive"):
+        MediaBudget(0)
+
+
+async def test_the_pipeline_builds_audio_prompts_within_the_budget_and_text_beside_them() -> None:
+    """Two prompts of 10 s of audio need more than the budget together: the second build starts only after the
+    first returned; a text prompt sent meanwhile builds at once."""
+    building, peak, lock, texts = [0], [0], threading.Lock(), []
+
+    def prepare(request: ChatRequest):
+        has_audio = any(isinstance(p, AudioPart) for m in request.messages for p in m.content)
+        with lock:
+            building[0] += has_audio
+            peak[0] = max(peak[0], building[0])
+            if not has_audio:
+                texts.append(building[0])  # how many audio builds ran while this one did
+        time.sleep(0.3 if has_audio else 0.0)
+        with lock:
+            building[0] -= has_audio
+        raise PipelineError("prepared", http_status=400, grpc_code=3, kind="invalid_request_error")
+
+    pipe = StagePipeline({"thinker": []}, prepare, served_models=("m",))
+    ten_s = AudioPart(np.zeros(160_000, np.float32), 16_000)
+    pipe.media_budget = MediaBudget(int(1.5 * build_cost(_chat(ten_s))))
+
+    async def one(request: ChatRequest) -> str:
+        try:
+            async for _ in pipe.run(request):
+                pass
+        except PipelineError as e:
+            return e.message
+        return "no error"
+
+    first = asyncio.create_task(one(_chat(ten_s)))
+    second = asyncio.create_task(one(_chat(ten_s)))
+    await asyncio.sleep(0.1)
+    assert await one(_chat(TextPart("hi"))) == "prepared" and texts == [1]  # beside the first audio build
+    assert await asyncio.gather(first, second) == ["prepared", "prepared"]
+    assert peak[0] == 1 and pipe.media_budget.used == 0
