@@ -213,6 +213,10 @@ class StagePipeline:
                 span.end(done, error)
             if self.request_log is not None:
                 self.request_log.finished(rid, time.monotonic() - started, done, error, output)
+            # this frame holding the exception whose traceback holds this frame is a cycle that only a full
+            # collection frees (rare here: the start-up heap is frozen), and with it the request's prompt: a
+            # refused 10-minute clip kept its 30 MB of features, and a burst of them kept gigabytes
+            error = None
 
     def building(self, request: ChatRequest) -> contextlib.AbstractAsyncContextManager[None]:
         """Around a build of `request`'s prompt: its share of the media budget (nothing to wait for without media)."""

@@ -462,6 +462,9 @@ class EngineLoop:
                 entry.timing.count(entry.task)
             if isinstance(result, BaseException):
                 self._finish(rid, self._failure(rid, result))
+                # the batcher's frame (its step's results) is in the traceback and holds this exception: let it go
+                # now rather than at the next full collection
+                result.__traceback__ = None
             else:
                 self._emit(entry, result)
         return bool(results) or newly_left_out

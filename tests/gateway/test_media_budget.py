@@ -24,7 +24,12 @@ from gateway.events import (
     TextPart,
     VideoPart,
 )
-from gateway.media_budget import AUDIO_BYTES_PER_SAMPLE, IMAGE_BYTES_PER_PIXEL, MediaBudget, build_cost
+from gateway.media_budget import (
+    AUDIO_BYTES_PER_SAMPLE,
+    IMAGE_BYTES_PER_PIXEL,
+    MediaBudget,
+    build_cost,
+)
 from gateway.pipeline import StagePipeline
 
 
@@ -131,3 +136,41 @@ async def test_the_pipeline_builds_audio_prompts_within_the_budget_and_text_besi
     assert await one(_chat(TextPart("hi"))) == "prepared" and texts == [1]  # beside the first audio build
     assert await asyncio.gather(first, second) == ["prepared", "prepared"]
     assert peak[0] == 1 and pipe.media_budget.used == 0
+
+
+async def test_a_refused_build_leaves_nothing_behind_without_a_collection() -> None:
+    """A prompt refused after its features were built (too long for max_model_len) must free them when the error
+    has been answered, by reference counting alone: the gateway's start-up heap is frozen, so full collections
+    are rare, and a cycle through the request's frame (the exception it kept, whose traceback holds that frame)
+    kept each refused 10-minute clip's 30 MB of features: a burst of them kept gigabytes."""
+    import gc
+    import weakref
+
+    class Features:  # stands for the processor's BatchFeature
+        pass
+
+    alive: list[weakref.ref] = []
+
+    def prepare(request: ChatRequest):
+        features = Features()
+        alive.append(weakref.ref(features))
+        raise PipelineError("the prompt is 7680 tokens, but ...", http_status=400, grpc_code=3,
+                            kind="invalid_request_error")
+
+    async def refused() -> str:
+        try:
+            async for _ in pipe.run(_chat(AudioPart(np.zeros(16_000, np.float32), 16_000))):
+                pass
+        except PipelineError as e:
+            return e.message
+        return "answered"
+
+    pipe = StagePipeline({"thinker": []}, prepare, served_models=("m",))
+    pipe.media_budget = MediaBudget(2**30)
+    gc.disable()
+    try:
+        assert (await refused()).startswith("the prompt is 7680 tokens")
+        await asyncio.sleep(0.05)  # the worker thread's future hands its result over in a callback of the loop's
+        assert len(alive) == 1 and alive[0]() is None
+    finally:
+        gc.enable()
