@@ -8,13 +8,18 @@ prompt is built and gives it back after; one that does not fit waits, first come
 without media never wait. One whose estimate exceeds the whole budget runs alone.
 
 Data flow: `StagePipeline.run` / `/tokenize` -> `build_cost(request)` -> `MediaBudget.hold(cost)` around the
-prompt build (a worker thread) -> released when it returns, fails or is cancelled.
+prompt build (a worker thread) -> released when it returns, fails or is cancelled. When the budget falls idle
+after a build of at least RELEASE_AFTER_BYTES, the allocator's free pages go back to the OS RELEASE_DELAY_S
+later (`omnimesh.allocator.release_free_memory`, on a worker thread): by then the build's intermediates and
+most of its request (body, decoded media) are freed, and tcmalloc would otherwise keep the burst's peak for
+the life of the process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -23,7 +28,11 @@ from gateway.events import AudioPart, ChatRequest, ImagePart, VideoPart
 AUDIO_BYTES_PER_SAMPLE = 48  # per 16 kHz sample (measured ~42: the feature extractor's STFT and mel in float32)
 IMAGE_BYTES_PER_PIXEL = 12  # measured ~10 (resizing and normalising to float32 patches)
 VIDEO_BYTES_PER_PIXEL = 1  # per sampled frame pixel (measured ~0.2 beyond the frames the request already holds)
+log = logging.getLogger(__name__)
+
 FEATURE_RATE = 16_000  # the audio the processor reads is resampled to this first
+RELEASE_AFTER_BYTES = 64 * 2**20  # a build this large leaves enough freed memory to hand back
+RELEASE_DELAY_S = 1.0  # after the budget falls idle: its requests have mostly ended by then
 
 
 def build_cost(request: ChatRequest) -> int:
@@ -42,6 +51,16 @@ def build_cost(request: ChatRequest) -> int:
     return cost
 
 
+def _release() -> str | None:
+    from omnimesh.allocator import release_free_memory
+
+    try:
+        return release_free_memory()
+    except Exception:  # never a failure of anyone's request: the pages stay with the process
+        log.warning("handing the allocator's free pages back failed", exc_info=True)
+        return None
+
+
 class MediaBudget:
     """A byte budget granted in arrival order (a large request is not overtaken for ever by small ones). Used
     on the gateway's event loop only."""
@@ -52,6 +71,9 @@ class MediaBudget:
         self.limit = limit_bytes
         self.used = 0
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._large_ended = False  # a large build ended since the pages were last handed back
+        self.releasing: asyncio.Future[str | None] | None = None  # the hand-back due or running now
+        self.releases = 0  # how many hand-backs ran
 
     @contextlib.asynccontextmanager
     async def hold(self, cost: int) -> AsyncIterator[None]:
@@ -65,7 +87,21 @@ class MediaBudget:
             yield
         finally:
             self.used -= cost
+            self._large_ended |= cost >= RELEASE_AFTER_BYTES
             self._grant()
+            self._release_when_idle()
+
+    def _release_when_idle(self) -> None:
+        if self.used or not self._large_ended or (self.releasing is not None and not self.releasing.done()):
+            return
+        self._large_ended = False
+        self.releases += 1
+        self.releasing = asyncio.ensure_future(self._release_later())
+
+    @staticmethod
+    async def _release_later() -> str | None:
+        await asyncio.sleep(RELEASE_DELAY_S)
+        return await asyncio.to_thread(_release)
 
     async def _acquire(self, cost: int) -> None:
         if not self._waiting and self.used + cost <= self.limit:

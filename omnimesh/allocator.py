@@ -55,6 +55,22 @@ def loaded(pid: int | str = "self") -> str:
     return "glibc"
 
 
+def release_free_memory() -> str | None:
+    """Hand the pages the allocator keeps free back to the OS: tcmalloc's `MallocExtension_ReleaseFreeMemory`
+    (it keeps what was freed for reuse: a gateway that built eight 10-minute clips' features stayed at 3.2 GB),
+    glibc's `malloc_trim(0)`. Returns which ran (None: neither is there). ~30 ms for 400 MB."""
+    process = ctypes.CDLL(None)
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        release()
+        return "tcmalloc"
+    trim = getattr(process, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+        return "glibc"
+    return None
+
+
 def check_mode(mode: str) -> None:
     """ValueError naming the choices unless `mode` is one of MALLOC_CHOICES (ServeArgs checks --malloc here)."""
     if mode not in MALLOC_CHOICES:

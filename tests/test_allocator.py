@@ -119,3 +119,28 @@ def test_the_cli_fails_at_start_when_tcmalloc_is_required_but_missing(monkeypatc
     assert ns.func(ns) == cli.EXIT_USAGE
     assert "--malloc tcmalloc: the tcmalloc library is not installed; install it with `apt-get install " \
            "libtcmalloc-minimal4`" in capsys.readouterr().err
+
+
+_KEEP_AND_RELEASE = """
+import numpy as np
+from omnimesh.allocator import release_free_memory
+def rss(): return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
+start = rss()
+held = [np.ones(2**17) for _ in range(400)]  # 400 MB in 1 MB arrays
+del held
+kept = rss() - start
+print(release_free_memory(), kept, rss() - start)
+"""
+
+
+@needs_tcmalloc
+def test_the_free_pages_tcmalloc_keeps_go_back_on_release() -> None:
+    """What the gateway does once its media budget falls idle after a large build (gateway/media_budget.py):
+    tcmalloc keeps 400 MB of freed arrays in the process; `release_free_memory` hands them to the OS."""
+    out = subprocess.run([sys.executable, "-c", _KEEP_AND_RELEASE], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "LD_PRELOAD": TCMALLOC})
+    which, kept, after = out.stdout.split()
+    assert which == "tcmalloc" and int(kept) > 300 and int(after) < 100, out.stdout + out.stderr
+    glibc = subprocess.run([sys.executable, "-c", _KEEP_AND_RELEASE], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    assert glibc.stdout.split()[0] == "glibc", glibc.stdout + glibc.stderr

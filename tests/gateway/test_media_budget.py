@@ -27,6 +27,7 @@ from gateway.events import (
 from gateway.media_budget import (
     AUDIO_BYTES_PER_SAMPLE,
     IMAGE_BYTES_PER_PIXEL,
+    RELEASE_AFTER_BYTES,
     MediaBudget,
     build_cost,
 )
@@ -136,6 +137,25 @@ async def test_the_pipeline_builds_audio_prompts_within_the_budget_and_text_besi
     assert await one(_chat(TextPart("hi"))) == "prepared" and texts == [1]  # beside the first audio build
     assert await asyncio.gather(first, second) == ["prepared", "prepared"]
     assert peak[0] == 1 and pipe.media_budget.used == 0
+
+
+async def test_the_free_pages_go_back_once_the_budget_is_idle_after_a_large_build(monkeypatch) -> None:
+    """tcmalloc keeps what a build freed: after a large one, once no build holds the budget, the allocator hands
+    its free pages back (once for overlapping builds; never after small ones, which free too little to matter)."""
+    from omnimesh import allocator
+
+    calls: list[str] = []
+    monkeypatch.setattr(allocator, "release_free_memory", lambda: calls.append("released") or "tcmalloc")
+    budget = MediaBudget(2**31)
+    async with budget.hold(RELEASE_AFTER_BYTES // 2):
+        pass
+    assert budget.releasing is None and calls == []  # a small build
+    async with budget.hold(RELEASE_AFTER_BYTES):
+        async with budget.hold(RELEASE_AFTER_BYTES):
+            pass
+        assert budget.releasing is None  # another large build still holds the budget
+    assert budget.releasing is not None and await budget.releasing == "tcmalloc"
+    assert calls == ["released"] and budget.releases == 1
 
 
 async def test_a_refused_build_leaves_nothing_behind_without_a_collection() -> None:
