@@ -326,6 +326,7 @@ class ResponsesRoutes:
             failed["error"] = {"code": error_response(err).error.code, "message": err.message}
             self._keep(call, failed)
             self.gw._finish("responses", err.http_status, call.started)
+            del err  # held by this frame, which its traceback holds: a cycle that would keep the request's media
         finally:
             await close_events(events)
             self.gw.metrics.running.dec()
