@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from omnimesh.config.stage_config import parse_bytes, parse_json_object, typed_number
+from omnimesh.config.stage_config import fmt_bytes, parse_bytes, parse_json_object, typed_number
 
 MODALITIES = ("audio", "image", "video")  # the part kinds --limit-mm-per-prompt caps
 _BYTE_FIELDS = frozenset({"max_request_bytes", "max_fetch_bytes", "media_build_memory"})  # these also take '64MiB'
@@ -114,8 +114,12 @@ def describe_limits(limits: InputLimits) -> str:
     """The limits that differ from the defaults, for the gateway's start-up log: 'max_audio_seconds=30
     (default 600), image parts <= 2, video refused'."""
     default = InputLimits()
-    said = [f"{name}={getattr(limits, name):g} (default {getattr(default, name):g})" for name in SIZE_FIELDS
-            if getattr(limits, name) != getattr(default, name)]
+
+    def shown(name: str, value: float) -> str:  # byte limits in binary units, as they are given
+        return fmt_bytes(value) if name in _BYTE_FIELDS else f"{value:g}"
+
+    said = [f"{name}={shown(name, getattr(limits, name))} (default {shown(name, getattr(default, name))})"
+            for name in SIZE_FIELDS if getattr(limits, name) != getattr(default, name)]
     said += [f"{kind} refused" if n == 0 else f"{kind} parts <= {n}" for kind, n in limits.limit_mm_per_prompt.items()]
     return ", ".join(said) or "the defaults"
 

@@ -57,6 +57,9 @@ def test_the_start_up_log_names_what_differs() -> None:
     assert describe_limits(InputLimits()) == "the defaults"
     limits = limits_from_flags('{"image": 2, "video": 0}', '{"max_audio_seconds": 30}')
     assert describe_limits(limits) == "max_audio_seconds=30 (default 600), image parts <= 2, video refused"
+    bytes_ = limits_from_flags(None, '{"media_build_memory": "2GiB", "max_request_bytes": 1000000}')
+    assert describe_limits(bytes_) == ("max_request_bytes=977 KiB (default 64 MiB), media_build_memory=2 GiB "
+                                       "(default 1 GiB)")
 
 
 def test_allowed_media_domains_are_hosts_as_a_url_names_them() -> None:
