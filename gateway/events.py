@@ -8,6 +8,7 @@ Only IPC-free, typed dataclasses here.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -206,6 +207,10 @@ class Pipeline(Protocol):
 
     async def health(self) -> dict[str, bool]:
         """Stage name -> serving."""
+        ...
+
+    def building(self, request: ChatRequest) -> contextlib.AbstractAsyncContextManager[None]:
+        """Around a build of the request's prompt outside `run` (/tokenize): its share of the media budget."""
         ...
 
 

@@ -73,7 +73,6 @@ class MediaBudget:
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._large_ended = False  # a large build ended since the pages were last handed back
         self.releasing: asyncio.Future[str | None] | None = None  # the hand-back due or running now
-        self.releases = 0  # how many hand-backs ran
 
     @contextlib.asynccontextmanager
     async def hold(self, cost: int) -> AsyncIterator[None]:
@@ -95,7 +94,6 @@ class MediaBudget:
         if self.used or not self._large_ended or (self.releasing is not None and not self.releasing.done()):
             return
         self._large_ended = False
-        self.releases += 1
         self.releasing = asyncio.ensure_future(self._release_later())
 
     @staticmethod

@@ -12,7 +12,6 @@ an id outside the vocabulary is a 400 naming its index. The tokenizer runs off t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -125,8 +124,7 @@ class TokenizeRoutes:
                                processor_kwargs=tuple(sorted(mm.settings().items())) if mm is not None else (),
                                tools=tuple(t.model_dump(exclude_none=True) for t in req.tools or ()),
                                template=req.template(req.messages, audio_out=False))
-            building = getattr(self.gw.pipeline, "building", None)  # the media budget (gateway/media_budget.py)
-            async with building(chat) if building is not None else contextlib.nullcontext():
+            async with self.gw.pipeline.building(chat):  # the media budget (gateway/media_budget.py)
                 ids = (await asyncio.to_thread(self.builder.encode, chat)).tolist()
         else:
             ids = await asyncio.to_thread(tokenize_prompt, self.builder, req.prompt or "",

@@ -10,6 +10,7 @@ Imported by tests, never by the package.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -79,6 +80,9 @@ class ScriptedPipeline:
 
     async def health(self) -> dict[str, bool]:
         return dict(self.stages)
+
+    def building(self, request: ChatRequest) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()  # no media budget: scripted prompts are built by no processor
 
 
 def stage_down(stage: str = "talker") -> PipelineError:

@@ -155,7 +155,7 @@ async def test_the_free_pages_go_back_once_the_budget_is_idle_after_a_large_buil
             pass
         assert budget.releasing is None  # another large build still holds the budget
     assert budget.releasing is not None and await budget.releasing == "tcmalloc"
-    assert calls == ["released"] and budget.releases == 1
+    assert calls == ["released"]
 
 
 async def test_a_refused_build_leaves_nothing_behind_without_a_collection() -> None:
