@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
+    from gateway.media_budget import MediaBudget
     from omnimesh.v1 import stage_pb2
 
 Modality = Literal["text", "audio"]
@@ -191,6 +192,7 @@ class Pipeline(Protocol):
 
     served_models: tuple[str, ...]
     no_audio: str | None  # why this server speaks no audio (None: it does)
+    media_budget: MediaBudget | None  # the media decodes' and prompt builds' working memory (None: unbounded)
 
     @property
     def voices(self) -> tuple[str, ...]: ...

@@ -140,7 +140,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         # builder samples them (`video_sampling` None: its processor's, else the default)
         prepare = getattr(pipeline, "prepare", None)
         sampling = video_sampling or video_sampling_of(prepare)
-        self.loader = MediaLoader(limits or InputLimits(), video_sampling=sampling)
+        self.loader = MediaLoader(limits or InputLimits(), video_sampling=sampling, budget=pipeline.media_budget)
         # its tokenizer takes raw prompts (`prompt`); a pipeline without a PromptBuilder refuses them
         self.prompts = prepare if isinstance(prepare, PromptBuilder) else None
 

@@ -40,8 +40,9 @@ class InputLimits:
     max_messages: int = 4096
     max_content_parts: int = 16384
     max_fetch_bytes: int = 32 * 1024 * 1024  # one remote media download
-    # working memory of the prompt builds with media running at once (gateway/media_budget.py: a 10-minute clip
-    # takes ~400 MB while its features are computed); a request that needs more than all of it runs alone
+    # working memory of the prompt builds with media and the video / compressed audio decodes running at once
+    # (gateway/media_budget.py: a 10-minute clip takes ~400 MB while its features are computed, a video's decode
+    # its sampled frames twice); a build or decode that needs more than all of it runs alone
     media_build_memory: int = 1024 * 1024 * 1024
     fetch_timeout_s: float = 10.0  # one remote media download, start to end (400 beyond)
     # decoding one video's frames (every frame up to the last sampled one is decoded): a small file can hold

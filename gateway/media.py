@@ -30,6 +30,7 @@ from gateway.events import AudioPart, ChatMessage, ImagePart, PipelineError, Vid
 from gateway.input_limits import InputLimits
 
 if TYPE_CHECKING:
+    from gateway.media_budget import MediaBudget
     from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
 
 TARGET_SAMPLE_RATE = 16_000  # what the Qwen-Omni audio towers (Whisper features) expect
@@ -336,8 +337,9 @@ class MediaLoader:
 
     def __init__(self, limits: InputLimits, allowed_domains: frozenset[str] = frozenset(),
                  transport: httpx.AsyncBaseTransport | None = None,
-                 video_sampling: VideoSampling | None = None) -> None:
+                 video_sampling: VideoSampling | None = None, budget: MediaBudget | None = None) -> None:
         self.limits = limits
+        self.budget = budget  # what a decode in a child process may take at once with the others and the builds
         self.allowed_domains = frozenset(d.lower() for d in allowed_domains)
         self._transport = transport  # tests inject one; None = a real network client
         self._video_sampling = video_sampling
@@ -382,10 +384,7 @@ class MediaLoader:
         """A compressed audio file (MP3, FLAC, Ogg, M4A, WebM, ...) -> 16 kHz mono, decoded in a child process
         (`gateway/video_process.py`, kind "audio"), waited on off the loop."""
         self._need_av(param, "audio other than WAV")
-        from gateway.video_process import decode_in_child
-
-        return await asyncio.to_thread(decode_in_child, data, sampling=None, limits=self.limits, param=param,
-                                       kind="audio")
+        return await self._in_child(data, sampling=None, param=param, kind="audio")
 
     async def audio_from_wav(self, data: bytes, param: str) -> AudioPart:
         """PCM and float WAVs are parsed here; other encodings (telephony's A-law and mu-law, ADPCM, ...) go to
@@ -434,10 +433,21 @@ class MediaLoader:
         soundtrack when `with_audio` (use_audio_in_video), in a child process (`gateway/video_process.py`)
         waited on off the loop."""
         self._need_av(param, "video")
+        return await self._in_child(data, sampling=sampling or self.video_sampling, param=param, with_audio=with_audio)
+
+    async def _in_child(self, data: bytes, **kw: Any) -> Any:
+        """`video_process.decode_in_child` in a worker thread; the memory the child says it needs is waited for
+        in the media budget first, and a caller that leaves while that wait is in line withdraws it."""
+        from gateway.media_budget import ThreadAdmission
         from gateway.video_process import decode_in_child
 
-        return await asyncio.to_thread(decode_in_child, data, sampling=sampling or self.video_sampling, limits=self.limits,
-                                       param=param, with_audio=with_audio)
+        admit = ThreadAdmission(self.budget, asyncio.get_running_loop()) if self.budget is not None else None
+        try:
+            return await asyncio.to_thread(decode_in_child, data, limits=self.limits, admit=admit, **kw)
+        except asyncio.CancelledError:
+            if admit is not None:
+                admit.cancel()
+            raise
 
     @staticmethod
     def _need_av(param: str, what: str) -> None:

@@ -3,12 +3,18 @@
 Role: turning a request's media into the thinker's inputs (the processor: audio features, image resizing, video
 patches) takes far more memory for a moment than the media itself: ~42 bytes per 16 kHz audio sample (a
 10-minute clip: ~400 MB, mostly the spectrogram's intermediates), ~10 per image pixel, measured here. Eight such
-clips at once took a gateway to 3.2 GB (and its allocator kept it). A request reserves its estimate before its
-prompt is built and gives it back after; one that does not fit waits, first come first served, while requests
-without media never wait. One whose estimate exceeds the whole budget runs alone.
+clips at once took a gateway to 3.2 GB (and its allocator kept it). Decoding a video or a compressed audio file
+in its child process takes its frames or samples a few times over as well (a 316 MB video's frames: 0.67 GB
+across the child and the gateway). A request reserves its estimate before its prompt is built and gives it
+back after; each decode reserves what its child says it needs before it decodes and gives it back when its
+answer is in the gateway. One that does not fit waits, first come first served, while requests without media
+never wait. One whose estimate exceeds the whole budget runs alone. A request never holds one reservation
+while it waits for another, so waits cannot deadlock.
 
 Data flow: `StagePipeline.run` / `/tokenize` -> `build_cost(request)` -> `MediaBudget.hold(cost)` around the
-prompt build (a worker thread) -> released when it returns, fails or is cancelled. When the budget falls idle
+prompt build (a worker thread) -> released when it returns, fails or is cancelled. A decode's thread
+(gateway/video_process.py) waits through `ThreadAdmission`, which its caller cancels if it leaves while the
+decode is in line. When the budget falls idle
 after a build of at least RELEASE_AFTER_BYTES, the allocator's free pages go back to the OS RELEASE_DELAY_S
 later (`omnimesh.allocator.release_free_memory`, on a worker thread): by then the build's intermediates and
 most of its request (body, decoded media) are freed, and tcmalloc would otherwise keep the burst's peak for
@@ -21,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from gateway.events import AudioPart, ChatRequest, ImagePart, VideoPart
 
@@ -77,18 +83,26 @@ class MediaBudget:
     @contextlib.asynccontextmanager
     async def hold(self, cost: int) -> AsyncIterator[None]:
         """Reserve `cost` bytes (at most the whole budget) for the body of the `async with`."""
-        cost = min(cost, self.limit)
-        if cost <= 0:
-            yield
-            return
-        await self._acquire(cost)
+        granted = await self.acquire(cost)
         try:
             yield
         finally:
-            self.used -= cost
-            self._large_ended |= cost >= RELEASE_AFTER_BYTES
-            self._grant()
-            self._release_when_idle()
+            self.release(granted)
+
+    async def acquire(self, cost: int) -> int:
+        """Wait in line for `cost` bytes (at most the whole budget); what was granted, for `release`."""
+        cost = min(cost, self.limit)
+        if cost > 0:
+            await self._acquire(cost)
+        return max(cost, 0)
+
+    def release(self, granted: int) -> None:
+        if granted <= 0:
+            return
+        self.used -= granted
+        self._large_ended |= granted >= RELEASE_AFTER_BYTES
+        self._grant()
+        self._release_when_idle()
 
     def _release_when_idle(self) -> None:
         if self.used or not self._large_ended or (self.releasing is not None and not self.releasing.done()):
@@ -122,3 +136,37 @@ class MediaBudget:
             cost, granted = self._waiting.popleft()
             self.used += cost
             granted.set_result(None)
+
+
+class ThreadAdmission:
+    """A `MediaBudget` for one blocking call in a worker thread of `loop` (a media decode in a child process,
+    gateway/video_process.py): calling it with a cost blocks the thread until the loop grants the bytes and
+    returns their release (callable from the thread). `cancel()`, on the loop, withdraws a wait still in line
+    (its caller left): the thread then gets `concurrent.futures.CancelledError`."""
+
+    def __init__(self, budget: MediaBudget, loop: asyncio.AbstractEventLoop) -> None:
+        self.budget, self.loop = budget, loop
+        self._task: asyncio.Task | None = None  # the wait, on the loop
+        self._cancelled = False
+
+    def __call__(self, cost: int) -> Callable[[], None]:
+        granted = asyncio.run_coroutine_threadsafe(self._acquire(cost), self.loop).result()
+
+        def release() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing is left to grant
+                self.loop.call_soon_threadsafe(self.budget.release, granted)
+
+        return release
+
+    async def _acquire(self, cost: int) -> int:
+        if self._cancelled:  # cancel() ran before there was a wait to withdraw
+            raise asyncio.CancelledError
+        self._task = asyncio.current_task()
+        return await self.budget.acquire(cost)
+
+    def cancel(self) -> None:
+        """On the loop. A wait cancelled in line leaves it; one granted as it is cancelled gives the bytes back
+        (`MediaBudget._acquire`); one already granted is not affected: the thread releases it."""
+        self._cancelled = True
+        if self._task is not None:
+            self._task.cancel()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import io
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import av
@@ -54,6 +54,10 @@ _FORMATS_HINT = "MP4, WebM, MKV, MOV, AVI, ..."
 _AUDIO_HINT = "WAV, MP3, FLAC, Ogg, M4A, WebM, ..."
 log = logging.getLogger(__name__)
 
+Admit = Callable[[int], None]  # told a decode's working memory (bytes) before it starts; may wait for it
+FRAME_COPIES = 2  # the sampled frames as RGB: the decoder's array, and the gateway's copy it is sent into
+AUDIO_COPIES = 3  # the decoded samples (float32 at their own rate and channels), then their mono mix and resampling
+
 
 class DecodeTimeout(PipelineError):
     """`video_decode_timeout_s` passed while decoding: a 400 like any refusal, counted apart by the gateway
@@ -65,9 +69,10 @@ class DecodeTimeout(PipelineError):
 
 
 def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, param: str,
-                 with_audio: bool = False) -> VideoPart:
+                 with_audio: bool = False, admit: Admit | None = None) -> VideoPart:
     """Video file bytes -> `VideoPart` of the frames `sampling` keeps (see the module docstring), with its
-    soundtrack when `with_audio`."""
+    soundtrack when `with_audio`. `admit` is told the memory the decode will take (its frames twice: here and
+    the gateway's copy; the soundtrack's working memory) before anything is decoded, and may wait."""
     try:
         with _open(data, param) as container:
             stream = _video_stream(container, param)
@@ -83,8 +88,14 @@ def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, p
                 raise too_large(f"{param}: video is {seconds:.1f} s long ({total} frames at {native_fps:g} fps); "
                                 f"the limit is {limits.max_video_seconds:g} s", param)
             indices = sampling.indices(total, native_fps)
-            _check_budget(len(indices), stream.codec_context.width, stream.codec_context.height, limits, param)
-            frames = _decode_sampled(container, stream, indices, limits, param)  # (T, H, W, 3)
+            width, height = stream.codec_context.width, stream.codec_context.height
+            _check_budget(len(indices), width, height, limits, param)
+            if admit is not None:
+                pixels = len(indices) * (width * height or min(limits.max_image_pixels, limits.max_video_pixels))
+                sound = _audio_cost(container, limits.max_audio_seconds) if with_audio else 0
+                admit(FRAME_COPIES * 3 * pixels + sound)
+            frames = _decode_sampled(container, stream, indices, limits, param,
+                                     (width, height) if width * height else None)  # (T, H, W, 3)
     except PipelineError:
         raise
     except _AV_ERRORS as e:
@@ -100,14 +111,40 @@ def decode_soundtrack(data: bytes, *, max_seconds: float, param: str) -> AudioPa
 
 
 def decode_audio_file(data: bytes, *, sampling: VideoSampling | None = None, limits: InputLimits, param: str,
-                      with_audio: bool = False) -> AudioPart:
+                      with_audio: bool = False, admit: Admit | None = None) -> AudioPart:
     """An audio file (MP3, FLAC, Ogg, M4A, WebM, ... or a WAV FFmpeg reads) -> 16 kHz mono `AudioPart`, at most
     `limits.max_audio_seconds` long (413 beyond). The signature is `decode_video`'s, so the same child-process
-    runner takes it (gateway/video_process.py); `sampling` and `with_audio` mean nothing here."""
-    return _first_audio_stream(data, limits.max_audio_seconds, param, in_video=False)
+    runner takes it (gateway/video_process.py); `sampling` and `with_audio` mean nothing here. `admit` is told
+    the decode's working memory (from the stream's duration, rate and channels) before it decodes."""
+    return _first_audio_stream(data, limits.max_audio_seconds, param, in_video=False, admit=admit)
 
 
-def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video: bool) -> AudioPart:
+def _audio_cost(container: InputContainer, max_seconds: float) -> int:
+    """The working memory of decoding the first audio stream (0 without one): its samples at their own rate
+    and channels as float32, AUDIO_COPIES times, for its declared duration (`max_seconds` when it declares
+    none, as decoding stops there)."""
+    if not container.streams.audio:
+        return 0
+    context = container.streams.audio[0].codec_context
+    rate, channels = context.sample_rate or 48_000, context.channels or 2
+    return int(AUDIO_COPIES * 4 * _declared_seconds(container, max_seconds) * rate * channels)
+
+
+def _declared_seconds(container: InputContainer, max_seconds: float) -> float:
+    """The first audio stream's duration as its header says (the container's, else `max_seconds`), at most
+    `max_seconds`: decoding stops there."""
+    stream = container.streams.audio[0]
+    if stream.duration and stream.time_base:
+        seconds = float(stream.duration * stream.time_base)
+    elif container.duration:
+        seconds = container.duration / av.time_base
+    else:
+        seconds = max_seconds
+    return min(seconds, max_seconds)
+
+
+def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video: bool,
+                        admit: Admit | None = None) -> AudioPart:
     what = "the video's audio" if in_video else "the audio"
     empty = "the video's audio track" if in_video else "the audio"
     try:
@@ -118,15 +155,21 @@ def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video
                                           f"({_AUDIO_HINT})", param)
                 raise invalid_request(f"{param}: the video has no audio track, so use_audio_in_video cannot hear "
                                       "it; leave use_audio_in_video off for this request", param)
-            stream = container.streams.audio[0]
-            resampler = av.AudioResampler(format="fltp")  # planar float32 at the stream's rate and layout
-            planes: list[np.ndarray] = []  # each (channels, n) float32
+            if admit is not None:
+                admit(_audio_cost(container, max_seconds))
+            # planar float32 at the first frame's rate and layout (the resampler keeps them for the stream)
+            resampler = av.AudioResampler(format="fltp")
+            samples: np.ndarray | None = None  # (channels, capacity) float32, sized by the declared duration
             rate, n = 0, 0
-            for frame in container.decode(stream):
+            for frame in container.decode(container.streams.audio[0]):
                 for out in resampler.resample(frame):
-                    rate = out.sample_rate
-                    planes.append(out.to_ndarray())
-                    n += planes[-1].shape[1]
+                    block = out.to_ndarray()  # (channels, k)
+                    if samples is None:
+                        rate = out.sample_rate
+                        samples = np.empty((block.shape[0], int(_declared_seconds(container, max_seconds) * rate)
+                                            + block.shape[1]), np.float32)
+                    samples = _append(samples, n, block)
+                    n += block.shape[1]
                     if n / rate > max_seconds:
                         raise too_large(f"{param}: {what} is longer than {max_seconds:g} s, the audio limit", param)
     except PipelineError:
@@ -137,11 +180,23 @@ def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video
                                   f"({_reason(e)}); send an intact audio file ({_AUDIO_HINT})", param) from None
         raise invalid_request(f"{param}: could not decode the video's audio track ({_reason(e)}); send an "
                               "intact video file, or its audio as an input_audio part", param) from None
-    if not planes:
+    if samples is None or n == 0:
         raise invalid_request(f"{param}: {empty} holds no samples" + (
             "; leave use_audio_in_video off for this request" if in_video else ""), param)
-    samples = np.concatenate(planes, axis=1).T  # (frames, channels)
-    return samples_to_audio_part(np.ascontiguousarray(samples, dtype=np.float32), rate, param=param)
+    return samples_to_audio_part(samples[:, :n].T, rate, param=param)  # (frames, channels), a view
+
+
+def _append(samples: np.ndarray, n: int, block: np.ndarray) -> np.ndarray:
+    """`block` (channels, k) written after the first `n` samples; the buffer grows by half when the stream is
+    longer than it declared."""
+    if block.shape[0] != samples.shape[0]:
+        raise ValueError(f"the stream changed from {samples.shape[0]} to {block.shape[0]} channels")
+    if n + block.shape[1] > samples.shape[1]:
+        grown = np.empty((samples.shape[0], max(n + block.shape[1], samples.shape[1] * 3 // 2)), np.float32)
+        grown[:, :n] = samples[:, :n]
+        samples = grown
+    samples[:, n:n + block.shape[1]] = block
+    return samples
 
 
 def _reason(e: Exception) -> str:
@@ -224,13 +279,15 @@ def _frames(container: InputContainer, stream: VideoStream, param: str) -> Itera
 
 
 def _decode_sampled(container: InputContainer, stream: VideoStream, indices: list[int], limits: InputLimits,
-                    param: str) -> np.ndarray:
+                    param: str, header: tuple[int, int] | None = None) -> np.ndarray:
     """Decode up to the last of `indices` (frames in presentation order), converting only those to RGB
-    -> (T, H, W, 3) uint8 at the first kept frame's size (a later size change is scaled to it). A stream
-    that ends early (fewer frames than counted, or a corrupt packet) keeps the sampled frames it has."""
+    -> (T, H, W, 3) uint8 at the first kept frame's size (a later size change is scaled to it), or at the
+    `header`'s (width, height) when that frame is larger than the stream declared: the memory admitted for
+    the decode was the header's. A stream that ends early (fewer frames than counted, or a corrupt packet)
+    keeps the sampled frames it has."""
     wanted, last = frozenset(indices), indices[-1]
-    kept: list[np.ndarray] = []  # each (H, W, 3) uint8
-    size: tuple[int, int] | None = None  # (width, height) of the first kept frame
+    out: np.ndarray | None = None  # (T, H, W, 3) uint8 at the first kept frame's size, filled in place
+    kept = 0
     deadline = time.monotonic() + limits.video_decode_timeout_s
     for i, frame in enumerate(_frames(container, stream, param)):
         if time.monotonic() > deadline:
@@ -239,16 +296,21 @@ def _decode_sampled(container: InputContainer, stream: VideoStream, indices: lis
                                 "smaller video", param)
         if i in wanted:
             _check_frame_size(frame.width, frame.height, limits.max_image_pixels, param)  # the header may differ
-            if size is None:  # every kept frame takes this size
-                size = (frame.width, frame.height)
-                _check_budget(len(indices), *size, limits, param)
-            kept.append(frame.to_ndarray(format="rgb24", width=size[0], height=size[1]))
+            if out is None:  # every kept frame takes this size
+                width, height = frame.width, frame.height
+                if header is not None and width * height > header[0] * header[1]:
+                    width, height = header
+                _check_budget(len(indices), width, height, limits, param)
+                out = np.empty((len(indices), height, width, 3), np.uint8)
+            out[kept] = frame.to_ndarray(format="rgb24", width=out.shape[2], height=out.shape[1])
+            kept += 1
         if i >= last:
             break
-    if len(kept) < len(indices):
-        log.warning("%s: the video ended after fewer frames than it declared; %d of %d sampled frames kept",
-                    param, len(kept), len(indices))
-    if not kept:
+    if out is None:
         raise invalid_request(f"{param}: no frame of the video could be decoded; send an intact video file "
                               f"({_FORMATS_HINT})", param)
-    return np.stack(kept)
+    if kept < len(indices):
+        log.warning("%s: the video ended after fewer frames than it declared; %d of %d sampled frames kept",
+                    param, kept, len(indices))
+        return out[:kept]  # the frames it has (a view: the child sends only these and exits)
+    return out

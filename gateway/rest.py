@@ -748,7 +748,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     # video frames are sampled as the prompt builder's processor samples them (its default without one)
     sampling = video_sampling_of(prompts if prompts is not None else getattr(pipeline, "prepare", None))
     loader = MediaLoader(limits or InputLimits(), allowed_media_domains, transport=media_transport,  # type: ignore[arg-type]
-                         video_sampling=sampling)
+                         video_sampling=sampling, budget=pipeline.media_budget)
     gw = RestGateway(pipeline, names, loader, stage_metrics, prompts.max_model_len if prompts is not None else None,
                      max_logprobs, return_tokens_as_token_ids, prompt_tokens_details, auto_tool_choice, reasoning)
     gw.force_include_usage = force_include_usage

@@ -7,21 +7,30 @@ worth of decoding buffers stays in the gateway's heap. Here each video is decode
 from a forkserver that has PyAV, numpy and the sampling rules imported already (a few milliseconds, no
 re-import; the gateway starts it at start-up):
 
-    gateway thread: start the child -> send the file's bytes over a pipe -> wait up to
-    video_decode_timeout_s + GRACE_S -> receive the pickled VideoPart (or the PipelineError's fields)
-    child: decode_video(...) (gateway/media_video.py, its own deadline inside) -> send the result -> exit
+    gateway thread: start the child -> send the file's bytes over a pipe -> answer its ("admit", bytes)
+    once the media budget grants them (gateway/media_budget.py; the wait is outside the deadline) -> wait up
+    to video_decode_timeout_s + GRACE_S -> receive the frames straight into their array (or a pickled
+    AudioPart, or the PipelineError's fields) -> give the bytes back
+    child: decode_video(...) (gateway/media_video.py: it reads the stream's header, asks for the memory its
+    frames will take, then decodes under its own deadline) -> send the result -> exit
 
 A child that dies without answering (a signal, an abort) is a 400 naming the signal; one past the hard
 deadline is killed and answered 400, like the soft deadline inside the decoder. Other requests never
 notice either. Audio files that are not WAV (MP3, FLAC, Ogg, ...) go the same way (`kind="audio"`,
-`media_video.decode_audio_file`), counted in their own series. The frames come back pickled over the pipe (bounded by `max_video_pixels`). Blocking:
-call `decode_in_child` off the event loop, as `MediaLoader.video_from_bytes` does.
+`media_video.decode_audio_file`), counted in their own series. The frames (bounded by `max_video_pixels`)
+are never pickled: the child sends its array's bytes and the gateway reads them into one it allocated, so a
+decode holds its frames twice at most (the child's and the gateway's), not five times (a 316 MB decode
+peaked at 1.65 GB across both processes before). Blocking: call `decode_in_child` off the event loop, as
+`MediaLoader.video_from_bytes` does.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -29,10 +38,11 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.events import PipelineError, VideoPart
+from gateway.events import AudioPart, PipelineError, VideoPart
 from gateway.input_limits import InputLimits
 from gateway.media import invalid_request
 
@@ -46,15 +56,17 @@ _preload_lock = threading.Lock()
 _preloaded = False
 log = logging.getLogger(__name__)
 
-Decoder = Callable[..., VideoPart]  # decode_video's signature: (data, *, sampling, limits, param, with_audio)
+Decoder = Callable[..., VideoPart]  # decode_video's signature: (data, *, sampling, limits, param, with_audio, admit)
+Admit = Callable[[int], Callable[[], None]]  # bytes -> blocks until granted -> their release
 
 
 class DecodeMetrics(Collector):
     """This process's decodes of one kind of media ("video" or "audio") for the gateway's /metrics: how many
-    by outcome (ok; refused: not such a file, or over a limit; timeout; crashed: the child died; bug: the
+    by outcome (ok; refused: not such a file, or over a limit; timeout; crashed: the child died; cancelled:
+    its request left while the decode waited for memory in the media budget; bug: the
     decoder raised) and how long they took."""
 
-    OUTCOMES = ("ok", "refused", "timeout", "crashed", "bug")
+    OUTCOMES = ("ok", "refused", "timeout", "crashed", "cancelled", "bug")
     BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 
     def __init__(self, media: str = "video") -> None:
@@ -128,27 +140,33 @@ def _noop() -> None:
 
 
 def decode_in_child(data: bytes, *, sampling: VideoSampling | None, limits: InputLimits, param: str,
-                    with_audio: bool = False, decoder: Decoder | None = None, kind: str = "video") -> Any:
+                    with_audio: bool = False, decoder: Decoder | None = None, kind: str = "video",
+                    admit: Admit | None = None) -> Any:
     """`decode_video` (kind "video") or `decode_audio_file` (kind "audio") -- or `decoder`, a module-level
     function with their signature -- in a child process; the same answers (a VideoPart / an AudioPart), plus a
-    400 when the child crashes or outlives its deadline. Blocks: run it in a thread. Every call is counted in
-    `METRICS` / `AUDIO_METRICS` by its outcome, with its seconds."""
+    400 when the child crashes or outlives its deadline. `admit` (`MediaBudget.admit_from_thread`) is asked for
+    the memory the child says its decode will take, before it decodes: the decode waits for it, outside its
+    deadline, and gives it back once its answer is here. Blocks: run it in a thread. Every call is counted in
+    `METRICS` / `AUDIO_METRICS` by its outcome, with its seconds (not counting that wait)."""
     if kind not in _HINTS:
         raise ValueError(f"kind must be video or audio, got {kind!r}")
     started = time.monotonic()
-    outcome = "crashed"  # unless the child gets as far as an answer (or is killed at the deadline)
+    outcome, waited = "crashed", [0.0]  # crashed: unless the child gets as far as an answer (or the deadline)
     try:
-        outcome, result = _decode_in_child(data, sampling, limits, param, with_audio, decoder, kind)
+        outcome, result = _decode_in_child(data, sampling, limits, param, with_audio, decoder, kind, admit, waited)
     finally:
-        (METRICS if kind == "video" else AUDIO_METRICS).observe(outcome, time.monotonic() - started)
+        (METRICS if kind == "video" else AUDIO_METRICS).observe(outcome, time.monotonic() - started - waited[0])
+    if outcome == "cancelled":
+        raise concurrent.futures.CancelledError
     if isinstance(result, PipelineError):
         raise result
     return result
 
 
 def _decode_in_child(data: bytes, sampling: VideoSampling | None, limits: InputLimits, param: str, with_audio: bool,
-                     decoder: Decoder | None, kind: str) -> tuple[str, Any]:
-    """(outcome, the decoded part or the error the caller gets); see `DecodeMetrics.OUTCOMES`."""
+                     decoder: Decoder | None, kind: str, admit: Admit | None, waited: list[float]) -> tuple[str, Any]:
+    """(outcome, the decoded part or the error the caller gets); see `DecodeMetrics.OUTCOMES`. The child asks
+    ("admit", bytes) before it decodes and waits for "go"; `waited[0]` gets the seconds that took."""
     _ensure_preload()
     ours, theirs = _CONTEXT.Pipe()
     child = _CONTEXT.Process(target=_child_main, name=f"omnimesh-{kind}-decode", daemon=True,
@@ -157,14 +175,29 @@ def _decode_in_child(data: bytes, sampling: VideoSampling | None, limits: InputL
     child.start()
     theirs.close()
     hard_deadline = limits.video_decode_timeout_s + GRACE_S
-    started = time.monotonic()
+    release: Callable[[], None] | None = None
     try:
         ours.send_bytes(data)
-        if not ours.poll(max(0.0, hard_deadline - (time.monotonic() - started))):
-            return "timeout", invalid_request(
-                f"{param}: decoding the {kind} took longer than {limits.video_decode_timeout_s:g} s; send a shorter "
-                f"or smaller {kind} file", param)
-        kind, payload = ours.recv()
+        started = time.monotonic()
+        while True:
+            if not ours.poll(max(0.0, hard_deadline - (time.monotonic() - started))):
+                return "timeout", invalid_request(
+                    f"{param}: decoding the {kind} took longer than {limits.video_decode_timeout_s:g} s; send a "
+                    f"shorter or smaller {kind} file", param)
+            tag, payload = ours.recv()
+            if tag != "admit":
+                break
+            asked = time.monotonic()
+            if admit is not None and release is None:  # one reservation per decode
+                try:
+                    release = admit(payload)
+                except concurrent.futures.CancelledError:  # its caller left (ThreadAdmission.cancel)
+                    return "cancelled", None
+            ours.send("go")
+            waited[0] = time.monotonic() - asked
+            started += waited[0]  # the deadline counts decoding, not the wait for memory
+        if tag == "frames":  # a VideoPart whose frames follow as raw bytes, received in place
+            tag, payload = "ok", _receive_frames(ours, *payload)
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the child died before (or while) answering
         child.join(5.0)
         return "crashed", invalid_request(
@@ -175,10 +208,32 @@ def _decode_in_child(data: bytes, sampling: VideoSampling | None, limits: InputL
         if child.is_alive():
             child.kill()
         child.join(5.0)
-    if kind == "ok":
+        if release is not None:
+            release()
+    if tag == "ok":
         return "ok", payload
     message, fields = payload  # "refused" (the file or a limit), "timeout" (the decoder's own deadline), "bug"
-    return kind, PipelineError(message, **fields)
+    return tag, PipelineError(message, **fields)
+
+
+def _receive_frames(conn: Connection, shape: tuple[int, ...], fps: float, audio: AudioPart | None) -> VideoPart:
+    """The frames the child writes to the pipe after its ("frames", ...) header, unframed, read straight into
+    their array: no pickle, and no buffer in between (`Connection.recv_bytes_into` reads into a BytesIO first)."""
+    frames, got = np.empty(shape, np.uint8), 0
+    with frames.reshape(-1).data as view:
+        while got < frames.nbytes:
+            if (n := os.readv(conn.fileno(), [view[got:]])) == 0:
+                raise EOFError(f"the child's frames ended after {got} of {frames.nbytes} bytes")
+            got += n
+    return VideoPart(frames=frames, fps=fps, audio=audio)
+
+
+def _send_frames(conn: Connection, frames: np.ndarray) -> None:
+    """In the child: the frames' bytes as they are in memory, unframed (`_receive_frames` knows their size)."""
+    sent = 0
+    with np.ascontiguousarray(frames).reshape(-1).data as view:
+        while sent < len(view):
+            sent += os.write(conn.fileno(), view[sent:])
 
 
 def _death(exitcode: int | None) -> str:
@@ -197,7 +252,14 @@ def _child_main(conn: Connection, decoder: Decoder, sampling: VideoSampling | No
     answer: tuple[str, Any]
     try:
         data = conn.recv_bytes()
-        answer = ("ok", decoder(data, sampling=sampling, limits=limits, param=param, with_audio=with_audio))
+        part = decoder(data, sampling=sampling, limits=limits, param=param, with_audio=with_audio,
+                       admit=functools.partial(_ask_to_decode, conn))
+        if isinstance(part, VideoPart):  # the frames go as raw bytes after their header: no pickled copy
+            conn.send(("frames", (part.frames.shape, part.fps, part.audio)))
+            _send_frames(conn, part.frames)
+            conn.close()
+            return
+        answer = ("ok", part)
     except PipelineError as e:
         from gateway.media_video import DecodeTimeout  # lazily, like every PyAV import (preloaded here)
 
@@ -208,6 +270,16 @@ def _child_main(conn: Connection, decoder: Decoder, sampling: VideoSampling | No
                                                  f"({type(e).__name__}); send {_HINTS[kind]}", param)))
     conn.send(answer)
     conn.close()
+
+
+def _ask_to_decode(conn: Connection, nbytes: int) -> None:
+    """In the child, before decoding: the memory the decode will take (its own and its answer's copy in the
+    gateway); returns when the gateway's media budget has it. A gateway gone is the end of this child."""
+    conn.send(("admit", int(nbytes)))
+    try:
+        conn.recv()
+    except EOFError:
+        raise SystemExit(1) from None
 
 
 def _fields(e: PipelineError) -> tuple[str, dict[str, Any]]:

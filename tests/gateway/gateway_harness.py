@@ -49,6 +49,7 @@ class ScriptedPipeline:
     served_models: tuple[str, ...] = ("tiny-omni",)
     voices: tuple[str, ...] = ("Ethan", "Chelsie")
     no_audio: str | None = None
+    media_budget = None  # decodes and builds are not bounded here
     default_voice = "Ethan"
     sample_rate = SAMPLE_RATE
 

@@ -103,7 +103,7 @@ def test_every_decode_is_counted_by_outcome(rest_server, monkeypatch: pytest.Mon
         return out
 
     before = counts()
-    assert set(before) == {"ok", "refused", "timeout", "crashed", "bug", "count"}
+    assert set(before) == {"ok", "refused", "timeout", "crashed", "cancelled", "bug", "count"}
     in_child(make_video(4, 4))
     with pytest.raises(PipelineError, match=r"decoding the video took longer than 1e-09 s \(after 0 of"):
         in_child(make_video(4, 4), InputLimits(video_decode_timeout_s=1e-9))  # the decoder's own deadline
@@ -115,5 +115,5 @@ def test_every_decode_is_counted_by_outcome(rest_server, monkeypatch: pytest.Mon
     with pytest.raises(PipelineError):
         in_child(make_video(12, 4), InputLimits(max_video_seconds=1.0))  # refused: over a limit
     after = counts()
-    assert {k: after[k] - before[k] for k in after} == {"ok": 1, "refused": 1, "timeout": 2, "crashed": 1, "bug": 1,
-                                                        "count": 6}
+    assert {k: after[k] - before[k] for k in after} == {"ok": 1, "refused": 1, "timeout": 2, "crashed": 1,
+                                                        "cancelled": 0, "bug": 1, "count": 6}

@@ -21,3 +21,28 @@ def hang(data: bytes, **_: Any) -> None:
 
 def raise_bug(data: bytes, **_: Any) -> None:
     raise RuntimeError("a bug in the decoder")
+
+
+def admitted_then_slow(data: bytes, *, admit: Any, **kw: Any) -> Any:
+    """The real decoder's answer, after asking the media budget for 600 bytes and holding them 0.4 s."""
+    from gateway.media_video import decode_video
+
+    admit(600)
+    time.sleep(0.4)
+    return decode_video(data, **kw)
+
+
+def peak_growth(conn: Any, data: bytes) -> None:
+    """In a fresh child: decode `data` as a video and send (the frames' bytes, how much the peak resident memory
+    grew while decoding), both in bytes."""
+    import os
+    import resource
+
+    from gateway.input_limits import InputLimits
+    from gateway.media_video import decode_video
+    from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
+
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    part = decode_video(data, sampling=VideoSampling(), limits=InputLimits(), param="v")
+    conn.send((part.frames.nbytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before))

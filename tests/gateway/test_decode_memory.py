@@ -1,0 +1,181 @@
+"""What a media decode in a child process (gateway/video_process.py) costs the gateway in memory, and how it waits
+for it in the media budget (gateway/media_budget.py): the child asks for its frames twice (its array and the
+gateway's) and the soundtrack's working memory before decoding anything; the gateway reads the frames straight
+into their array (a 316 MB decode held them twice in the gateway and three times in the child before); decodes
+that do not fit beside the others wait in line, and a caller that leaves withdraws its wait."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+import tracemalloc
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import video_decoders
+
+pytest.importorskip("av", reason="PyAV (the av package) decodes video; pip install av")
+
+from gateway import media_video, video_process  # noqa: E402
+from gateway.events import PipelineError  # noqa: E402
+from gateway.input_limits import InputLimits  # noqa: E402
+from gateway.media import MediaLoader  # noqa: E402
+from gateway.media_budget import MediaBudget  # noqa: E402
+from omnimesh.models.qwen3_omni.video_sampling import VideoSampling  # noqa: E402
+from test_media_video import make_video  # noqa: E402
+
+SAMPLING = VideoSampling()
+THREE_SECONDS = media_video.AUDIO_COPIES * 4 * 2 * 44_100 * 3  # the working memory of 3 s of 44.1 kHz stereo
+
+
+def _in_child(data: bytes, asked: list[int], **kw: object):  # type: ignore[no-untyped-def]
+    def admit(cost: int):  # type: ignore[no-untyped-def]
+        asked.append(cost)
+        return lambda: asked.append(-cost)
+
+    return video_process.decode_in_child(data, sampling=SAMPLING, limits=InputLimits(), param="v", admit=admit, **kw)
+
+
+def test_the_child_asks_for_its_frames_twice_and_its_soundtrack_before_decoding() -> None:
+    asked: list[int] = []
+    part = _in_child(make_video(12, 4), asked)
+    assert asked == [media_video.FRAME_COPIES * part.frames.nbytes, -media_video.FRAME_COPIES * part.frames.nbytes]
+    asked.clear()
+    part = _in_child(make_video(12, 4, tone_hz=440.0), asked, with_audio=True)  # 3 s of 44.1 kHz stereo
+    sound = asked[0] - media_video.FRAME_COPIES * part.frames.nbytes
+    assert 0.95 * THREE_SECONDS < sound < 1.07 * THREE_SECONDS
+    assert asked[1] == -asked[0]
+
+
+def test_an_audio_file_asks_for_its_samples_at_their_own_rate_and_channels() -> None:
+    asked: list[int] = []
+    part = video_process.decode_in_child(make_video(12, 4, tone_hz=440.0), sampling=None, limits=InputLimits(),
+                                         param="a", kind="audio",
+                                         admit=lambda cost: asked.append(cost) or (lambda: asked.append(-cost)))
+    assert part.sample_rate == 16_000 and len(asked) == 2 and asked[1] == -asked[0]
+    assert 0.95 * THREE_SECONDS < asked[0] < 1.07 * THREE_SECONDS
+
+
+def test_the_gateway_holds_the_frames_once_while_they_arrive() -> None:
+    """The frames come as raw bytes read into their array: no pickled copy beside it (2x before)."""
+    video_process.start_forkserver()
+    data = make_video(12, 2, w=640, h=480)
+    tracemalloc.start()
+    try:
+        part = video_process.decode_in_child(data, sampling=SAMPLING, limits=InputLimits(), param="v")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert part.frames.shape == (12, 480, 640, 3) and part.frames.nbytes > 10_000_000
+    assert peak < 1.25 * part.frames.nbytes, (peak, part.frames.nbytes)
+    assert np.array_equal(part.frames, media_video.decode_video(data, sampling=SAMPLING, limits=InputLimits(),
+                                                                param="v").frames)
+
+
+def _traced_peak(fn):  # type: ignore[no-untyped-def]
+    tracemalloc.start()
+    try:
+        out = fn()
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_decoders_fill_one_array() -> None:
+    """The sampled frames go into one array as they are decoded (a list of frames stacked at the end held them
+    twice: the child's peak grew by 2.4x the frames, now 1.6x with the decoder's own buffers); an audio file's
+    samples into one buffer sized by its declared length (its decoded frames, their concatenation and a
+    contiguous copy held them three times before the mono mix)."""
+    ours, theirs = multiprocessing.Pipe()
+    child = video_process._CONTEXT.Process(target=video_decoders.peak_growth,
+                                           args=(theirs, make_video(12, 2, w=1920, h=1080)))
+    child.start()
+    try:
+        assert ours.poll(60.0), "the child did not answer"
+        frames, growth = ours.recv()
+    finally:
+        child.join(10.0)
+    assert frames == 12 * 1920 * 1080 * 3 and growth < 2.0 * frames, (growth / frames)  # 1.6 now, 2.4 before
+    sound = make_video(12, 1, tone_hz=440.0)  # 12 s of 44.1 kHz stereo
+    part, peak = _traced_peak(lambda: media_video.decode_audio_file(sound, limits=InputLimits(), param="a"))
+    samples = 12 * 44_100 * 2 * 4  # float32 at their own rate and channels
+    assert abs(part.waveform.size - 12 * 16_000) < 16_000 and peak < 2.8 * samples, (peak, samples)
+
+
+def _slow_loader(monkeypatch: pytest.MonkeyPatch, budget: MediaBudget) -> MediaLoader:
+    """A loader whose child decoder asks for 600 bytes, then holds them 0.4 s before decoding."""
+    real = video_process.decode_in_child
+    monkeypatch.setattr(video_process, "decode_in_child",
+                        lambda data, **kw: real(data, decoder=video_decoders.admitted_then_slow, **kw))
+    return MediaLoader(InputLimits(), budget=budget)
+
+
+async def _until(condition, what: str, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_decodes_that_do_not_fit_together_wait_in_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = MediaBudget(1000)
+    loader = _slow_loader(monkeypatch, budget)
+    data = make_video(4, 4)
+    both = asyncio.gather(loader.video_from_bytes(data, "a"), loader.video_from_bytes(data, "b"))
+    await _until(lambda: budget.used == 600 and len(budget._waiting) == 1, "one decode granted, one in line")
+    first, second = await both
+    assert first.frames.shape == second.frames.shape == (4, 48, 64, 3)
+    await _until(lambda: budget.used == 0, "both grants given back")
+    assert not budget._waiting
+
+
+async def test_a_caller_that_leaves_withdraws_its_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = MediaBudget(1000)
+    loader = _slow_loader(monkeypatch, budget)
+    before = video_process.METRICS.counts["cancelled"]
+    async with budget.hold(1000):  # another request's build holds it all
+        decode = asyncio.ensure_future(loader.video_from_bytes(make_video(4, 4), "v"))
+        await _until(lambda: len(budget._waiting) == 1, "the decode in line")
+        decode.cancel()
+        await _until(lambda: not budget._waiting, "the wait withdrawn")
+        await _until(lambda: video_process.METRICS.counts["cancelled"] == before + 1, "the decode counted")
+        await _until(lambda: not multiprocessing.active_children(), "the child gone")
+    assert budget.used == 0
+    with pytest.raises(asyncio.CancelledError):
+        await decode
+
+
+async def test_a_decode_larger_than_the_budget_runs_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = MediaBudget(100)  # the decoder asks for 600
+    part = await _slow_loader(monkeypatch, budget).video_from_bytes(make_video(4, 4), "v")
+    assert part.frames.shape[0] == 4
+    await _until(lambda: budget.used == 0, "the grant given back")
+
+
+def _frame(width: int, height: int) -> SimpleNamespace:
+    return SimpleNamespace(width=width, height=height,
+                           to_ndarray=lambda format, width, height: np.zeros((height, width, 3), np.uint8))
+
+
+@pytest.mark.parametrize(("header", "first", "kept"), [
+    ((16, 16), (64, 64), (16, 16)),  # larger than declared: the header's size, which is what was admitted
+    ((16, 16), (8, 8), (8, 8)),  # smaller: its own (every later frame is scaled to it)
+    (None, (64, 64), (64, 64)),  # no size declared: admitted at the limits, its own
+])
+def test_frames_never_take_more_than_the_header_admitted(monkeypatch: pytest.MonkeyPatch, header, first,
+                                                           kept) -> None:  # type: ignore[no-untyped-def]
+    frames = [_frame(*first), _frame(64, 64), _frame(4, 4)]
+    monkeypatch.setattr(media_video, "_frames", lambda container, stream, param: iter(frames))
+    out = media_video._decode_sampled(None, None, [0, 1, 2], InputLimits(), "v", header)  # type: ignore[arg-type]
+    assert out.shape == (3, kept[1], kept[0], 3)
+
+
+def test_a_stream_shorter_than_declared_keeps_what_it_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(media_video, "_frames", lambda container, stream, param: iter([_frame(8, 8)]))
+    out = media_video._decode_sampled(None, None, [0, 2, 4], InputLimits(), "v", (8, 8))  # type: ignore[arg-type]
+    assert out.shape == (1, 8, 8, 3)
+    monkeypatch.setattr(media_video, "_frames", lambda container, stream, param: iter([]))
+    with pytest.raises(PipelineError, match="no frame of the video could be decoded"):
+        media_video._decode_sampled(None, None, [0, 2], InputLimits(), "v", (8, 8))  # type: ignore[arg-type]
