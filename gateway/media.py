@@ -457,20 +457,21 @@ class MediaLoader:
                                 "(pip install av)", http_status=501, grpc_code=_GRPC_UNIMPLEMENTED,
                                 kind="server_error", param=param)
 
-    def check_counts(self, kinds: Sequence[str]) -> None:
+    def check_counts(self, kinds: Sequence[str], param: str = "messages") -> None:
         """The request's media parts by modality ('audio', 'image', 'video'), checked before any is decoded:
-        `max_media_items` in all and `--limit-mm-per-prompt` per modality (400)."""
+        `max_media_items` in all and `--limit-mm-per-prompt` per modality (400 naming `param`, the field that
+        holds them)."""
         if len(kinds) > self.limits.max_media_items:
             raise invalid_request(f"request has {len(kinds)} audio/image/video parts; the limit is "
-                                  f"{self.limits.max_media_items}", "messages")
+                                  f"{self.limits.max_media_items}", param)
         for kind, limit in self.limits.limit_mm_per_prompt.items():
             if (n := kinds.count(kind)) > limit:
                 raise invalid_request(f"this server takes no {kind} input (--limit-mm-per-prompt {kind}=0)" if limit == 0
                                       else f"request has {n} {kind} parts; at most {limit} may be given in one "
-                                      f"request (--limit-mm-per-prompt)", "messages")
+                                      f"request (--limit-mm-per-prompt)", param)
 
-    def check_audio_seconds(self, seconds: float) -> None:
-        """The request's decoded audio in all (413)."""
+    def check_audio_seconds(self, seconds: float, param: str = "messages") -> None:
+        """The request's decoded audio in all (413 naming `param`)."""
         if seconds > self.limits.max_audio_seconds:
             raise too_large(f"request has {seconds:.1f} s of audio in all; the limit is "
-                            f"{self.limits.max_audio_seconds:g} s", "messages")
+                            f"{self.limits.max_audio_seconds:g} s", param)

@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -191,23 +190,6 @@ class _Response:
         return self.sequence - 1
 
 
-_CHAT_PARAM = re.compile(r"messages(?:\[(\d+)\])?")
-
-
-def _named_by_input(e: PipelineError, names: Sequence[str]) -> PipelineError:
-    """An error about the chat built from a Responses body, named by the body's fields: `messages[k]...` becomes
-    the input item (or `instructions`, `previous_response_id`) message k came from, `messages` becomes `input`;
-    an image's field is `image_url` itself there (a URL string, not `{"url"}`)."""
-    old = e.param or ""
-    if (m := _CHAT_PARAM.match(old)) is None:
-        return e
-    new = ("input" if m.group(1) is None else names[int(m.group(1))]) + old[m.end():].replace(".image_url.url",
-                                                                                             ".image_url")
-    message = e.message.replace(old, new, 1) if e.message.startswith(old) else e.message
-    return PipelineError(message, http_status=e.http_status, grpc_code=e.grpc_code, kind=e.kind, param=new,
-                         stage=e.stage)
-
-
 class ResponsesRoutes:
     """`POST /v1/responses` on one `RestGateway` (its pipeline, media loader, model names, metrics)."""
 
@@ -260,12 +242,11 @@ class ResponsesRoutes:
                                       previous.call_ids() if previous is not None else set(), items)
         system = [Message(role="system", content=[ContentPart(type="text", text=body.instructions)])] \
             if body.instructions else []
-        try:
-            messages = await gw.chat_messages(system + conversation)
-        except PipelineError as e:  # named by the chat's messages: say the input item instead
-            names = ["instructions"] * len(system) + [f"input[{items[id(m)]}]" if id(m) in items
-                                                      else "previous_response_id" for m in conversation]
-            raise _named_by_input(e, names) from None
+        from gateway.rest import MessageNames  # rest imports this module to route it
+
+        names = ["instructions"] * len(system) + [f"input[{items[id(m)]}]" if id(m) in items
+                                                  else "previous_response_id" for m in conversation]
+        messages = await gw.chat_messages(system + conversation, names=MessageNames("input", names, "image_url"))
         structured = await asyncio.to_thread(_structured, body)
         other = await asyncio.to_thread(structured_spec, body)  # vLLM's structured_outputs / guided_* too
         if structured is not None and other is not None:

@@ -242,6 +242,19 @@ class _Call:
         return self.request.sampling.logprobs is not None
 
 
+@dataclass(frozen=True, slots=True)
+class MessageNames:
+    """How a request's errors name the chat messages it stands for: the chat's own fields by default; the Responses
+    API names its input items instead (gateway/responses_api.py)."""
+
+    whole: str = "messages"  # the list (the request-wide media limits)
+    each: Sequence[str] = ()  # message i's own name; past its end: f"{whole}[{i}]"
+    image_url: str = "image_url.url"  # an image part's URL (the Responses API's `image_url` is the URL itself)
+
+    def of(self, i: int) -> str:
+        return self.each[i] if i < len(self.each) else f"{self.whole}[{i}]"
+
+
 class RestGateway:
     """The route handlers of one app; `create_app` wires them."""
 
@@ -330,30 +343,34 @@ class RestGateway:
                      spoken_lead=final if template.continue_final_message else "", reasoning=self.reasoning,
                      include_reasoning=body.include_reasoning)
 
-    async def chat_messages(self, messages: list[Message], mm: MMProcessorKwargs | None = None
-                            ) -> tuple[ChatMessage, ...]:
+    async def chat_messages(self, messages: list[Message], mm: MMProcessorKwargs | None = None,
+                            names: MessageNames = MessageNames()) -> tuple[ChatMessage, ...]:
         """The body's messages, media decoded (each video with its soundtrack when `mm.use_audio_in_video`,
         its frames sampled by `mm`'s fps / frame counts over the server's), the request-wide media limits
-        checked (chat and /tokenize): the part counts before anything is decoded."""
-        self.loader.check_counts([kind for m in messages for p in m.content if (kind := p.media_kind) is not None])
+        checked (chat, /tokenize, Responses): the part counts before anything is decoded. Errors name the
+        messages by `names`."""
+        self.loader.check_counts([kind for m in messages for p in m.content if (kind := p.media_kind) is not None],
+                                 names.whole)
         in_video = mm is not None and mm.use_audio_in_video
         sampling = self.loader.sampling_with(mm.settings() if mm is not None else {})
-        out = tuple([await self._message(i, m, in_video, sampling) for i, m in enumerate(messages)])
-        self.loader.check_audio_seconds(audio_seconds(out))
+        out = tuple([await self._message(m, names.of(i), names.image_url, in_video, sampling)
+                     for i, m in enumerate(messages)])
+        self.loader.check_audio_seconds(audio_seconds(out), names.whole)
         return out
 
-    async def _message(self, i: int, m: Message, use_audio_in_video: bool = False,
+    async def _message(self, m: Message, name: str, image_url: str, use_audio_in_video: bool = False,
                        sampling: VideoSampling | None = None) -> ChatMessage:
+        """Message `m` (its field: `name`, its image parts' URL field: `image_url`) with its media decoded."""
         parts: list[ContentPart] = []
         for j, p in enumerate(m.content):
-            where = f"messages[{i}].content[{j}]"
+            where = f"{name}.content[{j}]"
             if p.type == "text":
                 parts.append(TextPart(text=p.text or ""))
                 continue
             if m.role != "user":
                 raise media_not_from_user(where, m.role)
             if p.image_url is not None and p.type == "image_url":
-                parts.append(await self.loader.image_from_url(p.image_url.url, f"{where}.image_url.url"))
+                parts.append(await self.loader.image_from_url(p.image_url.url, f"{where}.{image_url}"))
             elif p.input_audio is not None and p.type == "input_audio":
                 parts.append(await self.loader.audio_from_base64(p.input_audio.data, p.input_audio.format,
                                                                  f"{where}.input_audio"))
@@ -363,7 +380,7 @@ class RestGateway:
                 parts.append(await self.loader.video_from_url(p.video_url.url, f"{where}.video_url.url",
                                                               with_audio=use_audio_in_video, sampling=sampling))
         if m.audio is not None and not any(isinstance(p, TextPart) and p.text for p in parts):
-            parts = [TextPart(self._earlier_answer(m.audio.id, f"messages[{i}].audio.id"))]
+            parts = [TextPart(self._earlier_answer(m.audio.id, f"{name}.audio.id"))]
         role = "system" if m.role == "developer" else m.role
         calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
         reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content

@@ -211,9 +211,9 @@ class TranscriptionRoutes:
                                      max_tokens=_max_tokens(_field(form, "max_completion_tokens")),
                                      logprobs=0 if include else None)
         check_sampling(sampling, "", self.gw.max_logprobs)
-        self.gw.loader.check_counts(["audio"])  # --limit-mm-per-prompt audio=0 refuses this route too
+        self.gw.loader.check_counts(["audio"], "file")  # --limit-mm-per-prompt audio=0 refuses this route too
         audio = await self.gw.loader.audio_from_bytes(await upload.read(), "file")
-        self.gw.loader.check_audio_seconds(audio.waveform.size / audio.sample_rate)
+        self.gw.loader.check_audio_seconds(audio.waveform.size / audio.sample_rate, "file")
         pipeline_model = model if model in self.gw.pipeline.served_models else self.gw.pipeline.served_models[0]
         suffix = check_request_id(client_id, "X-Request-Id") if client_id else uuid.uuid4().hex
         chat = transcription_request(pipeline_model, audio, self.gw.reasoning, task=task,

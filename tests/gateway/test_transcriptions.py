@@ -111,6 +111,7 @@ def test_audio_refused_by_limit_mm_per_prompt(pipeline: ScriptedPipeline) -> Non
         r = post(s)
         assert r.status_code == 400 and r.json()["error"]["message"] == ("this server takes no audio input "
                                                                          "(--limit-mm-per-prompt audio=0)")
+        assert r.json()["error"]["param"] == "file"  # the field that carries it (not a chat's messages)
     assert not pipeline.requests
 
 
