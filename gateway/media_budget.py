@@ -26,8 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gateway.events import AudioPart, ChatRequest, ImagePart, VideoPart
 
@@ -67,15 +71,19 @@ def _release() -> str | None:
         return None
 
 
-class MediaBudget:
+class MediaBudget(Collector):
     """A byte budget granted in arrival order (a large request is not overtaken for ever by small ones). Used
-    on the gateway's event loop only."""
+    on the gateway's event loop only; its state is on the gateway's /metrics (`collect`)."""
+
+    WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 
     def __init__(self, limit_bytes: int) -> None:
         if limit_bytes <= 0:
             raise ValueError(f"the media build budget must be positive, got {limit_bytes}")
         self.limit = limit_bytes
         self.used = 0
+        self.waits = [0] * len(self.WAIT_BUCKETS)  # grants by how long they waited (cumulative buckets)
+        self.waited_s = 0.0
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._large_ended = False  # a large build ended since the pages were last handed back
         self.releasing: asyncio.Future[str | None] | None = None  # the hand-back due or running now
@@ -118,11 +126,14 @@ class MediaBudget:
     async def _acquire(self, cost: int) -> None:
         if not self._waiting and self.used + cost <= self.limit:
             self.used += cost
+            self._waited(0.0)
             return
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append((cost, granted))
+        started = time.monotonic()
         try:
             await granted
+            self._waited(time.monotonic() - started)
         except asyncio.CancelledError:
             if granted.done() and not granted.cancelled():  # granted just as the caller left: give it back
                 self.used -= cost
@@ -130,6 +141,30 @@ class MediaBudget:
                 self._waiting.remove((cost, granted))
             self._grant()
             raise
+
+    def _waited(self, seconds: float) -> None:
+        self.waited_s += seconds
+        for i, bound in enumerate(self.WAIT_BUCKETS):
+            if seconds <= bound:
+                self.waits[i] += 1
+
+    def collect(self) -> Iterable[Metric]:
+        """omnimesh:media_budget_{limit,used}_bytes, _waiting (decodes and builds in line) and _wait_seconds
+        (how long each grant waited)."""
+        limit = GaugeMetricFamily("omnimesh:media_budget_limit_bytes", "The media decodes' and prompt builds' "
+                                  "working memory the gateway allows at once (media_build_memory)")
+        limit.add_metric([], float(self.limit))
+        used = GaugeMetricFamily("omnimesh:media_budget_used_bytes", "Of that, what the decodes and builds running "
+                                 "now hold (their estimates)")
+        used.add_metric([], float(self.used))
+        waiting = GaugeMetricFamily("omnimesh:media_budget_waiting", "Decodes and prompt builds waiting for their "
+                                    "share of the media budget")
+        waiting.add_metric([], float(len(self._waiting)))
+        wait = HistogramMetricFamily("omnimesh:media_budget_wait_seconds", "Seconds each decode or prompt build "
+                                     "with media waited for its share of the media budget")
+        wait.add_metric([], [(f"{b:g}" if b != float("inf") else "+Inf", float(n))
+                             for b, n in zip(self.WAIT_BUCKETS, self.waits, strict=True)], self.waited_s)
+        return [limit, used, waiting, wait]
 
     def _grant(self) -> None:
         while self._waiting and self.used + self._waiting[0][0] <= self.limit:

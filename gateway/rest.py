@@ -279,6 +279,8 @@ class RestGateway:
         self.metrics.registry.register(_HandOffCollector(pipeline))
         self.metrics.registry.register(video_process.METRICS)  # this process's video decodes
         self.metrics.registry.register(video_process.AUDIO_METRICS)  # and its compressed audio files
+        if loader.budget is not None:
+            self.metrics.registry.register(loader.budget)  # the media decodes' and builds' working memory
         self.created = int(time.time())
 
     def _usage(self, f: Finished) -> Usage:

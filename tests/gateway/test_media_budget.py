@@ -194,3 +194,34 @@ async def test_a_refused_build_leaves_nothing_behind_without_a_collection() -> N
         assert len(alive) == 1 and alive[0]() is None
     finally:
         gc.enable()
+
+
+async def test_the_budget_is_on_the_gateways_metrics() -> None:
+    """omnimesh:media_budget_*: its limit, what is held, how many wait, and how long each grant waited."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.rest import create_app
+    from gateway_harness import RestServer, ScriptedPipeline
+
+    pipeline = ScriptedPipeline()
+    pipeline.media_budget = MediaBudget(100)  # type: ignore[assignment]
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        return {s.name: s.value for f in text_string_to_metric_families(text) if f.name.startswith("omnimesh:media_b")
+                for s in f.samples if "le" not in s.labels or s.labels["le"] == "0.01"}
+
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",))) as server:
+        async with pipeline.media_budget.hold(80):
+            waiting = asyncio.ensure_future(pipeline.media_budget.acquire(50))
+            await asyncio.sleep(0.05)
+            now = await asyncio.to_thread(scrape)
+            assert (now["omnimesh:media_budget_limit_bytes"], now["omnimesh:media_budget_used_bytes"],
+                    now["omnimesh:media_budget_waiting"]) == (100, 80, 1)
+        pipeline.media_budget.release(await waiting)
+        after = await asyncio.to_thread(scrape)
+    assert (after["omnimesh:media_budget_used_bytes"], after["omnimesh:media_budget_waiting"]) == (0, 0)
+    assert after["omnimesh:media_budget_wait_seconds_count"] == 2  # the 80 at once, the 50 after its wait
+    assert after["omnimesh:media_budget_wait_seconds_bucket"] == 1  # within 10 ms: the first only
+    assert after["omnimesh:media_budget_wait_seconds_sum"] >= 0.05
