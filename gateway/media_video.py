@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 Admit = Callable[[int], None]  # told a decode's working memory (bytes) before it starts; may wait for it
 FRAME_COPIES = 2  # the sampled frames as RGB: the decoder's array, and the gateway's copy it is sent into
+MIN_AUDIO_BYTES_PER_S = 750  # 6 kbit/s, Opus's lowest rate for speech: a duration bound for files that declare none
 AUDIO_COPIES = 3  # the decoded samples (float32 at their own rate and channels), then their mono mix and resampling
 
 
@@ -92,7 +93,7 @@ def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, p
             _check_budget(len(indices), width, height, limits, param)
             if admit is not None:
                 pixels = len(indices) * (width * height or min(limits.max_image_pixels, limits.max_video_pixels))
-                sound = _audio_cost(container, limits.max_audio_seconds) if with_audio else 0
+                sound = _audio_cost(container, len(data), limits.max_audio_seconds) if with_audio else 0
                 admit(FRAME_COPIES * 3 * pixels + sound)
             frames = _decode_sampled(container, stream, indices, limits, param,
                                      (width, height) if width * height else None)  # (T, H, W, 3)
@@ -119,27 +120,27 @@ def decode_audio_file(data: bytes, *, sampling: VideoSampling | None = None, lim
     return _first_audio_stream(data, limits.max_audio_seconds, param, in_video=False, admit=admit)
 
 
-def _audio_cost(container: InputContainer, max_seconds: float) -> int:
-    """The working memory of decoding the first audio stream (0 without one): its samples at their own rate
-    and channels as float32, AUDIO_COPIES times, for its declared duration (`max_seconds` when it declares
-    none, as decoding stops there)."""
+def _audio_cost(container: InputContainer, size: int, max_seconds: float) -> int:
+    """The working memory of decoding the first audio stream (0 without one) of a file of `size` bytes: its
+    samples at their own rate and channels as float32, AUDIO_COPIES times, for `_expected_seconds`."""
     if not container.streams.audio:
         return 0
     context = container.streams.audio[0].codec_context
     rate, channels = context.sample_rate or 48_000, context.channels or 2
-    return int(AUDIO_COPIES * 4 * _declared_seconds(container, max_seconds) * rate * channels)
+    return int(AUDIO_COPIES * 4 * _expected_seconds(container, size, max_seconds) * rate * channels)
 
 
-def _declared_seconds(container: InputContainer, max_seconds: float) -> float:
-    """The first audio stream's duration as its header says (the container's, else `max_seconds`), at most
-    `max_seconds`: decoding stops there."""
+def _expected_seconds(container: InputContainer, size: int, max_seconds: float) -> float:
+    """The first audio stream's duration as its header says (the container's), at most `max_seconds` (decoding
+    stops there). A file that declares none (a live-recorded WebM, as browsers make) is taken to be as long as
+    its `size` bytes last at MIN_AUDIO_BYTES_PER_S; a longer one grows its buffer as it decodes."""
     stream = container.streams.audio[0]
     if stream.duration and stream.time_base:
         seconds = float(stream.duration * stream.time_base)
     elif container.duration:
         seconds = container.duration / av.time_base
     else:
-        seconds = max_seconds
+        seconds = size / MIN_AUDIO_BYTES_PER_S
     return min(seconds, max_seconds)
 
 
@@ -156,7 +157,7 @@ def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video
                 raise invalid_request(f"{param}: the video has no audio track, so use_audio_in_video cannot hear "
                                       "it; leave use_audio_in_video off for this request", param)
             if admit is not None:
-                admit(_audio_cost(container, max_seconds))
+                admit(_audio_cost(container, len(data), max_seconds))
             # planar float32 at the first frame's rate and layout (the resampler keeps them for the stream)
             resampler = av.AudioResampler(format="fltp")
             samples: np.ndarray | None = None  # (channels, capacity) float32, sized by the declared duration
@@ -166,8 +167,8 @@ def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video
                     block = out.to_ndarray()  # (channels, k)
                     if samples is None:
                         rate = out.sample_rate
-                        samples = np.empty((block.shape[0], int(_declared_seconds(container, max_seconds) * rate)
-                                            + block.shape[1]), np.float32)
+                        expected = _expected_seconds(container, len(data), max_seconds)
+                        samples = np.empty((block.shape[0], int(expected * rate) + block.shape[1]), np.float32)
                     samples = _append(samples, n, block)
                     n += block.shape[1]
                     if n / rate > max_seconds:

@@ -179,3 +179,45 @@ def test_a_stream_shorter_than_declared_keeps_what_it_has(monkeypatch: pytest.Mo
     monkeypatch.setattr(media_video, "_frames", lambda container, stream, param: iter([]))
     with pytest.raises(PipelineError, match="no frame of the video could be decoded"):
         media_video._decode_sampled(None, None, [0, 2], InputLimits(), "v", (8, 8))  # type: ignore[arg-type]
+
+
+def _live_webm(seconds: int) -> bytes:
+    """Mono Opus in a WebM written as a live recording (a browser's MediaRecorder): no duration in its header."""
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="webm", options={"live": "1"}) as c:
+        stream = c.add_stream("libopus", rate=48_000, layout="mono")
+        for k in range(seconds):
+            frame = av.AudioFrame.from_ndarray((0.3 * np.sin(np.arange(48_000) / 7 + k)).astype(np.float32)[None],
+                                               format="flt", layout="mono")
+            frame.sample_rate, frame.pts = 48_000, k * 48_000
+            for packet in stream.encode(frame):
+                c.mux(packet)
+        for packet in stream.encode():
+            c.mux(packet)
+    return out.getvalue()
+
+
+def test_a_file_without_a_declared_duration_asks_by_its_size() -> None:
+    """A live-recorded WebM says nothing of its length: it is taken to last its bytes at 6 kbit/s (Opus's
+    lowest for speech), not the whole max_audio_seconds (600 s of 48 kHz: 345 MB asked for a 5-second clip)."""
+    data = _live_webm(5)
+    asked: list[int] = []
+    part = video_process.decode_in_child(data, sampling=None, limits=InputLimits(), param="a", kind="audio",
+                                         admit=lambda cost: asked.append(cost) or (lambda: None))
+    assert abs(part.waveform.size - 5 * 16_000) < 1_600
+    expected_s = len(data) / media_video.MIN_AUDIO_BYTES_PER_S
+    assert 5 < expected_s < 600 and asked == [int(media_video.AUDIO_COPIES * 4 * expected_s * 48_000)]
+
+
+def test_the_sample_buffer_grows_past_what_the_header_said() -> None:
+    samples = np.arange(8, dtype=np.float32).reshape(2, 4)
+    grown = media_video._append(samples, 4, np.full((2, 3), -1, np.float32))  # 7 samples in a buffer of 4
+    assert grown.shape == (2, 7) and np.array_equal(grown[:, :4], samples) and (grown[:, 4:] == -1).all()
+    again = media_video._append(np.zeros((2, 40), np.float32), 7, np.ones((2, 3), np.float32))  # fits: in place
+    assert again.shape == (2, 40) and again[:, 7:10].sum() == 6
+    with pytest.raises(ValueError, match="changed from 2 to 1 channels"):
+        media_video._append(grown, 7, np.ones((1, 3), np.float32))
