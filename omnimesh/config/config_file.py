@@ -2,7 +2,8 @@
 
 Role: what a Kubernetes ConfigMap or a checked-in deployment file holds instead of a long command line. The
 file is a mapping of flag names (`max-model-len` or `max_model_len`, without the dashes in front; `model`
-for the model folder) to values; a flag given on the command line as well wins over the file.
+for the model folder; the global `log-level` too) to values; a flag given on the command line as well wins
+over the file.
 
 Data flow: `omnimesh.cli.main` -> `apply_config(parser, argv)` before parsing: it finds `--config FILE` in
 argv, reads the mapping, and makes each value the default of its flag in that subcommand's parser (so argparse
@@ -39,13 +40,14 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     sub = _subparsers(parser).choices[command]
     where = f"{FLAG} {path}"
     values = _read(sub, path, where)
-    by_flag = {s: a for a in sub._actions for s in a.option_strings}
-    by_dest = {a.dest: a for a in sub._actions if not a.option_strings}  # positionals: the model, a stage's name
-    fixed = {d for d, a in by_dest.items() if a.nargs != "?"}  # argparse wants these on the command line
-    defaults: dict[str, Any] = {}
+    # the command's flags, and the global ones before it (`log-level`), each with the parser that owns it
+    by_flag = {s: (p, a) for p in (parser, sub) for a in p._actions for s in a.option_strings}
+    by_dest = {a.dest: (sub, a) for a in sub._actions if not a.option_strings}  # positionals: model, stage name
+    fixed = {d for d, (_, a) in by_dest.items() if a.nargs != "?"}  # argparse wants these on the command line
+    defaults: dict[argparse.ArgumentParser, dict[str, Any]] = {parser: {}, sub: {}}
     for key, value in values.items():
         name = str(key).replace("_", "-")
-        action: argparse.Action | None = by_flag.get(f"--{name}") or by_dest.get(str(key).replace("-", "_"))
+        owner, action = by_flag.get(f"--{name}") or by_dest.get(str(key).replace("-", "_")) or (sub, None)
         if action is None or name in ("config", "help") or isinstance(action, argparse._VersionAction):
             sub.error(f"{where}: {key!r} is not a flag of `omnimesh {command}` (see omnimesh {command} --help)")
         assert action is not None
@@ -53,9 +55,10 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             sub.error(f"{where}: {key!r} goes on the command line (omnimesh {command} {action.dest.upper()} ...)")
         if value is None:
             continue
-        defaults[action.dest] = _value(sub, action, value, f"{where}: {key}")
+        defaults[owner][action.dest] = _value(sub, action, value, f"{where}: {key}")
         action.required = False  # given by the file (argparse counts only the command line for `required`)
-    sub.set_defaults(**defaults)
+    for owner, given in defaults.items():
+        owner.set_defaults(**given)
 
 
 def _find(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[str | None, str | None]:

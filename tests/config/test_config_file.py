@@ -66,10 +66,18 @@ def test_a_required_flag_from_the_file_and_an_empty_file(tmp_path: Path) -> None
     assert _parse("serve", "--config", _file(tmp_path, "# nothing set yet\n")).port == 8000
 
 
+def test_the_global_log_level_from_the_file(tmp_path: Path) -> None:
+    """`log-level` is omnimesh's own flag (before the command), and a file may set it too; typed, it wins."""
+    cfg = _file(tmp_path, "log-level: DEBUG\nport: 8100\n")
+    assert (_parse("serve", "--config", cfg).log_level, _parse("serve", "--config", cfg).port) == ("DEBUG", 8100)
+    assert _parse("--log-level", "WARNING", "serve", "--config", cfg).log_level == "WARNING"
+
+
 @pytest.mark.parametrize(("command", "text", "message"), [
     ("serve", "max-model-lenght: 10\n", "'max-model-lenght' is not a flag of `omnimesh serve`"),
     ("serve", "stages: thinker=h:1\n", "'stages' is not a flag of `omnimesh serve`"),
     ("serve", "config: other.yaml\n", "'config' is not a flag"),
+    ("serve", "version: true\n", "'version' is not a flag"),
     ("serve", "enable-prefix-caching: 'yes'\n", "enable-prefix-caching: a switch: give true or false, got 'yes'"),
     ("serve", "port: true\n", "port: takes a value"),
     ("serve", "max-model-len: [1, 2]\n", "max-model-len: takes one value, got a list"),
