@@ -144,7 +144,7 @@ def decode_in_child(data: bytes, *, sampling: VideoSampling | None, limits: Inpu
                     admit: Admit | None = None) -> Any:
     """`decode_video` (kind "video") or `decode_audio_file` (kind "audio") -- or `decoder`, a module-level
     function with their signature -- in a child process; the same answers (a VideoPart / an AudioPart), plus a
-    400 when the child crashes or outlives its deadline. `admit` (`MediaBudget.admit_from_thread`) is asked for
+    400 when the child crashes or outlives its deadline. `admit` (a `media_budget.ThreadAdmission`) is asked for
     the memory the child says its decode will take, before it decodes: the decode waits for it, outside its
     deadline, and gives it back once its answer is here. Blocks: run it in a thread. Every call is counted in
     `METRICS` / `AUDIO_METRICS` by its outcome, with its seconds (not counting that wait)."""
@@ -197,7 +197,11 @@ def _decode_in_child(data: bytes, sampling: VideoSampling | None, limits: InputL
             waited[0] = time.monotonic() - asked
             started += waited[0]  # the deadline counts decoding, not the wait for memory
         if tag == "frames":  # a VideoPart whose frames follow as raw bytes, received in place
-            tag, payload = "ok", _receive_frames(ours, *payload)
+            tag, payload = "ok", _receive_frames(ours, started + hard_deadline, *payload)
+            if payload is None:
+                return "timeout", invalid_request(
+                    f"{param}: sending the decoded {kind} took longer than {limits.video_decode_timeout_s:g} s; "
+                    f"send a shorter or smaller {kind} file", param)
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the child died before (or while) answering
         child.join(5.0)
         return "crashed", invalid_request(
@@ -216,12 +220,16 @@ def _decode_in_child(data: bytes, sampling: VideoSampling | None, limits: InputL
     return tag, PipelineError(message, **fields)
 
 
-def _receive_frames(conn: Connection, shape: tuple[int, ...], fps: float, audio: AudioPart | None) -> VideoPart:
+def _receive_frames(conn: Connection, deadline: float, shape: tuple[int, ...], fps: float,
+                    audio: AudioPart | None) -> VideoPart | None:
     """The frames the child writes to the pipe after its ("frames", ...) header, unframed, read straight into
-    their array: no pickle, and no buffer in between (`Connection.recv_bytes_into` reads into a BytesIO first)."""
+    their array: no pickle, and no buffer in between (`Connection.recv_bytes_into` reads into a BytesIO first).
+    None when they have not all come by `deadline` (time.monotonic)."""
     frames, got = np.empty(shape, np.uint8), 0
     with frames.reshape(-1).data as view:
         while got < frames.nbytes:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                return None
             if (n := os.readv(conn.fileno(), [view[got:]])) == 0:
                 raise EOFError(f"the child's frames ended after {got} of {frames.nbytes} bytes")
             got += n

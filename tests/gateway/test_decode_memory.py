@@ -221,3 +221,20 @@ def test_the_sample_buffer_grows_past_what_the_header_said() -> None:
     assert again.shape == (2, 40) and again[:, 7:10].sum() == 6
     with pytest.raises(ValueError, match="changed from 2 to 1 channels"):
         media_video._append(grown, 7, np.ones((1, 3), np.float32))
+
+
+def test_frames_that_stop_coming_are_given_up_at_the_deadline() -> None:
+    """The raw frame bytes are read under the decode's deadline: a child that stops sending halfway (stopped, not
+    dead: no end of file) cannot hold the gateway's thread."""
+    ours, theirs = multiprocessing.Pipe()
+    frames = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
+    video_process._send_frames(theirs, frames)
+    part = video_process._receive_frames(ours, time.monotonic() + 5.0, frames.shape, 2.0, None)
+    assert part is not None and np.array_equal(part.frames, frames) and part.fps == 2.0
+    video_process._send_frames(theirs, frames[:1])  # half of what the header will say
+    started = time.monotonic()
+    assert video_process._receive_frames(ours, started + 0.2, frames.shape, 2.0, None) is None
+    assert 0.15 < time.monotonic() - started < 2.0
+    theirs.close()
+    with pytest.raises(EOFError, match="ended after 0 of 96 bytes"):
+        video_process._receive_frames(ours, time.monotonic() + 5.0, frames.shape, 2.0, None)
