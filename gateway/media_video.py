@@ -6,9 +6,11 @@ Data flow: file bytes (MP4, WebM, MKV, MOV, AVI, ... any container and codec thi
 (`stream.frames`, else one demux-only pass that counts its packets) and native frame rate
 (`average_rate`, else `guessed_rate`) -> the limits, checked before any decoding (duration =
 frames / rate against `InputLimits.max_video_seconds`, width * height against `max_image_pixels`) ->
-`VideoSampling.indices(frames, rate)` -> the sampled frames' pixels against `max_video_pixels` -> one
-decoding pass (bounded by `video_decode_timeout_s`) that converts only those frames to RGB and
-stops after the last of them -> `VideoPart(frames (T, H, W, 3) uint8, fps=sampling.fps)`. A long video
+`VideoSampling.indices(frames, rate)` -> the sampled frames' pixels against `max_video_pixels` -> `admit`
+(the memory the decode will hold, which the gateway's media budget grants; gateway/video_process.py) -> one
+decoding pass (bounded by `video_decode_timeout_s`) that converts only those frames to RGB, into one array
+allocated at the first of them, and stops after the last -> `VideoPart(frames (T, H, W, 3) uint8,
+fps=sampling.fps)`. A long video
 never sits in memory as RGB: the frames not sampled are decoded and dropped. A stream that ends before
 its declared count, or at a packet the decoder rejects (a truncated upload), keeps the sampled frames
 decoded until then (logged); one without any is refused.
