@@ -225,3 +225,37 @@ async def test_the_budget_is_on_the_gateways_metrics() -> None:
     assert after["omnimesh:media_budget_wait_seconds_count"] == 2  # the 80 at once, the 50 after its wait
     assert after["omnimesh:media_budget_wait_seconds_bucket"] == 1  # within 10 ms: the first only
     assert after["omnimesh:media_budget_wait_seconds_sum"] >= 0.05
+
+
+async def test_a_thread_admission_cancelled_as_it_is_granted_gives_the_bytes_back() -> None:
+    """`ThreadAdmission` (a decode's worker thread waiting on the loop): cancelled in the same moment its wait is
+    granted, the grant goes back to the budget (the thread sees CancelledError and releases nothing); cancelled
+    after the thread has its grant, the thread keeps it until it releases; cancelled before it asked, the thread
+    never waits. (The thread's concurrent.futures.CancelledError reaches an awaiting coroutine as asyncio's.)"""
+    from gateway.media_budget import ThreadAdmission
+
+    budget = MediaBudget(100)
+    loop = asyncio.get_running_loop()
+    async with budget.hold(100):
+        admission = ThreadAdmission(budget, loop)
+        thread = asyncio.ensure_future(asyncio.to_thread(admission, 60))
+        await asyncio.sleep(0.05)
+        assert len(budget._waiting) == 1
+    admission.cancel()  # the 100 went back and granted the 60 in this same step; the cancel comes before it ran
+    with pytest.raises(asyncio.CancelledError):
+        await thread
+    assert budget.used == 0 and not budget._waiting
+
+    admission = ThreadAdmission(budget, loop)
+    release = await asyncio.to_thread(admission, 60)
+    admission.cancel()  # too late: the thread has it
+    assert budget.used == 60
+    release()
+    await asyncio.sleep(0)
+    assert budget.used == 0
+
+    admission = ThreadAdmission(budget, loop)
+    admission.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.to_thread(admission, 60)
+    assert budget.used == 0
