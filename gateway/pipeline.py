@@ -189,11 +189,11 @@ class StagePipeline:
         output = self.request_log.output() if self.request_log is not None else None  # --enable-log-outputs
         try:
             async with self.building(request):
-                prompt = await asyncio.to_thread(self._prepared, request, self.hashes_media())
+                built = _HeldPrompt(await asyncio.to_thread(self._prepared, request, self.hashes_media()))
             if self.request_log is not None:
-                self.request_log.received(request, int(prompt.input_ids.numel()))
+                self.request_log.received(request, built.tokens)
             trace = span.headers() if span is not None else {}
-            async with contextlib.aclosing(self._attempts(request, prompt, want_audio, voice, trace)) as events:
+            async with contextlib.aclosing(self._attempts(request, built, want_audio, voice, trace)) as events:
                 async for event in events:  # closing `run` closes this: the stages hear of the cancel at once
                     if isinstance(event, Finished):
                         done = event
@@ -242,21 +242,24 @@ class StagePipeline:
             return self.prepare.build(request, hash_media=hash_media)
         return self.prepare(request)
 
-    async def _attempts(self, request: ChatRequest, prompt: PromptInputs, want_audio: bool,
+    async def _attempts(self, request: ChatRequest, built: _HeldPrompt, want_audio: bool,
                         voice: str, trace: Mapping[str, str]) -> AsyncGenerator[Event, None]:
         """Run the request on one replica of each stage; when a replica is unreachable or full
         (UNAVAILABLE / RESOURCE_EXHAUSTED) before the client got anything, run it again on another one of
-        that stage (under a new id in the stages: `ID#1`, ...) — once per replica, at most."""
+        that stage (under a new id in the stages: `ID#1`, ...) — once per replica, at most. The prompt is let
+        go at the first event: no attempt can follow it."""
         tried: dict[str, set[int]] = {}
         attempt = 0
         while True:
-            plan = self.mesh.plan(bool(_encoder_inputs(prompt)), want_audio, tried, _content_keys(prompt))
+            plan = self.mesh.plan(bool(_encoder_inputs(built.prompt)), want_audio, tried, _content_keys(built.prompt))
             sent = ok = False
             try:
                 sid = request.request_id if attempt == 0 else f"{request.request_id}#{attempt}"
-                async with contextlib.aclosing(self._run(request, sid, prompt, want_audio, voice, plan,
+                async with contextlib.aclosing(self._run(request, sid, built, want_audio, voice, plan,
                                                          trace)) as events:
                     async for event in events:
+                        if not sent:
+                            built.let_go()
                         sent = True
                         ok = isinstance(event, Finished)  # the front end may stop reading here
                         yield event
@@ -277,16 +280,17 @@ class StagePipeline:
                 for lease in plan.values():
                     lease.done(ok)
 
-    async def _run(self, request: ChatRequest, rid: str, prompt: PromptInputs, want_audio: bool, voice: str,
+    async def _run(self, request: ChatRequest, rid: str, built: _HeldPrompt, want_audio: bool, voice: str,
                    plan: dict[str, Lease], trace: Mapping[str, str]) -> AsyncGenerator[Event, None]:
-        """One attempt on the planned replicas; `trace`: the run span's context, sent with every stage call."""
+        """One attempt on the planned replicas; `trace`: the run span's context, sent with every stage call.
+        Neither the prompt nor the encoder's output stays referenced here once the thinker has them."""
         deadline = time.time() + self.request_timeout_s if self.request_timeout_s else 0.0  # 0: none
         legs: list[_Leg] = []
         events: asyncio.Queue = asyncio.Queue()
         relays: list[asyncio.Task] = []
         ok = False
         try:
-            features = await self._encode(rid, prompt, deadline, plan, legs, trace)
+            features = await self._encode(rid, built.prompt, deadline, plan, legs, trace)
             thinker_replica = plan["thinker"].replica
             out = self.mesh.mode(thinker_replica, plan["talker"].replica.host, "talker") if want_audio else "grpc"
             thinker = await thinker_replica.client.open(
@@ -297,7 +301,8 @@ class StagePipeline:
                 deadline, transport=out, metadata=trace,
             )
             legs.append(_Leg(thinker, thinker_replica, out))
-            await self._send_prompt(thinker, prompt, features)
+            await self._send_prompt(thinker, built.prompt, features)
+            del features  # the thinker has them: a long video's embeddings need not last as long as its answer
             talker = vocoder = None
             if want_audio:
                 whole = not self.async_chunk
@@ -317,7 +322,7 @@ class StagePipeline:
                                                     whole_input=whole, transport=out, metadata=trace)
                 legs.append(_Leg(vocoder, replica, out))
             relays.append(asyncio.create_task(self._relay(thinker, talker, events, text=True,
-                                                          prompt_tokens=int(prompt.input_ids.numel()))))
+                                                          prompt_tokens=built.tokens)))
             if talker is not None and vocoder is not None:
                 relays.append(asyncio.create_task(self._relay(talker, vocoder, events, text=False)))
                 relays.append(asyncio.create_task(self._relay(vocoder, None, events, text=False, audio=True)))
@@ -337,7 +342,7 @@ class StagePipeline:
             ok = True  # every stage said done: a consumer that stops at Finished has nothing left to hand back
             yield Finished(
                 finish_reason=done.finish_reason if done else "stop",
-                prompt_tokens=done.usage.prompt_tokens if done else int(prompt.input_ids.numel()),
+                prompt_tokens=done.usage.prompt_tokens if done else built.tokens,
                 completion_tokens=done.usage.completion_tokens if done else 0,
                 cached_tokens=done.usage.cached_tokens if done else 0,
                 stop_reason=_stop_reason(done),
@@ -494,6 +499,28 @@ def _joined(deltas: list[TextDelta | AudioDelta]) -> Event:
                          tuple(e for d in texts for e in d.prompt_logprobs))
     pcm = [d.pcm for d in deltas if isinstance(d, AudioDelta)]
     return AudioDelta(pcm=np.concatenate(pcm), sample_rate=deltas[0].sample_rate)
+
+
+class _HeldPrompt:
+    """A request's built prompt while an attempt may still need it. A failed attempt is run again only before
+    the client got anything (`_attempts`), so at its first event the prompt is let go: its media tensors
+    (audio features, image and video patches: a minute of 720p video is ~0.9 GB of float32 patches at
+    Qwen3-Omni's sizes) are freed while the answer streams, not kept as long as the request lasts."""
+
+    __slots__ = ("_prompt", "tokens")
+
+    def __init__(self, prompt: PromptInputs) -> None:
+        self._prompt: PromptInputs | None = prompt
+        self.tokens = int(prompt.input_ids.numel())
+
+    @property
+    def prompt(self) -> PromptInputs:
+        if self._prompt is None:
+            raise RuntimeError("the prompt was let go at the request's first event; no attempt may follow it")
+        return self._prompt
+
+    def let_go(self) -> None:
+        self._prompt = None
 
 
 def _encoder_inputs(prompt: PromptInputs) -> dict[str, torch.Tensor]:

@@ -1,0 +1,107 @@
+"""A request's built prompt is let go at its first event (gateway/pipeline.py `_HeldPrompt`): its media tensors
+(a minute of 720p video is ~0.9 GB of float32 patches at Qwen3-Omni's sizes) are freed while the answer streams,
+by reference counting, not kept for as long as the request lasts; before the first event a failed attempt still
+runs again with them. Real encoder and thinker stages on loopback gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import weakref
+
+import torch
+
+from gateway.events import ChatMessage, ChatRequest, Finished, TextDelta
+from gateway.pipeline import StagePipeline
+from gateway.prompt import PromptInputs
+from omnimesh.engine.loop import EngineLoop
+from omnimesh.engine.task import StageTask
+from omnimesh.transport.frames import StageChunk
+from omnimesh.transport.stage_client import StageClient
+from omnimesh.v1 import stage_pb2
+from tests.stage_harness import served_stage
+
+
+class EncodeTask(StageTask):
+    """One output part (stand-in embeddings) for the media it was fed."""
+
+    def __init__(self, rid: str) -> None:
+        super().__init__(rid)
+        self.fed = False
+
+    def feed(self, chunk: StageChunk) -> None:
+        assert "pixel_values" in chunk.tensors
+        self.fed = True
+
+    def ready(self) -> bool:
+        return self.fed and not self.finished
+
+    def step(self) -> list[StageChunk]:
+        self.finished = True
+        return [StageChunk(tensors={"embeds": torch.zeros(4, 8)})]
+
+
+class TwoWordTask(StageTask):
+    """A first word at once; the second only when the test opens `gate` (the answer is still streaming)."""
+
+    def __init__(self, rid: str, gate: threading.Event) -> None:
+        super().__init__(rid)
+        self.gate, self.fed, self.steps = gate, False, 0
+
+    def feed(self, chunk: StageChunk) -> None:
+        self.prompt_tokens = int(chunk.tensors["input_ids"].numel())
+        self.fed = True
+
+    def ready(self) -> bool:
+        return self.fed and not self.finished
+
+    def step(self) -> list[StageChunk]:
+        if self.steps == 1:
+            assert self.gate.wait(30.0), "the test never opened the gate"
+        self.steps += 1
+        self.completion_tokens = self.steps
+        self.finished = self.steps == 2
+        return [StageChunk(text=f"w{self.steps} ")]
+
+
+class Stage:
+    def __init__(self, name: str, gate: threading.Event) -> None:
+        self.name, self.gate = name, gate
+
+    def info(self) -> stage_pb2.StageInfo:
+        return stage_pb2.StageInfo(stage=self.name, model="m", host_id="h")
+
+    def open(self, msg: stage_pb2.Open) -> StageTask:
+        return EncodeTask(msg.request_id) if self.name == "encoder" else TwoWordTask(msg.request_id, self.gate)
+
+
+async def test_the_prompts_media_is_freed_at_the_first_event() -> None:
+    gate, pixels = threading.Event(), []
+
+    def build(request: ChatRequest) -> PromptInputs:  # an image's patches, watched by a weak reference
+        patches = torch.zeros(16, 1176)
+        pixels.append(weakref.ref(patches))
+        return PromptInputs(torch.arange(5), None, None, patches, torch.tensor([[1, 4, 4]]), 5)
+
+    request = ChatRequest(request_id="r0", model="m", modalities=("text",),
+                          messages=(ChatMessage(role="user", content=()),))
+    async with served_stage(Stage("encoder", gate), EngineLoop("encoder")) as enc, \
+            served_stage(Stage("thinker", gate), EngineLoop("thinker")) as thk:
+        pipe = StagePipeline({"encoder": [StageClient("encoder", f"127.0.0.1:{enc.port}")],
+                              "thinker": [StageClient("thinker", f"127.0.0.1:{thk.port}")]},
+                             build, served_models=("m",))
+        await pipe.connect(timeout_s=10.0)
+        gc.disable()  # freed by reference counting alone: full collections are rare in a gateway (a frozen heap)
+        try:
+            events = pipe.run(request)
+            first = await anext(events)
+            assert isinstance(first, TextDelta) and first.text == "w1 "
+            assert len(pixels) == 1 and pixels[0]() is None  # gone while the answer is still streaming
+            gate.set()
+            rest = [event async for event in events]
+        finally:
+            gc.enable()
+        assert "".join(e.text for e in rest if isinstance(e, TextDelta)) == "w2 "
+        assert isinstance(rest[-1], Finished) and rest[-1].prompt_tokens == 5
+        await pipe.close()
