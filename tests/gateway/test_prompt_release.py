@@ -5,7 +5,6 @@ runs again with them. Real encoder and thinker stages on loopback gRPC."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import threading
 import weakref
@@ -20,6 +19,7 @@ from omnimesh.engine.task import StageTask
 from omnimesh.transport.frames import StageChunk
 from omnimesh.transport.stage_client import StageClient
 from omnimesh.v1 import stage_pb2
+from tests.gateway.test_replicas import WordTask
 from tests.stage_harness import served_stage
 
 
@@ -42,27 +42,16 @@ class EncodeTask(StageTask):
         return [StageChunk(tensors={"embeds": torch.zeros(4, 8)})]
 
 
-class TwoWordTask(StageTask):
+class TwoWordTask(WordTask):
     """A first word at once; the second only when the test opens `gate` (the answer is still streaming)."""
-
-    def __init__(self, rid: str, gate: threading.Event) -> None:
-        super().__init__(rid)
-        self.gate, self.fed, self.steps = gate, False, 0
-
-    def feed(self, chunk: StageChunk) -> None:
-        self.prompt_tokens = int(chunk.tensors["input_ids"].numel())
-        self.fed = True
-
-    def ready(self) -> bool:
-        return self.fed and not self.finished
 
     def step(self) -> list[StageChunk]:
         if self.steps == 1:
-            assert self.gate.wait(30.0), "the test never opened the gate"
+            assert self.gate is not None and self.gate.wait(30.0), "the test never opened the gate"
         self.steps += 1
         self.completion_tokens = self.steps
         self.finished = self.steps == 2
-        return [StageChunk(text=f"w{self.steps} ")]
+        return [StageChunk(text=f"{self.word}{self.steps} ")]
 
 
 class Stage:
@@ -73,7 +62,7 @@ class Stage:
         return stage_pb2.StageInfo(stage=self.name, model="m", host_id="h")
 
     def open(self, msg: stage_pb2.Open) -> StageTask:
-        return EncodeTask(msg.request_id) if self.name == "encoder" else TwoWordTask(msg.request_id, self.gate)
+        return EncodeTask(msg.request_id) if self.name == "encoder" else TwoWordTask(msg.request_id, "w", False, self.gate)
 
 
 async def test_the_prompts_media_is_freed_at_the_first_event() -> None:
