@@ -85,19 +85,21 @@ def _traced_peak(fn):  # type: ignore[no-untyped-def]
 
 def test_the_decoders_fill_one_array() -> None:
     """The sampled frames go into one array as they are decoded (a list of frames stacked at the end held them
-    twice: the child's peak grew by 2.4x the frames, now 1.6x with the decoder's own buffers); an audio file's
+    twice: the child's peak rose by 2.3x the frames, now 1.5x with the decoder's own buffers); an audio file's
     samples into one buffer sized by its declared length (its decoded frames, their concatenation and a
     contiguous copy held them three times before the mono mix)."""
     ours, theirs = multiprocessing.Pipe()
     child = video_process._CONTEXT.Process(target=video_decoders.peak_growth,
-                                           args=(theirs, make_video(12, 2, w=1920, h=1080)))
+                                           args=(theirs, make_video(12, 2, w=1920, h=1080), make_video(4, 2)))
     child.start()
     try:
         assert ours.poll(60.0), "the child did not answer"
         frames, growth = ours.recv()
     finally:
         child.join(10.0)
-    assert frames == 12 * 1920 * 1080 * 3 and growth < 2.0 * frames, (growth / frames)  # 1.6 now, 2.4 before
+    if growth is None:
+        pytest.skip("this kernel cannot reset a process's peak resident size (/proc/self/clear_refs)")
+    assert frames == 12 * 1920 * 1080 * 3 and growth < 1.9 * frames, (growth / frames)  # 1.47 now, 2.30 before
     sound = make_video(12, 1, tone_hz=440.0)  # 12 s of 44.1 kHz stereo
     part, peak = _traced_peak(lambda: media_video.decode_audio_file(sound, limits=InputLimits(), param="a"))
     samples = 12 * 44_100 * 2 * 4  # float32 at their own rate and channels

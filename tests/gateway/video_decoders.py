@@ -32,17 +32,25 @@ def admitted_then_slow(data: bytes, *, admit: Any, **kw: Any) -> Any:
     return decode_video(data, **kw)
 
 
-def peak_growth(conn: Any, data: bytes) -> None:
-    """In a fresh child: decode `data` as a video and send (the frames' bytes, how much the peak resident memory
-    grew while decoding), both in bytes."""
-    import os
-    import resource
-
+def peak_growth(conn: Any, data: bytes, warm_up: bytes) -> None:
+    """In a fresh child: decode `warm_up` (the imports, the codec's first buffers), reset the peak resident size
+    (/proc/self/clear_refs), decode `data` as a video and send (the frames' bytes, how far the peak rose above
+    the resident size before), both in bytes."""
     from gateway.input_limits import InputLimits
     from gateway.media_video import decode_video
     from omnimesh.models.qwen3_omni.video_sampling import VideoSampling
 
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+    decode_video(warm_up, sampling=VideoSampling(), limits=InputLimits(), param="v")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+    except OSError:  # a kernel without it (before Linux 4.0): nothing to measure against
+        conn.send((0, None))
+        return
+    before = status("VmRSS")
     part = decode_video(data, sampling=VideoSampling(), limits=InputLimits(), param="v")
-    conn.send((part.frames.nbytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before))
+    conn.send((part.frames.nbytes, status("VmHWM") - before))
