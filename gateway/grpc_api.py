@@ -23,6 +23,7 @@ large as the REST body limit are accepted (gRPC's default is 4 MiB). Inside a ru
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -175,13 +176,17 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                                   "prompt_token_ids)", "messages")
         check_turn_counts(len(req.messages), sum(len(m.content) for m in req.messages), self.loader.limits,
                           "messages")  # as REST's, before any message is read
-        self.loader.check_counts([_MEDIA_KINDS[kind] for m in req.messages for p in m.content
-                                  if (kind := p.WhichOneof("part")) in _MEDIA_KINDS])  # before decoding any
+        kinds = [_MEDIA_KINDS[kind] for m in req.messages for p in m.content
+                 if (kind := p.WhichOneof("part")) in _MEDIA_KINDS]
+        self.loader.check_counts(kinds)  # before decoding any
         try:
             settings = check_settings(dict(req.mm_processor_kwargs), "mm_processor_kwargs")
         except ValueError as e:
             raise invalid_request(str(e), "mm_processor_kwargs") from None
         video_sampling = self.loader.sampling_with(settings)
+        # the images' tokens, each counted from its header before its pixels are decoded (as REST's)
+        tokens = self.prompts.image_tokens(tuple(sorted(settings.items()))) \
+            if self.prompts is not None and "image" in kinds else None
         messages: list[ChatMessage] = []
         for i, m in enumerate(req.messages):
             if m.role not in _ROLES:
@@ -210,7 +215,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 elif kind == "audio":
                     parts.append(await self.loader.audio_from_bytes(p.audio, f"{where}.audio"))
                 elif kind == "image":
-                    parts.append(await self.loader.image_from_bytes(p.image, f"{where}.image"))
+                    admit = functools.partial(tokens.add, param=f"{where}.image") if tokens is not None else None
+                    parts.append(await self.loader.image_from_bytes(p.image, f"{where}.image", admit))
                 else:
                     parts.append(await self.loader.video_from_bytes(p.video, f"{where}.video",
                                                                     with_audio=req.use_audio_in_video,

@@ -19,7 +19,7 @@ import io
 import math
 import struct
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -292,8 +292,10 @@ def samples_to_audio_part(samples: np.ndarray, rate: int, *, param: str) -> Audi
 
 
 # ------------------------------------------------------------------------------------------- images
-def decode_image(data: bytes, *, max_pixels: int, param: str) -> ImagePart:
-    """Image file bytes (PNG, JPEG, ...) -> RGB `ImagePart`; the size is checked before decoding."""
+def decode_image(data: bytes, *, max_pixels: int, param: str,
+                 admit: Callable[[int, int], None] | None = None) -> ImagePart:
+    """Image file bytes (PNG, JPEG, ...) -> RGB `ImagePart`; the size is checked before decoding, and told to
+    `admit(width, height)` (which may refuse it: gateway/prompt.py `ImageTokens`)."""
     try:
         img = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
@@ -306,6 +308,8 @@ def decode_image(data: bytes, *, max_pixels: int, param: str) -> ImagePart:
     w, h = img.size
     if w * h > max_pixels:
         raise too_large(f"{param}: image is {w}x{h} = {w * h} pixels; the limit is {max_pixels}", param)
+    if admit is not None:
+        admit(w, h)
     try:
         return ImagePart(image=img.convert("RGB"))
     except (OSError, ValueError, SyntaxError) as e:  # truncated / corrupt pixel data
@@ -397,15 +401,19 @@ class MediaLoader:
                 raise unsupported from None
             return await self.audio_from_file(data, param)
 
-    async def image_from_url(self, url: str, param: str) -> ImagePart:
+    async def image_from_url(self, url: str, param: str, admit: Callable[[int, int], None] | None = None
+                             ) -> ImagePart:
         """OpenAI `image_url.url`: a `data:image/...;base64,` URI or an allowed http(s) URL."""
         mime, data = await self._bytes_from_url(url, param)
         if mime is not None and not mime.startswith("image/"):
             raise invalid_request(f"{param}: data URI has type '{mime}', expected an image/* type", param)
-        return await self.image_from_bytes(data, param)
+        return await self.image_from_bytes(data, param, admit)
 
-    async def image_from_bytes(self, data: bytes, param: str) -> ImagePart:
-        return await asyncio.to_thread(decode_image, data, max_pixels=self.limits.max_image_pixels, param=param)
+    async def image_from_bytes(self, data: bytes, param: str, admit: Callable[[int, int], None] | None = None
+                               ) -> ImagePart:
+        """`admit(width, height)` is told the image's size before its pixels are decoded (and may refuse it)."""
+        return await asyncio.to_thread(decode_image, data, max_pixels=self.limits.max_image_pixels, param=param,
+                                       admit=admit)
 
     def sampling_with(self, settings: dict[str, Any]) -> VideoSampling | None:
         """The video sampling of a request whose mm_processor_kwargs set `settings` (fps / min_frames /

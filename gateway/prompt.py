@@ -35,6 +35,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,13 +44,36 @@ import numpy as np
 import torch
 
 from gateway.content_format import as_strings, check_content_format, detect_content_format, media_placeholders
-from gateway.events import AudioPart, ChatMessage, ChatRequest, ImagePart, TextPart, VideoPart
+from gateway.events import AudioPart, ChatMessage, ChatRequest, ImagePart, PipelineError, TextPart, VideoPart
 from gateway.media import TARGET_SAMPLE_RATE, invalid_request, resample
 from gateway.media_digest import media_digests
 from omnimesh import json_text
 
 MAX_VARIANTS = 8  # processors kept for requests with their own mm_processor_kwargs
 log = logging.getLogger(__name__)
+
+
+def images_too_long(tokens: int, max_model_len: int, param: str) -> PipelineError:
+    return invalid_request(
+        f"the images alone are {tokens} tokens at this request's processor settings, but this model's maximum "
+        f"context length (max_model_len) is {max_model_len} tokens; send smaller images or a lower "
+        "mm_processor_kwargs min_pixels / max_pixels", param)
+
+
+class ImageTokens:
+    """The tokens of a request's images so far, each counted from its header's size by the processor's resize
+    rule (`count(width, height)`) before its pixels are decoded: images that alone reach max_model_len would be
+    refused once the prompt is built, after their pixels were decoded (32 flat 4096x4096 PNGs, 2.4 MB of body,
+    took a gateway to 4.2 GB and 17 s), so they are refused at the first image over it."""
+
+    def __init__(self, count: Callable[[int, int], int], max_model_len: int) -> None:
+        self.count, self.max_model_len, self.tokens = count, max_model_len, 0
+
+    def add(self, width: int, height: int, param: str) -> None:
+        """One more image (its field: `param`); a 400 naming it when the images now reach max_model_len."""
+        self.tokens += self.count(width, height)
+        if self.tokens >= self.max_model_len:
+            raise images_too_long(self.tokens, self.max_model_len, param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,12 +272,16 @@ class PromptBuilder:
     def processor_for(self, request: ChatRequest) -> Any:
         """The processor for this request: the server's, or one built for its mm_processor_kwargs over the
         server's (the last `MAX_VARIANTS` kept: building one reads the folder's configs)."""
-        if not request.processor_kwargs:
+        return self.processor_with(request.processor_kwargs)
+
+    def processor_with(self, processor_kwargs: tuple[tuple[str, float], ...]) -> Any:
+        """`processor_for` a request whose mm_processor_kwargs are `processor_kwargs`."""
+        if not processor_kwargs:
             return self.processor
         if self._folder is None:
             raise invalid_request("mm_processor_kwargs: this server's processor takes no per-request settings",
                                   "mm_processor_kwargs")
-        key = tuple(sorted({**self._base_kwargs, **dict(request.processor_kwargs)}.items()))
+        key = tuple(sorted({**self._base_kwargs, **dict(processor_kwargs)}.items()))
         with self._variants_lock:
             if key in self._variants:
                 self._variants.move_to_end(key)
@@ -286,6 +314,17 @@ class PromptBuilder:
                                "expected (1, L) for one prompt")
         return ids[0], batch  # (L,)
 
+    def image_tokens(self, processor_kwargs: tuple[tuple[str, float], ...] = ()) -> ImageTokens | None:
+        """A request's running count of its images' tokens, to refuse them from their headers before their pixels
+        are decoded (gateway/rest.py); None when the processor cannot count them."""
+        processor = self.processor_with(processor_kwargs)
+        images = getattr(processor, "image_processor", None)
+        patches = getattr(images, "get_number_of_image_patches", None)
+        if patches is None:
+            return None
+        merge = int(getattr(images, "merge_size", 1) or 1)
+        return ImageTokens(lambda width, height: int(patches(height, width, {})) // merge**2, self.max_model_len)
+
     def _check_media_tokens(self, conv: Conversation, processor: Any) -> None:
         """Images and videos that alone exceed max_model_len are refused from their shapes and the processor's
         resize rule, before the processor resizes them into float patches only for the length check to fail: a
@@ -298,10 +337,7 @@ class PromptBuilder:
             for image in conv.images:  # PIL images: size is (width, height)
                 n += int(patches(image.size[1], image.size[0], {})) // merge**2
             if n >= self.max_model_len:
-                raise invalid_request(
-                    f"the images alone are {n} tokens at this request's processor settings, but this model's maximum "
-                    f"context length (max_model_len) is {self.max_model_len} tokens; send smaller images or a lower "
-                    "mm_processor_kwargs min_pixels / max_pixels", "messages")
+                raise images_too_long(n, self.max_model_len, "messages")
         counter = getattr(getattr(processor, "video_processor", None), "token_count", None)
         if not conv.videos or counter is None:
             return

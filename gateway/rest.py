@@ -105,7 +105,7 @@ from gateway.openai_schema import (
     unknown_model,
     resolve_voice,
 )
-from gateway.prompt import PromptBuilder
+from gateway.prompt import ImageTokens, PromptBuilder
 from gateway.prompt_logprobs import prompt_logprobs_json
 from gateway.tokenize_api import TokenizeRoutes
 from gateway.structured_request import structured_spec
@@ -268,6 +268,7 @@ class RestGateway:
         self.auto_tool_choice = auto_tool_choice  # --enable-auto-tool-choice (with --tool-call-parser)
         self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
         self.force_include_usage = False  # --enable-force-include-usage: every stream ends with its usage
+        self.prompts: PromptBuilder | None = None  # counts images' tokens before their pixels are decoded
         self.max_logprobs = max_logprobs  # --max-logprobs
         self.tokens_as_ids = tokens_as_ids  # --return-tokens-as-token-ids
         self.max_model_len = max_model_len  # on the model cards, when the prompt builder is known
@@ -349,20 +350,22 @@ class RestGateway:
                             names: MessageNames = MessageNames()) -> tuple[ChatMessage, ...]:
         """The body's messages, media decoded (each video with its soundtrack when `mm.use_audio_in_video`,
         its frames sampled by `mm`'s fps / frame counts over the server's), the request-wide media limits
-        checked (chat, /tokenize, Responses): the part counts before anything is decoded. Errors name the
-        messages by `names`."""
-        self.loader.check_counts([kind for m in messages for p in m.content if (kind := p.media_kind) is not None],
-                                 names.whole)
+        checked (chat, /tokenize, Responses): the part counts before anything is decoded, the images' tokens
+        from each one's header before its pixels are. Errors name the messages by `names`."""
+        kinds = [kind for m in messages for p in m.content if (kind := p.media_kind) is not None]
+        self.loader.check_counts(kinds, names.whole)
         in_video = mm is not None and mm.use_audio_in_video
         sampling = self.loader.sampling_with(mm.settings() if mm is not None else {})
-        out = tuple([await self._message(m, names.of(i), names.image_url, in_video, sampling)
+        tokens = self.prompts.image_tokens(_settings(mm)) if self.prompts is not None and "image" in kinds else None
+        out = tuple([await self._message(m, names.of(i), names.image_url, in_video, sampling, tokens)
                      for i, m in enumerate(messages)])
         self.loader.check_audio_seconds(audio_seconds(out), names.whole)
         return out
 
     async def _message(self, m: Message, name: str, image_url: str, use_audio_in_video: bool = False,
-                       sampling: VideoSampling | None = None) -> ChatMessage:
-        """Message `m` (its field: `name`, its image parts' URL field: `image_url`) with its media decoded."""
+                       sampling: VideoSampling | None = None, tokens: ImageTokens | None = None) -> ChatMessage:
+        """Message `m` (its field: `name`, its image parts' URL field: `image_url`) with its media decoded (each
+        image's tokens added to `tokens` first)."""
         parts: list[ContentPart] = []
         for j, p in enumerate(m.content):
             where = f"{name}.content[{j}]"
@@ -372,7 +375,9 @@ class RestGateway:
             if m.role != "user":
                 raise media_not_from_user(where, m.role)
             if p.image_url is not None and p.type == "image_url":
-                parts.append(await self.loader.image_from_url(p.image_url.url, f"{where}.{image_url}"))
+                param = f"{where}.{image_url}"
+                admit = functools.partial(tokens.add, param=param) if tokens is not None else None
+                parts.append(await self.loader.image_from_url(p.image_url.url, param, admit))
             elif p.input_audio is not None and p.type == "input_audio":
                 parts.append(await self.loader.audio_from_base64(p.input_audio.data, p.input_audio.format,
                                                                  f"{where}.input_audio"))
@@ -771,6 +776,7 @@ def create_app(pipeline: Pipeline, *, served_model_names: Sequence[str] | None =
     gw = RestGateway(pipeline, names, loader, stage_metrics, prompts.max_model_len if prompts is not None else None,
                      max_logprobs, return_tokens_as_token_ids, prompt_tokens_details, auto_tool_choice, reasoning)
     gw.force_include_usage = force_include_usage
+    gw.prompts = prompts
     app = FastAPI(title="omnimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     if api_keys:  # /v1 needs one of them; /health and /metrics stay open (gateway/auth.py)

@@ -1,0 +1,79 @@
+"""Images that alone reach max_model_len are refused from their headers, before their pixels are decoded
+(gateway/prompt.py `ImageTokens`, used by REST chat / Responses / tokenize and the gRPC API): they would be
+refused once the prompt is built anyway, after the decoding (32 flat 4096x4096 PNGs, 2.4 MB of body, took a
+gateway to 4.2 GB and 17 s). The proof: the image that crosses the limit has a valid header and corrupt pixels,
+and the answer is the token refusal naming it, not the corrupt-image one."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from gateway.events import PipelineError
+from gateway.grpc_api import OmniServicer
+from gateway.prompt import PromptBuilder
+from gateway.rest import create_app
+from gateway_harness import RestServer, ScriptedPipeline
+from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+from omnimesh.v1 import omni_pb2
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> PromptBuilder:
+    """The tiny model's processor (a 256x256 image is 64 tokens) under a max_model_len of 100."""
+    folder = build_tiny_qwen3_omni(Path(tmp_path_factory.mktemp("tiny")) / "qwen3-omni")
+    return PromptBuilder(folder, max_model_len=100)
+
+
+def _png(size: int, cut: bool = False) -> bytes:
+    out = io.BytesIO()
+    noise = np.random.default_rng(0).integers(0, 256, (size, size, 3), np.uint8)
+    Image.fromarray(noise).save(out, "PNG")
+    data = out.getvalue()
+    return data[:len(data) // 2] if cut else data  # cut: the header says 256x256, the pixels end halfway
+
+
+def test_the_count_is_the_processors(small: PromptBuilder) -> None:
+    tokens = small.image_tokens()
+    assert tokens is not None
+    for size in ((256, 256), (100, 40), (33, 250)):
+        batch = small.processor.image_processor(images=[Image.new("RGB", size)], return_tensors="pt")
+        assert tokens.count(*size) == int(batch["image_grid_thw"].prod()) // small.processor.image_processor.merge_size ** 2
+    assert tokens.count(256, 256) == 64
+
+
+def test_rest_refuses_the_image_that_crosses_max_model_len_before_decoding_it(small: PromptBuilder) -> None:
+    def part(data: bytes) -> dict:
+        return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+    pipeline = ScriptedPipeline()
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",), prompts=small)) as server:
+        def chat(*images: bytes) -> httpx.Response:
+            return httpx.post(f"{server.base_url}/v1/chat/completions", timeout=30, json={
+                "model": "tiny-omni", "messages": [{"role": "user", "content": [part(i) for i in images]}]})
+
+        r = chat(_png(256), _png(256, cut=True))  # 64 + 64 tokens: over 100 at the second image's header
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "messages[0].content[1].image_url.url", r.text
+        assert err["message"].startswith("the images alone are 128 tokens at this request's processor settings, "
+                                         "but this model's maximum context length (max_model_len) is 100 tokens")
+        assert not pipeline.requests
+        r = chat(_png(256, cut=True))  # alone it fits: decoded, and refused as the corrupt file it is
+        assert r.status_code == 400 and "could not decode the image" in r.json()["error"]["message"]
+        assert chat(_png(256)).status_code == 200
+
+
+async def test_grpc_refuses_it_the_same_way(small: PromptBuilder) -> None:
+    pipeline = ScriptedPipeline()
+    pipeline.prepare = small  # type: ignore[attr-defined]  # what StagePipeline calls its PromptBuilder
+    msg = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(image=_png(256)),
+                                                     omni_pb2.ContentPart(image=_png(256, cut=True))])
+    with pytest.raises(PipelineError, match=r"^the images alone are 128 tokens") as e:
+        await OmniServicer(pipeline).build(omni_pb2.GenerateRequest(messages=[msg], modalities=["text"]))
+    assert e.value.param == "messages[0].content[1].image"
