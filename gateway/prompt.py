@@ -70,8 +70,12 @@ class ImageTokens:
         self.count, self.max_model_len, self.tokens = count, max_model_len, 0
 
     def add(self, width: int, height: int, param: str) -> None:
-        """One more image (its field: `param`); a 400 naming it when the images now reach max_model_len."""
-        self.tokens += self.count(width, height)
+        """One more image (its field: `param`); a 400 naming it when the images now reach max_model_len, or when
+        the resize rule refuses its shape (an aspect ratio over 200)."""
+        try:
+            self.tokens += self.count(width, height)
+        except ValueError as e:
+            raise invalid_request(f"{param}: could not prepare the image for this model: {e}", param) from None
         if self.tokens >= self.max_model_len:
             raise images_too_long(self.tokens, self.max_model_len, param)
 

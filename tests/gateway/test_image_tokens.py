@@ -39,6 +39,12 @@ def _png(size: int, cut: bool = False) -> bytes:
     return data[:len(data) // 2] if cut else data  # cut: the header says 256x256, the pixels end halfway
 
 
+def _blank_png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height)).save(out, "PNG")
+    return out.getvalue()
+
+
 def test_the_count_is_the_processors(small: PromptBuilder) -> None:
     tokens = small.image_tokens()
     assert tokens is not None
@@ -64,6 +70,10 @@ def test_rest_refuses_the_image_that_crosses_max_model_len_before_decoding_it(sm
         assert err["message"].startswith("the images alone are 128 tokens at this request's processor settings, "
                                          "but this model's maximum context length (max_model_len) is 100 tokens")
         assert not pipeline.requests
+        r = chat(_blank_png(3000, 10))  # a shape the resize rule refuses: a 400 naming the image (was a 500)
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "messages[0].content[0].image_url.url: could not prepare the image for this model: absolute aspect ratio "
+            "must be smaller than 200, got 300.0"), r.text
         r = chat(_png(256, cut=True))  # alone it fits: decoded, and refused as the corrupt file it is
         assert r.status_code == 400 and "could not decode the image" in r.json()["error"]["message"]
         assert chat(_png(256)).status_code == 200
