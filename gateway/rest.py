@@ -66,6 +66,7 @@ from gateway.completions_api import CompletionRoutes
 from gateway.invocations_api import InvocationRoutes
 from gateway.choices import MAX_CHOICES, Indexed, choice_requests, close_events, fan_out, total_usage
 from gateway.chat_template_options import final_assistant_text
+from gateway.client_gone import CLIENT_GONE, until_client_leaves
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway import video_process
 from gateway.http_front import HttpFront
@@ -419,30 +420,24 @@ class RestGateway:
                      prepare: Callable[[bytes, str | None, float], Awaitable[Answer]]) -> Response:
         """A generating route: the body (size-capped) -> `prepare` -> the runs fanned out -> the first event
         awaited (errors found up front keep their status, streamed or not) -> a whole answer or an SSE
-        stream. Metrics under `endpoint`; a PipelineError is its status, anything else a logged 500."""
+        stream. Until the stream starts, a client that disconnects stops the work (gateway/client_gone.py;
+        counted as status 499). Metrics under `endpoint`; a PipelineError is its status, anything else a
+        logged 500."""
         started = time.perf_counter()
         self.metrics.running.inc()
         streaming = False
         trace = tracing.set_request_parent(request.headers.items())  # the client's traceparent, when tracing
         try:
             raw = await read_body(request, self.loader.limits.max_request_bytes)
-            ans = await prepare(raw, request.headers.get("x-request-id"), started)
-            if ans.immediate is not None:
-                self._finish(endpoint, ans.immediate.status_code, started)
-                return ans.immediate
-            events = aiter(fan_out(self.pipeline, ans.runs))
-            try:
-                first = await anext(events)
-            except StopAsyncIteration:
-                raise internal_error(RuntimeError("the pipeline ended without a Finished event")) from None
-            except BaseException:
-                await close_events(events)
-                raise
-            if ans.stream:
-                streaming = True  # the stream's own `finally` settles the metrics
-                state = StreamState(self, endpoint, ans.request_id, started, events)
-                return SSEResponse(state, ans.streamed(first, state), ans.media_type)
-            return await ans.complete(first, events)
+            work = asyncio.ensure_future(self._respond(endpoint, raw, request.headers.get("x-request-id"), started,
+                                                       prepare))
+            done = await until_client_leaves(request, work)
+            if done is None:
+                log.info("%s request: the client disconnected before its answer; its work is stopped", endpoint)
+                self._finish(endpoint, CLIENT_GONE, started)
+                return Response(status_code=CLIENT_GONE)
+            response, streaming = done
+            return response
         except PipelineError as e:
             self._finish(endpoint, e.http_status, started)
             return error_json(e)
@@ -454,6 +449,31 @@ class RestGateway:
             tracing.reset_request_parent(trace)  # the runs' spans have started under it by now
             if not streaming:
                 self.metrics.running.dec()
+
+    async def _respond(self, endpoint: str, raw: bytes, client_id: str | None, started: float,
+                       prepare: Callable[[bytes, str | None, float], Awaitable[Answer]]) -> tuple[Response, bool]:
+        """`answer`'s work once the body is read: (the response, whether it is a stream that settles its own
+        metrics). A cancel (the client left) closes the runs."""
+        ans = await prepare(raw, client_id, started)
+        if ans.immediate is not None:
+            self._finish(endpoint, ans.immediate.status_code, started)
+            return ans.immediate, False
+        events = aiter(fan_out(self.pipeline, ans.runs))
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            raise internal_error(RuntimeError("the pipeline ended without a Finished event")) from None
+        except BaseException:
+            await close_events(events)
+            raise
+        if ans.stream:
+            state = StreamState(self, endpoint, ans.request_id, started, events)
+            return SSEResponse(state, ans.streamed(first, state), ans.media_type), True
+        try:
+            return await ans.complete(first, events), False
+        except BaseException:
+            await close_events(events)
+            raise
 
     def _finish(self, endpoint: str, status: int, started: float) -> None:
         self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
