@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -65,6 +66,7 @@ from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
                                        check_temperature, truncation_json, updated)
 from gateway.realtime_tasks import spawn
+from gateway.prompt import ImageTokens
 from gateway.realtime_tools import CallItem, OutputItem, chat_messages, new_call_item, parse_call_item
 from gateway.realtime_truncation import fitted_run
 from gateway.realtime_vllm import VllmTranscriber, speaks_vllm
@@ -495,6 +497,7 @@ class RealtimeSession:
         if not isinstance(content, list) or not content:
             raise RealtimeError("item.content must be a non-empty list of parts", "item.content")
         parts: list[TextPart | AudioPart | ImagePart] = []
+        tokens = self._image_tokens() if role == "user" else None  # the conversation's pictures' tokens so far
         for j, p in enumerate(content):
             where = f"item.content[{j}]"
             kind = p.get("type") if isinstance(p, dict) else None
@@ -508,7 +511,8 @@ class RealtimeSession:
                 if not isinstance(url, str):
                     raise RealtimeError(f"{where}.image_url: an input_image part needs its image as a data URI "
                                         "string", f"{where}.image_url")
-                parts.append(await self.gw.loader.image_from_url(url, f"{where}.image_url"))
+                admit = functools.partial(tokens.add, param=f"{where}.image_url") if tokens is not None else None
+                parts.append(await self.gw.loader.image_from_url(url, f"{where}.image_url", admit))
             else:
                 raise RealtimeError(f"{where}: a part is input_text / text with its text, or input_audio (user "
                                     "items) with base64 audio in the session's input_audio_format, or input_image "
@@ -534,6 +538,18 @@ class RealtimeSession:
         if after is None:
             return len(self.items)
         return 0 if after == "root" else self.items.index(self._find(after, "previous_item_id")) + 1
+
+    def _image_tokens(self) -> ImageTokens | None:
+        """The tokens of the conversation's pictures (each counted as the prompt builder would), to which a new
+        picture's are added from its header before its pixels are decoded: the one that brings them to
+        max_model_len is refused (a session keeps its pictures decoded for its life). None without a builder."""
+        if self.gw.prompts is None or (tokens := self.gw.prompts.image_tokens()) is None:
+            return None
+        for item in self.items:
+            for p in item.parts if isinstance(item, _Item) else ():
+                if isinstance(p, ImagePart):
+                    tokens.tokens += tokens.count(*p.image.size)  # type: ignore[attr-defined]
+        return tokens
 
     def _check_images(self, items: list[Any]) -> None:
         """The images a response would read, against --limit-mm-per-prompt and max_media_items (a 400 as an error

@@ -87,3 +87,28 @@ async def test_grpc_refuses_it_the_same_way(small: PromptBuilder) -> None:
     with pytest.raises(PipelineError, match=r"^the images alone are 128 tokens") as e:
         await OmniServicer(pipeline).build(omni_pb2.GenerateRequest(messages=[msg], modalities=["text"]))
     assert e.value.param == "messages[0].content[1].image"
+
+
+def test_a_realtime_conversation_counts_its_pictures(small: PromptBuilder) -> None:
+    """A Realtime session keeps its pictures decoded for its life: a picture that would bring the conversation's
+    to max_model_len is refused from its header (an error event naming it); the conversation stays as it was."""
+    import json
+
+    from websockets.sync.client import connect
+
+    def create(conn, data: bytes) -> dict:  # type: ignore[no-untyped-def]
+        conn.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(data).decode()}]}}))
+        while (event := json.loads(conn.recv(timeout=30)))["type"] == "conversation.item.done":
+            pass  # GA's second event for an item it added
+        return event
+
+    with RestServer(create_app(ScriptedPipeline(), served_model_names=("tiny-omni",), prompts=small)) as server, \
+            connect(server.base_url.replace("http://", "ws://") + "/v1/realtime?model=tiny-omni",
+                    open_timeout=30) as conn:
+        assert json.loads(conn.recv(timeout=30))["type"] == "session.created"
+        assert create(conn, _png(256))["type"] == "conversation.item.added"  # 64 tokens (GA's event name)
+        error = create(conn, _png(256, cut=True))["error"]  # 128: refused before its (corrupt) pixels
+        assert error["param"] == "item.content[0].image_url" and error["message"].startswith(
+            "the images alone are 128 tokens"), error
+        assert create(conn, _blank_png(32, 32))["type"] == "conversation.item.added"  # 65: still room
