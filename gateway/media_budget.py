@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from gateway.events import AudioPart, ChatRequest, ImagePart, VideoPart
 
@@ -162,8 +163,8 @@ class MediaBudget(Collector):
         waiting.add_metric([], float(len(self._waiting)))
         wait = HistogramMetricFamily("omnimesh:media_budget_wait_seconds", "Seconds each decode or prompt build "
                                      "with media waited for its share of the media budget")
-        wait.add_metric([], [(f"{b:g}" if b != float("inf") else "+Inf", float(n))
-                             for b, n in zip(self.WAIT_BUCKETS, self.waits, strict=True)], self.waited_s)
+        buckets = [(floatToGoString(b), float(n)) for b, n in zip(self.WAIT_BUCKETS, self.waits, strict=True)]
+        wait.add_metric([], buckets, self.waited_s)
         return [limit, used, waiting, wait]
 
     def _grant(self) -> None:

@@ -113,7 +113,7 @@ class StagePipeline:
         self.async_chunk = async_chunk
         self.request_timeout_s = request_timeout_s
         self.request_log = request_log  # --enable-log-requests
-        self.media_budget: MediaBudget | None = None  # the prompt builds' working memory (InputLimits; None: unbounded)
+        self.media_budget: MediaBudget | None = None  # builds' and decodes' working memory (None: unbounded)
         if no_audio is None and not {"talker", "vocoder"} <= set(stages):
             no_audio = "this gateway was given no talker / vocoder stage (--stages)"
         self.no_audio = no_audio  # why this gateway speaks no audio (a thinker-only model, ...); None: it does

@@ -60,6 +60,17 @@ def images_too_long(tokens: int, max_model_len: int, param: str) -> PipelineErro
         "mm_processor_kwargs min_pixels / max_pixels", param)
 
 
+def _image_token_count(processor: Any) -> Callable[[int, int], int] | None:
+    """(width, height) -> the tokens an image of that size takes with this processor (its resize rule; a
+    ValueError for a shape the rule refuses); None when its image processor cannot say."""
+    images = getattr(processor, "image_processor", None)
+    patches = getattr(images, "get_number_of_image_patches", None)
+    if patches is None:
+        return None
+    merge = int(getattr(images, "merge_size", 1) or 1)
+    return lambda width, height: int(patches(height, width, {})) // merge**2
+
+
 class ImageTokens:
     """The tokens of a request's images so far, each counted from its header's size by the processor's resize
     rule (`count(width, height)`) before its pixels are decoded: images that alone reach max_model_len would be
@@ -321,25 +332,17 @@ class PromptBuilder:
     def image_tokens(self, processor_kwargs: tuple[tuple[str, float], ...] = ()) -> ImageTokens | None:
         """A request's running count of its images' tokens, to refuse them from their headers before their pixels
         are decoded (gateway/rest.py); None when the processor cannot count them."""
-        processor = self.processor_with(processor_kwargs)
-        images = getattr(processor, "image_processor", None)
-        patches = getattr(images, "get_number_of_image_patches", None)
-        if patches is None:
-            return None
-        merge = int(getattr(images, "merge_size", 1) or 1)
-        return ImageTokens(lambda width, height: int(patches(height, width, {})) // merge**2, self.max_model_len)
+        count = _image_token_count(self.processor_with(processor_kwargs))
+        return ImageTokens(count, self.max_model_len) if count is not None else None
 
     def _check_media_tokens(self, conv: Conversation, processor: Any) -> None:
         """Images and videos that alone exceed max_model_len are refused from their shapes and the processor's
         resize rule, before the processor resizes them into float patches only for the length check to fail: a
         request's own min_pixels could otherwise blow a 32x32 image up to gigabytes of floats first."""
         n = 0
-        images = getattr(processor, "image_processor", None)
-        patches = getattr(images, "get_number_of_image_patches", None)
-        if conv.images and patches is not None:
-            merge = int(getattr(images, "merge_size", 1) or 1)
-            for image in conv.images:  # PIL images: size is (width, height)
-                n += int(patches(image.size[1], image.size[0], {})) // merge**2
+        count = _image_token_count(processor)
+        if conv.images and count is not None:
+            n = sum(count(*image.size) for image in conv.images)  # PIL images: size is (width, height)
             if n >= self.max_model_len:
                 raise images_too_long(n, self.max_model_len, "messages")
         counter = getattr(getattr(processor, "video_processor", None), "token_count", None)

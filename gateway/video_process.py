@@ -63,8 +63,8 @@ Admit = Callable[[int], Callable[[], None]]  # bytes -> blocks until granted -> 
 class DecodeMetrics(Collector):
     """This process's decodes of one kind of media ("video" or "audio") for the gateway's /metrics: how many
     by outcome (ok; refused: not such a file, or over a limit; timeout; crashed: the child died; cancelled:
-    its request left while the decode waited for memory in the media budget; bug: the
-    decoder raised) and how long they took."""
+    its request left while the decode waited for memory in the media budget; bug: the decoder raised) and how
+    long they took."""
 
     OUTCOMES = ("ok", "refused", "timeout", "crashed", "cancelled", "bug")
     BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))

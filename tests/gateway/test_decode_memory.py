@@ -240,3 +240,25 @@ def test_frames_that_stop_coming_are_given_up_at_the_deadline() -> None:
     theirs.close()
     with pytest.raises(EOFError, match="ended after 0 of 96 bytes"):
         video_process._receive_frames(ours, time.monotonic() + 5.0, frames.shape, 2.0, None)
+
+
+def test_a_child_waiting_for_memory_ends_when_the_gateway_goes() -> None:
+    """A child blocked in its ask for memory (`_ask_to_decode`) whose gateway end closes exits (SystemExit), not
+    a decoder bug logged and answered to nobody."""
+    import threading
+
+    ours, theirs = multiprocessing.Pipe()
+    ended: list[BaseException] = []
+
+    def child() -> None:
+        try:
+            video_process._ask_to_decode(theirs, 1234)
+        except BaseException as e:  # noqa: BLE001  # what the child's process would end with
+            ended.append(e)
+
+    asker = threading.Thread(target=child)
+    asker.start()
+    assert ours.poll(10.0) and ours.recv() == ("admit", 1234)
+    ours.close()  # the gateway is gone before it answered "go"
+    asker.join(10.0)
+    assert not asker.is_alive() and len(ended) == 1 and isinstance(ended[0], SystemExit)
