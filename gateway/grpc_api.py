@@ -58,6 +58,7 @@ from gateway.processor_kwargs import check_settings
 from gateway.prompt import PromptBuilder
 from gateway.reasoning import END, AnswerSplit, ReasoningParser, thinks
 from gateway.media import MediaLoader, audio_seconds, invalid_request, media_not_from_user, video_sampling_of
+from gateway.media_budget import mark_arrival
 from gateway.openai_schema import (
     MAX_LOGPROBS,
     STAGE_NAMES,
@@ -309,6 +310,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
     async def Generate(self, request: omni_pb2.GenerateRequest,  # noqa: N802 (gRPC method name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[omni_pb2.GenerateResponse]:
         n = request.n or 1
+        mark_arrival()  # this RPC's place in the media budget's line (gateway/media_budget.py)
         # the caller's traceparent metadata, when tracing: this RPC's task only, so it is never reset
         tracing.set_request_parent((m[0], m[1]) for m in context.invocation_metadata() or () if isinstance(m[1], str))
         try:

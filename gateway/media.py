@@ -446,12 +446,12 @@ class MediaLoader:
     async def _in_child(self, data: bytes, **kw: Any) -> Any:
         """`video_process.decode_in_child` in a worker thread; the memory the child says it needs is waited for
         in the media budget first, and a caller that leaves while that wait is in line withdraws it."""
-        from gateway.media_budget import ThreadAdmission
+        from gateway.media_budget import ThreadAdmission, in_admission_thread
         from gateway.video_process import decode_in_child
 
         admit = ThreadAdmission(self.budget, asyncio.get_running_loop()) if self.budget is not None else None
-        try:
-            return await asyncio.to_thread(decode_in_child, data, limits=self.limits, admit=admit, **kw)
+        try:  # its own threads: waiting for memory, it must not take one a build needs (in_admission_thread)
+            return await in_admission_thread(decode_in_child, data, limits=self.limits, admit=admit, **kw)
         except asyncio.CancelledError:
             if admit is not None:
                 admit.cancel()

@@ -61,6 +61,7 @@ from gateway.audio_tempo import Tempo
 from gateway.realtime_audio import RATES, AudioFormatError, OutputEncoder, decode
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, ImagePart, PipelineError,
                             SamplingOverrides, TextDelta, TextPart)
+from gateway.media_budget import mark_arrival
 from gateway.openai_schema import check_sampling, resolve_voice
 from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
@@ -653,6 +654,7 @@ class RealtimeSession:
                        in_conversation: bool = True, metadata: dict[str, str] | None = None) -> None:
         """One response's events; `in_conversation` False (conversation "none"): out of band, its items stay out of
         the conversation."""
+        mark_arrival()  # this response's place in the media budget's line (its own task: not the session's)
         rid, item_id = chat.request_id, f"item_{uuid.uuid4().hex}"
         audio = "audio" in modalities
         where = {"response_id": rid, "item_id": item_id, "output_index": 0, "content_index": 0}

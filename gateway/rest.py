@@ -72,6 +72,7 @@ from gateway import video_process
 from gateway.http_front import HttpFront
 from gateway.input_limits import InputLimits
 from gateway.media import MediaLoader, audio_seconds, invalid_request, media_not_from_user, video_sampling_of
+from gateway.media_budget import mark_arrival
 from gateway.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -424,6 +425,7 @@ class RestGateway:
         counted as status 499). Metrics under `endpoint`; a PipelineError is its status, anything else a
         logged 500."""
         started = time.perf_counter()
+        mark_arrival()  # this request's place in the media budget's line (gateway/media_budget.py)
         self.metrics.running.inc()
         streaming = False
         trace = tracing.set_request_parent(request.headers.items())  # the client's traceparent, when tracing

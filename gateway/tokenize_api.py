@@ -24,6 +24,7 @@ from pydantic import model_validator
 from gateway.events import ChatRequest, PipelineError
 from gateway.http_errors import error_json, internal_error, read_body
 from gateway.media import invalid_request
+from gateway.media_budget import mark_arrival
 from gateway.input_limits import InputLimits
 from gateway.openai_schema import (MMProcessorKwargs, Message, StrictBody, TemplateFields, ToolDef, check_turns,
                                     parse_json_object,
@@ -102,6 +103,7 @@ class TokenizeRoutes:
     async def _handle(self, endpoint: str, request: Request,
                       fn: Callable[[bytes], Awaitable[dict[str, Any]]]) -> Response:
         started = time.perf_counter()
+        mark_arrival()  # its place in the media budget's line (gateway/media_budget.py)
         try:
             body = await fn(await read_body(request, self.gw.loader.limits.max_request_bytes))
         except PipelineError as e:

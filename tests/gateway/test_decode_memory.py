@@ -262,3 +262,76 @@ def test_a_child_waiting_for_memory_ends_when_the_gateway_goes() -> None:
     ours.close()  # the gateway is gone before it answered "go"
     asker.join(10.0)
     assert not asker.is_alive() and len(ended) == 1 and isinstance(ended[0], SystemExit)
+
+
+async def test_decodes_waiting_for_memory_never_take_the_thread_a_build_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build holds its share of the budget while it waits for a thread of the loop's default pool to run in
+    (as StagePipeline builds a prompt). Decodes wait for their memory in a thread as well; in that pool they
+    took every thread while the build that would give the memory back never ran (12 videos at once with a
+    150 MiB budget hung a gateway that ordered its line by arrival). Here the pool has one thread, a decode
+    waits in line, and an older request's build is granted first: it must still run, and the decode after it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=1))  # this test's loop only
+    budget = MediaBudget(1000)
+    loader = _slow_loader(monkeypatch, budget)
+
+    async def build() -> None:
+        granted = await budget.acquire(1000, arrived=0.0)  # an older request's
+        try:
+            await asyncio.to_thread(time.sleep, 0.05)
+        finally:
+            budget.release(granted)
+
+    async with budget.hold(1000):  # another build holds it all
+        decode = asyncio.ensure_future(loader.video_from_bytes(make_video(4, 4), "v"))
+        await _until(lambda: len(budget._waiting) == 1, "the decode in line")
+        built = asyncio.ensure_future(build())
+        await _until(lambda: len(budget._waiting) == 2, "the build in line before it")
+    await asyncio.wait_for(built, 20)
+    assert (await asyncio.wait_for(decode, 20)).frames.shape[0] == 4
+    await _until(lambda: budget.used == 0, "every grant given back")
+
+
+def test_a_thread_waiting_for_memory_ends_when_the_loop_stops() -> None:
+    """The gateway's loop stops while a decode's thread waits for its memory: the thread is told (CancelledError)
+    within LOOP_CHECK_S instead of waiting for ever (which would hold the interpreter's exit)."""
+    import concurrent.futures
+    import threading
+
+    from gateway import media_budget
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    budget = MediaBudget(100)
+    asyncio.run_coroutine_threadsafe(budget.acquire(100), loop).result(5)  # it is all taken
+    admission = asyncio.run_coroutine_threadsafe(_admission(budget, loop), loop).result(5)
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            admission(60)
+        except BaseException as e:  # noqa: BLE001
+            outcome.append(e)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while not budget._waiting:
+        assert time.monotonic() < deadline, "the wait never reached the line"
+        time.sleep(0.01)
+    loop.call_soon_threadsafe(loop.stop)
+    runner.join(5)
+    started = time.monotonic()
+    waiter.join(media_budget.LOOP_CHECK_S + 5)
+    assert not waiter.is_alive() and time.monotonic() - started < media_budget.LOOP_CHECK_S + 2
+    assert len(outcome) == 1 and isinstance(outcome[0], concurrent.futures.CancelledError)
+    loop.close()
+
+
+async def _admission(budget: MediaBudget, loop: asyncio.AbstractEventLoop):  # type: ignore[no-untyped-def]
+    from gateway.media_budget import ThreadAdmission
+
+    return ThreadAdmission(budget, loop)

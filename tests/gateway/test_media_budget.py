@@ -259,3 +259,113 @@ async def test_a_thread_admission_cancelled_as_it_is_granted_gives_the_bytes_bac
     with pytest.raises(asyncio.CancelledError):
         await asyncio.to_thread(admission, 60)
     assert budget.used == 0
+
+
+async def test_a_requests_build_goes_before_the_decodes_of_requests_that_came_after_it() -> None:
+    """The line is ordered by request: request 1's build (it arrived at 1.0) is granted before the decodes of
+    requests 2 and 3, which were in line before it; a wait of the same request keeps its own order."""
+    budget = MediaBudget(100)
+    granted: list[str] = []
+
+    async def wait(name: str, cost: int, arrived: float) -> int:
+        got = await budget.acquire(cost, arrived)
+        granted.append(name)
+        return got
+
+    async with budget.hold(100):
+        decodes = [asyncio.create_task(wait(f"decode {i}", 60, float(i))) for i in (2, 3)]
+        await asyncio.sleep(0.01)
+        build = asyncio.create_task(wait("build 1", 60, 1.0))
+        second = asyncio.create_task(wait("second build 1", 30, 1.0))  # the same request: behind its first
+        await asyncio.sleep(0.01)
+        assert [w[0] for w in budget._waiting] == [1.0, 1.0, 2.0, 3.0] and not granted
+    await asyncio.sleep(0.01)
+    assert granted == ["build 1", "second build 1"]  # 90: decode 2 (60) does not fit beside them
+    budget.release(await build)
+    await asyncio.sleep(0.01)
+    assert granted[2:] == ["decode 2"]  # 90 again: decode 3 waits for it
+    budget.release(await second)
+    budget.release(await decodes[0])
+    budget.release(await decodes[1])
+    assert granted[3:] == ["decode 3"] and budget.used == 0 and not budget._waiting
+
+
+async def test_a_request_keeps_its_place_through_its_tasks_and_its_decode_threads() -> None:
+    """`mark_arrival` in a request's task: the tasks it starts and its decode's `ThreadAdmission` (in a worker
+    thread) wait at that place; an older request that asks later still goes first, and work no front marked
+    waits by the moment it asked."""
+    from gateway.media_budget import ThreadAdmission, arrival, mark_arrival
+
+    budget, loop, order = MediaBudget(100), asyncio.get_running_loop(), []
+    older_marked, newer_asks = asyncio.Event(), asyncio.Event()
+
+    async def older() -> None:
+        mark_arrival()
+        older_marked.set()
+        await newer_asks.wait()
+        await asyncio.sleep(0.01)
+
+        async def build() -> None:  # a task of its own, as a choice's run is
+            async with budget.hold(60):
+                order.append("older build")
+
+        await asyncio.create_task(build())
+
+    async def newer() -> None:
+        await older_marked.wait()
+        await asyncio.sleep(0.01)
+        mark_arrival()
+        admit = ThreadAdmission(budget, loop)  # made in the request's task, as MediaLoader makes it
+        newer_asks.set()
+        release = await asyncio.to_thread(admit, 60)
+        order.append("newer decode")
+        release()
+
+    async with budget.hold(100):
+        tasks = [asyncio.create_task(older()), asyncio.create_task(newer())]
+        await asyncio.sleep(0.1)
+        assert len(budget._waiting) == 2 and budget._waiting[0][0] < budget._waiting[1][0]
+    await asyncio.gather(*tasks)
+    assert order == ["older build", "newer decode"]
+    first = arrival()
+    await asyncio.sleep(0.01)
+    assert arrival() > first  # unmarked: each asks at its own moment
+
+
+def test_the_fronts_mark_each_requests_arrival() -> None:
+    """REST chat (both runs of n=2 in one place) and gRPC Generate: the pipeline runs inside the request's mark,
+    so its builds keep the request's place in line however late they ask."""
+    from gateway_harness import GrpcServer, RestServer, ScriptedPipeline, default_script
+
+    from gateway.media_budget import arrival
+    from gateway.rest import create_app
+    from omnimesh.v1 import omni_pb2, omni_pb2_grpc
+
+    pipeline = ScriptedPipeline()
+    seen: list[tuple[float, float]] = []
+
+    def script(request: ChatRequest) -> list:
+        first = arrival()
+        time.sleep(0.02)
+        seen.append((first, arrival()))
+        return default_script(request)
+
+    pipeline.script = script
+    body = {"model": "tiny-omni", "n": 2, "modalities": ["text"], "messages": [{"role": "user", "content": "hi"}]}
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",))) as server:
+        import httpx
+
+        assert httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=10).status_code == 200
+    assert len(seen) == 2 and seen[0][0] == seen[0][1] == seen[1][0] == seen[1][1]
+    seen.clear()
+    grpc_server = GrpcServer(pipeline).start()
+    try:
+        import grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}") as ch:
+            request = omni_pb2.GenerateRequest(model="tiny-omni", modalities=["text"], messages=[
+                omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(text="hi")])])
+            list(omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=10))
+    finally:
+        grpc_server.stop()
+    assert len(seen) == 1 and seen[0][0] == seen[0][1]
