@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.events import ChatRequest, Event, Finished, Pipeline, SamplingOverrides
+from gateway.media_release import own_media
 
 Indexed = tuple[int, Event]  # (choice index, event)
 MAX_CHOICES = 16  # `n` beyond this is a 400: one request must not fan out into unbounded stage work
@@ -39,7 +40,9 @@ def choice_requests(request: ChatRequest, n: int) -> tuple[ChatRequest, ...]:
 
 
 async def fan_out(pipeline: Pipeline, requests: Sequence[ChatRequest]) -> AsyncIterator[Indexed]:
-    """Every request's events tagged with its index, as they come; the first exception is raised here."""
+    """Every request's events tagged with its index, as they come; the first exception is raised here. The
+    requests own their media: once each has built its prompt they are let go (gateway/media_release.py)."""
+    requests = own_media(requests)
     if len(requests) == 1:
         events = aiter(pipeline.run(requests[0]))
         try:

@@ -18,6 +18,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from gateway.media_budget import MediaBudget
+    from gateway.media_release import RunMedia
     from omnimesh.v1 import stage_pb2
 
 Modality = Literal["text", "audio"]
@@ -28,22 +29,42 @@ class TextPart:
     text: str
 
 
-@dataclass(frozen=True, slots=True)
+# The media parts change only to be let go (gateway/media_release.py): once no run of their request will build a
+# prompt from them again, their data is dropped and `released` is set; a build that meets one raises.
+_NO_SAMPLES = np.zeros(0, np.float32)
+_NO_FRAMES = np.zeros((0, 0, 0, 3), np.uint8)
+
+
+@dataclass(slots=True, eq=False)
 class AudioPart:
     waveform: np.ndarray  # (samples,) float32 mono at `sample_rate`
     sample_rate: int
+    released: bool = False
+
+    def let_go(self) -> None:
+        self.waveform, self.released = _NO_SAMPLES, True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class ImagePart:
-    image: object  # PIL.Image.Image, RGB
+    image: object  # PIL.Image.Image, RGB; None once let go
+    released: bool = False
+
+    def let_go(self) -> None:
+        self.image, self.released = None, True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class VideoPart:
     frames: np.ndarray  # (T, H, W, 3) uint8 RGB: the frames the model sees (already sampled)
     fps: float  # the sampling rate they were taken at (video_second_per_grid = temporal_patch_size / fps)
     audio: AudioPart | None = None  # its soundtrack, when the request asked for it (use_audio_in_video)
+    released: bool = False
+
+    def let_go(self) -> None:
+        self.frames, self.released = _NO_FRAMES, True
+        if self.audio is not None:
+            self.audio.let_go()
 
 
 ContentPart = TextPart | AudioPart | ImagePart | VideoPart
@@ -136,6 +157,8 @@ class ChatRequest:
     spoken_calls: bool = False
     # the client's field that carried the media, for errors about them (a transcription's upload is `file`)
     media_param: str = "messages"
+    # this run's share of its media, let go once every run that builds from them has (gateway/media_release.py)
+    media: RunMedia | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import grpc
@@ -153,8 +153,9 @@ class StagePipeline:
 
     def run(self, request: ChatRequest) -> AsyncIterator[Event]:
         """The request's events; a spoken one with tools keeps its calls out of the speech (gateway/spoken_calls.py)."""
-        if request.spoken_calls and "audio" in request.modalities:
-            return spoken_with_calls(self._run_request, request, self._call_token(request.model))
+        if request.spoken_calls and "audio" in request.modalities:  # its calls part builds from its media again:
+            # they stay (gateway/media_release.py)
+            return spoken_with_calls(self._run_request, replace(request, media=None), self._call_token(request.model))
         return self._run_request(request)
 
     def _call_token(self, model: str) -> int:
@@ -188,8 +189,12 @@ class StagePipeline:
         span = RunSpan.start(request)  # tracing on: this run's span, the stages' spans under it
         output = self.request_log.output() if self.request_log is not None else None  # --enable-log-outputs
         try:
-            async with self.building(request):
-                built = _HeldPrompt(await asyncio.to_thread(self._prepared, request, self.hashes_media()))
+            try:
+                async with self.building(request):
+                    built = _HeldPrompt(await asyncio.to_thread(self._prepared, request, self.hashes_media()))
+            finally:
+                if request.media is not None:  # this run will not build again: its media may go
+                    request.media.built()
             if self.request_log is not None:
                 self.request_log.received(request, built.tokens)
             trace = span.headers() if span is not None else {}

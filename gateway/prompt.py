@@ -134,6 +134,9 @@ def render_conversation(messages: tuple[ChatMessage, ...]) -> Conversation:
     for m in messages:
         parts: list[dict[str, Any]] = []
         for p in m.content:
+            if not isinstance(p, TextPart) and p.released:  # a bug, never a prompt without its media
+                raise RuntimeError("a media part was let go before this build (gateway/media_release.py): a run "
+                                   "that builds from it again must not be handed to own_media")
             if isinstance(p, TextPart):
                 parts.append({"type": "text", "text": p.text})
             elif isinstance(p, AudioPart):

@@ -1,14 +1,19 @@
 """A request's built prompt is let go at its first event (gateway/pipeline.py `_HeldPrompt`): its media tensors
 (a minute of 720p video is ~0.9 GB of float32 patches at Qwen3-Omni's sizes) are freed while the answer streams,
 by reference counting, not kept for as long as the request lasts; before the first event a failed attempt still
-runs again with them. Real encoder and thinker stages on loopback gRPC."""
+runs again with them. The request's decoded media go too, once every choice has built
+(gateway/media_release.py). Real encoder and thinker stages on loopback gRPC."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import threading
 import weakref
+from collections.abc import AsyncIterator, Callable
 
+import numpy as np
 import torch
 
 from gateway.events import ChatMessage, ChatRequest, Finished, TextDelta
@@ -65,6 +70,22 @@ class Stage:
         return EncodeTask(msg.request_id) if self.name == "encoder" else TwoWordTask(msg.request_id, "w", False, self.gate)
 
 
+@contextlib.asynccontextmanager
+async def _pipeline(gate: threading.Event,
+                    build: Callable[[ChatRequest], PromptInputs]) -> AsyncIterator[StagePipeline]:
+    """A StagePipeline over a real encoder and thinker stage on loopback, building prompts with `build`."""
+    async with served_stage(Stage("encoder", gate), EngineLoop("encoder")) as enc, \
+            served_stage(Stage("thinker", gate), EngineLoop("thinker")) as thk:
+        pipe = StagePipeline({"encoder": [StageClient("encoder", f"127.0.0.1:{enc.port}")],
+                              "thinker": [StageClient("thinker", f"127.0.0.1:{thk.port}")]},
+                             build, served_models=("m",))
+        await pipe.connect(timeout_s=10.0)
+        try:
+            yield pipe
+        finally:
+            await pipe.close()
+
+
 async def test_the_prompts_media_is_freed_at_the_first_event() -> None:
     gate, pixels = threading.Event(), []
 
@@ -75,12 +96,7 @@ async def test_the_prompts_media_is_freed_at_the_first_event() -> None:
 
     request = ChatRequest(request_id="r0", model="m", modalities=("text",),
                           messages=(ChatMessage(role="user", content=()),))
-    async with served_stage(Stage("encoder", gate), EngineLoop("encoder")) as enc, \
-            served_stage(Stage("thinker", gate), EngineLoop("thinker")) as thk:
-        pipe = StagePipeline({"encoder": [StageClient("encoder", f"127.0.0.1:{enc.port}")],
-                              "thinker": [StageClient("thinker", f"127.0.0.1:{thk.port}")]},
-                             build, served_models=("m",))
-        await pipe.connect(timeout_s=10.0)
+    async with _pipeline(gate, build) as pipe:
         gc.disable()  # freed by reference counting alone: full collections are rare in a gateway (a frozen heap)
         try:
             events = pipe.run(request)
@@ -93,4 +109,49 @@ async def test_the_prompts_media_is_freed_at_the_first_event() -> None:
             gc.enable()
         assert "".join(e.text for e in rest if isinstance(e, TextDelta)) == "w2 "
         assert isinstance(rest[-1], Finished) and rest[-1].prompt_tokens == 5
-        await pipe.close()
+
+
+async def test_the_decoded_media_go_once_every_choice_has_built() -> None:
+    """The request's decoded frames (gateway/media_release.py): with n = 2 choices through `fan_out`, they stay
+    while one run has yet to build its prompt (its answer has started, the other's build is held back), then go
+    once it has, while the answers still stream; both builds saw them."""
+    from gateway.choices import choice_requests, fan_out
+    from gateway.events import VideoPart
+
+    gate, second_may_build, built_from = threading.Event(), threading.Event(), []
+
+    def build(request: ChatRequest) -> PromptInputs:
+        if request.request_id.endswith("-1"):
+            assert second_may_build.wait(30.0)
+        video = request.messages[0].content[0]
+        assert isinstance(video, VideoPart) and not video.released
+        built_from.append(video.frames.shape)
+        return PromptInputs(torch.arange(5), None, None, torch.zeros(16, 1176), torch.tensor([[1, 4, 4]]), 5)
+
+    frames = np.zeros((4, 32, 32, 3), np.uint8)
+    watched = weakref.ref(frames)
+    request = ChatRequest(request_id="v0", model="m", modalities=("text",),
+                          messages=(ChatMessage(role="user", content=(VideoPart(frames, 2.0),)),))
+    del frames
+    async with _pipeline(gate, build) as pipe:
+        gc.disable()
+        try:
+            events = fan_out(pipe, choice_requests(request, 2))
+            assert (await anext(events))[0] == 0  # choice 0 built and answers; choice 1 has not built yet
+            assert watched() is not None and built_from == [(4, 32, 32, 3)]
+            second_may_build.set()
+            for _ in range(500):
+                if watched() is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert watched() is None and not gate.is_set()  # gone while both answers still stream
+            video = request.messages[0].content[0]
+            assert isinstance(video, VideoPart) and video.released and video.frames.size == 0
+            assert built_from == [(4, 32, 32, 3)] * 2
+            gate.set()
+            rest = [event async for event in events]
+        finally:
+            gc.enable()
+            second_may_build.set()
+            gate.set()
+        assert sum(isinstance(e, Finished) for _, e in rest) == 2
