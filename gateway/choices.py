@@ -2,10 +2,12 @@
 
 Data flow: the request -> `choice_requests` (choice 0 keeps the request's id, choice i runs as `<id>-<i>`;
 a seed, top level or per stage, becomes seed + i, so the choices differ yet a seeded request is
-reproducible) -> `fan_out` runs them at once and yields `(choice index, event)` pairs in arrival order ->
-the REST front end builds `choices[i]` (whole, or as streamed chunks with their index). The first error
-of any choice ends the whole request (the other runs are cancelled in their stages); it ends after every
-choice's `Finished`. With n = 1 `fan_out` is a plain pass-through.
+reproducible; all of them share one prompt build, gateway/shared_build.py) -> `fan_out` runs them at once
+and yields `(choice index, event)` pairs in arrival order -> the REST front end builds `choices[i]` (whole,
+or as streamed chunks with their index). The first error of any choice ends the whole request (the other
+runs are cancelled in their stages); it ends after every choice's `Finished`. With n = 1 `fan_out` is a
+plain pass-through. The runs own their media: `fan_out` lets them go once every run has built
+(gateway/media_release.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from gateway.events import ChatRequest, Event, Finished, Pipeline, SamplingOverrides
 from gateway.media_release import own_media
+from gateway.shared_build import SharedBuild
 
 Indexed = tuple[int, Event]  # (choice index, event)
 MAX_CHOICES = 16  # `n` beyond this is a 400: one request must not fan out into unbounded stage work
@@ -33,8 +36,9 @@ def choice_requests(request: ChatRequest, n: int) -> tuple[ChatRequest, ...]:
     def seeded(s: SamplingOverrides, i: int) -> SamplingOverrides:
         return s if s.seed is None or i == 0 else replace(s, seed=(s.seed + i + 2**63) % 2**64 - 2**63)  # int64
 
+    shared = SharedBuild(request, n)  # one prompt build for all of them (gateway/shared_build.py)
     return tuple(replace(request, request_id=request.request_id if i == 0 else f"{request.request_id}-{i}",
-                         sampling=seeded(request.sampling, i),
+                         sampling=seeded(request.sampling, i), shared_build=shared,
                          stage_params={name: seeded(s, i) for name, s in request.stage_params.items()})
                  for i in range(n))
 

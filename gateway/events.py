@@ -19,6 +19,7 @@ import numpy as np
 if TYPE_CHECKING:
     from gateway.media_budget import MediaBudget
     from gateway.media_release import RunMedia
+    from gateway.shared_build import SharedBuild
     from omnimesh.v1 import stage_pb2
 
 Modality = Literal["text", "audio"]
@@ -159,6 +160,8 @@ class ChatRequest:
     media_param: str = "messages"
     # this run's share of its media, let go once every run that builds from them has (gateway/media_release.py)
     media: RunMedia | None = field(default=None, compare=False, repr=False)
+    # the one prompt build of the request's n choices (gateway/shared_build.py)
+    shared_build: SharedBuild | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

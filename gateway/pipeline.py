@@ -190,8 +190,7 @@ class StagePipeline:
         output = self.request_log.output() if self.request_log is not None else None  # --enable-log-outputs
         try:
             try:
-                async with self.building(request):
-                    built = _HeldPrompt(await asyncio.to_thread(self._prepared, request, self.hashes_media()))
+                built = _HeldPrompt(await self._built(request))
             finally:
                 if request.media is not None:  # this run will not build again: its media may go
                     request.media.built()
@@ -222,6 +221,18 @@ class StagePipeline:
             # collection frees (rare here: the start-up heap is frozen), and with it the request's prompt: a
             # refused 10-minute clip kept its 30 MB of features, and a burst of them kept gigabytes
             error = None
+
+    async def _built(self, request: ChatRequest) -> PromptInputs:
+        """The request's prompt, built in its share of the media budget: here, or once for all of its request's
+        choices (gateway/shared_build.py)."""
+        async def build() -> PromptInputs:
+            async with self.building(request):
+                return await asyncio.to_thread(self._prepared, request, self.hashes_media())
+
+        shared = request.shared_build
+        if shared is None or not shared.serves(request):
+            return await build()
+        return await shared.get(build)
 
     def building(self, request: ChatRequest) -> contextlib.AbstractAsyncContextManager[None]:
         """Around a build of `request`'s prompt: its share of the media budget (nothing to wait for without media)."""

@@ -111,17 +111,17 @@ async def test_the_prompts_media_is_freed_at_the_first_event() -> None:
         assert isinstance(rest[-1], Finished) and rest[-1].prompt_tokens == 5
 
 
-async def test_the_decoded_media_go_once_every_choice_has_built() -> None:
-    """The request's decoded frames (gateway/media_release.py): with n = 2 choices through `fan_out`, they stay
-    while one run has yet to build its prompt (its answer has started, the other's build is held back), then go
-    once it has, while the answers still stream; both builds saw them."""
-    from gateway.choices import choice_requests, fan_out
+async def test_the_decoded_media_go_once_every_run_has_built() -> None:
+    """The decoded frames (gateway/media_release.py), shared by two runs through `fan_out` (as a request's parts
+    are by its runs): they stay while one run has yet to build its prompt (the other's answer has started), then
+    go once it has, while the answers still stream; both builds saw them."""
+    from gateway.choices import fan_out
     from gateway.events import VideoPart
 
     gate, second_may_build, built_from = threading.Event(), threading.Event(), []
 
     def build(request: ChatRequest) -> PromptInputs:
-        if request.request_id.endswith("-1"):
+        if request.request_id == "v1":
             assert second_may_build.wait(30.0)
         video = request.messages[0].content[0]
         assert isinstance(video, VideoPart) and not video.released
@@ -130,14 +130,15 @@ async def test_the_decoded_media_go_once_every_choice_has_built() -> None:
 
     frames = np.zeros((4, 32, 32, 3), np.uint8)
     watched = weakref.ref(frames)
-    request = ChatRequest(request_id="v0", model="m", modalities=("text",),
-                          messages=(ChatMessage(role="user", content=(VideoPart(frames, 2.0),)),))
+    content = (VideoPart(frames, 2.0),)
+    runs = [ChatRequest(request_id=f"v{i}", model="m", modalities=("text",),
+                        messages=(ChatMessage(role="user", content=content),)) for i in range(2)]
     del frames
     async with _pipeline(gate, build) as pipe:
         gc.disable()
         try:
-            events = fan_out(pipe, choice_requests(request, 2))
-            assert (await anext(events))[0] == 0  # choice 0 built and answers; choice 1 has not built yet
+            events = fan_out(pipe, runs)
+            assert (await anext(events))[0] == 0  # run 0 built and answers; run 1 has not built yet
             assert watched() is not None and built_from == [(4, 32, 32, 3)]
             second_may_build.set()
             for _ in range(500):
@@ -145,8 +146,7 @@ async def test_the_decoded_media_go_once_every_choice_has_built() -> None:
                     break
                 await asyncio.sleep(0.01)
             assert watched() is None and not gate.is_set()  # gone while both answers still stream
-            video = request.messages[0].content[0]
-            assert isinstance(video, VideoPart) and video.released and video.frames.size == 0
+            assert content[0].released and content[0].frames.size == 0
             assert built_from == [(4, 32, 32, 3)] * 2
             gate.set()
             rest = [event async for event in events]
@@ -155,3 +155,38 @@ async def test_the_decoded_media_go_once_every_choice_has_built() -> None:
             second_may_build.set()
             gate.set()
         assert sum(isinstance(e, Finished) for _, e in rest) == 2
+
+
+async def test_the_choices_share_one_build_and_let_it_go() -> None:
+    """n = 3 choices (gateway/shared_build.py): one build, its prompt in every run; the media go once all three
+    have it (by the first event), and the prompt is not kept by the shared build once the runs are done with it
+    (the runs, and so the shared build, are still referenced here)."""
+    from gateway.choices import choice_requests, fan_out
+    from gateway.events import ImagePart
+    from PIL import Image
+
+    gate, builds, pixels = threading.Event(), [], []
+    gate.set()  # the answers run through
+
+    def build(request: ChatRequest) -> PromptInputs:
+        builds.append(request.request_id)
+        patches = torch.zeros(16, 1176)
+        pixels.append(weakref.ref(patches))
+        return PromptInputs(torch.arange(5), None, None, patches, torch.tensor([[1, 4, 4]]), 5)
+
+    image = ImagePart(Image.new("RGB", (32, 32)))
+    request = ChatRequest(request_id="c", model="m", modalities=("text",),
+                          messages=(ChatMessage(role="user", content=(image,)),))
+    runs = choice_requests(request, 3)
+    async with _pipeline(gate, build) as pipe:
+        gc.disable()
+        try:
+            events = fan_out(pipe, runs)
+            first = await anext(events)
+            assert image.released and builds == ["c"]  # every run has the one build's prompt
+            rest = [first] + [event async for event in events]
+            assert pixels[0]() is None and runs[0].shared_build is not None
+        finally:
+            gc.enable()
+        assert sum(isinstance(e, Finished) for _, e in rest) == 3 and builds == ["c"]
+        assert {i for i, e in rest if isinstance(e, TextDelta)} == {0, 1, 2}
