@@ -22,8 +22,8 @@ with /tokenize) shape the prompt (gateway/chat_template_options.py); `echo` puts
 before each choice's content.
 Streamed audio is always base64 mono PCM16 chunks at the pipeline's sample rate, whatever `audio.format`
 says (OpenAI likewise streams pcm16 only); `format` shapes the non-streaming `message.audio.data`.
-`stop` (a string or up to 4) ends the thinker's text before the first match, as OpenAI does. `logprobs`
-(with `top_logprobs` alternatives, 0-20) answer OpenAI's `choices[].logprobs.content`: each text token's
+`stop` (a string or up to 64: OpenAI takes 4, vLLM any number) ends the thinker's text before the first match.
+`logprobs` (with `top_logprobs` alternatives, 0-20) answer OpenAI's `choices[].logprobs.content`: each text token's
 log-probability under the model's raw distribution (vLLM's default), its bytes and its alternatives.
 OpenAI's `presence_penalty` / `frequency_penalty` work as in vLLM. Extensions: `top_k`, `min_p`, `ignore_eos`,
 `repetition_penalty`,
@@ -548,7 +548,7 @@ def check_turn_counts(n_items: int, n_parts: int, limits: InputLimits, param: st
 
 
 # ------------------------------------------------------------------------- checks shared with gRPC
-MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_STRINGS = 64  # OpenAI takes 4 and vLLM any; each token is checked against all (StopStrings: ~16 us at 64)
 MAX_BAD_WORDS = 1024  # tokenized on the thinker's event loop when a request opens: a bound, not a taste
 INT32_MAX = 2**31 - 1  # the wire's token counts are int32
 

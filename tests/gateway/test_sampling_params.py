@@ -125,8 +125,17 @@ def test_openai_client_extra_body(rest_server: RestServer, pipeline: ScriptedPip
     assert list(talker.stop_token_ids) == [4] and talker.temperature == pytest.approx(0.7)
 
 
+def test_as_many_stop_strings_as_vllm_clients_send(rest_server: RestServer, pipeline: ScriptedPipeline) -> None:
+    """64 stop strings (OpenAI takes 4; vLLM any number, and its clients send more than 4) reach the thinker."""
+    stops = [f"<stop {i}>" for i in range(64)]
+    r = httpx.post(f"{rest_server.base_url}/v1/chat/completions", timeout=10,
+                   json={"model": "tiny-omni", "messages": USER_HI, "stop": stops})
+    assert r.status_code == 200, r.text
+    assert list(wire(pipeline.requests[-1])[0].stop) == stops
+
+
 @pytest.mark.parametrize(("body", "param", "needle"), [
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"stop": [str(i) for i in range(65)]}, "stop", "at most 64"),
     ({"stop": 5}, "stop", "valid list"),
     ({"stop": ["a", 1]}, "stop[1]", "string"),
     ({"stop": ["a", ""]}, "stop", "empty"),
@@ -137,7 +146,7 @@ def test_openai_client_extra_body(rest_server: RestServer, pipeline: ScriptedPip
     ({"stop_token_ids": [4, -1]}, "stop_token_ids[1]", ">= 0"),
     ({"stop_token_ids": [2**63]}, "stop_token_ids[0]", ">= 0"),
     ({"stage_params": {"thinker": {"stop_token_ids": [-2]}}}, "stage_params.thinker.stop_token_ids[0]", ">= 0"),
-    ({"stage_params": {"thinker": {"stop": ["1", "2", "3", "4", "5"]}}}, "stage_params.thinker.stop", "at most 4"),
+    ({"stage_params": {"thinker": {"stop": ["x"] * 65}}}, "stage_params.thinker.stop", "at most 64"),
     ({"stage_params": {"talker": {"stop": ["x"]}}}, "stage_params.talker.stop", "thinker's text only"),
     ({"stage_params": {"talker": {"stop_token_ids": ["x"]}}}, "stage_params.talker.stop_token_ids[0]", "integer"),
     ({"min_tokens": -1}, "min_tokens", "must be in [0,"),
@@ -196,7 +205,7 @@ def test_grpc_min_tokens_and_include_stop_str(grpc_server: GrpcServer, pipeline:
         min_tokens=5)}}, "stage_params.thinker.min_tokens: must be <= the thinker's max_tokens (4)"),
     ({"stage_params": {"talker": stage_pb2.SamplingParams(include_stop_str_in_output=True)}},
      "stage_params.talker.include_stop_str_in_output"),
-    ({"sampling": stage_pb2.SamplingParams(stop=["a", "b", "c", "d", "e"])}, "sampling.stop: at most 4"),
+    ({"sampling": stage_pb2.SamplingParams(stop=[str(i) for i in range(65)])}, "sampling.stop: at most 64"),
     ({"sampling": stage_pb2.SamplingParams(stop=[""])}, "sampling.stop: stop strings must not be empty"),
     ({"sampling": stage_pb2.SamplingParams(stop_token_ids=[-1])}, "sampling.stop_token_ids[0]: must be"),
     ({"stage_params": {"talker": stage_pb2.SamplingParams(stop=["x"])}}, "stage_params.talker.stop"),

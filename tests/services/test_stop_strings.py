@@ -118,6 +118,20 @@ def wire(**kw: object) -> stage_pb2.SamplingParams:
     return stage_pb2.SamplingParams(**kw)  # type: ignore[arg-type]
 
 
+def test_the_held_back_text_is_the_longest_suffix_that_starts_a_stop_string() -> None:
+    """`_held` (which tries only the stop strings that start with a suffix's first character) against the
+    definition, over random texts and stop strings on a 3-letter alphabet, where partial matches abound."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 5))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 9)))
+        want = max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])),
+                   default=0)
+        assert StopStrings(stops)._held(text) == want, (stops, text)
+
+
 def test_merge_keeps_defaults_and_adds_stops() -> None:
     config = tiny_qwen3_omni_config()
     thinker = thinker_sampling_params(config)
