@@ -13,8 +13,9 @@ that sends its decoded media on to the stages, never waits behind the decodes of
 and a newer request never overtakes an older one, so nothing waits for ever. (Twelve 720p videos at once with a
 150 MiB budget, on 2 cores: the first answer came after 1.8-2.4 s instead of 4.8-5.0, the mean after 4.4-5.1 s
 instead of 6.6, and the gateway with its decoders peaked at 0.91-1.0 GB instead of 1.07-1.13.) One whose
-estimate exceeds the whole budget runs alone. A request never holds one reservation while it waits for another, and a decode waits
-on threads of its own (`in_admission_thread`), never on one a granted build needs, so waits cannot deadlock.
+estimate exceeds the whole budget runs alone. A request never holds one reservation while it waits for another,
+and a decode waits on threads of its own (`in_admission_thread`), never on one a granted build needs, so waits
+cannot deadlock.
 
 Data flow: a request's front (REST `answer`, gRPC `Generate`, `/tokenize`, a Realtime response) ->
 `mark_arrival()` in its task's context ... `StagePipeline.run` / `/tokenize` -> `build_cost(request)` ->
