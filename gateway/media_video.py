@@ -118,7 +118,8 @@ def decode_audio_file(data: bytes, *, sampling: VideoSampling | None = None, lim
     """An audio file (MP3, FLAC, Ogg, M4A, WebM, ... or a WAV FFmpeg reads) -> 16 kHz mono `AudioPart`, at most
     `limits.max_audio_seconds` long (413 beyond). The signature is `decode_video`'s, so the same child-process
     runner takes it (gateway/video_process.py); `sampling` and `with_audio` mean nothing here. `admit` is told
-    the decode's working memory (from the stream's duration, rate and channels) before it decodes."""
+    the decode's working memory (from the stream's duration, rate and channels) before it decodes, and its new
+    total each time a stream longer than it declared outgrows that."""
     return _first_audio_stream(data, limits.max_audio_seconds, param, in_video=False, admit=admit)
 
 
@@ -171,6 +172,9 @@ def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video
                         rate = out.sample_rate
                         expected = _expected_seconds(container, len(data), max_seconds)
                         samples = np.empty((block.shape[0], int(expected * rate) + block.shape[1]), np.float32)
+                    if admit is not None and (grown := _capacity(samples, n, block.shape[1])) > samples.shape[1]:
+                        # longer than its header said: the decode's new total, waited for before it is taken
+                        admit(int(AUDIO_COPIES * 4 * samples.shape[0] * grown))
                     samples = _append(samples, n, block)
                     n += block.shape[1]
                     if n / rate > max_seconds:
@@ -189,13 +193,18 @@ def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video
     return samples_to_audio_part(samples[:, :n].T, rate, param=param)  # (frames, channels), a view
 
 
+def _capacity(samples: np.ndarray, n: int, k: int) -> int:
+    """The sample buffer's length once `k` more samples follow the first `n`: its own, or half as long again
+    (at least long enough) when the stream is longer than it declared."""
+    return samples.shape[1] if n + k <= samples.shape[1] else max(n + k, samples.shape[1] * 3 // 2)
+
+
 def _append(samples: np.ndarray, n: int, block: np.ndarray) -> np.ndarray:
-    """`block` (channels, k) written after the first `n` samples; the buffer grows by half when the stream is
-    longer than it declared."""
+    """`block` (channels, k) written after the first `n` samples, in a buffer grown to `_capacity`."""
     if block.shape[0] != samples.shape[0]:
         raise ValueError(f"the stream changed from {samples.shape[0]} to {block.shape[0]} channels")
     if n + block.shape[1] > samples.shape[1]:
-        grown = np.empty((samples.shape[0], max(n + block.shape[1], samples.shape[1] * 3 // 2)), np.float32)
+        grown = np.empty((samples.shape[0], _capacity(samples, n, block.shape[1])), np.float32)
         grown[:, :n] = samples[:, :n]
         samples = grown
     samples[:, n:n + block.shape[1]] = block

@@ -12,7 +12,8 @@ re-import; the gateway starts it at start-up):
     to video_decode_timeout_s + GRACE_S -> receive the frames straight into their array (or a pickled
     AudioPart, or the PipelineError's fields) -> give the bytes back
     child: decode_video(...) (gateway/media_video.py: it reads the stream's header, asks for the memory its
-    frames will take, then decodes under its own deadline) -> send the result -> exit
+    frames will take, then decodes under its own deadline; an audio stream longer than its header said asks
+    again for its new total, which the gateway waits for after giving back the first) -> send the result -> exit
 
 A child that dies without answering (a signal, an abort) is a 400 naming the signal; one past the hard
 deadline is killed and answered 400, like the soft deadline inside the decoder. Other requests never
@@ -166,7 +167,8 @@ def decode_in_child(data: bytes, *, sampling: VideoSampling | None, limits: Inpu
 def _decode_in_child(data: bytes, sampling: VideoSampling | None, limits: InputLimits, param: str, with_audio: bool,
                      decoder: Decoder | None, kind: str, admit: Admit | None, waited: list[float]) -> tuple[str, Any]:
     """(outcome, the decoded part or the error the caller gets); see `DecodeMetrics.OUTCOMES`. The child asks
-    ("admit", bytes) before it decodes and waits for "go"; `waited[0]` gets the seconds that took."""
+    ("admit", bytes) before it decodes, and again with a larger total if it outgrows that, and waits for "go";
+    `waited[0]` gets the seconds those waits took."""
     _ensure_preload()
     ours, theirs = _CONTEXT.Pipe()
     child = _CONTEXT.Process(target=_child_main, name=f"omnimesh-{kind}-decode", daemon=True,
@@ -188,14 +190,17 @@ def _decode_in_child(data: bytes, sampling: VideoSampling | None, limits: InputL
             if tag != "admit":
                 break
             asked = time.monotonic()
-            if admit is not None and release is None:  # one reservation per decode
+            if admit is not None:
+                if release is not None:  # a stream longer than it declared: its new total replaces the first
+                    release()  # given back before the new wait: no decode waits while it holds a reservation
+                    release = None
                 try:
                     release = admit(payload)
                 except concurrent.futures.CancelledError:  # its caller left (ThreadAdmission.cancel)
                     return "cancelled", None
             ours.send("go")
-            waited[0] = time.monotonic() - asked
-            started += waited[0]  # the deadline counts decoding, not the wait for memory
+            waited[0] += time.monotonic() - asked
+            started += time.monotonic() - asked  # the deadline counts decoding, not the waits for memory
         if tag == "frames":  # a VideoPart whose frames follow as raw bytes, received in place
             tag, payload = "ok", _receive_frames(ours, started + hard_deadline, *payload)
             if payload is None:

@@ -215,6 +215,45 @@ def test_a_file_without_a_declared_duration_asks_by_its_size() -> None:
     assert 5 < expected_s < 600 and asked == [int(media_video.AUDIO_COPIES * 4 * expected_s * 48_000)]
 
 
+def test_an_audio_file_longer_than_its_header_says_asks_again_for_its_new_total() -> None:
+    """A file whose header says 1 s but holds 5: each time its buffer must grow, the child asks for the decode's
+    new total (AUDIO_COPIES x the grown buffer) before taking it, and the gateway gives back what it held before
+    it waits for that, so no decode waits while holding a reservation; everything is given back at the end."""
+    data = _live_webm(5)
+    events: list[tuple[str, int]] = []
+
+    def admit(cost: int):  # type: ignore[no-untyped-def]
+        events.append(("admit", cost))
+        return lambda: events.append(("release", cost))
+
+    part = video_process.decode_in_child(data, sampling=None, limits=InputLimits(), param="a", kind="audio",
+                                         admit=admit, decoder=video_decoders.understated_audio)
+    assert abs(part.waveform.size - 5 * 16_000) < 1_600
+    asked = [cost for what, cost in events if what == "admit"]
+    one_second = int(media_video.AUDIO_COPIES * 4 * 1.0 * 48_000)
+    assert asked[0] == one_second and len(asked) >= 4 and asked == sorted(asked)
+    assert asked[-1] >= media_video.AUDIO_COPIES * 4 * 5 * 48_000  # at least the samples it came to hold
+    assert events == [e for cost in asked for e in (("admit", cost), ("release", cost))]
+
+
+async def test_an_audio_file_that_outgrows_its_header_waits_in_the_budget_again(monkeypatch: pytest.MonkeyPatch
+                                                                                   ) -> None:
+    """Through the loader and the media budget: the decode's later asks wait in line (here behind another
+    request's build, which holds all but the first ask), and all of it is given back at the end."""
+    real = video_process.decode_in_child
+    monkeypatch.setattr(video_process, "decode_in_child",
+                        lambda data, **kw: real(data, decoder=video_decoders.understated_audio, **kw))
+    budget = MediaBudget(int(media_video.AUDIO_COPIES * 4 * 1.0 * 48_000) + 1000)  # the first ask fits, no more
+    loader = MediaLoader(InputLimits(), budget=budget)
+    async with budget.hold(1000):  # another request's, granted first
+        decode = asyncio.ensure_future(loader.audio_from_file(_live_webm(5), "a"))
+        await _until(lambda: len(budget._waiting) == 1 and budget.used == 1000, "a larger ask waiting in line")
+    part = await asyncio.wait_for(decode, 30)
+    assert abs(part.waveform.size - 5 * 16_000) < 1_600
+    await _until(lambda: budget.used == 0, "every grant given back")
+    assert not budget._waiting and budget.waits[-1] >= 5  # grants: the other build, the first ask, 3+ more
+
+
 def test_the_sample_buffer_grows_past_what_the_header_said() -> None:
     samples = np.arange(8, dtype=np.float32).reshape(2, 4)
     grown = media_video._append(samples, 4, np.full((2, 3), -1, np.float32))  # 7 samples in a buffer of 4

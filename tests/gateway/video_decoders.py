@@ -54,3 +54,11 @@ def peak_growth(conn: Any, data: bytes, warm_up: bytes) -> None:
     before = status("VmRSS")
     part = decode_video(data, sampling=VideoSampling(), limits=InputLimits(), param="v")
     conn.send((part.frames.nbytes, status("VmHWM") - before))
+
+
+def understated_audio(data: bytes, **kw: Any) -> Any:
+    """The real audio decoder, for a file whose header says it lasts 1 s whatever it holds."""
+    from gateway import media_video
+
+    media_video._expected_seconds = lambda container, size, max_seconds: 1.0
+    return media_video.decode_audio_file(data, **kw)
