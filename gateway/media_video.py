@@ -75,7 +75,9 @@ def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, p
                  with_audio: bool = False, admit: Admit | None = None) -> VideoPart:
     """Video file bytes -> `VideoPart` of the frames `sampling` keeps (see the module docstring), with its
     soundtrack when `with_audio`. `admit` is told the memory the decode will take (its frames twice: here and
-    the gateway's copy; the soundtrack's working memory) before anything is decoded, and may wait."""
+    the gateway's copy; the soundtrack's working memory) before anything is decoded, and may wait; and the new
+    total if the soundtrack outgrows what its header said."""
+    frames_cost = 0
     try:
         with _open(data, param) as container:
             stream = _video_stream(container, param)
@@ -97,6 +99,7 @@ def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, p
                 pixels = len(indices) * (width * height or min(limits.max_image_pixels, limits.max_video_pixels))
                 sound = _audio_cost(container, len(data), limits.max_audio_seconds) if with_audio else 0
                 admit(FRAME_COPIES * 3 * pixels + sound)
+                frames_cost = FRAME_COPIES * 3 * pixels
             frames = _decode_sampled(container, stream, indices, limits, param,
                                      (width, height) if width * height else None)  # (T, H, W, 3)
     except PipelineError:
@@ -104,13 +107,17 @@ def decode_video(data: bytes, *, sampling: VideoSampling, limits: InputLimits, p
     except _AV_ERRORS as e:
         raise invalid_request(f"{param}: could not decode the video, the file is corrupt or truncated "
                               f"({_reason(e)}); send an intact video file ({_FORMATS_HINT})", param) from None
-    audio = decode_soundtrack(data, max_seconds=limits.max_audio_seconds, param=param) if with_audio else None
+    # a soundtrack longer than its header said asks for the decode's new total: the frames and its grown buffer
+    grown = (lambda sound_total: admit(frames_cost + sound_total)) if admit is not None else None
+    audio = decode_soundtrack(data, max_seconds=limits.max_audio_seconds, param=param,
+                              grown=grown) if with_audio else None
     return VideoPart(frames=frames, fps=float(sampling.fps), audio=audio)
 
 
-def decode_soundtrack(data: bytes, *, max_seconds: float, param: str) -> AudioPart:
-    """The first audio stream of a video file -> 16 kHz mono `AudioPart` (400 when there is none)."""
-    return _first_audio_stream(data, max_seconds, param, in_video=True)
+def decode_soundtrack(data: bytes, *, max_seconds: float, param: str, grown: Admit | None = None) -> AudioPart:
+    """The first audio stream of a video file -> 16 kHz mono `AudioPart` (400 when there is none). Its memory
+    was asked for with the frames'; `grown` is told the soundtrack's new total if it outgrows that."""
+    return _first_audio_stream(data, max_seconds, param, in_video=True, admit=grown, asked=True)
 
 
 def decode_audio_file(data: bytes, *, sampling: VideoSampling | None = None, limits: InputLimits, param: str,
@@ -148,7 +155,9 @@ def _expected_seconds(container: InputContainer, size: int, max_seconds: float) 
 
 
 def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video: bool,
-                        admit: Admit | None = None) -> AudioPart:
+                        admit: Admit | None = None, asked: bool = False) -> AudioPart:
+    """The first audio stream's samples; `admit` is told the decode's memory before it starts (unless the caller
+    `asked` for it already) and its new total whenever the stream outgrows what its header said."""
     what = "the video's audio" if in_video else "the audio"
     empty = "the video's audio track" if in_video else "the audio"
     try:
@@ -159,7 +168,7 @@ def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video
                                           f"({_AUDIO_HINT})", param)
                 raise invalid_request(f"{param}: the video has no audio track, so use_audio_in_video cannot hear "
                                       "it; leave use_audio_in_video off for this request", param)
-            if admit is not None:
+            if admit is not None and not asked:
                 admit(_audio_cost(container, len(data), max_seconds))
             # planar float32 at the first frame's rate and layout (the resampler keeps them for the stream)
             resampler = av.AudioResampler(format="fltp")

@@ -236,6 +236,27 @@ def test_an_audio_file_longer_than_its_header_says_asks_again_for_its_new_total(
     assert events == [e for cost in asked for e in (("admit", cost), ("release", cost))]
 
 
+def test_a_soundtrack_longer_than_its_header_says_asks_again_with_the_frames() -> None:
+    """use_audio_in_video: the first ask holds the frames and 1 s of sound; each later one the frames and the
+    grown sound buffer, each after the last was given back."""
+    data = make_video(12, 1, tone_hz=440.0)  # 12 s of 44.1 kHz stereo
+    events: list[tuple[str, int]] = []
+
+    def admit(cost: int):  # type: ignore[no-untyped-def]
+        events.append(("admit", cost))
+        return lambda: events.append(("release", cost))
+
+    part = video_process.decode_in_child(data, sampling=SAMPLING, limits=InputLimits(), param="v", admit=admit,
+                                         decoder=video_decoders.understated_soundtrack)
+    assert part.audio is not None and abs(part.audio.waveform.size - 12 * 16_000) < 1_600
+    asked = [cost for what, cost in events if what == "admit"]
+    frames = media_video.FRAME_COPIES * part.frames.size
+    assert asked[0] == frames + int(media_video.AUDIO_COPIES * 4 * 1.0 * 44_100 * 2)
+    assert len(asked) >= 4 and asked == sorted(asked)
+    assert asked[-1] - frames >= media_video.AUDIO_COPIES * 4 * 12 * 44_100 * 2
+    assert events == [e for cost in asked for e in (("admit", cost), ("release", cost))]
+
+
 async def test_an_audio_file_that_outgrows_its_header_waits_in_the_budget_again(monkeypatch: pytest.MonkeyPatch
                                                                                    ) -> None:
     """Through the loader and the media budget: the decode's later asks wait in line (here behind another
