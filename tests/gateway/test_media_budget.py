@@ -1,6 +1,7 @@
 """The gateway's media build budget (gateway/media_budget.py, `InputLimits.media_build_memory`): a request's
-estimate by its media (none for text), grants in arrival order (a small request does not overtake a waiting
-large one), a request larger than the budget runs alone, a waiter that leaves gives its place or its grant back;
+estimate by its media (none for text), grants in the order the requests arrived (a small request does not
+overtake a waiting large one, nor a newer request's decode an older one's build; the fronts mark each request's
+arrival), a request larger than the budget runs alone, a waiter that leaves gives its place or its grant back;
 through `StagePipeline.run`, audio prompts are built one at a time when two do not fit together while text
 prompts build beside them."""
 
