@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from grpc_health.v1 import health_pb2
 
@@ -42,7 +43,28 @@ STAGE_SERVICE = STAGE_DESCRIPTOR.full_name
 class StageStartRefused(Exception):
     """The stage's own start-up checks refused its settings or model folder (a ValueError while it loaded, e.g. a
     KV cache that cannot hold one max_model_len sequence): the message says what to change. `omnimesh stage`
-    exits 2 with it, no traceback (--log-level DEBUG logs one); its ranks were stopped at exit."""
+    exits 2 with it, no traceback (--log-level DEBUG logs one); its ranks were stopped at exit. A ValueError
+    from outside omnimesh's own code (a library's, which may be a bug rather than a setting) says where it was
+    raised (`_origin`)."""
+
+
+_OWN_CODE = tuple(Path(__file__).resolve().parents[2] / name for name in ("omnimesh", "services", "gateway"))
+
+
+def _origin(exc: BaseException) -> str:
+    """'' for an error raised in omnimesh's own code (its checks name the setting); else where it was raised,
+    for a refusal that carries no traceback: ' (raised in transformers/configuration_utils.py:123 ...)'."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    path = Path(tb.tb_frame.f_code.co_filename).resolve()
+    if any(path.is_relative_to(root) for root in _OWN_CODE):
+        return ""
+    parts = path.parts
+    where = "/".join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts else path.name
+    return f" (raised in {where}:{tb.tb_lineno} while the stage loaded; --log-level DEBUG shows the traceback)"
 
 
 async def _serve(handler: StageHandler, host: str, port: int, transport: Transport, bulk_nice: int,
@@ -100,7 +122,7 @@ def run_stage(factory: Callable[[], StageHandler], host: str, port: int, *, tran
         hand_off = Transport(handler.name, transport, shm_arena_size, shm_min_tensor_size)  # a bad setting stops start-up
     except ValueError as exc:
         log.debug("stage start-up refused", exc_info=True)
-        raise StageStartRefused(str(exc)) from exc
+        raise StageStartRefused(f"{exc}{_origin(exc)}") from exc
     log.info("stage %s: %d start-up objects frozen out of the garbage collector's scans", handler.name,
              freeze_startup_heap())
     uvloop.run(_serve(handler, host, port, hand_off, bulk_nice, yield_steps, log_stats))

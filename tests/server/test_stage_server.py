@@ -78,3 +78,25 @@ async def test_a_dead_engine_loop_turns_the_stage_not_serving(monkeypatch, capsy
             await asyncio.wait_for(served, 15)
         else:  # it never got that far (the test failed): no signal that would stop pytest itself
             served.cancel()
+
+
+def test_a_refusal_from_outside_omnimesh_says_where_it_was_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start-up ValueError is a refusal (exit 2, no traceback). One of omnimesh's own checks names the setting
+    and is passed on as it is; one a library raised (which may be a bug, not a setting) says where."""
+    import transformers
+
+    from omnimesh.config.stage_config import parse_size
+
+    monkeypatch.setattr(stage_server, "tune_malloc", lambda: None)  # this test's process keeps its allocator
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+
+    def refused(factory) -> str:  # type: ignore[no-untyped-def]
+        with pytest.raises(stage_server.StageStartRefused) as e:
+            stage_server.run_stage(factory, "127.0.0.1", 0)
+        return str(e.value)
+
+    own = refused(lambda: parse_size("lots", "--kv-cache-memory"))
+    assert "--kv-cache-memory" in own and "raised in" not in own
+    theirs = refused(lambda: transformers.AutoConfig.for_model("no-such-model-type"))
+    assert re.search(r"\(raised in transformers/models/auto/configuration_auto\.py:\d+ while the stage loaded; "
+                     r"--log-level DEBUG shows the traceback\)$", theirs), theirs
