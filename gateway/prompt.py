@@ -80,6 +80,10 @@ class ImageTokens:
     def __init__(self, count: Callable[[int, int], int], max_model_len: int) -> None:
         self.count, self.max_model_len, self.tokens = count, max_model_len, 0
 
+    def include(self, width: int, height: int) -> None:
+        """An image already accepted (a Realtime conversation's), counted without a check."""
+        self.tokens += self.count(width, height)
+
     def add(self, width: int, height: int, param: str) -> None:
         """One more image (its field: `param`); a 400 naming it when the images now reach max_model_len, or when
         the resize rule refuses its shape (an aspect ratio over 200)."""

@@ -549,7 +549,7 @@ class RealtimeSession:
         for item in self.items:
             for p in item.parts if isinstance(item, _Item) else ():
                 if isinstance(p, ImagePart):
-                    tokens.tokens += tokens.count(*p.image.size)  # type: ignore[attr-defined]
+                    tokens.include(*p.image.size)  # type: ignore[attr-defined]
         return tokens
 
     def _check_images(self, items: list[Any]) -> None:

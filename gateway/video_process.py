@@ -199,8 +199,9 @@ def _decode_in_child(data: bytes, sampling: VideoSampling | None, limits: InputL
                 except concurrent.futures.CancelledError:  # its caller left (ThreadAdmission.cancel)
                     return "cancelled", None
             ours.send("go")
-            waited[0] += time.monotonic() - asked
-            started += time.monotonic() - asked  # the deadline counts decoding, not the waits for memory
+            wait = time.monotonic() - asked
+            waited[0] += wait
+            started += wait  # the deadline counts decoding, not the waits for memory
         if tag == "frames":  # a VideoPart whose frames follow as raw bytes, received in place
             tag, payload = "ok", _receive_frames(ours, started + hard_deadline, *payload)
             if payload is None:
