@@ -28,7 +28,10 @@ class MeshProcess:
     """`with MeshProcess(model_dir, *extra_serve_flags) as mesh:` -> `mesh.url` answers `GET /health` with 200.
 
     The server's output (stdout and stderr) is read in the background, so its pipe never fills up; the last
-    lines are kept for the error message when it does not come up."""
+    lines are kept for the error message when it does not come up. Once healthy it waits for the mesh to fall
+    quiet (`settle`): the gateway goes on starting its video decoders' process server for ~2 s after it
+    answers /health, and a measurement taken meanwhile shares the cores with that start (it made the first
+    concurrency of bench/throughput.py look slower than it is)."""
 
     def __init__(self, model_dir: Path, *extra: str, timeout_s: float = 300.0):
         self.model_dir = model_dir
@@ -36,6 +39,7 @@ class MeshProcess:
         self.timeout_s = timeout_s
         self.url = ""
         self.stages: dict[str, str] = {}
+        self.settled_s = 0.0  # how long the mesh took to fall quiet after answering /health (`settle`)
         self.lines: collections.deque[str] = collections.deque(maxlen=200)
 
     def _pump(self) -> None:
@@ -78,7 +82,24 @@ class MeshProcess:
             code = self.proc.poll()
             self.__exit__()
             raise RuntimeError(f"omnimesh serve did not come up (exit code {code}); last output:\n{self.output()}")
+        self.settled_s = self.settle()
         return self
+
+    def settle(self, quiet_cores: float = 0.05, window_s: float = 1.0, timeout_s: float = 60.0) -> float:
+        """Wait until the mesh's processes together use less than `quiet_cores` of a core over `window_s`
+        (bounded by `timeout_s`; not on a system without /proc); returns the seconds waited."""
+        from bench import process_cpu
+
+        t0 = time.monotonic()
+        if not process_cpu.available():
+            return 0.0
+        while time.monotonic() - t0 < timeout_s and self.proc.poll() is None:
+            meter = process_cpu.CpuMeter(self.proc.pid)
+            meter.start()
+            time.sleep(window_s)
+            if sum(meter.stop().values()) < quiet_cores * window_s:
+                break
+        return time.monotonic() - t0
 
     def __exit__(self, *exc: object) -> None:
         if self.proc.poll() is None:

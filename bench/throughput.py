@@ -132,12 +132,14 @@ def omnimesh_side(model: Path, work: Workload, args: argparse.Namespace, device:
     log(f"omnimesh: starting `omnimesh serve {model} {' '.join(serve)}`")
     t = time.perf_counter()
     with MeshProcess(model, *serve) as mesh:
-        log(f"omnimesh: up in {time.perf_counter() - t:.1f}s at {mesh.url}; warming up")
+        log(f"omnimesh: up in {time.perf_counter() - t:.1f}s at {mesh.url} (quiet {mesh.settled_s:.1f}s after /health "
+            "answered); warming up")
         rate = served_sample_rate(mesh.url, {**work.body(0), "stream": False})
         for i in range(2):
             r = stream_chat(mesh.url, work.body(1000 + i))
             if r.error:
                 raise RuntimeError(f"omnimesh warm-up request failed: {r.error}")
+        mesh.settle()  # what the warm-up left running (a stage's allocator handing memory back) ends first
         out: dict[int, dict[str, Any]] = {}
         allocs = process_cpu.allocators(mesh.proc.pid) if process_cpu.available() else {}
         meter = process_cpu.CpuMeter(mesh.proc.pid) if process_cpu.available() else None
