@@ -614,14 +614,17 @@ class RestGateway:
             return self.audio_memory.expiry()
 
         try:
+            opening: list[bytes] = []
             for i in range(call.n):
-                yield chunk(i, Delta(role="assistant", content=""))
+                opening.append(chunk(i, Delta(role="assistant", content="")))
                 if call.echo:
-                    yield chunk(i, Delta(content=call.echo))
+                    opening.append(chunk(i, Delta(content=call.echo)))
                 if call.audio_format is not None and call.spoken_lead:  # a continued message's start is spoken too
-                    yield transcript_chunk(i, call.spoken_lead)
+                    opening.append(transcript_chunk(i, call.spoken_lead))
+            yield b"".join(opening)
             finished: dict[int, Finished] = {}
             async for i, ev in chain(first, events):
+                out: list[bytes] = []  # this event's chunks, sent in one write (a spoken delta makes two or more)
                 self._observe(call, ev)
                 if isinstance(ev, TextDelta) and ev.usage is not None:
                     so_far[i] = ev.usage
@@ -634,52 +637,56 @@ class RestGateway:
                     text, calls = shaped[i].push(answer)
                     entries, carried = self._logprobs(call, ev.logprobs), False
                     if thought:  # the entries go with the answer's text when it has some
-                        yield thought_chunk(i, thought, None if text else entries)
+                        out.append(thought_chunk(i, thought, None if text else entries))
                         carried = not text
                     # a token holding part of a character, or a forced call's held JSON: its entry, no text yet
                     if text or ev.logprobs and not carried:
-                        yield chunk(i, Delta(content=text), logprobs=entries)
+                        out.append(chunk(i, Delta(content=text), logprobs=entries))
                     if call.audio_format is not None:  # with spoken calls: what the talker says, the calls aside
                         voiced = (answer if ev.spoken else "") if call.request.spoken_calls else text
                         if voiced:
-                            yield transcript_chunk(i, voiced)
+                            out.append(transcript_chunk(i, voiced))
                     if calls:
-                        yield calls_chunk(i, calls)
+                        out.append(calls_chunk(i, calls))
                 elif isinstance(ev, AudioDelta):
                     if call.audio_format is not None and np.size(ev.pcm):
                         data = base64.b64encode(pcm16_bytes(ev.pcm)).decode()
-                        yield chunk(i, Delta(audio=DeltaAudio(id=audio_ids[i], data=data, expires_at=first_audio(i))))
+                        audio = DeltaAudio(id=audio_ids[i], data=data, expires_at=first_audio(i))
+                        out.append(chunk(i, Delta(audio=audio)))
                 elif isinstance(ev, Finished):
                     finished[i] = ev
                     if call.audio_format is not None:  # a later turn may name this answer by its audio id
                         self.audio_memory.remember(audio_ids[i], "".join(said[i]))
                     thought, answer = thoughts[i].finish()  # held back in case a marker was starting
                     if thought:
-                        yield thought_chunk(i, thought, None)
+                        out.append(thought_chunk(i, thought, None))
                     text, calls = shaped[i].push(answer)
                     if text:
-                        yield chunk(i, Delta(content=text))
+                        out.append(chunk(i, Delta(content=text)))
                         if call.audio_format is not None and not call.request.spoken_calls:
-                            yield transcript_chunk(i, text)
+                            out.append(transcript_chunk(i, text))
                     if calls:
-                        yield calls_chunk(i, calls)
+                        out.append(calls_chunk(i, calls))
                     text, calls = shaped[i].finish()  # a forced answer not whole (max_tokens) comes as text
                     if text:
-                        yield chunk(i, Delta(content=text))
+                        out.append(chunk(i, Delta(content=text)))
                         if call.audio_format is not None and not call.request.spoken_calls:
-                            yield transcript_chunk(i, text)
+                            out.append(transcript_chunk(i, text))
                     if calls:
-                        yield calls_chunk(i, calls)
-                    yield chunk(i, Delta(), shaped[i].finish_reason(ev.finish_reason), stop_reason=ev.stop_reason)
-                    if len(finished) == call.n:
-                        break
+                        out.append(calls_chunk(i, calls))
+                    out.append(chunk(i, Delta(), shaped[i].finish_reason(ev.finish_reason), stop_reason=ev.stop_reason))
+                if out:
+                    yield b"".join(out)
+                if len(finished) == call.n:
+                    break
             if len(finished) < call.n:
                 raise internal_error(RuntimeError("the pipeline ended without a Finished event"))
+            end = DONE
             if call.include_usage:
                 usage = self._usage(total_usage([finished[i] for i in range(call.n)]))
-                yield sse(dump(ChatCompletionChunk(id=rid, created=call.created, model=call.model, choices=[],
-                                                    usage=usage)))
-            yield DONE
+                end = sse(dump(ChatCompletionChunk(id=rid, created=call.created, model=call.model, choices=[],
+                                                   usage=usage))) + DONE
+            yield end
             status = 200
         except PipelineError as e:
             status = e.http_status
