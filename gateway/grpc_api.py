@@ -26,7 +26,7 @@ import asyncio
 import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -57,7 +57,8 @@ from gateway.input_limits import InputLimits
 from gateway.processor_kwargs import check_settings
 from gateway.prompt import PromptBuilder
 from gateway.reasoning import END, AnswerSplit, ReasoningParser, thinks
-from gateway.media import MediaLoader, audio_seconds, invalid_request, media_not_from_user, video_sampling_of
+from gateway.media import (MediaLoader, audio_seconds, image_header_size, invalid_request, media_not_from_user,
+                           video_sampling_of)
 from gateway.media_budget import mark_arrival
 from gateway.openai_schema import (
     MAX_LOGPROBS,
@@ -188,6 +189,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         # the images' tokens, each counted from its header before its pixels are decoded (as REST's)
         tokens = self.prompts.image_tokens(tuple(sorted(settings.items()))) \
             if self.prompts is not None and "image" in kinds else None
+        if tokens is not None:  # all of them by their headers first, before any media is decoded
+            tokens.precheck(_image_headers(req), self.loader.limits.max_image_pixels)
         messages: list[ChatMessage] = []
         for i, m in enumerate(req.messages):
             if m.role not in _ROLES:
@@ -423,3 +426,14 @@ async def refresh_health(health: health_aio.HealthServicer, pipeline: Pipeline) 
     for name in ("", OMNI_SERVICE_NAME):
         await health.set(name, status)
     return ok
+
+
+def _image_headers(req: omni_pb2.GenerateRequest) -> Iterator[tuple[int, int, str]]:
+    """(width, height, field) of each image part of a user message whose header says its size, in order
+    (`ImageTokens.precheck`; REST's: gateway/rest.py `_image_headers`)."""
+    for i, m in enumerate(req.messages):
+        if m.role != "user":
+            continue
+        for j, p in enumerate(m.content):
+            if p.WhichOneof("part") == "image" and (size := image_header_size(p.image)) is not None:
+                yield size[0], size[1], f"messages[{i}].content[{j}].image"

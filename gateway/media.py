@@ -292,6 +292,30 @@ def samples_to_audio_part(samples: np.ndarray, rate: int, *, param: str) -> Audi
 
 
 # ------------------------------------------------------------------------------------------- images
+HEADER_PEEK_BYTES = 64 * 1024  # where an image's size is looked for before anything is decoded (a JPEG's EXIF
+# comes before its frame header, and is rarely longer)
+
+
+def image_header_size(data: bytes | str) -> tuple[int, int] | None:
+    """(width, height) from the start of an image file (bytes) or of a `data:` URI (only its first
+    HEADER_PEEK_BYTES are decoded), without decoding pixels; None when the start says nothing readable (the
+    image's own decode then gives the error, or the size)."""
+    if isinstance(data, str):
+        header, sep, payload = data.partition(",")
+        if not sep or not header[:5].lower() == "data:" or "base64" not in header.lower():
+            return None
+        chars = "".join(payload[:HEADER_PEEK_BYTES * 4 // 3 + 256].split())
+        try:
+            data = base64.b64decode(chars[:len(chars) // 4 * 4], validate=True)
+        except (binascii.Error, ValueError):
+            return None
+    try:
+        with Image.open(io.BytesIO(data[:HEADER_PEEK_BYTES])) as img:
+            return img.size
+    except Exception:  # PIL raises what its format plugins raise on a cut or bad header
+        return None
+
+
 def decode_image(data: bytes, *, max_pixels: int, param: str,
                  admit: Callable[[int, int], None] | None = None) -> ImagePart:
     """Image file bytes (PNG, JPEG, ...) -> RGB `ImagePart`; the size is checked before decoding, and told to

@@ -35,7 +35,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,8 @@ class ImageTokens:
     """The tokens of a request's images so far, each counted from its header's size by the processor's resize
     rule (`count(width, height)`) before its pixels are decoded: images that alone reach max_model_len would be
     refused once the prompt is built, after their pixels were decoded (32 flat 4096x4096 PNGs, 2.4 MB of body,
-    took a gateway to 4.2 GB and 17 s), so they are refused at the first image over it."""
+    took a gateway to 4.2 GB and 17 s), so they are refused at the first image over it: first from every inline
+    image's header before any of the request's media is decoded (`precheck`), then as each is decoded (`add`)."""
 
     def __init__(self, count: Callable[[int, int], int], max_model_len: int) -> None:
         self.count, self.max_model_len, self.tokens = count, max_model_len, 0
@@ -83,6 +84,19 @@ class ImageTokens:
     def include(self, width: int, height: int) -> None:
         """An image already accepted (a Realtime conversation's), counted without a check."""
         self.tokens += self.count(width, height)
+
+    def precheck(self, sizes: Iterable[tuple[int, int, str]], max_pixels: int) -> None:
+        """A request's images by their headers' sizes (width, height, field; in order, those whose header was
+        readable), before any of its media is decoded: the 400 that `add` would give at an image's decode, given
+        now, and nothing counted (each image is counted by `add` as it is decoded). Before, the images ahead of
+        the one that crossed max_model_len were decoded first, and the request's audio and videos with them.
+        It stops at an image over `max_pixels`: its decode refuses it (413) before it is counted."""
+        scratch = ImageTokens(self.count, self.max_model_len)
+        scratch.tokens = self.tokens
+        for width, height, param in sizes:
+            if width * height > max_pixels:
+                return
+            scratch.add(width, height, param)
 
     def add(self, width: int, height: int, param: str) -> None:
         """One more image (its field: `param`); a 400 naming it when the images now reach max_model_len, or when

@@ -33,7 +33,7 @@ import importlib.metadata
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -71,7 +71,8 @@ from gateway.http_errors import error_json, internal_error, read_body
 from gateway import video_process
 from gateway.http_front import HttpFront
 from gateway.input_limits import InputLimits
-from gateway.media import MediaLoader, audio_seconds, invalid_request, media_not_from_user, video_sampling_of
+from gateway.media import (MediaLoader, audio_seconds, image_header_size, invalid_request, media_not_from_user,
+                           video_sampling_of)
 from gateway.media_budget import mark_arrival
 from gateway.openai_schema import (
     ChatCompletion,
@@ -353,12 +354,16 @@ class RestGateway:
         """The body's messages, media decoded (each video with its soundtrack when `mm.use_audio_in_video`,
         its frames sampled by `mm`'s fps / frame counts over the server's), the request-wide media limits
         checked (chat, /tokenize, Responses): the part counts before anything is decoded, the images' tokens
-        from each one's header before its pixels are. Errors name the messages by `names`."""
+        from all their headers before any media is decoded (`ImageTokens.precheck`), and again from each one's
+        header before its pixels are (images not sent inline, and headers past the first 64 KiB). Errors name
+        the messages by `names`."""
         kinds = [kind for m in messages for p in m.content if (kind := p.media_kind) is not None]
         self.loader.check_counts(kinds, names.whole)
         in_video = mm is not None and mm.use_audio_in_video
         sampling = self.loader.sampling_with(mm.settings() if mm is not None else {})
         tokens = self.prompts.image_tokens(_settings(mm)) if self.prompts is not None and "image" in kinds else None
+        if tokens is not None:
+            tokens.precheck(_image_headers(messages, names), self.loader.limits.max_image_pixels)
         out = tuple([await self._message(m, names.of(i), names.image_url, in_video, sampling, tokens)
                      for i, m in enumerate(messages)])
         self.loader.check_audio_seconds(audio_seconds(out), names.whole)
@@ -760,6 +765,19 @@ class RestGateway:
         scraped = await scrape_stages(self.stage_metrics, self.metrics.scrape_up, STAGE_SCRAPE_TIMEOUT_S)
         own = parse_exposition(generate_latest(self.metrics.registry).decode())  # `_created` as in the stages'
         return Response(merge_families([own, *scraped]), media_type=CONTENT_TYPE_LATEST)
+
+
+def _image_headers(messages: list[Message], names: MessageNames) -> Iterator[tuple[int, int, str]]:
+    """(width, height, field) of each image a user sent inline (a data URI) whose header says its size, in
+    order; nothing is decoded beyond each header (`ImageTokens.precheck`)."""
+    for i, m in enumerate(messages):
+        if m.role != "user":
+            continue
+        for j, p in enumerate(m.content):
+            if p.type == "image_url" and p.image_url is not None and p.image_url.url[:5].lower() == "data:":
+                size = image_header_size(p.image_url.url)
+                if size is not None:
+                    yield size[0], size[1], f"{names.of(i)}.content[{j}].{names.image_url}"
 
 
 def _settings(mm: MMProcessorKwargs | None) -> tuple[tuple[str, float], ...]:

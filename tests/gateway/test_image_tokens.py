@@ -112,3 +112,58 @@ def test_a_realtime_conversation_counts_its_pictures(small: PromptBuilder) -> No
         assert error["param"] == "item.content[0].image_url" and error["message"].startswith(
             "the images alone are 128 tokens"), error
         assert create(conn, _blank_png(32, 32))["type"] == "conversation.item.added"  # 65: still room
+
+
+def _data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def test_the_header_size_reads_only_the_start() -> None:
+    from gateway.media import HEADER_PEEK_BYTES, image_header_size
+
+    big = _png(600)  # ~1 MB of noise: its size is read from the first HEADER_PEEK_BYTES
+    assert len(big) > 4 * HEADER_PEEK_BYTES and image_header_size(big) == (600, 600)
+    assert image_header_size(_data_uri(big)) == (600, 600)
+    assert image_header_size(_data_uri(big)[:200]) == (600, 600)  # a cut payload still holds the header
+    jpeg = io.BytesIO()
+    Image.new("RGB", (320, 200)).save(jpeg, "JPEG", exif=Image.Exif())
+    assert image_header_size(_data_uri(jpeg.getvalue(), "image/jpeg")) == (320, 200)
+    for bad in (b"", b"not an image", "data:image/png,plain", "data:image/png;base64,%%%%", "https://x/a.png"):
+        assert image_header_size(bad) is None
+
+
+def test_rest_refuses_the_crossing_image_before_decoding_any_media(small: PromptBuilder) -> None:
+    """The media ahead of the crossing image are not decoded first: a corrupt image and a corrupt clip before it
+    were refused as corrupt (after decoding them); now the answer is the token refusal of the image that
+    crosses. An image over the pixel limit ahead of them is still refused as that (413), as before."""
+    from gateway.input_limits import InputLimits
+
+    pipeline = ScriptedPipeline()
+    limits = InputLimits(max_image_pixels=300 * 300)
+    with RestServer(create_app(pipeline, served_model_names=("tiny-omni",), prompts=small, limits=limits)) as server:
+        def chat(*parts: dict) -> httpx.Response:
+            return httpx.post(f"{server.base_url}/v1/chat/completions", timeout=30, json={
+                "model": "tiny-omni", "messages": [{"role": "user", "content": list(parts)}]})
+
+        def image(data: bytes) -> dict:
+            return {"type": "image_url", "image_url": {"url": _data_uri(data)}}
+
+        clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF....WAVEjunk").decode(),
+                                                       "format": "wav"}}
+        r = chat(image(_png(256, cut=True)), clip, image(_png(256)))
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "messages[0].content[2].image_url.url", r.text
+        assert err["message"].startswith("the images alone are 128 tokens")
+        r = chat(image(_png(400)), image(_png(256)), image(_png(256)))  # over max_image_pixels first: as before
+        assert r.status_code == 413 and r.json()["error"]["param"] == "messages[0].content[0].image_url.url", r.text
+        assert not pipeline.requests
+
+
+async def test_grpc_refuses_the_crossing_image_before_decoding_any(small: PromptBuilder) -> None:
+    pipeline = ScriptedPipeline()
+    pipeline.prepare = small  # type: ignore[attr-defined]
+    msg = omni_pb2.ChatMessage(role="user", content=[omni_pb2.ContentPart(image=_png(256, cut=True)),
+                                                     omni_pb2.ContentPart(image=_png(256))])
+    with pytest.raises(PipelineError, match=r"^the images alone are 128 tokens") as e:
+        await OmniServicer(pipeline).build(omni_pb2.GenerateRequest(messages=[msg], modalities=["text"]))
+    assert e.value.param == "messages[0].content[1].image"
