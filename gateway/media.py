@@ -302,7 +302,7 @@ def image_header_size(data: bytes | str) -> tuple[int, int] | None:
     image's own decode then gives the error, or the size)."""
     if isinstance(data, str):
         header, sep, payload = data.partition(",")
-        if not sep or not header[:5].lower() == "data:" or "base64" not in header.lower():
+        if not sep or header[:5].lower() != "data:" or "base64" not in header.lower():
             return None
         chars = "".join(payload[:HEADER_PEEK_BYTES * 4 // 3 + 256].split())
         try:
