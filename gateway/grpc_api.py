@@ -57,7 +57,7 @@ from gateway.input_limits import InputLimits
 from gateway.processor_kwargs import check_settings
 from gateway.prompt import PromptBuilder
 from gateway.reasoning import END, AnswerSplit, ReasoningParser, thinks
-from gateway.media import (MediaLoader, audio_seconds, image_header_size, invalid_request, media_not_from_user,
+from gateway.media import (AudioTotal, MediaLoader, image_header_size, invalid_request, media_not_from_user,
                            video_sampling_of)
 from gateway.media_budget import mark_arrival
 from gateway.openai_schema import (
@@ -192,6 +192,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         if tokens is not None:  # all of them by their headers first, before any media is decoded
             tokens.precheck(_image_headers(req), self.loader.limits.max_image_pixels)
         messages: list[ChatMessage] = []
+        heard = AudioTotal(self.loader)  # checked part by part, so nothing past the limit is decoded (as REST's)
         for i, m in enumerate(req.messages):
             if m.role not in _ROLES:
                 raise invalid_request(f"messages[{i}].role: '{m.role}' is not one of {', '.join(_ROLES)}",
@@ -225,10 +226,10 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                     parts.append(await self.loader.video_from_bytes(p.video, f"{where}.video",
                                                                     with_audio=req.use_audio_in_video,
                                                                     sampling=video_sampling))
+                heard.add(parts[-1])
             calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls)
             messages.append(ChatMessage(role=m.role, content=tuple(parts), tool_calls=calls,  # type: ignore[arg-type]
                                         tool_call_id=m.tool_call_id or None))
-        self.loader.check_audio_seconds(audio_seconds(messages))
         structured = await self._structured(req)
         plan = self._tools(req, modalities)
         template = template_options(req.add_generation_prompt if req.HasField("add_generation_prompt") else None,

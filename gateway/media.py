@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from gateway.events import AudioPart, ChatMessage, ImagePart, PipelineError, VideoPart
+from gateway.events import AudioPart, ImagePart, PipelineError, VideoPart
 from gateway.input_limits import InputLimits
 
 if TYPE_CHECKING:
@@ -348,15 +348,24 @@ def video_sampling_of(prompt_builder: object) -> VideoSampling | None:
     return getattr(getattr(processor, "video_processor", None), "sampling", None)
 
 
-def audio_seconds(messages: Sequence[ChatMessage]) -> float:
-    """Seconds of audio in decoded messages, videos' soundtracks included."""
-    seconds = 0.0
-    for m in messages:
-        for p in m.content:
-            audio = p if isinstance(p, AudioPart) else p.audio if isinstance(p, VideoPart) else None
-            if audio is not None:
-                seconds += audio.waveform.size / audio.sample_rate
-    return seconds
+def part_audio_seconds(part: object) -> float:
+    """Seconds of audio in one decoded part (a clip, or a video's soundtrack); 0 for any other part."""
+    audio = part if isinstance(part, AudioPart) else part.audio if isinstance(part, VideoPart) else None
+    return 0.0 if audio is None else audio.waveform.size / audio.sample_rate
+
+
+class AudioTotal:
+    """A request's decoded audio so far against max_audio_seconds (all its clips and soundtracks together),
+    checked as each part is decoded: the 413 comes at the part that crosses the limit, and the parts after it are
+    never decoded (checked once all were decoded, a request of many clips of nearly the limit each had every one
+    decoded, FFmpeg's work in child processes included, before its refusal)."""
+
+    def __init__(self, loader: MediaLoader, param: str = "messages") -> None:
+        self.loader, self.param, self.seconds = loader, param, 0.0
+
+    def add(self, part: object) -> None:
+        self.seconds += part_audio_seconds(part)
+        self.loader.check_audio_seconds(self.seconds, self.param)
 
 
 class MediaLoader:

@@ -71,7 +71,7 @@ from gateway.http_errors import error_json, internal_error, read_body
 from gateway import video_process
 from gateway.http_front import HttpFront
 from gateway.input_limits import InputLimits
-from gateway.media import (MediaLoader, audio_seconds, image_header_size, invalid_request, media_not_from_user,
+from gateway.media import (AudioTotal, MediaLoader, image_header_size, invalid_request, media_not_from_user,
                            video_sampling_of)
 from gateway.media_budget import mark_arrival
 from gateway.openai_schema import (
@@ -364,18 +364,19 @@ class RestGateway:
         tokens = self.prompts.image_tokens(_settings(mm)) if self.prompts is not None and "image" in kinds else None
         if tokens is not None:
             tokens.precheck(_image_headers(messages, names), self.loader.limits.max_image_pixels)
-        out = tuple([await self._message(m, names.of(i), names.image_url, in_video, sampling, tokens)
-                     for i, m in enumerate(messages)])
-        self.loader.check_audio_seconds(audio_seconds(out), names.whole)
-        return out
+        heard = AudioTotal(self.loader, names.whole)  # checked part by part, so nothing past the limit is decoded
+        return tuple([await self._message(m, names.of(i), names.image_url, in_video, sampling, tokens, heard)
+                      for i, m in enumerate(messages)])
 
     async def _message(self, m: Message, name: str, image_url: str, use_audio_in_video: bool = False,
-                       sampling: VideoSampling | None = None, tokens: ImageTokens | None = None) -> ChatMessage:
+                       sampling: VideoSampling | None = None, tokens: ImageTokens | None = None,
+                       heard: AudioTotal | None = None) -> ChatMessage:
         """Message `m` (its field: `name`, its image parts' URL field: `image_url`) with its media decoded (each
-        image's tokens added to `tokens` first)."""
+        image's tokens added to `tokens` first, each part's audio to `heard` once decoded)."""
         parts: list[ContentPart] = []
         for j, p in enumerate(m.content):
             where = f"{name}.content[{j}]"
+            decoded = len(parts)
             if p.type == "text":
                 parts.append(TextPart(text=p.text or ""))
                 continue
@@ -393,6 +394,8 @@ class RestGateway:
             elif p.video_url is not None and p.type == "video_url":
                 parts.append(await self.loader.video_from_url(p.video_url.url, f"{where}.video_url.url",
                                                               with_audio=use_audio_in_video, sampling=sampling))
+            if heard is not None and len(parts) > decoded:
+                heard.add(parts[-1])
         if m.audio is not None and not any(isinstance(p, TextPart) and p.text for p in parts):
             parts = [TextPart(self._earlier_answer(m.audio.id, f"{name}.audio.id"))]
         role = "system" if m.role == "developer" else m.role
