@@ -65,6 +65,15 @@ def test_k8s_services_match_deployments() -> None:
         assert container["readinessProbe"]["grpc"]["port"] == int(port)
 
 
+def test_a_client_stays_on_one_gateway_pod() -> None:
+    """Stored responses and spoken answers' audio ids live in the gateway that made them: with the gateway scaled,
+    a conversation's later turns must reach the same pod (Realtime is one connection, so it always does)."""
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "omnimesh.yaml").read_text()) if d]
+    gateway = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "omnimesh-gateway")
+    assert gateway["spec"]["sessionAffinity"] == "ClientIP"
+    assert gateway["spec"]["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"] >= 3600  # an audio id's hour
+
+
 def test_the_gateway_takes_its_api_key_from_the_environment() -> None:
     """Both manifests hand --api-key over as OMNIMESH_API_KEY (k8s: from an optional Secret; compose: from
     the host's environment, empty = none), never on the command line."""
