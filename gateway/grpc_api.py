@@ -189,8 +189,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         # the images' tokens, each counted from its header before its pixels are decoded (as REST's)
         tokens = self.prompts.image_tokens(tuple(sorted(settings.items()))) \
             if self.prompts is not None and "image" in kinds else None
-        if tokens is not None:  # all of them by their headers first, before any media is decoded
-            tokens.precheck(_image_headers(req), self.loader.limits.max_image_pixels)
+        if tokens is not None:  # all of them by their headers first, before any media is decoded (off the loop)
+            await asyncio.to_thread(tokens.precheck, _image_headers(req), self.loader.limits.max_image_pixels)
         messages: list[ChatMessage] = []
         heard = AudioTotal(self.loader)  # checked part by part, so nothing past the limit is decoded (as REST's)
         for i, m in enumerate(req.messages):

@@ -84,13 +84,26 @@ def decode_base64(data: str, param: str) -> bytes:
         raise invalid_request(f"{param}: not valid base64 ({e})", param) from None
 
 
-def parse_data_uri(uri: str, param: str) -> tuple[str, bytes]:
-    """`data:<mime>[;params];base64,<payload>` -> (mime type, bytes)."""
+def _data_uri_parts(uri: str) -> tuple[list[str], str] | None:
+    """`data:<mime>[;params],<payload>` -> (its header's fields: mime first, then params; the payload as sent);
+    None when it is no data URI."""
     header, sep, payload = uri.partition(",")
     if not sep or not header.lower().startswith("data:"):
+        return None
+    return header[5:].split(";"), payload
+
+
+def _is_base64(fields: list[str]) -> bool:
+    return "base64" in (f.strip().lower() for f in fields[1:])
+
+
+def parse_data_uri(uri: str, param: str) -> tuple[str, bytes]:
+    """`data:<mime>[;params];base64,<payload>` -> (mime type, bytes)."""
+    parts = _data_uri_parts(uri)
+    if parts is None:
         raise invalid_request(f"{param}: malformed data URI; expected 'data:<mime>;base64,<payload>'", param)
-    fields = header[5:].split(";")
-    if "base64" not in (f.strip().lower() for f in fields[1:]):
+    fields, payload = parts
+    if not _is_base64(fields):
         raise invalid_request(f"{param}: data URIs must be base64-encoded ('data:<mime>;base64,...')", param)
     return fields[0].strip().lower(), decode_base64(payload, param)
 
@@ -301,10 +314,10 @@ def image_header_size(data: bytes | str) -> tuple[int, int] | None:
     HEADER_PEEK_BYTES are decoded), without decoding pixels; None when the start says nothing readable (the
     image's own decode then gives the error, or the size)."""
     if isinstance(data, str):
-        header, sep, payload = data.partition(",")
-        if not sep or header[:5].lower() != "data:" or "base64" not in header.lower():
+        parts = _data_uri_parts(data)
+        if parts is None or not _is_base64(parts[0]):  # what parse_data_uri refuses: the decode says why
             return None
-        chars = "".join(payload[:HEADER_PEEK_BYTES * 4 // 3 + 256].split())
+        chars = "".join(parts[1][:HEADER_PEEK_BYTES * 4 // 3 + 256].split())
         try:
             data = base64.b64decode(chars[:len(chars) // 4 * 4], validate=True)
         except (binascii.Error, ValueError):

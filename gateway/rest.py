@@ -362,8 +362,9 @@ class RestGateway:
         in_video = mm is not None and mm.use_audio_in_video
         sampling = self.loader.sampling_with(mm.settings() if mm is not None else {})
         tokens = self.prompts.image_tokens(_settings(mm)) if self.prompts is not None and "image" in kinds else None
-        if tokens is not None:
-            tokens.precheck(_image_headers(messages, names), self.loader.limits.max_image_pixels)
+        if tokens is not None:  # off the loop: up to 64 KiB of base64 and a header parse per image
+            await asyncio.to_thread(tokens.precheck, _image_headers(messages, names),
+                                    self.loader.limits.max_image_pixels)
         heard = AudioTotal(self.loader, names.whole)  # checked part by part, so nothing past the limit is decoded
         return tuple([await self._message(m, names.of(i), names.image_url, in_video, sampling, tokens, heard)
                       for i, m in enumerate(messages)])

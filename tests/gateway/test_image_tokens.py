@@ -125,6 +125,8 @@ def test_the_header_size_reads_only_the_start() -> None:
     assert len(big) > 4 * HEADER_PEEK_BYTES and image_header_size(big) == (600, 600)
     assert image_header_size(_data_uri(big)) == (600, 600)
     assert image_header_size(_data_uri(big)[:200]) == (600, 600)  # a cut payload still holds the header
+    past_the_peek = len("data:image/png;base64,") + HEADER_PEEK_BYTES * 2
+    assert image_header_size(_data_uri(big)[:past_the_peek] + "%%%%") == (600, 600)  # nothing decoded past it
     jpeg = io.BytesIO()
     Image.new("RGB", (320, 200)).save(jpeg, "JPEG", exif=Image.Exif())
     assert image_header_size(_data_uri(jpeg.getvalue(), "image/jpeg")) == (320, 200)
