@@ -3,9 +3,10 @@
 `omnimesh serve --device cuda` with the default layout: all four stages on GPU 0, the thinker and talker
 sizing their KV caches from their shares of --gpu-memory-utilization (per instance), the ranks' layers and
 code2wav's conv stack on the GPU. Three spoken requests at once each come back with text and audio (bf16: no
-parity with the float32 reference), and every stage says it runs on CUDA. The encoder cache keeps its entries
-in GPU memory: a picture asked about again is a hit, gives the same greedy answer, and the cache's usage
-gauge counts its bytes.
+parity with the float32 reference), a sampled spoken request too (the code predictor draws from CUDA logits),
+and every stage says it runs on CUDA. The encoder cache works on a CUDA encoder: a picture asked about again is a
+hit, gives the same greedy answer, and the cache's usage gauge counts its bytes (the ranks hand their outputs
+back to the stage's host memory, which is where the cache keeps them and what the edges carry).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def test_the_default_mesh_speaks_on_one_gpu(tiny_model_dir: Path) -> None:
             with wave.open(io.BytesIO(base64.b64decode(message["audio"]["data"]))) as w:
                 assert w.getframerate() == 24000 and w.getnframes() > 0
             assert message["content"]
+        sampled = {**body, "temperature": 0.9, "top_p": 0.95, "seed": 11}  # the talker samples too (its defaults)
+        got = httpx.post(f"{m.rest}/v1/chat/completions", json=sampled, timeout=180)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["message"]["audio"]["data"]
         picture = [{"role": "user", "content": [_image(png_bytes(48, seed=903)), {"type": "text", "text": "What?"}]}]
         q0, h0 = _counts(m)
         answer = _ask(m, picture)

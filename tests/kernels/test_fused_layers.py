@@ -76,10 +76,12 @@ def decoder_layer(kind: str) -> ParallelDecoderLayer:
     return randomized(layer, seed=len(kind))  # type: ignore[return-value]
 
 
-def pools(layer: ParallelDecoderLayer, seed: int) -> tuple[PagedKVPool, PagedKVPool]:
+def pools(layer: ParallelDecoderLayer, seed: int, blocks: int = 16,
+          block: int = BLOCK) -> tuple[PagedKVPool, PagedKVPool]:
+    """Two pools of `blocks` blocks of `block` tokens for `layer`'s keys and values, with the same random contents."""
     attn = layer.self_attn
     kv, D = attn.qkv_proj.kv_size // attn.head_dim, attn.head_dim
-    a, b = (PagedKVPool((0, 1), 16, BLOCK, kv, D, torch.float32, "cpu") for _ in range(2))
+    a, b = (PagedKVPool((0, 1), blocks, block, kv, D, torch.float32, "cpu") for _ in range(2))
     g = gen(seed)
     for pool in (a, b):
         pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))

@@ -1,5 +1,6 @@
 """GPU path (skipped without CUDA): an NCCL process group of one rank, the thinker's LM shard on a CUDA
-device giving the CPU's greedy tokens, and its KV cache sized from `--gpu-memory-utilization`. Run on a lent GPU machine with `python -m pytest -m gpu`."""
+device giving the CPU's greedy tokens, its KV cache sized from `--gpu-memory-utilization`, and a seeded draw from CUDA
+logits taking the CPU's token. Run on a lent GPU machine with `python -m pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -56,3 +57,14 @@ def test_kv_cache_on_cuda_takes_what_the_utilization_leaves(tmp_path: Path) -> N
     assert 0 < shard.pool.nbytes() <= room
     with pytest.raises(ValueError, match="no room for a KV cache.*--gpu-memory-utilization"):
         shard.execute(LMInitCache(16, None, weights / total / 2, profile_tokens=256))
+
+
+def test_a_seeded_draw_from_cuda_logits_is_the_cpu_draw() -> None:
+    """A sampled pick from logits on the GPU (the code predictor's, on a CUDA rank) draws from the request's CPU
+    stream, so it runs (torch refuses a CPU generator for CUDA probabilities) and picks what the CPU picks."""
+    from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
+
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7)
+    rows = torch.randn(40, 2048, generator=torch.Generator().manual_seed(1)) * 3
+    on_cpu, on_gpu = Sampler(params), Sampler(params)
+    assert [on_gpu.sample(row.cuda()) for row in rows] == [on_cpu.sample(row) for row in rows]

@@ -237,6 +237,8 @@ class Sampler:
             if not math.isfinite(top := float(scores.max())):  # NaN probabilities: checked before the draw
                 self._no_distribution(logits, top)
             probs = torch.softmax(scores.view(1, -1), dim=-1)  # (1, V)
+            if probs.device != self.generator.device:  # a CUDA rank's logits (the code predictor's), a CPU stream:
+                probs = probs.to(self.generator.device)  # the draw stays on the request's one stream, as on CPU
             token = int(torch.multinomial(probs, num_samples=1, generator=self.generator).item())
         self.num_sampled += 1
         if self.params.output_penalties:
