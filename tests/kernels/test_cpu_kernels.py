@@ -153,19 +153,24 @@ def test_attention_over_a_window_of_stored_keys(kernels: Any) -> None:
 def test_paged_decode_equals_the_gathered_sdpa_path() -> None:
     """A step of three decodes (ragged histories) and a chunked prefill over a shared pool: the fused path
     gives the same attention and writes the same keys / values into the pool as the eager one."""
-    g, heads, kv_heads, D, block = gen(6), 4, 2, 16, 4
-    pool = PagedKVPool((0, 1), num_blocks=16, block_size=block, kv_heads=kv_heads, head_dim=D, dtype=torch.float32,
-                       device="cpu")
+    seqs = [(1, 6, [3, 9]), (1, 2, [1]), (3, 5, [4, 7]), (1, 11, [0, 5, 12])]  # (new, past, block table)
+    paged_attend_equal(heads=4, kv_heads=2, D=16, blocks=16, block=4, seqs=seqs, seed=6)
+
+
+def paged_attend_equal(heads: int, kv_heads: int, D: int, blocks: int, block: int,
+                       seqs: list[tuple[int, int, list[int]]], seed: int) -> None:
+    """One layer's attention of a step (`seqs`: new rows, cached rows, block table each) over a pool of random
+    contents, fused and eager: the same attention within float rounding, the same pool writes exactly."""
+    g = gen(seed)
+    pool, fused_pool = (PagedKVPool((0, 1), blocks, block, kv_heads, D, torch.float32, "cpu") for _ in range(2))
     pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
     pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
-    seqs = [(1, 6, [3, 9]), (1, 2, [1]), (3, 5, [4, 7]), (1, 11, [0, 5, 12])]  # (new, past, block table)
+    fused_pool.k[0].copy_(pool.k[0])
+    fused_pool.v[0].copy_(pool.v[0])
     layout = BatchLayout.build(seqs, block)
     N = layout.num_tokens
     q = torch.randn(1, heads, N, D, generator=g)
     k, v = torch.randn(1, kv_heads, N, D, generator=g), torch.randn(1, kv_heads, N, D, generator=g)
-    fused_pool = PagedKVPool((0, 1), 16, block, kv_heads, D, torch.float32, "cpu")
-    fused_pool.k[0].copy_(pool.k[0])
-    fused_pool.v[0].copy_(pool.v[0])
     with cpu_kernels.disabled():
         eager_batch = PagedBatch(pool, layout)
         assert not eager_batch.fused
@@ -173,7 +178,7 @@ def test_paged_decode_equals_the_gathered_sdpa_path() -> None:
     batch = PagedBatch(fused_pool, layout)
     assert batch.fused
     got = batch.attend(0, q, k, v, heads // kv_heads, D**-0.5)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=ATOL * max(1, D // 16), rtol=1e-5)
     assert torch.equal(fused_pool.k[0], pool.k[0]) and torch.equal(fused_pool.v[0], pool.v[0])
 
 

@@ -98,18 +98,27 @@ def step_inputs(layer: ParallelDecoderLayer, n: int, seed: int) -> tuple[torch.T
 
 @pytest.mark.parametrize("kind", ["thinker", "talker", "dense", "qwen2.5"])
 def test_a_decode_step_equals_the_op_by_op_layer(kind: str) -> None:
-    layer = decoder_layer(kind)
-    eager_pool, fused_pool = pools(layer, seed=3)
-    layout = BatchLayout.build(DECODES, BLOCK)
-    x, cos, sin = step_inputs(layer, layout.num_tokens, seed=4)
+    assert decode_step_equal(decoder_layer(kind), DECODES, BLOCK, seed=3), "a decode-only step must take the fused layer"
+
+
+def decode_step_equal(layer: ParallelDecoderLayer, decodes: list[tuple[int, int, list[int]]], block: int,
+                      seed: int) -> bool:
+    """A decode-only step of `decodes` through `layer` op by op and as one fused call, over two pools of the
+    same contents: False when the fused call leaves it to the op-by-op layer; else the same output and pool
+    writes bit for bit (asserted)."""
+    eager_pool, fused_pool = pools(layer, seed=seed, blocks=16, block=block)
+    layout = BatchLayout.build(decodes, block)
+    x, cos, sin = step_inputs(layer, layout.num_tokens, seed=seed + 1)
     with torch.inference_mode():
         layer.fusable = False
         want = layer(x, cos, sin, PagedBatch(eager_pool, layout))
         layer.fusable = True
         got = layer._fused(x, cos, sin, PagedBatch(fused_pool, layout))
-    assert got is not None, "a decode-only step must take the fused layer"
+    if got is None:
+        return False
     assert torch.equal(got, want)
     assert torch.equal(fused_pool.k[0], eager_pool.k[0]) and torch.equal(fused_pool.v[0], eager_pool.v[0])
+    return True
 
 
 def test_prefill_rows_own_caches_and_large_moe_steps_run_op_by_op() -> None:
@@ -144,11 +153,17 @@ def test_a_code_predictor_layer_equals_the_op_by_op_layer(window: int | None) ->
     config = predictor_config(window)
     layer = randomized(pcp.ParallelCodePredictorLayer(config, 0, ParallelState.single(), torch.float32), seed=8)
     assert layer.self_attn.window == window
+    predictor_steps_equal(layer, config.hidden_size, window, seed=9)
+
+
+def predictor_steps_equal(layer: Any, hidden: int, window: int | None, seed: int) -> None:
+    """The predictor's steps (the 2-row prefix, then one residual code at a time) through `layer` fused and op by
+    op over caches of their own: the same output and cache bit for bit at each step."""
     eager, fused = KVCache((0, 1)), KVCache((0, 1))
-    g, B, D = gen(9), 3, layer.self_attn.head_dim
+    g, B, D = gen(seed), 3, layer.self_attn.head_dim
     with torch.inference_mode():
-        for T in (2, 1, 1):  # the predictor's steps: the prefix, then one residual code at a time
-            x = torch.randn(B, T, config.hidden_size, generator=g)
+        for T in (2, 1, 1):
+            x = torch.randn(B, T, hidden, generator=g)
             cos, sin = torch.randn(1, T, D, generator=g), torch.randn(1, T, D, generator=g)
             seen = eager.get_seq_length()
             mask = pcp.causal_window_mask(T, seen, seen, window, x.device)

@@ -28,9 +28,7 @@ import torch
 
 from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni import parallel_code_predictor as pcp
-from omnimesh.models.qwen3_omni.paged_kv import BatchLayout, PagedBatch, PagedKVPool
 from omnimesh.models.qwen3_omni.parallel_text_model import (
-    KVCache,
     MRotary,
     ParallelDecoderLayer,
     ParallelSparseMoe,
@@ -43,28 +41,20 @@ from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams, greedy_
 from omnimesh.models.qwen3_omni.tiny_config import tiny_qwen3_omni_config
 from omnimesh.parallel.layers import default_weight_loader
 from omnimesh.parallel.parallel_state import ParallelState
-from tests.kernels.test_fused_layers import pools, step_inputs
+from tests.kernels.test_cpu_kernels import eager, gen, paged_attend_equal
+from tests.kernels.test_fused_layers import decode_step_equal, predictor_steps_equal
 
 ATOL = 1e-5
-QWEN3_MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [24, 20, 20], "interleaved": True}
-QWEN2_5_MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
-DECODES = [(1, 37, [3, 9, 14, 4, 11]), (1, 2, [1]), (1, 60, [0, 5, 12, 2, 6, 7, 8, 10])]  # (new, past, blocks of 8)
-BLOCK = 8
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> Any:
     assert cpu_kernels.load(), f"the CPU kernels did not load here: {cpu_kernels.status()}"
     return cpu_kernels.ops()
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def eager(fn: Any, *args: Any) -> Any:
-    with cpu_kernels.disabled():
-        return fn(*args)
+QWEN3_MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [24, 20, 20], "interleaved": True}
+QWEN2_5_MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
+DECODES = [(1, 37, [3, 9, 14, 4, 11]), (1, 2, [1]), (1, 60, [0, 5, 12, 2, 6, 7, 8, 10])]  # (new, past, blocks of 8)
+BLOCK = 8
 
 
 def scaled_randn(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -96,23 +86,8 @@ def test_attention_kernels_at_128_wide_heads(kernels: Any, heads: int, kv_heads:
         want = gqa_attention(q, k, v, heads // kv_heads, D**-0.5, mask, is_causal=mask is None and T > 1)
         torch.testing.assert_close(kernels.attention(q, k, v, past, 0, window, D**-0.5), want, atol=ATOL, rtol=1e-5,
                                    msg=f"T={T} S={S} window={window}")
-    pool_a, pool_b = (PagedKVPool((0, 1), 64, 16, kv_heads, D, torch.float32, "cpu") for _ in range(2))
-    for name in ("k", "v"):
-        getattr(pool_a, name)[0].copy_(torch.randn(getattr(pool_a, name)[0].shape, generator=g))
-        getattr(pool_b, name)[0].copy_(getattr(pool_a, name)[0])
     seqs = [(1, 40, [3, 9, 20]), (1, 2, [1]), (7, 50, [4, 7, 30, 31]), (1, 130, list(range(40, 49)))]  # a prefill too
-    layout = BatchLayout.build(seqs, 16)
-    N = layout.num_tokens
-    q = torch.randn(1, heads, N, D, generator=g)
-    k, v = torch.randn(1, kv_heads, N, D, generator=g), torch.randn(1, kv_heads, N, D, generator=g)
-    with cpu_kernels.disabled():
-        plain = PagedBatch(pool_a, layout)
-        assert not plain.fused
-        want = plain.attend(0, q, k, v, heads // kv_heads, D**-0.5)
-    fused = PagedBatch(pool_b, layout)
-    assert fused.fused
-    torch.testing.assert_close(fused.attend(0, q, k, v, heads // kv_heads, D**-0.5), want, atol=ATOL, rtol=1e-5)
-    assert torch.equal(pool_b.k[0], pool_a.k[0]) and torch.equal(pool_b.v[0], pool_a.v[0])
+    paged_attend_equal(heads, kv_heads, D, blocks=64, block=16, seqs=seqs, seed=2)
 
 
 @pytest.mark.parametrize("model_type,rope", [("qwen3_omni_moe_text", QWEN3_MROPE), ("qwen2_5_omni_text", QWEN2_5_MROPE)])
@@ -160,20 +135,11 @@ def real_width_layer(kind: str) -> ParallelDecoderLayer:
 @pytest.mark.parametrize("kind", ["qwen2.5-3b", "qwen3-dense", "qwen3-moe"])
 def test_a_decode_step_of_a_real_width_layer_equals_the_op_by_op_layer(kind: str) -> None:
     layer = real_width_layer(kind)
-    eager_pool, fused_pool = pools(layer, seed=4, blocks=16, block=BLOCK)
-    layout = BatchLayout.build(DECODES, BLOCK)
-    x, cos, sin = step_inputs(layer, layout.num_tokens, seed=5)
-    with torch.inference_mode():
-        layer.fusable = False
-        want = layer(x, cos, sin, PagedBatch(eager_pool, layout))
-        layer.fusable = True
-        got = layer._fused(x, cos, sin, PagedBatch(fused_pool, layout))
+    fused = decode_step_equal(layer, DECODES, BLOCK, seed=4)
     if kind == "qwen3-moe":  # 8 of 768-wide experts: past the MoE kernel's multiply-adds, so op by op
-        assert isinstance(layer.mlp, ParallelSparseMoe) and not layer.mlp.fits(1) and got is None
-        return
-    assert got is not None, "a decode-only step must take the fused layer"
-    assert torch.equal(got, want)
-    assert torch.equal(fused_pool.k[0], eager_pool.k[0]) and torch.equal(fused_pool.v[0], eager_pool.v[0])
+        assert isinstance(layer.mlp, ParallelSparseMoe) and not layer.mlp.fits(1) and not fused
+    else:
+        assert fused, "a decode-only step must take the fused layer"
 
 
 def test_a_real_width_code_predictor_layer_equals_the_op_by_op_layer() -> None:
@@ -181,18 +147,5 @@ def test_a_real_width_code_predictor_layer_equals_the_op_by_op_layer() -> None:
     config.hidden_size, config.intermediate_size = 1024, 3072
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = 16, 8, 128
     layer = scaled_randn(pcp.ParallelCodePredictorLayer(config, 0, ParallelState.single(), torch.float32), seed=6)
-    eager_cache, fused_cache = KVCache((0, 1)), KVCache((0, 1))
-    g, B, D = gen(7), 3, 128
-    with torch.inference_mode():
-        for T in (2, 1, 1):  # the predictor's steps: the prefix, then one residual code at a time
-            x = torch.randn(B, T, config.hidden_size, generator=g)
-            cos, sin = torch.randn(1, T, D, generator=g), torch.randn(1, T, D, generator=g)
-            seen = eager_cache.get_seq_length()
-            mask = pcp.causal_window_mask(T, seen, seen, None, x.device)
-            layer.fusable = False
-            want = layer(x, cos, sin, eager_cache, mask)
-            layer.fusable = True
-            got = layer._fused(x, cos, sin, fused_cache)
-            assert got is not None and torch.equal(got, want)
-            for a, b in zip(fused_cache.history(0), eager_cache.history(0)):
-                assert a is not None and b is not None and torch.equal(a, b)
+    assert layer.self_attn.head_dim == 128
+    predictor_steps_equal(layer, config.hidden_size, None, seed=7)
