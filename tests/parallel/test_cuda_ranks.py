@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from omnimesh.models.qwen3_omni.lm_shard import LMInitCache, LMShard, LMShardSpec, LMStep
+from omnimesh.models.qwen3_omni.paged_kv import DECODE_GATHER_BYTES
 from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 from omnimesh.parallel.mp_executor import free_port
 from omnimesh.parallel.parallel_state import ParallelState, destroy_parallel_state, init_parallel_state
@@ -44,14 +45,14 @@ def test_thinker_shard_on_cuda_matches_cpu(tmp_path: Path) -> None:
 
 def test_kv_cache_on_cuda_takes_what_the_utilization_leaves(tmp_path: Path) -> None:
     """Per instance, as vLLM's: the pool fits in `utilization x total - this rank's weights - a profiled
-    step's activations` (what else uses the device counts against its own fraction); a utilization below this
-    rank's own weights is refused with a message naming the flag."""
+    step's activations - the gathered decodes' bound` (what else uses the device counts against its own
+    fraction); a utilization below this rank's own weights is refused with a message naming the flag."""
     folder = build_tiny_qwen3_omni(tmp_path / "tiny")
     shard = LMShard(LMShardSpec(folder, "thinker"), ParallelState.single("cuda"))
     free, total = torch.cuda.mem_get_info()
     weights = torch.cuda.memory_allocated()
     room = 64 * 2**20
-    utilization = (weights + room) / total
+    utilization = (weights + room + DECODE_GATHER_BYTES) / total  # the gathered decodes' transient stays free
     blocks = shard.execute(LMInitCache(16, None, utilization, profile_tokens=256))
     assert blocks >= 1 and shard.pool is not None
     assert 0 < shard.pool.nbytes() <= room

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from omnimesh.models.qwen3_omni.paged_kv import BatchLayout, PagedBatch, PagedKVPool, block_bytes, kv_cache_dtype
+from omnimesh.models.qwen3_omni.paged_kv import (DECODE_GATHER_BYTES, BatchLayout, PagedBatch, PagedKVPool, block_bytes,
+                                               kv_cache_dtype)
 from omnimesh.models.qwen3_omni.parallel_code_predictor import ParallelCodePredictor, predict_residuals
 from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelTextModel, pipeline_step
 from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams
@@ -257,8 +258,9 @@ class LMShard:
         return num_blocks
 
     def _cuda_budget(self, command: LMInitCache) -> int:
-        """What `gpu_memory_utilization` of this rank's device leaves after THIS rank's own weights and the
-        activations of a `profile_tokens` step (measured with a throw-away forward of its layers). Per
+        """What `gpu_memory_utilization` of this rank's device leaves after THIS rank's own weights, the
+        activations of a `profile_tokens` step (measured with a throw-away forward of its layers) and the
+        bounded transient of a step's gathered decodes (`paged_kv.DECODE_GATHER_BYTES`). Per
         instance, as vLLM's: other stages on the same device count against their own fractions, not this
         one's, so stages sharing a GPU split it by their fractions whatever order they start in (the CUDA
         context, ~0.5 GiB, is not counted: keep that much headroom). Never more than the device has free."""
@@ -270,7 +272,7 @@ class LMShard:
         weights = torch.cuda.memory_allocated(device)
         self.profile_step(device, command.profile_tokens, command.logit_rows)
         torch.cuda.synchronize(device)
-        activations = torch.cuda.max_memory_allocated(device) - weights
+        activations = torch.cuda.max_memory_allocated(device) - weights + DECODE_GATHER_BYTES
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         budget = min(int(total * command.gpu_memory_utilization) - weights - activations, free - activations)
@@ -278,7 +280,8 @@ class LMShard:
             raise ValueError(f"no room for a KV cache on {device}: --gpu-memory-utilization "
                              f"{command.gpu_memory_utilization} x {total / 2**30:.1f} GiB leaves nothing after this "
                              f"rank's {weights / 2**30:.2f} GiB of weights and {activations / 2**30:.2f} GiB for "
-                             f"activations ({free / 2**30:.1f} GiB free on the device); raise it, lower "
+                             f"activations and gathered decodes ({free / 2**30:.1f} GiB free on the device); raise it, "
+                             f"lower "
                              f"--max-num-batched-tokens, or split the stage over more ranks (-tp / -pp)")
         return budget
 

@@ -9,9 +9,11 @@ Data flow for one batched step on one rank (N packed tokens of B requests, see p
     BatchLayout.build([(n_new, past, block table) per request], block_size)   on the driver, once per step
     per layer: q (1, nh, N, D), k/v (1, nkv, N, D) -> PagedBatch.attend
         -> k/v written to their slots (slot = block * block_size + offset)
-        -> requests with one new token (decodes): their keys gathered into a padded (Bd, nkv, Smax, D),
-           one SDPA call with a key-padding mask; on CPU (float32) one kernel call instead writes every new
-           key and attends each decode over its own slots in the pool (`cpu_kernels.paged_decode`)
+        -> requests with one new token (decodes): their keys gathered into a padded (Bg, nkv, Smax, D), one
+           SDPA call with a key-padding mask per group of Bg decodes, the groups as large as
+           DECODE_GATHER_BYTES allows (`decode_group`), so a step's transient memory stays bounded however many
+           long requests it carries; on CPU (float32) one kernel call instead writes every new key and attends
+           each decode over its own slots in the pool (`cpu_kernels.paged_decode`)
         -> requests with several new tokens (prefill chunks): one SDPA each, causal over past + chunk
         -> o (1, nh, N, D) in packed order
 Pool memory per rank: 2 x layers x num_blocks x block_size x (n_kv_heads / tp) x head_dim x dtype size.
@@ -43,6 +45,18 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 PAGED_KERNEL_KEYS = 16384  # the CPU kernel's limit on a decode's keys (its softmax is not vectorised; SDPA beyond)
+# what one group of gathered decodes may take at once (keys and values in the compute dtype, and their copies
+# per query head where SDPA needs them): 256 decodes of 32k keys on a real Qwen3-Omni thinker would be ~70 GB
+# in one call; a GPU rank keeps this much free beside its KV pool (`lm_shard`'s budget)
+DECODE_GATHER_BYTES = 512 * 2**20
+
+
+def decode_group(smax: int, kv_heads: int, heads: int, head_dim: int, elem_bytes: int, repeat: bool,
+                 limit: int = DECODE_GATHER_BYTES) -> int:
+    """How many decodes of up to `smax` keys one gathered SDPA call takes within `limit` bytes (at least 1):
+    the gathered keys and values, plus their per-query-head copies when `repeat` (`gqa_attention` off CPU)."""
+    per_request = 2 * smax * head_dim * elem_bytes * (kv_heads + (heads if repeat else 0))
+    return max(1, limit // max(1, per_request))
 
 
 def block_bytes(config: Any, layers: int, tp: int, block_size: int, dtype: torch.dtype) -> int:
@@ -197,13 +211,25 @@ class PagedBatch:
         store(vp, self.write_slots, v[0].transpose(0, 1))
         out = torch.empty_like(q)  # (1, nh, N, D)
         if self.decode_rows.numel():
-            qd = q[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)  # (Bd, nh, 1, D)
-            kd = load(kp, self.decode_slots, q.dtype).permute(0, 2, 1, 3)  # (Bd, nkv, Smax, D)
-            vd = load(vp, self.decode_slots, q.dtype).permute(0, 2, 1, 3)
-            od = gqa_attention(qd, kd, vd, n_rep, scale, self.decode_mask)  # (Bd, nh, 1, D)
-            out[0, :, self.decode_rows] = od[:, :, 0].transpose(0, 1)
+            self._decodes(q, kp, vp, n_rep, scale, out)
         self._prefill(q, kp, vp, n_rep, scale, out)
         return out
+
+    def _decodes(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, n_rep: int, scale: float,
+                 out: torch.Tensor) -> None:
+        """The decode rows of `out`: each group of decodes (`decode_group`) gathered and attended in one call."""
+        Bd, smax = self.decode_slots.shape
+        heads, D = q.shape[1], q.shape[3]
+        group = decode_group(smax, heads // n_rep, heads, D, q.element_size(), n_rep > 1 and q.device.type != "cpu",
+                             DECODE_GATHER_BYTES)
+        for a in range(0, Bd, group):
+            rows, slots = self.decode_rows[a:a + group], self.decode_slots[a:a + group]
+            mask = None if self.decode_mask is None else self.decode_mask[a:a + group]
+            qd = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # (Bg, nh, 1, D)
+            kd = load(kp, slots, q.dtype).permute(0, 2, 1, 3)  # (Bg, nkv, Smax, D)
+            vd = load(vp, slots, q.dtype).permute(0, 2, 1, 3)
+            od = gqa_attention(qd, kd, vd, n_rep, scale, mask)  # (Bg, nh, 1, D)
+            out[0, :, rows] = od[:, :, 0].transpose(0, 1)
 
     def _prefill(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, n_rep: int, scale: float,
                  out: torch.Tensor) -> None:
