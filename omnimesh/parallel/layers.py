@@ -301,7 +301,8 @@ class ParallelExperts(nn.Module):
 
         The (token, slot) pairs are sorted by expert once, so each hit expert is a slice (no per-expert
         search), and one `index_add_` adds every contribution in expert order, as per-expert adds would:
-        each expert sees the same rows in the same (token) order as transformers' loop, same results."""
+        each expert sees the same rows in the same (token) order as transformers' loop, same results. Off CPU
+        `add_in_expert_order` adds them in that order without `index_add_`'s atomics."""
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)  # (N*k,) expert of each (token, slot)
         order = torch.argsort(flat, stable=True)  # (N*k,) grouped by expert, tokens ascending within
@@ -316,5 +317,23 @@ class ParallelExperts(nn.Module):
                 ys.append(F.linear(F.silu(gate) * up, self.down[e]))  # (n, H)
                 start += n
         y = torch.cat(ys) * top_k_weights.reshape(-1)[order, None]  # (N*k, H)
-        out = torch.zeros_like(x)  # (N, H)
-        return out.index_add_(0, token_idx, y.to(out.dtype))
+        if x.device.type == "cpu":
+            out = torch.zeros_like(x)  # (N, H)
+            return out.index_add_(0, token_idx, y.to(out.dtype))
+        return add_in_expert_order(y.to(x.dtype), order, top_k_index)
+
+
+def add_in_expert_order(y: torch.Tensor, order: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+    """Each token's k routed contributions summed one at a time in expert order, from zero: what `index_add_`
+    over the expert-sorted pairs adds on CPU, bit for bit, but in a fixed order on any device (CUDA's
+    `index_add_` adds a token's k rows with atomics, in no fixed order, so a bf16 sum could change from run to
+    run). y (N*k, H): the contributions in `order`'s (expert-sorted) order; top_k_index (N, k) -> (N, H)."""
+    N, k = top_k_index.shape
+    by_pair = torch.empty_like(y)
+    by_pair[order] = y  # (N*k, H) back in (token, slot) order
+    by_pair = by_pair.view(N, k, -1)
+    slots = torch.argsort(top_k_index, dim=1, stable=True)  # (N, k) each token's slots in expert order
+    out = torch.zeros_like(by_pair[:, 0])  # (N, H)
+    for j in range(k):
+        out = out + by_pair.gather(1, slots[:, j, None, None].expand(N, 1, by_pair.shape[2]))[:, 0]
+    return out

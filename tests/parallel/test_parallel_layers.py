@@ -25,6 +25,7 @@ from omnimesh.parallel.layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    add_in_expert_order,
 )
 
 TP = 2
@@ -215,3 +216,29 @@ def test_sizes_that_do_not_divide_are_named() -> None:
         ParallelExperts(2, 8, 4, tp_rank=0, tp_size=3)
     with pytest.raises(ValueError, match=r"tp_rank=2 must lie in 0..tp_size-1 with tp_size=2"):
         RowParallelLinear(8, 6, tp_rank=2, tp_size=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adding_in_expert_order_is_transformers_per_expert_loop(dtype: torch.dtype) -> None:
+    """The sum CUDA steps take instead of one `index_add_` (whose atomics add a token's k rows in no fixed
+    order): each token's contributions one at a time in expert order, as transformers' loop adds them (one
+    `index_add_` per expert), bit for bit; in float32 also what the CPU path's single `index_add_` gives."""
+    g = torch.Generator().manual_seed(3)
+    N, E, k, H = 37, 16, 8, 24
+    top_k_index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])  # (N, k) distinct experts
+    order = torch.argsort(top_k_index.reshape(-1), stable=True)
+    y = (torch.randn(N * k, H, generator=g) * 10).to(dtype)  # contributions in expert-sorted order
+    experts = top_k_index.reshape(-1)[order]
+    want = torch.zeros(N, H, dtype=dtype)
+    for e in range(E):  # transformers' loop: expert by expert, each token at most once per add
+        hit = experts == e
+        want.index_add_(0, (order // k)[hit], y[hit])
+    got = add_in_expert_order(y, order, top_k_index)
+    assert got.dtype == dtype and torch.equal(got, want)
+    if dtype == torch.float32:
+        assert torch.equal(got, torch.zeros(N, H).index_add_(0, order // k, y))
+    reversed_order = torch.zeros(N, H, dtype=dtype)
+    for e in reversed(range(E)):
+        hit = experts == e
+        reversed_order.index_add_(0, (order // k)[hit], y[hit])
+    assert not torch.equal(reversed_order, want)  # the order of the adds shows in the bits: the test pins it

@@ -74,7 +74,7 @@ class Code2WavStreamer:
         self._check(codes)
         self._pending.append(codes.long())
         if sum(c.shape[1] for c in self._pending) < self.window:
-            return torch.zeros(0)
+            return torch.zeros(0, device=self.code2wav.code_offset.device)  # beside the decoded pieces
         return self._decode_pending()
 
     def flush(self) -> torch.Tensor:
@@ -89,7 +89,7 @@ class Code2WavStreamer:
         codes = torch.cat(self._pending, dim=1) if self._pending else torch.zeros(self.num_quantizers, 0)
         self._pending = []
         if codes.shape[1] == 0:
-            return torch.zeros(0)
+            return torch.zeros(0, device=self.code2wav.code_offset.device)
         return decode_windows([self.prepare(codes)])[0]
 
     @torch.no_grad()
@@ -158,7 +158,7 @@ def _pre_transformer(first: Code2WavStreamer, windows: Sequence[Window]) -> list
         x = torch.stack([F.pad(w.x, (0, 0, 0, T - w.x.shape[0])) for w in windows])  # (B, T, H)
         positions = torch.stack([torch.arange(w.streamer._seen, w.streamer._seen + T) for w in windows])  # (B, T)
         hidden = first.transformer.forward([w.streamer._handle for w in windows], x, positions, lengths)  # (B, T, H)
-        out = [hidden[b, :n].to(x.device) for b, n in enumerate(lengths)]  # the ranks answer on the host
+        out = [hidden[b, :n].to(x.device) for b, n in enumerate(lengths)]  # split ranks answer on the host
     for w, n in zip(windows, lengths):
         w.streamer._seen += n
     return out

@@ -70,7 +70,9 @@ class Code2WavShard:
         caches = [self.caches[h] for h in command.handles]
         x = command.x.to(self.ps.device) if self.ps.is_first_pp_rank else None
         hidden = batch_pipeline_step(self.model, x, command.positions, caches, command.lengths)  # (B, T, H)
-        return hidden.cpu() if self.ps.is_last_pp_rank and self.ps.tp_rank == 0 else None
+        if not (self.ps.is_last_pp_rank and self.ps.tp_rank == 0):
+            return None
+        return hidden if self.ps.world_size == 1 else hidden.cpu()  # in-process: stays on the driver's device
 
 
 def build_code2wav_shard(spec: C2WShardSpec, ps: ParallelState) -> Code2WavShard:
@@ -100,6 +102,8 @@ class Code2WavTransformerBackend:
         """The next codes of requests `handles`: x (B, T, H), positions (B, T), lengths (B,) -> frames (B, T, H)."""
         if len(set(handles)) != len(handles):
             raise ValueError(f"a request may appear once per step, got handles {list(handles)}")
+        if self.executor is not None:  # the command is pickled to every rank: host tensors (a CUDA one would be
+            x, positions = x.cpu(), positions.cpu()  # unpickled onto the driver's GPU in every rank's process)
         return self._run(C2WStep(tuple(handles), x, positions, tuple(int(n) for n in lengths)))
 
     def close(self, handle: int) -> None:
