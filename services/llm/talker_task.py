@@ -34,6 +34,16 @@ from omnimesh.models.qwen3_omni.thinker import TalkerPrompt
 from omnimesh.transport.frames import StageChunk
 
 EDGE = "thinker -> talker"
+EMBEDDINGS = ("prompt_embeds", "multimodal_hidden", "tts_embeds", "token_embeds")  # what the projections read
+
+
+def in_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The thinker's embeddings and hidden states in the talker's dtype: a thinker serving in another dtype
+    (bf16 on a GPU, a float32 talker on a CPU host) would otherwise meet the projections with mixed dtypes. The
+    other tensors (ids, grid sizes, seconds per grid) keep theirs; nothing is copied when the dtypes agree."""
+    if all(tensors[k].dtype == dtype for k in EMBEDDINGS if k in tensors):
+        return tensors
+    return {k: v.to(dtype) if k in EMBEDDINGS else v for k, v in tensors.items()}
 
 
 class TalkerTask(BatchedTask):
@@ -60,10 +70,11 @@ class TalkerTask(BatchedTask):
     def feed(self, chunk: StageChunk) -> None:
         if self.text_ended:
             raise ValueError(f"{EDGE}: chunk {chunk.seq} after the final chunk")
+        tensors = in_dtype(chunk.tensors, self.talker.dtype)
         if self.prompt is None:
-            self.prompt = talker_prompt_from_tensors(chunk.tensors)
+            self.prompt = talker_prompt_from_tensors(tensors)
             self.prompt_tokens = int(self.prompt.input_ids.numel())
-        embeds = chunk.tensors.get("token_embeds")
+        embeds = tensors.get("token_embeds")
         for row in embeds.unbind(0) if embeds is not None else ():
             if self.state is None:
                 self._start(row)

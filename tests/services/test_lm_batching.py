@@ -532,6 +532,26 @@ def test_talker_batched_equals_solo_with_one_predictor_call_per_step(model_dir: 
     assert_drained(handler.batcher.engine, handler.batcher.engine.allocator.num_blocks)
 
 
+def test_a_talker_takes_a_thinker_serving_in_another_dtype(model_dir: Path, thinker_out: dict) -> None:
+    """A float32 talker fed a bf16 thinker's embeddings and hidden states (a GPU thinker, a CPU talker) speaks as
+    when fed those same values in float32; the other tensors (ids, grids) keep their dtypes."""
+    from services.llm.talker_task import EMBEDDINGS
+
+    handler = talker_handler(model_dir, ServeArgs(max_model_len=128))
+    assert handler.talker.dtype == torch.float32
+
+    def converted(cast: Any) -> dict[str, list[StageChunk]]:
+        return {rid: [StageChunk(tensors={k: cast(v) if k in EMBEDDINGS else v for k, v in c.tensors.items()},
+                                 seq=c.seq, final=c.final) for c in chunks] for rid, chunks in thinker_out.items()}
+
+    spoken = []
+    for inputs in (converted(lambda v: v.to(torch.bfloat16)), converted(lambda v: v.to(torch.bfloat16).float())):
+        d = Driver(handler)
+        d.add(open_talker(handler, inputs, "t1"))
+        spoken.append(codes(d.run()["t1"]))
+    assert spoken[0].shape[1] > 2 and torch.equal(spoken[0], spoken[1])
+
+
 def test_sampled_talker_batched_equals_solo(model_dir: Path, thinker_out: dict) -> None:
     """Seeded sampling (top-k 50, T 0.9: each request draws alone, with its own generator) batched with a
     greedy request: every request's codes equal its solo run, and the greedy one equals its greedy run."""

@@ -127,6 +127,11 @@ class Qwen2_5OmniTalker:
     def speakers(self) -> list[str]:
         return sorted(self.text_rows.speakers)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the talker computes in (its projection's dtype): the thinker's tensors are cast to it."""
+        return next(self.proj.parameters()).dtype
+
     @classmethod
     def from_hf(cls, model: Any) -> Qwen2_5OmniTalker:
         """Over a whole transformers `Qwen2_5OmniForConditionalGeneration` with its speakers loaded (the reference

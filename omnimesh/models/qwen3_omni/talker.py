@@ -101,6 +101,11 @@ class Qwen3OmniTalker:
         self.codec_suffix = (int(tk.codec_pad_id), int(tk.codec_bos_id))
         self.mrope = MropeSpec.for_talker(config)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the talker computes in (its projections' dtype): the thinker's tensors are cast to it."""
+        return next(self.talker.text_projection.parameters()).dtype
+
     @torch.no_grad()
     def start(
         self,
