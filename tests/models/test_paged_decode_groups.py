@@ -3,6 +3,7 @@ CUDA, and CPU pools that are not float32): a step's decodes attend in groups who
 DECODE_GATHER_BYTES, and the output is the one of a single call over all of them.
 
 What it proves:
+- a GPU rank's reserve beside its pool: the groups' bound, or one prefill chunk's past at --max-model-len;
 - the group size: what the bound holds, at least one request, the per-query-head copies counted where SDPA
   needs them (off CPU); a real Qwen3-Omni thinker's 32k-key decodes go one at a time;
 - a step of nine ragged decodes beside a prefill chunk, in groups of 1, 2 and 4 (one SDPA call per group),
@@ -16,7 +17,16 @@ import torch
 
 from omnimesh.kernels import cpu_kernels
 from omnimesh.models.qwen3_omni import paged_kv
-from omnimesh.models.qwen3_omni.paged_kv import BatchLayout, PagedBatch, PagedKVPool, decode_group
+from omnimesh.models.qwen3_omni.paged_kv import BatchLayout, PagedBatch, PagedKVPool, decode_group, gather_reserve
+
+
+def test_a_gpu_rank_keeps_the_largest_gather_free() -> None:
+    """Beside its KV pool a CUDA rank keeps free the most its attention gathers at once: the decode groups'
+    bound, or one prefill chunk's whole past at --max-model-len when that is larger."""
+    # Qwen3-Omni-30B-A3B's thinker at 32k: 2 x 32768 keys x 128 x 2 bytes x (4 + 32 heads) = 604 MB
+    assert gather_reserve(32768, 4, 32, 128, 2, repeat=True) == 2 * 32768 * 128 * 2 * 36 > paged_kv.DECODE_GATHER_BYTES
+    assert gather_reserve(4096, 4, 32, 128, 2, repeat=True) == paged_kv.DECODE_GATHER_BYTES  # 75 MB: the groups'
+    assert gather_reserve(0, 4, 32, 128, 2, repeat=True) == paged_kv.DECODE_GATHER_BYTES  # length not given
 
 
 def test_the_group_size_follows_the_bound() -> None:

@@ -138,7 +138,7 @@ class LMEngine:
                              f"--max-num-batched-tokens ({tokens}) must be at least max_model_len ({max_model_len}); "
                              f"raise it, lower --max-model-len, or leave chunked prefill on")
         init = LMInitCache(block_size, kv_bytes, gpu_memory_utilization, profile_tokens=tokens, logit_rows=max_num_seqs,
-                           kv_cache_dtype=kv_cache_dtype)
+                           kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len)
         num_blocks = int(backend.submit(init).result())
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         if self.allocator.capacity_tokens < max_model_len:

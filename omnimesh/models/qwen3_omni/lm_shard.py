@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from omnimesh.models.qwen3_omni.paged_kv import (DECODE_GATHER_BYTES, BatchLayout, PagedBatch, PagedKVPool, block_bytes,
+from omnimesh.models.qwen3_omni.paged_kv import (BatchLayout, PagedBatch, PagedKVPool, block_bytes, gather_reserve,
                                                kv_cache_dtype)
 from omnimesh.models.qwen3_omni.parallel_code_predictor import ParallelCodePredictor, predict_residuals
 from omnimesh.models.qwen3_omni.parallel_text_model import KVCache, ParallelTextModel, pipeline_step
@@ -91,6 +91,7 @@ class LMInitCache:
     profile_tokens: int = 2048  # CUDA: activations of a step this large are kept free
     logit_rows: int = 256  # CUDA: ... and of the head over this many rows (--max-num-seqs; at least a score chunk)
     kv_cache_dtype: str = "auto"  # the pool's dtype (--kv-cache-dtype, paged_kv.KV_CACHE_DTYPES)
+    max_model_len: int = 0  # CUDA: a prefill chunk's gathered past of this many keys is kept free too
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,7 @@ class LMShard:
     def _cuda_budget(self, command: LMInitCache) -> int:
         """What `gpu_memory_utilization` of this rank's device leaves after THIS rank's own weights, the
         activations of a `profile_tokens` step (measured with a throw-away forward of its layers) and the
-        bounded transient of a step's gathered decodes (`paged_kv.DECODE_GATHER_BYTES`). Per
+        largest keys and values its attention gathers at once (`paged_kv.gather_reserve`). Per
         instance, as vLLM's: other stages on the same device count against their own fractions, not this
         one's, so stages sharing a GPU split it by their fractions whatever order they start in (the CUDA
         context, ~0.5 GiB, is not counted: keep that much headroom). Never more than the device has free."""
@@ -272,7 +273,7 @@ class LMShard:
         weights = torch.cuda.memory_allocated(device)
         self.profile_step(device, command.profile_tokens, command.logit_rows)
         torch.cuda.synchronize(device)
-        activations = torch.cuda.max_memory_allocated(device) - weights + DECODE_GATHER_BYTES
+        activations = torch.cuda.max_memory_allocated(device) - weights + self._gather_reserve(command.max_model_len)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         budget = min(int(total * command.gpu_memory_utilization) - weights - activations, free - activations)
@@ -284,6 +285,14 @@ class LMShard:
                              f"lower "
                              f"--max-num-batched-tokens, or split the stage over more ranks (-tp / -pp)")
         return budget
+
+    def _gather_reserve(self, max_model_len: int) -> int:
+        """`paged_kv.gather_reserve` for this rank's heads (1/tp of them) in its compute dtype, on CUDA."""
+        config = self.model.config
+        tp = self.ps.tp_size
+        heads, kv_heads = config.num_attention_heads // tp, max(1, config.num_key_value_heads // tp)
+        return gather_reserve(max_model_len, kv_heads, heads, text_arch(config).head_dim,
+                              torch.empty(0, dtype=self.dtype).element_size(), repeat=heads > kv_heads)
 
     def profile_step(self, device: torch.device, tokens: int, logit_rows: int) -> None:
         """A throw-away step of `tokens` rows through this rank's layers, and on the last pp rank the head over

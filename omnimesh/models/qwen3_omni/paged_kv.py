@@ -51,12 +51,25 @@ PAGED_KERNEL_KEYS = 16384  # the CPU kernel's limit on a decode's keys (its soft
 DECODE_GATHER_BYTES = 512 * 2**20
 
 
+def gathered_bytes(keys: int, kv_heads: int, heads: int, head_dim: int, elem_bytes: int, repeat: bool) -> int:
+    """What one request's `keys` gathered keys and values take in the compute dtype, plus their per-query-head
+    copies when `repeat` (`gqa_attention` off CPU)."""
+    return 2 * keys * head_dim * elem_bytes * (kv_heads + (heads if repeat else 0))
+
+
 def decode_group(smax: int, kv_heads: int, heads: int, head_dim: int, elem_bytes: int, repeat: bool,
                  limit: int = DECODE_GATHER_BYTES) -> int:
-    """How many decodes of up to `smax` keys one gathered SDPA call takes within `limit` bytes (at least 1):
-    the gathered keys and values, plus their per-query-head copies when `repeat` (`gqa_attention` off CPU)."""
-    per_request = 2 * smax * head_dim * elem_bytes * (kv_heads + (heads if repeat else 0))
-    return max(1, limit // max(1, per_request))
+    """How many decodes of up to `smax` keys one gathered SDPA call takes within `limit` bytes (at least 1)."""
+    return max(1, limit // max(1, gathered_bytes(smax, kv_heads, heads, head_dim, elem_bytes, repeat)))
+
+
+def gather_reserve(max_model_len: int, kv_heads: int, heads: int, head_dim: int, elem_bytes: int,
+                   repeat: bool) -> int:
+    """The most a step's attention gathers at once beside its activations: a group of decodes (bounded by
+    DECODE_GATHER_BYTES, or one request past it) or one prefill chunk's whole past (chunks run one at a time),
+    each up to `max_model_len` keys."""
+    one = gathered_bytes(max_model_len, kv_heads, heads, head_dim, elem_bytes, repeat)
+    return max(DECODE_GATHER_BYTES, one)
 
 
 def block_bytes(config: Any, layers: int, tp: int, block_size: int, dtype: torch.dtype) -> int:
