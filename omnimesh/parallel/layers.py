@@ -333,7 +333,8 @@ def add_in_expert_order(y: torch.Tensor, order: torch.Tensor, top_k_index: torch
     by_pair[order] = y  # (N*k, H) back in (token, slot) order
     by_pair = by_pair.view(N, k, -1)
     slots = torch.argsort(top_k_index, dim=1, stable=True)  # (N, k) each token's slots in expert order
-    out = torch.zeros_like(by_pair[:, 0])  # (N, H)
+    ordered = by_pair.gather(1, slots[..., None].expand(by_pair.shape))  # (N, k, H) in expert order per token
+    out = torch.zeros_like(ordered[:, 0])  # (N, H)
     for j in range(k):
-        out = out + by_pair.gather(1, slots[:, j, None, None].expand(N, 1, by_pair.shape[2]))[:, 0]
+        out = out + ordered[:, j]
     return out

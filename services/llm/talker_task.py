@@ -53,6 +53,7 @@ class TalkerTask(BatchedTask):
         if speaker.lower() not in talker.speakers:
             raise ValueError(f"unknown speaker {speaker!r}; valid speakers: {', '.join(sorted(talker.speakers))}")
         self.talker = talker
+        self.dtype = talker.dtype  # what the thinker's tensors are cast to, read once per request
         self.speaker = speaker
         self.params = params
         self.max_model_len = max_model_len  # 0: no cap beyond max_tokens
@@ -70,7 +71,7 @@ class TalkerTask(BatchedTask):
     def feed(self, chunk: StageChunk) -> None:
         if self.text_ended:
             raise ValueError(f"{EDGE}: chunk {chunk.seq} after the final chunk")
-        tensors = in_dtype(chunk.tensors, self.talker.dtype)
+        tensors = in_dtype(chunk.tensors, self.dtype)
         if self.prompt is None:
             self.prompt = talker_prompt_from_tensors(tensors)
             self.prompt_tokens = int(self.prompt.input_ids.numel())

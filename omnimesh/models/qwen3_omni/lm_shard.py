@@ -292,7 +292,7 @@ class LMShard:
         tp = self.ps.tp_size
         heads, kv_heads = config.num_attention_heads // tp, max(1, config.num_key_value_heads // tp)
         return gather_reserve(max_model_len, kv_heads, heads, text_arch(config).head_dim,
-                              torch.empty(0, dtype=self.dtype).element_size(), repeat=heads > kv_heads)
+                              self.dtype.itemsize, repeat=heads > kv_heads)
 
     def profile_step(self, device: torch.device, tokens: int, logit_rows: int) -> None:
         """A throw-away step of `tokens` rows through this rank's layers, and on the last pp rank the head over
