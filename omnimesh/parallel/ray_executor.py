@@ -20,8 +20,9 @@ Data flow:
 
 Rendezvous address: 127.0.0.1 with a Ray instance of our own (every rank is on this host); with a cluster,
 this node's address as Ray sees it unless --master-addr names one. On CUDA, Ray gives each worker rank one GPU
-(its CUDA_VISIBLE_DEVICES, so the rank uses cuda:0); rank 0 keeps the stage's first device, and an instance
-of our own is told only about the stage's other devices, so Ray never hands rank 0's GPU to a worker.
+(its CUDA_VISIBLE_DEVICES, so the rank uses cuda:0); rank 0 keeps the stage's first device (cuda:0 without
+`devices`), and an instance of our own is told only about the stage's other devices (cuda:1 onwards without
+them, each read through this process's CUDA_VISIBLE_DEVICES), so Ray never hands rank 0's GPU to a worker.
 """
 
 from __future__ import annotations
@@ -86,11 +87,31 @@ class _RankActor:
         serve_commands(self.rank, *self.state)
 
 
+def worker_gpus(devices: tuple[str, ...], world: int) -> tuple[str, ...]:
+    """The devices of worker ranks 1..world-1 on CUDA: the stage's own after rank 0's first, else cuda:1 onwards
+    (rank 0 takes cuda:0 by default, so a Ray instance told of every GPU would hand it to a worker too: NCCL then
+    fails with "Duplicate GPU detected")."""
+    return devices[1:] if devices else tuple(f"cuda:{rank}" for rank in range(1, world))
+
+
+def visible_ids(devices: tuple[str, ...], visible: str | None) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for `devices` (cuda:N): N indexes the devices this process sees, so under a
+    CUDA_VISIBLE_DEVICES of its own (`visible`, e.g. "4,5,6,7") cuda:1 is the entry at 1 ("5"), not GPU 1."""
+    ids = [d.split(":", 1)[1] for d in devices if d.startswith("cuda:")]
+    seen = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
+    if seen is None:
+        return ids
+    if bad := [i for i in ids if int(i) >= len(seen)]:
+        raise ValueError(f"device(s) cuda:{', cuda:'.join(bad)} are not among the {len(seen)} this process sees "
+                         f"(CUDA_VISIBLE_DEVICES={visible}); give the stage's devices as indices into that list")
+    return [seen[int(i)] for i in ids]
+
+
 @contextlib.contextmanager
 def _visible_gpus(devices: tuple[str, ...]) -> Iterator[None]:
     """While a Ray instance of our own starts: it sees only `devices` (cuda:N), so it assigns only those."""
-    ids = [d.split(":", 1)[1] for d in devices if d.startswith("cuda:")]
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible_ids(devices, before)
     if ids:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
     try:
@@ -175,14 +196,15 @@ class RayExecutor(MpExecutor):
         self._serving: dict[Any, int] = {}  # serve() call -> rank
 
     def _spawn_ranks(self) -> Any:
-        ray = self.ray = connect(self.ray_address, self.rdzv.timeout_s, self.world - 1, self.rdzv.devices[1:])
+        nccl = self.rdzv.backend == "nccl"
+        ray = self.ray = connect(self.ray_address, self.rdzv.timeout_s, self.world - 1,
+                                 worker_gpus(self.rdzv.devices, self.world) if nccl else ())
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if self.ray_address and self.rdzv.master_addr in ("127.0.0.1", "localhost"):
             host = ray.util.get_node_ip_address()  # worker ranks may run on other nodes: they dial this one
             self.rdzv = replace(self.rdzv, master_addr=host, master_port=free_port(host))
-        nccl = self.rdzv.backend == "nccl"
         bundle = {"GPU": 1, "CPU": 1} if nccl else {"CPU": 1}
         workers = self.world - 1
         self.placement = placement_group([dict(bundle)] * workers, strategy="PACK")

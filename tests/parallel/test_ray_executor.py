@@ -186,3 +186,25 @@ def test_ranks_on_a_running_cluster_meet_at_this_nodes_address(tmp_path) -> None
             head.wait(timeout=10)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, 9)  # Ray's own processes (GCS, raylet) share the head's process group
+
+
+def test_worker_gpus_leave_rank_0s_device_to_rank_0() -> None:
+    """Without devices of its own, rank 0 takes cuda:0: a Ray instance told of every GPU would hand GPU 0 to a
+    worker too, and NCCL fails with "Duplicate GPU detected". Workers take cuda:1 onwards instead."""
+    assert ray_executor.worker_gpus((), 4) == ("cuda:1", "cuda:2", "cuda:3")
+    assert ray_executor.worker_gpus(("cuda:2", "cuda:5"), 2) == ("cuda:5",)
+
+
+def test_visible_gpus_index_into_the_processs_own_visible_devices(monkeypatch) -> None:
+    """A stage's devices index the GPUs this process sees: under CUDA_VISIBLE_DEVICES=4,5,6,7 the Ray instance
+    for cuda:1 and cuda:3 is told 5,7 (not GPUs 1 and 3, outside the operator's allotment); restored after."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with ray_executor._visible_gpus(("cuda:1", "cuda:3")):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,7"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    with pytest.raises(ValueError, match=r"cuda:4 are not among the 4 this process sees"):
+        ray_executor.visible_ids(("cuda:4",), "4,5,6,7")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with ray_executor._visible_gpus(("cuda:1",)):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
