@@ -50,7 +50,7 @@ from typing import Any
 import torch.distributed as dist
 
 from omnimesh.parallel.node_rendezvous import NodeHost, NodeSpec
-from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state
+from omnimesh.parallel.parallel_state import ParallelState, init_parallel_state, select_device
 from omnimesh.parallel.rank_worker import (  # noqa: F401 - RankProgram: part of this module's interface
     JOINING,
     KEEPALIVE,
@@ -422,7 +422,8 @@ def start_program(factory: ProgramFactory, pp: int = 1, tp: int = 1,
     factory = with_load_format(factory, executor_args.pop("load_format", "auto"))
     if pp * tp == 1:
         devices = executor_args.get("devices") or ("cuda:0",)
-        program = factory(ParallelState.single(devices[0] if executor_args.get("backend") == "nccl" else "cpu"))
+        nccl = executor_args.get("backend") == "nccl"  # the device made current, as a rank process's is
+        program = factory(ParallelState.single(select_device(0, "nccl", devices[0]) if nccl else "cpu"))
         return program.execute, None, program
     executor: MpExecutor
     if kind == "ray":

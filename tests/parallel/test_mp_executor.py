@@ -137,12 +137,16 @@ def test_shutdown_returns_after_the_threads_that_call_gloo(monkeypatch) -> None:
 @pytest.mark.parametrize(("args", "device"), [({}, "cpu"), ({"backend": "gloo", "devices": ()}, "cpu"),
                                               ({"backend": "nccl", "devices": ()}, "cuda:0"),
                                               ({"backend": "nccl", "devices": ("cuda:3", "cuda:4")}, "cuda:3")])
-def test_one_rank_runs_in_process_on_the_stage_device(args: dict, device: str) -> None:
+def test_one_rank_runs_in_process_on_the_stage_device(monkeypatch, args: dict, device: str) -> None:
     """pp = tp = 1 starts no process: the program is built here, on the device the stage's rank 0 would have
-    (a CUDA stage's default layout must not fall back to the CPU)."""
+    (a CUDA stage's default layout must not fall back to the CPU), made this process's current device as a rank
+    process's is (so nothing that names plain "cuda" lands on GPU 0 of a stage given GPU 3)."""
     from omnimesh.parallel.mp_executor import start_program
 
     seen: list[torch.device] = []
+    current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no CUDA here: what the stage asks of it
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
 
     class Program:
         def __init__(self, ps: object) -> None:
@@ -153,6 +157,7 @@ def test_one_rank_runs_in_process_on_the_stage_device(args: dict, device: str) -
 
     run, executor, _ = start_program(Program, 1, 1, executor="mp", **args)
     assert executor is None and run(1) == 2 and seen == [torch.device(device)]
+    assert current == ([torch.device(device)] if device != "cpu" else [])
 
 
 def test_a_taken_rendezvous_port_is_named_with_the_fix() -> None:

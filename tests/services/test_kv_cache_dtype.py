@@ -66,6 +66,24 @@ def test_paged_attention_over_a_narrow_pool_equals_attention_over_rounded_keys(n
     assert narrow.nbytes() * (4 // narrow.k[0].element_size()) == wide.nbytes()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_padded_decodes_never_read_what_the_pools_memory_held_before(monkeypatch, dtype: torch.dtype) -> None:
+    """A pool is allocated uninitialised, and on a GPU its memory may hold NaNs from earlier use (the profiling
+    run's activations). A step's shorter decodes are padded with slot 0, masked out, but 0 x NaN is NaN in the
+    attention's weighted sum: slot 0's block is zeroed when the pool is made, whatever nothing has written."""
+    real_empty = torch.empty
+    with monkeypatch.context() as patched:  # memory that held NaNs
+        patched.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).view(torch.uint8).fill_(0xFF)
+                        .view(kw["dtype"]))
+        pool = paged_kv.PagedKVPool((0, 1), 4, BLOCK, NKV, D, dtype, "cpu")
+    assert not torch.isfinite(pool.k[0][BLOCK:].float()).any()
+    g = torch.Generator().manual_seed(3)
+    _step(pool, [(5, 0, [1, 2])], *_qkv(5, g))  # two requests on blocks 1-3, none on block 0
+    _step(pool, [(1, 0, [3])], *_qkv(1, g))
+    out = _step(pool, [(1, 5, [1, 2]), (1, 1, [3])], *_qkv(2, g))  # the second decode padded to the first's 6 keys
+    assert torch.isfinite(out).all()
+
+
 def test_fp8_saturates_at_its_largest_value() -> None:
     pool = paged_kv.PagedKVPool((0, 1), 2, BLOCK, NKV, D, torch.float8_e4m3fn, "cpu")
     g = torch.Generator().manual_seed(1)

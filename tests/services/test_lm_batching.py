@@ -320,10 +320,24 @@ def test_long_prompt_is_prefilled_in_chunks_without_stalling_a_decode(model_dir:
     # attending to the rows already cached
     during = batches[-prefill_steps:]
     assert [b.layout.num_tokens for b in during] == [8, 8, 8, 8, 8, 6]
-    assert [sum(p.mask is not None for p in b.layout.prefills) for b in during] == [0, 1, 1, 1, 1, 1]
+    assert [sum(p.past > 0 for p in b.layout.prefills) for b in during] == [0, 1, 1, 1, 1, 1]
     chunks = d.run()
     assert_same_run((token_ids(chunks["long"]), rec.stacked("long")), want_long, "chunked prefill")
     assert_same_run((token_ids(chunks["short"]), rec.stacked("short")), want_short, "decode beside it")
+
+
+def test_a_chunk_deep_in_a_long_prompt_sends_no_mask_to_the_ranks() -> None:
+    """A chunk's causal mask over its past is made where attention runs: the layout the driver sends every rank
+    each step carries the chunk's slots, not an (n, past + n) mask (256 MiB for 2048 rows at 128k keys)."""
+    import pickle
+
+    past, n, block = 30_000, 512, 16
+    layout = paged_kv.BatchLayout.build([(n, past, list(range(-(-(past + n) // block))))], block)
+    assert len(pickle.dumps(layout)) < 2 * (past + n) * 8  # the slots (int64) and little else
+    mask = layout.prefills[0].mask("cpu")
+    assert mask is not None and mask.shape == (n, past + n)
+    assert mask[0, :past + 1].all() and not mask[0, past + 1:].any() and mask[-1].all()
+    assert paged_kv.BatchLayout.build([(n, 0, list(range(n // block)))], block).prefills[0].mask("cpu") is None
 
 
 def test_preemption_recomputes_and_keeps_tokens_exact(model_dir: Path) -> None:

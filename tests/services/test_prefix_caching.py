@@ -82,7 +82,7 @@ def test_a_shared_prefix_is_computed_once_and_tokens_stay_exact(model_dir: Path,
     second, got, rec = run_one(handler, "b", b)
     # 5 whole blocks of the shared 22 tokens (20 tokens) came from the cache: 11 rows ran in the prefill
     assert second.cached_tokens == 20 and batches[0].layout.num_tokens == 11
-    assert batches[0].layout.prefills[0].mask is not None  # attending to the 20 cached keys
+    assert batches[0].layout.prefills[0].past == 20  # attending to the 20 cached keys
     assert_same_run((got, rec.stacked("b")), solo(plain, b, 8), "after a cache hit")
     stats = handler.batcher.stats()
     assert stats["prefix_cache_queries"] == 27 + 31 and stats["prefix_cache_hits"] == 20

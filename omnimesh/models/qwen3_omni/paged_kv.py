@@ -107,7 +107,15 @@ class PrefillSlice:
     start: int  # first packed row
     n: int  # new tokens
     slots: torch.Tensor  # (past + n,) cache slots of all its keys, in position order
-    mask: torch.Tensor | None  # (n, past + n) bool; None = plain causal from an empty cache
+    past: int  # keys already cached: 0 = plain causal from an empty cache
+
+    def mask(self, device: torch.device | str) -> torch.Tensor | None:
+        """(n, past + n) bool, made where attention runs (at 128k keys a 2048-row chunk's mask is 256 MiB: not
+        something to build on the driver and send to every rank); None without a past (SDPA's causal flag)."""
+        if self.past == 0:
+            return None
+        total = self.past + self.n  # query i sees keys 0 .. past + i
+        return torch.arange(total, device=device)[None, :] <= torch.arange(self.past, total, device=device)[:, None]
 
 
 @dataclass(frozen=True)
@@ -145,10 +153,7 @@ class BatchLayout:
                 dec_rows.append(row)
                 dec_slots.append(slots)
             else:
-                mask = None
-                if past > 0:  # chunked prefill: query i sees keys 0 .. past + i
-                    mask = torch.arange(total)[None, :] <= torch.arange(past, total)[:, None]  # (n, total)
-                prefills.append(PrefillSlice(row, n, torch.from_numpy(slots), mask))
+                prefills.append(PrefillSlice(row, n, torch.from_numpy(slots), past))
             row += n
         lengths = np.array([s.size for s in dec_slots], dtype=np.int64)
         smax = int(lengths.max()) if len(dec_slots) else 0
@@ -175,6 +180,8 @@ class PagedKVPool:
         # torch.empty: pages are touched only as blocks fill, so an unused CPU pool costs no resident memory
         self.k = [torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(self.end - self.start)]
         self.v = [torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(self.end - self.start)]
+        for pool in self.k + self.v:  # padded rows of a gathered step read slot 0, masked out; a NaN left in it
+            pool[:block_size].view(torch.uint8).zero_()  # by earlier use of the memory would still poison 0 x NaN
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -191,8 +198,7 @@ class PagedBatch:
         self.decode_slots = layout.decode_slots.to(device)
         self.decode_mask = None if layout.decode_mask is None else layout.decode_mask.to(device)
         self.decode_lens = layout.decode_lens
-        self.prefills = [(p.start, p.n, p.slots.to(device), None if p.mask is None else p.mask.to(device))
-                         for p in layout.prefills]
+        self.prefills = [(p.start, p.n, p.slots.to(device), p.mask(device)) for p in layout.prefills]
         smax = layout.decode_slots.shape[1] if layout.decode_slots.dim() == 2 else 0
         # the CPU kernel writes every new key and attends each decode over its own slots (no padded gather)
         self.fused = bool(pool.k) and smax <= PAGED_KERNEL_KEYS and cpu_kernels.use(pool.k[0])

@@ -295,11 +295,12 @@ def greedy_batch(samplers: list[Sampler], logits: torch.Tensor,
         return tokens
     scores = logits.to(torch.float32)  # (B, V)
     if first.repetition_penalty != 1.0:
-        rows = torch.repeat_interleave(torch.arange(len(histories)), torch.tensor([len(h) for h in histories]))
+        counts = torch.tensor([len(h) for h in histories], device=scores.device)
+        rows = torch.repeat_interleave(torch.arange(len(histories), device=scores.device), counts)  # (sum n_b,)
         cols = _joined(histories).to(scores.device)  # (sum n_b,)
         keep = cols < V  # ids past the head cannot be generated: ignored
         seen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-        seen[rows[keep].to(scores.device), cols[keep]] = True  # (B, V)
+        seen[rows[keep], cols[keep]] = True  # (B, V)
         p = first.repetition_penalty
         scores = torch.where(seen, torch.where(scores < 0, scores * p, scores / p), scores)
     if first.suppress_tokens:
