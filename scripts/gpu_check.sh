@@ -18,15 +18,16 @@ export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi; python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"; } \
   > "$OUT/machine.txt" 2>&1
 # the files that hold gpu-marked tests (tests/test_gpu_check.py keeps this list whole): collecting all of tests/
-# would import what the machine lacks (openai, websockets, ...) for tests that do not run there
+# would import what the machine lacks (openai, websockets, ...) for tests that do not run there. The quick unit
+# tests come first and the meshes last, so a run cut short by its `timeout` loses the slow ones
 GPU_TESTS=(
-  tests/e2e/test_cuda_mesh_e2e.py
-  tests/e2e/test_qwen2_5_omni_e2e.py
-  tests/models/test_load_format.py
-  tests/models/test_qwen2_5_token2wav.py
   tests/parallel/test_cuda_ranks.py
   tests/services/test_kv_cache_dtype.py
   tests/transport/test_cuda_ipc.py
+  tests/models/test_load_format.py
+  tests/models/test_qwen2_5_token2wav.py
+  tests/e2e/test_cuda_mesh_e2e.py
+  tests/e2e/test_qwen2_5_omni_e2e.py
 )
 timeout 270 python3 -m pytest -v -rA -p no:cacheprovider --timeout 150 --continue-on-collection-errors -m gpu \
   "${GPU_TESTS[@]}" 2>&1 | tee "$OUT/gpu-tests.txt"

@@ -1,6 +1,8 @@
-"""GPU path (skipped without CUDA): an NCCL process group of one rank, the thinker's LM shard on a CUDA
-device giving the CPU's greedy tokens, its KV cache sized from `--gpu-memory-utilization`, and a seeded draw from CUDA
-logits taking the CPU's token. Run on a lent GPU machine with `python -m pytest -m gpu`."""
+"""GPU path (skipped without CUDA): an NCCL process group of one rank running a collective, the thinker's LM
+shard on a CUDA device giving the CPU's greedy tokens (one step, and the serving path's packed batches over the
+paged pool), its KV cache sized from `--gpu-memory-utilization`, and seeded and penalised picks from CUDA logits
+taking the CPU's tokens. Run on a lent GPU machine with `python -m pytest -m gpu`. Two ranks on one GPU are
+refused by NCCL, so the tp / pp collectives over NCCL need a machine with two GPUs (gloo runs them on CPU)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ def test_nccl_group_of_one() -> None:
     ps = init_parallel_state(1, 1, 0, "127.0.0.1", free_port(), "nccl", timeout_s=60)
     try:
         assert ps.device.type == "cuda" and ps.backend == "nccl"
+        ones = torch.ones(4, device=ps.device)
+        torch.distributed.all_reduce(ones)  # the world group; NCCL makes its communicator at the first collective
+        torch.cuda.synchronize()
+        assert ones.tolist() == [1.0] * 4
     finally:
         destroy_parallel_state(ps)
 
@@ -69,3 +75,70 @@ def test_a_seeded_draw_from_cuda_logits_is_the_cpu_draw() -> None:
     rows = torch.randn(40, 2048, generator=torch.Generator().manual_seed(1)) * 3
     on_cpu, on_gpu = Sampler(params), Sampler(params)
     assert [on_gpu.sample(row.cuda()) for row in rows] == [on_cpu.sample(row) for row in rows]
+
+
+def test_a_penalised_greedy_batch_on_cuda_logits_is_the_cpu_pick() -> None:
+    """The batch pick with a repetition penalty (every talker's default) builds its history's rows on the
+    logits' device: indexing with a mask from the other device is an error in torch."""
+    from omnimesh.models.qwen3_omni.sampling import Sampler, SamplingParams, greedy_batch
+
+    params = SamplingParams(temperature=0, repetition_penalty=1.3)
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(2))
+    histories = [[int(logits[0].argmax()), 7], [], [int(logits[2].argmax()), 499, 600]]  # 600: past the head
+    want = greedy_batch([Sampler(params) for _ in range(3)], logits, histories)
+    assert want is not None and want[0] != int(logits[0].argmax())  # the penalty moved the pick
+    assert greedy_batch([Sampler(params) for _ in range(3)], logits.cuda(), histories) == want
+
+
+def test_packed_batches_on_cuda_match_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The serving path (LMBatch over the paged pool, as the engine packs it: a prompt prefilled in chunks
+    beside another request's decodes) on CUDA, its decodes one per gathered SDPA call, gives the CPU's logits
+    step by step: the steps a CPU engine sent are replayed on a CUDA shard and a CPU shard with equal pools."""
+    from omnimesh.config.serve_args import ServeArgs
+    from omnimesh.models.qwen3_omni import paged_kv
+    from omnimesh.models.qwen3_omni.lm_shard import LMBatch
+    from omnimesh.models.qwen3_omni.tiny_config import ORDINARY_VOCAB_LIMIT
+    from omnimesh.transport.frames import StageChunk
+    from omnimesh.v1 import stage_pb2
+    from services.llm.thinker_handler import build_handler
+
+    folder = build_tiny_qwen3_omni(tmp_path / "tiny")
+    handler = build_handler(folder, ServeArgs(max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=8))
+    engine = handler.batcher.engine
+    batches: list[LMBatch] = []
+
+    def recording(inner):
+        def call(command):
+            if isinstance(command, LMBatch):
+                batches.append(command)
+            return inner(command)
+        return call
+
+    engine.backend.submit, engine.backend.run = recording(engine.backend.submit), recording(engine.backend.run)
+    g = torch.Generator().manual_seed(0)
+    live = []
+    for rid, n, max_tokens in (("short", 5, 16), ("long", 40, 4)):
+        task = handler.open(stage_pb2.Open(request_id=rid, sampling=stage_pb2.SamplingParams(temperature=0,
+                                                                                             max_tokens=max_tokens)))
+        task.feed(StageChunk(tensors={"input_ids": torch.randint(0, ORDINARY_VOCAB_LIMIT, (n,), generator=g)},
+                             final=True))
+        live.append(task)
+    while live:
+        for value in handler.batcher.step_batch([t for t in live if t.ready()]).values():
+            if isinstance(value, BaseException):
+                raise value
+        for task in [t for t in live if t.finished]:
+            task.close()
+            live.remove(task)
+    assert sum(len(b.layout.prefills) > 0 and b.layout.num_tokens > 1 for b in batches) >= 5  # chunks beside decodes
+
+    monkeypatch.setattr(paged_kv, "DECODE_GATHER_BYTES", 1)  # one decode per gathered call
+    spec = LMShardSpec(folder, "thinker")
+    cpu, gpu = LMShard(spec, ParallelState.single("cpu")), LMShard(spec, ParallelState.single("cuda"))
+    init = LMInitCache(engine.allocator.block_size, 2**20)
+    assert cpu.execute(init) == gpu.execute(init) == engine.allocator.num_blocks
+    for step, batch in enumerate(batches):
+        a, b = cpu.execute(batch), gpu.execute(batch)
+        assert a is not None and b is not None
+        assert a.logits.argmax(-1).tolist() == b.logits.cpu().argmax(-1).tolist(), step
+        torch.testing.assert_close(b.logits.cpu(), a.logits, atol=1e-4, rtol=1e-4, msg=f"step {step}")
