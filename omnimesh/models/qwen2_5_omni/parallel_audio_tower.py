@@ -103,7 +103,7 @@ def audio_batch_2_5(config: Any, feature_lens: torch.Tensor) -> AudioBatch2_5:
     chunk_tokens = conv_output_lengths(chunk_lengths)  # (n_chunks,)
     valid = torch.arange(int(chunk_tokens.max()), device=lens.device) < chunk_tokens.unsqueeze(1)  # (n_chunks, t)
     valid_indices = valid.flatten().nonzero().squeeze(-1)  # (N,)
-    cu_seqlens = F.pad(chunk_tokens.cumsum(0), (1, 0)).to(torch.int32)  # (n_chunks + 1,): a window per chunk
+    cu_seqlens = F.pad(chunk_tokens.cumsum(0), (1, 0)).to(torch.int32).cpu()  # (n_chunks + 1,): a window per chunk
 
     # chunk is even, so a clip's chunks give (T - 1) // 2 + 1 tokens in all: clips are consecutive runs of rows
     clip_tokens = conv_output_lengths(lens).tolist()

@@ -96,7 +96,7 @@ def window_index(grid_thw: torch.Tensor, merge: int, window: int) -> tuple[torch
         offset += t * gh * gw
     sizes = torch.cat(lengths)
     cu = F.pad((sizes[sizes > 0] * merge**2).cumsum(0, dtype=torch.int32), (1, 0), value=0)
-    return torch.cat(order).to(grid_thw.device), cu.to(grid_thw.device)
+    return torch.cat(order).to(grid_thw.device), cu.cpu()  # cu on the host: every layer reads its lengths
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,8 @@ class ParallelFFN(nn.Module):
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """Attention inside each [cu[i], cu[i+1]) segment, none across: q, k, v (N, nh, D) -> (N, nh * D).
+    """Attention inside each [cu[i], cu[i+1]) segment, none across: q, k, v (N, nh, D) -> (N, nh * D). The batch
+    builders keep `cu_seqlens` on the host, so reading the lengths in every layer never waits for the device.
 
     Segment by segment, exactly as transformers' sdpa path does (no (N, N) mask is ever built).
     """
@@ -215,7 +216,7 @@ class AudioBatch:
     feature_lens: torch.Tensor  # (B,) valid mel frames per clip
     chunk_lengths: torch.Tensor  # (n_chunks,) frames per conv chunk (2 * n_window, the tail shorter)
     valid_indices: torch.Tensor  # (N,) rows of the (n_chunks * max_chunk_tokens) conv output that are real
-    cu_seqlens: torch.Tensor  # (n_windows + 1,) int32 attention-window boundaries over the N tokens
+    cu_seqlens: torch.Tensor  # (n_windows + 1,) int32 attention-window boundaries over the N tokens (on the host)
 
     @property
     def n_tokens(self) -> int:
@@ -248,7 +249,7 @@ def audio_batch(config: Any, feature_lens: torch.Tensor) -> AudioBatch:
     bounds = [0]
     for clip_tokens in audio_output_lengths(lens, n_window).tolist():
         bounds += [window] * (clip_tokens // window) + ([clip_tokens % window] if clip_tokens % window else [])
-    cu_seqlens = torch.tensor(bounds, device=lens.device).cumsum(-1, dtype=torch.int32)
+    cu_seqlens = torch.tensor(bounds).cumsum(-1, dtype=torch.int32)  # host: every layer reads its lengths
     return AudioBatch(feature_lens=lens, chunk_lengths=chunk_lengths, valid_indices=valid_indices,
                       cu_seqlens=cu_seqlens)
 

@@ -122,7 +122,7 @@ def vision_batch(config: Any, grid_thw: torch.Tensor) -> VisionBatch:
         raise ValueError(f"every grid h and w must divide by spatial_merge_size={m}, got {grid_thw.tolist()}")
     grid = grid_thw.long()
     frame_sizes = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])  # (n_frames,)
-    cu_seqlens = F.pad(frame_sizes.cumsum(0, dtype=torch.int32), (1, 0), value=0)
+    cu_seqlens = F.pad(frame_sizes.cumsum(0, dtype=torch.int32), (1, 0), value=0).cpu()  # host: read per layer
     head_dim = config.hidden_size // config.num_heads
     rope = config.rope_parameters
     if rope.get("rope_type", "axial") != "axial":
