@@ -148,7 +148,13 @@ class SpeechRoutes:
         want = len(text.encode("utf-8")) + 1
         if self.builder is not None:
             room = self.builder.max_model_len - int(self.builder.encode(chat).numel())
-            own = len(self.builder.processor.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
+            tokenizer = self.builder.processor.tokenizer
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if marks := sorted({tokenizer.convert_ids_to_tokens(i) for i in ids if i in tokenizer.added_tokens_decoder}):
+                raise invalid_request(f"input: {', '.join(marks)} is the model's own control token, which it cannot say "
+                                      "as text (the thinker is held to the input); remove or spell it differently",
+                                      "input")
+            own = len(ids) + 1
             if own > room:
                 raise invalid_request(f"input: its {own - 1} tokens do not fit this model's maximum context length "
                                       f"(max_model_len {self.builder.max_model_len}) after the prompt; send a shorter "

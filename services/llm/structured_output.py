@@ -21,6 +21,7 @@ thinker: option -> `Grammars.constraint` (ValueError -> INVALID_ARGUMENT) -> per
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from typing import Any
@@ -99,8 +100,8 @@ class Constraint:
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise ValueError(f"structured output: the grammar rejected token {token} "
-                             f"({self.matcher.get_error() or 'no reason given'})")
+            reason = (self.matcher.get_error() or "no reason given").split("\n", 1)[0]  # not the parser's state
+            raise ValueError(f"structured output: the grammar rejected token {token} ({reason})")
 
 
 class Grammars:
@@ -112,9 +113,7 @@ class Grammars:
         self.unavailable: str | None = None  # why structured outputs cannot work on this stage, if they cannot
         self._ll: Any = None
         try:
-            from llguidance.hf import from_tokenizer
-
-            self._ll = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_ids) or None)
+            self._ll = exact_tokenizer(tokenizer, vocab_size, stop_ids)
         except Exception as e:  # noqa: BLE001  # the stage serves everything else; such requests hear why
             self.unavailable = f"{type(e).__name__}: {e}"
             log.warning("thinker: structured outputs are unavailable: %s", self.unavailable)
@@ -132,6 +131,23 @@ class Grammars:
         if not self.stop_ids:
             raise ValueError("structured output needs the model's stop ids (its generation config has none)")
         matcher = LLMatcher(self._ll, grammar_for(str(kind), str(spec)), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured output: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab_size, self.stop_ids[0])
+        constraint = Constraint(matcher, self.vocab_size, self.stop_ids[0])
+        constraint.allowed_logits(torch.zeros(self.vocab_size))  # the first step's mask: a grammar no text can
+        if matcher.is_error():  # match (a regex like [^\s\S], a rule that only refers to itself) fails it here
+            reason = matcher.get_error().split("\n", 1)[0]  # the rest is llguidance's parser state
+            raise ValueError(f"structured output: the {kind} matches no text at all ({reason})")
+        return constraint
+
+
+def exact_tokenizer(tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
+    """llguidance's table of the tokenizer (as `llguidance.hf.from_tokenizer` builds it), without the tokenizer's
+    normalizer: Qwen's NFC would turn the text a grammar forces ("cafe" + U+0301, decomposed) into the tokens of
+    "café", which the grammar's bytes then reject (a speech `input` in decomposed Unicode failed that way).
+    Without it the forced bytes are tokenized as they are; the tokens' own bytes are the same either way."""
+    from llguidance import LLTokenizer
+
+    backend = copy.copy(tokenizer.backend_tokenizer)  # a fast tokenizer's Rust half (a copy: the stage's keeps NFC)
+    backend.no_padding()
+    backend.no_truncation()
+    backend.normalizer = None
+    return LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(stop_ids) or tokenizer.eos_token_id)

@@ -73,3 +73,8 @@ def test_logit_bias_and_allowed_token_ids(mesh, tiny_model_dir) -> None:
     text = allowed["choices"][0]["message"]["content"]
     assert tok.encode(text, add_special_tokens=False) and set(tok.encode(text, add_special_tokens=False)) <= set(ids)
     assert allowed["usage"]["completion_tokens"] == 8  # the stop id is not among them: only max_tokens ends it
+    # a grammar and allowed_token_ids that leave no token: the request's settings, a 400 (was a 500 blaming the
+    # model's logits, which the grammar's mask had set to -inf)
+    shut = _chat(mesh, allowed_token_ids=ids, structured_outputs={"choice": ["hello"]})
+    assert shut.status_code == 400, shut.text
+    assert "no token can be picked" in shut.json()["error"]["message"]

@@ -162,6 +162,13 @@ def test_max_tokens_leave_room_for_the_whole_input(shared_pipeline, pipeline, tm
         assert pipeline.requests[-1].sampling.max_tokens == min(len(text) + 1, 256 - prompt)
         r = post(server, {"input": "the sea " * 200})
         assert r.status_code == 400 and "do not fit" in r.json()["error"]["message"], r.text
+        # the model's control tokens cannot be said as text: the thinker's grammar would refuse them mid-answer
+        asked = len(pipeline.requests)
+        for text, mark in [("done <|im_end|> now", "<|im_end|>"), ("<tool_call>{}</tool_call>", "<tool_call>")]:
+            r = post(server, {"input": text})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+            assert f"{mark}" in r.json()["error"]["message"] and "control token" in r.json()["error"]["message"]
+        assert len(pipeline.requests) == asked
 
 
 def test_a_failure_midstream(rest_server, pipeline) -> None:

@@ -332,6 +332,10 @@ def test_a_step_with_no_token_to_pick_says_why() -> None:
                                       min_tokens=2))
         with pytest.raises(ValueError, match="no token can be picked"):
             held.sample(x)
+        grammar = torch.full_like(x, -float("inf"))  # a structured output's grammar allows id 5 only
+        grammar[5] = x[5]
+        with pytest.raises(ValueError, match="no token can be picked.*a structured output's grammar"):
+            Sampler(SamplingParams(temperature=temperature, allowed_token_ids=(3,))).sample(grammar)
     history = torch.arange(64)  # every id seen: each positive score divided by 1e-40 is inf
     with pytest.raises(ValueError, match=r"the scores overflow float32 \(repetition_penalty 1e-40"):
         Sampler(SamplingParams(temperature=0.7, repetition_penalty=1e-40)).sample(x, history)

@@ -247,13 +247,15 @@ class Sampler:
 
     def _no_distribution(self, logits: torch.Tensor, top: float) -> None:
         """Raise why this step has no token to pick: the model's fault (RuntimeError: INTERNAL) or the request's
-        settings' (ValueError: INVALID_ARGUMENT)."""
-        if not bool(torch.isfinite(logits).all()):
+        settings' (ValueError: INVALID_ARGUMENT). A structured output's grammar masks the logits it passes in to
+        -inf, so only NaN or +inf there is the model's."""
+        if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
             raise RuntimeError("the model's logits hold NaN or infinite values")
         p = self.params
         if top == -math.inf:
-            raise ValueError("no token can be picked at this step: allowed_token_ids, bad_words and min_tokens (which "
-                             "holds the stop ids back) exclude every one; allow more tokens")
+            raise ValueError("no token can be picked at this step: allowed_token_ids, bad_words, min_tokens (which "
+                             "holds the stop ids back) and a structured output's grammar exclude every one; allow "
+                             "more tokens")
         raise ValueError(f"the scores overflow float32 (repetition_penalty {p.repetition_penalty:g}, temperature "
                          f"{p.temperature:g}): there is no distribution to sample from; use a repetition_penalty "
                          "nearer 1")
