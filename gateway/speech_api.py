@@ -150,10 +150,11 @@ class SpeechRoutes:
             room = self.builder.max_model_len - int(self.builder.encode(chat).numel())
             tokenizer = self.builder.processor.tokenizer
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if marks := sorted({tokenizer.convert_ids_to_tokens(i) for i in ids if i in tokenizer.added_tokens_decoder}):
-                raise invalid_request(f"input: {', '.join(marks)} is the model's own control token, which it cannot say "
-                                      "as text (the thinker is held to the input); remove or spell it differently",
-                                      "input")
+            added = tokenizer.added_tokens_decoder
+            if marks := sorted({tokenizer.convert_ids_to_tokens(i) for i in ids if i in added}):
+                raise invalid_request(f"input: {', '.join(marks)} is the model's own control token, which it cannot "
+                                      "say as text (the thinker is held to the input); remove or spell it "
+                                      "differently", "input")
             own = len(ids) + 1
             if own > room:
                 raise invalid_request(f"input: its {own - 1} tokens do not fit this model's maximum context length "
