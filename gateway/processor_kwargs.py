@@ -17,6 +17,7 @@ from typing import Any
 from omnimesh.config.stage_config import parse_json_object, typed_number
 
 KEYS: dict[str, type] = {"min_pixels": int, "max_pixels": int, "fps": float, "min_frames": int, "max_frames": int}
+MIN_FPS = 0.001
 IMAGE_KEYS = ("min_pixels", "max_pixels")  # images and video frames alike, as the processor's own kwargs
 
 
@@ -40,6 +41,8 @@ def check_settings(raw: dict[str, Any], where: str) -> dict[str, Any]:
         out[key] = typed_number(value, kind, f"{where}[{key!r}]")
         if not out[key] > 0:
             raise ValueError(f"{where}[{key!r}] must be positive, got {value}")
+        if key == "fps" and out[key] < MIN_FPS:  # the processor divides by it: 1e-300 made its tensors infinite
+            raise ValueError(f"{where}['fps'] must be at least {MIN_FPS} (a frame every {1 / MIN_FPS:g} s), got {value}")
     for low, high in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
         if low in out and high in out and out[low] > out[high]:
             raise ValueError(f"{where}: {low} {out[low]} is above {high} {out[high]}")

@@ -8,6 +8,7 @@ global flags with the JSON given to `--stage-overrides` (keyed by stage name or 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -264,7 +265,10 @@ _ALIASES = {"pipeline_parallel_size": "pp", "tensor_parallel_size": "tp", "repli
 
 def typed_number(value: Any, kind: type, what: str, noun: str = "a number") -> Any:
     """A JSON value for a numeric setting of type `kind` (int: whole numbers only; booleans refused) ->
-    kind(value); ValueError '<what>: <value> is not a whole number' (or `noun`) otherwise."""
+    kind(value); ValueError '<what>: <value> is not a whole number' (or `noun`) otherwise, infinities and NaN
+    included (JSON's `Infinity` / `NaN` tokens, a protobuf double)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what}: {value!r} is not a finite number")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
         raise ValueError(f"{what}: {value!r} is not {'a whole number' if kind is int else noun}")
     return kind(value)

@@ -35,6 +35,10 @@ def test_the_flag_is_parsed_and_checked() -> None:
     for text, message in [('{"max_pixel": 1}', "unknown setting 'max_pixel'; settings: min_pixels, max_pixels"),
                           ('{"max_pixels": 1.5}', r"\['max_pixels'\]: 1.5 is not a whole number"),
                           ('{"fps": 0}', r"\['fps'\] must be positive, got 0"),
+                          ('{"fps": 1e-300}', r"\['fps'\] must be at least 0.001 \(a frame every 1000 s\)"),
+                          ('{"fps": Infinity}', r"\['fps'\]: inf is not a finite number"),
+                          ('{"max_pixels": Infinity}', r"\['max_pixels'\]: inf is not a finite number"),
+                          ('{"min_frames": NaN}', r"\['min_frames'\]: nan is not a finite number"),
                           ('{"min_pixels": 9000, "max_pixels": 4096}', "min_pixels 9000 is above max_pixels 4096"),
                           ("[]", "--mm-processor-kwargs must be a JSON object")]:
         with pytest.raises(ValueError, match=message):
@@ -120,8 +124,11 @@ def test_grpc_mm_processor_kwargs(grpc_server, pipeline) -> None:  # type: ignor
             timeout=10))
         (bad,) = list(stub.Generate(omni_pb2.GenerateRequest(messages=[msg], mm_processor_kwargs={"max_pixels": 1.5}),
                                     timeout=10))
+        (endless,) = list(stub.Generate(omni_pb2.GenerateRequest(  # was UNKNOWN: OverflowError from int(inf)
+            messages=[msg], mm_processor_kwargs={"max_pixels": float("inf")}), timeout=10))
     assert out[-1].WhichOneof("kind") == "done", out
     req = pipeline.requests[-1]
     assert req.processor_kwargs == (("fps", 1.0), ("max_pixels", 4096), ("min_frames", 2))
     assert req.messages[0].content[0].frames.shape[0] == 2  # type: ignore[union-attr]
     assert bad.error.code == 3 and "mm_processor_kwargs['max_pixels']: 1.5 is not a whole number" in bad.error.message
+    assert endless.error.code == 3 and "['max_pixels']: inf is not a finite number" in endless.error.message
