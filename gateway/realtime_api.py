@@ -61,6 +61,7 @@ from gateway.audio_tempo import Tempo
 from gateway.realtime_audio import RATES, AudioFormatError, OutputEncoder, decode
 from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Finished, ImagePart, PipelineError,
                             SamplingOverrides, TextDelta, TextPart)
+from gateway.media import MIN_AUDIO_SAMPLES, TARGET_SAMPLE_RATE
 from gateway.media_budget import mark_arrival
 from gateway.openai_schema import check_sampling, resolve_voice
 from gateway.reasoning import END, AnswerSplit, thinks
@@ -172,6 +173,15 @@ class RealtimeSession:
             return decode(data, self.settings.input_audio_format, where)
         except AudioFormatError as e:
             raise RealtimeError(str(e), where) from None
+
+    def _clip(self, wave: np.ndarray, where: str, param: str | None, code: str = "invalid_value") -> np.ndarray:
+        """A clip the conversation keeps (a commit, an item's input_audio): long enough for one feature window,
+        as REST's and gRPC's audio (shorter, it failed each response and transcription that read it)."""
+        if wave.size * TARGET_SAMPLE_RATE < MIN_AUDIO_SAMPLES * self.input_rate:
+            raise RealtimeError(f"{where} holds {1000 * wave.size / self.input_rate:.1f} ms of audio; at least "
+                                f"{1000 * MIN_AUDIO_SAMPLES / TARGET_SAMPLE_RATE:g} ms is needed (one feature window)",
+                                param, code)
+        return wave
 
     def session_json(self) -> dict[str, Any]:
         s = self.settings
@@ -329,6 +339,8 @@ class RealtimeSession:
                                     None, "input_audio_buffer_commit_empty")
             self._check_size(adding=1)  # refused: the buffer keeps its audio for a commit after a delete
             wave = np.concatenate(self.buffer)
+            if turn is None:  # too short: the buffer keeps it for more audio (a VAD turn is longer than this)
+                self._clip(wave, "the input audio buffer", None, "input_audio_buffer_commit_empty")
             self.buffer = []
             await self._commit(wave, f"item_{uuid.uuid4().hex}")
         elif kind == "input_audio_buffer.clear":
@@ -424,10 +436,13 @@ class RealtimeSession:
 
         try:
             text, done = await collect_text(self.gw.pipeline, chat, self.gw.reasoning, delta)
-        except PipelineError as e:
+        except Exception as e:  # noqa: BLE001  # said to the client whatever it was, never only logged
+            if not isinstance(e, PipelineError):
+                log.exception("realtime session %s: transcribing %s failed", self.id, item.id)
+            message = e.message if isinstance(e, PipelineError) else f"internal error: {type(e).__name__}: {e}"
             await self.send("conversation.item.input_audio_transcription.failed", **where,
                             error={"type": "transcription_error", "code": "transcription_failed",
-                                   "message": e.message, "param": None})
+                                   "message": message, "param": None})
             return
         item.transcript = text
         await self.send("conversation.item.input_audio_transcription.completed", **where, transcript=text,
@@ -505,7 +520,8 @@ class RealtimeSession:
             if kind in ("input_text", "text", "output_text") and isinstance(p.get("text"), str):
                 parts.append(TextPart(p["text"]))
             elif kind == "input_audio" and role == "user":
-                parts.append(AudioPart(self._audio(p.get("audio"), f"{where}.audio"), self.input_rate))
+                wave = self._audio(p.get("audio"), f"{where}.audio")
+                parts.append(AudioPart(self._clip(wave, f"{where}.audio", f"{where}.audio"), self.input_rate))
             elif kind == "input_image" and role == "user":  # GA's: a data URI (or an allowed URL), decoded off the loop
                 url = p.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url  # the chat's {"url": ...} shape too

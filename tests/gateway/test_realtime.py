@@ -548,6 +548,41 @@ def test_a_failed_transcription_is_its_own_event(ws: ClientConnection, pipeline:
     assert recv(ws)["type"] == "session.updated"
 
 
+def test_a_transcription_that_fails_on_a_bug_is_still_its_own_event(ws: ClientConnection,
+                                                                     pipeline: ScriptedPipeline) -> None:
+    """Not only a PipelineError: anything that fails the transcription reaches the client (it was only logged,
+    and the client waited for a transcript that never came)."""
+    pipeline.script = lambda request: [RuntimeError("a bug")]
+    send(ws, type="session.update", session={"input_audio_transcription": {"model": "whisper-1"}})
+    recv(ws)
+    send(ws, type="input_audio_buffer.append", audio=audio_b64(0.2))
+    send(ws, type="input_audio_buffer.commit")
+    failed = until(ws, "conversation.item.input_audio_transcription.failed")[-1]
+    assert failed["error"]["message"] == "internal error: RuntimeError: a bug", failed
+
+
+def test_a_clip_shorter_than_one_feature_window_is_refused_up_front(ws: ClientConnection,
+                                                                    pipeline: ScriptedPipeline) -> None:
+    """Under 25 ms (one Whisper window) the audio tower cannot read a clip: a commit of less is an error event,
+    the buffer keeping its audio for more; an item's input_audio likewise, naming the part (each failed later
+    as a server_error of every response that read it)."""
+    tiny = base64.b64encode(pcm16_bytes(tone(0.005, rate=24_000))).decode()  # 120 samples: 5 ms
+    send(ws, type="input_audio_buffer.append", audio=tiny)
+    send(ws, event_id="c1", type="input_audio_buffer.commit")
+    err = recv(ws)["error"]
+    assert err["code"] == "input_audio_buffer_commit_empty" and err["event_id"] == "c1", err
+    assert "holds 5.0 ms of audio; at least 25 ms is needed" in err["message"], err
+    send(ws, type="input_audio_buffer.append", audio=audio_b64(0.03))  # the 5 ms are still there: 35 ms in all
+    send(ws, type="input_audio_buffer.commit")
+    assert recv(ws)["type"] == "input_audio_buffer.committed"
+    assert recv(ws)["item"]["content"][0]["type"] == "input_audio"
+    send(ws, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                     "content": [{"type": "input_audio", "audio": tiny}]})
+    err = recv(ws)["error"]
+    assert err["code"] == "invalid_value" and err["param"] == "item.content[0].audio", err
+    assert pipeline.requests == []
+
+
 def test_a_server_without_speech_defaults_sessions_to_text() -> None:
     """A thinker-only model's gateway (no voices): the session starts text-only and answers; asking for audio
     is an error event naming why, and the session goes on."""
