@@ -42,7 +42,8 @@ def check_settings(raw: dict[str, Any], where: str) -> dict[str, Any]:
         if not out[key] > 0:
             raise ValueError(f"{where}[{key!r}] must be positive, got {value}")
         if key == "fps" and out[key] < MIN_FPS:  # the processor divides by it: 1e-300 made its tensors infinite
-            raise ValueError(f"{where}['fps'] must be at least {MIN_FPS} (a frame every {1 / MIN_FPS:g} s), got {value}")
+            raise ValueError(f"{where}['fps'] must be at least {MIN_FPS} (a frame every {1 / MIN_FPS:g} s), "
+                             f"got {value}")
     for low, high in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
         if low in out and high in out and out[low] > out[high]:
             raise ValueError(f"{where}: {low} {out[low]} is above {high} {out[high]}")
