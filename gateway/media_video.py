@@ -136,6 +136,8 @@ def _audio_cost(container: InputContainer, size: int, max_seconds: float) -> int
     if not container.streams.audio:
         return 0
     context = container.streams.audio[0].codec_context
+    if context is None:  # no decoder for it: `_first_audio_stream` refuses the file before decoding anything
+        return 0
     rate, channels = context.sample_rate or 48_000, context.channels or 2
     return int(AUDIO_COPIES * 4 * _expected_seconds(container, size, max_seconds) * rate * channels)
 
@@ -168,6 +170,10 @@ def _first_audio_stream(data: bytes, max_seconds: float, param: str, *, in_video
                                           f"({_AUDIO_HINT})", param)
                 raise invalid_request(f"{param}: the video has no audio track, so use_audio_in_video cannot hear "
                                       "it; leave use_audio_in_video off for this request", param)
+            if container.streams.audio[0].codec_context is None:  # PyAV found no decoder for its codec id
+                raise invalid_request(f"{param}: this server has no decoder for the codec of {what} in this "
+                                      f"{container.format.name} file; send it as 16-bit PCM WAV, FLAC, MP3 or "
+                                      "Opus", param)
             if admit is not None and not asked:
                 admit(_audio_cost(container, len(data), max_seconds))
             # planar float32 at the first frame's rate and layout (the resampler keeps them for the stream)

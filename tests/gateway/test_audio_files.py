@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import multiprocessing
+import struct
 
 import httpx
 import numpy as np
@@ -82,6 +83,16 @@ def test_bad_audio_files_are_refused_naming_the_field() -> None:
     assert video_process.AUDIO_METRICS.counts["refused"] == before["refused"] + 3
     with pytest.raises(PipelineError, match="not a WAV file"):  # "wav" says what it is: parsed as such
         part("wav", compressed_bytes(TONE, RATE, "mp3"))
+    # a WAV whose format tag no decoder knows (99): FFmpeg opens it without a codec; was a decoder bug (400
+    # "the audio decoder failed on this file (AttributeError)", counted as one)
+    data = np.zeros(1600, "<i2").tobytes()
+    odd = (b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 99, 1, 16_000,
+                                                                                 32_000, 2, 16)
+           + b"data" + struct.pack("<I", len(data)) + data)
+    bugs = video_process.AUDIO_METRICS.counts["bug"]
+    with pytest.raises(PipelineError, match="no decoder for the codec of the audio in this wav file") as e:
+        part("wav", odd)
+    assert e.value.http_status == 400 and video_process.AUDIO_METRICS.counts["bug"] == bugs
 
 
 def test_an_mp3_transcribes_and_metrics_show_the_audio_decodes() -> None:
