@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
+import socket
 import time
 import wave
 
@@ -411,6 +413,43 @@ def test_oversize_chunked_body_is_cut_off_at_the_limit(rest_server: RestServer, 
 
     r = httpx.post(f"{rest_server.base_url}/v1/chat/completions", content=body(), timeout=10)
     assert "larger than the limit of 1000000 bytes" in assert_error_shape(r, 413)["message"]
+    assert pipeline.requests == []
+
+
+def _raw_post(server: RestServer, declared: int, sent: bytes) -> socket.socket:
+    conn = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (declared, sent))
+    return conn
+
+
+def test_a_body_shorter_than_its_length_times_out_and_one_cut_off_counts_as_the_clients(
+        rest_server: RestServer, pipeline: ScriptedPipeline, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A body that stops arriving is a 408 after the idle timeout (it waited for ever); a client that hangs up
+    mid-body is counted as 499 (the client's), not logged and counted as a 500."""
+    from gateway import http_errors
+
+    monkeypatch.setattr(http_errors, "BODY_IDLE_TIMEOUT_S", 0.5)
+    with _raw_post(rest_server, 1000, b"{}") as conn:
+        t0 = time.monotonic()
+        head = conn.recv(65536).decode()
+        assert head.startswith("HTTP/1.1 408") and "the request body stopped arriving" in head, head
+        assert time.monotonic() - t0 < 5
+    def count(status: int) -> float:
+        text = httpx.get(f"{rest_server.base_url}/metrics", timeout=10).text
+        found = re.search(rf'requests_total{{endpoint="chat",status="{status}"}} (\S+)', text)
+        return float(found.group(1)) if found else 0.0
+
+    gone, failed = count(499), count(500)
+    with caplog.at_level("ERROR"), _raw_post(rest_server, 1000, b'{"messages": [') as conn:
+        time.sleep(0.1)
+    deadline = time.monotonic() + 5
+    while count(499) == gone:
+        assert time.monotonic() < deadline, "the cut-off body was not counted as the client's"
+        time.sleep(0.05)
+    assert count(500) == failed
+    assert not [r for r in caplog.records if "request failed" in r.getMessage()]
     assert pipeline.requests == []
 
 
