@@ -101,6 +101,8 @@ def session_fields(session: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in session.items():
         where = f"session.{key}"
+        if key == "type" and value not in ("realtime", "transcription"):
+            raise RealtimeError(f"session.type must be \"realtime\" or \"transcription\", got {value!r}", where)
         if key in ("type", "model", "id", "object", "instructions", "tools", "tool_choice", "temperature", "truncation"):
             if key not in ("type", "model", "id", "object"):
                 out[key] = value

@@ -129,6 +129,12 @@ def _transcription(value: Any, where: str) -> dict[str, Any] | None:
     return {"model": value.get("model") or "", "language": value.get("language"), "prompt": value.get("prompt")}
 
 
+# server_vad's numbers: the audio kept before a turn is bounded (it is held between turns: an unbounded padding kept
+# every appended second, and each VAD step copied it), and so is the silence that ends one
+VAD_RANGES: dict[str, tuple[float, float]] = {"threshold": (0, 1), "prefix_padding_ms": (0, 10_000),
+                                              "silence_duration_ms": (FRAME_MS, 60_000)}
+
+
 def _turn_detection(value: Any, where: str) -> dict[str, Any] | None:
     """None (the client commits turns) or server_vad's settings, checked, with OpenAI's defaults."""
     if value is None:
@@ -143,11 +149,12 @@ def _turn_detection(value: Any, where: str) -> dict[str, Any] | None:
             continue
         if key not in out:
             raise RealtimeError(f"unknown turn_detection field {key!r}", f"{where}.{key}")
+        low, high = VAD_RANGES.get(key, (0, 1))
         ok = (isinstance(v, bool) if key in ("create_response", "interrupt_response")
-              else isinstance(v, (int, float)) and not isinstance(v, bool) and
-              (0 <= v <= 1 if key == "threshold" else v >= (0 if key == "prefix_padding_ms" else FRAME_MS)))
+              else isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high)
         if not ok:
-            raise RealtimeError(f"turn_detection.{key}: {v!r} is out of range", f"{where}.{key}")
+            raise RealtimeError(f"turn_detection.{key}: {v!r} is out of range (it must be in [{low:g}, {high:g}])",
+                                f"{where}.{key}")
         out[key] = v if key in ("create_response", "interrupt_response", "threshold") else int(v)
     return out
 

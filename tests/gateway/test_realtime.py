@@ -217,6 +217,11 @@ def test_cancelling_a_response(ws: ClientConnection, pipeline: ScriptedPipeline)
      "invalid_value", "session.turn_detection.threshold"),
     ({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "eagerness": "low"}}},
      "invalid_value", "session.turn_detection.eagerness"),
+    # unbounded, the padding kept every appended second between turns (10**9 ms was accepted)
+    ({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "prefix_padding_ms": 10**9}}},
+     "invalid_value", "session.turn_detection.prefix_padding_ms"),
+    ({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 1e300}}},
+     "invalid_value", "session.turn_detection.silence_duration_ms"),
     ({"type": "session.update", "session": {"input_audio_format": "opus"}}, "invalid_value",
      "session.input_audio_format"),
     ({"type": "session.update", "session": {"voice": "alloy"}}, "invalid_value", "session.voice"),

@@ -96,6 +96,7 @@ def test_a_text_response_and_items_in_ga(rest_server: RestServer, pipeline: Scri
     ({"audio": {"output": {"voice": ["x"]}}}, "session.audio.output.voice"),  # wrong types: named, not a crash
     ({"audio": {"input": {"format": {"type": ["audio/pcm"]}}}}, "session.audio.input.format"),
     ({"audio": {"output": {"format": {"type": {}}}}}, "session.audio.output.format"),
+    ({"type": "bogus"}, "session.type"),  # was accepted as a realtime session
 ])
 def test_ga_mistakes_name_ga_paths(rest_server: RestServer, session: dict, param: str) -> None:
     with connect(url(rest_server), open_timeout=10) as ws:
