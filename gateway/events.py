@@ -158,6 +158,8 @@ class ChatRequest:
     spoken_calls: bool = False
     # the client's field that carried the media, for errors about them (a transcription's upload is `file`)
     media_param: str = "messages"
+    # the client's field that carried the conversation, for errors about it (Responses: `input`)
+    conversation_param: str = "messages"
     # this run's share of its media, let go once every run that builds from them has (gateway/media_release.py)
     media: RunMedia | None = field(default=None, compare=False, repr=False)
     # the one prompt build of the request's n choices (gateway/shared_build.py)

@@ -598,6 +598,9 @@ def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOG
         if not 0 <= t < 2**63 or not -100.0 <= bias <= 100.0:
             problems.append(("logit_bias", f"token {t}: ids must be >= 0 and biases in [-100, 100], got {bias}"))
             break
+    if s.allowed_token_ids is not None and not s.allowed_token_ids:  # vLLM refuses it too
+        problems.append(("allowed_token_ids", "must name at least one token id (an empty list allows none; leave "
+                                              "it out to allow every token)"))
     for i, t in enumerate(s.allowed_token_ids or ()):
         if not 0 <= t < 2**63:
             problems.append((f"allowed_token_ids[{i}]", f"must be a token id >= 0, got {t}"))

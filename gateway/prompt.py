@@ -263,7 +263,8 @@ class PromptBuilder:
         """The prompt text (one placeholder per media item) and the media, in prompt order; how it ends and the
         template's own variables are the request's `template` (gateway/chat_template_options.py)."""
         if not any(m.role == "user" for m in request.messages):
-            raise invalid_request("messages: at least one user message is required", "messages")
+            where = request.conversation_param
+            raise invalid_request(f"{where}: at least one user message is required", where)
         conv = render_conversation(request.messages)
         options = request.template
         template, fmt, whose = self.chat_template, self.content_format, (
@@ -449,11 +450,11 @@ class PromptBuilder:
                                 image_grid_thw=None, prompt_tokens=int(ids.numel()))
         text, conv = self.render(request)
         if request.truncate_prompt_tokens is None:
-            self.check_chars(text)
+            self.check_chars(text, request.conversation_param)
         input_ids, batch = self._process(text, conv, self.processor_for(request))
         input_ids = self.truncated(input_ids, request.truncate_prompt_tokens)
         n = int(input_ids.shape[0])
-        self.check_length(n, request.sampling.max_tokens)
+        self.check_length(n, request.sampling.max_tokens, request.conversation_param)
         has_audio = bool(conv.audio)
         has_images = bool(conv.images)
         has_videos = bool(conv.videos)

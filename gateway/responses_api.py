@@ -103,6 +103,10 @@ UNSUPPORTED: dict[str, Any] = {
     "prompt_logprobs": lambda v: v is None,
 }
 LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the answer's logprobs
+INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url", "file_search_call.results",
+              "web_search_call.action.sources", "code_interpreter_call.outputs",
+              "computer_call_output.output.image_url")  # OpenAI's values (only the first changes the answer here)
+METADATA_LIMITS = (16, 64, 512)  # OpenAI's: pairs, characters per key, characters per value
 _PART_TYPES = ("input_text", "output_text", "input_image", "input_audio")
 
 
@@ -153,7 +157,8 @@ class ResponsesRequest(SamplingBody):
     background: bool | None = None  # answer at once ("queued"); the response runs on, polled by GET (needs the store)
     top_logprobs: int | None = None  # alternatives per token in the answer's logprobs (0-20, --max-logprobs)
     include: list[str] | None = None  # "message.output_text.logprobs": each answer token's logprob (others: ignored)
-    metadata: dict[str, str] | None = None  # echoed back
+    metadata: dict[str, str] | None = None  # echoed back (OpenAI's limits: 16 pairs, keys <= 64, values <= 512 chars)
+    truncation: Literal["auto", "disabled"] | None = None  # answered as "disabled": a prompt too long is a 400
     user: str | None = None
     tools: list[Any] | None = None  # function tools, checked one by one (gateway/responses_tools.py)
     tool_choice: Any = None  # "none" / "auto" / "required" / {"type": "function", "name": ...}
@@ -226,6 +231,13 @@ class ResponsesRoutes:
         model = resolve_model(body.model, gw.served_model_names)
         if body.n not in (None, 1):
             raise invalid_request("n: the Responses API answers one output; use /v1/chat/completions for choices", "n")
+        if unknown := [i for i in body.include or () if i not in INCLUDABLE]:
+            raise invalid_request(f"include: {unknown[0]!r} is not one of {', '.join(INCLUDABLE)}", "include")
+        pairs, key_chars, value_chars = METADATA_LIMITS
+        if body.metadata is not None and (len(body.metadata) > pairs or any(
+                len(k) > key_chars or len(v) > value_chars for k, v in body.metadata.items())):
+            raise invalid_request(f"metadata: at most {pairs} pairs, keys of at most {key_chars} characters and values "
+                                  f"of at most {value_chars}", "metadata")
         sampling = body.overrides(body.max_output_tokens)
         if body.top_logprobs is not None or LOGPROBS in (body.include or ()):  # the answer's tokens' logprobs
             sampling = replace(sampling, logprobs=body.top_logprobs or 0)
@@ -264,7 +276,8 @@ class ResponsesRoutes:
                            sampling=sampling, priority=check_priority(body.priority),
                            structured=tools.structured or structured or other, tools=tools.tools,
                            truncate_prompt_tokens=body.truncate_prompt_tokens, reasoning_end=END if thinking else None,
-                           template=TemplateOptions(kwargs=with_effort(None, effort) or {}))
+                           template=TemplateOptions(kwargs=with_effort(None, effort) or {}),
+                           media_param="input", conversation_param="input")
         if body.background:
             if self.store is None:
                 raise invalid_request("background: a background response is polled from the store; start the "

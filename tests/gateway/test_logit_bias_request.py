@@ -45,6 +45,7 @@ def test_the_fields_reach_the_stages() -> None:
     ({"logit_bias": {"cat": 1}}, "logit_bias", "keys are token ids"),
     ({"logit_bias": {"5": 150}}, "logit_bias", "biases in [-100, 100]"),
     ({"allowed_token_ids": [-1]}, "allowed_token_ids[0]", "token id >= 0"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "must name at least one token id"),  # was ignored
     ({"logit_bias": {"5": "x"}}, "logit_bias.5", "number"),
     ({"bad_words": ["ok", "  "]}, "bad_words", "must not be empty"),
     ({"bad_words": [f"w{i}" for i in range(1025)]}, "bad_words", "at most 1024 bad words, got 1025"),

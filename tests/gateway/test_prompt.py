@@ -3,6 +3,7 @@ media features, and the 400s (no user message, prompt longer than max_model_len)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +159,13 @@ def test_no_user_message_is_400(builder: PromptBuilder) -> None:
     with pytest.raises(PipelineError, match="at least one user message") as e:
         builder.build(request(ChatMessage("system", (TextPart("x"),))))
     assert e.value.http_status == 400 and e.value.param == "messages"
+    # a Responses input of only a function call and its output: named as that API names it
+    with pytest.raises(PipelineError, match="^input: at least one user message") as e:
+        builder.build(replace(request(ChatMessage("assistant", (TextPart("x"),))), conversation_param="input"))
+    assert e.value.param == "input"
+    with pytest.raises(PipelineError, match="shorten the prompt") as e:  # a transcription's over-long prompt
+        builder.build(replace(request(user(TextPart("word " * 100_000))), conversation_param="prompt"))
+    assert e.value.param == "prompt"
 
 
 def test_template_rejection_is_400(builder: PromptBuilder) -> None:

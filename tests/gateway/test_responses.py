@@ -32,6 +32,7 @@ def test_a_string_input_and_instructions(rest_server, pipeline) -> None:
     assert [(m.role, m.content) for m in req.messages] == [("system", (TextPart("Be brief."),)),
                                                           ("user", (TextPart("Hi there"),))]
     assert req.modalities == ("text",) and req.sampling.max_tokens == 9 and req.sampling.temperature == 0.5
+    assert req.conversation_param == req.media_param == "input"  # what the prompt's errors name (not `messages`)
     body = r.json()
     assert body["id"] == req.request_id and body["id"].startswith("resp_") and body["object"] == "response"
     assert body["status"] == "completed" and body["incomplete_details"] is None and body["store"] is False
@@ -136,6 +137,11 @@ def test_the_openai_client(rest_server, pipeline) -> None:
     ({"input": "x", "text": {"format": {"type": "json_object"}}, "guided_regex": "a"}, "text.format",
      "one structured output"),
     ({"input": "x", "model": "gpt-5"}, "model", "gpt-5"),
+    # accepted silently before
+    ({"input": "x", "include": ["bogus"]}, "include", "'bogus' is not one of message.output_text.logprobs"),
+    ({"input": "x", "truncation": "bogus"}, "truncation", "'auto' or 'disabled'"),
+    ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 pairs"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata", "values of at most 512"),
 ])
 def test_bad_bodies(rest_server, pipeline, body, param, needle) -> None:
     r = post(rest_server, body) if "model" in body else httpx.post(f"{rest_server.base_url}/v1/responses",
