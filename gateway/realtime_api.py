@@ -393,6 +393,9 @@ class RealtimeSession:
         item = next((i for i in self.items if i.id == event.get("item_id") and isinstance(i, _Item)), None)
         if item is None or item.role != "assistant":
             raise RealtimeError(f"no assistant item {event.get('item_id')!r}", "item_id", "item_not_found")
+        index = event.get("content_index", 0)
+        if index != 0 or isinstance(index, bool):  # an assistant item holds one part: its audio and transcript
+            raise RealtimeError(f"content_index must be 0 (the item's audio part), got {index!r}", "content_index")
         end = event.get("audio_end_ms")
         total_ms = item.audio_samples * 1000 // item.audio_rate
         if not isinstance(end, int) or isinstance(end, bool) or not 0 <= end <= total_ms:
@@ -403,8 +406,7 @@ class RealtimeSession:
             kept = text[:round(len(text) * end / total_ms)]
             item.parts = [TextPart(kept)] if kept else []
         item.audio_samples = end * item.audio_rate // 1000
-        await self.send("conversation.item.truncated", item_id=item.id, content_index=event.get("content_index", 0),
-                        audio_end_ms=end)
+        await self.send("conversation.item.truncated", item_id=item.id, content_index=0, audio_end_ms=end)
 
     async def _start(self, overrides: dict[str, Any]) -> None:
         chat, modalities, tools = await self._chat(overrides)

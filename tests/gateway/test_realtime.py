@@ -510,6 +510,10 @@ def test_truncating_an_answer_keeps_the_heard_part(ws: ClientConnection, pipelin
                          "audio_end_ms": 100}
     send(ws, type="conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=150)
     assert recv(ws)["error"]["param"] == "audio_end_ms"  # past what is left of it
+    for index in (5, "x"):  # the item has one part (5 was accepted, "x" blamed audio_end_ms)
+        send(ws, type="conversation.item.truncate", item_id=item_id, content_index=index, audio_end_ms=50)
+        error = recv(ws)["error"]
+        assert error["param"] == "content_index" and "must be 0" in error["message"], error
     send(ws, type="response.create", response={"modalities": ["text"]})
     until(ws, "response.done")
     assert [(m.role, m.content) for m in pipeline.requests[-1].messages] == [
