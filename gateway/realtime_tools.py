@@ -64,6 +64,9 @@ def parse_call_item(raw: dict[str, Any], items: list[Any]) -> CallItem | OutputI
     if not isinstance(call_id, str) or not call_id:
         raise RealtimeError("item.call_id must be the call's id (a non-empty string)", "item.call_id")
     if raw["type"] == "function_call":
+        if any(isinstance(i, CallItem) and i.call.id == call_id for i in items):  # its output would match both
+            raise RealtimeError(f"item.call_id: the conversation already has a function_call with call_id "
+                                f"{call_id!r}; each call needs its own id", "item.call_id")
         name, arguments = raw.get("name"), raw.get("arguments", "{}")
         if not isinstance(name, str) or not name or not isinstance(arguments, str):
             raise RealtimeError("a function_call item needs its name and its arguments (JSON text)", "item.name")

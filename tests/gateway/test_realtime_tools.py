@@ -127,3 +127,16 @@ def test_a_spoken_response_says_only_the_words(ws) -> None:
     until(conn, "response.done")
     _, assistant, tool = pipeline.requests[-1].messages
     assert assistant.content == (TextPart("Let me check."),) and tool.content == (TextPart('{"rain": true}'),)
+
+
+def test_a_call_id_the_conversation_already_has_is_refused() -> None:
+    """Two function_call items with one call_id: an output could not say which it answers (both were kept)."""
+    from gateway.realtime_settings import RealtimeError
+    from gateway.realtime_tools import parse_call_item
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    items: list[Any] = [parse_call_item(call, [])]
+    with pytest.raises(RealtimeError, match="already has a function_call with call_id 'c1'") as e:
+        parse_call_item(call, items)
+    assert e.value.param == "item.call_id"
+    assert parse_call_item({**call, "call_id": "c2"}, items).call.id == "c2"
