@@ -63,6 +63,7 @@ from gateway.events import (AudioDelta, AudioPart, ChatMessage, ChatRequest, Fin
                             SamplingOverrides, TextDelta, TextPart)
 from gateway.media import MIN_AUDIO_SAMPLES, TARGET_SAMPLE_RATE
 from gateway.media_budget import mark_arrival
+from gateway.structured_request import require_llguidance
 from gateway.openai_schema import check_sampling, resolve_voice
 from gateway.reasoning import END, AnswerSplit, thinks
 from gateway.realtime_settings import (RealtimeError, RealtimeSettings, check_max_tokens, check_modalities,
@@ -76,6 +77,7 @@ from gateway.realtime_vad import ServerVAD, Started, Stopped
 from gateway.responses_tools import responses_tool_plan
 from gateway.tool_calls import ToolAnswer, ToolPlan
 from gateway.transcription_api import collect_text, token_usage, transcription_request
+from services.llm.structured_output import grammar_for
 from omnimesh import json_text
 
 if TYPE_CHECKING:
@@ -641,8 +643,16 @@ class RealtimeSession:
         sampling = SamplingOverrides(temperature=temperature, max_tokens=max_tokens)
         check_sampling(sampling, "response")
         own = "tools" in r or "tool_choice" in r  # the response's own tools, else the session's
+        where = "response." if own else "session."
         tools = responses_tool_plan(r.get("tools", list(s.tools)), r.get("tool_choice", s.tool_choice), None,
-                                    self.gw.auto_tool_choice, modalities, "response." if own else "session.")
+                                    self.gw.auto_tool_choice, modalities, where)
+        if tools.structured is not None:  # a forced call's schema, checked before response.created (as REST's 400)
+            require_llguidance(f"{where}tool_choice")
+            try:
+                await asyncio.to_thread(grammar_for, *tools.structured)  # off the loop: a big schema takes a while
+            except ValueError as e:
+                raise RealtimeError(f"{where}tools: a parameters schema does not compile ({e})",
+                                    f"{where}tools") from None
         want_audio = "audio" in modalities
         if want_audio:
             voice = voice or resolve_voice(None, self.gw.pipeline, "voice")

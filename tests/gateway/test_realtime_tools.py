@@ -140,3 +140,17 @@ def test_a_call_id_the_conversation_already_has_is_refused() -> None:
         parse_call_item(call, items)
     assert e.value.param == "item.call_id"
     assert parse_call_item({**call, "call_id": "c2"}, items).call.id == "c2"
+
+
+def test_a_forced_calls_schema_that_does_not_compile_is_refused_before_the_response(ws) -> None:
+    """It failed after response.created (at the thinker), with no param; now an error event up front, as REST's
+    400, and no response starts."""
+    conn, pipeline = ws
+    ask(conn, "Weather?")
+    bad = {"type": "function", "name": "f",
+           "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}
+    send(conn, type="response.create", response={"modalities": ["text"], "tools": [bad], "tool_choice": "required"})
+    error = recv(conn)
+    assert error["type"] == "error" and error["error"]["param"] == "response.tools", error
+    assert "does not compile" in error["error"]["message"] and "nonsense" in error["error"]["message"]
+    assert pipeline.requests == []
