@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
@@ -560,6 +561,14 @@ def check_priority(priority: int) -> int:
     return priority
 
 
+FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38  # float32's smallest normal and largest
+
+
+def as_float32(value: float) -> float:
+    """`value` as a stage's float32 field holds it (struct's rounding; the magnitudes checked beside it)."""
+    return struct.unpack("<f", struct.pack("<f", value))[0] if abs(value) <= FLOAT32_MAX else value
+
+
 def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOGPROBS) -> None:
     """Ranges for sampling values (REST and gRPC alike); None means the stage default. `max_logprobs`:
     the gateway's --max-logprobs (-1: only the thinker's vocabulary bounds them).
@@ -572,6 +581,8 @@ def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOG
         problems.append(("temperature", f"must be in [0, 2] (0 = greedy), got {s.temperature}"))
     if s.top_p is not None and not 0.0 < s.top_p <= 1.0:
         problems.append(("top_p", f"must be in (0, 1], got {s.top_p}"))
+    elif s.top_p is not None and as_float32(s.top_p) < FLOAT32_TINY:  # the stages read float32: 1e-300 is 0 there
+        problems.append(("top_p", f"must be in (0, 1] and at least {FLOAT32_TINY:g} (a float32), got {s.top_p}"))
     if s.min_p is not None and not 0.0 <= s.min_p <= 1.0:
         problems.append(("min_p", f"must be in [0, 1] (0 disables it), got {s.min_p}"))
     if s.top_k is not None and not -1 <= s.top_k <= INT32_MAX:  # vLLM's: -1 or 0 = every token (off)
@@ -582,8 +593,9 @@ def check_sampling(s: SamplingOverrides, param: str, max_logprobs: int = MAX_LOG
         problems.append(("min_tokens", f"must be in [0, {INT32_MAX}], got {s.min_tokens}"))
     elif s.min_tokens is not None and s.max_tokens is not None and s.min_tokens > s.max_tokens:
         problems.append(("min_tokens", f"must be <= max_tokens ({s.max_tokens}), got {s.min_tokens}"))
-    if s.repetition_penalty is not None and not s.repetition_penalty > 0.0:
-        problems.append(("repetition_penalty", f"must be > 0, got {s.repetition_penalty}"))
+    if s.repetition_penalty is not None and not FLOAT32_TINY <= s.repetition_penalty <= FLOAT32_MAX:
+        problems.append(("repetition_penalty", f"must be > 0 and within float32's range (what the stages read: "
+                                               f"[{FLOAT32_TINY:g}, {FLOAT32_MAX:g}]), got {s.repetition_penalty}"))
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(s, name)
         if value is not None and not -2.0 <= value <= 2.0:

@@ -338,6 +338,11 @@ def _user(*parts: dict) -> list[dict]:
     ({"messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role", "'tool'"),
     ({"messages": USER_HI, "temperature": 3}, 400, "temperature", "[0, 2]"),
     ({"messages": USER_HI, "top_p": 0}, 400, "top_p", "(0, 1]"),
+    # values the stages' float32 fields would turn into 0 or inf (the stage refused them, naming no param)
+    ({"messages": USER_HI, "top_p": 1e-300}, 400, "top_p", "at least 1.17549e-38 (a float32)"),
+    ({"messages": USER_HI, "repetition_penalty": 1e300}, 400, "repetition_penalty", "within float32's range"),
+    ({"messages": USER_HI, "repetition_penalty": 1e-300}, 400, "repetition_penalty", "within float32's range"),
+    ({"messages": USER_HI, "repetition_penalty": 0}, 400, "repetition_penalty", "must be > 0"),
     ({"messages": USER_HI, "n": 17}, 400, "n", "must be in [1, 16] choices, got 17"),
     ({"messages": USER_HI, "n": 0}, 400, "n", "must be in [1, 16] choices, got 0"),
     ({"messages": USER_HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "must be in [0, 20] (--max-logprobs), got 21"),
