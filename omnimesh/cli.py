@@ -181,7 +181,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         return _fail(str(exc))
     print(plan.report())
     if plan.refusals:
-        return _fail(f"{len(plan.refusals)} stage(s) would refuse to start: see 'cannot start' above")
+        return _fail(f"the mesh would not start ({len(plan.refusals)} reason(s)): see 'cannot start' above")
     return 0 if plan.ok else _fail(f"the model does not fit its devices: {len(plan.errors)} problem(s) above")
 
 

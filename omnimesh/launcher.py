@@ -207,6 +207,8 @@ class MeshLauncher:
             ports.append(base + len(ports) if base else free_port(avoid=ports))
         reserved = {RESERVED_PORTS_ENV: ",".join(map(str, ports))}  # no stage's rank rendezvous takes one of them
         for (stage, replica, name), port in zip(plan, ports):
+            if self._stopping:  # Ctrl-C / SIGTERM while spawning: start no more (`stop` ends those started)
+                raise KeyboardInterrupt
             addrs.setdefault(stage, []).append(f"127.0.0.1:{port}")
             stage_children.append(self._spawn(name, self._stage_argv(stage, port, replica), addrs[stage][-1], reserved))
         # the gateway starts now, not once the stages serve: it waits for them itself (--stage-start-timeout)

@@ -57,6 +57,9 @@ from omnimesh.config.stage_config import StageConfig, fmt_bytes, parse_size
 
 LM_STAGES = ("thinker", "talker")
 PLANNED_DEVICES = 8  # CUDA devices per host when planning on a host that has none (`--num-devices` overrides)
+# each process's own memory before any weight (torch, transformers and grpc imported: ~120 MiB unshared, measured
+# with 180 stage processes on this host), so a CPU start of too many processes is refused before it spawns them
+PROCESS_FLOOR_BYTES = 100 * 2**20
 # bytes per element of the safetensors dtypes; floats (F*, BF16) are converted to the serving dtype
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -460,9 +463,17 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
             _check_shared(plan, d, entries)
     else:
         plan.memory = {"cpu": memory_of(0)}
+        weights_only = sum(s.cfg.num_replicas * (s.weights_per_rank * s.cfg.world_size + s.driver)
+                           for s in plan.stages)
+        processes = sum(s.cfg.num_replicas * s.cfg.ranks_per_node for s in plan.stages) + (only is None)  # + gateway
+        if (floor := weights_only + processes * PROCESS_FLOOR_BYTES) > plan.memory["cpu"]:
+            plan.refusals.append(  # what is resident whatever the traffic: this start would exhaust the host
+                f"{processes} processes ({'the stage ranks and the gateway' if only is None else 'the stage ranks'}:"
+                f" " + ", ".join(f"{s.stage} {s.cfg.num_replicas} x {s.cfg.ranks_per_node}" for s in plan.stages)
+                + f") need at least {fmt_bytes(floor)} of RAM ({fmt_bytes(weights_only)} of weights and about "
+                f"{fmt_bytes(PROCESS_FLOOR_BYTES)} of runtime each), but this host has {fmt_bytes(plan.memory['cpu'])}:"
+                f" lower num_replicas or pp x tp, or spread the stages over more hosts")
         if plan.total_cpu > plan.memory["cpu"]:
-            weights_only = sum(s.cfg.num_replicas * (s.weights_per_rank * s.cfg.world_size + s.driver)
-                               for s in plan.stages)
             plan.errors.append(
                 f"the stages may take up to {fmt_bytes(plan.total_cpu)} (weights about {fmt_bytes(weights_only)}, "
                 f"the rest KV pools when full) of this host's {fmt_bytes(plan.memory['cpu'])} RAM: lower "

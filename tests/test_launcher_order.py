@@ -163,3 +163,23 @@ def test_a_gateway_past_the_restart_limit_or_with_none_allowed_stops_the_mesh(tm
     launcher, log = _watched(tmp_path, monkeypatch, restarts=2, gateway_codes=[1, 1, 1])
     assert launcher._watch() == 1 and log.count("spawn gateway") == 2
     assert "after 2 restart(s) in the last 10 minutes (--stage-restarts 2); stopping the mesh" in capsys.readouterr().err
+
+
+def test_a_signal_while_the_stages_are_spawned_spawns_no_more(tmp_path, monkeypatch) -> None:
+    """Ctrl-C / SIGTERM during the spawns (on a host slowed by many stage processes each spawn took seconds):
+    the launcher starts no further process and stops, instead of spawning the rest first."""
+    log: list[str] = []
+    spawned: list[str] = []
+    launcher = MeshLauncher(ServeArgs(stage_overrides='{"vocoder": {"num_replicas": 8}}'), tmp_path)
+
+    def popen(argv: list[str], env: dict[str, str] | None = None) -> FakeProc:
+        spawned.append(argv[1])
+        if len(spawned) == 3:
+            launcher._on_signal(15, None)  # SIGTERM arrives while the third process starts
+        return FakeProc(argv[1], log)
+
+    monkeypatch.setattr("omnimesh.launcher._popen", popen)
+    monkeypatch.setattr("omnimesh.launcher.model_stages", lambda model_dir: STAGES)
+    with pytest.raises(KeyboardInterrupt):
+        launcher._run()
+    assert spawned == ["encoder", "thinker", "talker"]

@@ -204,7 +204,7 @@ def test_serve_and_stage_refuse_on_cuda_and_only_advise_on_cpu(models, monkeypat
     assert cli.main(["stage", "thinker", "--model", str(model), "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "stage thinker" in err and "stage talker" not in err  # its own stage only
-    monkeypatch.setattr(memory_plan, "host_memory", lambda: memory)
+    monkeypatch.setattr(memory_plan, "host_memory", lambda: 2 * 2**30)  # the processes fit, full KV pools do not
     free = []
     for _ in range(2):
         with socket.socket() as sock:
@@ -303,4 +303,24 @@ def test_what_a_stage_would_refuse_stops_any_start_before_loading(models, monkey
     assert cli.main(["plan", str(model), "--kv-cache-memory", "256KiB"]) == 2
     out, err = capsys.readouterr()
     assert "cannot start: stage thinker" in out and "cannot start: stage talker" in out
-    assert "2 stage(s) would refuse to start" in err
+    assert "the mesh would not start (2 reason(s))" in err
+
+
+def test_a_cpu_start_of_more_processes_than_the_host_can_hold_is_refused(models, monkeypatch, capsys) -> None:
+    """Each process takes ~100 MiB before any weight: a thousand vocoder replicas on a 24 GiB host swamped it
+    (180 of them spawned had taken all its memory; the kernel's OOM killer then took other processes) and the
+    launcher could not even be stopped. The floor (weights + processes x the runtime) is refused before
+    anything starts; an ordinary mesh is not."""
+    from omnimesh import cli, launcher, memory_plan
+
+    model = models["qwen3-omni"]
+    monkeypatch.setattr(memory_plan, "host_memory", lambda: 24 * 2**30)
+    assert plan_memory(model, ServeArgs(device="cpu")).refusals == []
+    many = json.dumps({"vocoder": {"num_replicas": 1000}})
+    (refused,) = plan_memory(model, ServeArgs(device="cpu", stage_overrides=many)).refusals
+    assert refused.startswith("1004 processes (the stage ranks and the gateway: encoder 1 x 1, thinker 1 x 1, talker "
+                              "1 x 1, vocoder 1000 x 1) need at least ") and "but this host has 24 GiB" in refused
+    started: list[str] = []
+    monkeypatch.setattr(launcher, "MeshLauncher", lambda *a: started.append("serve"))
+    assert cli.main(["serve", str(model), "--stage-overrides", many]) == 2 and not started
+    assert "omnimesh: error: 1004 processes" in capsys.readouterr().err
