@@ -115,6 +115,10 @@ def item_chars(item: _Item | CallItem | OutputItem) -> int:
     return sum(len(p.text) for p in item.parts if isinstance(p, TextPart)) + len(item.transcript or "")
 
 
+# a failed response's error code by its HTTP status (REST's 429 / 503 / 504): whether a retry may help
+FAILURE_CODES = {429: "rate_limit_exceeded", 503: "service_unavailable", 504: "response_timeout"}
+
+
 class _Ended(Exception):
     """The session ends: it reached --max-realtime-session-duration, or the server is shutting down."""
 
@@ -694,6 +698,8 @@ class RealtimeSession:
         shaped = ToolAnswer(tools)  # the calls out of the text (gateway/tool_calls.py), each its own item
         calls: list[CallItem] = []
         status, usage, reason, gone = "in_progress", None, None, False
+        failure: dict[str, Any] | None = None  # a failed response's error: its status_details, its HTTP status
+        http = 500
         started = time.perf_counter()
         encoder = OutputEncoder(self.settings.output_audio_format, self.gw.pipeline.sample_rate)  # this answer's
         tempo = Tempo(self.settings.speed if audio else 1.0, self.gw.pipeline.sample_rate)  # gateway/audio_tempo.py
@@ -735,19 +741,22 @@ class RealtimeSession:
             status, reason = "cancelled", self.cancel_reason
         except WebSocketDisconnect:  # the client hung up mid-answer: a cancel, with no one left to tell
             status, gone = "cancelled", True
-        except PipelineError as e:
-            status = "failed"
-            await self.error(e.message, e.param, "response_failed", None)
+        except PipelineError as e:  # the client's, a full stage's, a deadline's: said as REST says them
+            status, http = "failed", e.http_status
+            code = FAILURE_CODES.get(e.http_status, "response_failed")
+            failure = {"type": e.kind, "code": code, "message": e.message}
+            await self.error(e.message, e.param, code, None, kind=e.kind)
         except Exception as e:  # a bug: say so, keep the session
             log.exception("realtime response %s failed", rid)
-            status = "failed"
-            await self.error(f"internal error: {type(e).__name__}: {e}", None, "server_error", None)
+            status, message = "failed", f"internal error: {type(e).__name__}: {e}"
+            failure = {"type": "server_error", "code": "server_error", "message": message}
+            await self.error(message, None, "server_error", None, kind="server_error")
         finally:
             with contextlib.suppress(Exception):
                 await events.aclose()  # type: ignore[attr-defined]  # the stages stop at once
             self.gw.metrics.running.dec()
             self.gw._finish("realtime", 200 if status in ("completed", "incomplete") else 499 if status == "cancelled"
-                            else 500, started)
+                            else http, started)
         transcript = "".join(text)
         if transcript and status != "failed":  # the next turn hears what was said
             answer.parts = [TextPart(transcript)]
@@ -756,12 +765,15 @@ class RealtimeSession:
         if not gone:
             with contextlib.suppress(WebSocketDisconnect):  # the client may hang up while its response closes
                 await self._response_done(base, item, where, status, reason, usage, transcript, audio, calls,
-                                          in_conversation)
+                                          in_conversation, failure)
 
     async def _response_done(self, base: dict[str, Any], item: dict[str, Any], where: dict[str, Any], status: str,
                              reason: str | None, usage: dict[str, Any] | None, transcript: str, audio: bool,
-                             calls: list[CallItem], in_conversation: bool) -> None:
-        """A response's closing events: its content and item done (unless it failed), then `response.done`."""
+                             calls: list[CallItem], in_conversation: bool, failure: dict[str, Any] | None = None
+                             ) -> None:
+        """A response's closing events: its content and item done (unless it failed), then `response.done` (a
+        failed one's `status_details.error` says why, as OpenAI's: a client tells a full server from a bad
+        request there)."""
         rid = base["id"]
         output = []
         if status in ("completed", "incomplete", "cancelled"):
@@ -777,7 +789,8 @@ class RealtimeSession:
                             _out_of_band=not in_conversation)
             output.append(final)
         output += [c.to_json() for c in calls]
-        details = {"type": status, "reason": reason} if reason else None
+        details = ({"type": status, "reason": reason} if reason else
+                   {"type": "failed", "error": failure} if failure is not None else None)
         await self.send("response.done", response={**base, "status": status, "status_details": details,
                                                    "output": output, "usage": usage})
 

@@ -542,6 +542,41 @@ def test_a_client_gone_mid_response_leaves_nothing_running(rest_server: RestServ
     assert pipeline.closed == [pipeline.requests[0].request_id]
 
 
+def test_a_refused_response_says_why_and_counts_as_its_status(rest_server: RestServer, ws: ClientConnection,
+                                                              pipeline: ScriptedPipeline) -> None:
+    """A full stage (429) fails a response as REST would refuse the request: the error event and response.done's
+    status_details.error say so (a client can tell it from a bad request and retry), and /metrics counts a 429,
+    not the 500 it counted every failed response as."""
+    import re
+
+    import httpx
+
+    from gateway.events import PipelineError
+
+    def count(status: int) -> float:
+        text = httpx.get(f"{rest_server.base_url}/metrics", timeout=TIMEOUT_S).text
+        found = re.search(rf'requests_total{{endpoint="realtime",status="{status}"}} (\S+)', text)
+        return float(found.group(1)) if found else 0.0
+
+    full, failed = count(429), count(500)
+    pipeline.script = lambda request: [PipelineError("4 requests already waiting in thinker", http_status=429,
+                                                     grpc_code=8, kind="rate_limit_error")]
+    send(ws, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                     "content": [{"type": "input_text", "text": "Talk."}]})
+    recv(ws)
+    send(ws, type="response.create", response={"modalities": ["text"]})
+    events = []
+    while not events or events[-1]["type"] != "response.done":
+        events.append(recv(ws))
+    (error,) = [e["error"] for e in events if e["type"] == "error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded"), error
+    done = events[-1]["response"]
+    assert done["status"] == "failed" and done["status_details"] == {
+        "type": "failed", "error": {"type": "rate_limit_error", "code": "rate_limit_exceeded",
+                                    "message": "4 requests already waiting in thinker"}}, done
+    assert (count(429), count(500)) == (full + 1, failed)
+
+
 def test_a_failed_transcription_is_its_own_event(ws: ClientConnection, pipeline: ScriptedPipeline) -> None:
     from gateway.events import PipelineError
 
