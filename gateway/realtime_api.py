@@ -389,6 +389,9 @@ class RealtimeSession:
                 raise RealtimeError("no response is in progress", None, "response_cancel_not_active")
             self.cancel_reason = "client_cancelled"
             self.response.cancel()
+            # its response.done goes out before the next event is read, as for a turn that cuts a response short:
+            # a response.create right after the cancel then starts (it was refused as "already has an active one")
+            await asyncio.wait({self.response})
         else:
             raise RealtimeError(f"unknown event type {kind!r}", "type", "unknown_event")
 

@@ -205,9 +205,13 @@ def test_cancelling_a_response(ws: ClientConnection, pipeline: ScriptedPipeline)
     errors = [e for e in until(ws, "error")]
     assert errors[-1]["error"]["code"] == "conversation_already_has_active_response"
     send(ws, type="response.cancel")
+    send(ws, type="response.create")  # at once: the cancelled one is done before this is read (it was refused)
     done = until(ws, "response.done")[-1]["response"]
     assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled"
     assert pipeline.closed  # the run was closed in the stages
+    assert recv(ws)["type"] == "response.created"  # the second response
+    send(ws, type="response.cancel")
+    assert until(ws, "response.done")[-1]["response"]["status"] == "cancelled"
 
 
 @pytest.mark.parametrize(("event", "code", "param"), [
