@@ -18,6 +18,7 @@ Run: python -m pytest tests/services/test_waiting_cap.py -q
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,10 +113,24 @@ async def test_stage_refuses_one_of_three_concurrent_streams(model_dir: Path) ->
     alone = [solo(handler, p) for p in ids]
     engine = EngineLoop(handler.name, max_inflight=handler.max_inflight_steps, batcher=handler.batcher)
     sampling = stage_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    lm = handler.batcher.engine
+    decided: list[str] = []  # every open admitted or refused before any prompt arrives (a fixed 0.5 s wait was
+    inner = lm.admit  # not always enough on a loaded host: a prompt could finish before the third open was decided)
+
+    def admit(task: Any) -> None:
+        try:
+            inner(task)
+        finally:
+            decided.append(task.key)
+
+    lm.admit = admit
     async with served_stage(handler, engine) as served:
         client = served.client
         streams = [await client.open(f"r{i}", sampling) for i in range(3)]
-        await asyncio.sleep(0.5)  # every open is admitted or refused before any prompt arrives
+        deadline = time.monotonic() + 30
+        while len(decided) < 3:
+            assert time.monotonic() < deadline, decided
+            await asyncio.sleep(0.01)
         for stream, p in zip(streams, ids):
             await stream.send(StageChunk(tensors={"input_ids": p}, final=True))
         results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams), return_exceptions=True), 60)
