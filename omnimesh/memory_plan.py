@@ -57,9 +57,9 @@ from omnimesh.config.stage_config import StageConfig, fmt_bytes, parse_size
 
 LM_STAGES = ("thinker", "talker")
 PLANNED_DEVICES = 8  # CUDA devices per host when planning on a host that has none (`--num-devices` overrides)
-# each process's own memory before any weight (torch, transformers and grpc imported: ~120 MiB unshared, measured
-# with 180 stage processes on this host), so a CPU start of too many processes is refused before it spawns them
-PROCESS_FLOOR_BYTES = 100 * 2**20
+# each process's own memory before any weight (an idle tiny vocoder stage: ~280 MiB anonymous, its shared-memory
+# arena besides), so a CPU start of more processes than the host can hold is refused before it spawns them
+PROCESS_FLOOR_BYTES = 250 * 2**20
 # bytes per element of the safetensors dtypes; floats (F*, BF16) are converted to the serving dtype
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -466,13 +466,15 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
         weights_only = sum(s.cfg.num_replicas * (s.weights_per_rank * s.cfg.world_size + s.driver)
                            for s in plan.stages)
         processes = sum(s.cfg.num_replicas * s.cfg.ranks_per_node for s in plan.stages) + (only is None)  # + gateway
-        if (floor := weights_only + processes * PROCESS_FLOOR_BYTES) > plan.memory["cpu"]:
+        arenas = sum(s.cfg.num_replicas * s.cfg.shm_arena_size for s in plan.stages)  # reserved whole at start
+        if (floor := weights_only + processes * PROCESS_FLOOR_BYTES + arenas) > plan.memory["cpu"]:
             plan.refusals.append(  # what is resident whatever the traffic: this start would exhaust the host
                 f"{processes} processes ({'the stage ranks and the gateway' if only is None else 'the stage ranks'}:"
                 f" " + ", ".join(f"{s.stage} {s.cfg.num_replicas} x {s.cfg.ranks_per_node}" for s in plan.stages)
-                + f") need at least {fmt_bytes(floor)} of RAM ({fmt_bytes(weights_only)} of weights and about "
-                f"{fmt_bytes(PROCESS_FLOOR_BYTES)} of runtime each), but this host has {fmt_bytes(plan.memory['cpu'])}:"
-                f" lower num_replicas or pp x tp, or spread the stages over more hosts")
+                + f") need at least {fmt_bytes(floor)} of RAM ({fmt_bytes(weights_only)} of weights, about "
+                f"{fmt_bytes(PROCESS_FLOOR_BYTES)} of runtime each and {fmt_bytes(arenas)} of shared-memory arenas), "
+                f"but this host has {fmt_bytes(plan.memory['cpu'])}: lower num_replicas or pp x tp, or spread the "
+                f"stages over more hosts")
         if plan.total_cpu > plan.memory["cpu"]:
             plan.errors.append(
                 f"the stages may take up to {fmt_bytes(plan.total_cpu)} (weights about {fmt_bytes(weights_only)}, "

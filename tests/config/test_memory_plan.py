@@ -204,7 +204,7 @@ def test_serve_and_stage_refuse_on_cuda_and_only_advise_on_cpu(models, monkeypat
     assert cli.main(["stage", "thinker", "--model", str(model), "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "stage thinker" in err and "stage talker" not in err  # its own stage only
-    monkeypatch.setattr(memory_plan, "host_memory", lambda: 2 * 2**30)  # the processes fit, full KV pools do not
+    monkeypatch.setattr(memory_plan, "host_memory", lambda: 4 * 2**30)  # the processes fit, full KV pools do not
     free = []
     for _ in range(2):
         with socket.socket() as sock:
@@ -307,15 +307,19 @@ def test_what_a_stage_would_refuse_stops_any_start_before_loading(models, monkey
 
 
 def test_a_cpu_start_of_more_processes_than_the_host_can_hold_is_refused(models, monkeypatch, capsys) -> None:
-    """Each process takes ~100 MiB before any weight: a thousand vocoder replicas on a 24 GiB host swamped it
-    (180 of them spawned had taken all its memory; the kernel's OOM killer then took other processes) and the
-    launcher could not even be stopped. The floor (weights + processes x the runtime) is refused before
-    anything starts; an ordinary mesh is not."""
+    """Each process takes ~250 MiB before any weight, and each stage its shared-memory arena: a thousand vocoder
+    replicas on a 24 GiB host swamped it (the ~200 spawned had taken all its memory; the kernel's OOM killer then
+    took other processes) and the launcher could not even be stopped. The floor (weights + processes x the
+    runtime + the arenas) is refused before anything starts; an ordinary mesh is not, nor 30 vocoders."""
     from omnimesh import cli, launcher, memory_plan
 
     model = models["qwen3-omni"]
     monkeypatch.setattr(memory_plan, "host_memory", lambda: 24 * 2**30)
     assert plan_memory(model, ServeArgs(device="cpu")).refusals == []
+    some = json.dumps({"vocoder": {"num_replicas": 30}})  # 34 x 250 MiB + 33 x 256 MiB of arenas: 16.3 GiB
+    assert plan_memory(model, ServeArgs(device="cpu", stage_overrides=some)).refusals == []
+    more = json.dumps({"vocoder": {"num_replicas": 45}})  # 49 x 250 MiB + 48 x 256 MiB: 24 GiB
+    assert plan_memory(model, ServeArgs(device="cpu", stage_overrides=more)).refusals != []
     many = json.dumps({"vocoder": {"num_replicas": 1000}})
     (refused,) = plan_memory(model, ServeArgs(device="cpu", stage_overrides=many)).refusals
     assert refused.startswith("1004 processes (the stage ranks and the gateway: encoder 1 x 1, thinker 1 x 1, talker "
