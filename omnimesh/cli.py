@@ -480,7 +480,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[LEVEL_ENV] = level
         if config:
             os.environ[CONFIG_ENV] = str(Path(config).resolve())
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the group: each stops quietly, no traceback
+        return 130
 
 
 if __name__ == "__main__":

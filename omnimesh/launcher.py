@@ -70,6 +70,8 @@ class MeshLauncher:
         self.model_dir = model_dir
         self.children: list[Child] = []
         self._stopping = False
+        self._signal: int | None = None  # the signal that asked for the stop
+        self._serving = False  # the mesh has served (a stop then exits 0; one during start-up 128 + the signal)
 
     def _spawn(self, name: str, argv: list[str], address: str, env: dict[str, str] | None = None) -> Child:
         child = Child(name, _popen(argv, env), address, argv, env)
@@ -186,7 +188,10 @@ class MeshLauncher:
             print(f"omnimesh: error: {exc}", file=sys.stderr, flush=True)
             return 1
         except KeyboardInterrupt:
-            return 0
+            if self._serving:
+                return 0  # a stop asked for: every request in flight was finished
+            print("omnimesh: stopped during start-up (the mesh never served)", file=sys.stderr, flush=True)
+            return 128 + (self._signal or signal.SIGINT)
         finally:
             self.stop()
 
@@ -220,6 +225,7 @@ class MeshLauncher:
         a = self.args
         scheme = "https" if a.ssl_keyfile else "http"
         rest = f"{scheme} over unix:{a.uds}" if a.uds else f"{scheme}://{listen_address(a.host, a.port)}"
+        self._serving = True
         print(
             f"omnimesh serving {self.model_dir} — REST {rest}/v1 , "
             f"gRPC {listen_address(a.host, a.grpc_port)} , stages "
@@ -305,6 +311,7 @@ class MeshLauncher:
         """Only a flag, which the start-up wait and the watch loop read (each within half a second): raised from
         here, a KeyboardInterrupt that lands while a child is being spawned can be swallowed there."""
         self._stopping = True
+        self._signal = signum
 
     def stop(self) -> None:
         """The gateway first: it stops taking requests and finishes the streams in flight (within the grace

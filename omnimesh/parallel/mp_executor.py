@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import queue
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
@@ -202,7 +204,8 @@ class MpExecutor:
             proc = ctx.Process(target=worker_main, name=f"omnimesh-rank{rank}", daemon=True,
                                args=(rank, self.pp, self.tp, self.rdzv, self.factory, self.threads, ready,
                                      logging.getLogger().getEffectiveLevel()))
-            proc.start()
+            with _sigint_ignored():
+                proc.start()
             self.procs[rank] = proc
         return ready
 
@@ -407,6 +410,22 @@ class MpExecutor:
     @property
     def pids(self) -> dict[int, int]:
         return {0: os.getpid(), **{r: p.pid for r, p in self.procs.items() if p.pid is not None}}
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """While a rank process is spawned: Ctrl-C ignored, a disposition the new interpreter keeps from its first
+    line (Python then installs no KeyboardInterrupt of its own). A terminal's Ctrl-C reaches the whole process
+    group, and a rank still importing torch printed a traceback; the driver stops its ranks instead."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        if before is not None:  # None: a handler not set from Python, which stays as it was
+            signal.signal(signal.SIGINT, before)
 
 
 def start_program(factory: ProgramFactory, pp: int = 1, tp: int = 1,

@@ -133,6 +133,9 @@ def serve_commands(rank: int, ps: ParallelState, results: Any, program: RankProg
 def worker_main(rank: int, pp: int, tp: int, rdzv: Rendezvous, factory: ProgramFactory, threads: int,
                  ready: Any, log_level: int = logging.INFO) -> None:
     die_with_parent(signal.SIGKILL)
+    # Ctrl-C in a terminal reaches the whole process group: the driver stops its ranks (STOP, then a kill); a
+    # KeyboardInterrupt here would only print a traceback from inside a collective
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(logging.getLevelName(log_level))
     torch.set_num_threads(threads)
     try:
