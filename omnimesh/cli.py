@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import sys
 from dataclasses import replace
@@ -106,6 +107,14 @@ def _model_dir(model: str | None, load_format: str | None = None) -> Path:
             f"model {model!r} is not a model folder (no config.json); give a local Hugging Face folder — "
             "this build never downloads from a hub"
         )
+    try:  # every process reads it first: a file cut short or not an object is said here, not as a traceback
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"model {model!r}: its config.json cannot be read ({exc}); the file is truncated or "
+                         "corrupt: copy the model folder again") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model {model!r}: its config.json holds a JSON {type(config).__name__}, not the object of "
+                         "a Hugging Face config")
     if load_format not in (None, "dummy"):
         from omnimesh.models.loader import INDEX_FILE, SINGLE_FILE
 
@@ -113,7 +122,31 @@ def _model_dir(model: str | None, load_format: str | None = None) -> Path:
             raise ValueError(f"model {model!r} holds no weights (neither {SINGLE_FILE} nor {INDEX_FILE}); omnimesh "
                              f"reads safetensors checkpoints, or give --load-format dummy to run the model's shape "
                              f"with random weights")
+        _check_checkpoint_header(path, model)
     return path
+
+
+def _check_checkpoint_header(path: Path, model: str) -> None:
+    """The checkpoint's header (its tensor table; no tensor is read) or, when sharded, its index: a file cut short
+    or corrupt is refused before anything loads (it failed each stage after seconds of loading, with a
+    traceback per stage)."""
+    from safetensors import safe_open
+
+    from omnimesh.models.loader import INDEX_FILE, SINGLE_FILE
+
+    single = path / SINGLE_FILE
+    try:
+        if single.is_file():
+            with safe_open(str(single), "pt") as f:
+                f.keys()
+        else:
+            index = json.loads((path / INDEX_FILE).read_text(encoding="utf-8"))
+            if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+                raise ValueError("it has no weight_map object")
+    except Exception as exc:  # noqa: BLE001  # safetensors' own error type, JSON's, the OS's
+        name = SINGLE_FILE if single.is_file() else INDEX_FILE
+        raise ValueError(f"model {model!r}: its {name} cannot be read ({type(exc).__name__}: {exc}); the file is "
+                         "truncated or corrupt: copy the model folder again") from None
 
 
 def _check_layout(args: ServeArgs, model_dir: Path, only: str | None = None) -> int | None:

@@ -128,6 +128,28 @@ def test_without_dummy_the_folder_must_hold_weights(folders, capsys) -> None:
         load_thinker(bare)
 
 
+def test_a_truncated_config_or_checkpoint_is_refused_before_anything_loads(folders, tmp_path, capsys) -> None:
+    """A config.json or model.safetensors cut short (a copy interrupted): exit 2 with the file named, from every
+    command, not a JSONDecodeError traceback or a SafetensorError in each stage after seconds of loading."""
+    import shutil
+
+    full, _ = folders["qwen3-omni"]
+    cut_config, cut_weights, listed = (shutil.copytree(full, tmp_path / name) for name in ("c", "w", "l"))
+    (cut_config / "config.json").write_text((full / "config.json").read_text()[:3000])
+    (cut_weights / "model.safetensors").write_bytes((full / "model.safetensors").read_bytes()[:1000])
+    (listed / "config.json").write_text("[1]")
+    for folder, said in ((cut_config, "its config.json cannot be read (Expecting"),
+                         (cut_weights, "its model.safetensors cannot be read (SafetensorError"),
+                         (listed, "its config.json holds a JSON list, not the object")):
+        for command in (["serve", str(folder)], ["stage", "thinker", "--model", str(folder)], ["plan", str(folder)],
+                        ["gateway", "--model", str(folder), "--stages", "thinker=127.0.0.1:1"]):
+            if folder is cut_weights and command[0] == "gateway":
+                continue  # the gateway reads no weights
+            assert main(command) == 2, command
+            err = capsys.readouterr().err
+            assert said in err and "Traceback" not in err, (command, err)
+
+
 @pytest.mark.parametrize("family", ["qwen3-omni", "qwen2.5-omni", "qwen3-omni-thinking"])
 def test_the_plan_counts_the_tensors_the_config_implies(folders, family: str, capsys) -> None:
     """The meta-device model's state dict under the checkpoint's key names equals the saved checkpoint's tensors
