@@ -425,6 +425,9 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
                     f"raise --kv-cache-memory (or this stage's kv_cache_memory in --stage-overrides)"
                     f"{' or lower --max-model-len' if stage == 'thinker' else ''}")
         plan.stages.append(sp)
+        if not cuda and sp.kv_pool > memory_of(0):  # one allocation past the host's RAM: it cannot be reserved
+            plan.refusals.append(f"stage {stage}: its KV cache of {fmt_bytes(sp.kv_pool)} per rank (kv_cache_memory) "
+                                 f"is more than this host's {fmt_bytes(memory_of(0))} of RAM: lower --kv-cache-memory")
         if not cuda:
             plan.total_cpu += cfg.num_replicas * (weights.split + driver + cfg.world_size * sp.kv_pool + sp.cache)
             sp.devices = ("cpu",)

@@ -349,6 +349,9 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+MAX_BYTES = 2**60  # 1 EiB: a size beyond it is a typo (99999999TiB overflowed a tensor's size; 1e30 an int64)
+
+
 def parse_bytes(value: Any, what: str = "size") -> int:
     """'4GiB', '512MiB', '2G', '1e9' or a number -> bytes (decimal units K/M/G/T, binary KiB/MiB/GiB/TiB)."""
     if isinstance(value, bool):
@@ -365,6 +368,8 @@ def parse_bytes(value: Any, what: str = "size") -> int:
             raise ValueError(f"{what}: {value!r} is not a size; write e.g. '4GiB', '512MiB' or a byte count") from None
         if unit not in _UNITS:
             raise ValueError(f"{what}: unknown unit {unit!r} in {value!r}; use B, KiB, MiB, GiB, TiB (or K, M, G, T)")
+    if not math.isfinite(number) or number * _UNITS[unit] > MAX_BYTES:  # nan / inf, or past any machine's memory
+        raise ValueError(f"{what}: {value!r} is not a size this server can hold (at most 1 EiB)")
     size = int(number * _UNITS[unit])
     if size < 1:
         raise ValueError(f"{what} must be at least 1 byte, got {value!r}")

@@ -320,6 +320,9 @@ def test_a_cpu_start_of_more_processes_than_the_host_can_hold_is_refused(models,
     assert plan_memory(model, ServeArgs(device="cpu", stage_overrides=some)).refusals == []
     more = json.dumps({"vocoder": {"num_replicas": 45}})  # 49 x 250 MiB + 48 x 256 MiB: 24 GiB
     assert plan_memory(model, ServeArgs(device="cpu", stage_overrides=more)).refusals != []
+    huge = plan_memory(model, ServeArgs(device="cpu", kv_cache_memory="100TiB")).refusals  # one allocation
+    assert [r.split(":")[0] for r in huge] == ["stage thinker", "stage talker"]
+    assert "its KV cache of 100 TiB per rank (kv_cache_memory) is more than this host's 24 GiB of RAM" in huge[0]
     many = json.dumps({"vocoder": {"num_replicas": 1000}})
     (refused,) = plan_memory(model, ServeArgs(device="cpu", stage_overrides=many)).refusals
     assert refused.startswith("1004 processes (the stage ranks and the gateway: encoder 1 x 1, thinker 1 x 1, talker "

@@ -426,6 +426,14 @@ def test_bad_sizes_say_how_to_write_one(text) -> None:
         ServeArgs(kv_cache_memory=text)
 
 
+@pytest.mark.parametrize("text", ["nan", "inf", "1e30", "99999999TiB", float("nan")])
+def test_sizes_past_any_machine_are_refused_by_name(text) -> None:
+    """They reached the stages: NaN was "cannot convert float NaN to integer", 1e30 overflowed an int64 and
+    99999999TiB a tensor's size, each a traceback after the mesh had loaded."""
+    with pytest.raises(ValueError, match=r"--kv-cache-memory: .* is not a size this server can hold \(at most 1 EiB\)"):
+        ServeArgs(kv_cache_memory=text)
+
+
 def test_pp_layer_partition_flag() -> None:
     cfgs = ServeArgs(pipeline_parallel_size=2, pp_layer_partition="3,1").stage_configs()
     assert cfgs["thinker"].pp_layer_partition == (3, 1)
