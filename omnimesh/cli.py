@@ -355,6 +355,14 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
         model_dir = _model_dir(args.model)
     except ValueError as exc:
         return _fail(str(exc))
+    from omnimesh.server.grpc_server import BindError, check_port
+
+    try:  # before it waits for its stages (up to --stage-start-timeout), as `serve` and `stage` check theirs
+        if args.uds is None:
+            check_port(args.host, args.port, "--port")
+        check_port(args.host, args.grpc_port, "--grpc-port")
+    except BindError as exc:
+        return _fail(str(exc))
     from gateway.server import run_gateway
 
     return run_gateway(args, model_dir, stages)

@@ -388,6 +388,22 @@ async def test_media_are_hashed_for_an_encoder_that_caches() -> None:
             await pipe.close()
 
 
+async def test_a_stage_whose_every_address_serves_another_stage_fails_the_start_at_once() -> None:
+    """`--stages encoder=<a thinker's address>`: waiting would not change what it serves, so the gateway stops at
+    once naming it (it waited out --stage-start-timeout, 600 s by default, logging the mismatch)."""
+    import time
+
+    async with served_stage(WordThinker("a"), EngineLoop("thinker")) as st:
+        pipe = StagePipeline({"thinker": [_client(st)], "encoder": [StageClient("encoder", f"127.0.0.1:{st.port}")]},
+                             _prompt, served_models=("m",))
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"^stage encoder: .*127\.0\.0\.1:{st.port} answers as stage "
+                                               r"'thinker', not 'encoder'; give --stages the address of an? encoder"):
+            await pipe.connect(timeout_s=60.0)
+        assert time.monotonic() - t0 < 10
+        await pipe.close()
+
+
 async def test_speech_from_a_pipeline_without_speech_stages_is_refused_before_any_stage() -> None:
     """The pipeline's own guard (the front ends refuse first): a request for audio on a chain with no talker /
     vocoder, or over a thinker-only model, is a 400 naming why, and no stage is dialled (the address is dead)."""

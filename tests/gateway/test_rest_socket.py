@@ -90,6 +90,26 @@ def test_a_stage_on_a_taken_port_stops_before_it_loads() -> None:
     assert "Traceback" not in out.stderr and "loaded" not in out.stderr
 
 
+def test_a_gateway_on_a_taken_port_stops_before_it_waits_for_its_stages(capsys) -> None:
+    """`omnimesh gateway` alone checks its ports first (it learnt of a taken --port only after waiting for its
+    stages, up to --stage-start-timeout: 600 s by default)."""
+    from omnimesh.cli import main
+
+    held, spare = rest_socket("127.0.0.1", 0), rest_socket("127.0.0.1", 0)
+    port, free = held.getsockname()[1], spare.getsockname()[1]
+    spare.close()
+    try:
+        for flag in ("--port", "--grpc-port"):
+            other = "--grpc-port" if flag == "--port" else "--port"
+            started = time.monotonic()
+            assert main(["gateway", "--host", "127.0.0.1", flag, str(port), other, str(free),
+                         "--stages", "thinker=127.0.0.1:9"]) == 2
+            assert f"{flag} {port}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+            assert time.monotonic() - started < 10
+    finally:
+        held.close()
+
+
 def test_a_port_out_of_range_or_a_host_not_here_is_refused() -> None:
     for port in (-1, 65536, 99999):
         with pytest.raises(BindError, match=rf"--port {port}: a port is a number in 0-65535 \(0: any free one\)"):
