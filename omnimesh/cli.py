@@ -266,12 +266,21 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from gateway.rest_socket import check_free
     from omnimesh.launcher import MeshLauncher
     from omnimesh.models.qwen3_omni.checkpoint_stages import model_stages
-    from omnimesh.server.grpc_server import BindError
+    from omnimesh.server.grpc_server import BindError, check_port
 
     try:  # the gateway's ports and TLS files, before any stage spends minutes loading
         args.check_stage_ports(model_stages(model_dir))
         check_free(args.host, args.port, args.grpc_port, args.uds)
         HttpFront.from_args(args)
+        base = args.stage_base_port  # the stages' own ports too, when the flag fixes them (0: free ones)
+        ports = range(base, base + args.stage_processes(model_stages(model_dir)) if base else 0)
+        for port in ports:
+            try:
+                check_port("127.0.0.1", port, "--stage-base-port")
+            except BindError:
+                raise BindError(f"--stage-base-port {base}: port {port} (of the stages' {ports.start}-{ports.stop - 1})"
+                                " cannot be listened on; another server may hold it: pick another "
+                                "--stage-base-port") from None
     except (BindError, ValueError) as exc:
         return _fail(str(exc))
     return MeshLauncher(args, model_dir).run()
@@ -423,18 +432,20 @@ def cmd_run_batch(ns: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(ns: argparse.Namespace) -> int:
-    if ns.family == "qwen2.5-omni":
-        if ns.thinker_only:
-            return _fail("--thinker-only: the tiny qwen2.5-omni model has no thinker-only variant (Qwen2.5-Omni "
-                         "ships none); drop the flag")
-        from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni
+    if ns.family == "qwen2.5-omni" and ns.thinker_only:
+        return _fail("--thinker-only: the tiny qwen2.5-omni model has no thinker-only variant (Qwen2.5-Omni "
+                     "ships none); drop the flag")
+    try:  # a path that is a file, or under one that cannot be made: said, not a traceback
+        if ns.family == "qwen2.5-omni":
+            from omnimesh.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni
 
-        out = build_tiny_qwen2_5_omni(Path(ns.out), seed=ns.seed)
-        print(out)
-        return 0
-    from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
+            out = build_tiny_qwen2_5_omni(Path(ns.out), seed=ns.seed)
+        else:
+            from omnimesh.models.qwen3_omni.tiny import build_tiny_qwen3_omni
 
-    out = build_tiny_qwen3_omni(Path(ns.out), seed=ns.seed, audio_output=not ns.thinker_only)
+            out = build_tiny_qwen3_omni(Path(ns.out), seed=ns.seed, audio_output=not ns.thinker_only)
+    except (OSError, ValueError) as exc:
+        return _fail(f"--out {ns.out}: cannot write the model there ({exc})")
     print(out)
     return 0
 

@@ -26,3 +26,14 @@ def test_the_qwen2_5_family_has_its_own_folder(tmp_path: Path, monkeypatch: pyte
 def test_unknown_family_is_refused() -> None:
     with pytest.raises(ValueError, match="no built-in tiny model for family 'llama'; known: qwen3-omni, qwen2.5-omni"):
         tiny_cache.tiny_model_dir("llama")
+
+
+def test_make_tiny_into_a_place_it_cannot_write_is_an_error_not_a_traceback(tmp_path: Path, capsys) -> None:
+    from omnimesh.cli import main
+
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for out, said in ((a_file, "exists and is not a directory"), (a_file / "under", "Not a directory")):
+        assert main(["make-tiny", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"omnimesh: error: --out {out}: cannot write the model there (" in err and said in err, err

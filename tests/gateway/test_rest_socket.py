@@ -110,6 +110,25 @@ def test_a_gateway_on_a_taken_port_stops_before_it_waits_for_its_stages(capsys) 
         held.close()
 
 
+def test_serve_checks_the_stage_ports_its_base_port_fixes(capsys) -> None:
+    """A taken port among --stage-base-port's: exit 2 naming that flag before any stage loads (the stage failed
+    after loading, naming a --port the user never gave)."""
+    from omnimesh.cli import main
+
+    spare = [rest_socket("127.0.0.1", 0) for _ in range(3)]
+    gateway_port, grpc_port, base = (sock.getsockname()[1] for sock in spare)
+    for sock in spare[:2]:
+        sock.close()
+    held = spare[2]  # the first stage's port
+    try:
+        assert main(["serve", "--port", str(gateway_port), "--grpc-port", str(grpc_port),
+                     "--stage-base-port", str(base)]) == 2
+        err = capsys.readouterr().err
+        assert f"--stage-base-port {base}: port {base} (of the stages' {base}-{base + 3}) cannot be listened on" in err
+    finally:
+        held.close()
+
+
 def test_a_port_out_of_range_or_a_host_not_here_is_refused() -> None:
     for port in (-1, 65536, 99999):
         with pytest.raises(BindError, match=rf"--port {port}: a port is a number in 0-65535 \(0: any free one\)"):
