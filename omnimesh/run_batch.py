@@ -205,12 +205,32 @@ class BatchMesh:
                 self.proc.wait()
 
 
+def check_url(url: str, timeout_s: float = 10.0) -> None:
+    """--url: an http(s) address where a server answers (its /health, or anything HTTP): ValueError otherwise,
+    before any request is sent (each line was sent and failed as "no answer", the reason only in the output)."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"--url {url!r}: not a URL ({exc})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"--url {url!r}: give the server's http(s) address, e.g. http://127.0.0.1:8000")
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"--url {url}: nothing answers there ({type(exc).__name__}: {exc}); start the server "
+                         "first (omnimesh serve), or leave --url out to run a mesh for the batch") from None
+
+
 def run_batch(args: ServeArgs, input_file: str, output_file: str, url: str | None, max_concurrency: int) -> int:
     """The whole command: 0 when every line got a 2xx answer, 1 when some did not; ValueError for bad input."""
     if max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {max_concurrency}")
     if output_file != "-" and not Path(output_file).parent.is_dir():
         raise ValueError(f"--output-file {output_file}: its folder does not exist")
+    if url is not None:
+        check_url(url)
     if input_file == "-":
         lines = read_batch(sys.stdin.buffer, "stdin")
     else:

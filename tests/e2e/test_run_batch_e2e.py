@@ -99,17 +99,30 @@ def test_a_line_that_is_not_utf8() -> None:
         read_batch(io.BytesIO(_line("a", "/v1/completions", {}).encode() + b'{"custom_id": "\xff"}\n'), "in.jsonl")
 
 
-def test_a_server_that_does_not_answer_is_each_lines_error(tmp_path: Path) -> None:
+def test_a_url_where_nothing_answers_or_no_url_stops_the_run_before_any_line(tmp_path: Path) -> None:
+    """Each line was sent and failed as "no answer" (exit 1, the reason only in the output file); a --url that
+    is no http(s) address, or where nothing answers, is now the run's error at once (exit 2). A line that gets
+    no answer from a server that was up stays that line's error (`send_all`)."""
     from omnimesh.proc_utils import free_port
 
     src = tmp_path / "in.jsonl"
     src.write_text(_line("a", "/v1/chat/completions", CHAT) + _line("b", "/v1/completions", {"prompt": "x"}))
-    done = _run("-i", str(src), "-o", "-", "--url", f"http://127.0.0.1:{free_port()}", timeout=120)
-    assert done.returncode == 1, done.stderr  # the output is complete even so
-    rows = [json.loads(x) for x in done.stdout.splitlines()]
+    port = free_port()
+    done = _run("-i", str(src), "-o", "-", "--url", f"http://127.0.0.1:{port}", timeout=120)
+    assert done.returncode == 2 and f"--url http://127.0.0.1:{port}: nothing answers there (ConnectError" in done.stderr
+    assert done.stdout == ""
+    done = _run("-i", str(src), "-o", "-", "--url", "notaurl", timeout=120)
+    assert done.returncode == 2 and "--url 'notaurl': give the server's http(s) address" in done.stderr
+    # a server gone once the run has started: each line still gets its row, its error saying why
+    import asyncio
+
+    from omnimesh.run_batch import read_batch, send_all
+
+    with open(src, "rb") as f:
+        lines = read_batch(f, str(src))
+    rows = asyncio.run(send_all(lines, f"http://127.0.0.1:{port}", None, 2, 10.0))
     assert [r["custom_id"] for r in rows] == ["a", "b"] and all(r["response"] is None for r in rows)
     assert all(r["error"]["code"] == "request_failed" and "ConnectError" in r["error"]["message"] for r in rows)
-    assert "0 answered 2xx, 2 not (2 x no answer)" in done.stderr
 
 
 def test_a_bad_file_stops_the_run_before_anything_starts(tmp_path: Path) -> None:
