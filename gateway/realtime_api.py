@@ -117,6 +117,7 @@ def item_chars(item: _Item | CallItem | OutputItem) -> int:
 
 # a failed response's error code by its HTTP status (REST's 429 / 503 / 504): whether a retry may help
 FAILURE_CODES = {429: "rate_limit_exceeded", 503: "service_unavailable", 504: "response_timeout"}
+CANCEL_WAIT_S = 10.0  # the longest a response.cancel holds the next event back for the response's response.done
 
 
 class _Ended(Exception):
@@ -391,7 +392,7 @@ class RealtimeSession:
             self.response.cancel()
             # its response.done goes out before the next event is read, as for a turn that cuts a response short:
             # a response.create right after the cancel then starts (it was refused as "already has an active one")
-            await asyncio.wait({self.response})
+            await asyncio.wait({self.response}, timeout=CANCEL_WAIT_S)  # bounded: a stage slow to close
         else:
             raise RealtimeError(f"unknown event type {kind!r}", "type", "unknown_event")
 
@@ -447,6 +448,8 @@ class RealtimeSession:
 
         try:
             text, done = await collect_text(self.gw.pipeline, chat, self.gw.reasoning, delta)
+        except WebSocketDisconnect:  # the client left: nobody to tell (`spawn` drops it quietly)
+            raise
         except Exception as e:  # noqa: BLE001  # said to the client whatever it was, never only logged
             if not isinstance(e, PipelineError):
                 log.exception("realtime session %s: transcribing %s failed", self.id, item.id)

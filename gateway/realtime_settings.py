@@ -153,8 +153,8 @@ def _turn_detection(value: Any, where: str) -> dict[str, Any] | None:
         ok = (isinstance(v, bool) if key in ("create_response", "interrupt_response")
               else isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high)
         if not ok:
-            raise RealtimeError(f"turn_detection.{key}: {v!r} is out of range (it must be in [{low:g}, {high:g}])",
-                                f"{where}.{key}")
+            must = "true or false" if key in ("create_response", "interrupt_response") else f"in [{low:g}, {high:g}]"
+            raise RealtimeError(f"turn_detection.{key}: {v!r} is out of range (it must be {must})", f"{where}.{key}")
         out[key] = v if key in ("create_response", "interrupt_response", "threshold") else int(v)
     return out
 

@@ -69,8 +69,8 @@ class StageMesh:
             waiting = [rs for rs in self.stages.values() if not rs.known()]
             for rs in waiting:  # every address answered as another stage: waiting would not change that
                 if rs.active() and all(r.refused is not None for r in rs.active()):
-                    raise RuntimeError(f"stage {rs.stage}: {rs.why_none()}; give --stages the address of a "
-                                       f"{rs.stage} stage")
+                    raise RuntimeError(f"stage {rs.stage}: " + "; ".join(str(r.refused) for r in rs.active())
+                                       + f"; check the stage addresses (--stages): none serves the {rs.stage}")
             now = time.monotonic()
             if not waiting:
                 all_up_by = now + late_grace_s if all_up_by is None else all_up_by

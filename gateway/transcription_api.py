@@ -219,7 +219,6 @@ class TranscriptionRoutes:
         chat = transcription_request(pipeline_model, audio, self.gw.reasoning, task=task,
                                      language=check_language(_field(form, "language")), prompt=_field(form, "prompt"),
                                      sampling=sampling, request_id=f"trsc-{suffix}", media_param="file")
-        chat = replace(chat, conversation_param="prompt")  # the text a client sends here: a prompt too long for it
         split = ThoughtTokens(AnswerSplit(self.gw.reasoning, chat.reasoning_end is not None, include=False))
         return _Transcription(chat, fmt, stream, started, split, [] if include else None, self.gw.tokens_as_ids)
 

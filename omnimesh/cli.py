@@ -277,10 +277,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         for port in ports:
             try:
                 check_port("127.0.0.1", port, "--stage-base-port")
-            except BindError:
+            except BindError as exc:
                 raise BindError(f"--stage-base-port {base}: port {port} (of the stages' {ports.start}-{ports.stop - 1})"
-                                " cannot be listened on; another server may hold it: pick another "
-                                "--stage-base-port") from None
+                                f" cannot be listened on ({exc}): pick another --stage-base-port") from None
     except (BindError, ValueError) as exc:
         return _fail(str(exc))
     return MeshLauncher(args, model_dir).run()

@@ -425,9 +425,10 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
                     f"raise --kv-cache-memory (or this stage's kv_cache_memory in --stage-overrides)"
                     f"{' or lower --max-model-len' if stage == 'thinker' else ''}")
         plan.stages.append(sp)
-        if not cuda and sp.kv_pool > memory_of(0):  # one allocation past the host's RAM: it cannot be reserved
-            plan.refusals.append(f"stage {stage}: its KV cache of {fmt_bytes(sp.kv_pool)} per rank (kv_cache_memory) "
-                                 f"is more than this host's {fmt_bytes(memory_of(0))} of RAM: lower --kv-cache-memory")
+        if not cuda and cfg.kv_cache_memory is not None and sp.kv_pool > memory_of(0):
+            plan.refusals.append(  # pages are touched as it fills: a pool past the host's RAM could never be filled
+                f"stage {stage}: its KV cache of {fmt_bytes(sp.kv_pool)} per rank (kv_cache_memory) is more than this "
+                f"host's {fmt_bytes(memory_of(0))} of RAM, so it could never fill: lower --kv-cache-memory")
         if not cuda:
             plan.total_cpu += cfg.num_replicas * (weights.split + driver + cfg.world_size * sp.kv_pool + sp.cache)
             sp.devices = ("cpu",)
@@ -468,13 +469,16 @@ def plan_memory(model_dir: Path, args: ServeArgs, *, only: str | None = None, de
         plan.memory = {"cpu": memory_of(0)}
         weights_only = sum(s.cfg.num_replicas * (s.weights_per_rank * s.cfg.world_size + s.driver)
                            for s in plan.stages)
+        here = sum(s.cfg.num_replicas * (s.weights_per_rank * s.cfg.ranks_per_node + s.driver)  # this host's ranks
+                   for s in plan.stages)  # (driver 0 off node 0)
         processes = sum(s.cfg.num_replicas * s.cfg.ranks_per_node for s in plan.stages) + (only is None)  # + gateway
-        arenas = sum(s.cfg.num_replicas * s.cfg.shm_arena_size for s in plan.stages)  # reserved whole at start
-        if (floor := weights_only + processes * PROCESS_FLOOR_BYTES + arenas) > plan.memory["cpu"]:
+        arenas = sum(s.cfg.num_replicas * s.cfg.shm_arena_size for s in plan.stages  # reserved whole at start
+                     if s.cfg.transport != "grpc" and (args.node_rank == 0 or s.cfg.num_nodes == 1))
+        if (floor := here + processes * PROCESS_FLOOR_BYTES + arenas) > plan.memory["cpu"]:
             plan.refusals.append(  # what is resident whatever the traffic: this start would exhaust the host
                 f"{processes} processes ({'the stage ranks and the gateway' if only is None else 'the stage ranks'}:"
                 f" " + ", ".join(f"{s.stage} {s.cfg.num_replicas} x {s.cfg.ranks_per_node}" for s in plan.stages)
-                + f") need at least {fmt_bytes(floor)} of RAM ({fmt_bytes(weights_only)} of weights, about "
+                + f") need at least {fmt_bytes(floor)} of RAM ({fmt_bytes(here)} of weights, about "
                 f"{fmt_bytes(PROCESS_FLOOR_BYTES)} of runtime each and {fmt_bytes(arenas)} of shared-memory arenas), "
                 f"but this host has {fmt_bytes(plan.memory['cpu'])}: lower num_replicas or pp x tp, or spread the "
                 f"stages over more hosts")

@@ -417,15 +417,15 @@ def _sigint_ignored() -> Iterator[None]:
     """While a rank process is spawned: Ctrl-C ignored, a disposition the new interpreter keeps from its first
     line (Python then installs no KeyboardInterrupt of its own). A terminal's Ctrl-C reaches the whole process
     group, and a rank still importing torch printed a traceback; the driver stops its ranks instead."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+    before = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if before is None:  # not the main thread (only it may set handlers), or a handler Python cannot restore
         yield
         return
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
-        if before is not None:  # None: a handler not set from Python, which stays as it was
-            signal.signal(signal.SIGINT, before)
+        signal.signal(signal.SIGINT, before)
 
 
 def start_program(factory: ProgramFactory, pp: int = 1, tp: int = 1,

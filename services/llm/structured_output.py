@@ -135,7 +135,8 @@ class Grammars:
         constraint.allowed_logits(torch.zeros(self.vocab_size))  # the first step's mask: a grammar no text can
         if matcher.is_error():  # match (a regex like [^\s\S], a rule that only refers to itself) fails it here
             reason = matcher.get_error().split("\n", 1)[0]  # the rest is llguidance's parser state
-            raise ValueError(f"structured output: the {kind} matches no text at all ({reason})")
+            what = "matches no text at all" if "NoExtensionBias" in reason else "cannot be used"
+            raise ValueError(f"structured output: the {kind} {what} ({reason})")
         return constraint
 
 
