@@ -226,8 +226,8 @@ def test_a_gateway_on_a_taken_port_says_which_and_serves_nothing(mesh, tiny_mode
     try:
         proc = Proc(["gateway", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
                      "--grpc-port", str(free_port()), "--stages", stages])
-        assert proc.proc.wait(timeout=120) == 1, proc.output()
-        proc.wait_for_line(rf"omnimesh gateway: error: --port {port}: cannot listen", timeout_s=5)
+        assert proc.proc.wait(timeout=120) == 2, proc.output()  # checked before it dials its stages
+        proc.wait_for_line(rf"omnimesh: error: --port {port}: cannot listen", timeout_s=5)
         assert not any("listening" in line for line in proc.lines), proc.output()
     finally:
         held.close()
