@@ -130,21 +130,12 @@ def _check_checkpoint_header(path: Path, model: str) -> None:
     """The checkpoint's header (its tensor table; no tensor is read) or, when sharded, its index: a file cut short
     or corrupt is refused before anything loads (it failed each stage after seconds of loading, with a
     traceback per stage)."""
-    from safetensors import safe_open
+    from omnimesh.models.loader import INDEX_FILE, SINGLE_FILE, checkpoint_files
 
-    from omnimesh.models.loader import INDEX_FILE, SINGLE_FILE
-
-    single = path / SINGLE_FILE
     try:
-        if single.is_file():
-            with safe_open(str(single), "pt") as f:
-                f.keys()
-        else:
-            index = json.loads((path / INDEX_FILE).read_text(encoding="utf-8"))
-            if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-                raise ValueError("it has no weight_map object")
+        checkpoint_files(path)  # the loader's own read of the index or the single file's header
     except Exception as exc:  # noqa: BLE001  # safetensors' own error type, JSON's, the OS's
-        name = SINGLE_FILE if single.is_file() else INDEX_FILE
+        name = INDEX_FILE if (path / INDEX_FILE).is_file() else SINGLE_FILE  # the one the loader reads
         raise ValueError(f"model {model!r}: its {name} cannot be read ({type(exc).__name__}: {exc}); the file is "
                          "truncated or corrupt: copy the model folder again") from None
 
@@ -363,12 +354,11 @@ def cmd_gateway(ns: argparse.Namespace) -> int:
         model_dir = _model_dir(args.model)
     except ValueError as exc:
         return _fail(str(exc))
-    from omnimesh.server.grpc_server import BindError, check_port
+    from gateway.rest_socket import check_free
+    from omnimesh.server.grpc_server import BindError
 
     try:  # before it waits for its stages (up to --stage-start-timeout), as `serve` and `stage` check theirs
-        if args.uds is None:
-            check_port(args.host, args.port, "--port")
-        check_port(args.host, args.grpc_port, "--grpc-port")
+        check_free(args.host, args.port, args.grpc_port, args.uds)
     except BindError as exc:
         return _fail(str(exc))
     from gateway.server import run_gateway
